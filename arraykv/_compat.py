@@ -1,0 +1,108 @@
+"""The single place that talks to ``array_api_compat``.
+
+Every agnostic module (``quant``, ``storage``, ``caches``, ``attention``) obtains its array
+namespace and device through these helpers, so the same code serves NumPy, CuPy and any other
+array-API-conforming library (``array_api_strict`` in the tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat as _aac
+
+__all__ = [
+    "namespace",
+    "device",
+    "is_numpy",
+    "is_cupy",
+    "array_nbytes",
+    "to_numpy",
+    "float_dtypes",
+]
+
+
+def namespace(*arrays: Any):
+    """Return the array-API namespace shared by ``arrays``.
+
+    Parameters
+    ----------
+    *arrays : array
+        Arrays that must all come from one library.
+
+    Returns
+    -------
+    module
+        The array-API-compatible namespace (``array_api_compat.numpy`` for NumPy, and so on).
+
+    Raises
+    ------
+    TypeError
+        If an argument is not an array or the arrays come from different libraries.
+    """
+    arrays = tuple(a for a in arrays if a is not None)
+    for a in arrays:
+        if not _aac.is_array_api_obj(a):
+            raise TypeError(f"expected an array, received {type(a).__name__}")
+    try:
+        return _aac.array_namespace(*arrays)
+    except TypeError as exc:
+        kinds = sorted({type(a).__module__ + "." + type(a).__name__ for a in arrays})
+        raise TypeError(
+            "all arrays must come from the same array library; received " + ", ".join(kinds)
+        ) from exc
+
+
+def device(x: Any):
+    """Return the device of array ``x`` (``"cpu"`` for NumPy)."""
+    return _aac.device(x)
+
+
+def is_numpy(xp: Any) -> bool:
+    """True when ``xp`` is the NumPy namespace (plain or wrapped)."""
+    return _aac.is_numpy_namespace(xp)
+
+
+def is_cupy(xp: Any) -> bool:
+    """True when ``xp`` is the CuPy namespace (plain or wrapped)."""
+    return _aac.is_cupy_namespace(xp)
+
+
+def array_nbytes(x: Any) -> int:
+    """Bytes held by the elements of ``x`` (``size * itemsize``), for any array-API array."""
+    n = 1
+    for s in x.shape:
+        n *= int(s)
+    return n * _itemsize(x.dtype)
+
+
+def _itemsize(dtype: Any) -> int:
+    size = getattr(dtype, "itemsize", None)
+    if size is not None:
+        return int(size)
+    # array_api_strict dtypes carry a NumPy dtype underneath.
+    inner = getattr(dtype, "_np_dtype", None)
+    if inner is not None:
+        return int(inner.itemsize)
+    raise TypeError(f"cannot determine the item size of dtype {dtype!r}")
+
+
+def to_numpy(x: Any):
+    """Copy ``x`` to a NumPy array on the host (used for inspection, I/O and tests)."""
+    import numpy as np  # only the host-side helpers need NumPy itself
+
+    if isinstance(x, np.ndarray):
+        return x
+    if _aac.is_cupy_array(x):
+        return x.get()
+    return np.asarray(x)
+
+
+def float_dtypes(xp: Any) -> tuple:
+    """The real floating dtypes that ``xp`` offers (float16 only where it exists)."""
+    out = []
+    for name in ("float16", "float32", "float64"):
+        dt = getattr(xp, name, None)
+        if dt is not None:
+            out.append(dt)
+    return tuple(out)

@@ -1,0 +1,131 @@
+"""Input checks shared by the public entry points.
+
+Every check raises ``ValueError`` or ``TypeError`` that names the parameter, says what is
+allowed and what was received. Checks run before any state changes, so a rejected call leaves
+a cache exactly as it was.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from . import _compat
+
+__all__ = [
+    "check_int",
+    "check_kv",
+    "check_query",
+    "check_finite",
+    "dtype_name",
+    "is_floating",
+]
+
+
+def dtype_name(dtype: Any) -> str:
+    """A short printable name of ``dtype`` (``'float32'``)."""
+    s = str(dtype)
+    for prefix in ("array_api_strict.", "dtype(", "<class 'numpy."):
+        s = s.replace(prefix, "")
+    return s.strip("')>")
+
+
+def is_floating(xp: Any, dtype: Any) -> bool:
+    """True for real floating dtypes (float16/float32/float64) of namespace ``xp``."""
+    return dtype in _compat.float_dtypes(xp)
+
+
+def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+    """Return ``value`` as ``int`` after checking it is an integer in ``[low, high]``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, received bool {value!r}")
+    try:
+        iv = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, received {type(value).__name__} {value!r}") from None
+    if low is not None and iv < low:
+        raise ValueError(f"{name} must be >= {low}, received {iv}")
+    if high is not None and iv > high:
+        raise ValueError(f"{name} must be <= {high}, received {iv}")
+    return iv
+
+
+def _check_array(name: str, x: Any) -> None:
+    try:
+        _compat.namespace(x)
+    except TypeError:
+        raise TypeError(f"{name} must be an array, received {type(x).__name__}") from None
+
+
+def check_kv(k: Any, v: Any, *, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None):
+    """Check a ``(batch, kv_heads, new_tokens, head_dim)`` key/value pair.
+
+    Returns
+    -------
+    xp : namespace
+    shape : tuple of int
+        ``(batch, kv_heads, new_tokens, head_dim)`` of ``k``.
+    """
+    _check_array("k", k)
+    _check_array("v", v)
+    xp = _compat.namespace(k, v)
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions (batch, kv_heads, new_tokens, head_dim), "
+                f"received shape {tuple(x.shape)}"
+            )
+        if not is_floating(xp, x.dtype):
+            raise TypeError(f"{name} must have a floating dtype, received {dtype_name(x.dtype)}")
+    if k.dtype != v.dtype:
+        raise TypeError(f"k and v must share one dtype, received {dtype_name(k.dtype)} and {dtype_name(v.dtype)}")
+    vd = head_dim if v_head_dim is None else v_head_dim
+    if tuple(k.shape[:3]) != tuple(v.shape[:3]) or (v_head_dim is None and tuple(k.shape) != tuple(v.shape)):
+        raise ValueError(f"k and v shapes must match, received {tuple(k.shape)} and {tuple(v.shape)}")
+    b, h, t, d = (int(s) for s in k.shape)
+    if h != num_kv_heads:
+        raise ValueError(f"k must have {num_kv_heads} kv heads (axis 1), received {h}")
+    if d != head_dim:
+        raise ValueError(f"k must have head_dim {head_dim} (axis 3), received {d}")
+    if int(v.shape[3]) != vd:
+        raise ValueError(f"v must have head_dim {vd} (axis 3), received {int(v.shape[3])}")
+    if b < 1:
+        raise ValueError(f"k must have batch >= 1, received shape {tuple(k.shape)}")
+    if t < 1:
+        raise ValueError(f"k must hold at least one new token (axis 2), received shape {tuple(k.shape)}")
+    if _compat.device(k) != _compat.device(v):
+        raise ValueError(f"k and v must be on one device, received {_compat.device(k)} and {_compat.device(v)}")
+    return xp, (b, h, t, d)
+
+
+def check_query(q: Any, xp: Any, kv_shape: tuple, *, q_head_dim: int | None = None) -> int:
+    """Check ``q`` against a checked K shape; return ``n_kv_groups`` (query heads per KV head)."""
+    _check_array("q", q)
+    if _compat.namespace(q) is not xp:
+        raise TypeError(
+            f"q must come from the same array library as k and v, received {type(q).__module__}.{type(q).__name__}"
+        )
+    b, h, t, d = kv_shape
+    if q.ndim != 4:
+        raise ValueError(
+            f"q must have 4 dimensions (batch, q_heads, new_tokens, head_dim), received shape {tuple(q.shape)}"
+        )
+    if not is_floating(xp, q.dtype):
+        raise TypeError(f"q must have a floating dtype, received {dtype_name(q.dtype)}")
+    qb, qh, qt, qd = (int(s) for s in q.shape)
+    if qb != b:
+        raise ValueError(f"q must have batch {b} like k, received {qb}")
+    if qt != t:
+        raise ValueError(f"q must have {t} new tokens like k (axis 2), received {qt}")
+    if qd != (d if q_head_dim is None else q_head_dim):
+        raise ValueError(f"q must have head_dim {d} like k (axis 3), received {qd}")
+    if qh < h or qh % h != 0:
+        raise ValueError(f"q heads must be a positive multiple of the {h} kv heads, received {qh}")
+    return qh // h
+
+
+def check_finite(xp: Any, **arrays: Any) -> None:
+    """Raise ``ValueError`` if any named array holds NaN or infinity."""
+    for name, x in arrays.items():
+        if not bool(xp.all(xp.isfinite(x))):
+            raise ValueError(f"{name} holds non-finite values (NaN or Inf); the cache accepts finite values only")

@@ -1,0 +1,31 @@
+"""Where the CUDA sources are: ``arraykv.kernels`` (the top-level ``kernels/`` folder)."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["kernel_source", "kernel_names"]
+
+
+def _root():
+    return resources.files("arraykv.kernels")
+
+
+def kernel_names() -> list:
+    """Names of the ``.cu`` files that ship with the package, sorted."""
+    return sorted(p.name for p in _root().iterdir() if p.name.endswith(".cu"))
+
+
+def kernel_source(name: str) -> tuple:
+    """Return ``(text, path)`` of kernel source ``name`` (for example ``"decode_attn.cu"``).
+
+    Raises
+    ------
+    FileNotFoundError
+        If no such source ships with the package.
+    """
+    entry = _root() / name
+    if not entry.is_file():
+        raise FileNotFoundError(f"CUDA source {name!r} not found; available: {', '.join(kernel_names()) or 'none'}")
+    return entry.read_text(encoding="utf-8"), Path(str(entry))

@@ -1,0 +1,74 @@
+"""Look up an accelerated kernel by name for an array namespace."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import threading
+from typing import Any, Callable
+
+from .. import _compat
+
+__all__ = ["lookup", "kernels_enabled", "set_kernels_enabled", "register_kernel"]
+
+# name -> {"numpy": "module:attr", "cupy": "module:attr"}
+_KERNELS: dict[str, dict[str, str]] = {}
+_RESOLVED: dict[tuple, Any] = {}
+_LOCK = threading.Lock()
+_state = threading.local()
+_GLOBAL_ENABLED = os.environ.get("ARRAYKV_DISABLE_KERNELS", "") in ("", "0")
+
+
+def register_kernel(name: str, backend: str, target: str) -> None:
+    """Declare that ``target`` (``"module:attr"``, imported lazily) implements ``name`` on ``backend``.
+
+    ``backend`` is ``"numpy"`` or ``"cupy"``. The target module may raise ImportError (Numba or
+    CuPy missing); :func:`lookup` then returns None.
+    """
+    if backend not in ("numpy", "cupy"):
+        raise ValueError(f"backend must be 'numpy' or 'cupy', received {backend!r}")
+    with _LOCK:
+        _KERNELS.setdefault(name, {})[backend] = target
+
+
+def kernels_enabled() -> bool:
+    """Whether accelerated kernels are used (per thread; ``ARRAYKV_DISABLE_KERNELS=1`` turns them off)."""
+    return getattr(_state, "enabled", _GLOBAL_ENABLED)
+
+
+@contextlib.contextmanager
+def set_kernels_enabled(enabled: bool):
+    """Context manager that turns accelerated kernels on or off in this thread."""
+    old = kernels_enabled()
+    _state.enabled = bool(enabled)
+    try:
+        yield
+    finally:
+        _state.enabled = old
+
+
+def lookup(name: str, xp: Any) -> Callable | None:
+    """The accelerated ``name`` for namespace ``xp``, or None when unavailable or disabled."""
+    if not kernels_enabled():
+        return None
+    if _compat.is_numpy(xp):
+        backend = "numpy"
+    elif _compat.is_cupy(xp):
+        backend = "cupy"
+    else:
+        return None
+    key = (name, backend)
+    if key in _RESOLVED:
+        return _RESOLVED[key]
+    target = _KERNELS.get(name, {}).get(backend)
+    fn = None
+    if target is not None:
+        mod_name, attr = target.split(":")
+        try:
+            fn = getattr(importlib.import_module(mod_name), attr)
+        except ImportError:
+            fn = None
+    with _LOCK:
+        _RESOLVED[key] = fn
+    return fn

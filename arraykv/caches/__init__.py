@@ -1,0 +1,7 @@
+"""Caches: storage + codec (+ recent-token window), and the factory."""
+
+from .base import LayeredCache
+from .dense import DenseCache
+from .registry import available_methods, make_cache, register_method
+
+__all__ = ["LayeredCache", "DenseCache", "make_cache", "available_methods", "register_method"]

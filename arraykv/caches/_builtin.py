@@ -1,0 +1,3 @@
+"""Imports the built-in cache modules so that they register their methods."""
+
+from . import dense  # noqa: F401

@@ -1,0 +1,266 @@
+"""The machinery every cache shares: per-layer locks, validation and bookkeeping.
+
+A concrete cache subclasses :class:`LayeredCache` and implements four hooks that run with the
+layer's lock held and only after every input check passed:
+
+``_new_layer(xp, dev, batch, dtype)``
+    Create the state of a layer on its first call.
+``_prefill(state, k, v, q)``
+    Store ``new_tokens`` and return a :class:`~arraykv.DequantResult` for all tokens.
+``_decode(state, k, v, q, config)``
+    Store one token and return :class:`~arraykv.Fused` or :class:`~arraykv.Dequantized`.
+``_layer_nbytes(state)``
+    Bytes held by the layer.
+
+Hooks must compute everything that can fail before they mutate ``state`` so that a rejected
+call leaves the layer as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _compat
+from .._validation import check_finite, check_int, check_kv, check_query, dtype_name
+from ..protocol import AttendConfig, DecodeOutput, DequantResult
+
+__all__ = ["LayeredCache", "LayerState"]
+
+
+@dataclass
+class LayerState:
+    """What every layer remembers about its inputs, plus the cache's own buffers."""
+
+    xp: Any
+    device: Any
+    batch: int
+    dtype: Any
+    length: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LayeredCache:
+    """Base class of the caches: a lock and a state per layer.
+
+    Parameters
+    ----------
+    num_layers : int
+        Transformer layers; valid layer indices are ``0 .. num_layers - 1``.
+    num_kv_heads : int
+        KV heads per layer.
+    head_dim : int
+        Channels per head.
+    check_finite : bool, default True
+        Reject keys and values that hold NaN or infinity (one pass over the new tokens).
+    max_tokens : int or None, default None
+        Tokens a layer may hold; a call that would exceed it raises ``ValueError``.
+    """
+
+    method: str = "base"
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                 check_finite: bool = True, max_tokens: int | None = None):
+        self.num_layers = check_int("num_layers", num_layers, low=1)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, low=1)
+        self.head_dim = check_int("head_dim", head_dim, low=1)
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite must be a bool, received {type(check_finite).__name__}")
+        self.check_finite = check_finite
+        self.max_tokens = None if max_tokens is None else check_int("max_tokens", max_tokens, low=1)
+        self._locks = [threading.Lock() for _ in range(self.num_layers)]
+        self._states: list[LayerState | None] = [None] * self.num_layers
+
+    # -- the contract ------------------------------------------------------------
+    def prefill(self, layer: int, k: Any, v: Any, q: Any) -> DequantResult:
+        """Store ``new_tokens`` keys and values; return K/V of every token stored in ``layer``.
+
+        Parameters
+        ----------
+        layer : int
+        k, v : array, shape (batch, kv_heads, new_tokens, head_dim)
+        q : array, shape (batch, q_heads, new_tokens, head_dim)
+
+        Returns
+        -------
+        DequantResult
+            ``k``, ``v`` of shape ``(batch, kv_heads, total, head_dim)`` in the input dtype.
+        """
+        layer = self._check_layer(layer)
+        xp, shape = self._check_inputs(k, v, q)
+        with self._locks[layer]:
+            state = self._admit(layer, xp, k, v, shape[2])
+            result = self._prefill(state, k, v, q)
+            self._commit(layer, state, shape[2])
+            return result
+
+    def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
+        """Store one token and attend with ``q``.
+
+        Parameters
+        ----------
+        layer : int
+        k, v : array, shape (batch, kv_heads, 1, head_dim)
+        q : array, shape (batch, q_heads, 1, head_dim)
+        config : AttendConfig
+            ``n_kv_groups`` must equal ``q_heads // kv_heads``.
+
+        Returns
+        -------
+        Fused or Dequantized
+        """
+        layer = self._check_layer(layer)
+        if not isinstance(config, AttendConfig):
+            raise TypeError(f"config must be an AttendConfig, received {type(config).__name__}")
+        xp, shape = self._check_inputs(k, v, q)
+        if shape[2] != 1:
+            raise ValueError(f"decode takes exactly one new token (k axis 2), received {shape[2]}")
+        groups = int(q.shape[1]) // shape[1]
+        if groups != config.n_kv_groups:
+            raise ValueError(
+                f"config.n_kv_groups must equal q_heads // kv_heads = {groups}, received {config.n_kv_groups}"
+            )
+        with self._locks[layer]:
+            state = self._admit(layer, xp, k, v, 1)
+            out = self._decode(state, k, v, q, config)
+            self._commit(layer, state, 1)
+            return out
+
+    def seq_len(self, layer: int) -> int:
+        """Tokens stored in ``layer``."""
+        layer = self._check_layer(layer)
+        with self._locks[layer]:
+            st = self._states[layer]
+            return 0 if st is None else st.length
+
+    def reset(self) -> None:
+        """Forget every token of every layer (takes all layer locks, in order)."""
+        for lock in self._locks:
+            lock.acquire()
+        try:
+            self._states = [None] * self.num_layers
+            self._on_reset()
+        finally:
+            for lock in reversed(self._locks):
+                lock.release()
+
+    def memory_usage(self) -> int:
+        """Bytes of the state held for the stored tokens, over all layers, plus fixed state.
+
+        Spare capacity of the growable buffers is not counted; :meth:`reserved_bytes` adds it.
+        """
+        total = self._fixed_nbytes()
+        for i, lock in enumerate(self._locks):
+            with lock:
+                st = self._states[i]
+                if st is not None:
+                    total += self._layer_nbytes(st)
+        return total
+
+    def dequantize(self, layer: int) -> DequantResult | None:
+        """K/V of every token stored in ``layer``, reconstructed, without storing anything.
+
+        Returns None for an empty layer. For inspection and tests; arrays are
+        ``(batch, kv_heads, total, head_dim)`` in the stored dtype.
+        """
+        layer = self._check_layer(layer)
+        with self._locks[layer]:
+            st = self._states[layer]
+            return None if st is None else self._dequantize(st)
+
+    def layer_arrays(self, layer: int) -> dict:
+        """Copies of the raw arrays that ``layer`` holds (codes, norms, buffers), by name.
+
+        Empty for an empty layer. Two snapshots are equal exactly when the stored state is.
+        """
+        layer = self._check_layer(layer)
+        with self._locks[layer]:
+            st = self._states[layer]
+            if st is None:
+                return {}
+            return {name: st.xp.asarray(a, copy=True) for name, a in self._layer_arrays(st).items()}
+
+    def reserved_bytes(self) -> int:
+        """Bytes allocated, spare capacity included."""
+        total = self._fixed_nbytes()
+        for i, lock in enumerate(self._locks):
+            with lock:
+                st = self._states[i]
+                if st is not None:
+                    total += self._layer_reserved_nbytes(st)
+        return total
+
+    # -- shared checks -----------------------------------------------------------
+    def _check_layer(self, layer: Any) -> int:
+        return check_int("layer", layer, low=0, high=self.num_layers - 1)
+
+    def _check_inputs(self, k: Any, v: Any, q: Any):
+        xp, shape = check_kv(k, v, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        check_query(q, xp, shape)
+        return xp, shape
+
+    def _admit(self, layer: int, xp: Any, k: Any, v: Any, tokens: int) -> LayerState:
+        """Check the call against the layer's state (under its lock); create the state if new."""
+        st = self._states[layer]
+        batch = int(k.shape[0])
+        dev = _compat.device(k)
+        if st is not None:
+            if st.xp is not xp:
+                raise TypeError(f"layer {layer} holds arrays of another library; reset the cache to switch")
+            if st.device != dev:
+                raise ValueError(f"k must be on device {st.device} like the stored tokens, received {dev}")
+            if st.batch != batch:
+                raise ValueError(f"k must have batch {st.batch} like the stored tokens, received {batch}")
+            if st.dtype != k.dtype:
+                raise TypeError(
+                    f"k must have dtype {dtype_name(st.dtype)} like the stored tokens, received {dtype_name(k.dtype)}"
+                )
+        if self.max_tokens is not None:
+            held = 0 if st is None else st.length
+            if held + tokens > self.max_tokens:
+                raise ValueError(
+                    f"layer {layer} holds {held} tokens and max_tokens is {self.max_tokens}; "
+                    f"{tokens} more do not fit"
+                )
+        if self.check_finite:
+            check_finite(xp, k=k, v=v)
+        if st is None:
+            st = self._new_layer(xp, dev, batch, k.dtype)
+        return st
+
+    def _commit(self, layer: int, state: LayerState, tokens: int) -> None:
+        state.length += tokens
+        self._states[layer] = state
+
+    # -- hooks -------------------------------------------------------------------
+    def _new_layer(self, xp: Any, dev: Any, batch: int, dtype: Any) -> LayerState:
+        return LayerState(xp=xp, device=dev, batch=batch, dtype=dtype)
+
+    def _prefill(self, state: LayerState, k: Any, v: Any, q: Any) -> DequantResult:
+        raise NotImplementedError
+
+    def _decode(self, state: LayerState, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
+        raise NotImplementedError
+
+    def _layer_nbytes(self, state: LayerState) -> int:
+        raise NotImplementedError
+
+    def _dequantize(self, state: LayerState) -> DequantResult:
+        raise NotImplementedError
+
+    def _layer_arrays(self, state: LayerState) -> dict:
+        raise NotImplementedError
+
+    def _layer_reserved_nbytes(self, state: LayerState) -> int:
+        return self._layer_nbytes(state)
+
+    def _fixed_nbytes(self) -> int:
+        return 0
+
+    def _on_reset(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(method={self.method!r}, num_layers={self.num_layers}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim})")

@@ -1,0 +1,56 @@
+"""The exact reference cache: keys and values kept as given."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..protocol import AttendConfig, Dequantized, DequantResult
+from ..storage import TokenBuffers
+from .base import LayeredCache, LayerState
+from .registry import register_method
+
+__all__ = ["DenseCache"]
+
+
+@register_method("dense")
+class DenseCache(LayeredCache):
+    """Keys and values stored uncompressed in growable per-layer buffers.
+
+    The reference implementation of the contract: ``prefill`` and ``decode`` return exactly
+    the keys and values that were given, so attention over them equals attention without a
+    cache. ``decode`` returns :class:`~arraykv.Dequantized`.
+
+    The returned K/V are views of the cache's buffers: valid until the next call on the layer
+    grows it or :meth:`reset`; copy them to keep them longer, and never write into them.
+    """
+
+    method = "dense"
+
+    def _new_layer(self, xp, dev, batch, dtype) -> LayerState:
+        st = super()._new_layer(xp, dev, batch, dtype)
+        st.extra["buf"] = TokenBuffers(max_tokens=self.max_tokens)
+        return st
+
+    def _append(self, st: LayerState, k: Any, v: Any) -> DequantResult:
+        buf: TokenBuffers = st.extra["buf"]
+        buf.append({"k": k, "v": v})
+        return DequantResult(k=buf.view("k"), v=buf.view("v"))
+
+    def _prefill(self, st, k, v, q):
+        return self._append(st, k, v)
+
+    def _decode(self, st, k, v, q, config: AttendConfig):
+        return Dequantized(self._append(st, k, v))
+
+    def _dequantize(self, st) -> DequantResult:
+        buf = st.extra["buf"]
+        return DequantResult(k=buf.view("k"), v=buf.view("v"))
+
+    def _layer_arrays(self, st) -> dict:
+        return st.extra["buf"].arrays()
+
+    def _layer_nbytes(self, st) -> int:
+        return st.extra["buf"].used_nbytes()
+
+    def _layer_reserved_nbytes(self, st) -> int:
+        return st.extra["buf"].reserved_nbytes()

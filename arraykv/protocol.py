@@ -1,0 +1,138 @@
+"""The compressed KV-cache contract.
+
+A Python rendering of the ``CompressedKVCache`` trait: five methods, two result types and one
+attention configuration. Every cache in :mod:`arraykv.caches` satisfies it, and so can a third
+party's cache registered with :func:`arraykv.register_method`.
+
+Shapes
+------
+``k``, ``v``
+    ``(batch, kv_heads, new_tokens, head_dim)``
+``q``
+    ``(batch, q_heads, new_tokens, head_dim)`` with ``q_heads = kv_heads * n_kv_groups``;
+    query head ``h`` attends with KV head ``h // n_kv_groups``.
+``DequantResult.k``, ``DequantResult.v``
+    ``(batch, kv_heads, total_tokens, head_dim)``: every token stored so far in that layer.
+``DequantResult.logit_bias``
+    ``None`` or ``(batch, q_heads, new_tokens, total_tokens)``, added to the already scaled
+    logits before the softmax.
+``Fused.output``
+    ``(batch, q_heads, 1, head_dim)``.
+
+Arrays come back in the namespace, device and dtype of the input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Union, runtime_checkable
+
+__all__ = [
+    "AttendConfig",
+    "DequantResult",
+    "Fused",
+    "Dequantized",
+    "DecodeOutput",
+    "CompressedKVCache",
+]
+
+
+@dataclass(frozen=True)
+class AttendConfig:
+    """How decode attention is computed.
+
+    Parameters
+    ----------
+    softmax_scale : float
+        Multiplies ``q · k`` before the softmax (usually ``1 / sqrt(head_dim)``).
+    n_kv_groups : int, default 1
+        Query heads per KV head (grouped-query attention); 1 is multi-head attention.
+    """
+
+    softmax_scale: float
+    n_kv_groups: int = 1
+
+    def __post_init__(self) -> None:
+        scale = self.softmax_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a real number, received {type(scale).__name__}")
+        if not (float(scale) > 0.0 and float(scale) < float("inf")):
+            raise ValueError(f"softmax_scale must be positive and finite, received {scale!r}")
+        object.__setattr__(self, "softmax_scale", float(scale))
+        g = self.n_kv_groups
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"n_kv_groups must be an integer >= 1, received {g!r}")
+
+
+@dataclass(frozen=True)
+class DequantResult:
+    """Keys and values of every stored token, ready for attention.
+
+    Attributes
+    ----------
+    k, v : array, shape (batch, kv_heads, total_tokens, head_dim)
+        Keys and values, in the dtype of the input.
+    logit_bias : array or None, shape (batch, q_heads, new_tokens, total_tokens)
+        Added to the scaled logits before the softmax (for example the QJL correction of
+        TurboQuant-prod keys, already multiplied by the softmax scale).
+    """
+
+    k: Any
+    v: Any
+    logit_bias: Any = None
+
+
+@dataclass(frozen=True)
+class Fused:
+    """Decode computed attention itself.
+
+    Attributes
+    ----------
+    output : array, shape (batch, q_heads, 1, head_dim)
+    """
+
+    output: Any
+
+
+@dataclass(frozen=True)
+class Dequantized:
+    """Decode returns keys and values; the caller runs attention.
+
+    Attributes
+    ----------
+    result : DequantResult
+    """
+
+    result: DequantResult
+
+
+DecodeOutput = Union[Fused, Dequantized]
+
+
+@runtime_checkable
+class CompressedKVCache(Protocol):
+    """A per-layer KV cache that stores keys and values in compressed form.
+
+    Every method is safe to call from several threads: calls on different layers run in
+    parallel, calls on the same layer are serialized.
+    """
+
+    def prefill(self, layer: int, k: Any, v: Any, q: Any) -> DequantResult:
+        """Store ``new_tokens`` keys/values and return K/V of all tokens stored in ``layer``."""
+        ...
+
+    def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
+        """Store exactly one new token and return attention (``Fused``) or K/V (``Dequantized``)."""
+        ...
+
+    def seq_len(self, layer: int) -> int:
+        """Tokens stored in ``layer``."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every stored token of every layer."""
+        ...
+
+    def memory_usage(self) -> int:
+        """Bytes of compressed state actually held, over all layers."""
+        ...

@@ -1,0 +1,135 @@
+"""Growable per-layer token buffers with amortized growth."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from .. import _compat
+
+__all__ = ["TokenBuffers"]
+
+
+class TokenBuffers:
+    """Named arrays that share a token axis (axis 2) and grow by amortized doubling.
+
+    Each array has shape ``(batch, heads, capacity, *rest)``; ``length`` tokens of it are in
+    use. Appending ``t`` tokens copies the old contents only when the capacity is exceeded,
+    and then grows by ``growth`` (default 1.5×), so ``n`` single-token appends cost O(n) copies
+    overall rather than O(n²).
+
+    Parameters
+    ----------
+    growth : float, default 1.5
+        Capacity multiplier when a buffer must grow.
+    min_capacity : int, default 64
+        Smallest capacity allocated.
+    max_tokens : int or None
+        Hard limit on tokens; appends beyond it raise ``ValueError`` and write nothing.
+        When given, the first allocation reserves ``max_tokens`` directly (no regrowth).
+
+    Attributes
+    ----------
+    length : int
+        Tokens in use.
+    capacity : int
+        Tokens allocated.
+    reallocations : int
+        How many times the buffers were reallocated (for tests of the growth policy).
+    """
+
+    def __init__(self, *, growth: float = 1.5, min_capacity: int = 64, max_tokens: int | None = None):
+        self.growth = float(growth)
+        self.min_capacity = int(min_capacity)
+        self.max_tokens = max_tokens
+        self.length = 0
+        self.capacity = 0
+        self.reallocations = 0
+        self._arrays: dict[str, Any] = {}
+
+    # -- queries -----------------------------------------------------------------
+    def names(self) -> tuple:
+        return tuple(self._arrays)
+
+    def view(self, name: str):
+        """The in-use part ``[:, :, :length]`` of array ``name`` (a view; do not write into it)."""
+        return self._arrays[name][:, :, : self.length, ...]
+
+    def used_nbytes(self) -> int:
+        """Bytes of the in-use parts of all arrays."""
+        total = 0
+        for a in self._arrays.values():
+            per_token = _compat.array_nbytes(a) // max(int(a.shape[2]), 1)
+            total += per_token * self.length
+        return total
+
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated, including spare capacity."""
+        return sum(_compat.array_nbytes(a) for a in self._arrays.values())
+
+    def check_room(self, tokens: int) -> None:
+        """Raise ``ValueError`` if ``tokens`` more would exceed ``max_tokens``."""
+        if self.max_tokens is not None and self.length + tokens > self.max_tokens:
+            raise ValueError(
+                f"the cache holds at most max_tokens={self.max_tokens} tokens per layer; "
+                f"it holds {self.length} and {tokens} more were given"
+            )
+
+    # -- mutation ----------------------------------------------------------------
+    def append(self, arrays: Mapping[str, Any]) -> None:
+        """Append arrays of shape ``(batch, heads, t, *rest)``; all share ``t``.
+
+        The first call fixes the names, dtypes and trailing shapes. Nothing is written if a
+        check or an allocation fails.
+        """
+        if not arrays:
+            return
+        t = {int(a.shape[2]) for a in arrays.values()}
+        if len(t) != 1:
+            raise ValueError(f"arrays to append must share one token count, received {sorted(t)}")
+        t = t.pop()
+        if self._arrays and set(arrays) != set(self._arrays):
+            raise ValueError(f"expected arrays {sorted(self._arrays)}, received {sorted(arrays)}")
+        self.check_room(t)
+        need = self.length + t
+        if need > self.capacity:
+            self._grow(arrays, need)
+        n = self.length
+        for name, a in arrays.items():
+            self._arrays[name][:, :, n : n + t, ...] = a
+        self.length = need
+
+    def _grow(self, template: Mapping[str, Any], need: int) -> None:
+        if self.max_tokens is not None:
+            new_cap = self.max_tokens
+        else:
+            new_cap = max(need, self.min_capacity, int(math.ceil(self.capacity * self.growth)))
+        fresh = {}
+        for name, a in template.items():
+            xp = _compat.namespace(a)
+            shape = tuple(int(s) for s in a.shape)
+            shape = shape[:2] + (new_cap,) + shape[3:]
+            buf = xp.empty(shape, dtype=a.dtype, device=_compat.device(a))
+            if self.length:
+                buf[:, :, : self.length, ...] = self._arrays[name][:, :, : self.length, ...]
+            fresh[name] = buf
+        # Swap only after every allocation succeeded.
+        self._arrays = fresh
+        self.capacity = new_cap
+        self.reallocations += 1
+
+    def truncate(self, length: int) -> None:
+        """Forget tokens past ``length`` (the memory stays reserved)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"length must be in [0, {self.length}], received {length}")
+        self.length = length
+
+    def clear(self) -> None:
+        """Drop every array and its memory."""
+        self._arrays = {}
+        self.length = 0
+        self.capacity = 0
+
+    def arrays(self) -> dict:
+        """The in-use views of all arrays, by name."""
+        return {name: self.view(name) for name in self._arrays}

@@ -1,0 +1,38 @@
+"""Reusable checks of the CompressedKVCache contract, for any cache and namespace."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import arraykv
+from conftest import asarray, to_np
+
+
+def random_kvq(rng, xp, b, hkv, g, t, d, dtype="float32"):
+    k = asarray(xp, rng.standard_normal((b, hkv, t, d)).astype(dtype))
+    v = asarray(xp, rng.standard_normal((b, hkv, t, d)).astype(dtype))
+    q = asarray(xp, rng.standard_normal((b, hkv * g, t, d)).astype(dtype))
+    return k, v, q
+
+
+def attend(out, q, scale):
+    """Attention output of a decode result (Fused or Dequantized)."""
+    if isinstance(out, arraykv.Fused):
+        return out.output
+    assert isinstance(out, arraykv.Dequantized)
+    r = out.result
+    return arraykv.attention(q, r.k, r.v, softmax_scale=scale, logit_bias=r.logit_bias)
+
+
+def snapshot(cache):
+    """Everything a cache holds, as NumPy arrays, plus its lengths."""
+    return [(cache.seq_len(i), {n: to_np(a) for n, a in cache.layer_arrays(i).items()}) for i in range(cache.num_layers)]
+
+
+def assert_same_snapshot(a, b):
+    assert len(a) == len(b)
+    for (la, da), (lb, db) in zip(a, b):
+        assert la == lb
+        assert sorted(da) == sorted(db)
+        for n in da:
+            np.testing.assert_array_equal(da[n], db[n], err_msg=n)
