@@ -72,3 +72,8 @@ def lookup(name: str, xp: Any) -> Callable | None:
     with _LOCK:
         _RESOLVED[key] = fn
     return fn
+
+
+# Built-in kernels (imported only when first looked up).
+register_kernel("pack_bits", "numpy", "arraykv.backends._numba_bitpack:pack_bits")
+register_kernel("unpack_bits", "numpy", "arraykv.backends._numba_bitpack:unpack_bits")

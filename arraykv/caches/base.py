@@ -191,6 +191,13 @@ class LayeredCache:
                     total += self._layer_reserved_nbytes(st)
         return total
 
+    def get_config(self) -> dict:
+        """Constructor arguments that rebuild this cache: ``make_cache(**cfg)`` (method included)."""
+        cfg = {"method": self.method, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+               "head_dim": self.head_dim, "check_finite": self.check_finite, "max_tokens": self.max_tokens}
+        cfg.update(self._extra_config())
+        return cfg
+
     # -- shared checks -----------------------------------------------------------
     def _check_layer(self, layer: Any) -> int:
         return check_int("layer", layer, low=0, high=self.num_layers - 1)
@@ -250,6 +257,14 @@ class LayeredCache:
         raise NotImplementedError
 
     def _layer_arrays(self, state: LayerState) -> dict:
+        raise NotImplementedError
+
+    def _extra_config(self) -> dict:
+        """Method-specific constructor options (JSON-serializable), for :meth:`get_config`."""
+        return {}
+
+    def _restore_layer(self, xp: Any, dev: Any, batch: int, dtype: Any, length: int, arrays: dict) -> LayerState:
+        """Rebuild a layer's state from :meth:`_layer_arrays` output (used by persistence)."""
         raise NotImplementedError
 
     def _layer_reserved_nbytes(self, state: LayerState) -> int:

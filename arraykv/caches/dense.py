@@ -49,6 +49,12 @@ class DenseCache(LayeredCache):
     def _layer_arrays(self, st) -> dict:
         return st.extra["buf"].arrays()
 
+    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> LayerState:
+        st = self._new_layer(xp, dev, batch, dtype)
+        st.extra["buf"].append({"k": arrays["k"], "v": arrays["v"]})
+        st.length = length
+        return st
+
     def _layer_nbytes(self, st) -> int:
         return st.extra["buf"].used_nbytes()
 

@@ -1,0 +1,132 @@
+"""Bit packing of small unsigned integer codes (1–8 bits per code).
+
+Layout
+------
+Along the last axis, a row of ``n`` codes of ``bits`` bits becomes a little-endian bit stream
+of ``ceil(n * bits / 8)`` bytes: code ``i`` occupies stream bits ``[i*bits, (i+1)*bits)``, and
+stream bit ``j`` is bit ``j % 8`` of byte ``j // 8``. Eight codes always fill exactly ``bits``
+bytes, so packing works on groups of eight. Examples: 4 bits → ``byte = c0 | c1 << 4``;
+2 bits → ``c0 | c1 << 2 | c2 << 4 | c3 << 6``; 3 bits → 8 codes in 3 bytes. Rows are padded to
+whole bytes independently, so any leading shape packs row by row. ``kernels/bitpack.cu`` uses
+the same layout on the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _compat
+from .._validation import check_int
+
+__all__ = ["packed_nbytes", "pack_bits", "unpack_bits"]
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes that ``n`` codes of ``bits`` bits occupy: ``ceil(n * bits / 8)``."""
+    return (int(n) * int(bits) + 7) // 8
+
+
+def _check_bits(bits: Any) -> int:
+    return check_int("bits", bits, low=1, high=8)
+
+
+def pack_bits(codes: Any, bits: int):
+    """Pack codes ``< 2**bits`` along the last axis.
+
+    Parameters
+    ----------
+    codes : array of uint8, shape (..., n)
+        Values must be below ``2**bits``; higher bits are discarded.
+    bits : int
+        Bits per code, 1 to 8.
+
+    Returns
+    -------
+    array of uint8, shape (..., ceil(n * bits / 8))
+    """
+    bits = _check_bits(bits)
+    xp = _compat.namespace(codes)
+    if codes.dtype != xp.uint8:
+        raise TypeError(f"codes must be uint8, received {codes.dtype}")
+    if codes.ndim < 1:
+        raise ValueError("codes must have at least one dimension")
+    from ..backends import lookup
+
+    fast = lookup("pack_bits", xp)
+    if fast is not None:
+        return fast(codes, bits)
+    return pack_bits_reference(codes, bits)
+
+
+def unpack_bits(packed: Any, bits: int, n: int):
+    """Inverse of :func:`pack_bits`: ``unpack_bits(pack_bits(c, b), b, c.shape[-1]) == c``.
+
+    Parameters
+    ----------
+    packed : array of uint8, shape (..., ceil(n * bits / 8))
+    bits : int
+        Bits per code, 1 to 8.
+    n : int
+        Codes per row.
+
+    Returns
+    -------
+    array of uint8, shape (..., n)
+    """
+    bits = _check_bits(bits)
+    n = check_int("n", n, low=0)
+    xp = _compat.namespace(packed)
+    if packed.dtype != xp.uint8:
+        raise TypeError(f"packed must be uint8, received {packed.dtype}")
+    if packed.ndim < 1 or int(packed.shape[-1]) != packed_nbytes(n, bits):
+        raise ValueError(
+            f"packed must have {packed_nbytes(n, bits)} bytes on its last axis for n={n}, bits={bits}, "
+            f"received shape {tuple(packed.shape)}"
+        )
+    from ..backends import lookup
+
+    fast = lookup("unpack_bits", xp)
+    if fast is not None:
+        return fast(packed, bits, n)
+    return unpack_bits_reference(packed, bits, n)
+
+
+def pack_bits_reference(codes: Any, bits: int):
+    """Array-API version of :func:`pack_bits` (no checks)."""
+    xp = _compat.namespace(codes)
+    dev = _compat.device(codes)
+    lead = tuple(int(s) for s in codes.shape[:-1])
+    n = int(codes.shape[-1])
+    groups = (n + 7) // 8
+    if groups * 8 != n:
+        pad = xp.zeros(lead + (groups * 8 - n,), dtype=xp.uint8, device=dev)
+        codes = xp.concat([codes, pad], axis=-1)
+    c = xp.astype(xp.reshape(codes, lead + (groups, 8)), xp.uint64)
+    mask = xp.asarray((1 << bits) - 1, dtype=xp.uint64, device=dev)
+    word = xp.zeros(lead + (groups,), dtype=xp.uint64, device=dev)
+    for i in range(8):
+        word = word | ((c[..., i] & mask) << xp.asarray(i * bits, dtype=xp.uint64, device=dev))
+    out = [xp.astype((word >> xp.asarray(8 * b, dtype=xp.uint64, device=dev)) & xp.asarray(255, dtype=xp.uint64, device=dev), xp.uint8)
+           for b in range(bits)]
+    packed = xp.reshape(xp.stack(out, axis=-1), lead + (groups * bits,))
+    return packed[..., : packed_nbytes(n, bits)]
+
+
+def unpack_bits_reference(packed: Any, bits: int, n: int):
+    """Array-API version of :func:`unpack_bits` (no checks)."""
+    xp = _compat.namespace(packed)
+    dev = _compat.device(packed)
+    lead = tuple(int(s) for s in packed.shape[:-1])
+    groups = (n + 7) // 8
+    have = int(packed.shape[-1])
+    if groups * bits != have:
+        pad = xp.zeros(lead + (groups * bits - have,), dtype=xp.uint8, device=dev)
+        packed = xp.concat([packed, pad], axis=-1)
+    p = xp.astype(xp.reshape(packed, lead + (groups, bits)), xp.uint64)
+    word = xp.zeros(lead + (groups,), dtype=xp.uint64, device=dev)
+    for b in range(bits):
+        word = word | (p[..., b] << xp.asarray(8 * b, dtype=xp.uint64, device=dev))
+    mask = xp.asarray((1 << bits) - 1, dtype=xp.uint64, device=dev)
+    codes = [xp.astype((word >> xp.asarray(i * bits, dtype=xp.uint64, device=dev)) & mask, xp.uint8) for i in range(8)]
+    out = xp.reshape(xp.stack(codes, axis=-1), lead + (groups * 8,))
+    return out[..., :n]
