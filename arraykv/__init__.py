@@ -1,7 +1,9 @@
 """arraykv: compressed KV caches for transformer inference, on any array-API library."""
 
 from .attention import attention
+from . import storage
 from .caches import DenseCache, available_methods, make_cache, register_method
+from .persist import CacheFileError, load_cache as load
 from .protocol import (
     AttendConfig,
     CompressedKVCache,
@@ -21,7 +23,9 @@ __all__ = [
     "Dequantized",
     "DequantResult",
     "Fused",
+    "CacheFileError",
     "attention",
+    "load",
     "available_methods",
     "make_cache",
     "register_method",

@@ -18,6 +18,7 @@ call leaves the layer as it was.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 from .. import _compat
 from .._validation import check_finite, check_int, check_kv, check_query, dtype_name
 from ..protocol import AttendConfig, DecodeOutput, DequantResult
+from ..storage import TokenBuffers
 
 __all__ = ["LayeredCache", "LayerState"]
 
@@ -136,11 +138,31 @@ class LayeredCache:
 
     def reset(self) -> None:
         """Forget every token of every layer (takes all layer locks, in order)."""
+        with self._all_layers_locked():
+            self._states = [None] * self.num_layers
+            self._on_reset()
+
+    def save(self, path) -> int:
+        """Write the cache to ``path`` (see :mod:`arraykv.persist`); return the file size."""
+        from ..persist import save_cache
+
+        return save_cache(self, path)
+
+    def reallocations(self) -> int:
+        """Times any layer's token buffers were reallocated to grow (amortized growth check)."""
+        total = 0
+        with self._all_layers_locked():
+            for st in self._states:
+                if st is not None:
+                    total += sum(b.reallocations for b in st.extra.values() if isinstance(b, TokenBuffers))
+        return total
+
+    @contextlib.contextmanager
+    def _all_layers_locked(self):
         for lock in self._locks:
             lock.acquire()
         try:
-            self._states = [None] * self.num_layers
-            self._on_reset()
+            yield
         finally:
             for lock in reversed(self._locks):
                 lock.release()
