@@ -77,3 +77,5 @@ def lookup(name: str, xp: Any) -> Callable | None:
 # Built-in kernels (imported only when first looked up).
 register_kernel("pack_bits", "numpy", "arraykv.backends._numba_bitpack:pack_bits")
 register_kernel("unpack_bits", "numpy", "arraykv.backends._numba_bitpack:unpack_bits")
+register_kernel("pack_bits", "cupy", "arraykv.backends._cuda_bitpack:pack_bits")
+register_kernel("unpack_bits", "cupy", "arraykv.backends._cuda_bitpack:unpack_bits")

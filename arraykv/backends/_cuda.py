@@ -1,0 +1,67 @@
+"""The one loader of CUDA kernels: ``kernels/*.cu`` compiled by ``cupy.RawModule``.
+
+Sources are read from the installed package (:mod:`arraykv.backends._kernel_files`), a
+``#line 1 "<path>"`` directive is prepended so compiler errors point at the ``.cu`` file, and
+templates are instantiated by name expression (``pack_bits<3>``). Modules are memoised per
+(source, name expressions, options) for the life of the process; CuPy also keeps compiled
+binaries on disk between processes.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable
+
+from ._kernel_files import kernel_source
+
+__all__ = ["require_cupy", "load_module", "get_kernel", "DEFAULT_OPTIONS"]
+
+DEFAULT_OPTIONS = ("-std=c++17",)
+_MODULES: dict[tuple, Any] = {}
+_LOCK = threading.Lock()
+
+
+def require_cupy():
+    """Import CuPy or raise an ImportError that says how to install it."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError('the GPU kernels need CuPy: pip install "arraykv[cuda]" (cupy-cuda12x)') from exc
+    return cupy
+
+
+def load_module(source: str, name_expressions: Iterable[str], options: Iterable[str] = DEFAULT_OPTIONS):
+    """Compile (once) and return the ``cupy.RawModule`` of ``kernels/<source>``.
+
+    Parameters
+    ----------
+    source : str
+        File name under ``kernels/``, for example ``"bitpack.cu"``.
+    name_expressions : iterable of str
+        Every kernel (template instantiation) the caller will fetch from this module.
+    options : iterable of str
+        NVRTC options.
+    """
+    names = tuple(sorted(set(name_expressions)))
+    opts = tuple(options)
+    key = (source, names, opts)
+    mod = _MODULES.get(key)
+    if mod is not None:
+        return mod
+    cupy = require_cupy()
+    text, path = kernel_source(source)
+    code = f'#line 1 "{path}"\n' + text
+    with _LOCK:
+        mod = _MODULES.get(key)
+        if mod is None:
+            mod = cupy.RawModule(code=code, options=opts, name_expressions=names)
+            mod.compile()
+            _MODULES[key] = mod
+    return mod
+
+
+def get_kernel(source: str, name: str, family: Iterable[str] | None = None, options: Iterable[str] = DEFAULT_OPTIONS):
+    """The kernel ``name`` of ``kernels/<source>``; ``family`` lists sibling instantiations
+    compiled in the same module (so one compilation serves them all)."""
+    names = set(family or ()) | {name}
+    return load_module(source, names, options).get_function(name)
