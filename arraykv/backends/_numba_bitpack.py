@@ -50,6 +50,8 @@ def pack_bits(codes, bits):
     codes = np.ascontiguousarray(codes)
     lead, n = codes.shape[:-1], codes.shape[-1]
     out = np.empty(lead + ((n * bits + 7) // 8,), dtype=np.uint8)
+    if codes.size == 0:
+        return out
     _pack(codes.reshape(-1, n), int(bits), out.reshape(-1, out.shape[-1]))
     return out
 
@@ -58,5 +60,7 @@ def unpack_bits(packed, bits, n):
     packed = np.ascontiguousarray(packed)
     lead = packed.shape[:-1]
     out = np.empty(lead + (int(n),), dtype=np.uint8)
+    if out.size == 0:
+        return out
     _unpack(packed.reshape(-1, packed.shape[-1]), int(bits), int(n), out.reshape(-1, int(n)))
     return out
