@@ -2,6 +2,17 @@
 
 from .attention import attention
 from . import storage
+from .compressor import (
+    CompressedKV,
+    Hybrid,
+    KVCacheCompressor,
+    LowRank,
+    VectorQuantization,
+    compress_mla_cache,
+    compress_paged_cache,
+    decompress_to_mla_cache,
+    decompress_to_paged_cache,
+)
 from .caches import DenseCache, available_methods, make_cache, register_method
 from .persist import CacheFileError, load_cache as load
 from .protocol import (
@@ -17,6 +28,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttendConfig",
+    "CompressedKV",
+    "Hybrid",
+    "KVCacheCompressor",
+    "LowRank",
+    "VectorQuantization",
+    "compress_mla_cache",
+    "compress_paged_cache",
+    "decompress_to_mla_cache",
+    "decompress_to_paged_cache",
     "CompressedKVCache",
     "DecodeOutput",
     "DenseCache",

@@ -79,3 +79,8 @@ register_kernel("pack_bits", "numpy", "arraykv.backends._numba_bitpack:pack_bits
 register_kernel("unpack_bits", "numpy", "arraykv.backends._numba_bitpack:unpack_bits")
 register_kernel("pack_bits", "cupy", "arraykv.backends._cuda_bitpack:pack_bits")
 register_kernel("unpack_bits", "cupy", "arraykv.backends._cuda_bitpack:unpack_bits")
+register_kernel("intq_group_minmax", "numpy", "arraykv.backends._numba_intq:group_minmax")
+register_kernel("intq_quantize_pack", "numpy", "arraykv.backends._numba_intq:quantize_pack")
+register_kernel("intq_dequantize", "numpy", "arraykv.backends._numba_intq:dequantize")
+register_kernel("pq_assign", "numpy", "arraykv.backends._numba_pq:assign")
+register_kernel("pq_update", "numpy", "arraykv.backends._numba_pq:update")

@@ -1,0 +1,115 @@
+"""Numba kernels for group-wise integer quantization (the layout of :mod:`arraykv.quant.intq`).
+
+Each kernel does in one pass what the array-API reference does in several (pad, reshape,
+round, clip, pack), with identical float32 arithmetic so results match bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import numba as nb
+except ImportError as exc:  # pragma: no cover - exercised only without numba
+    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+
+__all__ = ["group_minmax", "quantize_pack", "dequantize"]
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)
+def _minmax(x, g, mn, mx):
+    rows, n = x.shape
+    groups = mn.shape[1]
+    for r in nb.prange(rows):
+        for j in range(groups):
+            a = j * g
+            b = min(a + g, n)
+            lo = x[r, a]
+            hi = lo
+            for i in range(a + 1, b):
+                v = x[r, i]
+                if v < lo:
+                    lo = v
+                if v > hi:
+                    hi = v
+            mn[r, j] = lo
+            mx[r, j] = hi
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)
+def _quant_pack(x, g, bits, off, inv, out):
+    rows, n = x.shape
+    levels = np.float32((1 << bits) - 1)
+    half = np.float32(0.5)
+    zero = np.float32(0.0)
+    for r in nb.prange(rows):
+        if bits == 8:
+            for i in range(n):
+                j = i // g
+                t = np.floor((x[r, i] - off[r, j]) * inv[r, j] + half)
+                if t < zero:
+                    t = zero
+                if t > levels:
+                    t = levels
+                out[r, i] = np.uint8(t)
+        else:
+            nb_out = out.shape[1]
+            for p in range(nb_out):
+                byte = 0
+                for h in range(2):
+                    i = 2 * p + h
+                    if i < n:
+                        j = i // g
+                        t = np.floor((x[r, i] - off[r, j]) * inv[r, j] + half)
+                        if t < zero:
+                            t = zero
+                        if t > levels:
+                            t = levels
+                        byte |= int(t) << (4 * h)
+                out[r, p] = np.uint8(byte)
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)
+def _dequant(codes, bits, g, n, s, o, out):
+    rows = codes.shape[0]
+    for r in nb.prange(rows):
+        for i in range(n):
+            j = i // g
+            if bits == 8:
+                c = codes[r, i]
+            else:
+                c = (codes[r, i >> 1] >> (4 * (i & 1))) & 15
+            out[r, i] = np.float32(c) * s[r, j] + o[r, j]
+
+
+def _rows(a):
+    a = np.ascontiguousarray(a)
+    return a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1)
+
+
+def group_minmax(x32, group_size):
+    lead, n = x32.shape[:-1], x32.shape[-1]
+    groups = -(-n // group_size)
+    mn = np.empty(lead + (groups,), np.float32)
+    mx = np.empty(lead + (groups,), np.float32)
+    _minmax(_rows(x32), int(group_size), mn.reshape(-1, groups), mx.reshape(-1, groups))
+    return mn, mx
+
+
+def quantize_pack(x32, group_size, bits, off32, inv):
+    lead, n = x32.shape[:-1], x32.shape[-1]
+    nbytes = (n * bits + 7) // 8
+    out = np.empty(lead + (nbytes,), np.uint8)
+    groups = off32.shape[-1]
+    _quant_pack(_rows(x32), int(group_size), int(bits), _rows(np.asarray(off32, np.float32)).reshape(-1, groups),
+                _rows(np.asarray(inv, np.float32)).reshape(-1, groups), out.reshape(-1, nbytes))
+    return out
+
+
+def dequantize(codes, bits, group_size, n, s32, o32):
+    lead = codes.shape[:-1]
+    out = np.empty(lead + (int(n),), np.float32)
+    groups = s32.shape[-1]
+    _dequant(_rows(codes), int(bits), int(group_size), int(n), _rows(s32).reshape(-1, groups),
+             _rows(o32).reshape(-1, groups), out.reshape(-1, int(n)))
+    return out

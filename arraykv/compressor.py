@@ -1,0 +1,568 @@
+"""Whole-tensor KV compression: low rank, product quantization, and low rank + integers.
+
+:class:`KVCacheCompressor` compresses the keys and values of a layer at once (for storage,
+transfer or offloading), and bridges to the paged and MLA caches. Methods are small frozen
+dataclasses: :class:`LowRank`, :class:`VectorQuantization`, :class:`Hybrid`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _compat
+from ._validation import check_finite, check_int, dtype_name, is_floating
+from .quant.intq import IntQuantized, dequantize_groups, quantize_groups
+from .quant.lowrank import LowRankBasis, check_rank_energy, fit_basis
+from .quant.outliers import SparseOutliers, scatter_outliers, split_outliers
+from .quant.pq import PQCodebook, PQCodes, check_pq_options, pq_decode, pq_encode, train_pq
+
+__all__ = ["LowRank", "VectorQuantization", "Hybrid", "CompressedTensor", "CompressedKV", "KVCacheCompressor",
+           "compress_paged_cache", "decompress_to_paged_cache", "compress_mla_cache", "decompress_to_mla_cache"]
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, received {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """Keep ``rank`` principal directions per head (or the fewest holding ``energy``).
+
+    Parameters
+    ----------
+    rank : int, optional
+        Directions kept, ``1 <= rank <= head_dim`` (checked when ``head_dim`` is known).
+    energy : float, optional
+        Fraction of the variance to keep, in (0, 1]. Exactly one of ``rank``/``energy``.
+    center : bool, default True
+        Subtract the per-head mean (PCA) before projecting; the mean is stored.
+    per_head : bool, default True
+        One basis per KV head; ``False`` shares one basis across the heads of a layer.
+    """
+
+    rank: int | None = None
+    energy: float | None = None
+    center: bool = True
+    per_head: bool = True
+
+    def __post_init__(self):
+        rank, energy = check_rank_energy(self.rank, self.energy, 1 << 30)
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "energy", energy)
+        _check_bool("center", self.center)
+        _check_bool("per_head", self.per_head)
+
+
+@dataclass(frozen=True)
+class VectorQuantization:
+    """Product quantization: one k-means codebook per (head, sub-space).
+
+    Parameters
+    ----------
+    codebook_size : int, default 256
+        Centroids per sub-space, 2 to 65536; codes take ``ceil(log2(codebook_size))`` bits.
+    sub_dim : int, default 8
+        Sub-vector length; must divide ``head_dim``.
+    max_iter : int, default 25
+        Most Lloyd iterations.
+    tol : float, default 1e-4
+        Relative decrease of the k-means objective below which training stops.
+    seed : int, default 0
+        Seed of the k-means++ draws.
+    """
+
+    codebook_size: int = 256
+    sub_dim: int = 8
+    max_iter: int = 25
+    tol: float = 1e-4
+    seed: int = 0
+
+    def __post_init__(self):
+        cs, sd, mi, tol = check_pq_options(self.codebook_size, self.sub_dim, None, self.max_iter, self.tol)
+        object.__setattr__(self, "codebook_size", cs)
+        object.__setattr__(self, "sub_dim", sd)
+        object.__setattr__(self, "max_iter", mi)
+        object.__setattr__(self, "tol", tol)
+        object.__setattr__(self, "seed", check_int("seed", self.seed, low=0))
+
+
+@dataclass(frozen=True)
+class Hybrid:
+    """Low-rank projection, then group-wise INT4/INT8 coefficients, plus exact outliers.
+
+    Parameters
+    ----------
+    rank : int
+        Principal directions kept per head.
+    quant_bits : {4, 8}, default 8
+        Bits per coefficient code.
+    group_size : int, default 32
+        Tokens per quantization group of each coefficient channel.
+    outlier_threshold : float or None, default 6.0
+        A value is an outlier when ``|x - μ| > outlier_threshold * σ`` for its (head, channel)
+        statistics over tokens; outliers are stored exactly. None keeps none.
+    center : bool, default True
+        Subtract the per-head mean before projecting.
+    """
+
+    rank: int
+    quant_bits: int = 8
+    group_size: int = 32
+    outlier_threshold: float | None = 6.0
+    center: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "rank", check_int("rank", self.rank, low=1))
+        object.__setattr__(self, "quant_bits", _check_quant_bits(self.quant_bits))
+        object.__setattr__(self, "group_size", check_int("group_size", self.group_size, low=1))
+        t = self.outlier_threshold
+        if t is not None:
+            if isinstance(t, bool) or not isinstance(t, (int, float)):
+                raise TypeError(f"outlier_threshold must be a positive number or None, received {type(t).__name__}")
+            if not float(t) > 0.0 or float(t) == float("inf"):
+                raise ValueError(f"outlier_threshold must be positive and finite, received {t!r}")
+            object.__setattr__(self, "outlier_threshold", float(t))
+        _check_bool("center", self.center)
+
+
+def _check_quant_bits(bits: Any) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):
+        raise ValueError(f"quant_bits must be 4 or 8, received {bits!r}")
+    return int(bits)
+
+
+@dataclass(frozen=True)
+class CompressedTensor:
+    """One compressed tensor (the keys or the values of a layer).
+
+    Attributes
+    ----------
+    kind : {"lowrank", "pq", "hybrid"}
+    shape : tuple of int
+        ``(batch, heads, seq, head_dim)`` of the original tensor.
+    dtype : dtype
+        Original dtype; decompression returns it.
+    parts : dict of str to array
+        Everything needed to decode, as plain arrays (see :class:`CompressedKV`).
+    shared : frozenset of str
+        Names of parts that belong to a fitted model (basis, codebooks) rather than to the
+        tokens; they are counted in :attr:`nbytes` and left out of :attr:`payload_nbytes`.
+    """
+
+    kind: str
+    shape: tuple
+    dtype: Any
+    parts: dict
+    shared: frozenset = field(default_factory=frozenset)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every part, side tables, bases and codebooks included."""
+        return sum(_compat.array_nbytes(a) for a in self.parts.values())
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes of the per-token parts only (what grows with the sequence)."""
+        return sum(_compat.array_nbytes(a) for n, a in self.parts.items() if n not in self.shared)
+
+
+@dataclass(frozen=True)
+class CompressedKV:
+    """Compressed keys and values.
+
+    Attributes
+    ----------
+    k, v : CompressedTensor
+    layout : {"bhsd", "hsd"}
+        ``"bhsd"`` for (batch, heads, seq, head_dim) input, ``"hsd"`` for (heads, seq, head_dim).
+    method : str
+        ``"lowrank"``, ``"pq"`` or ``"hybrid"``.
+
+    Notes
+    -----
+    Parts by method (``b, h, s, d`` = batch, heads, seq, head_dim; ``r`` = rank):
+
+    * lowrank: ``coeffs`` (b, h, s, r) in the input dtype, ``basis`` (h, d, r) float32,
+      ``mean`` (h, d) float32 when centred.
+    * pq: ``codes`` (b, h, s, ceil(m·bits/8)) uint8 (uint16 (b, h, s, m) above 256 centroids),
+      ``centroids`` (h, m, K, d/m) float32.
+    * hybrid: ``codes`` (b, h, r, ceil(s·bits/8)) uint8 (coefficient channels quantized over
+      token groups), ``scale``/``offset`` (b, h, r, ceil(s/group)) float32, ``basis``,
+      ``mean``, ``outlier_index`` (n,) int32/int64 and ``outlier_value`` (n,) input dtype.
+    """
+
+    k: CompressedTensor
+    v: CompressedTensor
+    layout: str
+    method: str
+
+    @property
+    def shape(self) -> tuple:
+        """Shape of the original keys in the given layout."""
+        return self.k.shape if self.layout == "bhsd" else self.k.shape[1:]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for keys and values, bases, codebooks and side tables included."""
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes of the per-token parts (fitted bases/codebooks shared across calls left out)."""
+        return self.k.payload_nbytes + self.v.payload_nbytes
+
+    @property
+    def bits_per_value(self) -> float:
+        """``8 * nbytes / (values in k and v)``."""
+        return 8.0 * self.nbytes / (self.k.size + self.v.size)
+
+    @property
+    def compression_ratio(self) -> float:
+        """Bytes of k and v as float16 divided by :attr:`nbytes`."""
+        return 2.0 * (self.k.size + self.v.size) / self.nbytes
+
+    def parts(self) -> dict:
+        """Every array, named ``"k.<part>"`` / ``"v.<part>"``."""
+        out = {f"k.{n}": a for n, a in self.k.parts.items()}
+        out.update({f"v.{n}": a for n, a in self.v.parts.items()})
+        return out
+
+
+class KVCacheCompressor:
+    """Compress whole K/V tensors with a low-rank, product-quantization or hybrid method.
+
+    Parameters
+    ----------
+    method : LowRank, VectorQuantization or Hybrid
+    quant_bits : {4, 8}, optional
+        Integer width of the hybrid coefficients. Defaults to the method's ``quant_bits``
+        (Hybrid) or 8; giving a value that contradicts a Hybrid method is an error.
+
+    Attributes
+    ----------
+    method, quant_bits
+    fitted : bool
+        True after :meth:`fit`: compression then reuses the fitted bases/codebooks instead of
+        fitting on every call.
+
+    Examples
+    --------
+    >>> import numpy as np, arraykv
+    >>> k = np.random.default_rng(0).standard_normal((1, 2, 64, 16)).astype(np.float32)
+    >>> comp = arraykv.KVCacheCompressor(arraykv.LowRank(rank=16))
+    >>> c = comp.compress_kv(k, k)
+    >>> k2, v2 = comp.decompress_kv(c)
+    >>> bool(np.allclose(k2, k, atol=1e-4))
+    True
+    """
+
+    def __init__(self, method: Any, quant_bits: int | None = None):
+        if not isinstance(method, (LowRank, VectorQuantization, Hybrid)):
+            raise TypeError(
+                f"method must be LowRank, VectorQuantization or Hybrid, received {type(method).__name__}"
+            )
+        if quant_bits is None:
+            quant_bits = method.quant_bits if isinstance(method, Hybrid) else 8
+        quant_bits = _check_quant_bits(quant_bits)
+        if isinstance(method, Hybrid) and method.quant_bits != quant_bits:
+            raise ValueError(
+                f"quant_bits={quant_bits} contradicts the method's quant_bits={method.quant_bits}; give one"
+            )
+        self.method = method
+        self.quant_bits = quant_bits
+        self._fit: dict | None = None
+
+    @property
+    def kind(self) -> str:
+        return {LowRank: "lowrank", VectorQuantization: "pq", Hybrid: "hybrid"}[type(self.method)]
+
+    @property
+    def fitted(self) -> bool:
+        return self._fit is not None
+
+    def __repr__(self) -> str:
+        return f"KVCacheCompressor({self.method!r}, quant_bits={self.quant_bits}, fitted={self.fitted})"
+
+    # -- validation ---------------------------------------------------------------
+    def _check_pair(self, k: Any, v: Any, ndim: int):
+        for name, x in (("k", k), ("v", v)):
+            try:
+                _compat.namespace(x)
+            except TypeError:
+                raise TypeError(f"{name} must be an array, received {type(x).__name__}") from None
+        xp = _compat.namespace(k, v)
+        what = "(batch, heads, seq, head_dim)" if ndim == 4 else "(heads, seq, head_dim)"
+        for name, x in (("k", k), ("v", v)):
+            if x.ndim != ndim:
+                raise ValueError(f"{name} must have {ndim} dimensions {what}, received shape {tuple(x.shape)}")
+            if not is_floating(xp, x.dtype):
+                raise TypeError(f"{name} must have a floating dtype, received {dtype_name(x.dtype)}")
+            if any(int(s) < 1 for s in x.shape):
+                raise ValueError(f"{name} must have no empty axis, received shape {tuple(x.shape)}")
+        if tuple(k.shape) != tuple(v.shape):
+            raise ValueError(f"k and v shapes must match, received {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.dtype != v.dtype:
+            raise TypeError(f"k and v must share one dtype, received {dtype_name(k.dtype)} and {dtype_name(v.dtype)}")
+        check_finite(xp, k=k, v=v)
+        self._check_geometry(int(k.shape[-1]), int(k.shape[-3]), int(k.shape[-2]) * (int(k.shape[0]) if ndim == 4 else 1))
+        return xp
+
+    def _check_geometry(self, d: int, heads: int, samples: int) -> None:
+        m = self.method
+        if isinstance(m, (LowRank, Hybrid)) and m.rank is not None and m.rank > d:
+            raise ValueError(f"rank must be <= head_dim={d}, received {m.rank}")
+        if isinstance(m, VectorQuantization) and d % m.sub_dim != 0:
+            raise ValueError(f"sub_dim must divide head_dim={d}, received sub_dim={m.sub_dim}")
+        if self._fit is not None:
+            if (self._fit["heads"], self._fit["head_dim"]) != (heads, d):
+                raise ValueError(
+                    f"the compressor was fitted on {self._fit['heads']} heads of head_dim {self._fit['head_dim']}, "
+                    f"received {heads} heads of head_dim {d}"
+                )
+        elif isinstance(m, VectorQuantization) and samples < m.codebook_size:
+            raise ValueError(
+                f"codebook_size={m.codebook_size} needs at least that many vectors per head to train on, received "
+                f"{samples} (batch * seq); call fit() on calibration data first or lower codebook_size"
+            )
+
+    # -- fitting ------------------------------------------------------------------
+    def fit(self, k: Any, v: Any) -> "KVCacheCompressor":
+        """Fit the bases (low rank, hybrid) or codebooks (PQ) once, on calibration K/V.
+
+        Parameters
+        ----------
+        k, v : array, shape (batch, heads, seq, head_dim) or (heads, seq, head_dim)
+
+        Returns
+        -------
+        self
+        """
+        nd = getattr(k, "ndim", None)
+        if nd not in (3, 4):
+            raise ValueError(f"k must have 3 or 4 dimensions, received {getattr(k, 'shape', type(k).__name__)}")
+        saved, self._fit = self._fit, None
+        try:
+            xp = self._check_pair(k, v, nd)
+        except Exception:
+            self._fit = saved
+            raise
+        if nd == 3:
+            k, v = k[None, ...], v[None, ...]
+        fit = {"heads": int(k.shape[1]), "head_dim": int(k.shape[3]), "k": self._fit_one(xp, k),
+               "v": self._fit_one(xp, v)}
+        self._fit = fit
+        return self
+
+    def reset_fit(self) -> None:
+        """Forget the fitted bases/codebooks (compression fits on every call again)."""
+        self._fit = None
+
+    def _samples(self, xp: Any, x: Any):
+        """(batch, heads, seq, d) → (heads, batch * seq, d)."""
+        b, h, s, d = (int(t) for t in x.shape)
+        return xp.reshape(xp.permute_dims(x, (1, 0, 2, 3)), (h, b * s, d))
+
+    def _fit_one(self, xp: Any, x: Any, dense: Any = None):
+        m = self.method
+        if isinstance(m, VectorQuantization):
+            return train_pq(self._samples(xp, x), codebook_size=m.codebook_size, sub_dim=m.sub_dim,
+                            max_iter=m.max_iter, tol=m.tol, seed=m.seed)
+        src = x if dense is None else dense
+        if isinstance(m, LowRank):
+            return fit_basis(self._samples(xp, src), rank=m.rank, energy=m.energy, center=m.center,
+                             per_head=m.per_head)
+        if dense is None and m.outlier_threshold is not None:
+            src, _ = split_outliers(x, m.outlier_threshold)
+        return fit_basis(self._samples(xp, src), rank=m.rank, center=m.center)
+
+    # -- compression --------------------------------------------------------------
+    def compress_kv(self, k: Any, v: Any) -> CompressedKV:
+        """Compress keys and values of shape (batch, heads, seq, head_dim).
+
+        Returns
+        -------
+        CompressedKV
+            ``layout="bhsd"``.
+
+        Raises
+        ------
+        ValueError, TypeError
+            Mismatched shapes or dtypes, non-finite values, a rank above ``head_dim``, a
+            ``sub_dim`` that does not divide ``head_dim``, fewer vectors than
+            ``codebook_size`` for an unfitted PQ compressor, a geometry unlike the fitted one.
+        """
+        xp = self._check_pair(k, v, 4)
+        return CompressedKV(k=self._compress_one(xp, k, "k"), v=self._compress_one(xp, v, "v"), layout="bhsd",
+                            method=self.kind)
+
+    def compress_kv_3d(self, k: Any, v: Any) -> CompressedKV:
+        """Compress keys and values of shape (heads, seq, head_dim); ``layout="hsd"``."""
+        xp = self._check_pair(k, v, 3)
+        return CompressedKV(k=self._compress_one(xp, k[None, ...], "k"), v=self._compress_one(xp, v[None, ...], "v"),
+                            layout="hsd", method=self.kind)
+
+    def decompress_kv(self, c: CompressedKV) -> tuple:
+        """Reconstruct ``(k, v)`` in the layout, dtype and namespace they were given in."""
+        if not isinstance(c, CompressedKV):
+            raise TypeError(f"c must be a CompressedKV, received {type(c).__name__}")
+        k, v = self._decompress_one(c.k), self._decompress_one(c.v)
+        if c.layout == "hsd":
+            k, v = k[0, ...], v[0, ...]
+        return k, v
+
+    def decompress_kv_3d(self, c: CompressedKV) -> tuple:
+        """Reconstruct ``(k, v)`` of shape (heads, seq, head_dim) from a ``"hsd"`` CompressedKV."""
+        if not isinstance(c, CompressedKV):
+            raise TypeError(f"c must be a CompressedKV, received {type(c).__name__}")
+        if c.layout != "hsd":
+            raise ValueError(f"decompress_kv_3d needs a CompressedKV with layout 'hsd', received {c.layout!r}")
+        return self.decompress_kv(c)
+
+    def _model(self, xp: Any, x: Any, which: str, dense: Any = None):
+        if self._fit is not None:
+            return self._fit[which], True
+        return self._fit_one(xp, x, dense), False
+
+    def _compress_one(self, xp: Any, x: Any, which: str) -> CompressedTensor:
+        shape = tuple(int(s) for s in x.shape)
+        m = self.method
+        if isinstance(m, VectorQuantization):
+            cb, shared = self._model(xp, x, which)
+            codes = pq_encode(x, cb)
+            parts = {"codes": codes.codes, "centroids": cb.centroids}
+            meta = {"bits": codes.bits, "subspaces": codes.subspaces, "iterations": cb.iterations,
+                    "objective": cb.objective}
+            return CompressedTensor("pq", shape, x.dtype, parts, frozenset({"centroids"} if shared else ()), meta)
+        if isinstance(m, LowRank):
+            basis, shared = self._model(xp, x, which)
+            coeffs = _project(xp, x, basis)
+            parts = {"coeffs": xp.astype(coeffs, x.dtype) if coeffs.dtype != x.dtype else coeffs,
+                     "basis": basis.basis}
+            if basis.mean is not None:
+                parts["mean"] = basis.mean
+            names = frozenset(n for n in ("basis", "mean") if shared and n in parts)
+            return CompressedTensor("lowrank", shape, x.dtype, parts, names, {"rank": basis.rank})
+        # Hybrid
+        if m.outlier_threshold is not None:
+            dense, outl = split_outliers(x, m.outlier_threshold)
+        else:
+            dense = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
+            outl = None
+        basis, shared = self._model(xp, x, which, dense)
+        coeffs_t = _project_t(xp, dense, basis)  # (b, h, r, s)
+        group = m.group_size
+        q = quantize_groups(coeffs_t, self.quant_bits, group)
+        parts = {"codes": q.codes, "scale": q.scale, "offset": q.offset, "basis": basis.basis}
+        if basis.mean is not None:
+            parts["mean"] = basis.mean
+        if outl is not None:
+            parts["outlier_index"] = outl.index
+            parts["outlier_value"] = outl.value
+        names = frozenset(n for n in ("basis", "mean") if shared and n in parts)
+        meta = {"rank": basis.rank, "bits": self.quant_bits, "group_size": group,
+                "outliers": 0 if outl is None else outl.count}
+        return CompressedTensor("hybrid", shape, x.dtype, parts, names, meta)
+
+    def _decompress_one(self, t: CompressedTensor):
+        if not isinstance(t, CompressedTensor):
+            raise TypeError(f"expected a CompressedTensor, received {type(t).__name__}")
+        p = t.parts
+        xp = _compat.namespace(*p.values())
+        if t.kind == "pq":
+            cb = PQCodebook(centroids=p["centroids"])
+            return pq_decode(PQCodes(codes=p["codes"], bits=t.meta["bits"], subspaces=t.meta["subspaces"]), cb,
+                             dtype=t.dtype)
+        basis = LowRankBasis(basis=p["basis"], mean=p.get("mean"), variance=None, rank=int(p["basis"].shape[-1]))
+        if t.kind == "lowrank":
+            coeffs = p["coeffs"]
+            coeffs = xp.astype(coeffs, xp.float32) if coeffs.dtype != xp.float32 else coeffs
+            out = xp.matmul(coeffs, xp.matrix_transpose(basis.basis))
+        elif t.kind == "hybrid":
+            q = IntQuantized(codes=p["codes"], scale=p["scale"], offset=p["offset"], bits=t.meta["bits"],
+                             group_size=t.meta["group_size"], n=t.shape[2])
+            coeffs_t = dequantize_groups(q)  # (b, h, r, s)
+            out = xp.matrix_transpose(xp.matmul(basis.basis, coeffs_t))  # (b, h, s, d)
+        else:
+            raise ValueError(f"unknown compressed kind {t.kind!r}")
+        if basis.mean is not None:
+            out = out + basis.mean[:, None, :]
+        out = xp.astype(out, t.dtype) if out.dtype != t.dtype else out
+        if "outlier_index" in p:
+            out = scatter_outliers(out, SparseOutliers(index=p["outlier_index"], value=p["outlier_value"]))
+        return out
+
+    # -- bridges ------------------------------------------------------------------
+    def compress_paged_cache(self, cache: Any, layer: int, seq_id: int) -> CompressedKV:
+        """Compress the K/V of one sequence of a :class:`~arraykv.PagedKVCache` layer (``"hsd"``)."""
+        k, v = cache.get_kv(layer, seq_id)
+        return self.compress_kv_3d(k, v)
+
+    def decompress_to_paged_cache(self, c: CompressedKV, cache: Any, layer: int, seq_id: int) -> None:
+        """Decompress ``c`` and append its tokens to ``seq_id`` in ``layer`` of a paged cache."""
+        k, v = self.decompress_kv(c)
+        if c.layout == "bhsd":
+            if int(k.shape[0]) != 1:
+                raise ValueError(f"a paged sequence takes one batch row, received batch {int(k.shape[0])}")
+            k, v = k[0, ...], v[0, ...]
+        cache.append(layer, seq_id, k, v)
+
+    def compress_mla_cache(self, cache: Any, layer: int, seq_id: int) -> CompressedKV:
+        """Compress the K/V that an :class:`~arraykv.MlaCache` sequence reconstructs (``"hsd"``)."""
+        k, v = cache.get_kv(layer, seq_id)
+        return self.compress_kv_3d(k, v)
+
+    def decompress_to_mla_cache(self, c: CompressedKV, cache: Any, layer: int, seq_id: int) -> None:
+        """Decompress ``c`` and append its tokens to ``seq_id`` of an MLA cache (re-projected to latents)."""
+        k, v = self.decompress_kv(c)
+        if c.layout == "bhsd":
+            if int(k.shape[0]) != 1:
+                raise ValueError(f"an MLA sequence takes one batch row, received batch {int(k.shape[0])}")
+            k, v = k[0, ...], v[0, ...]
+        cache.append(layer, seq_id, k, v)
+
+
+def _project(xp: Any, x: Any, b: LowRankBasis):
+    x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
+    if b.mean is not None:
+        x32 = x32 - b.mean[:, None, :]
+    return xp.matmul(x32, b.basis)
+
+
+def _project_t(xp: Any, x32: Any, b: LowRankBasis):
+    """Coefficients with tokens last: basisᵀ (h, r, d) @ (x - mean)ᵀ (b, h, d, s) → (b, h, r, s)."""
+    if b.mean is not None:
+        x32 = x32 - b.mean[:, None, :]
+    return xp.matmul(xp.matrix_transpose(b.basis), xp.matrix_transpose(x32))
+
+
+def compress_paged_cache(compressor: KVCacheCompressor, cache: Any, layer: int, seq_id: int) -> CompressedKV:
+    """Function form of :meth:`KVCacheCompressor.compress_paged_cache`."""
+    return compressor.compress_paged_cache(cache, layer, seq_id)
+
+
+def decompress_to_paged_cache(compressor: KVCacheCompressor, c: CompressedKV, cache: Any, layer: int,
+                              seq_id: int) -> None:
+    """Function form of :meth:`KVCacheCompressor.decompress_to_paged_cache`."""
+    compressor.decompress_to_paged_cache(c, cache, layer, seq_id)
+
+
+def compress_mla_cache(compressor: KVCacheCompressor, cache: Any, layer: int, seq_id: int) -> CompressedKV:
+    """Function form of :meth:`KVCacheCompressor.compress_mla_cache`."""
+    return compressor.compress_mla_cache(cache, layer, seq_id)
+
+
+def decompress_to_mla_cache(compressor: KVCacheCompressor, c: CompressedKV, cache: Any, layer: int,
+                            seq_id: int) -> None:
+    """Function form of :meth:`KVCacheCompressor.decompress_to_mla_cache`."""
+    compressor.decompress_to_mla_cache(c, cache, layer, seq_id)

@@ -1,0 +1,230 @@
+"""Group-wise asymmetric integer quantization along the last axis.
+
+Layout
+------
+An array of shape ``(..., n)`` is cut along its last axis into ``ceil(n / group_size)``
+groups of ``group_size`` consecutive values (the last group may be shorter). Each group gets a
+float ``scale`` and ``offset`` (its minimum); every value becomes a ``bits``-bit code
+
+``code = clip(floor((x - offset) / scale + 1/2), 0, 2**bits - 1)``,  ``x̂ = scale * code + offset``
+
+and the codes of a row are packed with :func:`arraykv.quant.bitpack.pack_bits` (INT4: two
+codes per byte, low nibble first; INT8: one per byte). ``offset`` is the zero point expressed
+in value units (``zero_point = -offset / scale`` in the integer convention); storing it as a
+float keeps an exact zero-range group (all values equal) exact.
+
+Quantizing a different axis (per-channel over tokens, as KIVI does for keys) is done by moving
+that axis last before calling :func:`quantize_groups`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _compat
+from .._validation import check_int, dtype_name, is_floating
+from .bitpack import pack_bits, packed_nbytes, unpack_bits
+
+__all__ = ["IntQuantized", "quantize_groups", "dequantize_groups", "group_minmax_reference",
+           "quantize_pack_reference", "dequantize_reference"]
+
+_PARAM_DTYPES = ("float16", "float32")
+
+
+@dataclass(frozen=True)
+class IntQuantized:
+    """Packed group-wise integer codes and their per-group parameters.
+
+    Attributes
+    ----------
+    codes : array of uint8, shape (..., ceil(n * bits / 8))
+        Codes packed along the last axis (layout of :mod:`arraykv.quant.bitpack`).
+    scale, offset : array of float16 or float32, shape (..., ceil(n / group_size))
+        ``x̂ = scale * code + offset`` within each group.
+    bits : int
+        Bits per code (1 to 8).
+    group_size : int
+        Values per group along the last axis.
+    n : int
+        Length of the quantized last axis.
+    """
+
+    codes: Any
+    scale: Any
+    offset: Any
+    bits: int
+    group_size: int
+    n: int
+
+    @property
+    def shape(self) -> tuple:
+        """Shape of the quantized array, ``(..., n)``."""
+        return tuple(int(s) for s in self.codes.shape[:-1]) + (self.n,)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes, scales and offsets."""
+        return sum(_compat.array_nbytes(a) for a in (self.codes, self.scale, self.offset))
+
+    @property
+    def bits_per_value(self) -> float:
+        """Stored bits per quantized value, parameters included."""
+        count = 1
+        for s in self.shape:
+            count *= s
+        return 8.0 * self.nbytes / max(count, 1)
+
+
+def _check_bits_group(bits: Any, group_size: Any) -> tuple:
+    bits = check_int("bits", bits, low=1, high=8)
+    group_size = check_int("group_size", group_size, low=1)
+    return bits, group_size
+
+
+def _param_dtype(xp: Any, name: Any):
+    if name not in _PARAM_DTYPES:
+        raise ValueError(f"param_dtype must be one of {_PARAM_DTYPES}, received {name!r}")
+    dt = getattr(xp, name, None) if name == "float16" and not hasattr(xp, "float16") else getattr(xp, name)
+    if dt is None:
+        raise ValueError(f"param_dtype={name!r} is not offered by this array library; use 'float32'")
+    return dt
+
+
+def quantize_groups(x: Any, bits: int, group_size: int, *, param_dtype: str = "float32") -> IntQuantized:
+    """Quantize ``x`` group-wise along its last axis.
+
+    Parameters
+    ----------
+    x : array of float16/float32/float64, shape (..., n)
+        Finite values (not checked here; callers validate at their entry points).
+    bits : int
+        Bits per code, 1 to 8 (the caches use 4 and 8).
+    group_size : int
+        Values per group; the last group of a row is shorter when it does not divide ``n``.
+    param_dtype : {"float32", "float16"}
+        Dtype of the stored scales and offsets. Codes are computed from the rounded
+        parameters, so dequantization uses exactly what was stored.
+
+    Returns
+    -------
+    IntQuantized
+
+    Notes
+    -----
+    Asymmetric (min–max) uniform quantization: a group with range ``[m, M]`` uses step
+    ``Δ = (M - m) / (2**bits - 1)``; the rounding error of each value is at most ``Δ / 2`` and
+    ``Δ² / 12`` on average for values spread over the range. Small groups track local
+    magnitude (the group-wise scheme of KIVI, Liu et al. 2024); the parameters cost
+    ``2 * 16 / group_size`` (float16) or ``2 * 32 / group_size`` (float32) extra bits per value.
+    Computation is in float32.
+    """
+    bits, group_size = _check_bits_group(bits, group_size)
+    xp = _compat.namespace(x)
+    if not is_floating(xp, x.dtype):
+        raise TypeError(f"x must have a floating dtype, received {dtype_name(x.dtype)}")
+    if x.ndim < 1 or int(x.shape[-1]) < 1:
+        raise ValueError(f"x must have a non-empty last axis, received shape {tuple(x.shape)}")
+    pdt = _param_dtype(xp, param_dtype)
+    x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
+    levels = (1 << bits) - 1
+    from ..backends import lookup
+
+    minmax = lookup("intq_group_minmax", xp)
+    mn, mx = (minmax or group_minmax_reference)(x32, group_size)
+    scale = xp.astype((mx - mn) / float(levels), pdt)
+    offset = xp.astype(mn, pdt)
+    scale32 = xp.astype(scale, xp.float32)
+    off32 = xp.astype(offset, xp.float32)
+    inv = xp.where(scale32 > 0.0, 1.0 / xp.where(scale32 > 0.0, scale32, 1.0), 0.0)
+    fast = lookup("intq_quantize_pack", xp) if bits in (4, 8) else None
+    if fast is not None:
+        codes = fast(x32, group_size, bits, off32, inv)
+    else:
+        codes = quantize_pack_reference(x32, group_size, bits, off32, inv)
+    return IntQuantized(codes=codes, scale=scale, offset=offset, bits=bits, group_size=group_size,
+                        n=int(x.shape[-1]))
+
+
+def dequantize_groups(q: IntQuantized, dtype: Any = None):
+    """Reconstruct ``x̂`` of shape ``(..., n)`` from :func:`quantize_groups` output.
+
+    Parameters
+    ----------
+    q : IntQuantized
+    dtype : dtype, optional
+        Output dtype (default float32).
+
+    Returns
+    -------
+    array, shape (..., n)
+    """
+    if not isinstance(q, IntQuantized):
+        raise TypeError(f"q must be an IntQuantized, received {type(q).__name__}")
+    xp = _compat.namespace(q.codes)
+    from ..backends import lookup
+
+    fast = lookup("intq_dequantize", xp) if q.bits in (4, 8) else None
+    s32 = xp.astype(q.scale, xp.float32)
+    o32 = xp.astype(q.offset, xp.float32)
+    if fast is not None:
+        out = fast(q.codes, q.bits, q.group_size, q.n, s32, o32)
+    else:
+        out = dequantize_reference(q.codes, q.bits, q.group_size, q.n, s32, o32)
+    if dtype is not None and out.dtype != dtype:
+        out = xp.astype(out, dtype)
+    return out
+
+
+# -- array-API references (what the Numba kernels are tested against) -----------------
+
+def _padded_groups(x: Any, group_size: int):
+    """``x`` (..., n) as (..., groups, group_size), the last group padded with its last value."""
+    xp = _compat.namespace(x)
+    lead = tuple(int(s) for s in x.shape[:-1])
+    n = int(x.shape[-1])
+    groups = -(-n // group_size)
+    pad = groups * group_size - n
+    if pad:
+        edge = xp.broadcast_to(x[..., n - 1 : n], lead + (pad,))
+        x = xp.concat([x, edge], axis=-1)
+    return xp.reshape(x, lead + (groups, group_size))
+
+
+def group_minmax_reference(x32: Any, group_size: int):
+    """Per-group minimum and maximum of ``x32`` (..., n): two arrays (..., groups), float32."""
+    xp = _compat.namespace(x32)
+    g = _padded_groups(x32, group_size)
+    return xp.min(g, axis=-1), xp.max(g, axis=-1)
+
+
+def quantize_pack_reference(x32: Any, group_size: int, bits: int, off32: Any, inv: Any):
+    """Codes of ``x32`` (..., n) given float32 offsets and inverse scales (..., groups), packed."""
+    xp = _compat.namespace(x32)
+    n = int(x32.shape[-1])
+    g = _padded_groups(x32, group_size)
+    t = (g - off32[..., None]) * inv[..., None]
+    levels = float((1 << bits) - 1)
+    c = xp.clip(xp.floor(t + 0.5), 0.0, levels)
+    lead = tuple(int(s) for s in x32.shape[:-1])
+    codes = xp.reshape(xp.astype(c, xp.uint8), lead + (-1,))[..., :n]
+    return pack_bits(codes, bits)
+
+
+def dequantize_reference(codes: Any, bits: int, group_size: int, n: int, s32: Any, o32: Any):
+    """``scale * code + offset`` for packed ``codes`` (..., bytes): float32 (..., n)."""
+    xp = _compat.namespace(codes)
+    c = unpack_bits(codes, bits, n)
+    lead = tuple(int(s) for s in c.shape[:-1])
+    groups = int(s32.shape[-1])
+    pad = groups * group_size - n
+    if pad:
+        c = xp.concat([c, xp.zeros(lead + (pad,), dtype=xp.uint8, device=_compat.device(c))], axis=-1)
+    cg = xp.astype(xp.reshape(c, lead + (groups, group_size)), xp.float32)
+    out = cg * s32[..., None] + o32[..., None]
+    return xp.reshape(out, lead + (groups * group_size,))[..., :n]
+
+
+def codes_nbytes(n: int, bits: int) -> int:
+    """Bytes of one packed row of ``n`` codes."""
+    return packed_nbytes(n, bits)

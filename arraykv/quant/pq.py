@@ -1,0 +1,348 @@
+"""Product quantization: one k-means codebook per (head, sub-space).
+
+Each ``head_dim`` vector is split into ``head_dim / sub_dim`` sub-vectors; every sub-space of
+every head has its own codebook of ``codebook_size`` centroids, trained with k-means++
+seeding and Lloyd iterations until the objective stops decreasing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _compat
+from .._validation import check_int, dtype_name, is_floating
+from .bitpack import pack_bits, unpack_bits
+
+__all__ = ["PQCodebook", "PQCodes", "check_pq_options", "train_pq", "pq_encode", "pq_decode", "code_bits"]
+
+# One-hot / distance blocks are processed in chunks of at most this many float32 elements.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class PQCodebook:
+    """Trained product-quantization codebooks.
+
+    Attributes
+    ----------
+    centroids : array of float32, shape (heads, subspaces, codebook_size, sub_dim)
+    objective : tuple of float
+        Sum of squared distances of the training vectors to their centroids after each
+        assignment step (non-increasing by construction of Lloyd's algorithm).
+    iterations : int
+        Lloyd iterations run.
+    converged : bool
+        True when the relative decrease fell below ``tol`` (or assignments stopped changing)
+        before ``max_iter``.
+    """
+
+    centroids: Any
+    objective: tuple = field(default=())
+    iterations: int = 0
+    converged: bool = False
+
+    @property
+    def heads(self) -> int:
+        return int(self.centroids.shape[0])
+
+    @property
+    def subspaces(self) -> int:
+        return int(self.centroids.shape[1])
+
+    @property
+    def codebook_size(self) -> int:
+        return int(self.centroids.shape[2])
+
+    @property
+    def sub_dim(self) -> int:
+        return int(self.centroids.shape[3])
+
+    @property
+    def nbytes(self) -> int:
+        return _compat.array_nbytes(self.centroids)
+
+
+@dataclass(frozen=True)
+class PQCodes:
+    """Packed PQ codes of vectors of shape (..., heads, seq, head_dim).
+
+    Attributes
+    ----------
+    codes : array
+        uint8 packed along the last axis, shape (..., heads, seq, ceil(subspaces * bits / 8)),
+        when ``bits <= 8``; uint16, shape (..., heads, seq, subspaces), otherwise.
+    bits : int
+        Bits per code, ``ceil(log2(codebook_size))``.
+    subspaces : int
+    """
+
+    codes: Any
+    bits: int
+    subspaces: int
+
+    @property
+    def nbytes(self) -> int:
+        return _compat.array_nbytes(self.codes)
+
+
+def code_bits(codebook_size: int) -> int:
+    """Bits needed for one code: ``max(1, ceil(log2(codebook_size)))``."""
+    return max(1, math.ceil(math.log2(codebook_size)))
+
+
+def check_pq_options(codebook_size: Any, sub_dim: Any, head_dim: int | None = None,
+                     max_iter: Any = 25, tol: Any = 1e-4) -> tuple:
+    """Validate PQ options; return ``(codebook_size, sub_dim, max_iter, tol)``."""
+    codebook_size = check_int("codebook_size", codebook_size, low=2, high=65536)
+    sub_dim = check_int("sub_dim", sub_dim, low=1)
+    if head_dim is not None and head_dim % sub_dim != 0:
+        raise ValueError(f"sub_dim must divide head_dim={head_dim}, received sub_dim={sub_dim}")
+    max_iter = check_int("max_iter", max_iter, low=1)
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)):
+        raise TypeError(f"tol must be a real number >= 0, received {type(tol).__name__}")
+    if not float(tol) >= 0.0:
+        raise ValueError(f"tol must be >= 0, received {tol!r}")
+    return codebook_size, sub_dim, max_iter, float(tol)
+
+
+def _split(x32: Any, sub_dim: int):
+    """(heads, n, d) → (heads * subspaces, n, sub_dim)."""
+    xp = _compat.namespace(x32)
+    h, n, d = (int(s) for s in x32.shape)
+    m = d // sub_dim
+    g = xp.permute_dims(xp.reshape(x32, (h, n, m, sub_dim)), (0, 2, 1, 3))
+    return xp.reshape(g, (h * m, n, sub_dim))
+
+
+def _sqdist(xg: Any, c: Any):
+    """Squared distances (G, n, K) between points (G, n, s) and centroids (G, K, s), clamped at 0."""
+    xp = _compat.namespace(xg)
+    xx = xp.sum(xg * xg, axis=-1)[:, :, None]
+    cc = xp.sum(c * c, axis=-1)[:, None, :]
+    d = xx - 2.0 * xp.matmul(xg, xp.matrix_transpose(c)) + cc
+    return xp.where(d > 0.0, d, 0.0)
+
+
+def _gather_rows(c: Any, idx: Any):
+    """``c[g, idx[g, i], :]`` for c (G, K, s) and idx (G, n): (G, n, s)."""
+    xp = _compat.namespace(c)
+    s = int(c.shape[-1])
+    full = xp.broadcast_to(idx[:, :, None], (int(idx.shape[0]), int(idx.shape[1]), s))
+    return xp.take_along_axis(c, full, axis=1)
+
+
+def _chunks(groups: int, n: int, k: int):
+    step = max(1, _CHUNK_ELEMENTS // max(n * k, 1))
+    return [(a, min(a + step, groups)) for a in range(0, groups, step)]
+
+
+def _kmeans_pp(xg: Any, k: int, seed: int):
+    """k-means++ seeding (Arthur & Vassilvitskii 2007), batched over groups: centroids (G, k, s)."""
+    xp = _compat.namespace(xg)
+    dev = _compat.device(xg)
+    from ..backends._host_rng import host_uniform
+
+    groups, n, s = (int(v) for v in xg.shape)
+    u = host_uniform(xp, (k, groups), seed=seed, device=dev)
+    first = xp.astype(xp.floor(u[0, ...] * float(n)), xp.int64)
+    first = xp.clip(first, 0, n - 1)
+    chosen = [_gather_rows(xg, first[:, None])]  # each (G, 1, s)
+    dmin = xp.sum((xg - chosen[0]) ** 2, axis=-1)  # (G, n)
+    for j in range(1, k):
+        cs = xp.cumulative_sum(dmin, axis=1)
+        target = u[j, ...] * cs[:, -1]
+        idx = xp.sum(xp.astype(cs <= target[:, None], xp.int64), axis=1)
+        idx = xp.clip(idx, 0, n - 1)
+        cj = _gather_rows(xg, idx[:, None])
+        chosen.append(cj)
+        dmin = xp.minimum(dmin, xp.sum((xg - cj) ** 2, axis=-1))
+    return xp.concat(chosen, axis=1)
+
+
+def _assign(xg: Any, c: Any):
+    """Nearest centroid index (G, n) and the exact squared error of that assignment."""
+    xp = _compat.namespace(xg)
+    from ..backends import lookup
+
+    fast = lookup("pq_assign", xp)
+    if fast is not None:
+        return fast(xg, c)
+    return assign_reference(xg, c)
+
+
+def assign_reference(xg: Any, c: Any):
+    """Array-API version of the assignment step (distances by a batched matmul)."""
+    xp = _compat.namespace(xg)
+    groups, n, _ = (int(v) for v in xg.shape)
+    k = int(c.shape[1])
+    parts, err = [], 0.0
+    for a, b in _chunks(groups, n, k):
+        idx = xp.argmin(_sqdist(xg[a:b, ...], c[a:b, ...]), axis=-1)
+        diff = xg[a:b, ...] - _gather_rows(c[a:b, ...], idx)
+        err += float(xp.sum(diff * diff))
+        parts.append(idx)
+    return (parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)), err
+
+
+def _update(xg: Any, c: Any, idx: Any):
+    """Centroid of each cluster (mean of its points); empty clusters keep their centroid."""
+    xp = _compat.namespace(xg)
+    from ..backends import lookup
+
+    fast = lookup("pq_update", xp)
+    if fast is not None:
+        return fast(xg, c, idx)
+    return update_reference(xg, c, idx)
+
+
+def update_reference(xg: Any, c: Any, idx: Any):
+    """Array-API version of the update step (cluster sums by a one-hot matmul)."""
+    xp = _compat.namespace(xg)
+    dev = _compat.device(xg)
+    groups, n, _ = (int(v) for v in xg.shape)
+    k = int(c.shape[1])
+    ar = xp.arange(k, dtype=idx.dtype, device=dev)
+    out = []
+    for a, b in _chunks(groups, n, k):
+        onehot = xp.astype(idx[a:b, :, None] == ar, xp.float32)  # (g, n, k)
+        sums = xp.matmul(xp.matrix_transpose(onehot), xg[a:b, ...])  # (g, k, s)
+        counts = xp.sum(onehot, axis=1)[:, :, None]
+        out.append(xp.where(counts > 0.0, sums / xp.where(counts > 0.0, counts, 1.0), c[a:b, ...]))
+    return out[0] if len(out) == 1 else xp.concat(out, axis=0)
+
+
+def train_pq(x: Any, *, codebook_size: int = 256, sub_dim: int = 8, max_iter: int = 25, tol: float = 1e-4,
+             seed: int = 0) -> PQCodebook:
+    """Train one codebook per (head, sub-space) on ``x``.
+
+    Parameters
+    ----------
+    x : array of float, shape (heads, n, head_dim)
+        ``n`` training vectors per head; needs ``n >= codebook_size``.
+    codebook_size : int, default 256
+        Centroids per sub-space, 2 to 65536.
+    sub_dim : int, default 8
+        Sub-vector length; must divide ``head_dim``.
+    max_iter : int, default 25
+        Most Lloyd iterations.
+    tol : float, default 1e-4
+        Stop when the objective decreases by less than ``tol`` relative to its previous value.
+    seed : int, default 0
+        Seed of the k-means++ draws (host NumPy generator).
+
+    Returns
+    -------
+    PQCodebook
+
+    Raises
+    ------
+    ValueError
+        If ``n < codebook_size``: a codebook with more centroids than training vectors would
+        be degenerate. Lower ``codebook_size`` or train on more (calibration) data.
+
+    Notes
+    -----
+    Product quantization (Jégou, Douze & Schmid, 2011) codes a ``d``-vector as ``m = d / s``
+    indices into per-sub-space codebooks, ``m * log2(K)`` bits in all, with the expressive
+    power of ``K^m`` centroids. Each codebook minimises ``Σ ‖x_j - c_{a(j)}‖²`` by Lloyd's
+    algorithm: assign every point to its nearest centroid, move every centroid to the mean of
+    its points; neither step can increase the objective, which is recorded after every
+    assignment. Seeding is k-means++ (Arthur & Vassilvitskii, 2007): each new centroid is a
+    training point drawn with probability proportional to its squared distance to the nearest
+    centroid chosen so far, an ``O(log K)``-competitive start. Distances use
+    ``‖x‖² - 2 x·c + ‖c‖²`` (a batched matmul), computed in float32.
+    """
+    xp = _compat.namespace(x)
+    if not is_floating(xp, x.dtype):
+        raise TypeError(f"x must have a floating dtype, received {dtype_name(x.dtype)}")
+    if x.ndim != 3:
+        raise ValueError(f"x must have shape (heads, n, head_dim), received shape {tuple(x.shape)}")
+    h, n, d = (int(s) for s in x.shape)
+    codebook_size, sub_dim, max_iter, tol = check_pq_options(codebook_size, sub_dim, d, max_iter, tol)
+    seed = check_int("seed", seed, low=0)
+    if n < codebook_size:
+        raise ValueError(
+            f"product quantization needs at least codebook_size={codebook_size} training vectors per head, "
+            f"received {n}; lower codebook_size or fit on more calibration data"
+        )
+    x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
+    xg = _split(x32, sub_dim)
+    c = _kmeans_pp(xg, codebook_size, seed)
+    history: list = []
+    converged = False
+    prev_idx = None
+    it = 0
+    for it in range(1, max_iter + 1):
+        idx, err = _assign(xg, c)
+        history.append(err)
+        if len(history) > 1 and (history[-2] - err <= tol * history[-2]):
+            converged = True
+            break
+        if prev_idx is not None and bool(xp.all(idx == prev_idx)):
+            converged = True
+            break
+        c = _update(xg, c, idx)
+        prev_idx = idx
+    m = d // sub_dim
+    centroids = xp.reshape(c, (h, m, codebook_size, sub_dim))
+    return PQCodebook(centroids=centroids, objective=tuple(history), iterations=it, converged=converged)
+
+
+def pq_encode(x: Any, cb: PQCodebook) -> PQCodes:
+    """Nearest-centroid codes of ``x`` (..., heads, seq, head_dim), packed.
+
+    Returns
+    -------
+    PQCodes
+    """
+    xp = _compat.namespace(x)
+    lead = tuple(int(s) for s in x.shape[:-3])
+    h, t, d = (int(s) for s in x.shape[-3:])
+    if h != cb.heads or d != cb.subspaces * cb.sub_dim:
+        raise ValueError(
+            f"x must have {cb.heads} heads and head_dim {cb.subspaces * cb.sub_dim} like the codebook, "
+            f"received shape {tuple(x.shape)}"
+        )
+    rows = 1
+    for s in lead:
+        rows *= s
+    x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
+    # (rows, h, t, d) → (h, rows * t, d): every head's vectors together.
+    xh = xp.reshape(xp.permute_dims(xp.reshape(x32, (rows, h, t, d)), (1, 0, 2, 3)), (h, rows * t, d))
+    xg = _split(xh, cb.sub_dim)
+    c = xp.reshape(cb.centroids, (h * cb.subspaces, cb.codebook_size, cb.sub_dim))
+    idx, _ = _assign(xg, c)  # (h*m, rows*t)
+    m = cb.subspaces
+    idx = xp.permute_dims(xp.reshape(idx, (h, m, rows, t)), (2, 0, 3, 1))  # (rows, h, t, m)
+    bits = code_bits(cb.codebook_size)
+    if bits <= 8:
+        codes = pack_bits(xp.astype(idx, xp.uint8), bits)
+    else:
+        codes = xp.astype(idx, xp.uint16)
+    codes = xp.reshape(codes, lead + (h, t, int(codes.shape[-1])))
+    return PQCodes(codes=codes, bits=bits, subspaces=m)
+
+
+def pq_decode(codes: PQCodes, cb: PQCodebook, dtype: Any = None):
+    """Concatenate the centroids that ``codes`` name: array (..., heads, seq, head_dim)."""
+    xp = _compat.namespace(codes.codes)
+    c = codes.codes
+    lead = tuple(int(s) for s in c.shape[:-3])
+    h, t = int(c.shape[-3]), int(c.shape[-2])
+    m = codes.subspaces
+    idx = unpack_bits(c, codes.bits, m) if codes.bits <= 8 else c
+    rows = 1
+    for s in lead:
+        rows *= s
+    idx = xp.astype(xp.reshape(idx, (rows, h, t, m)), xp.int64)
+    idx = xp.reshape(xp.permute_dims(idx, (1, 3, 0, 2)), (h * m, rows * t))  # (h*m, rows*t)
+    cent = xp.reshape(cb.centroids, (h * m, cb.codebook_size, cb.sub_dim))
+    vec = _gather_rows(cent, idx)  # (h*m, rows*t, s)
+    vec = xp.reshape(vec, (h, m, rows, t, cb.sub_dim))
+    vec = xp.permute_dims(vec, (2, 0, 3, 1, 4))
+    out = xp.reshape(vec, lead + (h, t, m * cb.sub_dim))
+    if dtype is not None and out.dtype != dtype:
+        out = xp.astype(out, dtype)
+    return out
