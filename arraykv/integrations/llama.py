@@ -1,0 +1,514 @@
+"""A Llama decoder in the array API whose attention goes through a :class:`CompressedKVCache`.
+
+The reference "framework-independent inference code": RMSNorm, rotary position embedding
+(rotate-half layout), grouped-query attention, a SwiGLU feed-forward block and tied (or
+separate) input/output embeddings, in float32. The prompt goes through ``cache.prefill`` and
+every further token through ``cache.decode``, which answers either with the attention output
+(:class:`~arraykv.Fused`) or with keys and values (:class:`~arraykv.Dequantized`, possibly with
+a ``logit_bias``) for :func:`arraykv.attention`.
+
+Speed on NumPy comes from the weight layout, not from clever code: every matrix is stored
+transposed and contiguous, ``(in_features, out_features)``, so ``x @ W`` is one BLAS call; Q, K
+and V are one fused matrix, gate and up are one fused matrix; the RoPE tables are computed once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .. import _compat
+from ..attention import attention
+from ..protocol import AttendConfig, Fused
+from .gguf import LlamaConfig
+
+__all__ = ["LlamaModel", "LayerWeights", "unpermute_qk"]
+
+
+def unpermute_qk(w: Any, heads: int) -> Any:
+    """Undo the GGUF converter's per-head row permutation of a Q or K projection.
+
+    Parameters
+    ----------
+    w : numpy.ndarray, shape (heads * head_dim, hidden)
+        Rows as stored in GGUF, where RoPE rotates adjacent pairs ``(2i, 2i+1)``.
+    heads : int
+
+    Returns
+    -------
+    numpy.ndarray, same shape
+        Rows in the rotate-half layout, where RoPE pairs channel ``i`` with ``i + head_dim/2``.
+    """
+    rows, cols = w.shape
+    hd = rows // heads
+    return w.reshape(heads, hd // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder block, matrices laid out ``(in_features, out_features)``, float32.
+
+    Attributes
+    ----------
+    attn_norm : array, shape (hidden,)
+    wqkv : array, shape (hidden, (heads + 2 * kv_heads) * head_dim)
+        Q, K, V projections side by side; Q/K in the rotate-half layout.
+    wo : array, shape (heads * head_dim, hidden)
+    ffn_norm : array, shape (hidden,)
+    wgu : array, shape (hidden, 2 * ffn)
+        Gate and up projections side by side.
+    wdown : array, shape (ffn, hidden)
+    """
+
+    attn_norm: Any
+    wqkv: Any
+    wo: Any
+    ffn_norm: Any
+    wgu: Any
+    wdown: Any
+
+
+class LlamaModel:
+    """A Llama-architecture decoder over NumPy or CuPy arrays.
+
+    Build one with :func:`arraykv.integrations.gguf_llama.load_model` (or
+    :meth:`from_gguf_tensors`).
+
+    Parameters
+    ----------
+    config : LlamaConfig
+    layers : list of LayerWeights
+    embedding : array, shape (vocab, hidden), float32
+    output_norm : array, shape (hidden,)
+    lm_head : array or None, shape (vocab, hidden)
+        None for tied embeddings (the output projection reuses ``embedding``).
+    tokenizer : GGUFTokenizer, optional
+
+    Attributes
+    ----------
+    config, tokenizer, xp
+        ``xp`` is the array namespace of the weights.
+    """
+
+    def __init__(self, config: LlamaConfig, layers: list, embedding: Any, output_norm: Any,
+                 lm_head: Any = None, tokenizer: Any = None):
+        self.config = config
+        self.layers = layers
+        self.embedding = embedding
+        self.output_norm = output_norm
+        self.lm_head = lm_head
+        self.tokenizer = tokenizer
+        self.xp = _compat.namespace(embedding)
+        # NumPy 2 offers the array-API names itself; calling it directly skips a wrapper per
+        # operation (a few percent of a decode step at 135M parameters).
+        self._ops = _plain_numpy() if _compat.is_numpy(self.xp) else self.xp
+        self._dev = _compat.device(embedding)
+        self._scale = 1.0 / math.sqrt(config.head_dim)
+        self._attend = AttendConfig(softmax_scale=self._scale, n_kv_groups=config.n_kv_groups)
+        self._rope_len = 0
+        self._cos = self._sin = None
+        self._ensure_rope(min(config.context_length, 4096))
+
+    # -- construction --------------------------------------------------------------
+    @classmethod
+    def from_gguf_tensors(cls, config: LlamaConfig, tensors: dict, *, tokenizer: Any = None, xp: Any = None):
+        """Lay out dequantized GGUF tensors for fast decoding.
+
+        Parameters
+        ----------
+        config : LlamaConfig
+        tensors : dict of str to numpy.ndarray
+            GGUF tensor names (``blk.{i}.attn_q.weight`` ...) to float32 ``(out, in)`` arrays.
+        tokenizer : GGUFTokenizer, optional
+        xp : array namespace, optional
+            Where the weights live (``array_api_compat.cupy`` for a GPU); NumPy by default.
+
+        Returns
+        -------
+        LlamaModel
+        """
+        import numpy as np
+
+        if xp is None:
+            import array_api_compat.numpy as xp  # noqa: PLW0127 - the default namespace
+
+        def get(name):
+            a = tensors.get(name)
+            if a is None:
+                raise ValueError(f"the model lacks tensor {name!r}; the GGUF file is incomplete or not a Llama model")
+            return a
+
+        def put(a):
+            return xp.asarray(np.ascontiguousarray(a, dtype=np.float32))
+
+        c = config
+        qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        layers = []
+        for i in range(c.num_layers):
+            p = f"blk.{i}."
+            wq = unpermute_qk(get(p + "attn_q.weight"), c.num_heads)
+            wk = unpermute_qk(get(p + "attn_k.weight"), c.num_kv_heads)
+            wv = get(p + "attn_v.weight")
+            if wq.shape != (qd, c.hidden_size) or wk.shape != (kd, c.hidden_size) or wv.shape != (kd, c.hidden_size):
+                raise ValueError(f"layer {i}: Q/K/V shapes {wq.shape}, {wk.shape}, {wv.shape} do not match the metadata")
+            layers.append(LayerWeights(
+                attn_norm=put(get(p + "attn_norm.weight")),
+                wqkv=put(np.concatenate([wq, wk, wv], axis=0).T),
+                wo=put(get(p + "attn_output.weight").T),
+                ffn_norm=put(get(p + "ffn_norm.weight")),
+                wgu=put(np.concatenate([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")], axis=0).T),
+                wdown=put(get(p + "ffn_down.weight").T),
+            ))
+        head = tensors.get("output.weight")
+        return cls(c, layers, put(get("token_embd.weight")), put(get("output_norm.weight")),
+                   None if head is None else put(head), tokenizer=tokenizer)
+
+    def make_cache(self, method: str = "dense", **options: Any):
+        """A cache of this model's geometry: ``arraykv.make_cache(method, num_layers=..., ...)``."""
+        from ..caches import make_cache
+
+        c = self.config
+        return make_cache(method, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, **options)
+
+    # -- building blocks -------------------------------------------------------------
+    def _ensure_rope(self, length: int) -> None:
+        if length <= self._rope_len:
+            return
+        import numpy as np
+
+        c = self.config
+        half = c.head_dim // 2
+        inv = 1.0 / (c.rope_theta ** (np.arange(half, dtype=np.float64) * 2.0 / c.head_dim))
+        ang = np.arange(length, dtype=np.float64)[:, None] * inv[None, :]
+        self._cos = self.xp.asarray(np.cos(ang).astype(np.float32), device=self._dev)
+        self._sin = self.xp.asarray(np.sin(ang).astype(np.float32), device=self._dev)
+        self._rope_len = length
+
+    def _rope(self, x: Any, start: int) -> Any:
+        """Rotate ``x`` of shape (batch, heads, t, head_dim) for positions ``start .. start+t-1``."""
+        xp = self._ops
+        t = int(x.shape[2])
+        half = self.config.head_dim // 2
+        cos = self._cos[start:start + t, :]
+        sin = self._sin[start:start + t, :]
+        x1, x2 = x[..., :half], x[..., half:]
+        return xp.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    def _rmsnorm(self, x: Any, w: Any) -> Any:
+        xp = self._ops
+        ms = xp.mean(x * x, axis=-1, keepdims=True)
+        return x * (1.0 / xp.sqrt(ms + self.config.rms_eps)) * w
+
+    def _qkv(self, lw: LayerWeights, h: Any, start: int):
+        xp = self._ops
+        c = self.config
+        b, t = int(h.shape[0]), int(h.shape[1])
+        qkv = xp.matmul(h, lw.wqkv)  # (b, t, (H + 2Hkv) * d)
+        qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q = xp.permute_dims(xp.reshape(qkv[..., :qd], (b, t, c.num_heads, c.head_dim)), (0, 2, 1, 3))
+        k = xp.permute_dims(xp.reshape(qkv[..., qd:qd + kd], (b, t, c.num_kv_heads, c.head_dim)), (0, 2, 1, 3))
+        v = xp.permute_dims(xp.reshape(qkv[..., qd + kd:], (b, t, c.num_kv_heads, c.head_dim)), (0, 2, 1, 3))
+        return self._rope(q, start), self._rope(k, start), v
+
+    def _mlp(self, lw: LayerWeights, x: Any) -> Any:
+        xp = self._ops
+        f = self.config.ffn_size
+        h = self._rmsnorm(x, lw.ffn_norm)
+        gu = xp.matmul(h, lw.wgu)
+        g, u = gu[..., :f], gu[..., f:]
+        return xp.matmul(g / (1.0 + xp.exp(-g)) * u, lw.wdown)
+
+    def _out_proj(self, lw: LayerWeights, o: Any) -> Any:
+        xp = self._ops
+        b, h, t, d = (int(s) for s in o.shape)
+        o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (b, t, h * d))
+        return xp.matmul(o, lw.wo)
+
+    def _attend_one(self, q: Any, k: Any, v: Any, bias: Any) -> Any:
+        """Attention of one new query token over ``total`` keys (the decode case).
+
+        The same math as :func:`arraykv.attention` for ``tokens == 1`` (no mask needed),
+        without its input checks: ``q`` (b, H, 1, d), ``k``/``v`` (b, Hkv, total, d), ``bias``
+        None or (b, H, 1, total). Returns (b, H, 1, d).
+        """
+        xp = self._ops
+        b, hq, _, d = (int(s) for s in q.shape)
+        hkv, total = int(k.shape[1]), int(k.shape[2])
+        g = hq // hkv
+        if k.dtype != q.dtype:
+            k = xp.astype(k, q.dtype)
+            v = xp.astype(v, q.dtype)
+        qg = xp.reshape(q, (b, hkv, g, d))
+        s = xp.matrix_transpose(xp.matmul(k, xp.matrix_transpose(qg))) * self._scale  # (b, hkv, g, total)
+        if bias is not None:
+            s = s + xp.reshape(xp.astype(bias, s.dtype), (b, hkv, g, total))
+        s = xp.exp(s - xp.max(s, axis=-1, keepdims=True))
+        p = s / xp.sum(s, axis=-1, keepdims=True)
+        return xp.reshape(xp.matmul(p, v), (b, hq, 1, int(v.shape[3])))
+
+    def _logits(self, x: Any) -> Any:
+        xp = self._ops
+        h = self._rmsnorm(x, self.output_norm)
+        head = self.embedding if self.lm_head is None else self.lm_head
+        return xp.matmul(h, xp.matrix_transpose(head))
+
+    # -- token ids in, logits out ----------------------------------------------------
+    def _ids(self, token_ids: Any):
+        """Token ids as a (batch, t) int64 array in the weights' namespace, and whether input was 1-D."""
+        import numpy as np
+
+        a = _compat.to_numpy(token_ids) if _is_array(token_ids) else np.asarray(token_ids)
+        if a.dtype.kind not in "iu" and not (a.size == 0 and a.dtype.kind == "f"):
+            raise TypeError(f"token_ids must be integers, received dtype {a.dtype}")
+        if a.ndim not in (1, 2):
+            raise ValueError(f"token_ids must have shape (tokens,) or (batch, tokens), received {a.shape}")
+        if a.shape[-1] == 0:
+            raise ValueError("token_ids must hold at least one token")
+        vocab = self.config.vocab_size
+        if a.min() < 0 or a.max() >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}), received values in [{a.min()}, {a.max()}]")
+        flat = a.ndim == 1
+        a2 = a[None, :] if flat else a
+        return self.xp.asarray(a2.astype(np.int64), device=self._dev), flat
+
+    def _check_room(self, start: int, t: int) -> None:
+        limit = self.config.context_length
+        if start + t > limit:
+            raise ValueError(
+                f"{start} cached tokens + {t} new ones exceed the model's context length of {limit}; "
+                "shorten the prompt, generate fewer tokens or reset the cache"
+            )
+        self._ensure_rope(min(limit, max(2 * (start + t), 256)))
+
+    def _embed(self, ids: Any) -> Any:
+        xp = self._ops
+        b, t = int(ids.shape[0]), int(ids.shape[1])
+        x = xp.take(self.embedding, xp.reshape(ids, (-1,)), axis=0)
+        return xp.reshape(x, (b, t, self.config.hidden_size))
+
+    def forward(self, token_ids: Any, cache: Any = None) -> Any:
+        """Logits for every position of ``token_ids``.
+
+        Parameters
+        ----------
+        token_ids : sequence of int or integer array, shape (tokens,) or (batch, tokens)
+        cache : CompressedKVCache, optional
+            Without a cache, exact causal attention over ``token_ids`` alone (nothing is kept).
+            With one, the tokens continue the sequence it holds: a single token after earlier
+            ones goes through :meth:`decode`, anything else through :meth:`prefill`.
+
+        Returns
+        -------
+        array, shape (tokens, vocab) or (batch, tokens, vocab), float32
+        """
+        if cache is None:
+            ids, flat = self._ids(token_ids)
+            self._check_room(0, int(ids.shape[1]))
+            x = self._embed(ids)
+            for lw in self.layers:
+                h = self._rmsnorm(x, lw.attn_norm)
+                q, k, v = self._qkv(lw, h, 0)
+                o = attention(q, k, v, softmax_scale=self._scale, causal=True)
+                x = x + self._out_proj(lw, o)
+                x = x + self._mlp(lw, x)
+            out = self._logits(x)
+            return out[0] if flat else out
+        n = _as_len(token_ids)
+        if n == 1 and cache.seq_len(0) > 0:
+            return self.decode(token_ids, cache)
+        return self.prefill(token_ids, cache)
+
+    def prefill(self, token_ids: Any, cache: Any) -> Any:
+        """Run ``token_ids`` through the model, storing their K/V with ``cache.prefill``.
+
+        Parameters
+        ----------
+        token_ids : sequence of int or integer array, shape (tokens,) or (batch, tokens)
+        cache : CompressedKVCache
+            Continued from the length of its layer 0.
+
+        Returns
+        -------
+        array, shape (tokens, vocab) or (batch, tokens, vocab), float32
+        """
+        ids, flat = self._ids(token_ids)
+        start = _cache_len(cache)
+        t = int(ids.shape[1])
+        self._check_room(start, t)
+        x = self._embed(ids)
+        for i, lw in enumerate(self.layers):
+            h = self._rmsnorm(x, lw.attn_norm)
+            q, k, v = self._qkv(lw, h, start)
+            r = cache.prefill(i, k, v, q)
+            o = attention(q, r.k, r.v, softmax_scale=self._scale, logit_bias=r.logit_bias, causal=True)
+            x = x + self._out_proj(lw, o)
+            x = x + self._mlp(lw, x)
+        out = self._logits(x)
+        return out[0] if flat else out
+
+    def decode(self, token_id: Any, cache: Any) -> Any:
+        """One decode step: store the token's K/V with ``cache.decode`` and return its logits.
+
+        Parameters
+        ----------
+        token_id : int, sequence of one int, or integer array of shape (batch,) or (batch, 1)
+            An int or a length-1 sequence means batch 1.
+        cache : CompressedKVCache
+            Holding the earlier tokens (at least one).
+
+        Returns
+        -------
+        array, shape (vocab,) for batch 1 given as an int or 1-element sequence, else (batch, vocab)
+        """
+        import numpy as np
+
+        if isinstance(token_id, (int, np.integer)):
+            ids, single = self._ids([[int(token_id)]])[0], True
+        else:
+            a = _compat.to_numpy(token_id) if _is_array(token_id) else np.asarray(token_id)
+            single = a.ndim <= 1 and a.size == 1
+            if a.ndim == 2 and a.shape[1] != 1:
+                raise ValueError(f"decode takes one token per sequence, received shape {a.shape}")
+            ids, _ = self._ids(a.reshape(-1, 1) if a.ndim <= 1 else a)
+        start = _cache_len(cache)
+        if start == 0:
+            raise ValueError("decode needs a cache holding earlier tokens; call prefill with the prompt first")
+        self._check_room(start, 1)
+        x = self._embed(ids)
+        for i, lw in enumerate(self.layers):
+            h = self._rmsnorm(x, lw.attn_norm)
+            q, k, v = self._qkv(lw, h, start)
+            res = cache.decode(i, k, v, q, self._attend)
+            if isinstance(res, Fused):
+                o = res.output
+            else:
+                r = res.result
+                o = self._attend_one(q, r.k, r.v, r.logit_bias)
+            x = x + self._out_proj(lw, o)
+            x = x + self._mlp(lw, x)
+        out = self._logits(x)[:, 0, :]
+        return out[0] if single else out
+
+    # -- text generation ---------------------------------------------------------------
+    def generate(self, prompt: Any, max_new_tokens: int = 32, *, cache: Any = None, method: str = "dense",
+                 temperature: float = 0.0, top_k: int | None = None, seed: int | None = None,
+                 stop_at_eos: bool = True, on_token: Callable[[int], None] | None = None) -> list:
+        """Greedy or sampled generation for one sequence.
+
+        Parameters
+        ----------
+        prompt : str or sequence of int
+            Text (needs :attr:`tokenizer`) or token ids.
+        max_new_tokens : int, default 32
+        cache : CompressedKVCache, optional
+            An empty cache to use; by default ``self.make_cache(method)``.
+        method : str, default "dense"
+            Cache method when ``cache`` is not given.
+        temperature : float, default 0.0
+            0 is greedy (argmax); otherwise sample from ``softmax(logits / temperature)``.
+        top_k : int, optional
+            Sample only among the ``top_k`` most likely tokens.
+        seed : int, optional
+            Seed of the sampler.
+        stop_at_eos : bool, default True
+            Stop after the tokenizer's end-of-sequence token.
+        on_token : callable, optional
+            Called with each new token id as it is produced (for streaming output).
+
+        Returns
+        -------
+        list of int
+            The new token ids (the prompt excluded).
+        """
+        import numpy as np
+
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise ValueError("prompt must hold at least one token")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, received {max_new_tokens!r}")
+        temperature = float(temperature)
+        if not temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, received {temperature}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be a positive integer or None, received {top_k!r}")
+        limit = self.config.context_length
+        if len(ids) + max_new_tokens > limit:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the context "
+                f"length of {limit}; shorten the prompt or ask for fewer tokens"
+            )
+        if cache is None:
+            cache = self.make_cache(method)
+        elif _cache_len(cache) != 0:
+            raise ValueError("cache must be empty; call cache.reset() first")
+        rng = np.random.default_rng(seed)
+        eos = None if self.tokenizer is None else self.tokenizer.eos_id
+        out: list = []
+        if max_new_tokens == 0:
+            return out
+        logits = self.prefill(ids, cache)[-1]
+        while True:
+            tok = _pick(_compat.to_numpy(logits), temperature, top_k, rng)
+            out.append(tok)
+            if on_token is not None:
+                on_token(tok)
+            if len(out) >= max_new_tokens or (stop_at_eos and tok == eos):
+                return out
+            logits = self.decode(tok, cache)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"LlamaModel({c.name!r}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}, "
+                f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, vocab={c.vocab_size})")
+
+
+def _plain_numpy():
+    import numpy as np
+
+    if hasattr(np, "permute_dims") and hasattr(np, "concat") and hasattr(np, "matrix_transpose"):
+        return np
+    import array_api_compat.numpy as xnp
+
+    return xnp
+
+
+def _pick(logits: Any, temperature: float, top_k: int | None, rng: Any) -> int:
+    import numpy as np
+
+    z = np.asarray(logits, dtype=np.float64)
+    if temperature == 0.0:
+        return int(np.argmax(z))
+    z = z / temperature
+    if top_k is not None and top_k < z.size:
+        cut = np.partition(z, -top_k)[-top_k]
+        z = np.where(z >= cut, z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    return int(rng.choice(z.size, p=p))
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _as_len(token_ids: Any) -> int:
+    if isinstance(token_ids, int):
+        return 1
+    shape = getattr(token_ids, "shape", None)
+    if shape is not None:
+        return int(shape[-1]) if len(shape) else 1
+    return len(token_ids)
+
+
+def _cache_len(cache: Any) -> int:
+    if not hasattr(cache, "seq_len") or not hasattr(cache, "prefill"):
+        raise TypeError(f"cache must be a CompressedKVCache, received {type(cache).__name__}")
+    return int(cache.seq_len(0))
+
