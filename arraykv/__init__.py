@@ -13,6 +13,7 @@ from .compressor import (
     decompress_to_mla_cache,
     decompress_to_paged_cache,
 )
+from .storage import MlaCache, PagedKVCache
 from .caches import DenseCache, available_methods, make_cache, register_method
 from .persist import CacheFileError, load_cache as load
 from .protocol import (
@@ -31,6 +32,8 @@ __all__ = [
     "CompressedKV",
     "Hybrid",
     "KVCacheCompressor",
+    "MlaCache",
+    "PagedKVCache",
     "LowRank",
     "VectorQuantization",
     "compress_mla_cache",

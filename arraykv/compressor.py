@@ -310,25 +310,28 @@ class KVCacheCompressor:
                 raise TypeError(f"{name} must have a floating dtype, received {dtype_name(x.dtype)}")
             if any(int(s) < 1 for s in x.shape):
                 raise ValueError(f"{name} must have no empty axis, received shape {tuple(x.shape)}")
-        if tuple(k.shape) != tuple(v.shape):
-            raise ValueError(f"k and v shapes must match, received {tuple(k.shape)} and {tuple(v.shape)}")
+        if tuple(k.shape[:-1]) != tuple(v.shape[:-1]):
+            raise ValueError(f"k and v shapes must match (except head_dim, for MLA-style values), received "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
         if k.dtype != v.dtype:
             raise TypeError(f"k and v must share one dtype, received {dtype_name(k.dtype)} and {dtype_name(v.dtype)}")
         check_finite(xp, k=k, v=v)
-        self._check_geometry(int(k.shape[-1]), int(k.shape[-3]), int(k.shape[-2]) * (int(k.shape[0]) if ndim == 4 else 1))
+        self._check_geometry(int(k.shape[-1]), int(v.shape[-1]), int(k.shape[-3]),
+                             int(k.shape[-2]) * (int(k.shape[0]) if ndim == 4 else 1))
         return xp
 
-    def _check_geometry(self, d: int, heads: int, samples: int) -> None:
+    def _check_geometry(self, dk: int, dv: int, heads: int, samples: int) -> None:
         m = self.method
-        if isinstance(m, (LowRank, Hybrid)) and m.rank is not None and m.rank > d:
-            raise ValueError(f"rank must be <= head_dim={d}, received {m.rank}")
-        if isinstance(m, VectorQuantization) and d % m.sub_dim != 0:
-            raise ValueError(f"sub_dim must divide head_dim={d}, received sub_dim={m.sub_dim}")
+        for d in (dk, dv):
+            if isinstance(m, (LowRank, Hybrid)) and m.rank is not None and m.rank > d:
+                raise ValueError(f"rank must be <= head_dim={d}, received {m.rank}")
+            if isinstance(m, VectorQuantization) and d % m.sub_dim != 0:
+                raise ValueError(f"sub_dim must divide head_dim={d}, received sub_dim={m.sub_dim}")
         if self._fit is not None:
-            if (self._fit["heads"], self._fit["head_dim"]) != (heads, d):
+            if (self._fit["heads"], self._fit["head_dim"], self._fit["v_head_dim"]) != (heads, dk, dv):
                 raise ValueError(
-                    f"the compressor was fitted on {self._fit['heads']} heads of head_dim {self._fit['head_dim']}, "
-                    f"received {heads} heads of head_dim {d}"
+                    f"the compressor was fitted on {self._fit['heads']} heads of head_dim {self._fit['head_dim']} "
+                    f"(values {self._fit['v_head_dim']}), received {heads} heads of head_dim {dk} (values {dv})"
                 )
         elif isinstance(m, VectorQuantization) and samples < m.codebook_size:
             raise ValueError(
@@ -359,7 +362,7 @@ class KVCacheCompressor:
             raise
         if nd == 3:
             k, v = k[None, ...], v[None, ...]
-        fit = {"heads": int(k.shape[1]), "head_dim": int(k.shape[3]), "k": self._fit_one(xp, k),
+        fit = {"heads": int(k.shape[1]), "head_dim": int(k.shape[3]), "v_head_dim": int(v.shape[3]), "k": self._fit_one(xp, k),
                "v": self._fit_one(xp, v)}
         self._fit = fit
         return self

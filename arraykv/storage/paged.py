@@ -1,0 +1,299 @@
+"""A paged KV cache: fixed-size token blocks in one pool per layer, block tables per sequence."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .. import _compat
+from .._validation import check_finite, check_int, dtype_name, is_floating
+
+__all__ = ["PagedKVCache"]
+
+
+class _Layer:
+    """Pools and bookkeeping of one layer (guarded by its lock)."""
+
+    def __init__(self) -> None:
+        self.k_pool = None
+        self.v_pool = None
+        self.xp = None
+        self.free: list = []
+        self.tables: dict = {}  # seq_id -> list of block ids
+        self.lengths: dict = {}  # seq_id -> tokens
+
+
+class PagedKVCache:
+    """Keys and values of many sequences in fixed-size blocks (paged attention layout).
+
+    Each layer owns one K pool and one V pool of shape
+    ``(num_blocks, num_kv_heads, block_size, head_dim)``, allocated on the first append to
+    that layer in the namespace, device and dtype of the appended arrays. A sequence holds a
+    block table per layer: its token ``i`` lives in block ``table[i // block_size]`` at slot
+    ``i % block_size``. Blocks return to the layer's free list when the sequence is freed.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim : int
+    block_size : int, default 16
+        Tokens per block.
+    num_blocks : int, default 256
+        Blocks per layer pool.
+    v_head_dim : int, optional
+        Channels of the values (default ``head_dim``).
+    check_finite : bool, default True
+        Reject NaN/Inf keys and values.
+
+    Notes
+    -----
+    Appends are atomic: the blocks needed are counted before anything is written, and an
+    append that does not fit raises ``ValueError`` leaving the cache unchanged. Every method
+    is thread-safe: one lock per layer, plus one for the set of live sequence ids (always
+    taken after a layer lock, never before).
+    """
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16,
+                 num_blocks: int = 256, v_head_dim: int | None = None, check_finite: bool = True):
+        self.num_layers = check_int("num_layers", num_layers, low=1)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, low=1)
+        self.head_dim = check_int("head_dim", head_dim, low=1)
+        self.v_head_dim = self.head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, low=1)
+        self.block_size = check_int("block_size", block_size, low=1)
+        self.num_blocks = check_int("num_blocks", num_blocks, low=1)
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite must be a bool, received {type(check_finite).__name__}")
+        self.check_finite = check_finite
+        self._layers = [_Layer() for _ in range(self.num_layers)]
+        for lay in self._layers:
+            lay.free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self._locks = [threading.Lock() for _ in range(self.num_layers)]
+        self._ids_lock = threading.Lock()
+        self._live: set = set()
+        self._next_id = 0
+
+    # -- sequences ------------------------------------------------------------------
+    def allocate_sequence(self) -> int:
+        """Register a new, empty sequence and return its id (ids are never reused)."""
+        with self._ids_lock:
+            sid = self._next_id
+            self._next_id += 1
+            self._live.add(sid)
+            return sid
+
+    def sequences(self) -> list:
+        """Ids of the live sequences, ascending."""
+        with self._ids_lock:
+            return sorted(self._live)
+
+    def _check_seq(self, seq_id: Any) -> int:
+        sid = check_int("seq_id", seq_id, low=0)
+        with self._ids_lock:
+            if sid not in self._live:
+                state = "was freed" if sid < self._next_id else "was never allocated"
+                raise ValueError(f"seq_id {sid} {state}; allocate_sequence() gives a valid id")
+        return sid
+
+    def _check_layer(self, layer: Any) -> int:
+        return check_int("layer", layer, low=0, high=self.num_layers - 1)
+
+    def free(self, seq_id: int) -> None:
+        """Return every block of ``seq_id`` to the pools; freeing twice is an error."""
+        sid = check_int("seq_id", seq_id, low=0)
+        with self._ids_lock:
+            if sid not in self._live:
+                state = "was already freed" if sid < self._next_id else "was never allocated"
+                raise ValueError(f"cannot free seq_id {sid}: it {state}")
+            self._live.discard(sid)
+        for i, lay in enumerate(self._layers):
+            with self._locks[i]:
+                blocks = lay.tables.pop(sid, [])
+                lay.lengths.pop(sid, None)
+                lay.free.extend(reversed(blocks))
+
+    # -- tokens ---------------------------------------------------------------------
+    def append(self, layer: int, seq_id: int, k: Any, v: Any) -> None:
+        """Append tokens to one sequence of one layer.
+
+        Parameters
+        ----------
+        layer : int
+        seq_id : int
+        k : array, shape (num_kv_heads, new_tokens, head_dim)
+        v : array, shape (num_kv_heads, new_tokens, v_head_dim)
+
+        Raises
+        ------
+        ValueError
+            Out of blocks (nothing is written), unknown or freed ``seq_id``, bad shapes.
+        TypeError
+            Non-floating dtypes, or a namespace/dtype unlike the layer's pool.
+        """
+        layer = self._check_layer(layer)
+        xp, t = self._check_tokens(k, v)
+        with self._locks[layer]:
+            sid = self._check_seq(seq_id)
+            lay = self._layers[layer]
+            if lay.k_pool is not None:
+                if lay.xp is not xp:
+                    raise TypeError(f"layer {layer} pools hold arrays of another library")
+                if lay.k_pool.dtype != k.dtype:
+                    raise TypeError(f"k must have dtype {dtype_name(lay.k_pool.dtype)} like layer {layer}'s pool, "
+                                    f"received {dtype_name(k.dtype)}")
+                if _compat.device(lay.k_pool) != _compat.device(k):
+                    raise ValueError(f"k must be on device {_compat.device(lay.k_pool)}, received {_compat.device(k)}")
+            length = lay.lengths.get(sid, 0)
+            table = lay.tables.get(sid, [])
+            bs = self.block_size
+            need = -(-(length + t) // bs) - len(table)
+            if need > len(lay.free):
+                raise ValueError(
+                    f"layer {layer} has {len(lay.free)} free blocks of {bs} tokens and seq_id {sid} needs {need} more "
+                    f"for {t} tokens; nothing was written (free sequences or raise num_blocks)"
+                )
+            if lay.k_pool is None:
+                dev = _compat.device(k)
+                lay.k_pool = xp.zeros((self.num_blocks, self.num_kv_heads, bs, self.head_dim), dtype=k.dtype, device=dev)
+                lay.v_pool = xp.zeros((self.num_blocks, self.num_kv_heads, bs, self.v_head_dim), dtype=k.dtype,
+                                      device=dev)
+                lay.xp = xp
+            new_blocks = [lay.free.pop() for _ in range(need)]
+            table = table + new_blocks
+            pos, src = length, 0
+            while src < t:
+                blk, off = table[pos // bs], pos % bs
+                n = min(bs - off, t - src)
+                lay.k_pool[blk, :, off:off + n, :] = k[:, src:src + n, :]
+                lay.v_pool[blk, :, off:off + n, :] = v[:, src:src + n, :]
+                pos += n
+                src += n
+            lay.tables[sid] = table
+            lay.lengths[sid] = length + t
+
+    def _check_tokens(self, k: Any, v: Any):
+        for name, x in (("k", k), ("v", v)):
+            try:
+                _compat.namespace(x)
+            except TypeError:
+                raise TypeError(f"{name} must be an array, received {type(x).__name__}") from None
+        xp = _compat.namespace(k, v)
+        for name, x, d in (("k", k, self.head_dim), ("v", v, self.v_head_dim)):
+            if x.ndim != 3:
+                raise ValueError(f"{name} must have shape (num_kv_heads, new_tokens, head_dim), "
+                                 f"received shape {tuple(x.shape)}")
+            if not is_floating(xp, x.dtype):
+                raise TypeError(f"{name} must have a floating dtype, received {dtype_name(x.dtype)}")
+            if int(x.shape[0]) != self.num_kv_heads:
+                raise ValueError(f"{name} must have {self.num_kv_heads} heads (axis 0), received {int(x.shape[0])}")
+            if int(x.shape[2]) != d:
+                raise ValueError(f"{name} must have {d} channels (axis 2), received {int(x.shape[2])}")
+        if int(k.shape[1]) != int(v.shape[1]):
+            raise ValueError(f"k and v must hold the same tokens (axis 1), received {int(k.shape[1])} and {int(v.shape[1])}")
+        if int(k.shape[1]) < 1:
+            raise ValueError("k must hold at least one token (axis 1), received 0")
+        if k.dtype != v.dtype:
+            raise TypeError(f"k and v must share one dtype, received {dtype_name(k.dtype)} and {dtype_name(v.dtype)}")
+        if self.check_finite:
+            check_finite(xp, k=k, v=v)
+        return xp, int(k.shape[1])
+
+    def get_kv(self, layer: int, seq_id: int) -> tuple:
+        """Keys and values of ``seq_id`` in ``layer``: two arrays (heads, seq_len, dim), copies.
+
+        Raises ``ValueError`` when the sequence holds no token in this layer (the pool's dtype
+        may not even be known yet).
+        """
+        layer = self._check_layer(layer)
+        with self._locks[layer]:
+            sid = self._check_seq(seq_id)
+            lay = self._layers[layer]
+            length = lay.lengths.get(sid, 0)
+            if length == 0:
+                raise ValueError(f"seq_id {sid} holds no tokens in layer {layer}")
+            return self._gather(lay, lay.tables[sid], length)
+
+    def _gather(self, lay: _Layer, table: list, length: int) -> tuple:
+        xp = lay.xp
+        ids = xp.asarray(table, dtype=xp.int64, device=_compat.device(lay.k_pool))
+        out = []
+        for pool in (lay.k_pool, lay.v_pool):
+            blocks = xp.take(pool, ids, axis=0)  # (nb, heads, bs, d)
+            nb, h, bs, d = (int(s) for s in blocks.shape)
+            seq = xp.reshape(xp.permute_dims(blocks, (1, 0, 2, 3)), (h, nb * bs, d))
+            out.append(seq[:, :length, :])
+        return out[0], out[1]
+
+    def get_batch(self, layer: int, seq_ids: list) -> tuple:
+        """Sequences of different lengths as one zero-padded batch.
+
+        Returns
+        -------
+        k : array (len(seq_ids), heads, max_len, head_dim)
+        v : array (len(seq_ids), heads, max_len, v_head_dim)
+        lengths : list of int
+        """
+        layer = self._check_layer(layer)
+        if not seq_ids:
+            raise ValueError("seq_ids must name at least one sequence, received none")
+        with self._locks[layer]:
+            sids = [self._check_seq(s) for s in seq_ids]
+            lay = self._layers[layer]
+            lengths = [lay.lengths.get(s, 0) for s in sids]
+            if min(lengths) == 0:
+                raise ValueError(f"seq_id {sids[lengths.index(0)]} holds no tokens in layer {layer}")
+            xp = lay.xp
+            top = max(lengths)
+            ks, vs = [], []
+            for s, n in zip(sids, lengths):
+                k, v = self._gather(lay, lay.tables[s], n)
+                if n < top:
+                    dev = _compat.device(k)
+                    k = xp.concat([k, xp.zeros((self.num_kv_heads, top - n, self.head_dim), dtype=k.dtype, device=dev)], axis=1)
+                    v = xp.concat([v, xp.zeros((self.num_kv_heads, top - n, self.v_head_dim), dtype=v.dtype, device=dev)],
+                                  axis=1)
+                ks.append(k)
+                vs.append(v)
+            return xp.stack(ks, axis=0), xp.stack(vs, axis=0), lengths
+
+    def seq_len(self, layer: int, seq_id: int) -> int:
+        """Tokens of ``seq_id`` in ``layer``."""
+        layer = self._check_layer(layer)
+        with self._locks[layer]:
+            sid = self._check_seq(seq_id)
+            return self._layers[layer].lengths.get(sid, 0)
+
+    def block_table(self, layer: int, seq_id: int) -> list:
+        """Block ids of ``seq_id`` in ``layer``, in token order (a copy)."""
+        layer = self._check_layer(layer)
+        with self._locks[layer]:
+            sid = self._check_seq(seq_id)
+            return list(self._layers[layer].tables.get(sid, []))
+
+    def free_blocks(self, layer: int) -> int:
+        """Blocks of ``layer`` not held by any sequence."""
+        layer = self._check_layer(layer)
+        with self._locks[layer]:
+            return len(self._layers[layer].free)
+
+    def memory_usage(self) -> int:
+        """Bytes of the blocks held by sequences (K and V), over all layers."""
+        total = 0
+        for i, lay in enumerate(self._layers):
+            with self._locks[i]:
+                if lay.k_pool is None:
+                    continue
+                used = self.num_blocks - len(lay.free)
+                total += used * (_compat.array_nbytes(lay.k_pool) + _compat.array_nbytes(lay.v_pool)) // self.num_blocks
+        return total
+
+    def reserved_bytes(self) -> int:
+        """Bytes of the allocated pools."""
+        total = 0
+        for i, lay in enumerate(self._layers):
+            with self._locks[i]:
+                if lay.k_pool is not None:
+                    total += _compat.array_nbytes(lay.k_pool) + _compat.array_nbytes(lay.v_pool)
+        return total
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"block_size={self.block_size}, num_blocks={self.num_blocks})")
