@@ -1,3 +1,4 @@
 """Imports the built-in cache modules so that they register their methods."""
 
 from . import dense  # noqa: F401
+from . import intq  # noqa: F401

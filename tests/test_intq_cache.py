@@ -1,0 +1,120 @@
+import numpy as np
+import pytest
+
+import arraykv
+from arraykv.quant.intq import dequantize_groups, quantize_groups
+from cache_contract import attend, random_kvq
+from conftest import asarray, to_np
+
+H, D = 2, 64
+
+
+def make(method="int4", **kw):
+    opts = dict(num_layers=2, num_kv_heads=H, head_dim=D)
+    opts.update(kw)
+    return arraykv.make_cache(method, **opts)
+
+
+def rel_mse(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(((a - b) ** 2).sum() / (b ** 2).sum())
+
+
+def per_token_baseline(x, bits, g):
+    """KIVI-style per-token quantization of both K and V: groups of g channels."""
+    return dequantize_groups(quantize_groups(x, bits, g, param_dtype="float16"))
+
+
+@pytest.mark.parametrize("method,bits", [("int4", 4), ("int8", 8)])
+@pytest.mark.parametrize("outlier_channels", [False, True])
+def test_at_least_as_good_as_per_token(rng, method, bits, outlier_channels):
+    k = rng.standard_normal((1, H, 512, D)).astype(np.float32)
+    if outlier_channels:
+        k[..., [2, 40]] *= 15
+    v = rng.standard_normal((1, H, 512, D)).astype(np.float32)
+    cache = make(method)
+    q = rng.standard_normal((1, H, 512, D)).astype(np.float32)
+    r = cache.prefill(0, k, v, q)
+    ours_k, ours_v = rel_mse(r.k, k), rel_mse(r.v, v)
+    base_k, base_v = rel_mse(per_token_baseline(k, bits, 32), k), rel_mse(per_token_baseline(v, bits, 32), v)
+    assert ours_v == pytest.approx(base_v, rel=1e-6)  # values: the same per-token scheme
+    assert ours_k <= base_k * 1.02
+    if outlier_channels:
+        # Per-channel keys isolate the outlier channels: the other channels keep their precision.
+        normal = [c for c in range(D) if c not in (2, 40)]
+        rk, base = np.asarray(r.k)[..., normal], np.asarray(per_token_baseline(k, bits, 32))[..., normal]
+        assert rel_mse(rk, k[..., normal]) < rel_mse(base, k[..., normal]) / 5
+        assert ours_k < base_k / 1.5
+    assert ours_k < (0.02 if bits == 4 else 1e-4) * (1 if not outlier_channels else 3)
+
+
+def test_residual_then_groups_and_tokens_in_order(xp, rng):
+    cache = make("int8", group_size=8)
+    ks = []
+    cfg = arraykv.AttendConfig(D ** -0.5, 2)
+    for t in (5, 1, 1, 1, 10, 1):
+        k, v, q = random_kvq(rng, xp, 2, H, 2, t, D)
+        ks.append(to_np(k))
+        if t == 1:
+            out = cache.decode(0, k, v, q, cfg)
+            assert isinstance(out, arraykv.Dequantized)
+        else:
+            cache.prefill(0, k, v, q)
+    want = np.concatenate(ks, axis=2)
+    arrays = cache.layer_arrays(0)
+    assert arrays["k_codes"].shape == (2, H, 2, D, 8) and arrays["k_residual"].shape == (2, H, 3, D)
+    assert arrays["v_codes"].shape == (2, H, 19, D)
+    got = to_np(cache.dequantize(0).k)
+    np.testing.assert_array_equal(got[:, :, 16:], want[:, :, 16:])  # residual exact
+    assert rel_mse(got, want) < 1e-4
+
+
+def test_int4_packing_and_memory(rng):
+    cache = make("int4")
+    k, v, q = random_kvq(rng, np, 1, H, 1, 100, D)
+    cache.prefill(0, k, v, q)
+    a = cache.layer_arrays(0)
+    assert a["k_codes"].shape == (1, H, 3, D, 16) and a["k_codes"].dtype == np.uint8
+    assert a["v_codes"].shape == (1, H, 100, 32) and a["k_scale"].dtype == np.float16
+    held = sum(x.nbytes for x in a.values())
+    assert cache.memory_usage() == held
+    # 96 quantized key tokens and 100 value tokens at 4 + 32/32 bits, 4 float32 residual keys
+    assert held == (96 + 100) * H * D * 5 // 8 + 4 * H * D * 4
+
+
+def test_config_round_trip_and_options():
+    cache = make("int8", group_size=16, scale_dtype="float32")
+    cfg = cache.get_config()
+    assert cfg["method"] == "int8" and cfg["group_size"] == 16
+    again = arraykv.make_cache(**cfg)
+    assert type(again) is type(cache) and again.get_config() == cfg
+    with pytest.raises(ValueError, match="scale_dtype"):
+        make("int4", scale_dtype="int8")
+    with pytest.raises(ValueError, match="group_size"):
+        make("int4", group_size=0)
+    with pytest.raises(TypeError, match="does not take"):
+        make("int4", bits=3)
+
+
+def test_restore_layer_is_exact(rng):
+    cache = make("int4", group_size=8)
+    k, v, q = random_kvq(rng, np, 1, H, 1, 21, D)
+    cache.prefill(1, k, v, q)
+    st = cache._states[1]
+    arrays = cache.layer_arrays(1)
+    back = cache._restore_layer(st.xp, st.device, st.batch, st.dtype, st.length, arrays)
+    r1, r2 = cache._dequantize(st), cache._dequantize(back)
+    np.testing.assert_array_equal(r1.k, r2.k)
+    np.testing.assert_array_equal(r1.v, r2.v)
+    assert cache._layer_nbytes(back) == cache._layer_nbytes(st)
+
+
+def test_attention_close_to_exact(rng):
+    cache = make("int8")
+    k, v, q = random_kvq(rng, np, 1, H, 2, 200, D)
+    cache.prefill(0, k, v, q)
+    k1, v1, q1 = random_kvq(rng, np, 1, H, 2, 1, D)
+    scale = D ** -0.5
+    got = attend(cache.decode(0, k1, v1, q1, arraykv.AttendConfig(scale, 2)), q1, scale)
+    want = arraykv.attention(q1, np.concatenate([k, k1], 2), np.concatenate([v, v1], 2), softmax_scale=scale)
+    assert rel_mse(got, want) < 1e-3
