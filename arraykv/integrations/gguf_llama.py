@@ -44,7 +44,8 @@ def load_model(path: str | os.PathLike | None = None, *, xp: Any = None, tokeniz
     xp : array namespace, optional
         Where the weights go (``array_api_compat.cupy`` for a GPU); NumPy by default.
     tokenizer : bool, default True
-        Build the tokenizer from the metadata (needs ``tokenizers``).
+        Build the tokenizer from the metadata (needs ``tokenizers``); a file without tokenizer
+        metadata loads with ``model.tokenizer = None`` (pass token ids).
     download : bool, default True
         Allow fetching the default model.
     quiet : bool, default False
@@ -73,7 +74,8 @@ def load_model(path: str | os.PathLike | None = None, *, xp: Any = None, tokeniz
     if reuse and key in _LOADED:
         return _LOADED[key]
     config, tensors, reader = read_gguf(p)
-    tok = tokenizer_from_gguf(reader) if tokenizer else None
+    has_vocab = reader.fields.get("tokenizer.ggml.model") is not None
+    tok = tokenizer_from_gguf(reader) if (tokenizer and has_vocab) else None
     model = LlamaModel.from_gguf_tensors(config, tensors, tokenizer=tok, xp=xp)
     del tensors, reader
     if reuse:

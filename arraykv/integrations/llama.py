@@ -23,7 +23,7 @@ from ..attention import attention
 from ..protocol import AttendConfig, Fused
 from .gguf import LlamaConfig
 
-__all__ = ["LlamaModel", "LayerWeights", "unpermute_qk"]
+__all__ = ["LlamaModel", "LayerWeights", "random_gguf_tensors", "unpermute_qk"]
 
 
 def unpermute_qk(w: Any, heads: int) -> Any:
@@ -467,6 +467,47 @@ class LlamaModel:
         c = self.config
         return (f"LlamaModel({c.name!r}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}, "
                 f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, vocab={c.vocab_size})")
+
+
+def random_gguf_tensors(config: LlamaConfig, seed: int = 0) -> dict:
+    """Random float32 tensors under GGUF names for ``config`` (a tiny model for tests and examples).
+
+    Parameters
+    ----------
+    config : LlamaConfig
+    seed : int, default 0
+
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        ``(out, in)`` matrices scaled by ``1/sqrt(in)``, norms near 1; tied embeddings.
+        ``LlamaModel.from_gguf_tensors(config, random_gguf_tensors(config))`` builds a model.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    c = config
+
+    def mat(out, inp):
+        return (rng.standard_normal((out, inp)) / math.sqrt(inp)).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    t = {"token_embd.weight": rng.standard_normal((c.vocab_size, c.hidden_size)).astype(np.float32),
+         "output_norm.weight": norm(c.hidden_size)}
+    for i in range(c.num_layers):
+        p = f"blk.{i}."
+        t[p + "attn_norm.weight"] = norm(c.hidden_size)
+        t[p + "attn_q.weight"] = mat(c.num_heads * c.head_dim, c.hidden_size)
+        t[p + "attn_k.weight"] = mat(c.num_kv_heads * c.head_dim, c.hidden_size)
+        t[p + "attn_v.weight"] = mat(c.num_kv_heads * c.head_dim, c.hidden_size)
+        t[p + "attn_output.weight"] = mat(c.hidden_size, c.num_heads * c.head_dim)
+        t[p + "ffn_norm.weight"] = norm(c.hidden_size)
+        t[p + "ffn_gate.weight"] = mat(c.ffn_size, c.hidden_size)
+        t[p + "ffn_up.weight"] = mat(c.ffn_size, c.hidden_size)
+        t[p + "ffn_down.weight"] = mat(c.hidden_size, c.ffn_size)
+    return t
 
 
 def _plain_numpy():

@@ -1,0 +1,82 @@
+"""``python -m arraykv demo``: a real model decoding through compressed KV caches."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+__all__ = ["add_parser", "run", "default_methods"]
+
+_PREFERRED = ("dense", "pqo4", "pqo3", "pqo2", "int8", "int4")
+
+
+def default_methods() -> list:
+    """``dense`` plus those of pqo4/pqo3/pqo2/int8/int4 that are registered."""
+    from .caches import available_methods
+
+    have = set(available_methods())
+    return [m for m in _PREFERRED if m in have]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="generate with SmolLM2-135M through a compressed cache and print a quality table",
+                       description=__doc__)
+    p.add_argument("--model", default=None, help="a Llama .gguf file (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--prompt", default="Write one sentence about the sea.", help="user message for the chat model")
+    p.add_argument("--generate-with", default=None, help="cache method for the generation (default: pqo4, else dense)")
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--methods", nargs="+", default=None, help="methods in the table (default: dense, pqo*, int*)")
+    p.add_argument("--tokens", type=int, default=256,
+                   help="tokens of the built-in text for the table (512 in docs/quality.md)")
+    p.add_argument("--prefill", type=int, default=64)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import eval as ev
+    from .caches import available_methods
+    from .integrations.gguf_llama import load_model
+
+    methods = args.methods or default_methods()
+    unknown = [m for m in methods if m not in available_methods()]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; available: {', '.join(available_methods())}")
+    print("Loading the model (SmolLM2-135M-Instruct, float32 NumPy weights)...", flush=True)
+    t0 = time.perf_counter()
+    model = load_model(args.model)
+    print(f"  {model!r} in {time.perf_counter() - t0:.1f} s\n")
+
+    gen = args.generate_with or ("pqo4" if "pqo4" in available_methods() else "dense")
+    if model.tokenizer is None:
+        raise ValueError("this GGUF file has no tokenizer; the demo needs one")
+    prompt = model.tokenizer.chat_prompt(args.prompt)
+    print(f"[{gen} cache] user: {args.prompt}\nassistant: ", end="", flush=True)
+    cache = model.make_cache(gen)
+    pieces: list = []
+
+    def show(tok: int) -> None:
+        if tok == model.tokenizer.eos_id:
+            return
+        pieces.append(tok)
+        text = model.tokenizer.decode(pieces)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            print(text, end="", flush=True)
+            pieces.clear()
+
+    t0 = time.perf_counter()
+    new = model.generate(prompt, args.max_new_tokens, cache=cache, on_token=show)
+    dt = time.perf_counter() - t0
+    print(f"\n  ({len(new)} tokens in {dt:.1f} s, prompt included; KV cache {cache.memory_usage() / 1024:.0f} KiB "
+          f"for {cache.seq_len(0)} tokens)\n")
+
+    ids = ev.builtin_token_ids(model, args.tokens)
+    print(f"Teacher-forced quality on {args.tokens} tokens of Pride and Prejudice (prefill {args.prefill}, "
+          f"then {args.tokens - args.prefill - 1} decode steps per method):", flush=True)
+    rows = ev.evaluate(model, ids, methods, prefill=args.prefill, progress=not args.no_progress)
+    print(ev.format_table(rows, markdown=False))
+    print("\nbits/value = memory_usage() * 8 / (2 * layers * kv_heads * tokens * head_dim); dense holds float32.")
+    print("KV vs f16 = bytes held / float16 K/V of the same tokens. Full table: python benchmarks/quality.py")
+    sys.stdout.flush()
+    return 0

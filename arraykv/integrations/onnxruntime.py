@@ -1,0 +1,248 @@
+"""Drive an ONNX Runtime decoder with its KV cache held compressed in any :class:`CompressedKVCache`.
+
+An ONNX decoder exported "with past" takes ``past_key_values.{i}.key`` / ``.value`` inputs of
+shape ``(batch, kv_heads, past, head_dim)`` and returns ``present.{i}.key`` / ``.value`` of shape
+``(batch, kv_heads, past + new, head_dim)`` (the names Hugging Face Optimum and
+onnxruntime-genai use). :class:`OrtKVDecoder` discovers those names, the number of layers and
+the head layout from the session, and after each step
+
+1. takes the ``new`` tokens' keys and values out of ``present.*``,
+2. stores them with ``cache.prefill(layer, k_new, v_new, q)`` (which returns the K/V of every
+   token the layer holds, reconstructed by the cache),
+3. feeds those reconstructed K/V as the next step's ``past_key_values.*``.
+
+So the graph always attends over what the cache actually kept: the dense cache reproduces the
+plain ORT loop exactly; a compressed cache shows its effect on the model's outputs.
+
+Notes
+-----
+The graph computes attention itself, so a cache's :class:`~arraykv.Fused` output and its
+``logit_bias`` (TurboQuant's QJL correction) cannot be used here; only the reconstructed K/V
+enter the model. ``q`` given to the cache is a zero array of shape ``(batch, kv_heads, new,
+head_dim)``: the graph does not expose its queries.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from typing import Any, Sequence
+
+from .gguf import require
+
+__all__ = ["OrtKVDecoder", "discover_kv_names"]
+
+_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+_PRESENT = "present.{i}.{kind}"
+
+
+def discover_kv_names(input_names: Sequence[str], output_names: Sequence[str]) -> int:
+    """Number of layers whose ``past_key_values.{i}.key/value`` inputs and ``present.*`` outputs exist.
+
+    Raises
+    ------
+    ValueError
+        No KV inputs, a gap in the layer indices, or a missing ``present`` output.
+    """
+    found: dict = {}
+    for name in input_names:
+        m = _PAST.match(name)
+        if m:
+            found.setdefault(int(m.group(1)), set()).add(m.group(2))
+    if not found:
+        raise ValueError(
+            "the ONNX model has no past_key_values.{i}.key/value inputs, so its KV cache cannot be "
+            "managed; export the decoder with KV-cache inputs (for example Optimum's "
+            "'text-generation-with-past' task). Inputs found: " + ", ".join(input_names)
+        )
+    n = max(found) + 1
+    outs = set(output_names)
+    for i in range(n):
+        if found.get(i) != {"key", "value"}:
+            raise ValueError(f"layer {i} lacks past_key_values.{i}.key or .value among the inputs")
+        for kind in ("key", "value"):
+            if _PRESENT.format(i=i, kind=kind) not in outs:
+                raise ValueError(f"the model has past_key_values.{i}.{kind} but no present.{i}.{kind} output")
+    return n
+
+
+class OrtKVDecoder:
+    """An ONNX Runtime decode loop whose KV cache lives in an arraykv cache.
+
+    Parameters
+    ----------
+    model : str, PathLike, bytes or onnxruntime.InferenceSession
+        The decoder: a file, serialized ``ModelProto`` bytes, or a session.
+    num_kv_heads, head_dim : int, optional
+        Needed only when the session's past inputs have symbolic head dimensions.
+    providers : list of str, optional
+        Execution providers when a session is created here (default: CPU).
+
+    Attributes
+    ----------
+    num_layers, num_kv_heads, head_dim : int
+    dtype : numpy.dtype
+        Of the past/present tensors.
+    input_names, logits_name : list of str, str
+
+    Examples
+    --------
+    >>> dec = OrtKVDecoder("decoder.onnx")                   # doctest: +SKIP
+    >>> cache = dec.make_cache("pqo4")                       # doctest: +SKIP
+    >>> logits = dec.prefill([[1, 2, 3]], cache)             # (1, 3, vocab)  doctest: +SKIP
+    >>> logits = dec.decode([[4]], cache)                    # (1, 1, vocab)  doctest: +SKIP
+    """
+
+    def __init__(self, model: Any, *, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 providers: Sequence[str] | None = None):
+        ort = require("onnxruntime", "onnx")
+        import numpy as np
+
+        if isinstance(model, ort.InferenceSession):
+            sess = model
+        else:
+            src = model if isinstance(model, (bytes, bytearray)) else str(model)
+            sess = ort.InferenceSession(src, providers=list(providers or ["CPUExecutionProvider"]))
+        self.session = sess
+        inputs = {i.name: i for i in sess.get_inputs()}
+        outputs = [o.name for o in sess.get_outputs()]
+        self.num_layers = discover_kv_names(list(inputs), outputs)
+        if "input_ids" not in inputs:
+            raise ValueError("the ONNX model has no input_ids input; only token-id decoders are supported")
+        self.logits_name = "logits" if "logits" in outputs else outputs[0]
+        self.input_names = list(inputs)
+        past = inputs["past_key_values.0.key"]
+        shape = list(past.shape)
+        if len(shape) != 4:
+            raise ValueError(f"past_key_values.0.key must have 4 dimensions (batch, kv_heads, past, head_dim), "
+                             f"the model declares {shape}")
+        self.num_kv_heads = _dim(shape[1], num_kv_heads, "num_kv_heads")
+        self.head_dim = _dim(shape[3], head_dim, "head_dim")
+        types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+        if past.type not in types:
+            raise ValueError(f"past_key_values.0.key has type {past.type}; float, float16 or double is supported")
+        self.dtype = np.dtype(types[past.type])
+        # cache -> {layer: DequantResult of its last prefill}: the K/V to feed as the next past.
+        self._held: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._int_type = {name: (np.int32 if inputs[name].type == "tensor(int32)" else np.int64)
+                          for name in ("input_ids", "attention_mask", "position_ids") if name in inputs}
+
+    def make_cache(self, method: str = "dense", **options: Any):
+        """A cache of this decoder's geometry (``arraykv.make_cache`` with layers/heads/head_dim filled)."""
+        from ..caches import make_cache
+
+        return make_cache(method, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                          head_dim=self.head_dim, **options)
+
+    # -- one step -------------------------------------------------------------------
+    def _past(self, cache: Any, batch: int) -> list:
+        """The K/V to feed as past, per layer: what the cache holds, or empty arrays."""
+        import numpy as np
+
+        from .._compat import to_numpy
+
+        held = self._held.get(cache, {})
+        out = []
+        for i in range(self.num_layers):
+            if cache.seq_len(i) == 0:
+                empty = np.zeros((batch, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype)
+                out.append((empty, empty))
+                continue
+            r = held.get(i)
+            if r is None and hasattr(cache, "dequantize"):
+                r = cache.dequantize(i)
+            if r is None:
+                raise ValueError("this cache was filled elsewhere and cannot be read back; reset it first")
+            out.append((to_numpy(r.k), to_numpy(r.v)))
+        return out
+
+    def step(self, input_ids: Any, cache: Any) -> Any:
+        """Run the graph on ``input_ids`` after the tokens ``cache`` holds; store the new K/V.
+
+        Parameters
+        ----------
+        input_ids : array-like of int, shape (batch, new_tokens)
+        cache : CompressedKVCache
+            Of this decoder's geometry. Continued from the length of its layer 0.
+
+        Returns
+        -------
+        numpy.ndarray, shape (batch, new_tokens, vocab)
+            The ``logits`` output.
+        """
+        import numpy as np
+
+        ids = np.asarray(input_ids)
+        if ids.ndim == 1:
+            ids = ids[None, :]
+        if ids.ndim != 2 or ids.shape[1] == 0 or ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids must be integers of shape (batch, new_tokens), received {ids.shape} {ids.dtype}")
+        batch, t = ids.shape
+        past_len = int(cache.seq_len(0))
+        feeds = {"input_ids": ids.astype(self._int_type["input_ids"])}
+        if "attention_mask" in self._int_type:
+            feeds["attention_mask"] = np.ones((batch, past_len + t), dtype=self._int_type["attention_mask"])
+        if "position_ids" in self._int_type:
+            pos = np.arange(past_len, past_len + t, dtype=self._int_type["position_ids"])
+            feeds["position_ids"] = np.broadcast_to(pos, (batch, t)).copy()
+        for i, (k, v) in enumerate(self._past(cache, batch)):
+            feeds[f"past_key_values.{i}.key"] = k
+            feeds[f"past_key_values.{i}.value"] = v
+        names = [self.logits_name] + [_PRESENT.format(i=i, kind=kd) for i in range(self.num_layers)
+                                      for kd in ("key", "value")]
+        res = self.session.run(names, feeds)
+        q = np.zeros((batch, self.num_kv_heads, t, self.head_dim), dtype=self.dtype)
+        held = {}
+        for i in range(self.num_layers):
+            pk, pv = res[1 + 2 * i], res[2 + 2 * i]
+            if pk.shape[2] != past_len + t:
+                raise ValueError(f"present.{i}.key has {pk.shape[2]} tokens, expected past {past_len} + new {t}")
+            k_new = np.ascontiguousarray(pk[:, :, past_len:, :])
+            v_new = np.ascontiguousarray(pv[:, :, past_len:, :])
+            held[i] = cache.prefill(i, k_new, v_new, q)
+        self._held[cache] = held
+        return res[0]
+
+    def prefill(self, input_ids: Any, cache: Any) -> Any:
+        """The prompt: ``step`` on an empty cache. Returns logits (batch, tokens, vocab)."""
+        if cache.seq_len(0) != 0:
+            raise ValueError("prefill needs an empty cache; call cache.reset() first")
+        return self.step(input_ids, cache)
+
+    def decode(self, input_ids: Any, cache: Any) -> Any:
+        """One token per sequence after the prompt. Returns logits (batch, 1, vocab)."""
+        import numpy as np
+
+        ids = np.asarray(input_ids).reshape(-1, 1)
+        if cache.seq_len(0) == 0:
+            raise ValueError("decode needs a cache holding earlier tokens; call prefill first")
+        return self.step(ids, cache)
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, cache: Any, *,
+                 eos_id: int | None = None) -> list:
+        """Greedy generation for one sequence; returns the new token ids."""
+        import numpy as np
+
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, received {max_new_tokens!r}")
+        out: list = []
+        if max_new_tokens == 0:
+            return out
+        logits = self.prefill(np.asarray([list(prompt_ids)], dtype=np.int64), cache)[0, -1]
+        while True:
+            tok = int(np.argmax(logits))
+            out.append(tok)
+            if len(out) >= max_new_tokens or tok == eos_id:
+                return out
+            logits = self.decode([tok], cache)[0, -1]
+
+
+def _dim(declared: Any, given: int | None, name: str) -> int:
+    if isinstance(declared, int) and declared > 0:
+        if given is not None and given != declared:
+            raise ValueError(f"{name}={given} disagrees with the model's past_key_values shape ({declared})")
+        return declared
+    if given is None:
+        raise ValueError(f"the model's past_key_values inputs have a symbolic {name} ({declared!r}); pass {name}=")
+    return int(given)
+

