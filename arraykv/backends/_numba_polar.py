@@ -1,0 +1,197 @@
+"""Numba kernels for TurboQuant-MSE encode/decode (see :mod:`arraykv.quant.polar`).
+
+One pass per vector, ``prange`` over chunks of 64 vectors: norm, random signs, in-place fast Walsh–Hadamard
+transform (or a dense matrix for other sizes), bucketize by binary search over the thresholds
+between centroids, least-squares length, and bit packing in the same loop. Decode unpacks,
+looks up centroids and applies the inverse transform. Results equal
+:func:`~arraykv.quant.polar.polar_encode_reference` except where float rounding puts a
+coordinate on the other side of a threshold (the reference multiplies by the dense matrix).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:
+    import numba as nb
+except ImportError as exc:  # pragma: no cover - exercised only without numba
+    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+
+__all__ = ["polar_encode", "polar_decode"]
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _fwht(v):
+    """In-place unnormalized Walsh–Hadamard transform of a contiguous power-of-two vector.
+
+    Sizes >= 8: the first three stages as one unrolled 8-point transform per group of eight,
+    then stages over contiguous runs of length h >= 8, which vectorize.
+    """
+    d = v.shape[0]
+    h = 1
+    if d >= 8:
+        for g in range(0, d, 8):
+            a0 = v[g]; a1 = v[g + 1]; a2 = v[g + 2]; a3 = v[g + 3]
+            a4 = v[g + 4]; a5 = v[g + 5]; a6 = v[g + 6]; a7 = v[g + 7]
+            b0 = a0 + a1; b1 = a0 - a1; b2 = a2 + a3; b3 = a2 - a3
+            b4 = a4 + a5; b5 = a4 - a5; b6 = a6 + a7; b7 = a6 - a7
+            c0 = b0 + b2; c2 = b0 - b2; c1 = b1 + b3; c3 = b1 - b3
+            c4 = b4 + b6; c6 = b4 - b6; c5 = b5 + b7; c7 = b5 - b7
+            v[g] = c0 + c4; v[g + 4] = c0 - c4; v[g + 1] = c1 + c5; v[g + 5] = c1 - c5
+            v[g + 2] = c2 + c6; v[g + 6] = c2 - c6; v[g + 3] = c3 + c7; v[g + 7] = c3 - c7
+        h = 8
+    while h < d:
+        for i in range(0, d, 2 * h):
+            for j in range(i, i + h):
+                a = v[j]
+                c = v[j + h]
+                v[j] = a + c
+                v[j + h] = a - c
+        h *= 2
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _bucket(y, thr, levels):
+    """Number of thresholds below ``y`` (``searchsorted(thr, y, side='left')``)."""
+    if levels <= 16:
+        pos = 0
+        for t in range(levels - 1):
+            pos += thr[t] < y
+        return pos
+    pos = 0
+    step = levels >> 1
+    while step > 0:
+        if thr[pos + step - 1] < y:
+            pos += step
+        step >>= 1
+    return pos
+
+
+def _encode_py(x, signs, matrix, hadamard, thr, cents, bits, codes, lengths):
+    n, d = x.shape
+    levels = cents.shape[0]
+    nbytes = codes.shape[1]
+    groups = (d + 7) >> 3
+    inv_sqrt_d = np.float32(1.0 / math.sqrt(d))
+    chunk = 64
+    for blk in nb.prange((n + chunk - 1) // chunk):
+        buf = np.empty(d, dtype=np.float32)
+        idx = np.zeros(groups * 8, dtype=np.uint8)
+        for r in range(blk * chunk, min(n, (blk + 1) * chunk)):
+            ss = np.float32(0.0)
+            for i in range(d):
+                ss += x[r, i] * x[r, i]
+            norm = np.float32(math.sqrt(ss))
+            inv = np.float32(1.0) / norm if norm > 0 else np.float32(0.0)
+            if hadamard:
+                for i in range(d):
+                    buf[i] = x[r, i] * signs[i]
+                _fwht(buf)
+                inv = inv * inv_sqrt_d
+            else:
+                for i in range(d):
+                    acc = np.float32(0.0)
+                    for j in range(d):
+                        acc += matrix[i, j] * x[r, j]
+                    buf[i] = acc
+            dot = np.float32(0.0)
+            sq = np.float32(0.0)
+            for i in range(d):
+                y = buf[i] * inv
+                pos = _bucket(y, thr, levels)
+                idx[i] = pos
+                c = cents[pos]
+                dot += y * c
+                sq += c * c
+            for g in range(groups):
+                word = np.uint64(0)
+                for k in range(8):
+                    word |= np.uint64(idx[g * 8 + k]) << np.uint64(k * bits)
+                start = g * bits
+                for q in range(bits):
+                    if start + q < nbytes:
+                        codes[r, start + q] = np.uint8((word >> np.uint64(8 * q)) & np.uint64(255))
+            lengths[r] = norm * dot / sq
+
+
+def _decode_py(codes, lengths, signs, matrix, hadamard, cents, bits, out):
+    n, d = out.shape
+    nbytes = codes.shape[1]
+    mask = np.uint64((1 << bits) - 1)
+    inv_sqrt_d = np.float32(1.0 / math.sqrt(d))
+    groups = (d + 7) >> 3
+    chunk = 64
+    for blk in nb.prange((n + chunk - 1) // chunk):
+        buf = np.empty(groups * 8, dtype=np.float32)
+        for r in range(blk * chunk, min(n, (blk + 1) * chunk)):
+            for g in range(groups):
+                start = g * bits
+                word = np.uint64(0)
+                for q in range(bits):
+                    if start + q < nbytes:
+                        word |= np.uint64(codes[r, start + q]) << np.uint64(8 * q)
+                for k in range(8):
+                    buf[g * 8 + k] = cents[np.int64((word >> np.uint64(k * bits)) & mask)]
+            length = lengths[r]
+            if hadamard:
+                v = buf[:d]
+                _fwht(v)
+                f = length * inv_sqrt_d
+                for i in range(d):
+                    out[r, i] = v[i] * signs[i] * f
+            else:
+                for j in range(d):
+                    out[r, j] = np.float32(0.0)
+                for i in range(d):
+                    bi = buf[i] * length
+                    for j in range(d):
+                        out[r, j] += matrix[i, j] * bi
+
+
+# Parallel variants for large inputs; serial ones for small calls (a decode step), where waking
+# the thread pool costs more than the work, especially on a busy machine.
+_encode_par = nb.njit(cache=True, nogil=True, parallel=True)(_encode_py)
+_decode_par = nb.njit(cache=True, nogil=True, parallel=True)(_decode_py)
+_encode_ser = nb.njit(cache=True, nogil=True)(_encode_py)
+_decode_ser = nb.njit(cache=True, nogil=True)(_decode_py)
+_PARALLEL_MIN_VALUES = 1 << 18
+
+
+def _host(a, dtype=np.float32):
+    return np.ascontiguousarray(np.asarray(a), dtype=dtype)
+
+
+_NO_MATRIX = np.zeros((1, 1), dtype=np.float32)
+
+
+def _matrix(rotation):
+    return _NO_MATRIX if rotation.matrix is None else _host(rotation.matrix)
+
+
+def polar_encode(x, rotation, codebook):
+    """Kernel behind :func:`arraykv.quant.polar.polar_encode`: ``(codes uint8, lengths float16)``."""
+    x = np.asarray(x)
+    lead, d = x.shape[:-1], int(x.shape[-1])
+    flat = _host(x.reshape(-1, d))
+    bits = int(codebook.bits)
+    codes = np.empty((flat.shape[0], (d * bits + 7) // 8), dtype=np.uint8)
+    lengths = np.empty(flat.shape[0], dtype=np.float32)
+    kernel = _encode_par if flat.size >= _PARALLEL_MIN_VALUES else _encode_ser
+    kernel(flat, _host(rotation.signs), _matrix(rotation), rotation.kind == "hadamard",
+            _host(codebook.thresholds), _host(codebook.centroids), bits, codes, lengths)
+    return codes.reshape(lead + (codes.shape[1],)), lengths.astype(np.float16).reshape(lead)
+
+
+def polar_decode(codes, lengths, rotation, codebook):
+    """Kernel behind :func:`arraykv.quant.polar.polar_decode`: float32 ``(..., dim)``."""
+    codes = np.asarray(codes)
+    lead = codes.shape[:-1]
+    d = int(rotation.dim)
+    flat = np.ascontiguousarray(codes.reshape(-1, codes.shape[-1]))
+    out = np.empty((flat.shape[0], d), dtype=np.float32)
+    kernel = _decode_par if out.size >= _PARALLEL_MIN_VALUES else _decode_ser
+    kernel(flat, _host(np.asarray(lengths).reshape(-1)), _host(rotation.signs), _matrix(rotation),
+            rotation.kind == "hadamard", _host(codebook.centroids), int(codebook.bits), out)
+    return out.reshape(lead + (d,))
