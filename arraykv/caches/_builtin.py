@@ -1,4 +1,5 @@
 """Imports the built-in cache modules so that they register their methods."""
 
 from . import dense  # noqa: F401
+from . import polar  # noqa: F401
 from . import intq  # noqa: F401
