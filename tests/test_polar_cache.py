@@ -43,7 +43,7 @@ def test_registered_with_the_seed_bits(method):
 
 @pytest.mark.parametrize("method", ["pqo3", "tq4", "pq2"])
 def test_prefill_exact_then_decodes_close(xp, rng, method):
-    cache = make(method, residual_window=4)
+    cache = make(method, residual_window=4, decode_path="dequantized")
     g, scale = 2, 1 / math.sqrt(32)
     k, v, q = random_kvq(rng, xp, 1, 2, g, 24, 32)
     r = cache.prefill(0, k, v, q)

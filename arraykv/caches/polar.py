@@ -20,7 +20,9 @@ from typing import Any
 
 from .. import _compat
 from .._validation import check_int
-from ..protocol import AttendConfig, Dequantized, DequantResult
+from ..attention.polar_fused import polar_decode_attention
+from ..backends import lookup
+from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.codebooks import Codebook, make_codebook
 from ..quant.polar import PolarCode, half_dtype, polar_decode, polar_encode
@@ -32,6 +34,9 @@ from .registry import register_method
 
 __all__ = ["PolarCache", "PolarLayerCodec", "DEFAULT_RESIDUAL_WINDOW"]
 
+#: ``decode_path`` values: attend from the packed codes when a kernel exists for the namespace
+#: ("auto"), always ("fused"; the array-API version where no kernel exists), or never.
+DECODE_PATHS = ("auto", "fused", "dequantized")
 #: Recent tokens kept in float16 by default (chosen by measurement, see docs/algorithms.md).
 DEFAULT_RESIDUAL_WINDOW = 16
 #: A channel is an outlier when its RMS exceeds this multiple of the head's median channel RMS.
@@ -134,6 +139,8 @@ class PolarCache(LayeredCache):
     outlier_threshold : float, default 4.0
     max_outliers : int or None
         Cap for ``"auto"``; default ``head_dim // 16``.
+    decode_path : {"auto", "fused", "dequantized"}, default "auto"
+        How ``decode`` attends (see Notes).
     softmax_scale : float or None
         Scale applied to the QJL ``logit_bias`` returned by ``prefill`` (``decode`` uses its
         ``AttendConfig``); default ``1 / sqrt(head_dim)``.
@@ -143,8 +150,11 @@ class PolarCache(LayeredCache):
     Notes
     -----
     ``prefill`` returns the exact K/V of a layer's first prefill (nothing was lost yet) and the
-    dequantized K/V of every stored token afterwards; ``decode`` returns
-    :class:`~arraykv.Dequantized`. ``memory_usage()`` counts codes, norms, window, calibration
+    dequantized K/V of every stored token afterwards. ``decode`` attends straight from the
+    packed codes and returns :class:`~arraykv.Fused` when a fused kernel exists for the
+    namespace (Numba on NumPy, CUDA on CuPy), else :class:`~arraykv.Dequantized`;
+    ``decode_path="fused"`` or ``"dequantized"`` forces either (``"fused"`` without a kernel
+    runs the array-API version, :mod:`arraykv.attention.polar_fused`). ``memory_usage()`` counts codes, norms, window, calibration
     and outlier side data, and the rotation/codebook/sketch arrays held.
     """
 
@@ -154,7 +164,7 @@ class PolarCache(LayeredCache):
                  qjl: bool = False, seed: int = 0, residual_window: int = DEFAULT_RESIDUAL_WINDOW,
                  center: Any = "auto", outliers: Any = "auto", outlier_threshold: float = DEFAULT_OUTLIER_THRESHOLD,
                  max_outliers: int | None = None, softmax_scale: float | None = None,
-                 check_finite: bool = True, max_tokens: int | None = None):
+                 decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
         d = self.head_dim
@@ -193,6 +203,9 @@ class PolarCache(LayeredCache):
                     or not 0.0 < float(softmax_scale) < float("inf"):
                 raise ValueError(f"softmax_scale must be positive and finite, received {softmax_scale!r}")
             self.softmax_scale = float(softmax_scale)
+        if decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, received {decode_path!r}")
+        self.decode_path = decode_path
         self._fixed: dict = {}
 
     # -- fixed state (rotation, codebooks, sketch), one set per namespace and device ------
@@ -225,7 +238,7 @@ class PolarCache(LayeredCache):
         return {"key_bits": self.key_bits, "value_bits": self.value_bits, "seed": self.seed,
                 "residual_window": self.residual_window, "center": self.center, "outliers": self.outliers,
                 "outlier_threshold": self.outlier_threshold, "max_outliers": self.max_outliers,
-                "softmax_scale": self.softmax_scale}
+                "softmax_scale": self.softmax_scale, "decode_path": self.decode_path}
 
     # -- layer state -------------------------------------------------------------------
     def _new_layer(self, xp, dev, batch, dtype) -> LayerState:
@@ -407,7 +420,15 @@ class PolarCache(LayeredCache):
 
     def _decode(self, st, k, v, q, config: AttendConfig):
         self._store(st, k, v)
+        if self._fused(st.xp):
+            return Fused(polar_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._result(st, q, config.softmax_scale))
+
+    def _fused(self, xp: Any) -> bool:
+        """Whether decode attends from the packed codes (see ``decode_path``)."""
+        if self.decode_path == "auto":
+            return lookup("polar_decode_attention", xp) is not None
+        return self.decode_path == "fused"
 
     def _dequantize(self, st) -> DequantResult:
         xp = st.xp
@@ -459,8 +480,11 @@ class PolarCache(LayeredCache):
         layer = self._check_layer(layer)
         with self._locks[layer]:
             st = self._states[layer]
-            if st is None:
-                return None
+            return None if st is None else self._codec_state(st)
+
+    def _codec_state(self, st: LayerState) -> PolarLayerCodec:
+        """:meth:`layer_codec_state` of a layer whose lock the caller holds."""
+        if True:
             codec = self._codec(st.xp, st.device)
             buf: TokenBuffers = st.extra["codes"]
             calib = st.extra["calib"] or {}
