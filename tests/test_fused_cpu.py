@@ -117,8 +117,9 @@ def test_cache_decode_returns_fused_on_numpy_and_matches_dequantized(method, rng
               for path in ("auto", "fused", "dequantized")}
     k = rng.standard_normal((1, 2, 80, d)).astype(np.float32)
     v = rng.standard_normal((1, 2, 80, d)).astype(np.float32)
+    q = rng.standard_normal((1, 2 * g, 80, d)).astype(np.float32)  # the same calibration for all three
     for c in caches.values():
-        c.prefill(0, k, v, rng.standard_normal((1, 2 * g, 80, d)).astype(np.float32))
+        c.prefill(0, k, v, q)
     cfg = arraykv.AttendConfig(d**-0.5, g)
     for _ in range(5):
         k1, v1 = (rng.standard_normal((1, 2, 1, d)).astype(np.float32) for _ in range(2))

@@ -38,9 +38,12 @@ def prepare_queries(codec: Any, q: Any, scale: float) -> dict:
 
     Notes
     -----
-    With ``k_t = mean + E_t + Mᵀ(n_t c[codes_t])`` (``E_t`` the exact outlier channels, the
-    rotated part encoded with those channels zeroed and decoded with them overwritten),
-    ``scale · q·k_t = qconst + qout·E_t + n_t · qr·c[codes_t]``.
+    Keys are stored as ``s ⊙ (k − mean)`` (``s`` the layer's ``k_scale`` channel weights, ones
+    when absent): ``k_t = mean + (E_t + Mᵀ(n_t c[codes_t])) / s`` with ``E_t`` the exact outlier
+    channels (the rotated part encoded with those channels zeroed and decoded with them
+    overwritten). So with ``q' = q / s`` and ``q̃`` = ``q'`` with the outlier channels zeroed,
+    ``scale · q·k_t = qconst + qout·E_t + n_t · qr·c[codes_t]`` and the QJL sketch is applied
+    to ``q̃`` (the residual lives in the same weighted, outlier-free space).
     """
     xp = _compat.namespace(q)
     b, qh, _, d = (int(s) for s in q.shape)
@@ -48,13 +51,16 @@ def prepare_queries(codec: Any, q: Any, scale: float) -> dict:
     g = qh // h
     q32 = xp.reshape(xp.astype(q, xp.float32), (b, h, g, d))
     out = {"q": q32}
-    qt = q32
+    # keys were encoded as s ⊙ (k − mean): the coded part is read with q / s
+    k_scale = getattr(codec, "k_scale", None)
+    qs = q32 if k_scale is None else q32 / xp.astype(k_scale, xp.float32)[:, :, None, :]
+    qt = qs
     n_out = 0 if codec.k_outlier_idx is None else int(codec.k_outlier_idx.shape[-1])
     if n_out:
         ar = xp.arange(d, dtype=xp.int32, device=_compat.device(q))
         sel = xp.astype(ar[None, None, :, None] == codec.k_outlier_idx[:, :, None, :], xp.float32)  # (b,h,d,n)
-        out["qout"] = xp.matmul(q32, sel) * scale
-        qt = q32 * (1.0 - xp.sum(sel, axis=-1))[:, :, None, :]
+        out["qout"] = xp.matmul(qs, sel) * scale
+        qt = qs * (1.0 - xp.sum(sel, axis=-1))[:, :, None, :]
     else:
         out["qout"] = xp.zeros((b, h, g, 0), dtype=xp.float32, device=_compat.device(q))
     out["qr"] = rotate(qt, codec.rotation) * scale
@@ -64,7 +70,7 @@ def prepare_queries(codec: Any, q: Any, scale: float) -> dict:
         out["qconst"] = xp.zeros((b, h, g), dtype=xp.float32, device=_compat.device(q))
     if codec.qjl is not None:
         m = codec.qjl.rows
-        out["sq"] = xp.matmul(q32, xp.matrix_transpose(codec.qjl.matrix)) * (scale * QJL_SCALE / m)
+        out["sq"] = xp.matmul(qt, xp.matrix_transpose(codec.qjl.matrix)) * (scale * QJL_SCALE / m)
     return out
 
 
