@@ -51,12 +51,14 @@ def dequantize(codec):
     d = codec.rotation.dim
     k = polar_decode(PolarCode(codec.k_codes, codec.k_norms, codec.k_codebook.bits, d), codec.k_codebook, codec.rotation)
     v = polar_decode(PolarCode(codec.v_codes, codec.v_norms, codec.v_codebook.bits, d), codec.v_codebook, codec.rotation)
-    if codec.k_mean is not None:
-        k = k + codec.k_mean.astype(np.float32)[:, :, None, :]
-        v = v + codec.v_mean.astype(np.float32)[:, :, None, :]
     if codec.k_outlier_idx is not None and codec.k_outlier_idx.shape[-1]:
         np.put_along_axis(k, np.broadcast_to(codec.k_outlier_idx[:, :, None, :], codec.k_outliers.shape).astype(np.int64),
                           codec.k_outliers.astype(np.float32), axis=-1)
+    if getattr(codec, "k_scale", None) is not None:
+        k = k / codec.k_scale.astype(np.float32)[:, :, None, :]
+    if codec.k_mean is not None:
+        k = k + codec.k_mean.astype(np.float32)[:, :, None, :]
+        v = v + codec.v_mean.astype(np.float32)[:, :, None, :]
     return k, v
 
 
