@@ -1,33 +1,73 @@
-"""Numba kernel: decode attention straight from PolarQuant/TurboQuant packed codes on CPU.
+"""Numba kernel: one decode step of attention straight from PolarQuant/TurboQuant packed codes.
 
-One task per (batch, KV head, token split) walks its tokens in tiles of ``TILE``: it unpacks a
-token's key codes once into centroid values, scores every query head of the GQA group against
-them, updates an online softmax per query head once per tile, then unpacks the value codes
-and accumulates them, weighted, in the rotated domain. Splits are merged with a log-sum-exp
-afterwards. Work buffers are ``O(G · head_dim + G · TILE)`` per task: nothing grows with the
-context.
+A call is one compiled function that does the whole step for every (batch, KV head):
+
+1. *queries*: divide by the key channel weights ``k_scale``, split out the outlier channels,
+   rotate (fast Walsh–Hadamard with the rotation's signs, or the dense matrix), ``q·k_mean``
+   and the QJL sketch ``S q̃`` (:func:`arraykv.attention.polar_fused.prepare_queries`);
+2. *quantized tokens*, in tiles of ``TILE``: a token's key codes are unpacked once into
+   centroid values and scored against every query head of the GQA group, an online softmax per
+   query head is rescaled once per tile, then the value codes are unpacked and accumulated,
+   weighted, in the rotated domain;
+3. *finish* (:func:`arraykv.attention.polar_fused.merge_window`): a log-sum-exp merge of the
+   token splits, the float16 window (sinks and recent tokens, one exact block), the inverse
+   rotation of the value sum, ``v_mean``, and the division by the softmax denominator.
+
+Small steps run on the calling thread (:data:`PARALLEL_MIN_WORK`); larger ones split each
+head's tokens over Numba's threads (only step 2 is parallel: steps 1 and 3 cost
+``O(heads · head_dim · (log head_dim + m + window))``). Work buffers are
+``O(heads · G · head_dim)`` plus ``O(G · TILE)`` per task: nothing grows with the context.
+float16 state is read through ``uint16`` views and :data:`HALF_TO_FLOAT` (Numba has no
+float16). Functions are compiled once, for fixed argument types (read-only, any layout), and
+cached on disk.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
 try:
     import numba as nb
+    from numba import types as nbt
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from ..attention.polar_fused import merge_window, prepare_queries
+from ..quant.qjl import QJL_SCALE
 
-__all__ = ["polar_decode_attention", "TILE"]
+__all__ = ["polar_decode_attention", "TILE", "PARALLEL_MIN_WORK", "HALF_TO_FLOAT"]
 
 TILE = 64
 #: float16 bit pattern -> float32 value. Numba has no float16 arrays, so float16 state is
 #: read through ``uint16`` views (no copy) and this 256 KiB table.
 HALF_TO_FLOAT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+#: Below this many (batch · head · token) units a step runs on the calling thread alone:
+#: waking worker threads costs more than the work (measured: 0.46 ms on one thread against
+#: 16 ms on two for 3 heads × 100 tokens on a busy 2-core machine).
+PARALLEL_MIN_WORK = 16384
+
+# Value-changing fast-math flags are left out ("nnan", "ninf"): the online softmax starts
+# from -inf and compares against it.
+_FASTMATH = {"nsz", "arcp", "contract", "reassoc", "afn"}
+
+
+def _ro(dtype, ndim, layout="A"):
+    return nbt.Array(dtype, ndim, layout, readonly=True)
+
+
+_U8_4, _U16_3, _U16_4, _I32_3 = _ro(nbt.uint8, 4), _ro(nbt.uint16, 3), _ro(nbt.uint16, 4), _ro(nbt.int32, 3)
+_F32_1C, _F32_2C = _ro(nbt.float32, 1, "C"), _ro(nbt.float32, 2, "C")
+_Q = _ro(nbt.float32, 3, "C")
+_OUT = nbt.Array(nbt.float32, 3, "C")
+#: q, scale, n, k_codes, k_norms, k_cent, k_bits, v_codes, v_norms, v_cent, v_bits,
+#: k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, k_qjl, k_qjl_norms,
+#: n_window, k_window, v_window, half, splits, out
+_SIG = nbt.void(_Q, nbt.float64, nbt.int64,
+                _U8_4, _U16_3, _F32_1C, nbt.int64, _U8_4, _U16_3, _F32_1C, nbt.int64,
+                _U16_3, _U16_3, _U16_3, _I32_3, _U16_4, _F32_1C, _F32_2C, _F32_2C, _U8_4, _U16_3,
+                nbt.int64, _U16_4, _U16_4, _F32_1C, nbt.int64, _OUT)
 
 
 @nb.njit(inline="always")
@@ -66,89 +106,284 @@ def _unpack_row(codes, bits, cent, out):
                 out[base + i] = cent[np.int64((word >> np.uint64(i * bits)) & np.uint64(mask))]
 
 
-@nb.njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _attend(qr, qconst, qout, sq, k_codes, k_norms, k_cent, k_bits, v_codes, v_norms, v_cent, v_bits,
-            k_outliers, k_qjl, k_qjl_norms, use_qjl, half, splits, out_m, out_l, out_acc):
-    b_n, h_n, g_n, d = qr.shape
-    n = k_codes.shape[2]
-    n_out = qout.shape[3]
-    m_rows = sq.shape[3]
+@nb.njit(inline="always")
+def _fwht(x):
+    """In place: ``x <- H x``, unnormalized Walsh–Hadamard (Sylvester order, power-of-two length)."""
+    d = x.shape[0]
+    h = 1
+    while h < d:
+        for i in range(0, d, 2 * h):
+            for j in range(i, i + h):
+                a = x[j]
+                c = x[j + h]
+                x[j] = a + c
+                x[j + h] = a - c
+        h *= 2
+
+
+@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x, qr, qout, qconst, sq):
+    """Query-side quantities of the ``G`` query heads of KV head ``(b, h)``.
+
+    Writes ``qr`` (G, d) ``scale · M q̃``, ``qout`` (G, n_out) ``scale · (q/s)`` at the outlier
+    channels, ``qconst`` (G,) ``scale · q·k_mean`` and ``sq`` (G, m)
+    ``scale · √(π/2)/m · S q̃``, where ``q̃`` is ``q / s`` with the outlier channels zeroed
+    (see :func:`arraykv.attention.polar_fused.prepare_queries`). ``x`` (d,) is scratch.
+    """
+    g_n, d = qr.shape
+    n_out = k_idx.shape[2]
+    m_rows = sketch.shape[0]
+    has_scale = k_scale.shape[2] > 0
+    has_mean = k_mean.shape[2] > 0
+    dense = rot.shape[0] > 0
+    c_rot = np.float32(scale / math.sqrt(d))
+    c_qjl = np.float32(scale * QJL_SCALE / m_rows) if m_rows else np.float32(0.0)
+    sc = np.float32(scale)
+    for g in range(g_n):
+        qi = h * g_n + g
+        acc = np.float32(0.0)
+        for j in range(d):
+            v = q[b, qi, j]
+            if has_mean:
+                acc += v * half[k_mean[b, h, j]]
+            x[j] = v / half[k_scale[b, h, j]] if has_scale else v
+        qconst[g] = acc * sc
+        for o in range(n_out):
+            qout[g, o] = x[k_idx[b, h, o]] * sc
+        for o in range(n_out):
+            x[k_idx[b, h, o]] = np.float32(0.0)
+        for r in range(m_rows):
+            acc = np.float32(0.0)
+            for j in range(d):
+                acc += sketch[r, j] * x[j]
+            sq[g, r] = acc * c_qjl
+        if dense:
+            for i in range(d):
+                acc = np.float32(0.0)
+                for j in range(d):
+                    acc += rot[i, j] * x[j]
+                qr[g, i] = acc * sc
+        else:
+            for j in range(d):
+                x[j] *= signs[j]
+            _fwht(x)
+            for j in range(d):
+                qr[g, j] = x[j] * c_rot
+
+
+@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_bits,
+                 v_codes, v_norms, v_cent, v_bits, k_outliers, k_qjl, k_qjl_norms, half, m, l, acc):
+    """Online softmax over quantized tokens ``[t_lo, t_hi)`` of head ``(b, h)``, every query head.
+
+    ``m``, ``l`` (G,) and ``acc`` (G, d) hold the running maximum logit, the sum of
+    ``exp(logit − m)`` and ``Σ exp(logit − m) · ℓ_t c[codes_t]`` (rotated value domain);
+    they are updated in place, so a caller starts them at ``-inf``, ``0``, ``0``.
+    """
+    g_n, d = qr.shape
+    n_out = qout.shape[1]
+    m_rows = sq.shape[1]
+    kvec = np.empty(d, np.float32)
+    vvec = np.empty(d, np.float32)
+    kout = np.empty(n_out, np.float32)
+    pm = np.empty(m_rows, np.float32)
+    s = np.empty((g_n, TILE), np.float32)
+    for t0 in range(t_lo, t_hi, TILE):
+        t1 = min(t_hi, t0 + TILE)
+        # 1. scores of the tile: each key row unpacked once for the whole GQA group
+        for t in range(t0, t1):
+            _unpack_row(k_codes[b, h, t], k_bits, k_cent, kvec)
+            kn = half[k_norms[b, h, t]]
+            for o in range(n_out):
+                kout[o] = half[k_outliers[b, h, t, o]]
+            qn = np.float32(0.0)
+            if m_rows:
+                row = k_qjl[b, h, t]
+                for r in range(m_rows):
+                    pm[r] = np.float32(1.0) if (row[r >> 3] >> (r & 7)) & 1 else np.float32(-1.0)
+                qn = half[k_qjl_norms[b, h, t]]
+            for g in range(g_n):
+                dot = np.float32(0.0)
+                for j in range(d):
+                    dot += qr[g, j] * kvec[j]
+                x = dot * kn + qconst[g]
+                for o in range(n_out):
+                    x += qout[g, o] * kout[o]
+                if m_rows:
+                    sdot = np.float32(0.0)
+                    for r in range(m_rows):
+                        sdot += sq[g, r] * pm[r]
+                    x += sdot * qn
+                s[g, t - t0] = x
+        # 2. online softmax: rescale once per tile
+        for g in range(g_n):
+            mt = m[g]
+            for t in range(t1 - t0):
+                if s[g, t] > mt:
+                    mt = s[g, t]
+            if mt > m[g]:
+                c = np.float32(math.exp(m[g] - mt)) if m[g] > -np.inf else np.float32(0.0)
+                l[g] *= c
+                for j in range(d):
+                    acc[g, j] *= c
+                m[g] = mt
+        # 3. weighted values in the rotated domain
+        for t in range(t0, t1):
+            _unpack_row(v_codes[b, h, t], v_bits, v_cent, vvec)
+            vn = half[v_norms[b, h, t]]
+            for g in range(g_n):
+                p = np.float32(math.exp(s[g, t - t0] - m[g]))
+                l[g] += p
+                w = p * vn
+                for j in range(d):
+                    acc[g, j] += w * vvec[j]
+
+
+@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot,
+                 half, out):
+    """Merge the token splits of head ``(b, h)`` with its float16 window; write ``out[b, qh]``.
+
+    ``m_sp``, ``l_sp`` (splits, G) and ``acc_sp`` (splits, G, d) are :func:`_attend_span`'s
+    state per split. The window block (sinks and recent tokens, any order) is attended with the
+    unweighted queries; the value sum of the quantized tokens is rotated back (``Mᵀ y``) and
+    gains ``l · v_mean`` (see :func:`arraykv.attention.polar_fused.merge_window`).
+    """
+    splits, g_n, d = acc_sp.shape
+    has_vmean = v_mean.shape[2] > 0
+    dense = rot.shape[0] > 0
+    sc = np.float32(scale)
+    c_rot = np.float32(1.0 / math.sqrt(d))
+    top = np.empty(g_n, np.float32)
+    den = np.empty(g_n, np.float32)
+    num = np.zeros((g_n, d), np.float32)
+    y = np.empty(d, np.float32)
+    row = np.empty(d, np.float32)
+    sw = np.empty((g_n, n_window), np.float32)
+    for g in range(g_n):
+        mx = -np.inf
+        for sp in range(splits):
+            if m_sp[sp, g] > mx:
+                mx = m_sp[sp, g]
+        top[g] = mx
+    # window scores, each key row converted once for the group
+    for w in range(n_window):
+        for j in range(d):
+            row[j] = half[k_window[b, h, w, j]]
+        for g in range(g_n):
+            qi = h * g_n + g
+            dot = np.float32(0.0)
+            for j in range(d):
+                dot += q[b, qi, j] * row[j]
+            dot *= sc
+            sw[g, w] = dot
+            if dot > top[g]:
+                top[g] = dot
+    # quantized tokens: rescaled split sums, back from the rotated domain
+    for g in range(g_n):
+        lq = np.float32(0.0)
+        for j in range(d):
+            y[j] = np.float32(0.0)
+        for sp in range(splits):
+            if m_sp[sp, g] > -np.inf:
+                c = np.float32(math.exp(m_sp[sp, g] - top[g]))
+                lq += c * l_sp[sp, g]
+                for j in range(d):
+                    y[j] += c * acc_sp[sp, g, j]
+        if lq > 0:
+            if dense:
+                for i in range(d):
+                    yi = y[i]
+                    for j in range(d):
+                        num[g, j] += yi * rot[i, j]
+            else:
+                _fwht(y)
+                for j in range(d):
+                    num[g, j] = y[j] * signs[j] * c_rot
+            if has_vmean:
+                for j in range(d):
+                    num[g, j] += lq * half[v_mean[b, h, j]]
+        den[g] = lq
+    # window values, each row converted once for the group
+    for w in range(n_window):
+        for j in range(d):
+            row[j] = half[v_window[b, h, w, j]]
+        for g in range(g_n):
+            p = np.float32(math.exp(sw[g, w] - top[g]))
+            den[g] += p
+            for j in range(d):
+                num[g, j] += p * row[j]
+    for g in range(g_n):
+        inv = np.float32(1.0) / den[g]
+        qi = h * g_n + g
+        for j in range(d):
+            out[b, qi, j] = num[g, j] * inv
+
+
+@nb.njit(_SIG, cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
+def _step_serial(q, scale, n, k_codes, k_norms, k_cent, k_bits, v_codes, v_norms, v_cent, v_bits,
+                 k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, k_qjl, k_qjl_norms,
+                 n_window, k_window, v_window, half, splits, out):
+    """The whole step on the calling thread (``splits`` is ignored: one span per head)."""
+    b_n, qh, d = q.shape
+    h_n = k_codes.shape[1]
+    g_n = qh // h_n
+    x = np.empty(d, np.float32)
+    qr = np.empty((g_n, d), np.float32)
+    qout = np.empty((g_n, k_idx.shape[2]), np.float32)
+    qconst = np.empty(g_n, np.float32)
+    sq = np.empty((g_n, sketch.shape[0]), np.float32)
+    m = np.empty((1, g_n), np.float32)
+    l = np.empty((1, g_n), np.float32)
+    acc = np.empty((1, g_n, d), np.float32)
+    for b in range(b_n):
+        for h in range(h_n):
+            _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x, qr, qout, qconst, sq)
+            m[:] = -np.inf
+            l[:] = 0.0
+            acc[:] = 0.0
+            _attend_span(b, h, 0, n, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_bits,
+                         v_codes, v_norms, v_cent, v_bits, k_outliers, k_qjl, k_qjl_norms, half, m[0], l[0], acc[0])
+            _finish_head(q, b, h, scale, m, l, acc, n_window, k_window, v_window, v_mean, signs, rot, half, out)
+
+
+@nb.njit(_SIG, cache=True, nogil=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
+def _step_parallel(q, scale, n, k_codes, k_norms, k_cent, k_bits, v_codes, v_norms, v_cent, v_bits,
+                   k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, k_qjl, k_qjl_norms,
+                   n_window, k_window, v_window, half, splits, out):
+    """The step with each head's tokens cut into ``splits`` spans run on Numba's threads."""
+    b_n, qh, d = q.shape
+    h_n = k_codes.shape[1]
+    g_n = qh // h_n
+    n_out = k_idx.shape[2]
+    m_rows = sketch.shape[0]
+    x = np.empty(d, np.float32)
+    qr = np.empty((b_n, h_n, g_n, d), np.float32)
+    qout = np.empty((b_n, h_n, g_n, n_out), np.float32)
+    qconst = np.empty((b_n, h_n, g_n), np.float32)
+    sq = np.empty((b_n, h_n, g_n, m_rows), np.float32)
+    for b in range(b_n):
+        for h in range(h_n):
+            _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x,
+                          qr[b, h], qout[b, h], qconst[b, h], sq[b, h])
+    m = np.full((b_n, h_n, splits, g_n), -np.inf, np.float32)
+    l = np.zeros((b_n, h_n, splits, g_n), np.float32)
+    acc = np.zeros((b_n, h_n, splits, g_n, d), np.float32)
     per = (n + splits - 1) // splits
-    tasks = b_n * h_n * splits
-    for task in nb.prange(tasks):
+    for task in nb.prange(b_n * h_n * splits):
         sp = task % splits
         bh = task // splits
         b = bh // h_n
         h = bh % h_n
-        t_lo = sp * per
+        t_lo = min(n, sp * per)
         t_hi = min(n, t_lo + per)
-        kvec = np.empty(d, np.float32)
-        vvec = np.empty(d, np.float32)
-        s = np.empty((g_n, TILE), np.float32)
-        m = np.full(g_n, -np.inf, np.float32)
-        l = np.zeros(g_n, np.float32)
-        acc = np.zeros((g_n, d), np.float32)
-        for t0 in range(t_lo, t_hi, TILE):
-            t1 = min(t_hi, t0 + TILE)
-            # 1. scores of the tile
-            for t in range(t0, t1):
-                _unpack_row(k_codes[b, h, t], k_bits, k_cent, kvec)
-                kn = half[k_norms[b, h, t]]
-                for g in range(g_n):
-                    dot = np.float32(0.0)
-                    for j in range(d):
-                        dot += qr[b, h, g, j] * kvec[j]
-                    x = dot * kn + qconst[b, h, g]
-                    for j in range(n_out):
-                        x += qout[b, h, g, j] * half[k_outliers[b, h, t, j]]
-                    if use_qjl:
-                        sdot = np.float32(0.0)
-                        row = k_qjl[b, h, t]
-                        for j in range(m_rows):
-                            bit = (row[j >> 3] >> (j & 7)) & 1
-                            sdot += sq[b, h, g, j] if bit else -sq[b, h, g, j]
-                        x += sdot * half[k_qjl_norms[b, h, t]]
-                    s[g, t - t0] = x
-            # 2. online softmax: rescale once per tile
-            for g in range(g_n):
-                mt = m[g]
-                for t in range(t1 - t0):
-                    if s[g, t] > mt:
-                        mt = s[g, t]
-                if mt > m[g]:
-                    c = np.float32(math.exp(m[g] - mt)) if m[g] > -np.inf else np.float32(0.0)
-                    l[g] *= c
-                    for j in range(d):
-                        acc[g, j] *= c
-                    m[g] = mt
-            # 3. weighted values in the rotated domain
-            for t in range(t0, t1):
-                _unpack_row(v_codes[b, h, t], v_bits, v_cent, vvec)
-                vn = half[v_norms[b, h, t]]
-                for g in range(g_n):
-                    p = np.float32(math.exp(s[g, t - t0] - m[g]))
-                    l[g] += p
-                    w = p * vn
-                    for j in range(d):
-                        acc[g, j] += w * vvec[j]
-        for g in range(g_n):
-            out_m[b, h, sp, g] = m[g]
-            out_l[b, h, sp, g] = l[g]
-            for j in range(d):
-                out_acc[b, h, sp, g, j] = acc[g, j]
-
-
-def _bits16(a):
-    """A float16 array as its uint16 bit patterns (a view when the layout allows)."""
-    if a.dtype != np.float16:
-        raise TypeError(f"expected float16 state, received {a.dtype}")
-    return a.view(np.uint16)
-
-
-#: Below this many (batch · head · token) units a step runs on the calling thread alone:
-#: waking worker threads costs more than the work (measured: 0.46 ms on one thread against
-#: 16 ms on two for 3 heads × 100 tokens on a busy 2-core machine).
-PARALLEL_MIN_WORK = 16384
+        _attend_span(b, h, t_lo, t_hi, qr[b, h], qout[b, h], qconst[b, h], sq[b, h], k_codes, k_norms, k_cent,
+                     k_bits, v_codes, v_norms, v_cent, v_bits, k_outliers, k_qjl, k_qjl_norms, half,
+                     m[b, h, sp], l[b, h, sp], acc[b, h, sp])
+    for b in range(b_n):
+        for h in range(h_n):
+            _finish_head(q, b, h, scale, m[b, h], l[b, h], acc[b, h], n_window, k_window, v_window, v_mean,
+                         signs, rot, half, out)
 
 
 def _threads_for(work: int) -> int:
@@ -161,46 +396,94 @@ def _splits(bh: int, n: int, cores: int) -> int:
     return max(1, min(want, n // (4 * TILE) or 1))
 
 
+def _plan(bh: int, n: int) -> tuple:
+    """``(threads, token splits per head)`` for ``bh`` (batch, KV head) pairs of ``n`` tokens.
+
+    ``(1, 1)`` (the serial kernel, on the calling thread) below :data:`PARALLEL_MIN_WORK`.
+    """
+    threads = _threads_for(bh * n)
+    if threads == 1:
+        return 1, 1
+    return threads, _splits(bh, n, threads)
+
+
+def _absent(ndim: int, dtype) -> np.ndarray:
+    a = np.zeros((0,) * ndim, dtype)
+    a.setflags(write=False)
+    return a
+
+
+_NO_U16_3, _NO_U16_4, _NO_U8_4 = _absent(3, np.uint16), _absent(4, np.uint16), _absent(4, np.uint8)
+_NO_I32_3, _NO_F32_2 = _absent(3, np.int32), _absent(2, np.float32)
+
+
+def _bits16(a, absent=_NO_U16_3):
+    """A float16 array as its uint16 bit patterns (a view); ``absent`` for None."""
+    if a is None:
+        return absent
+    if a.dtype != np.float16:
+        raise TypeError(f"expected float16 state, received {a.dtype}")
+    return a.view(np.uint16)
+
+
 def polar_decode_attention(codec, q, scale):
     """Fused decode attention over a :class:`~arraykv.caches.polar.PolarLayerCodec` (NumPy).
 
     Same contract as :func:`arraykv.attention.polar_fused.polar_decode_attention_reference`.
+
+    Parameters
+    ----------
+    codec : PolarLayerCodec
+        NumPy state (float16 side arrays, uint8 codes, int32 outlier indices).
+    q : ndarray, shape (batch, q_heads, 1, head_dim)
+        Any float dtype; computed in float32.
+    scale : float
+        Softmax scale.
+
+    Returns
+    -------
+    ndarray, shape (batch, q_heads, 1, head_dim), dtype of ``q``
     """
-    prep = prepare_queries(codec, q, scale)
-    qr = np.ascontiguousarray(prep["qr"], dtype=np.float32)
-    b, h, g, d = qr.shape
-    n = codec.n_quantized
-    if n == 0:
-        m = np.full((b, h, g), -np.inf, np.float32)
-        return merge_window(codec, prep, scale, m, np.zeros((b, h, g), np.float32), np.zeros((b, h, g, d), np.float32), q.dtype)
-    use_qjl = codec.qjl is not None
-    sq = np.ascontiguousarray(prep["sq"], np.float32) if use_qjl else np.zeros((b, h, g, 0), np.float32)
-    k_qjl = codec.k_qjl if use_qjl else np.zeros((b, h, n, 0), np.uint8)
-    k_qjl_norms = codec.k_qjl_norms if use_qjl else np.zeros((b, h, n), np.float16)
-    qout = np.ascontiguousarray(prep["qout"], np.float32)
-    k_out = codec.k_outliers if qout.shape[3] else np.zeros((b, h, n, 0), np.float16)
-    threads = _threads_for(b * h * n)
-    splits = _splits(b * h, n, threads)
-    out_m = np.empty((b, h, splits, g), np.float32)
-    out_l = np.empty((b, h, splits, g), np.float32)
-    out_acc = np.empty((b, h, splits, g, d), np.float32)
-    saved = nb.get_num_threads()
-    nb.set_num_threads(threads)  # thread-local in Numba: other threads keep their setting
-    try:
-        _run(qr, prep, qout, sq, codec, k_out, k_qjl, k_qjl_norms, use_qjl, splits, out_m, out_l, out_acc)
-    finally:
-        nb.set_num_threads(saved)
-    # merge the token splits (log-sum-exp)
-    m = out_m.max(axis=2)
-    w = np.exp(out_m - m[:, :, None, :])
-    w[~np.isfinite(out_m)] = 0.0
-    l = (out_l * w).sum(axis=2)
-    acc = (out_acc * w[..., None]).sum(axis=2)
-    return merge_window(codec, prep, scale, m, l, acc, q.dtype)
-
-
-def _run(qr, prep, qout, sq, codec, k_out, k_qjl, k_qjl_norms, use_qjl, splits, out_m, out_l, out_acc):
-    _attend(qr, np.ascontiguousarray(prep["qconst"], np.float32), qout, sq,
-            codec.k_codes, _bits16(codec.k_norms), np.asarray(codec.k_codebook.centroids, np.float32), int(codec.k_codebook.bits),
-            codec.v_codes, _bits16(codec.v_norms), np.asarray(codec.v_codebook.centroids, np.float32), int(codec.v_codebook.bits),
-            _bits16(k_out), k_qjl, _bits16(k_qjl_norms), use_qjl, HALF_TO_FLOAT, splits, out_m, out_l, out_acc)
+    b, qh, t, d = q.shape
+    if t != 1:
+        raise ValueError(f"q must hold one new token per head (batch, q_heads, 1, head_dim), received {q.shape}")
+    k_codes = codec.k_codes
+    h = k_codes.shape[1]
+    n = int(codec.n_quantized)
+    n_window = int(codec.n_window)
+    q32 = np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32)
+    rotation = codec.rotation
+    rot = _NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32)
+    idx = codec.k_outlier_idx
+    if idx is None or idx.shape[-1] == 0:
+        idx, k_out = _NO_I32_3, _NO_U16_4
+    else:
+        idx = np.asarray(idx, np.int32)
+        k_out = _NO_U16_4 if n == 0 else _bits16(codec.k_outliers)
+    sketch = codec.qjl
+    if sketch is None:
+        sketch, k_qjl, k_qjl_norms = _NO_F32_2, _NO_U8_4, _NO_U16_3
+    else:
+        sketch = np.ascontiguousarray(sketch.matrix, np.float32)
+        k_qjl, k_qjl_norms = codec.k_qjl, _bits16(codec.k_qjl_norms)
+    threads, splits = _plan(b * h, n)
+    out = np.empty((b, qh, d), np.float32)
+    args = (q32, float(scale), n,
+            k_codes, _bits16(codec.k_norms), np.ascontiguousarray(codec.k_codebook.centroids, np.float32),
+            int(codec.k_codebook.bits),
+            codec.v_codes, _bits16(codec.v_norms), np.ascontiguousarray(codec.v_codebook.centroids, np.float32),
+            int(codec.v_codebook.bits),
+            _bits16(getattr(codec, "k_scale", None)), _bits16(codec.k_mean), _bits16(codec.v_mean), idx, k_out,
+            np.ascontiguousarray(rotation.signs, np.float32), rot, sketch, k_qjl, k_qjl_norms,
+            n_window, _bits16(codec.k_window, _NO_U16_4), _bits16(codec.v_window, _NO_U16_4), HALF_TO_FLOAT)
+    if threads == 1 and splits == 1:
+        _step_serial(*args, 1, out)
+    else:
+        saved = nb.get_num_threads()
+        nb.set_num_threads(threads)  # thread-local in Numba: other threads keep their setting
+        try:
+            _step_parallel(*args, splits, out)
+        finally:
+            nb.set_num_threads(saved)
+    out = out.reshape(b, qh, 1, d)
+    return out if q.dtype == np.float32 else out.astype(q.dtype)
