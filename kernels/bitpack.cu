@@ -5,7 +5,9 @@
 // [i * BITS, (i + 1) * BITS); stream bit j is bit (j % 8) of byte j / 8. Eight codes always
 // fill exactly BITS bytes, so one thread packs or unpacks one group of eight codes.
 
-#include <cstdint>
+// No header is included: NVRTC (cupy.RawModule) compiles this file without the CUDA include
+// folder, so the fixed-width types are defined here.
+typedef unsigned char uint8_t;
 
 template <int BITS>
 __global__ void pack_bits(const uint8_t* __restrict__ codes, uint8_t* __restrict__ packed,

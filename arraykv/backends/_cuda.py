@@ -18,6 +18,7 @@ __all__ = ["require_cupy", "load_module", "get_kernel", "DEFAULT_OPTIONS"]
 
 DEFAULT_OPTIONS = ("-std=c++17",)
 _MODULES: dict[tuple, Any] = {}
+_FUNCTIONS: dict[tuple, Any] = {}
 _LOCK = threading.Lock()
 
 
@@ -62,6 +63,15 @@ def load_module(source: str, name_expressions: Iterable[str], options: Iterable[
 
 def get_kernel(source: str, name: str, family: Iterable[str] | None = None, options: Iterable[str] = DEFAULT_OPTIONS):
     """The kernel ``name`` of ``kernels/<source>``; ``family`` lists sibling instantiations
-    compiled in the same module (so one compilation serves them all)."""
-    names = set(family or ()) | {name}
-    return load_module(source, names, options).get_function(name)
+    compiled in the same module (so one compilation serves them all).
+
+    The function objects are memoised too: a decode step fetches its kernels on every call.
+    """
+    fam = tuple(family) if family is not None else ()
+    opts = tuple(options)
+    key = (source, name, fam, opts)
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        fn = load_module(source, set(fam) | {name}, opts).get_function(name)
+        _FUNCTIONS[key] = fn
+    return fn

@@ -1,25 +1,48 @@
 """GPU launchers for ``kernels/polar.cu``: quantize, dequantize and fused decode attention.
 
 Launch geometry is planned by plain functions (``plan_*``) that check their arguments and need
-no GPU, so the checks are tested everywhere; the launchers themselves need CuPy. Scratch
-buffers of the decode kernel are reused per thread and shape, not allocated per call.
+no GPU, so the checks are tested everywhere; the launchers themselves need CuPy. A decode step
+is three launches on the current stream (queries prepared, split-K attention over the packed
+codes, merge with the float16 window) and no host synchronisation; its scratch buffers are
+kept per thread and shape and reused, not allocated per call.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import NamedTuple
 
 from ._cuda import get_kernel, require_cupy
 
-__all__ = ["plan_codec_launch", "plan_decode_attn", "polar_encode", "polar_decode", "polar_decode_attention"]
+__all__ = ["plan_codec_launch", "plan_decode_attn", "polar_encode", "polar_decode", "polar_decode_attention",
+           "scratch_buffers", "unsupported_reason"]
 
 _SOURCE = "polar.cu"
-MAX_GROUP = 8      # query heads served by one block (register/shared-memory budget)
-WARPS = 4          # warps per decode block
-MIN_TOKENS_PER_SPLIT = 64
+MAX_GROUP = 8        # query heads served by one attention launch (the mma N dimension)
+WARPS = 4            # warps per attention block
+TILE = 16            # tokens per warp step
+BLOCKS_PER_SM = 4    # attention blocks per multiprocessor when the occupancy query is unavailable
+#: Load the next tile's codes while the current one is computed. Measured on an H100 (pqo4,
+#: head_dim 128, two runs): 167 instead of 127 registers, 3 instead of 4 blocks per
+#: multiprocessor, and within the run-to-run spread (-2% at 32k tokens in both runs, +2.6% and
+#: -4% at 128k), so off: the variant without it is the one the full GPU test suite ran on. The
+#: benchmark times both.
+PREFETCH = False
+MAX_OUTLIERS = 32    # exact outlier key channels the attention kernel holds (polar.cu)
+MAX_HEAD_DIM = 256
+_SCRATCH_ENTRIES = 16
 _scratch = threading.local()
+_SM_COUNT: dict = {}
+
+
+def _ctype(dtype_name: str) -> str:
+    return "float" if dtype_name == "float32" else "unsigned short"
+
+
+def _bool(flag: bool) -> str:
+    return "true" if flag else "false"
 
 
 class CodecLaunch(NamedTuple):
@@ -32,7 +55,26 @@ class CodecLaunch(NamedTuple):
 
 
 def plan_codec_launch(kind: str, rows: int, dim: int, bits: int, hadamard: bool, dtype_name: str) -> CodecLaunch:
-    """Geometry and kernel name of a quantize (``kind="quantize"``) or dequantize launch."""
+    """Geometry and kernel name of a quantize (``kind="quantize"``) or dequantize launch.
+
+    Parameters
+    ----------
+    kind : {"quantize", "dequantize"}
+    rows : int
+        Vectors to code.
+    dim : int
+        Vector length, a multiple of 32 up to 1024 (a power of two for the Hadamard rotation).
+    bits : int
+        Bits per code, 1 to 8.
+    hadamard : bool
+        Fast Walsh-Hadamard rotation (else a dense matrix).
+    dtype_name : {"float32", "float16"}
+        Dtype of the quantizer's input or the dequantizer's output.
+
+    Returns
+    -------
+    CodecLaunch
+    """
     if kind not in ("quantize", "dequantize"):
         raise ValueError(f"kind must be 'quantize' or 'dequantize', received {kind!r}")
     if dim % 32 or not 32 <= dim <= 1024:
@@ -45,30 +87,59 @@ def plan_codec_launch(kind: str, rows: int, dim: int, bits: int, hadamard: bool,
         raise ValueError(f"dtype must be float32 or float16 on the GPU, received {dtype_name}")
     if rows < 0 or rows >= 2**31:
         raise ValueError(f"rows must be in [0, 2**31), received {rows}")
-    ctype = "float" if dtype_name == "float32" else "__half"
-    name = f"polar_{kind}<{ctype}, {dim}, {bits}, {'true' if hadamard else 'false'}>"
+    name = f"polar_{kind}<{_ctype(dtype_name)}, {dim}, {bits}, {_bool(hadamard)}>"
     return CodecLaunch(rows, (max(rows, 1),), (dim,), name)
 
 
 class AttnLaunch(NamedTuple):
-    """Decode-attention geometry: query-head chunks of at most ``MAX_GROUP``, token splits."""
+    """Decode-attention geometry: query-head chunks of at most ``MAX_GROUP``, token splits.
 
-    chunks: tuple          # (first query head, count, GMAX) per launch
+    ``tiles_per_split`` tiles of ``TILE`` tokens per split; every split holds at least one.
+    ``name`` is the attention kernel; :func:`kernel_names` gives all three kernels of a step.
+    """
+
+    chunks: tuple          # (first query head, count) per attention launch
     splits: int
+    tiles_per_split: int
     grid: tuple
     block: tuple
-    names: tuple
+    name: str
 
 
 def plan_decode_attn(batch: int, kv_heads: int, groups: int, head_dim: int, tokens: int, k_bits: int, v_bits: int,
-                     qjl: bool, sm_count: int = 132) -> AttnLaunch:
+                     qjl: bool, sm_count: int = 132, blocks_per_sm: int = BLOCKS_PER_SM,
+                     prefetch: bool | None = None) -> AttnLaunch:
     """Plan the fused decode launches (checked; no GPU needed).
 
-    Splits are chosen so that about two blocks per multiprocessor run, each with at least
-    ``MIN_TOKENS_PER_SPLIT`` tokens.
+    Parameters
+    ----------
+    batch, kv_heads, groups : int
+        ``groups`` query heads per KV head.
+    head_dim : int
+        A multiple of 32 up to 256.
+    tokens : int
+        Quantized tokens, >= 1.
+    k_bits, v_bits : int
+        Bits of the key and value codes, 1 to 8.
+    qjl : bool
+        Keys carry a QJL sketch.
+    sm_count : int
+        Multiprocessors of the device.
+    blocks_per_sm : int
+        Attention blocks resident per multiprocessor (from the occupancy query).
+    prefetch : bool, optional
+        Kernel variant (default: the module's ``PREFETCH``).
+
+    Returns
+    -------
+    AttnLaunch
+        Splits are chosen so that the blocks fill the ``blocks_per_sm`` slots of every
+        multiprocessor in one wave (not more), each warp with at least one tile of ``TILE``
+        tokens.
     """
-    if head_dim % 32 or not 32 <= head_dim <= 256:
-        raise ValueError(f"head_dim must be a multiple of 32 up to 256 for the fused GPU kernel, received {head_dim}")
+    if head_dim % 32 or not 32 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of 32 up to {MAX_HEAD_DIM} for the fused GPU kernel, "
+                         f"received {head_dim}")
     for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
         if not 1 <= bits <= 8:
             raise ValueError(f"{name} must be in 1..8, received {bits}")
@@ -78,28 +149,75 @@ def plan_decode_attn(batch: int, kv_heads: int, groups: int, head_dim: int, toke
         raise ValueError(f"tokens must be >= 1, received {tokens}")
     if batch > 65535 or kv_heads > 65535:
         raise ValueError("batch and kv_heads must be at most 65535 (grid limits)")
-    want = math.ceil(2 * sm_count / (batch * kv_heads))
-    splits = max(1, min(want, math.ceil(tokens / MIN_TOKENS_PER_SPLIT)))
-    chunks, names = [], []
-    for first in range(0, groups, MAX_GROUP):
-        count = min(MAX_GROUP, groups - first)
-        gmax = 1 << (count - 1).bit_length()
-        chunks.append((first, count, gmax))
-        names.append(f"polar_decode_attn<{head_dim}, {k_bits}, {v_bits}, {gmax}, {'true' if qjl else 'false'}, {WARPS}>")
-    return AttnLaunch(tuple(chunks), splits, (splits, kv_heads, batch), (WARPS * 32,), tuple(names))
+    chunks = tuple((first, min(MAX_GROUP, groups - first)) for first in range(0, groups, MAX_GROUP))
+    tiles = math.ceil(tokens / TILE)
+    # one wave: a second, partial wave would double the time of the step
+    want = max(1, max(1, blocks_per_sm) * sm_count // (batch * kv_heads * len(chunks)))
+    splits = max(1, min(want, math.ceil(tiles / WARPS)))
+    per = math.ceil(tiles / splits)
+    splits = math.ceil(tiles / per)  # no empty split
+    pf = PREFETCH if prefetch is None else prefetch
+    name = f"polar_decode_attn<{head_dim}, {k_bits}, {v_bits}, {_bool(qjl)}, {WARPS}, {_bool(pf)}>"
+    return AttnLaunch(chunks, splits, per, (splits, kv_heads, batch), (WARPS * 32,), name)
+
+
+@functools.lru_cache(maxsize=256)
+def kernel_names(head_dim: int, k_bits: int, v_bits: int, qjl: bool, hadamard: bool, prefetch: bool = False) -> dict:
+    """Name expressions of a decode step's kernels (compiled together as one module; read only)."""
+    names = {"attn": plan_decode_attn(1, 1, 1, head_dim, 1, k_bits, v_bits, qjl, prefetch=prefetch).name}
+    for dtype in ("float32", "float16"):
+        t = _ctype(dtype)
+        names[f"prepare_{dtype}"] = f"polar_prepare_queries<{t}, {head_dim}, {_bool(hadamard)}>"
+        names[f"merge_{dtype}"] = f"polar_merge_window<{t}, {head_dim}, {_bool(hadamard)}>"
+    return names
 
 
 def _device_sm_count(cp) -> int:
-    dev = cp.cuda.Device()
-    return int(dev.attributes.get("MultiProcessorCount", 132))
+    dev = cp.cuda.Device().id
+    n = _SM_COUNT.get(dev)
+    if n is None:
+        n = _SM_COUNT[dev] = int(cp.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
+    return n
+
+
+_OCCUPANCY: dict = {}
+
+
+def _blocks_per_sm(cp, kern, name) -> int:
+    """Resident attention blocks per multiprocessor for ``kern`` (driver occupancy query)."""
+    key = (cp.cuda.Device().id, name)
+    n = _OCCUPANCY.get(key)
+    if n is None:
+        try:
+            n = int(cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kern.kernel.ptr, WARPS * 32, 0))
+        except Exception:  # no occupancy query in this CuPy: from the register count (64K per SM)
+            try:
+                regs = int(kern.num_regs)
+                n = 65536 // (-(-regs * 32 // 256) * 256 * WARPS)
+            except Exception:
+                n = BLOCKS_PER_SM
+        _OCCUPANCY[key] = n = max(1, n)
+    return n
 
 
 def _hadamard(rotation) -> bool:
     return rotation.matrix is None
 
 
-def polar_encode(x, rotation, codebook):
-    """GPU ``polar_encode``: CuPy ``(..., dim)`` float16/float32 -> (codes uint8, gains float16)."""
+def _check_out(cp, out, shape, dtype, name):
+    if out is None:
+        return cp.empty(shape, dtype=dtype)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous:
+        raise ValueError(f"{name} must be a C-contiguous {cp.dtype(dtype).name} array of shape {tuple(shape)}, "
+                         f"received {out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def polar_encode(x, rotation, codebook, *, codes_out=None, norms_out=None):
+    """GPU ``polar_encode``: CuPy ``(..., dim)`` float16/float32 -> (codes uint8, gains float16).
+
+    ``codes_out`` / ``norms_out``, when given, receive the result (C-contiguous, exact shapes).
+    """
     cp = require_cupy()
     dim = int(x.shape[-1])
     if x.dtype not in (cp.float16, cp.float32):
@@ -107,8 +225,8 @@ def polar_encode(x, rotation, codebook):
     x = cp.ascontiguousarray(x)
     rows = int(x.size // dim)
     plan = plan_codec_launch("quantize", rows, dim, int(codebook.bits), _hadamard(rotation), str(x.dtype))
-    codes = cp.empty(x.shape[:-1] + (dim * codebook.bits // 8,), dtype=cp.uint8)
-    gains = cp.empty(x.shape[:-1], dtype=cp.float16)
+    codes = _check_out(cp, codes_out, x.shape[:-1] + (dim * codebook.bits // 8,), cp.uint8, "codes_out")
+    gains = _check_out(cp, norms_out, x.shape[:-1], cp.float16, "norms_out")
     if rows:
         matrix = rotation.matrix if rotation.matrix is not None else rotation.signs
         kern = get_kernel(_SOURCE, plan.name)
@@ -117,15 +235,15 @@ def polar_encode(x, rotation, codebook):
     return codes, gains
 
 
-def polar_decode(codes, norms, rotation, codebook):
-    """GPU ``polar_decode``: packed codes + float16 gains -> float32 ``(..., dim)``."""
+def polar_decode(codes, norms, rotation, codebook, *, out=None):
+    """GPU ``polar_decode``: packed codes + float16 gains -> float32 ``(..., dim)`` (into ``out`` if given)."""
     cp = require_cupy()
     dim = rotation.dim
     codes = cp.ascontiguousarray(codes)
     norms = cp.ascontiguousarray(norms.astype(cp.float16, copy=False))
     rows = int(norms.size)
     plan = plan_codec_launch("dequantize", rows, dim, int(codebook.bits), _hadamard(rotation), "float32")
-    out = cp.empty(tuple(norms.shape) + (dim,), dtype=cp.float32)
+    out = _check_out(cp, out, tuple(norms.shape) + (dim,), cp.float32, "out")
     if rows:
         matrix = rotation.matrix if rotation.matrix is not None else rotation.signs
         kern = get_kernel(_SOURCE, plan.name)
@@ -133,16 +251,28 @@ def polar_decode(codes, norms, rotation, codebook):
     return out
 
 
-def _buffers(cp, shape_key, b, h, splits, g, d):
-    cache = getattr(_scratch, "bufs", None)
-    if cache is None:
-        cache = _scratch.bufs = {}
-    key = (cp.cuda.Device().id, shape_key)
-    bufs = cache.get(key)
+# ---- fused decode attention ------------------------------------------------------------------
+def _store():
+    st = getattr(_scratch, "bufs", None)
+    if st is None:
+        st = _scratch.bufs = {}
+    return st
+
+
+def scratch_buffers() -> list:
+    """The decode scratch arrays held by the calling thread (tests poison them)."""
+    return [a for bufs in _store().values() for a in bufs.values()]
+
+
+def _buffers(cp, key, shapes: dict) -> dict:
+    """Per-thread scratch arrays for ``key``, allocated on first use and then reused."""
+    store = _store()
+    full = (cp.cuda.Device().id,) + key
+    bufs = store.get(full)
     if bufs is None:
-        bufs = (cp.empty((b, h, splits, g), cp.float32), cp.empty((b, h, splits, g), cp.float32),
-                cp.empty((b, h, splits, g, d), cp.float32))
-        cache[key] = bufs
+        if len(store) >= _SCRATCH_ENTRIES:
+            store.clear()
+        bufs = store[full] = {name: cp.empty(shape, dtype=dt) for name, (shape, dt) in shapes.items()}
     return bufs
 
 
@@ -151,48 +281,136 @@ def _capacity(arr) -> int:
     return int(arr.strides[1] // arr.strides[2]) if arr.shape[1] > 1 or arr.shape[0] > 1 else int(arr.shape[2])
 
 
-def polar_decode_attention(codec, q, scale):
-    """Fused decode attention on the GPU over a :class:`~arraykv.caches.polar.PolarLayerCodec`."""
-    cp = require_cupy()
-    from ..attention.polar_fused import merge_window, prepare_queries
+def _token_view_ok(arr, cap: int) -> bool:
+    """A (b, h, n, ...) view of a C-contiguous (b, h, cap, ...) buffer, 16-byte aligned."""
+    inner = arr.itemsize
+    for s in arr.shape[3:]:
+        inner *= int(s)
+    b, h = int(arr.shape[0]), int(arr.shape[1])
+    if arr.shape[3:] and arr.strides[-1] != arr.itemsize:
+        return False
+    if int(arr.strides[2]) != inner or arr.data.ptr % 16:
+        return False
+    if h > 1 and int(arr.strides[1]) != cap * inner:
+        return False
+    if b > 1 and int(arr.strides[0]) != h * cap * inner:
+        return False
+    return _capacity(arr) == cap or (b == 1 and h == 1)
 
-    prep = prepare_queries(codec, q, scale)
-    b, h, g, d = (int(s) for s in prep["qr"].shape)
-    n = codec.n_quantized
-    if n == 0:
-        m = cp.full((b, h, g), -cp.inf, dtype=cp.float32)
-        return merge_window(codec, prep, scale, m, cp.zeros((b, h, g), cp.float32), cp.zeros((b, h, g, d), cp.float32), q.dtype)
+
+def unsupported_reason(codec, q) -> str | None:
+    """Why the fused GPU kernel cannot serve this call (None when it can)."""
+    d = int(q.shape[-1])
+    if d % 32 or d > MAX_HEAD_DIM:
+        return f"head_dim {d} is not a multiple of 32 up to {MAX_HEAD_DIM}"
+    if str(q.dtype) not in ("float32", "float16"):
+        return f"queries of dtype {q.dtype}"
+    if int(q.shape[2]) != 1:
+        return "more than one query token"
+    if codec.qjl is not None and int(codec.qjl.rows) != d:
+        return f"a QJL sketch of {codec.qjl.rows} rows (the kernel needs head_dim rows)"
+    if codec.k_outlier_idx is not None and int(codec.k_outlier_idx.shape[-1]) > MAX_OUTLIERS:
+        return f"more than {MAX_OUTLIERS} outlier channels"
+    if codec.n_quantized:
+        cap = _capacity(codec.k_norms)
+        arrays = [codec.k_codes, codec.k_norms, codec.v_codes, codec.v_norms]
+        if codec.k_outliers is not None and codec.k_outlier_idx is not None:
+            arrays.append(codec.k_outliers)
+        if codec.qjl is not None:
+            arrays += [codec.k_qjl, codec.k_qjl_norms]
+        if not all(_token_view_ok(a, cap) for a in arrays):
+            return "codec arrays that are not token views of one contiguous buffer"
+    return None
+
+
+def _half_or_dummy(cp, arr, dummy):
+    return dummy if arr is None else cp.ascontiguousarray(arr)
+
+
+def polar_decode_attention(codec, q, scale, *, out=None):
+    """Fused decode attention on the GPU over a :class:`~arraykv.caches.polar.PolarLayerCodec`.
+
+    Parameters
+    ----------
+    codec : PolarLayerCodec
+        CuPy arrays.
+    q : cupy.ndarray, shape (batch, q_heads, 1, head_dim), float16 or float32
+    scale : float
+        Softmax scale.
+    out : cupy.ndarray, optional
+        Receives the result (same shape and dtype as ``q``, C-contiguous).
+
+    Returns
+    -------
+    cupy.ndarray, shape (batch, q_heads, 1, head_dim), dtype of ``q``
+
+    Notes
+    -----
+    Same contract as :func:`arraykv.attention.polar_fused.polar_decode_attention_reference`,
+    which serves the calls the kernel does not (``unsupported_reason``). The products run on
+    the tensor cores with float16 operands (queries, centroids, softmax weights times value
+    gains) and float32 accumulation; the softmax, norms, outlier channels, centering and the
+    window are float32. The result agrees with the float32 reference to about 1e-3 relative.
+    """
+    cp = require_cupy()
+    if unsupported_reason(codec, q) is not None:
+        from ..attention.polar_fused import polar_decode_attention_reference
+
+        return polar_decode_attention_reference(codec, q, scale)
+    from ..quant.qjl import QJL_SCALE
+
+    b, qh, _, d = (int(s) for s in q.shape)
+    h = int(codec.k_window.shape[1]) if codec.k_window is not None else int(codec.k_codes.shape[1])
+    g = qh // h
+    n = int(codec.n_quantized)
+    dtype = str(q.dtype)
+    qc = cp.ascontiguousarray(q)
+    out = _check_out(cp, out, tuple(q.shape), q.dtype, "out")
+    rot = codec.rotation
+    had = _hadamard(rot)
     use_qjl = codec.qjl is not None
-    plan = plan_decode_attn(b, h, g, d, n, int(codec.k_codebook.bits), int(codec.v_codebook.bits), use_qjl,
-                            _device_sm_count(cp))
-    cap = _capacity(codec.k_norms)
-    for arr in (codec.k_codes, codec.v_codes, codec.v_norms):
-        if _capacity(arr) != cap or arr.strides[-1] != arr.itemsize:
-            raise ValueError("the codec arrays must be token views of one contiguous buffer")
-    nout = int(prep["qout"].shape[-1])
-    m_rows = int(prep["sq"].shape[-1]) if use_qjl else 0
-    dummy_h = cp.zeros(1, cp.float16)
-    dummy_u8 = cp.zeros(1, cp.uint8)
-    dummy_f = cp.zeros(1, cp.float32)
-    ms, ls, accs = [], [], []
-    for (first, count, _gmax), name in zip(plan.chunks, plan.names):
-        sl = slice(first, first + count)
-        qr = cp.ascontiguousarray(prep["qr"][:, :, sl])
-        qconst = cp.ascontiguousarray(prep["qconst"][:, :, sl])
-        qout = cp.ascontiguousarray(prep["qout"][:, :, sl]) if nout else dummy_f
-        sq = cp.ascontiguousarray(prep["sq"][:, :, sl]) if use_qjl else dummy_f
-        out_m, out_l, out_acc = _buffers(cp, (b, h, plan.splits, count, d), b, h, plan.splits, count, d)
-        kern = get_kernel(_SOURCE, name)
-        kern(plan.grid, plan.block,
-             (qr, qconst, qout, sq, codec.k_codes, codec.k_norms, codec.k_codebook.centroids, codec.v_codes,
-              codec.v_norms, codec.v_codebook.centroids, codec.k_outliers if nout else dummy_h,
-              codec.k_qjl if use_qjl else dummy_u8, codec.k_qjl_norms if use_qjl else dummy_h,
-              cp.int32(n), cp.int64(cap), cp.int32(count), cp.int32(nout), cp.int32(m_rows), cp.int32(plan.splits),
-              out_m, out_l, out_acc))
-        ms.append(out_m), ls.append(out_l), accs.append(out_acc)
-    out_m, out_l, out_acc = (cp.concatenate(x, axis=3) for x in (ms, ls, accs))
-    m = out_m.max(axis=2)
-    w = cp.where(cp.isfinite(out_m), cp.exp(out_m - m[:, :, None, :]), 0.0).astype(cp.float32)
-    l = (out_l * w).sum(axis=2)
-    acc = (out_acc * w[..., None]).sum(axis=2)
-    return merge_window(codec, prep, scale, m, l, acc, q.dtype)
+    nout = 0 if codec.k_outlier_idx is None else int(codec.k_outlier_idx.shape[-1])
+    kb, vb = int(codec.k_codebook.bits), int(codec.v_codebook.bits)
+    names = kernel_names(d, kb, vb, use_qjl, had, PREFETCH)
+    family = tuple(names.values())
+    attn = get_kernel(_SOURCE, names["attn"], family)
+    plan = plan_decode_attn(b, h, g, d, n, kb, vb, use_qjl, _device_sm_count(cp),
+                            _blocks_per_sm(cp, attn, names["attn"]), PREFETCH) if n else None
+    splits = plan.splits if plan else 0
+    f32, f16 = cp.float32, cp.float16
+    bufs = _buffers(cp, ("attn", b, h, g, d, nout, use_qjl, splits), {
+        "qr": ((b * h * g * d,), f32), "qconst": ((b * h * g,), f32), "qout": ((max(b * h * g * nout, 1),), f32),
+        "sq": ((b * h * g * d if use_qjl else 1,), f32), "out_m": ((max(b * h * splits * g, 1),), f32),
+        "out_l": ((max(b * h * splits * g, 1),), f32), "out_acc": ((max(b * h * splits * g * d, 1),), f32),
+        "dummy_f": ((4,), f32), "dummy_h": ((8,), f16), "dummy_i": ((4,), cp.int32), "dummy_u8": ((16,), cp.uint8)})
+    dh, df = bufs["dummy_h"], bufs["dummy_f"]
+    matrix = rot.matrix if rot.matrix is not None else rot.signs
+    sketch = codec.qjl.matrix if use_qjl else df
+    sq_scale = float(scale) * QJL_SCALE / int(codec.qjl.rows) if use_qjl else 0.0
+    idx = cp.ascontiguousarray(codec.k_outlier_idx) if nout else bufs["dummy_i"]
+
+    prep = get_kernel(_SOURCE, names[f"prepare_{dtype}"], family)
+    prep((g, h, b), (d,), (qc, _half_or_dummy(cp, codec.k_scale, dh), _half_or_dummy(cp, codec.k_mean, dh), idx,
+                           cp.int32(nout), rot.signs, matrix, sketch, cp.float32(scale), cp.float32(sq_scale),
+                           cp.int32(codec.k_scale is not None), cp.int32(codec.k_mean is not None),
+                           cp.int32(use_qjl), bufs["qr"], bufs["qconst"], bufs["qout"], bufs["sq"]))
+    if n:
+        cap = _capacity(codec.k_norms)
+        k_out = codec.k_outliers if nout else dh
+        k_qjl = codec.k_qjl if use_qjl else bufs["dummy_u8"]
+        k_qjl_n = codec.k_qjl_norms if use_qjl else dh
+        for first, count in plan.chunks:
+            attn(plan.grid, plan.block,
+                 (bufs["qr"], bufs["qconst"], bufs["qout"], bufs["sq"], codec.k_codes, codec.k_norms,
+                  codec.k_codebook.centroids, codec.v_codes, codec.v_norms, codec.v_codebook.centroids, k_out, k_qjl,
+                  k_qjl_n, cp.int32(n), cp.int64(cap), cp.int32(g), cp.int32(first), cp.int32(count),
+                  cp.int32(nout), cp.int32(plan.tiles_per_split), cp.int32(splits),
+                  bufs["out_m"], bufs["out_l"], bufs["out_acc"]))
+    n_win = int(codec.n_window)
+    kw = cp.ascontiguousarray(codec.k_window) if n_win else dh
+    vw = cp.ascontiguousarray(codec.v_window) if n_win else dh
+    merge = get_kernel(_SOURCE, names[f"merge_{dtype}"], family)
+    merge((g, h, b), (d,), (bufs["out_m"], bufs["out_l"], bufs["out_acc"], cp.int32(splits), qc, kw, vw,
+                            cp.int32(n_win), _half_or_dummy(cp, codec.v_mean, dh), cp.int32(codec.v_mean is not None),
+                            rot.signs, matrix, cp.float32(scale), out))
+    return out

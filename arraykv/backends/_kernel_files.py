@@ -1,4 +1,9 @@
-"""Where the CUDA sources are: ``arraykv.kernels`` (the top-level ``kernels/`` folder)."""
+"""Where the CUDA sources are: ``arraykv.kernels`` (the top-level ``kernels/`` folder).
+
+An installed wheel (or an editable install) maps the package ``arraykv.kernels`` to that
+folder; a plain source checkout on ``PYTHONPATH`` has no such package, and the sources are then
+read from ``kernels/`` beside the ``arraykv`` folder.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,10 @@ __all__ = ["kernel_source", "kernel_names"]
 
 
 def _root():
-    return resources.files("arraykv.kernels")
+    try:
+        return resources.files("arraykv.kernels")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "kernels"
 
 
 def kernel_names() -> list:
