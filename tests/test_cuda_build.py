@@ -7,8 +7,12 @@ import subprocess
 import numpy as np
 import pytest
 
+from arraykv.backends._cuda import DEFAULT_OPTIONS
+from arraykv.backends._cuda_bitpack import _FAMILY as BITPACK_FAMILY
 from arraykv.backends._cuda_bitpack import plan_bitpack
+from arraykv.backends._cuda_polar import kernel_names, plan_codec_launch
 from gpu import requires_gpu
+from nvrtc import compile_source, find_nvrtc
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = sorted((ROOT / "kernels").glob("*.cu"))
@@ -20,6 +24,32 @@ def test_cuda_source_compiles_for_hopper(source, tmp_path):
     res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "--ptx", "-o", str(tmp_path / "out.ptx"), str(source)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
+
+
+def _runtime_names(source):
+    """Name expressions the launchers ask NVRTC for, over the configurations the caches use."""
+    if source == "bitpack.cu":
+        return list(BITPACK_FAMILY)
+    names = []
+    for d, had in ((64, True), (128, True), (256, True), (96, False), (32, True)):
+        for kb, vb, qjl in ((4, 4, False), (3, 3, False), (2, 2, True), (1, 1, False), (3, 2, True)):
+            for pf in (False, True):
+                names += list(kernel_names(d, kb, vb, qjl, had, pf).values())
+        for kind in ("quantize", "dequantize"):
+            for dt in ("float32", "float16"):
+                names.append(plan_codec_launch(kind, 1, d, 3, had, dt).name)
+    return sorted(set(names))
+
+
+@pytest.mark.skipif(find_nvrtc() is None, reason="no NVRTC library found (set ARRAYKV_NVRTC)")
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_cuda_source_compiles_with_nvrtc(source):
+    # NVRTC is what cupy.RawModule runs: no CUDA include folder, templates by name expression
+    names = _runtime_names(source.name)
+    ok, log, lowered = compile_source(find_nvrtc(), f'#line 1 "{source}"\n' + source.read_text(), source.name,
+                                      names, list(DEFAULT_OPTIONS) + ["-arch=compute_90"])
+    assert ok, log
+    assert set(lowered) == set(names)
 
 
 def test_bitpack_plan():
