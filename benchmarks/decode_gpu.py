@@ -1,95 +1,195 @@
 """GPU decode step: fused PolarQuant attention vs dense float16 attention (needs CuPy + GPU).
 
 Shape: batch 8, 32 query heads, 8 KV heads, head_dim 128; contexts 4k / 32k / 128k. Printed
-side by side from one run, timed with CUDA events:
+side by side from one run, timed with CUDA events (median of ``--repeat`` calls, the L2 cache
+flushed before each call so that a 4k cache is not served from L2):
 
-- ``fused pqo4``: ``kernels/polar.cu`` decode attention over the packed cache;
-- ``dense cupy``: float16 K/V, ``arraykv.attention`` on CuPy (matmul + softmax + matmul);
-- ``dense sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on the same float16 K/V
-  (when PyTorch with CUDA is installed);
-- ``floor``: compressed bytes ÷ the device-to-device copy bandwidth measured in the same run,
-  and the achieved bandwidth on the compressed bytes as a share of it;
-- quantize throughput (values/s) of the GPU quantizer.
+- ``fused``: ``arraykv.attention.polar_decode_attention`` on CuPy (the ``kernels/polar.cu``
+  launches: query preparation, split-K attention over the packed codes, merge with the
+  float16 window), float16 queries;
+- ``dense cupy``: float16 K/V, ``cupy.matmul`` (cuBLAS, float16 in, float32 softmax) with the
+  query heads of a group stacked, so K/V are read once per KV head;
+- ``dense sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on the same float16
+  K/V (``enable_gqa=True``, so K/V are not repeated) when PyTorch with CUDA is installed;
+- ``floor``: bytes the fused step must read (codes, norms, outliers, QJL bits, float16
+  window) ÷ the device-to-device copy bandwidth measured in the same run (bytes read + bytes
+  written per second), and the achieved bandwidth on those bytes as a share of it;
+  ``dense floor``: the float16 K/V bytes ÷ the same bandwidth;
+- quantize throughput: the GPU quantizer (``arraykv.quant.polar.polar_encode``) on the
+  context's float16 keys, values per second.
 
-Usage: ``python benchmarks/decode_gpu.py [--contexts 4096 32768 131072]``
+Usage: ``python benchmarks/decode_gpu.py [--contexts 4096 32768 131072] [--mode pqo4]``
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 
 import numpy as np
 
 
-def cuda_ms(cp, fn, repeat=20):
+def cuda_ms(cp, fn, repeat=30, flush=None):
+    """Median milliseconds of ``fn()`` between two CUDA events (after two warm-up calls)."""
+    fn()
     fn()
     cp.cuda.Device().synchronize()
     start, stop = cp.cuda.Event(), cp.cuda.Event()
-    best = float("inf")
+    times = []
     for _ in range(repeat):
+        if flush is not None:
+            flush.fill(1)  # evict the previous call's data from L2
         start.record()
         fn()
         stop.record()
         stop.synchronize()
-        best = min(best, cp.cuda.get_elapsed_time(start, stop))
-    return best
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times), min(times)
+
+
+def used_nbytes(codec) -> int:
+    """Bytes a fused decode step reads: the in-use parts of the packed arrays and the window."""
+    total = 0
+    for name in ("k_codes", "k_norms", "v_codes", "v_norms", "k_outliers", "k_qjl", "k_qjl_norms",
+                 "k_window", "v_window"):
+        a = getattr(codec, name)
+        if a is not None:
+            total += int(a.size) * a.itemsize
+    return total
+
+
+def build_cache(cp, mode, b, hkv, g, d, n, rng):
+    """A ``mode`` cache holding ``n`` random tokens; returns (cache, k16, v16)."""
+    import arraykv
+
+    k16 = rng.standard_normal((b, hkv, n, d), dtype=cp.float32).astype(cp.float16)
+    v16 = rng.standard_normal((b, hkv, n, d), dtype=cp.float32).astype(cp.float16)
+    cache = arraykv.make_cache(mode, num_layers=1, num_kv_heads=hkv, head_dim=d)
+    first = min(n, 2048)  # calibration chunk, with its real queries
+    q0 = rng.standard_normal((b, hkv * g, first, d), dtype=cp.float32).astype(cp.float16)
+    cache.prefill(0, k16[:, :, :first], v16[:, :, :first], q0)
+    if n > first:
+        # later prefills use the queries only for their shape: a broadcast view costs nothing
+        qv = cp.broadcast_to(q0[:, :, :1], (b, hkv * g, n - first, d))
+        cache.prefill(0, k16[:, :, first:], v16[:, :, first:], qv)
+    cp.get_default_memory_pool().free_all_blocks()
+    return cache, k16, v16
+
+
+def dense_cupy(cp, q16, k16, v16, scale):
+    """Float16 decode attention with cuBLAS: (b, hq, 1, d) queries over (b, hkv, n, d) K/V."""
+    b, hq, _, d = q16.shape
+    hkv = k16.shape[1]
+    qg = q16.reshape(b, hkv, hq // hkv, d)
+    s = cp.matmul(qg, k16.transpose(0, 1, 3, 2)).astype(cp.float32) * scale  # (b, hkv, g, n)
+    s = cp.exp(s - s.max(axis=-1, keepdims=True))
+    p = (s / s.sum(axis=-1, keepdims=True)).astype(cp.float16)
+    return cp.matmul(p, v16).reshape(b, hq, 1, d)
 
 
 def main(argv=None):
     import cupy as cp
 
-    import arraykv
-    from arraykv.attention.polar_fused import polar_decode_attention
+    from arraykv.attention.polar_fused import polar_decode_attention, polar_decode_attention_reference
+    from arraykv.quant.polar import polar_encode
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     ap.add_argument("--mode", default="pqo4")
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--json", default=None, help="also write the rows as JSON lines to this file")
     args = ap.parse_args(argv)
     b, hkv, g, d = 8, 8, 4, 128
     scale = d**-0.5
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    print(f"# GPU: {props['name'].decode()}  shape: batch {b}, {hkv * g} q heads, {hkv} kv heads, head_dim {d}")
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    gpu = props["name"].decode()
+    print(f"# GPU: {gpu}, {props['multiProcessorCount']} SMs, L2 {props['l2CacheSize'] / 2**20:.0f} MiB; "
+          f"shape: batch {b}, {hkv * g} q heads, {hkv} kv heads, head_dim {d}, mode {args.mode}")
     big = cp.empty(1 << 30, dtype=cp.uint8)
+    big.fill(3)
     dst = cp.empty_like(big)
-    copy_ms = cuda_ms(cp, lambda: cp.copyto(dst, big), 10)
+    copy_ms, _ = cuda_ms(cp, lambda: cp.copyto(dst, big), 20)
     bw = 2 * big.nbytes / (copy_ms * 1e-3)  # read + write
-    print(f"# device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s")
+    print(f"# device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s (1 GiB copy, {copy_ms:.3f} ms)")
     del big, dst
+    flush = cp.empty(256 << 20, dtype=cp.uint8)
     try:
         import torch
+
         sdpa = torch.nn.functional.scaled_dot_product_attention if torch.cuda.is_available() else None
     except ImportError:
         sdpa = None
     rng = cp.random.default_rng(0)
-    q = rng.standard_normal((b, hkv * g, 1, d), dtype=cp.float32)
-    print("| context | fused ms | floor ms | share of copy BW | dense cupy ms | dense sdpa ms | cupy/fused | sdpa/fused | quantize Gvals/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    q = rng.standard_normal((b, hkv * g, 1, d), dtype=cp.float32).astype(cp.float16)
+    rows = []
     for n in args.contexts:
-        k = rng.standard_normal((b, hkv, n, d), dtype=cp.float32)
-        v = rng.standard_normal((b, hkv, n, d), dtype=cp.float32)
-        cache = arraykv.make_cache(args.mode, num_layers=1, num_kv_heads=hkv, head_dim=d, residual_window=0)
-        t0, t1 = cp.cuda.Event(), cp.cuda.Event()
-        t0.record()
-        cache.prefill(0, k, v, cp.zeros((b, hkv * g, n, d), cp.float32))
-        t1.record()
-        t1.synchronize()
-        quant_rate = k.size * 2 / (cp.cuda.get_elapsed_time(t0, t1) * 1e-3)
+        cache, k16, v16 = build_cache(cp, args.mode, b, hkv, g, d, n, rng)
         codec = cache.layer_codec_state(0)
-        comp_bytes = sum(int(getattr(codec, a).nbytes) for a in ("k_codes", "k_norms", "v_codes", "v_norms"))
-        t_fused = cuda_ms(cp, lambda: polar_decode_attention(codec, q, scale))
-        k16, v16, q16 = k.astype(cp.float16), v.astype(cp.float16), q.astype(cp.float16)
-        del k, v
-        t_dense = cuda_ms(cp, lambda: arraykv.attention(q16, k16, v16, softmax_scale=scale))
+        comp_bytes = used_nbytes(codec)
+        dense_bytes = 2 * k16.nbytes
+        if n <= 4096:  # the array-API reference materialises every token: check at small sizes only
+            got = polar_decode_attention(codec, q, scale).astype(cp.float32)
+            want = polar_decode_attention_reference(codec, q, scale).astype(cp.float32)
+            err = float(cp.linalg.norm(got - want) / cp.linalg.norm(want))
+            print(f"# n={n}: fused vs array-API reference, relative error {err:.2e}")
+        t_fused, t_fused_min = cuda_ms(cp, lambda: polar_decode_attention(codec, q, scale), args.repeat, flush)
+
+        def ten():
+            for _ in range(10):
+                polar_decode_attention(codec, q, scale)
+
+        t_fused_tp = cuda_ms(cp, ten, max(3, args.repeat // 5), flush)[0] / 10  # launch gaps hidden
+        # the other attention-kernel variant (next-tile prefetch on/off), for the record
+        from arraykv.backends import _cuda_polar
+
+        default = _cuda_polar.PREFETCH
+        _cuda_polar.PREFETCH = not default
+        try:
+            t_other, _ = cuda_ms(cp, lambda: polar_decode_attention(codec, q, scale), args.repeat, flush)
+        finally:
+            _cuda_polar.PREFETCH = default
+        occ = {k[1]: v for k, v in _cuda_polar._OCCUPANCY.items()}
+        print(f"# n={n}: prefetch={default}: {t_fused:.4f} ms, prefetch={not default}: {t_other:.4f} ms; "
+              f"blocks per SM {occ}", flush=True)
+        t_dense, _ = cuda_ms(cp, lambda: dense_cupy(cp, q, k16, v16, scale), args.repeat, flush)
         t_sdpa = float("nan")
         if sdpa is not None:
-            tq, tk, tv = (torch.as_tensor(a, device="cuda") for a in (q16, k16, v16))
-            tk, tv = tk.repeat_interleave(g, dim=1), tv.repeat_interleave(g, dim=1)
-            t_sdpa = cuda_ms(cp, lambda: sdpa(tq, tk, tv, scale=scale))
+            tq, tk, tv = (torch.as_tensor(a, device="cuda") for a in (q, k16, v16))
+            try:
+                sdpa(tq, tk, tv, scale=scale, enable_gqa=True)
+                t_sdpa, _ = cuda_ms(cp, lambda: sdpa(tq, tk, tv, scale=scale, enable_gqa=True), args.repeat, flush)
+            except TypeError:  # older PyTorch: repeat K/V per query head
+                tk, tv = tk.repeat_interleave(g, dim=1), tv.repeat_interleave(g, dim=1)
+                t_sdpa, _ = cuda_ms(cp, lambda: sdpa(tq, tk, tv, scale=scale), args.repeat, flush)
+            del tq, tk, tv
+        # quantize throughput on this context's keys (float16 in, packed codes + float16 norms out)
+        t_quant, _ = cuda_ms(cp, lambda: polar_encode(k16, codec.k_codebook, codec.rotation), 10)
+        quant_rate = k16.size / (t_quant * 1e-3)
         floor = comp_bytes / bw * 1e3
-        print(f"| {n} | {t_fused:.3f} | {floor:.3f} | {floor / t_fused:.0%} | {t_dense:.3f} | {t_sdpa:.3f} | "
-              f"{t_dense / t_fused:.2f} | {t_sdpa / t_fused:.2f} | {quant_rate / 1e9:.2f} |")
+        row = dict(gpu=gpu, mode=args.mode, context=n, fused_ms=t_fused, fused_min_ms=t_fused_min, fused_back_to_back_ms=t_fused_tp, fused_other_variant_ms=t_other, floor_ms=floor,
+                   bw_share=floor / t_fused, dense_cupy_ms=t_dense, dense_sdpa_ms=t_sdpa,
+                   dense_floor_ms=dense_bytes / bw * 1e3, cupy_speedup=t_dense / t_fused,
+                   sdpa_speedup=t_sdpa / t_fused, quant_gvals=quant_rate / 1e9, comp_mb=comp_bytes / 1e6,
+                   copy_gbs=bw / 1e9)
+        rows.append(row)
+        print("# " + json.dumps(row), flush=True)
         del k16, v16, cache, codec
         cp.get_default_memory_pool().free_all_blocks()
+    print()
+    print("| context | fused ms | floor ms | share of copy BW | dense cupy ms | dense sdpa ms | dense floor ms "
+          "| cupy/fused | sdpa/fused | quantize G values/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['context']} | {r['fused_ms']:.3f} | {r['floor_ms']:.3f} | {r['bw_share']:.0%} | "
+              f"{r['dense_cupy_ms']:.3f} | {r['dense_sdpa_ms']:.3f} | {r['dense_floor_ms']:.3f} | "
+              f"{r['cupy_speedup']:.2f} | {r['sdpa_speedup']:.2f} | {r['quant_gvals']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+    return rows
 
 
 if __name__ == "__main__":
