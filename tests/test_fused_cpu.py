@@ -277,8 +277,9 @@ def test_decode_path_without_kernels(rng):
     with set_kernels_enabled(False):
         auto = arraykv.make_cache("pqo3", num_layers=1, num_kv_heads=1, head_dim=d)
         fused = arraykv.make_cache("pqo3", num_layers=1, num_kv_heads=1, head_dim=d, decode_path="fused")
+        q40 = rng.standard_normal((1, 1, 40, d)).astype(np.float32)  # the same calibration for both
         for c in (auto, fused):
-            c.prefill(0, k, k, rng.standard_normal((1, 1, 40, d)).astype(np.float32))
+            c.prefill(0, k, k, q40)
         a = auto.decode(0, k[:, :, :1], k[:, :, :1], q, arraykv.AttendConfig(0.2))
         f = fused.decode(0, k[:, :, :1], k[:, :, :1], q, arraykv.AttendConfig(0.2))
     assert isinstance(a, arraykv.Dequantized) and isinstance(f, arraykv.Fused)

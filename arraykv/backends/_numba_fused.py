@@ -61,49 +61,113 @@ _U8_4, _U16_3, _U16_4, _I32_3 = _ro(nbt.uint8, 4), _ro(nbt.uint16, 3), _ro(nbt.u
 _F32_1C, _F32_2C = _ro(nbt.float32, 1, "C"), _ro(nbt.float32, 2, "C")
 _Q = _ro(nbt.float32, 3, "C")
 _OUT = nbt.Array(nbt.float32, 3, "C")
-#: q, scale, n, k_codes, k_norms, k_cent, k_bits, v_codes, v_norms, v_cent, v_bits,
-#: k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, k_qjl, k_qjl_norms,
+_TAB = _ro(nbt.uint64, 1, "C")
+#: q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits,
+#: k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, sign_table, k_qjl, k_qjl_norms,
 #: n_window, k_window, v_window, half, splits, out
 _SIG = nbt.void(_Q, nbt.float64, nbt.int64,
-                _U8_4, _U16_3, _F32_1C, nbt.int64, _U8_4, _U16_3, _F32_1C, nbt.int64,
-                _U16_3, _U16_3, _U16_3, _I32_3, _U16_4, _F32_1C, _F32_2C, _F32_2C, _U8_4, _U16_3,
+                _U8_4, _U16_3, _F32_1C, _TAB, nbt.int64, _U8_4, _U16_3, _F32_1C, _TAB, nbt.int64,
+                _U16_3, _U16_3, _U16_3, _I32_3, _U16_4, _F32_1C, _F32_2C, _F32_2C, _TAB, _U8_4, _U16_3,
                 nbt.int64, _U16_4, _U16_4, _F32_1C, nbt.int64, _OUT)
 
 
-@nb.njit(inline="always")
-def _unpack_row(codes, bits, cent, out):
-    """Centroid values of one row of packed codes (layout of arraykv.quant.bitpack)."""
-    d = out.shape[0]
+#: QJL bit values: bit 0 -> -1, bit 1 -> +1.
+_SIGNS = np.array([-1.0, 1.0], np.float32)
+#: Codes per chunk of :func:`_chunk_table`, by bits.
+_CHUNK = (1, 8, 4, 2, 2, 2, 1, 1, 1)
+
+
+def _chunk_table(cent, bits):
+    """Centroid values of every chunk of ``_CHUNK[bits]`` consecutive codes, as 8-byte words.
+
+    Parameters
+    ----------
+    cent : ndarray of float32, shape (2**bits,)
+    bits : int
+
+    Returns
+    -------
+    ndarray of uint64, shape (2**(c·bits) · c / 2,), ``c = _CHUNK[bits]``
+        Entry ``e`` (``c / 2`` words) holds ``cent[e & mask], cent[(e >> bits) & mask], ...``
+        (the bitpack order), so one 8-byte load and store unpacks two codes. Chunks: 8 one-bit
+        codes (a byte), 4 two-bit codes (a byte), 2 three-, four- or five-bit codes; empty for
+        6–8 bits (those read ``cent``).
+    """
+    c = _CHUNK[bits]
+    if c == 1:
+        return np.zeros(0, np.uint64)
+    e = np.arange(1 << (c * bits))
+    idx = (e[:, None] >> (np.arange(c) * bits)[None, :]) & ((1 << bits) - 1)
+    return np.ascontiguousarray(np.asarray(cent, np.float32)[idx]).view(np.uint64).reshape(-1)
+
+
+_SIGN_TABLE = _chunk_table(_SIGNS, 1)
+
+
+@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+def _unpack_rows(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
+    """Centroid values of rows ``t0 .. t1`` of ``codes[b, h]`` into ``out[:t1 - t0, :d]``.
+
+    Layout of :mod:`arraykv.quant.bitpack`. ``out`` (float32, (rows, even width >= d)) and
+    ``out64`` are views of one buffer; ``table`` is :func:`_chunk_table` of ``cent``. The
+    branch on ``bits`` is taken once per call, so every loop below is specialised.
+    """
     if bits == 4:
-        for j in range(d // 2):
-            byte = codes[j]
-            out[2 * j] = cent[byte & 15]
-            out[2 * j + 1] = cent[byte >> 4]
-        if d % 2:
-            out[d - 1] = cent[codes[d // 2] & 15]
+        for t in range(t0, t1):
+            row = codes[b, h, t]
+            r = t - t0
+            for j in range(d // 2):
+                out64[r, j] = table[row[j]]
+            if d % 2:
+                out[r, d - 1] = cent[row[d // 2] & 15]
     elif bits == 2:
-        for j in range(d // 4):
-            byte = codes[j]
-            out[4 * j] = cent[byte & 3]
-            out[4 * j + 1] = cent[(byte >> 2) & 3]
-            out[4 * j + 2] = cent[(byte >> 4) & 3]
-            out[4 * j + 3] = cent[byte >> 6]
-        for i in range(d - d % 4, d):
-            out[i] = cent[(codes[i // 4] >> (2 * (i % 4))) & 3]
+        for t in range(t0, t1):
+            row = codes[b, h, t]
+            r = t - t0
+            for j in range(d // 4):
+                e = 2 * np.int64(row[j])
+                out64[r, 2 * j] = table[e]
+                out64[r, 2 * j + 1] = table[e + 1]
+            for i in range(d - d % 4, d):
+                out[r, i] = cent[(row[i // 4] >> (2 * (i % 4))) & 3]
+    elif bits == 1:
+        for t in range(t0, t1):
+            row = codes[b, h, t]
+            r = t - t0
+            for j in range(d // 8):
+                e = 4 * np.int64(row[j])
+                out64[r, 4 * j] = table[e]
+                out64[r, 4 * j + 1] = table[e + 1]
+                out64[r, 4 * j + 2] = table[e + 2]
+                out64[r, 4 * j + 3] = table[e + 3]
+            for i in range(d - d % 8, d):
+                out[r, i] = cent[(row[i // 8] >> (i % 8)) & 1]
     elif bits == 8:
-        for j in range(d):
-            out[j] = cent[codes[j]]
+        for t in range(t0, t1):
+            row = codes[b, h, t]
+            r = t - t0
+            for j in range(d):
+                out[r, j] = cent[row[j]]
     else:
-        mask = (1 << bits) - 1
-        nbytes = codes.shape[0]
-        for grp in range((d + 7) // 8):
-            word = np.uint64(0)
-            start = grp * bits
-            for b in range(min(bits, nbytes - start)):
-                word |= np.uint64(codes[start + b]) << np.uint64(8 * b)
-            base = grp * 8
-            for i in range(min(8, d - base)):
-                out[base + i] = cent[np.int64((word >> np.uint64(i * bits)) & np.uint64(mask))]
+        mask = np.uint64((1 << bits) - 1)
+        pmask = np.uint64((1 << (2 * bits)) - 1)
+        nbytes = codes.shape[3]
+        full = d // 8 if bits <= 5 else 0  # 3 or 5 bits: four pairs of codes per group of eight
+        for t in range(t0, t1):
+            row = codes[b, h, t]
+            r = t - t0
+            for grp in range((d + 7) // 8):
+                word = np.uint64(0)
+                start = grp * bits
+                for k in range(min(bits, nbytes - start)):
+                    word |= np.uint64(row[start + k]) << np.uint64(8 * k)
+                if grp < full:
+                    for i in range(4):
+                        out64[r, 4 * grp + i] = table[np.int64((word >> np.uint64(2 * bits * i)) & pmask)]
+                else:
+                    base = grp * 8
+                    for i in range(min(8, d - base)):
+                        out[r, base + i] = cent[np.int64((word >> np.uint64(i * bits)) & mask)]
 
 
 @nb.njit(inline="always")
@@ -172,71 +236,77 @@ def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, ha
 
 
 @nb.njit(fastmath=_FASTMATH, error_model="numpy")
-def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_bits,
-                 v_codes, v_norms, v_cent, v_bits, k_outliers, k_qjl, k_qjl_norms, half, m, l, acc):
+def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_table, k_bits,
+                 v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms, sign_table, half,
+                 m, l, acc):
     """Online softmax over quantized tokens ``[t_lo, t_hi)`` of head ``(b, h)``, every query head.
 
     ``m``, ``l`` (G,) and ``acc`` (G, d) hold the running maximum logit, the sum of
     ``exp(logit − m)`` and ``Σ exp(logit − m) · ℓ_t c[codes_t]`` (rotated value domain);
     they are updated in place, so a caller starts them at ``-inf``, ``0``, ``0``.
+    ``k_table``, ``v_table``, ``sign_table`` are :func:`_chunk_table` of the key and value
+    centroids and of ``(-1, 1)`` (the QJL bits). Per tile of ``TILE`` tokens: the key codes are
+    unpacked once for the whole GQA group, scored, the softmax state rescaled once, then the
+    value codes unpacked and accumulated.
     """
     g_n, d = qr.shape
     n_out = qout.shape[1]
     m_rows = sq.shape[1]
-    kvec = np.empty(d, np.float32)
-    vvec = np.empty(d, np.float32)
-    kout = np.empty(n_out, np.float32)
-    pm = np.empty(m_rows, np.float32)
+    buf64 = np.empty((TILE, (d + 1) // 2), np.uint64)
+    buf = buf64.view(np.float32)
+    pbuf64 = np.empty((TILE, (m_rows + 1) // 2), np.uint64)
+    pbuf = pbuf64.view(np.float32)
     s = np.empty((g_n, TILE), np.float32)
     for t0 in range(t_lo, t_hi, TILE):
         t1 = min(t_hi, t0 + TILE)
-        # 1. scores of the tile: each key row unpacked once for the whole GQA group
+        # 1. scores of the tile
+        _unpack_rows(k_codes, b, h, t0, t1, k_bits, k_table, k_cent, d, buf, buf64)
+        if m_rows:
+            _unpack_rows(k_qjl, b, h, t0, t1, 1, sign_table, _SIGNS, m_rows, pbuf, pbuf64)
         for t in range(t0, t1):
-            _unpack_row(k_codes[b, h, t], k_bits, k_cent, kvec)
+            r = t - t0
             kn = half[k_norms[b, h, t]]
-            for o in range(n_out):
-                kout[o] = half[k_outliers[b, h, t, o]]
-            qn = np.float32(0.0)
-            if m_rows:
-                row = k_qjl[b, h, t]
-                for r in range(m_rows):
-                    pm[r] = np.float32(1.0) if (row[r >> 3] >> (r & 7)) & 1 else np.float32(-1.0)
-                qn = half[k_qjl_norms[b, h, t]]
+            qn = half[k_qjl_norms[b, h, t]] if m_rows else np.float32(0.0)
             for g in range(g_n):
                 dot = np.float32(0.0)
                 for j in range(d):
-                    dot += qr[g, j] * kvec[j]
+                    dot += qr[g, j] * buf[r, j]
                 x = dot * kn + qconst[g]
                 for o in range(n_out):
-                    x += qout[g, o] * kout[o]
+                    x += qout[g, o] * half[k_outliers[b, h, t, o]]
                 if m_rows:
                     sdot = np.float32(0.0)
-                    for r in range(m_rows):
-                        sdot += sq[g, r] * pm[r]
+                    for i in range(m_rows):
+                        sdot += sq[g, i] * pbuf[r, i]
                     x += sdot * qn
-                s[g, t - t0] = x
-        # 2. online softmax: rescale once per tile
+                s[g, r] = x
+        # 2. online softmax: rescale once per tile, then the tile's weights
         for g in range(g_n):
             mt = m[g]
-            for t in range(t1 - t0):
-                if s[g, t] > mt:
-                    mt = s[g, t]
+            for r in range(t1 - t0):
+                if s[g, r] > mt:
+                    mt = s[g, r]
             if mt > m[g]:
                 c = np.float32(math.exp(m[g] - mt)) if m[g] > -np.inf else np.float32(0.0)
                 l[g] *= c
                 for j in range(d):
                     acc[g, j] *= c
                 m[g] = mt
+            lg = np.float32(0.0)
+            for r in range(t1 - t0):
+                p = np.float32(math.exp(s[g, r] - mt))
+                s[g, r] = p
+                lg += p
+            l[g] += lg
         # 3. weighted values in the rotated domain
+        _unpack_rows(v_codes, b, h, t0, t1, v_bits, v_table, v_cent, d, buf, buf64)
         for t in range(t0, t1):
-            _unpack_row(v_codes[b, h, t], v_bits, v_cent, vvec)
+            r = t - t0
             vn = half[v_norms[b, h, t]]
             for g in range(g_n):
-                p = np.float32(math.exp(s[g, t - t0] - m[g]))
-                l[g] += p
-                w = p * vn
+                w = s[g, r] * vn
                 for j in range(d):
-                    acc[g, j] += w * vvec[j]
+                    acc[g, j] += w * buf[r, j]
 
 
 @nb.njit(fastmath=_FASTMATH, error_model="numpy")
@@ -321,8 +391,9 @@ def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_windo
 
 
 @nb.njit(_SIG, cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _step_serial(q, scale, n, k_codes, k_norms, k_cent, k_bits, v_codes, v_norms, v_cent, v_bits,
-                 k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, k_qjl, k_qjl_norms,
+def _step_serial(q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table,
+                 v_bits, k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, sign_table, k_qjl,
+                 k_qjl_norms,
                  n_window, k_window, v_window, half, splits, out):
     """The whole step on the calling thread (``splits`` is ignored: one span per head)."""
     b_n, qh, d = q.shape
@@ -342,14 +413,16 @@ def _step_serial(q, scale, n, k_codes, k_norms, k_cent, k_bits, v_codes, v_norms
             m[:] = -np.inf
             l[:] = 0.0
             acc[:] = 0.0
-            _attend_span(b, h, 0, n, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_bits,
-                         v_codes, v_norms, v_cent, v_bits, k_outliers, k_qjl, k_qjl_norms, half, m[0], l[0], acc[0])
+            _attend_span(b, h, 0, n, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_table, k_bits,
+                         v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms, sign_table,
+                         half, m[0], l[0], acc[0])
             _finish_head(q, b, h, scale, m, l, acc, n_window, k_window, v_window, v_mean, signs, rot, half, out)
 
 
 @nb.njit(_SIG, cache=True, nogil=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
-def _step_parallel(q, scale, n, k_codes, k_norms, k_cent, k_bits, v_codes, v_norms, v_cent, v_bits,
-                   k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, k_qjl, k_qjl_norms,
+def _step_parallel(q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table,
+                   v_bits, k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, sign_table, k_qjl,
+                   k_qjl_norms,
                    n_window, k_window, v_window, half, splits, out):
     """The step with each head's tokens cut into ``splits`` spans run on Numba's threads."""
     b_n, qh, d = q.shape
@@ -378,8 +451,8 @@ def _step_parallel(q, scale, n, k_codes, k_norms, k_cent, k_bits, v_codes, v_nor
         t_lo = min(n, sp * per)
         t_hi = min(n, t_lo + per)
         _attend_span(b, h, t_lo, t_hi, qr[b, h], qout[b, h], qconst[b, h], sq[b, h], k_codes, k_norms, k_cent,
-                     k_bits, v_codes, v_norms, v_cent, v_bits, k_outliers, k_qjl, k_qjl_norms, half,
-                     m[b, h, sp], l[b, h, sp], acc[b, h, sp])
+                     k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms,
+                     sign_table, half, m[b, h, sp], l[b, h, sp], acc[b, h, sp])
     for b in range(b_n):
         for h in range(h_n):
             _finish_head(q, b, h, scale, m[b, h], l[b, h], acc[b, h], n_window, k_window, v_window, v_mean,
@@ -426,6 +499,33 @@ def _bits16(a, absent=_NO_U16_3):
     return a.view(np.uint16)
 
 
+#: Arguments derived from a cache's fixed objects (rotation, codebooks, sketch), by their ids.
+#: The entry holds the objects themselves, so an id is not reused while it is cached.
+_FIXED: dict = {}
+_FIXED_MAX = 64
+
+
+def _fixed_args(codec) -> tuple:
+    """``(k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch)`` of ``codec``."""
+    objs = (codec.rotation, codec.k_codebook, codec.v_codebook, codec.qjl)
+    key = tuple(id(o) for o in objs)
+    hit = _FIXED.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], objs)):
+        return hit[1]
+    rotation, kc, vc, sketch = objs
+    k_cent = np.ascontiguousarray(kc.centroids, np.float32)
+    v_cent = np.ascontiguousarray(vc.centroids, np.float32)
+    args = (k_cent, _chunk_table(k_cent, int(kc.bits)), int(kc.bits),
+            v_cent, _chunk_table(v_cent, int(vc.bits)), int(vc.bits),
+            np.ascontiguousarray(rotation.signs, np.float32),
+            _NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32),
+            _NO_F32_2 if sketch is None else np.ascontiguousarray(sketch.matrix, np.float32))
+    if len(_FIXED) >= _FIXED_MAX:
+        _FIXED.pop(next(iter(_FIXED)))
+    _FIXED[key] = (objs, args)
+    return args
+
+
 def polar_decode_attention(codec, q, scale):
     """Fused decode attention over a :class:`~arraykv.caches.polar.PolarLayerCodec` (NumPy).
 
@@ -450,32 +550,26 @@ def polar_decode_attention(codec, q, scale):
     k_codes = codec.k_codes
     h = k_codes.shape[1]
     n = int(codec.n_quantized)
-    n_window = int(codec.n_window)
-    q32 = np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32)
-    rotation = codec.rotation
-    rot = _NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32)
+    k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch = _fixed_args(codec)
     idx = codec.k_outlier_idx
     if idx is None or idx.shape[-1] == 0:
         idx, k_out = _NO_I32_3, _NO_U16_4
     else:
         idx = np.asarray(idx, np.int32)
         k_out = _NO_U16_4 if n == 0 else _bits16(codec.k_outliers)
-    sketch = codec.qjl
-    if sketch is None:
-        sketch, k_qjl, k_qjl_norms = _NO_F32_2, _NO_U8_4, _NO_U16_3
+    if codec.qjl is None:
+        k_qjl, k_qjl_norms = _NO_U8_4, _NO_U16_3
     else:
-        sketch = np.ascontiguousarray(sketch.matrix, np.float32)
         k_qjl, k_qjl_norms = codec.k_qjl, _bits16(codec.k_qjl_norms)
     threads, splits = _plan(b * h, n)
     out = np.empty((b, qh, d), np.float32)
-    args = (q32, float(scale), n,
-            k_codes, _bits16(codec.k_norms), np.ascontiguousarray(codec.k_codebook.centroids, np.float32),
-            int(codec.k_codebook.bits),
-            codec.v_codes, _bits16(codec.v_norms), np.ascontiguousarray(codec.v_codebook.centroids, np.float32),
-            int(codec.v_codebook.bits),
+    args = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n,
+            k_codes, _bits16(codec.k_norms), k_cent, k_table, k_bits,
+            codec.v_codes, _bits16(codec.v_norms), v_cent, v_table, v_bits,
             _bits16(getattr(codec, "k_scale", None)), _bits16(codec.k_mean), _bits16(codec.v_mean), idx, k_out,
-            np.ascontiguousarray(rotation.signs, np.float32), rot, sketch, k_qjl, k_qjl_norms,
-            n_window, _bits16(codec.k_window, _NO_U16_4), _bits16(codec.v_window, _NO_U16_4), HALF_TO_FLOAT)
+            signs, rot, sketch, _SIGN_TABLE, k_qjl, k_qjl_norms,
+            int(codec.n_window), _bits16(codec.k_window, _NO_U16_4), _bits16(codec.v_window, _NO_U16_4),
+            HALF_TO_FLOAT)
     if threads == 1 and splits == 1:
         _step_serial(*args, 1, out)
     else:
