@@ -61,6 +61,7 @@ def test_prefill_exact_then_decodes_close(xp, rng, method):
         if method.startswith("tq"):
             assert res.logit_bias.shape == (1, 4, 1, fk.shape[2])
             np.testing.assert_array_equal(to_np(res.logit_bias)[..., -4:], 0)  # the window is exact
+            np.testing.assert_array_equal(to_np(res.logit_bias)[..., :4], 0)  # so are the sink tokens
         else:
             assert res.logit_bias is None
         # Window tokens come back as float16 copies.
@@ -86,7 +87,8 @@ def test_second_prefill_bias_shape_and_scale(rng):
 def test_tq_bias_corrects_logits_without_bias(rng):
     # Over many keys, logits with the QJL bias are unbiased estimates of the exact ones.
     d = 64
-    c = make("tq3", head_dim=d, num_kv_heads=1, residual_window=0, softmax_scale=1.0)
+    # key weights off: they would tune the MSE part to this one query and hide its bias
+    c = make("tq3", head_dim=d, num_kv_heads=1, residual_window=0, softmax_scale=1.0, key_scale=False)
     k = rng.standard_normal((1, 1, 4000, d)).astype(np.float32)
     q = (k[:, :, :1] + rng.standard_normal((1, 1, 1, d)).astype(np.float32))
     c.prefill(0, k[:, :, :1], k[:, :, :1], q)
@@ -101,7 +103,7 @@ def test_tq_bias_corrects_logits_without_bias(rng):
 
 def test_memory_usage_is_bytes_held(rng):
     d = 128
-    c = arraykv.make_cache("pqo3", num_layers=2, num_kv_heads=2, head_dim=d, residual_window=0)
+    c = arraykv.make_cache("pqo3", num_layers=2, num_kv_heads=2, head_dim=d, residual_window=0, sink_tokens=0)
     k, v, q = random_kvq(rng, np, 1, 2, 1, 300, d)
     c.prefill(0, k, v, q)
     arrays = c.layer_arrays(0)
@@ -127,7 +129,7 @@ def test_outlier_key_channels_are_protected(rng, bits, floor):
     q = rng.standard_normal((b, h * g, t, d)).astype(np.float32)
     scale = 1 / math.sqrt(d)
     got = {}
-    for name, opts in (("default", {}), ("rotation only", {"outliers": 0})):
+    for name, opts in (("default", {}), ("rotation only", {"outliers": 0, "key_scale": False})):
         c = arraykv.make_cache(f"pqo{bits}", num_layers=1, num_kv_heads=h, head_dim=d, residual_window=0, **opts)
         c.prefill(0, k, v, q)
         r = c.dequantize(0)
@@ -140,8 +142,60 @@ def test_outlier_key_channels_are_protected(rng, bits, floor):
     assert st.k_outlier_idx is None
 
 
+def _profiled(rng, profile, shape):
+    return (rng.standard_normal(shape) * profile).astype(np.float32)
+
+
+def test_key_weights_follow_query_and_key_energy(rng):
+    """``k_scale = sqrt(rms_q / rms_k)`` per channel, mean square 1; ones for silent queries."""
+    b, h, g, d, t = 1, 2, 3, 64, 200
+    a = np.exp(np.linspace(-1.0, 1.0, d))          # key channel RMS
+    p = np.exp(np.linspace(1.0, -1.0, d))[::-1] ** 2  # query channel RMS
+    k = _profiled(rng, a, (b, h, t, d))
+    q = _profiled(rng, p, (b, h * g, t, d))
+    c = make("pqo4", head_dim=d, residual_window=0, sink_tokens=0, center=False, outliers=0)
+    c.prefill(0, k, k, q)
+    s = c.layer_arrays(0)["k_scale"].astype(np.float64)
+    rq = np.sqrt(np.mean(q.reshape(b, h, g * t, d).astype(np.float64) ** 2, axis=2))
+    rk = np.sqrt(np.mean(k.astype(np.float64) ** 2, axis=2))
+    want = np.sqrt(rq / rk)
+    want /= np.sqrt(np.mean(want ** 2, axis=-1, keepdims=True))
+    np.testing.assert_allclose(s, np.clip(want, 1 / 16, 16), rtol=2e-3)
+    # queries that carry nothing (an ONNX graph passes zeros): no weighting
+    c = make("pqo4", head_dim=d, residual_window=0, sink_tokens=0)
+    c.prefill(0, k, k, np.zeros_like(q))
+    np.testing.assert_array_equal(c.layer_arrays(0)["k_scale"], 1)
+    # turned off: ones
+    c = make("pqo4", head_dim=d, residual_window=0, sink_tokens=0, key_scale=False)
+    c.prefill(0, k, k, q)
+    np.testing.assert_array_equal(c.layer_arrays(0)["k_scale"], 1)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_query_weighted_keys_lower_the_logit_error(rng, bits):
+    """Keys and queries with different channel profiles: the weighted quantizer's q·k error on
+    held-out queries follows the isotropic-error model, (Σ a p)² / (Σ a² Σ p²) of the plain one."""
+    b, h, g, d, t = 1, 2, 2, 64, 512
+    a = np.exp(np.linspace(-1.2, 1.2, d))
+    p = a[::-1].copy()
+    k = _profiled(rng, a, (b, h, t, d))
+    q = _profiled(rng, p, (b, h * g, t, d))
+    q_new = _profiled(rng, p, (b, h * g, 64, d))
+    err = {}
+    for ks in (False, True):
+        c = make(f"pqo{bits}", head_dim=d, residual_window=0, sink_tokens=0, outliers=0, center=False, key_scale=ks)
+        c.prefill(0, k, k, q)
+        kd = c.dequantize(0).k
+        e = (kd - k).reshape(b, h, 1, t, d)
+        qn = q_new.reshape(b, h, g, 64, d)
+        err[ks] = float(np.mean(np.einsum("bhgqd,bhgtd->bhgqt", qn, np.broadcast_to(e, (b, h, g, t, d))) ** 2))
+    predicted = np.sum(a * p) ** 2 / (np.sum(a * a) * np.sum(p * p))
+    assert predicted < 0.5
+    assert err[True] / err[False] == pytest.approx(predicted, rel=0.4)
+
+
 def test_window_spills_into_codes_in_order(rng):
-    c = make("pqo4", residual_window=5)
+    c = make("pqo4", residual_window=5, sink_tokens=2)
     k, v, q = random_kvq(rng, np, 1, 2, 1, 3, 32)
     c.prefill(0, k, v, q)
     assert c.layer_codec_state(0).n_quantized == 0
@@ -150,10 +204,11 @@ def test_window_spills_into_codes_in_order(rng):
         c.decode(0, kk, vv, qq, arraykv.AttendConfig(1.0))
         k, v = np.concatenate([k, kk], 2), np.concatenate([v, vv], 2)
     s = c.layer_codec_state(0)
-    assert (s.n_quantized, s.n_window) == (4, 5)
+    assert (s.n_sink, s.n_quantized, s.n_window) == (2, 2, 7)
     r = c.dequantize(0)
     np.testing.assert_allclose(r.k[:, :, 4:], k[:, :, 4:], rtol=1e-3, atol=1e-3)
-    assert cos(r.k[:, :, :4], k[:, :, :4]) > 0.95
+    np.testing.assert_allclose(r.k[:, :, :2], k[:, :, :2], rtol=1e-3, atol=1e-3)
+    assert cos(r.k[:, :, 2:4], k[:, :, 2:4]) > 0.95
 
 
 def test_codec_state_decodes_as_documented(rng):
@@ -171,10 +226,11 @@ def test_codec_state_decodes_as_documented(rng):
     for bb in range(2):
         for hh in range(2):
             kd[bb, hh][:, s.k_outlier_idx[bb, hh]] = s.k_outliers[bb, hh].astype(float)
-    kd += s.k_mean.astype(float)[:, :, None, :]
-    kd = np.concatenate([kd, s.k_window.astype(float)], axis=2)
+    kd = kd / s.k_scale.astype(float)[:, :, None, :] + s.k_mean.astype(float)[:, :, None, :]
+    kw = s.k_window.astype(float)
+    kd = np.concatenate([kw[:, :, :s.n_sink], kd, kw[:, :, s.n_sink:]], axis=2)
     np.testing.assert_allclose(kd, c.dequantize(0).k, rtol=1e-4, atol=1e-4)
-    assert s.k_qjl.shape == (2, 2, 37, d // 8) and s.k_qjl_norms.dtype == np.float16
+    assert s.k_qjl.shape == (2, 2, 33, d // 8) and s.n_sink == 4 and s.k_qjl_norms.dtype == np.float16
     assert np.median(np.abs(s.k_mean.astype(float) - 3.0)) < 0.5  # the offset was found and removed
 
 
@@ -234,6 +290,8 @@ def test_head_dim_sizes(rng):
     ({"outlier_threshold": 0.5}, ValueError, "outlier_threshold"),
     ({"softmax_scale": -1.0}, ValueError, "softmax_scale"),
     ({"seed": -3}, ValueError, "seed"),
+    ({"key_scale": "yes"}, TypeError, "key_scale"),
+    ({"sink_tokens": -1}, ValueError, "sink_tokens"),
 ])
 def test_bad_options(opts, exc, match):
     with pytest.raises(exc, match=match):

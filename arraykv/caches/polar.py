@@ -6,9 +6,11 @@ float16. When the window overflows, its oldest tokens are quantized and appended
 
 Before quantization a layer is *calibrated* once, on every token it holds at the moment its
 first token must be quantized (normally the first prefill): a per-head per-channel mean is
-subtracted from keys and values when it carries a noticeable share of their energy, and the
-key channels whose magnitude stands out (outlier channels) are kept exactly, in float16,
-instead of going through the rotation. See ``docs/algorithms.md`` for the measurements behind
+subtracted from keys and values when it carries a noticeable share of their energy, key
+channels are weighted by ``sqrt(rms_q / rms_k)`` (which minimizes the expected error of the
+logits ``q · k``), and the key channels whose magnitude stands out (outlier channels) are kept
+exactly, in float16, instead of going through the rotation. The first ``sink_tokens`` tokens
+are kept in float16 as well. See ``docs/algorithms.md`` for the measurements behind
 the defaults and the "Packed state" section for the arrays a fused kernel reads.
 """
 
@@ -32,13 +34,23 @@ from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState
 from .registry import register_method
 
-__all__ = ["PolarCache", "PolarLayerCodec", "DEFAULT_RESIDUAL_WINDOW"]
+__all__ = ["PolarCache", "PolarLayerCodec", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window"]
 
 #: ``decode_path`` values: attend from the packed codes when a kernel exists for the namespace
 #: ("auto"), always ("fused"; the array-API version where no kernel exists), or never.
 DECODE_PATHS = ("auto", "fused", "dequantized")
-#: Recent tokens kept in float16 by default (chosen by measurement, see docs/algorithms.md).
-DEFAULT_RESIDUAL_WINDOW = 16
+#: Recent tokens kept in float16 by default, by key bits (chosen by measurement, see
+#: docs/algorithms.md §7): 4-bit codes are accurate enough that four more exact tokens buy
+#: less than the 0.09 bits/value they cost at 512 tokens; at 3 bits and below they pay.
+DEFAULT_RESIDUAL_WINDOW = {1: 24, 2: 24, 3: 24, 4: 20}
+
+
+def default_residual_window(key_bits: int) -> int:
+    """The default ``residual_window`` for keys of ``key_bits`` MSE bits (20 from 4 bits up, else 24)."""
+    return DEFAULT_RESIDUAL_WINDOW.get(int(key_bits), 20)
+
+#: First tokens of a sequence kept in float16 (attention sinks; chosen by measurement).
+DEFAULT_SINK_TOKENS = 4
 #: A channel is an outlier when its RMS exceeds this multiple of the head's median channel RMS.
 DEFAULT_OUTLIER_THRESHOLD = 4.0
 #: Centering is used when the mean carries more than this share of the vectors' energy.
@@ -57,16 +69,21 @@ class PolarLayerCodec:
 
         k = k_norms[b,h,t] · Mᵀ k_codebook.centroids[unpack(k_codes[b,h,t])]    (rotation part)
         k[c] = k_outliers[b,h,t,j]  for c = k_outlier_idx[b,h,j]             (exact channels)
-        k += k_mean[b,h]                                                      (centering)
+        k = k / k_scale[b,h] + k_mean[b,h]                                    (weights, centering)
 
-    and likewise for values (no outlier channels); tokens ``n_quantized ..`` are
-    ``k_window[b,h,t - n_quantized]``. For TurboQuant-prod keys the logit of query ``q`` gains
+    and likewise for values (no outlier channels). The layer's token order is
+    ``k_window[:, :, :n_sink]`` (the first tokens), the quantized tokens (``t`` above), then
+    ``k_window[:, :, n_sink:]`` (the recent tokens). A decode kernel may treat ``k_window`` as
+    one block of exact tokens: one query's attention does not depend on the order of keys. For TurboQuant-prod keys the logit of query ``q`` gains
     ``softmax_scale · √(π/2)/m · k_qjl_norms[b,h,t] · ⟨S q, ±1(k_qjl[b,h,t])⟩``.
 
     Attributes
     ----------
+    n_sink : int
+        Sink tokens: the first ``n_sink`` rows of ``k_window``/``v_window`` are the first
+        tokens of the sequence (kept in float16, they come *before* the quantized tokens).
     n_quantized, n_window : int
-        Quantized tokens and window tokens.
+        Quantized tokens, and float16 tokens (``n_window`` counts the sinks too).
     rotation : Rotation
         ``M``; for ``kind == "hadamard"``, ``M x = H (signs ⊙ x) / √d``.
     k_codebook, v_codebook : Codebook
@@ -74,11 +91,16 @@ class PolarLayerCodec:
     k_codes, v_codes : uint8 (batch, kv_heads, n_quantized, ceil(d·bits/8))
     k_norms, v_norms : float16 (batch, kv_heads, n_quantized)
     k_mean, v_mean : float16 (batch, kv_heads, d) or None before calibration
+    k_scale : float16 (batch, kv_heads, d) or None before calibration
+        Query-derived channel weights ``s``: keys are encoded as ``s ⊙ (k − k_mean)``, so the
+        rotation part and ``k_outliers`` decode to ``s ⊙ (k − k_mean)``; divide by ``s``
+        (or, in a kernel, multiply the query by ``1/s``) before adding ``k_mean``.
     k_outlier_idx : int32 (batch, kv_heads, n_out) or None
     k_outliers : float16 (batch, kv_heads, n_quantized, n_out) or None
         Exact (centered) key values of the outlier channels; the rotated part was encoded with
         those channels set to zero.
     k_window, v_window : float16 (batch, kv_heads, n_window, d)
+        Sink tokens, then the recent tokens, as given (rounded to float16).
     qjl : QJLSketch or None
         ``S`` (m, d) for ``tq`` caches.
     k_qjl : uint8 (batch, kv_heads, n_quantized, ceil(m/8)) or None
@@ -87,6 +109,7 @@ class PolarLayerCodec:
         ``‖r‖``.
     """
 
+    n_sink: int
     n_quantized: int
     n_window: int
     rotation: Rotation
@@ -98,6 +121,7 @@ class PolarLayerCodec:
     v_norms: Any
     k_mean: Any
     v_mean: Any
+    k_scale: Any
     k_outlier_idx: Any
     k_outliers: Any
     k_window: Any
@@ -126,8 +150,9 @@ class PolarCache(LayeredCache):
         ``logit_bias``. Set by the ``tq`` names.
     seed : int, default 0
         Seed of the rotation (and of the QJL sketch); same seed, same cache.
-    residual_window : int, default 16
-        Recent tokens kept in float16 (float32 where the namespace has no float16).
+    residual_window : int or None, default None
+        Recent tokens kept in float16 (float32 where the namespace has no float16). None:
+        :func:`default_residual_window` of ``key_bits`` (24 below 4 bits, 20 from 4 bits up).
     center : {"auto", True, False}, default "auto"
         Subtract a per-head per-channel mean of the calibration tokens from keys and values
         (``"auto"``: only where the mean holds more than 2 % of the energy).
@@ -139,6 +164,15 @@ class PolarCache(LayeredCache):
     outlier_threshold : float, default 4.0
     max_outliers : int or None
         Cap for ``"auto"``; default ``head_dim // 16``.
+    sink_tokens : int, default 4
+        The first tokens of the sequence are kept in float16: models put large attention
+        weights on them ("attention sinks"), so their quantization error costs most.
+    key_scale : bool, default True
+        Weight key channels before the rotation: keys are quantized as ``s ⊙ (k − mean)`` and
+        decoded as ``k̂' / s + mean`` with ``s_c = sqrt(rms_q[c] / rms_k[c])`` from the queries
+        and centered keys of the calibration call (the prefill), normalized per head. For an
+        isotropic quantizer this minimizes the expected ``q · k`` error (see Notes); heads whose
+        calibration queries are all zero get ``s = 1``.
     decode_path : {"auto", "fused", "dequantized"}, default "auto"
         How ``decode`` attends (see Notes).
     softmax_scale : float or None
@@ -154,16 +188,25 @@ class PolarCache(LayeredCache):
     packed codes and returns :class:`~arraykv.Fused` when a fused kernel exists for the
     namespace (Numba on NumPy, CUDA on CuPy), else :class:`~arraykv.Dequantized`;
     ``decode_path="fused"`` or ``"dequantized"`` forces either (``"fused"`` without a kernel
-    runs the array-API version, :mod:`arraykv.attention.polar_fused`). ``memory_usage()`` counts codes, norms, window, calibration
-    and outlier side data, and the rotation/codebook/sketch arrays held.
+    runs the array-API version, :mod:`arraykv.attention.polar_fused`). ``memory_usage()``
+    counts codes, norms, window, calibration and outlier side data, and the
+    rotation/codebook/sketch arrays held.
+
+    Key channel weights: the rotated quantizer leaves an error ``e'`` on ``k' = s ⊙ k`` that is
+    isotropic with ``E‖e'‖² = ε ‖k'‖²``; decoding ``k̂ = k̂' / s`` turns it into a logit error
+    with ``E(q·e)² ∝ ε (Σ_c s_c² k_c²)(Σ_c q_c² / s_c²)``. By Cauchy–Schwarz this is smallest,
+    ``ε (Σ_c |k_c| |q_c|)²``, at ``s_c² ∝ |q_c| / |k_c|`` (channel RMS values in practice),
+    against ``ε Σ_c k_c² Σ_c q_c²`` unweighted. Weighting by the query RMS alone (``s = rms_q``)
+    can be far worse than nothing when keys and queries load the same channels, as the keys
+    and queries of RoPE models do.
     """
 
     method = "polar"
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, key_bits: int, value_bits: int,
-                 qjl: bool = False, seed: int = 0, residual_window: int = DEFAULT_RESIDUAL_WINDOW,
+                 qjl: bool = False, seed: int = 0, residual_window: int | None = None,
                  center: Any = "auto", outliers: Any = "auto", outlier_threshold: float = DEFAULT_OUTLIER_THRESHOLD,
-                 max_outliers: int | None = None, softmax_scale: float | None = None,
+                 max_outliers: int | None = None, key_scale: bool = True, sink_tokens: int = DEFAULT_SINK_TOKENS, softmax_scale: float | None = None,
                  decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
@@ -181,6 +224,8 @@ class PolarCache(LayeredCache):
             raise TypeError(f"qjl must be a bool, received {type(qjl).__name__}")
         self.qjl = qjl
         self.seed = check_int("seed", seed, low=0)
+        if residual_window is None:
+            residual_window = default_residual_window(self.key_bits)
         self.residual_window = check_int("residual_window", residual_window, low=0)
         if center not in ("auto", True, False) or isinstance(center, int) and not isinstance(center, bool):
             raise ValueError(f"center must be 'auto', True or False, received {center!r}")
@@ -203,6 +248,10 @@ class PolarCache(LayeredCache):
                     or not 0.0 < float(softmax_scale) < float("inf"):
                 raise ValueError(f"softmax_scale must be positive and finite, received {softmax_scale!r}")
             self.softmax_scale = float(softmax_scale)
+        if not isinstance(key_scale, bool):
+            raise TypeError(f"key_scale must be a bool, received {type(key_scale).__name__}")
+        self.key_scale = key_scale
+        self.sink_tokens = check_int("sink_tokens", sink_tokens, low=0)
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, received {decode_path!r}")
         self.decode_path = decode_path
@@ -238,6 +287,7 @@ class PolarCache(LayeredCache):
         return {"key_bits": self.key_bits, "value_bits": self.value_bits, "seed": self.seed,
                 "residual_window": self.residual_window, "center": self.center, "outliers": self.outliers,
                 "outlier_threshold": self.outlier_threshold, "max_outliers": self.max_outliers,
+                "key_scale": self.key_scale, "sink_tokens": self.sink_tokens,
                 "softmax_scale": self.softmax_scale, "decode_path": self.decode_path}
 
     # -- layer state -------------------------------------------------------------------
@@ -252,7 +302,7 @@ class PolarCache(LayeredCache):
         st.extra["calib"] = None  # dict of k_mean, v_mean, k_outlier_idx once calibrated
         return st
 
-    def _calibrate(self, xp: Any, k: Any, v: Any) -> dict:
+    def _calibrate(self, xp: Any, k: Any, v: Any, q: Any) -> dict:
         """Per-head statistics of float32 tokens ``k``, ``v`` (b, h, n, d) -> calibration arrays.
 
         With fewer than ``MIN_CALIBRATION_TOKENS`` tokens the means are zero and ``"auto"``
@@ -275,7 +325,8 @@ class PolarCache(LayeredCache):
                 mu = xp.zeros_like(mu)
             out[name + "_mean"] = xp.astype(mu, half)
         kc = k - xp.astype(out["k_mean"], xp.float32)[:, :, None, :]
-        rms = xp.sqrt(xp.mean(kc * kc, axis=2))  # (b, h, d)
+        out["k_scale"] = self._query_scale(xp, q, kc)
+        rms = xp.sqrt(xp.mean(kc * kc, axis=2))  # (b, h, d), of the centered, unweighted keys
         if self.outliers == "auto" and few:
             n_out = 0
         elif self.outliers == "auto":
@@ -291,6 +342,33 @@ class PolarCache(LayeredCache):
             out["k_outlier_idx"] = xp.zeros(tuple(rms.shape[:2]) + (0,), dtype=xp.int32, device=dev)
         return out
 
+    def _query_scale(self, xp: Any, q: Any, kc: Any):
+        """Per-head key channel weights ``s = sqrt(rms_q / rms_k)`` (b, h, d), half precision.
+
+        ``rms_q`` is the RMS of the group's calibration queries in each channel, ``rms_k`` that
+        of the centered keys ``kc``. Weights are normalized to mean square 1 per head and
+        clipped to [1/16, 16]. Ones when ``key_scale`` is off, with fewer than
+        ``MIN_CALIBRATION_TOKENS`` query tokens, and for heads whose queries carry no energy
+        (an ONNX graph, for one, does not expose its queries); channels where the keys are all
+        zero get weight 1.
+        """
+        b, h, _, d = (int(x) for x in kc.shape)
+        half = half_dtype(xp)
+        ones = xp.ones((b, h, d), dtype=half, device=_compat.device(kc))
+        if not self.key_scale or int(q.shape[2]) < MIN_CALIBRATION_TOKENS:
+            return ones
+        qh, t = int(q.shape[1]), int(q.shape[2])
+        qf = xp.reshape(xp.astype(q, xp.float32), (b, h, (qh // h) * t, d))
+        rq = xp.sqrt(xp.mean(qf * qf, axis=2))
+        rk = xp.sqrt(xp.mean(kc * kc, axis=2))
+        live = rk > 0.0
+        s = xp.sqrt(xp.where(live, rq / xp.where(live, rk, 1.0), 1.0))
+        ms = xp.mean(s * s, axis=-1, keepdims=True)
+        ok = (xp.sum(rq, axis=-1, keepdims=True) > 0.0) & (ms > 0.0) & xp.isfinite(ms)
+        s = xp.where(ok, s / xp.sqrt(xp.where(ok, ms, 1.0)), 1.0)
+        s = xp.clip(s, 1.0 / 16.0, 16.0)  # bounded, so that no channel is discarded or blown up
+        return xp.astype(s, half)
+
     @staticmethod
     def _selector(xp: Any, idx: Any, d: int):
         """One-hot ``(b, h, d, n_out)`` float32 matrix selecting the outlier channels."""
@@ -301,7 +379,8 @@ class PolarCache(LayeredCache):
         """Quantize float32 tokens (b, h, t, d) -> the per-token arrays to append."""
         d = self.head_dim
         half = half_dtype(xp)
-        kc = k - xp.astype(calib["k_mean"], xp.float32)[:, :, None, :]
+        kc = (k - xp.astype(calib["k_mean"], xp.float32)[:, :, None, :]) \
+            * xp.astype(calib["k_scale"], xp.float32)[:, :, None, :]
         vc = v - xp.astype(calib["v_mean"], xp.float32)[:, :, None, :]
         idx = calib["k_outlier_idx"]
         arrays = {}
@@ -323,38 +402,66 @@ class PolarCache(LayeredCache):
             arrays.update(k_qjl=s.signs, k_qjl_norms=s.norms)
         return arrays
 
-    def _store(self, st: LayerState, k: Any, v: Any) -> None:
-        """Append new tokens: window first, its overflow quantized (all computed, then committed)."""
+    def _n_sink(self, st: LayerState) -> int:
+        """Sink tokens held: the first ``sink_tokens`` tokens of the layer (fewer while short)."""
+        return min(self.sink_tokens, st.length)
+
+    def _store(self, st: LayerState, k: Any, v: Any, q: Any) -> None:
+        """Append new tokens: sinks, then the window, its overflow quantized (computed, then committed).
+
+        The float16 block ``k_window`` holds the sink tokens first, then the recent tokens.
+        """
         xp = st.xp
         half = half_dtype(xp)
-        kw, vw = st.extra["k_window"], st.extra["v_window"]
+        n_s = self._n_sink(st)
+        kx, vx = st.extra["k_window"], st.extra["v_window"]
+        ks, vs = kx[:, :, :n_s, :], vx[:, :, :n_s, :]
+        kw, vw = kx[:, :, n_s:, :], vx[:, :, n_s:, :]
+        take = min(self.sink_tokens - n_s, int(k.shape[2]))
+        if take > 0:
+            ks = xp.concat([ks, xp.astype(k[:, :, :take, :], half)], axis=2)
+            vs = xp.concat([vs, xp.astype(v[:, :, :take, :], half)], axis=2)
+            k, v = k[:, :, take:, :], v[:, :, take:, :]
+            q = q[:, :, take:, :]
         n_w, t = int(kw.shape[2]), int(k.shape[2])
         spill = max(0, n_w + t - self.residual_window)
         keep_new = min(t, self.residual_window)
         calib = st.extra["calib"]
         arrays = None
         if spill:
-            allk = xp.concat([xp.astype(kw, xp.float32), xp.astype(k, xp.float32)], axis=2)
-            allv = xp.concat([xp.astype(vw, xp.float32), xp.astype(v, xp.float32)], axis=2)
-            if calib is None:
-                calib = self._calibrate(xp, allk, allv)
-            codec = self._codec(xp, st.device)
-            arrays = self._encode(xp, codec, calib, allk[:, :, :spill, :], allv[:, :, :spill, :])
-        new_kw = xp.concat([kw, xp.astype(k[:, :, t - keep_new:, :], half)], axis=2)[:, :, max(0, n_w + keep_new - self.residual_window):, :] \
-            if self.residual_window else kw
-        new_vw = xp.concat([vw, xp.astype(v[:, :, t - keep_new:, :], half)], axis=2)[:, :, max(0, n_w + keep_new - self.residual_window):, :] \
-            if self.residual_window else vw
+            f32 = xp.float32
+            if calib is None:  # calibrate on every token held so far, then quantize the oldest
+                allk = xp.concat([xp.astype(kw, f32), xp.astype(k, f32)], axis=2)
+                allv = xp.concat([xp.astype(vw, f32), xp.astype(v, f32)], axis=2)
+                calib = self._calibrate(xp, allk, allv, q)
+                ek, ev = allk[:, :, :spill, :], allv[:, :, :spill, :]
+            else:  # only the tokens that leave the window are converted
+                old = min(spill, n_w)
+                ek, ev = xp.astype(kw[:, :, :old, :], f32), xp.astype(vw[:, :, :old, :], f32)
+                if spill > old:
+                    ek = xp.concat([ek, xp.astype(k[:, :, :spill - old, :], f32)], axis=2)
+                    ev = xp.concat([ev, xp.astype(v[:, :, :spill - old, :], f32)], axis=2)
+            arrays = self._encode(xp, self._codec(xp, st.device), calib, ek, ev)
+        drop = max(0, n_w + keep_new - self.residual_window)
+        new_kx = xp.concat([ks, kw[:, :, drop:, :], xp.astype(k[:, :, t - keep_new:, :], half)], axis=2)
+        new_vx = xp.concat([vs, vw[:, :, drop:, :], xp.astype(v[:, :, t - keep_new:, :], half)], axis=2)
         # Commit.
         if arrays is not None:
             st.extra["codes"].append(arrays)
         st.extra["calib"] = calib
-        st.extra["k_window"], st.extra["v_window"] = new_kw, new_vw
+        st.extra["k_window"], st.extra["v_window"] = new_kx, new_vx
 
     def _decoded(self, st: LayerState) -> tuple:
         """float32 K/V of every stored token: (b, h, total, d) each."""
         xp = st.xp
         buf: TokenBuffers = st.extra["codes"]
         parts_k, parts_v = [], []
+        n_s = self._n_sink(st)
+        kx = xp.astype(st.extra["k_window"], xp.float32)
+        vx = xp.astype(st.extra["v_window"], xp.float32)
+        if n_s:
+            parts_k.append(kx[:, :, :n_s, :])
+            parts_v.append(vx[:, :, :n_s, :])
         if buf.length:
             codec = self._codec(xp, st.device)
             calib = st.extra["calib"]
@@ -368,12 +475,13 @@ class PolarCache(LayeredCache):
                 sel = self._selector(xp, idx, d)
                 keep = 1.0 - xp.sum(sel, axis=-1)[:, :, None, :]
                 kd = kd * keep + xp.matmul(xp.astype(buf.view("k_outliers"), xp.float32), xp.matrix_transpose(sel))
-            kd = kd + xp.astype(calib["k_mean"], xp.float32)[:, :, None, :]
+            kd = kd / xp.astype(calib["k_scale"], xp.float32)[:, :, None, :] \
+                + xp.astype(calib["k_mean"], xp.float32)[:, :, None, :]
             vd = vd + xp.astype(calib["v_mean"], xp.float32)[:, :, None, :]
             parts_k.append(kd)
             parts_v.append(vd)
-        parts_k.append(xp.astype(st.extra["k_window"], xp.float32))
-        parts_v.append(xp.astype(st.extra["v_window"], xp.float32))
+        parts_k.append(kx[:, :, n_s:, :])
+        parts_v.append(vx[:, :, n_s:, :])
         if len(parts_k) == 1:
             return parts_k[0], parts_v[0]
         return xp.concat(parts_k, axis=2), xp.concat(parts_v, axis=2)
@@ -385,15 +493,24 @@ class PolarCache(LayeredCache):
         b, qh, t, d = (int(s) for s in q.shape)
         h = self.num_kv_heads
         g = qh // h
-        n_q, n_w = buf.length, int(st.extra["k_window"].shape[2])
+        n_s = self._n_sink(st)
+        n_q, n_w = buf.length, int(st.extra["k_window"].shape[2]) - n_s
         parts = []
+        if n_s:
+            parts.append(xp.zeros((b, qh, t, n_s), dtype=xp.float32, device=st.device))
         if n_q:
             from ..quant.bitpack import unpack_bits
 
             sk: QJLSketch = self._codec(xp, st.device)["qjl"]
             m = sk.rows
-            sq = xp.matmul(xp.astype(q, xp.float32), xp.matrix_transpose(sk.matrix))  # (b, qh, t, m)
-            sq = xp.reshape(sq, (b, h, g * t, m))
+            calib = st.extra["calib"]
+            # The residual lives in the weighted, outlier-free key space: q̃ = (q / s) ⊙ keep.
+            w = 1.0 / xp.astype(calib["k_scale"], xp.float32)  # (b, h, d)
+            idx = calib["k_outlier_idx"]
+            if int(idx.shape[-1]) > 0:
+                w = w * (1.0 - xp.sum(self._selector(xp, idx, d), axis=-1))
+            qt = xp.reshape(xp.astype(q, xp.float32), (b, h, g * t, d)) * w[:, :, None, :]
+            sq = xp.matmul(qt, xp.matrix_transpose(sk.matrix))  # (b, h, g*t, m)
             pm = 2.0 * xp.astype(unpack_bits(buf.view("k_qjl"), 1, m), xp.float32) - 1.0  # (b, h, n_q, m)
             dots = xp.matmul(sq, xp.matrix_transpose(pm))  # (b, h, g*t, n_q)
             w = xp.astype(buf.view("k_qjl_norms"), xp.float32) * (scale * QJL_SCALE / m)
@@ -412,14 +529,14 @@ class PolarCache(LayeredCache):
     # -- hooks -----------------------------------------------------------------------
     def _prefill(self, st, k, v, q):
         first = st.length == 0
-        self._store(st, k, v)
+        self._store(st, k, v, q)
         if first:
             return DequantResult(k=k, v=v)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         return self._result(st, q, scale)
 
     def _decode(self, st, k, v, q, config: AttendConfig):
-        self._store(st, k, v)
+        self._store(st, k, v, q)
         if self._fused(st.xp):
             return Fused(polar_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._result(st, q, config.softmax_scale))
@@ -452,9 +569,11 @@ class PolarCache(LayeredCache):
         st.extra["k_window"] = xp.asarray(arrays["k_window"], copy=True)
         st.extra["v_window"] = xp.asarray(arrays["v_window"], copy=True)
         if "k_mean" in arrays:
-            st.extra["calib"] = {n: xp.asarray(arrays[n], copy=True) for n in ("k_mean", "v_mean", "k_outlier_idx")}
-        if st.extra["codes"].length + int(st.extra["k_window"].shape[2]) != length:
-            raise ValueError(f"stored arrays hold {st.extra['codes'].length + int(st.extra['k_window'].shape[2])} "
+            st.extra["calib"] = {n: xp.asarray(arrays[n], copy=True)
+                                 for n in ("k_mean", "v_mean", "k_scale", "k_outlier_idx")}
+        held = st.extra["codes"].length + int(st.extra["k_window"].shape[2])
+        if held != length:
+            raise ValueError(f"stored arrays hold {held} "
                              f"tokens, expected {length}")
         st.length = length
         return st
@@ -499,11 +618,12 @@ class PolarCache(LayeredCache):
 
             has_out = "k_outlier_idx" in calib and int(calib["k_outlier_idx"].shape[-1]) > 0
             return PolarLayerCodec(
+                n_sink=self._n_sink(st),
                 n_quantized=buf.length, n_window=int(st.extra["k_window"].shape[2]),
                 rotation=codec["rotation"], k_codebook=codec["k_codebook"], v_codebook=codec["v_codebook"],
                 k_codes=view("k_codes", (packed_nbytes(d, self.key_bits),)), k_norms=view("k_norms", ()),
                 v_codes=view("v_codes", (packed_nbytes(d, self.value_bits),)), v_norms=view("v_norms", ()),
-                k_mean=calib.get("k_mean"), v_mean=calib.get("v_mean"),
+                k_mean=calib.get("k_mean"), v_mean=calib.get("v_mean"), k_scale=calib.get("k_scale"),
                 k_outlier_idx=calib["k_outlier_idx"] if has_out else None,
                 k_outliers=buf.view("k_outliers") if has_out and "k_outliers" in buf.names() else None,
                 k_window=st.extra["k_window"], v_window=st.extra["v_window"],
