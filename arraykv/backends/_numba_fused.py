@@ -5,10 +5,11 @@ A call is one compiled function that does the whole step for every (batch, KV he
 1. *queries*: divide by the key channel weights ``k_scale``, split out the outlier channels,
    rotate (fast Walsh–Hadamard with the rotation's signs, or the dense matrix), ``q·k_mean``
    and the QJL sketch ``S q̃`` (:func:`arraykv.attention.polar_fused.prepare_queries`);
-2. *quantized tokens*, in tiles of ``TILE``: a token's key codes are unpacked once into
-   centroid values and scored against every query head of the GQA group, an online softmax per
-   query head is rescaled once per tile, then the value codes are unpacked and accumulated,
-   weighted, in the rotated domain;
+2. *quantized tokens*, in tiles of ``TILE``: the tile's key codes are unpacked once into
+   centroid values (byte-chunk tables: one 8-byte load and store per two codes) and scored
+   against every query head of the GQA group, an online softmax per query head is rescaled
+   once per tile, then the value codes are unpacked and accumulated, weighted, in the rotated
+   domain;
 3. *finish* (:func:`arraykv.attention.polar_fused.merge_window`): a log-sum-exp merge of the
    token splits, the float16 window (sinks and recent tokens, one exact block), the inverse
    rotation of the value sum, ``v_mean``, and the division by the softmax denominator.
@@ -148,6 +149,22 @@ def _unpack_rows(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
             r = t - t0
             for j in range(d):
                 out[r, j] = cent[row[j]]
+    elif bits == 3:
+        for t in range(t0, t1):
+            row = codes[b, h, t]
+            r = t - t0
+            for grp in range(d // 8):  # eight codes in three bytes: four pairs of six bits
+                word = np.int64(row[3 * grp]) | (np.int64(row[3 * grp + 1]) << 8) | (np.int64(row[3 * grp + 2]) << 16)
+                out64[r, 4 * grp] = table[word & 63]
+                out64[r, 4 * grp + 1] = table[(word >> 6) & 63]
+                out64[r, 4 * grp + 2] = table[(word >> 12) & 63]
+                out64[r, 4 * grp + 3] = table[word >> 18]
+            for i in range(d - d % 8, d):
+                bit = 3 * i
+                pair = np.int64(row[bit >> 3])
+                if (bit >> 3) + 1 < codes.shape[3]:
+                    pair |= np.int64(row[(bit >> 3) + 1]) << 8
+                out[r, i] = cent[(pair >> (bit & 7)) & 7]
     else:
         mask = np.uint64((1 << bits) - 1)
         pmask = np.uint64((1 << (2 * bits)) - 1)
@@ -263,15 +280,35 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
         _unpack_rows(k_codes, b, h, t0, t1, k_bits, k_table, k_cent, d, buf, buf64)
         if m_rows:
             _unpack_rows(k_qjl, b, h, t0, t1, 1, sign_table, _SIGNS, m_rows, pbuf, pbuf64)
+        nt = t1 - t0
+        r4 = nt - nt % 4
+        for g in range(g_n):  # four keys per pass: four independent sums, one read of the query
+            for r in range(0, r4, 4):
+                d0 = np.float32(0.0)
+                d1 = np.float32(0.0)
+                d2 = np.float32(0.0)
+                d3 = np.float32(0.0)
+                for j in range(d):
+                    qj = qr[g, j]
+                    d0 += qj * buf[r, j]
+                    d1 += qj * buf[r + 1, j]
+                    d2 += qj * buf[r + 2, j]
+                    d3 += qj * buf[r + 3, j]
+                s[g, r] = d0
+                s[g, r + 1] = d1
+                s[g, r + 2] = d2
+                s[g, r + 3] = d3
+            for r in range(r4, nt):
+                dot = np.float32(0.0)
+                for j in range(d):
+                    dot += qr[g, j] * buf[r, j]
+                s[g, r] = dot
         for t in range(t0, t1):
             r = t - t0
             kn = half[k_norms[b, h, t]]
             qn = half[k_qjl_norms[b, h, t]] if m_rows else np.float32(0.0)
             for g in range(g_n):
-                dot = np.float32(0.0)
-                for j in range(d):
-                    dot += qr[g, j] * buf[r, j]
-                x = dot * kn + qconst[g]
+                x = s[g, r] * kn + qconst[g]
                 for o in range(n_out):
                     x += qout[g, o] * half[k_outliers[b, h, t, o]]
                 if m_rows:
@@ -300,11 +337,20 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
             l[g] += lg
         # 3. weighted values in the rotated domain
         _unpack_rows(v_codes, b, h, t0, t1, v_bits, v_table, v_cent, d, buf, buf64)
-        for t in range(t0, t1):
-            r = t - t0
-            vn = half[v_norms[b, h, t]]
+        for r in range(nt):
+            vn = half[v_norms[b, h, t0 + r]]
             for g in range(g_n):
-                w = s[g, r] * vn
+                s[g, r] *= vn
+        for g in range(g_n):  # four values per pass: one load and store of the accumulator
+            for r in range(0, r4, 4):
+                w0 = s[g, r]
+                w1 = s[g, r + 1]
+                w2 = s[g, r + 2]
+                w3 = s[g, r + 3]
+                for j in range(d):
+                    acc[g, j] += w0 * buf[r, j] + w1 * buf[r + 1, j] + w2 * buf[r + 2, j] + w3 * buf[r + 3, j]
+            for r in range(r4, nt):
+                w = s[g, r]
                 for j in range(d):
                     acc[g, j] += w * buf[r, j]
 
