@@ -465,7 +465,13 @@ def _step_serial(q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_codes
             _finish_head(q, b, h, scale, m, l, acc, n_window, k_window, v_window, v_mean, signs, rot, half, out)
 
 
-@nb.njit(_SIG, cache=True, nogil=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
+#: Only the explicit ``prange`` runs on worker threads: array expressions (``np.zeros``, ...)
+#: would each become a parallel region of their own, and every region wakes the threads.
+_PRANGE_ONLY = {"prange": True, "comprehension": False, "setitem": False, "reduction": False, "numpy": False,
+                "stencil": False, "fusion": False, "inplace_binop": False}
+
+
+@nb.njit(_SIG, cache=True, nogil=True, parallel=_PRANGE_ONLY, fastmath=_FASTMATH, error_model="numpy")
 def _step_parallel(q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table,
                    v_bits, k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, sign_table, k_qjl,
                    k_qjl_norms,
@@ -485,9 +491,9 @@ def _step_parallel(q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_cod
         for h in range(h_n):
             _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x,
                           qr[b, h], qout[b, h], qconst[b, h], sq[b, h])
-    m = np.full((b_n, h_n, splits, g_n), -np.inf, np.float32)
-    l = np.zeros((b_n, h_n, splits, g_n), np.float32)
-    acc = np.zeros((b_n, h_n, splits, g_n, d), np.float32)
+    m = np.empty((b_n, h_n, splits, g_n), np.float32)
+    l = np.empty((b_n, h_n, splits, g_n), np.float32)
+    acc = np.empty((b_n, h_n, splits, g_n, d), np.float32)
     per = (n + splits - 1) // splits
     for task in nb.prange(b_n * h_n * splits):
         sp = task % splits
@@ -496,9 +502,16 @@ def _step_parallel(q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_cod
         h = bh % h_n
         t_lo = min(n, sp * per)
         t_hi = min(n, t_lo + per)
+        # the task's own state (no cache line shared with another task while it runs)
+        m_t = np.full(g_n, -np.inf, np.float32)
+        l_t = np.zeros(g_n, np.float32)
+        acc_t = np.zeros((g_n, d), np.float32)
         _attend_span(b, h, t_lo, t_hi, qr[b, h], qout[b, h], qconst[b, h], sq[b, h], k_codes, k_norms, k_cent,
                      k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms,
-                     sign_table, half, m[b, h, sp], l[b, h, sp], acc[b, h, sp])
+                     sign_table, half, m_t, l_t, acc_t)
+        m[b, h, sp] = m_t
+        l[b, h, sp] = l_t
+        acc[b, h, sp] = acc_t
     for b in range(b_n):
         for h in range(h_n):
             _finish_head(q, b, h, scale, m[b, h], l[b, h], acc[b, h], n_window, k_window, v_window, v_mean,
