@@ -1,25 +1,44 @@
 """Fused CPU decode attention from packed codes vs dense attention vs dequantize-then-attend.
 
-Prints, for each mode and context, the time of one decode step (batch 1, 32 query heads,
-8 KV heads, head_dim 128, float32 queries) on three paths measured side by side:
+Two tables, every path measured side by side in one run (interleaved repeats, so a load spike
+on a shared machine hits all of them; cells are ``median (min)``):
 
-- ``fused``: attention straight from the packed codes (Numba kernel);
-- ``dense``: ``arraykv.attention`` over uncompressed float32 K/V (the fastest NumPy form);
-- ``deq+attn``: dequantize the whole cache, then the same dense attention (what a cache
-  without a fused path does every step).
+1. *Per call at the SmolLM2-135M shape* (batch 1, 9 query heads, 3 KV heads, head_dim 64;
+   4 sink + 480 quantized + 24 recent tokens, the shape of one layer's decode call at ~500
+   tokens of context), in microseconds: the fused call, the same call through a
+   previous revision of the kernel module (``--baseline-rev``), dense attention over the 508
+   float32 tokens, and a whole ``cache.decode`` step (store + attention) of the compressed
+   and of the dense cache.
+2. *Long contexts* (batch 1, 32 query heads, 8 KV heads, head_dim 128, no window), in
+   milliseconds:
+
+   - ``fused``: attention straight from the packed codes (Numba kernel);
+   - ``before``: the kernel module of ``--baseline-rev``, when given;
+   - ``dense``: ``arraykv.attention`` over uncompressed float32 K/V, the best of OpenBLAS at
+     one thread and at its default thread count (busy-waiting BLAS threads can be far slower
+     on a loaded machine);
+   - ``deq+attn``: dequantize the whole cache, then the same dense attention (what a cache
+     without a fused path does every step), under the BLAS setting that was best for dense.
 
 Numba's one-time compile (or cache load) is reported separately from steady state.
 
-Usage: ``python benchmarks/decode_cpu.py [--contexts 1024 4096 ...] [--modes pqo4 ...]``
+Usage::
+
+    python benchmarks/decode_cpu.py [--contexts 1024 4096 ...] [--modes pqo4 ...]
+                                    [--baseline-rev b9f3283] [--repeat 7] [--skip-long]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import glob
 import os
 import platform
+import subprocess
 import time
+import types
 
 import numpy as np
 
@@ -28,16 +47,48 @@ from arraykv.attention.polar_fused import polar_decode_attention
 from arraykv.quant.polar import PolarCode, polar_decode
 
 PER_TOKEN = ("k_codes", "k_norms", "v_codes", "v_norms", "k_outliers", "k_qjl", "k_qjl_norms")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def best_ms(fn, repeat):
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+def blas_threads():
+    """``(get, set)`` for the OpenBLAS bundled with NumPy, or ``(None, None)``."""
+    libs = os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs")
+    for path in glob.glob(os.path.join(libs, "*openblas*")):
+        lib = ctypes.CDLL(path)
+        for suffix in ("64_", ""):
+            get = getattr(lib, f"scipy_openblas_get_num_threads{suffix}", None)
+            put = getattr(lib, f"scipy_openblas_set_num_threads{suffix}", None)
+            if get is not None and put is not None:
+                return get, put
+    return None, None
+
+
+def interleaved(fns, repeat, inner=1):
+    """Seconds per call of each function: ``repeat`` rounds, each function once per round."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * min(times)
+    times = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times[name].append((time.perf_counter() - t0) / inner)
+    return times
+
+
+def cell(ts, unit):
+    return f"{np.median(ts) * unit:.{1 if unit > 1e3 else 2}f} ({min(ts) * unit:.{1 if unit > 1e3 else 2}f})"
+
+
+def load_baseline(rev):
+    """The kernel module ``arraykv/backends/_numba_fused.py`` as of git revision ``rev``."""
+    src = subprocess.run(["git", "show", f"{rev}:arraykv/backends/_numba_fused.py"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    mod = types.ModuleType("arraykv.backends._numba_fused_baseline")
+    mod.__package__ = "arraykv.backends"
+    exec(compile(src.replace("cache=True", "cache=False"), f"{rev}:_numba_fused.py", "exec"), mod.__dict__)
+    return mod
 
 
 def first_n(codec, n):
@@ -47,7 +98,7 @@ def first_n(codec, n):
 
 
 def dequantize(codec):
-    """Float32 K/V of every token of ``codec`` (what a dequantizing cache builds each step)."""
+    """Float32 K/V of every quantized token of ``codec`` (what a dequantizing cache builds each step)."""
     d = codec.rotation.dim
     k = polar_decode(PolarCode(codec.k_codes, codec.k_norms, codec.k_codebook.bits, d), codec.k_codebook, codec.rotation)
     v = polar_decode(PolarCode(codec.v_codes, codec.v_norms, codec.v_codebook.bits, d), codec.v_codebook, codec.rotation)
@@ -62,32 +113,84 @@ def dequantize(codec):
     return k, v
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 65536])
-    ap.add_argument("--modes", nargs="+", default=["pqo2", "pqo3", "pqo4", "tq3"])
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+def decode_and_attend(cache, k1, q, cfg):
+    """One decode step as a model runs it: ``decode``, then attention when the cache returns K/V."""
+    out = cache.decode(0, k1, k1, q, cfg)
+    if isinstance(out, arraykv.Fused):
+        return out.output
+    r = out.result
+    return arraykv.attention(q, r.k, r.v, softmax_scale=cfg.softmax_scale, logit_bias=r.logit_bias)
 
+
+def small(args, baseline):
+    """Per-call table at the SmolLM2-135M shape."""
+    b, h, g, d, sinks, quantized, window = 1, 3, 3, 64, 4, 480, 24
+    n = sinks + quantized + window
+    rng = np.random.default_rng(args.seed)
+    spread = np.ones(d)
+    spread[rng.choice(d, 3, replace=False)] = 12.0  # a few outlier key channels, as in real keys
+    offset = rng.standard_normal(d)
+    k = (rng.standard_normal((b, h, n, d)) * spread + offset).astype(np.float32)
+    v = rng.standard_normal((b, h, n, d)).astype(np.float32)
+    q_pre = rng.standard_normal((b, h * g, n, d)).astype(np.float32)
+    q = rng.standard_normal((b, h * g, 1, d)).astype(np.float32)
+    k1 = rng.standard_normal((b, h, 1, d)).astype(np.float32)
+    scale = d**-0.5
+    cfg = arraykv.AttendConfig(scale, g)
+    print(f"\n## Per call, SmolLM2-135M shape: batch {b}, {h * g} query heads, {h} KV heads, head_dim {d}, "
+          f"{sinks} sink + {quantized} quantized + {window} recent tokens; microseconds, median (min) of {args.repeat_small}")
+    cols = ["fused"] + (["before"] if baseline else []) + ["dense attention", "cache.decode", "dense cache.decode"]
+    print("| mode | " + " | ".join(cols) + " | fused / dense | decode / dense decode |")
+    print("|---" * (len(cols) + 3) + "|")
+    dense_cache = arraykv.make_cache("dense", num_layers=1, num_kv_heads=h, head_dim=d)
+    dense_cache.prefill(0, k, v, q_pre)
+    for mode in args.modes:
+        cache = arraykv.make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d, residual_window=window,
+                                   sink_tokens=sinks)
+        cache.prefill(0, k, v, q_pre)
+        codec = cache.layer_codec_state(0)
+        stepping = arraykv.make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d, residual_window=window,
+                                      sink_tokens=sinks)
+        stepping.prefill(0, k, v, q_pre)
+        assert (codec.n_quantized, codec.n_window) == (quantized, sinks + window)
+        fns = {"fused": lambda: polar_decode_attention(codec, q, scale)}
+        if baseline:
+            fns["before"] = lambda: baseline.polar_decode_attention(codec, q, scale)
+        fns["dense attention"] = lambda: arraykv.attention(q, k, v, softmax_scale=scale)
+        # decode steps grow the caches by one token per call: both by the same amount
+        fns["cache.decode"] = lambda: decode_and_attend(stepping, k1, q, cfg)
+        fns["dense cache.decode"] = lambda: decode_and_attend(dense_cache, k1, q, cfg)
+        t = interleaved(fns, args.repeat_small, inner=20)
+        med = {name: np.median(ts) for name, ts in t.items()}
+        print(f"| {mode} | " + " | ".join(cell(t[c], 1e6) for c in cols)
+              + f" | {med['fused'] / med['dense attention']:.2f} | {med['cache.decode'] / med['dense cache.decode']:.2f} |")
+
+
+def long(args, baseline):
+    """Per-step table at long contexts."""
     b, hkv, g, d = 1, 8, 4, 128
     scale = d**-0.5
     top = max(args.contexts)
     rng = np.random.default_rng(args.seed)
-    print(f"# machine: {platform.machine()}, {os.cpu_count()} cores, numpy {np.__version__}")
-    print(f"# shape: batch {b}, {hkv * g} query heads, {hkv} KV heads, head_dim {d}, float32 queries")
+    get_blas, set_blas = blas_threads()
+    blas_default = get_blas() if get_blas else None
+    blas_settings = [1, blas_default] if blas_default and blas_default > 1 else [None]
+    print(f"\n## Long contexts: batch {b}, {hkv * g} query heads, {hkv} KV heads, head_dim {d}, float32 queries, "
+          f"no window; milliseconds, median (min) of {args.repeat} (deq+attn: {max(1, args.repeat // 2)}); "
+          f"dense = best of OpenBLAS threads {blas_settings}")
     k = rng.standard_normal((b, hkv, top, d), dtype=np.float32)
     v = rng.standard_normal((b, hkv, top, d), dtype=np.float32)
     q = rng.standard_normal((b, hkv * g, 1, d), dtype=np.float32)
-
-    print("| mode | context | fused ms | dense ms | deq+attn ms | dense / fused | deq+attn / fused |")
-    print("|---|---|---|---|---|---|---|")
+    cols = ["fused"] + (["before"] if baseline else []) + ["dense", "deq+attn"]
+    print("| mode | context | " + " | ".join(f"{c} ms" for c in cols) + " | fused ns / token·head | dense / fused | deq+attn / fused |"
+          + (" before / fused |" if baseline else ""))
+    print("|---" * (len(cols) + 5 + bool(baseline)) + "|")
     compile_ms = None
     for mode in args.modes:
-        cache = arraykv.make_cache(mode, num_layers=1, num_kv_heads=hkv, head_dim=d, residual_window=0)
-        chunk = 8192
-        for s in range(0, top, chunk):
-            cache.prefill(0, k[:, :, s:s + chunk], v[:, :, s:s + chunk], np.zeros((b, hkv * g, min(chunk, top - s), d), np.float32))
+        cache = arraykv.make_cache(mode, num_layers=1, num_kv_heads=hkv, head_dim=d, residual_window=0, sink_tokens=0)
+        # one prefill: a later one would return the dequantized cache and, for tq, a QJL logit
+        # bias of (batch, q_heads, new tokens, all tokens) float32
+        cache.prefill(0, k, v, rng.standard_normal((b, hkv * g, top, d), dtype=np.float32))
         full = cache.layer_codec_state(0)
         if compile_ms is None:
             t0 = time.perf_counter()
@@ -96,11 +199,62 @@ def main(argv=None):
         for n in args.contexts:
             codec = first_n(full, n)
             kn, vn = k[:, :, :n], v[:, :, :n]
-            t_fused = best_ms(lambda: polar_decode_attention(codec, q, scale), args.repeat)
-            t_dense = best_ms(lambda: arraykv.attention(q, kn, vn, softmax_scale=scale), args.repeat)
-            t_deq = best_ms(lambda: arraykv.attention(q, *dequantize(codec), softmax_scale=scale), max(1, args.repeat // 2))
-            print(f"| {mode} | {n} | {t_fused:.2f} | {t_dense:.2f} | {t_deq:.2f} | {t_dense / t_fused:.2f} | {t_deq / t_fused:.1f} |")
+            fns = {"fused": lambda: polar_decode_attention(codec, q, scale)}
+            if baseline:
+                fns["before"] = lambda: baseline.polar_decode_attention(codec, q, scale)
+            for threads in blas_settings:
+                def dense(threads=threads):
+                    if threads is not None:
+                        set_blas(threads)
+                    try:
+                        arraykv.attention(q, kn, vn, softmax_scale=scale)
+                    finally:
+                        if threads is not None:
+                            set_blas(blas_default)
+                fns[f"dense@{threads}"] = dense
+            t = interleaved(fns, args.repeat)
+            best = min(blas_settings, key=lambda th: np.median(t[f"dense@{th}"]))
+            t["dense"] = t[f"dense@{best}"]
+            if best is not None:
+                set_blas(best)
+            try:
+                t["deq+attn"] = interleaved({"deq": lambda: arraykv.attention(q, *dequantize(codec), softmax_scale=scale)},
+                                            max(1, args.repeat // 2))["deq"]
+            finally:
+                if best is not None:
+                    set_blas(blas_default)
+            med = {name: np.median(ts) for name, ts in t.items()}
+            row = (f"| {mode} | {n} | " + " | ".join(cell(t[c], 1e3) for c in cols)
+                   + f" | {med['fused'] * 1e9 / (n * b * hkv):.0f} | {med['dense'] / med['fused']:.2f}"
+                   + f" | {med['deq+attn'] / med['fused']:.1f} |")
+            if baseline:
+                row += f" {med['before'] / med['fused']:.2f} |"
+            print(row, flush=True)
     print(f"# first fused call (Numba compile or cache load): {compile_ms:.0f} ms")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 65536])
+    ap.add_argument("--modes", nargs="+", default=["pqo2", "pqo3", "pqo4", "tq3"])
+    ap.add_argument("--repeat", type=int, default=5, help="rounds per long-context row")
+    ap.add_argument("--repeat-small", type=int, default=15, help="rounds (of 20 calls) per SmolLM2-shape row")
+    ap.add_argument("--baseline-rev", default=None,
+                    help="git revision whose arraykv/backends/_numba_fused.py is timed as 'before'")
+    ap.add_argument("--skip-small", action="store_true")
+    ap.add_argument("--skip-long", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    import numba
+
+    print(f"# machine: {platform.machine()}, {os.cpu_count()} cores, load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, numpy {np.__version__}, numba {numba.__version__} "
+          f"({numba.get_num_threads()} threads)")
+    baseline = load_baseline(args.baseline_rev) if args.baseline_rev else None
+    if not args.skip_small:
+        small(args, baseline)
+    if not args.skip_long:
+        long(args, baseline)
 
 
 if __name__ == "__main__":
