@@ -99,10 +99,10 @@ def test_fused_with_only_window_or_only_sinks(method, d, exact, rng):
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
-@pytest.mark.parametrize("d", [20, 64])
+@pytest.mark.parametrize("d", [20, 33, 64])
 @pytest.mark.parametrize("qjl", [False, True])
 def test_every_bit_width(bits, d, qjl, rng):
-    """Keys and values at different widths 1–8 (3, 5, 7 bits straddle bytes; d = 20 ends mid-group)."""
+    """Keys and values at widths 1–8 (3, 5, 7 bits straddle bytes; d = 20 and 33 end mid-group, 33 mid-byte)."""
     cache, q, _ = _filled("tq4" if qjl else "pqo4", d, 3, 2, 80, rng, key_bits=bits, value_bits=9 - bits)
     codec = _check_three_ways(cache, q, d**-0.5)
     assert (codec.k_codebook.bits, codec.v_codebook.bits) == (bits, 9 - bits)
