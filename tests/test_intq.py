@@ -41,9 +41,14 @@ def test_matches_loops_kernels_on_and_off(xp, rng, bits, shape, g, param_dtype, 
     np.testing.assert_allclose(got, loops_reference(x, bits, g, param_dtype), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_kernel_and_reference_codes_identical(rng, bits):
-    for shape in [(7, 100), (2, 3, 128), (1, 5)]:
+def test_kernel_and_reference_codes_identical(rng, bits, parallel, monkeypatch):
+    from arraykv.backends import _numba_intq
+
+    if parallel:  # every call takes the multi-threaded path
+        monkeypatch.setattr(_numba_intq, "PARALLEL_MIN_VALUES", 0)
+    for shape in [(7, 100), (2, 3, 128), (1, 5), (64, 300)]:
         x = rng.standard_normal(shape).astype(np.float32) * 3
         g = int(rng.integers(1, shape[-1] + 1))
         with set_kernels_enabled(False):
