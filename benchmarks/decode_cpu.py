@@ -20,12 +20,18 @@ on a shared machine hits all of them; cells are ``median (min)``):
    - ``deq+attn``: dequantize the whole cache, then the same dense attention (what a cache
      without a fused path does every step), under the BLAS setting that was best for dense.
 
+3. *SmolLM2-135M decode* (``--model-steps N``, needs the model file of ``docs/quality.md``):
+   time per generated token of the whole model with each cache, one step of every cache in
+   turn; with ``--baseline-rev``, ``pqo4`` also through the previous kernel. The model's
+   matmuls use OpenBLAS: set ``OPENBLAS_NUM_THREADS=1`` on a busy machine.
+
 Numba's one-time compile (or cache load) is reported separately from steady state.
 
 Usage::
 
     python benchmarks/decode_cpu.py [--contexts 1024 4096 ...] [--modes pqo4 ...]
                                     [--baseline-rev b9f3283] [--repeat 7] [--skip-long]
+                                    [--model-steps 32]
 """
 
 from __future__ import annotations
@@ -142,9 +148,9 @@ def small(args, baseline):
     cols = ["fused"] + (["before"] if baseline else []) + ["dense attention", "cache.decode", "dense cache.decode"]
     print("| mode | " + " | ".join(cols) + " | fused / dense | decode / dense decode |")
     print("|---" * (len(cols) + 3) + "|")
-    dense_cache = arraykv.make_cache("dense", num_layers=1, num_kv_heads=h, head_dim=d)
-    dense_cache.prefill(0, k, v, q_pre)
     for mode in args.modes:
+        dense_cache = arraykv.make_cache("dense", num_layers=1, num_kv_heads=h, head_dim=d)
+        dense_cache.prefill(0, k, v, q_pre)
         cache = arraykv.make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d, residual_window=window,
                                    sink_tokens=sinks)
         cache.prefill(0, k, v, q_pre)
@@ -157,13 +163,55 @@ def small(args, baseline):
         if baseline:
             fns["before"] = lambda: baseline.polar_decode_attention(codec, q, scale)
         fns["dense attention"] = lambda: arraykv.attention(q, k, v, softmax_scale=scale)
-        # decode steps grow the caches by one token per call: both by the same amount
+        # decode steps grow the caches by one token per call (508 -> 828 tokens over the
+        # default 16 x 20 calls): both caches by the same amount
         fns["cache.decode"] = lambda: decode_and_attend(stepping, k1, q, cfg)
         fns["dense cache.decode"] = lambda: decode_and_attend(dense_cache, k1, q, cfg)
         t = interleaved(fns, args.repeat_small, inner=20)
         med = {name: np.median(ts) for name, ts in t.items()}
         print(f"| {mode} | " + " | ".join(cell(t[c], 1e6) for c in cols)
               + f" | {med['fused'] / med['dense attention']:.2f} | {med['cache.decode'] / med['dense cache.decode']:.2f} |")
+
+
+def model_steps(args, baseline):
+    """Decode time per token of SmolLM2-135M with each cache (the model's weights included)."""
+    from arraykv import eval as ev
+    from arraykv.backends import registry
+    from arraykv.integrations.gguf_llama import load_model
+
+    model = load_model(None)
+    context, steps = args.model_context, args.model_steps
+    ids = ev.builtin_token_ids(model, context + steps)
+    key = ("polar_decode_attention", "numpy")
+    registry.lookup("polar_decode_attention", np)  # resolved once, then swapped per variant
+    now = registry._RESOLVED[key]
+    variants = [("dense", "dense", None)]
+    for mode in args.modes:
+        variants.append((mode, mode, None))
+        if baseline and mode == "pqo4":
+            variants.append((f"{mode} before", mode, baseline.polar_decode_attention))
+    caches = {}
+    for name, method, _ in variants:
+        caches[name] = model.make_cache(method)
+        model.prefill(ids[:context], caches[name])
+    print(f"\n## SmolLM2-135M decode, {context} tokens of context, one step of every cache in turn; "
+          f"ms per token, median (min) of {steps - 1} (the first step is a warm-up)")
+    times = {name: [] for name, _, _ in variants}
+    try:
+        for i, t in enumerate(ids[context:context + steps]):
+            for name, _, fused in variants:
+                registry._RESOLVED[key] = fused or now
+                t0 = time.perf_counter()
+                model.decode(t, caches[name])
+                if i:
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        registry._RESOLVED[key] = now
+    dense = np.median(times["dense"])
+    print("| cache | ms per token | time vs dense |")
+    print("|---|---|---|")
+    for name, ts in times.items():
+        print(f"| {name} | {cell(ts, 1e3)} | {np.median(ts) / dense:.2f} |")
 
 
 def long(args, baseline):
@@ -241,18 +289,25 @@ def main(argv=None):
     ap.add_argument("--repeat-small", type=int, default=15, help="rounds (of 20 calls) per SmolLM2-shape row")
     ap.add_argument("--baseline-rev", default=None,
                     help="git revision whose arraykv/backends/_numba_fused.py is timed as 'before'")
+    ap.add_argument("--model-steps", type=int, default=0,
+                    help="decode steps of SmolLM2-135M per cache (0: skip; needs the GGUF, see docs/quality.md)")
+    ap.add_argument("--model-context", type=int, default=512)
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--skip-long", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     import numba
 
-    print(f"# machine: {platform.machine()}, {os.cpu_count()} cores, load average "
+    blas_get, _ = blas_threads()
+    print(f"# machine: {platform.machine()}, {os.cpu_count()} cores, OpenBLAS threads "
+          f"{blas_get() if blas_get else '?'}, load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, numpy {np.__version__}, numba {numba.__version__} "
           f"({numba.get_num_threads()} threads)")
     baseline = load_baseline(args.baseline_rev) if args.baseline_rev else None
     if not args.skip_small:
         small(args, baseline)
+    if args.model_steps:
+        model_steps(args, baseline)
     if not args.skip_long:
         long(args, baseline)
 
