@@ -144,7 +144,8 @@ def small(args, baseline):
     scale = d**-0.5
     cfg = arraykv.AttendConfig(scale, g)
     print(f"\n## Per call, SmolLM2-135M shape: batch {b}, {h * g} query heads, {h} KV heads, head_dim {d}, "
-          f"{sinks} sink + {quantized} quantized + {window} recent tokens; microseconds, median (min) of {args.repeat_small}")
+          f"{sinks} sink + {quantized} quantized + {window} recent tokens; microseconds, "
+          f"median (min) of {args.repeat_small}")
     cols = ["fused"] + (["before"] if baseline else []) + ["dense attention", "cache.decode", "dense cache.decode"]
     print("| mode | " + " | ".join(cols) + " | fused / dense | decode / dense decode |")
     print("|---" * (len(cols) + 3) + "|")
@@ -170,7 +171,8 @@ def small(args, baseline):
         t = interleaved(fns, args.repeat_small, inner=20)
         med = {name: np.median(ts) for name, ts in t.items()}
         print(f"| {mode} | " + " | ".join(cell(t[c], 1e6) for c in cols)
-              + f" | {med['fused'] / med['dense attention']:.2f} | {med['cache.decode'] / med['dense cache.decode']:.2f} |")
+              + f" | {med['fused'] / med['dense attention']:.2f}"
+              + f" | {med['cache.decode'] / med['dense cache.decode']:.2f} |")
 
 
 def model_steps(args, baseline):
@@ -230,7 +232,8 @@ def long(args, baseline):
     v = rng.standard_normal((b, hkv, top, d), dtype=np.float32)
     q = rng.standard_normal((b, hkv * g, 1, d), dtype=np.float32)
     cols = ["fused"] + (["before"] if baseline else []) + ["dense", "deq+attn"]
-    print("| mode | context | " + " | ".join(f"{c} ms" for c in cols) + " | fused ns / token·head | dense / fused | deq+attn / fused |"
+    print("| mode | context | " + " | ".join(f"{c} ms" for c in cols)
+          + " | fused ns / token·head | dense / fused | deq+attn / fused |"
           + (" before / fused |" if baseline else ""))
     print("|---" * (len(cols) + 5 + bool(baseline)) + "|")
     compile_ms = None
@@ -266,8 +269,8 @@ def long(args, baseline):
             if best is not None:
                 set_blas(best)
             try:
-                t["deq+attn"] = interleaved({"deq": lambda: arraykv.attention(q, *dequantize(codec), softmax_scale=scale)},
-                                            max(1, args.repeat // 2))["deq"]
+                deq = {"deq": lambda: arraykv.attention(q, *dequantize(codec), softmax_scale=scale)}
+                t["deq+attn"] = interleaved(deq, max(1, args.repeat // 2))["deq"]
             finally:
                 if best is not None:
                     set_blas(blas_default)
