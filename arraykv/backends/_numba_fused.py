@@ -580,7 +580,10 @@ def _fixed_args(codec) -> tuple:
             _NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32),
             _NO_F32_2 if sketch is None else np.ascontiguousarray(sketch.matrix, np.float32))
     if len(_FIXED) >= _FIXED_MAX:
-        _FIXED.pop(next(iter(_FIXED)))
+        try:  # layers decode from several threads: another may have evicted it first
+            _FIXED.pop(next(iter(_FIXED)), None)
+        except (StopIteration, RuntimeError):
+            pass
     _FIXED[key] = (objs, args)
     return args
 
