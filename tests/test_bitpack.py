@@ -33,6 +33,18 @@ def test_pack_matches_bit_by_bit_and_round_trips(xp, rng, bits, shape, kernels):
     np.testing.assert_array_equal(to_np(back), codes)
 
 
+@pytest.mark.parametrize("bits", [1, 3, 4])
+def test_numba_threaded_path_matches_loops(rng, bits, monkeypatch):
+    """Large calls take Numba's multi-threaded path; force it on small inputs and compare."""
+    from arraykv.backends import _numba_bitpack
+
+    monkeypatch.setattr(_numba_bitpack, "PARALLEL_MIN_VALUES", 0)
+    codes = rng.integers(0, 2**bits, size=(5, 3, 37), dtype=np.uint8)
+    packed = _numba_bitpack.pack_bits(codes, bits)
+    np.testing.assert_array_equal(packed, pack_loops(codes, bits))
+    np.testing.assert_array_equal(_numba_bitpack.unpack_bits(packed, bits, 37), codes)
+
+
 def test_known_bytes():
     assert pack_bits(np.array([1, 2], np.uint8), 4).tolist() == [0x21]
     assert pack_bits(np.array([3, 0, 1, 2], np.uint8), 2).tolist() == [0b10010011]

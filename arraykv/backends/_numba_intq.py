@@ -9,8 +9,6 @@ more than that work (on a busy machine, milliseconds).
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 try:
@@ -18,24 +16,16 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
+from ._numba_threads import threads_for
+
 __all__ = ["group_minmax", "quantize_pack", "dequantize", "PARALLEL_MIN_VALUES"]
 
 #: Below this many values a kernel runs on the calling thread only.
 PARALLEL_MIN_VALUES = 1 << 20
 
 
-@contextlib.contextmanager
 def _threads_for(values: int):
-    """Run the enclosed kernels on one thread when ``values`` is small (thread-local setting)."""
-    if values >= PARALLEL_MIN_VALUES:
-        yield
-        return
-    saved = nb.get_num_threads()
-    nb.set_num_threads(1)
-    try:
-        yield
-    finally:
-        nb.set_num_threads(saved)
+    return threads_for(values, PARALLEL_MIN_VALUES)
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
