@@ -24,27 +24,34 @@ import sys
 import time
 
 
-def speed_at_context(model, methods, *, context: int = 512, steps: int = 32, token_ids=None) -> list:
+def speed_at_context(model, methods, *, context: int = 512, steps: int = 32, rounds: int = 3, token_ids=None) -> list:
     """Decode tokens/s of each method with ``context`` tokens already cached.
+
+    The methods are timed in turn, ``rounds`` times over (so a slow moment of a shared machine
+    hits every method alike), and each method's median round is reported.
 
     Returns
     -------
     list of (method, tokens_per_s, time_ratio_vs_first_method)
     """
+    import statistics
+
     from arraykv import eval as ev
 
     ids = token_ids or ev.builtin_token_ids(model, context + steps)
-    rows = []
-    for m in methods:
-        cache = model.make_cache(m)
-        model.prefill(ids[:context], cache)
-        model.decode(ids[context], cache)  # warm-up (first decode may build kernels)
-        t0 = time.perf_counter()
-        for t in ids[context + 1: context + steps]:
-            model.decode(t, cache)
-        rows.append((m, (steps - 1) / (time.perf_counter() - t0)))
-    base = rows[0][1]
-    return [(m, tps, base / tps) for m, tps in rows]
+    times: dict = {m: [] for m in methods}
+    for _ in range(rounds):
+        for m in methods:
+            cache = model.make_cache(m)
+            model.prefill(ids[:context], cache)
+            model.decode(ids[context], cache)  # warm-up (first decode may build kernels)
+            t0 = time.perf_counter()
+            for t in ids[context + 1: context + steps]:
+                model.decode(t, cache)
+            times[m].append((time.perf_counter() - t0) / (steps - 1))
+    med = {m: statistics.median(v) for m, v in times.items()}
+    base = med[methods[0]]
+    return [(m, 1.0 / med[m], med[m] / base) for m in methods]
 
 
 def main(argv=None) -> int:
@@ -58,7 +65,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=64)
     ap.add_argument("--context", type=int, default=512, help="context of the speed table")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per method in the speed table")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the speed table (median reported)")
     ap.add_argument("--no-speed", action="store_true")
+    ap.add_argument("--no-quality", action="store_true", help="only the decode-speed table")
     ap.add_argument("--model", default=None)
     args = ap.parse_args(argv)
 
@@ -67,16 +76,20 @@ def main(argv=None) -> int:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
           f"arraykv {arraykv.__version__}; model {model.config.name}")
     print(f"command: python benchmarks/quality.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
-    ids = ev.builtin_token_ids(model, args.tokens)
-    print(f"\n## Quality: {args.tokens} tokens, prefill {args.prefill}, {args.tokens - args.prefill - 1} decode steps\n")
-    rows = ev.evaluate(model, ids, methods, prefill=args.prefill, progress=sys.stderr.isatty())
-    print(ev.format_table(rows))
+    if not args.no_quality:
+        ids = ev.builtin_token_ids(model, args.tokens)
+        print(f"\n## Quality: {args.tokens} tokens, prefill {args.prefill}, "
+              f"{args.tokens - args.prefill - 1} decode steps\n")
+        rows = ev.evaluate(model, ids, methods, prefill=args.prefill, progress=sys.stderr.isatty())
+        print(ev.format_table(rows))
     if not args.no_speed:
-        print(f"\n## Decode speed with {args.context} tokens cached ({args.steps - 1} steps timed)\n")
+        print(f"\n## Decode speed with {args.context} tokens cached ({args.steps - 1} steps timed, "
+              f"median of {args.rounds} interleaved rounds)\n")
         print("| method | tokens/s | time per token vs dense |")
         print("|---|---|---|")
         order = ["dense"] + [m for m in methods if m != "dense"]
-        for m, tps, ratio in speed_at_context(model, order, context=args.context, steps=args.steps):
+        for m, tps, ratio in speed_at_context(model, order, context=args.context, steps=args.steps,
+                                              rounds=args.rounds):
             print(f"| {m} | {tps:.1f} | {ratio:.2f}x |")
     return 0
 
