@@ -172,8 +172,9 @@ def run(args: argparse.Namespace) -> int:
           f"({(packed.size + 2) * 8 / d:.2f} bits/value)")
     print(f"5. reconstruction x^           {_fmt(s['reconstruction'])}")
     print(f"   relative error |x-x^|^2/|x|^2 = {s['rel_error']:.4f}   (codebook optimum for a unit vector: {cb.mse:.4f})")
-    print("\n   Note: the pqo caches also keep outlier key channels exactly and center K/V per channel"
-          " before this step (docs/algorithms.md).")
+    print("\n   Note: before this step the pqo caches center K/V per channel, weight key channels by"
+          " sqrt(rms_q/rms_k)\n   and keep outlier key channels exactly; the first tokens and the most"
+          " recent ones stay float16\n   (docs/algorithms.md).")
 
     curve = distortion_curve(d)
     print("\nDistortion E|u-u^|^2 of random unit vectors (d=%d):" % d)
