@@ -6,18 +6,71 @@ groups of ``group_size`` channels; the latest keys stay in full precision until 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from ..protocol import AttendConfig, Dequantized, DequantResult
+from ..attention.int_fused import int_decode_attention
+from ..backends import lookup
+from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
+from ..quant.bitpack import packed_nbytes
 from ..quant.intq import IntQuantized, dequantize_groups, quantize_groups
 from ..storage import TokenBuffers
 from .._validation import check_int
 from .base import LayeredCache, LayerState
 from .registry import register_method
 
-__all__ = ["IntQuantCache", "Int4Cache", "Int8Cache"]
+__all__ = ["IntQuantCache", "Int4Cache", "Int8Cache", "IntLayerCodec"]
 
 _SCALE_DTYPES = ("float16", "float32")
+#: ``decode_path`` values: attend from the packed codes when a kernel exists for the namespace
+#: ("auto"), always ("fused"; the array-API version where no kernel exists), or never.
+DECODE_PATHS = ("auto", "fused", "dequantized")
+
+
+@dataclass(frozen=True)
+class IntLayerCodec:
+    """Everything a kernel needs to read one layer of an :class:`IntQuantCache` (views, no copies).
+
+    The layer holds ``n_tokens`` tokens; the first ``n_groups · group_size`` have quantized keys,
+    the last ``n_residual`` exact keys. With ``G = group_size``, token ``t = grp · G + i`` of
+    head ``(b, h)`` has key channel ``c``::
+
+        k[c] = k_scale[b,h,grp,c] · unpack(k_codes[b,h,grp,c])[i] + k_offset[b,h,grp,c]   (t < n_groups·G)
+        k[c] = k_residual[b,h,t - n_groups·G,c]                                             (otherwise)
+
+    and every token ``t`` has value channel ``c``, in channel group ``j = c // G``::
+
+        v[c] = v_scale[b,h,t,j] · unpack(v_codes[b,h,t])[c] + v_offset[b,h,t,j]
+
+    ``unpack`` is :func:`arraykv.quant.bitpack.unpack_bits` (INT4: low nibble first).
+
+    Attributes
+    ----------
+    bits : int
+        Bits per code (4 or 8 for the registered caches).
+    group_size : int
+        ``G``: tokens per key group, channels per value group.
+    n_tokens, n_groups, n_residual : int
+        Tokens held, full key groups, exact keys (``n_tokens = n_groups · G + n_residual``).
+    k_codes : uint8 (batch, kv_heads, n_groups, head_dim, ceil(G·bits/8))
+    k_scale, k_offset : float16 or float32 (batch, kv_heads, n_groups, head_dim)
+    k_residual : (batch, kv_heads, n_residual, head_dim), the cache's input dtype
+    v_codes : uint8 (batch, kv_heads, n_tokens, ceil(head_dim·bits/8))
+    v_scale, v_offset : float16 or float32 (batch, kv_heads, n_tokens, ceil(head_dim/G))
+    """
+
+    bits: int
+    group_size: int
+    n_tokens: int
+    n_groups: int
+    n_residual: int
+    k_codes: Any
+    k_scale: Any
+    k_offset: Any
+    k_residual: Any
+    v_codes: Any
+    v_scale: Any
+    v_offset: Any
 
 
 class IntQuantCache(LayeredCache):
@@ -32,6 +85,12 @@ class IntQuantCache(LayeredCache):
     scale_dtype : {"float16", "float32"}, default "float16"
         Dtype of the per-group scales and offsets. Namespaces without float16
         (``array_api_strict``) store float32.
+    decode_path : {"auto", "fused", "dequantized"}, default "auto"
+        How ``decode`` attends: ``"auto"`` from the packed codes (:class:`~arraykv.Fused`)
+        when a fused kernel exists for the namespace (Numba on NumPy), else it returns
+        :class:`~arraykv.Dequantized`; ``"fused"`` always attends itself (the array-API
+        version, :mod:`arraykv.attention.int_fused`, where no kernel exists);
+        ``"dequantized"`` always dequantizes the layer for the caller.
 
     Notes
     -----
@@ -53,24 +112,32 @@ class IntQuantCache(LayeredCache):
     ``clip(floor((x - offset) / scale + 1/2), 0, 2^β - 1)`` with ``scale = (max - min) / (2^β - 1)``
     per group, so the error is at most half a step. Bits per value with float16 parameters:
     ``β + 32 / G`` (5 for INT4, 9 for INT8 at ``G = 32``), plus the residual.
-    ``decode`` returns :class:`~arraykv.Dequantized`: the whole layer is dequantized each step
-    (with a Numba kernel on CPU).
+    ``decode`` attends straight from the codes when the fused path is taken (see
+    ``decode_path``): the per-channel key scales fold into the query once per group,
+    ``q·k_t = Σ_c (q_c · scale_c) code_{t,c} + Σ_c q_c · offset_c``, and the per-token value
+    scales into the softmax weights (:func:`arraykv.attention.int_fused.int_decode_attention`).
+    Otherwise the whole layer is dequantized each step (with a Numba kernel on CPU) and
+    returned as :class:`~arraykv.Dequantized`.
     """
 
     method = "int"
     bits = 8
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, group_size: int = 32,
-                 scale_dtype: str = "float16", check_finite: bool = True, max_tokens: int | None = None):
+                 scale_dtype: str = "float16", decode_path: str = "auto", check_finite: bool = True,
+                 max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
         self.group_size = check_int("group_size", group_size, low=1)
         if scale_dtype not in _SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {_SCALE_DTYPES}, received {scale_dtype!r}")
         self.scale_dtype = scale_dtype
+        if not isinstance(decode_path, str) or decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, received {decode_path!r}")
+        self.decode_path = decode_path
 
     def _extra_config(self) -> dict:
-        return {"group_size": self.group_size, "scale_dtype": self.scale_dtype}
+        return {"group_size": self.group_size, "scale_dtype": self.scale_dtype, "decode_path": self.decode_path}
 
     def _pdt(self, xp: Any) -> str:
         return self.scale_dtype if hasattr(xp, self.scale_dtype) else "float32"
@@ -138,7 +205,15 @@ class IntQuantCache(LayeredCache):
 
     def _decode(self, st, k, v, q, config: AttendConfig):
         self._store(st, k, v)
+        if self._fused(st.xp):
+            return Fused(int_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._decoded(st))
+
+    def _fused(self, xp: Any) -> bool:
+        """Whether decode attends from the packed codes (see ``decode_path``)."""
+        if self.decode_path == "auto":
+            return self.bits in (4, 8) and lookup("int_decode_attention", xp) is not None
+        return self.decode_path == "fused"
 
     def _dequantize(self, st) -> DequantResult:
         return self._decoded(st)
@@ -172,6 +247,43 @@ class IntQuantCache(LayeredCache):
 
         return (st.extra["kq"].reserved_nbytes() + st.extra["vq"].reserved_nbytes()
                 + _compat.array_nbytes(st.extra["k_residual"]))
+
+    # -- inspection for kernels ------------------------------------------------------
+    def layer_codec_state(self, layer: int) -> IntLayerCodec | None:
+        """The arrays of ``layer`` as an :class:`IntLayerCodec` (views, not copies), or None if empty.
+
+        Valid until the next call that changes the layer; read, never write.
+        """
+        layer = self._check_layer(layer)
+        with self._locks[layer]:
+            st = self._states[layer]
+            return None if st is None else self._codec_state(st)
+
+    def _codec_state(self, st: LayerState) -> IntLayerCodec:
+        """:meth:`layer_codec_state` of a layer whose lock the caller holds."""
+        xp = st.xp
+        g, d = self.group_size, self.head_dim
+        kq, vq = st.extra["kq"], st.extra["vq"]
+        if kq.length:
+            k_codes, k_scale, k_offset = kq.view("k_codes"), kq.view("k_scale"), kq.view("k_offset")
+        else:
+            lead = (st.batch, self.num_kv_heads, 0, d)
+            pdt = getattr(xp, self._pdt(xp))
+            k_codes = xp.zeros(lead + (packed_nbytes(g, self.bits),), dtype=xp.uint8, device=st.device)
+            k_scale = xp.zeros(lead, dtype=pdt, device=st.device)
+            k_offset = k_scale
+        if vq.length:
+            v_codes, v_scale, v_offset = vq.view("v_codes"), vq.view("v_scale"), vq.view("v_offset")
+        else:  # a layer created by an empty prefill
+            lead = (st.batch, self.num_kv_heads, 0)
+            v_codes = xp.zeros(lead + (packed_nbytes(d, self.bits),), dtype=xp.uint8, device=st.device)
+            v_scale = xp.zeros(lead + (-(-d // g),), dtype=getattr(xp, self._pdt(xp)), device=st.device)
+            v_offset = v_scale
+        residual = st.extra["k_residual"]
+        return IntLayerCodec(bits=self.bits, group_size=g, n_tokens=vq.length, n_groups=kq.length,
+                             n_residual=int(residual.shape[2]), k_codes=k_codes, k_scale=k_scale,
+                             k_offset=k_offset, k_residual=residual, v_codes=v_codes, v_scale=v_scale,
+                             v_offset=v_offset)
 
 
 @register_method("int4")

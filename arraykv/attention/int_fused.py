@@ -1,0 +1,128 @@
+"""Decode attention straight from a group-wise integer (``int4``/``int8``) cache layer.
+
+For one new query per head this computes ``softmax(scale · q Kᵀ) V`` over every token of an
+:class:`~arraykv.caches.intq.IntLayerCodec` (the quantized key groups, then the exact residual
+keys) without reconstructing K or V: the per-channel key scales and offsets are folded into
+the query once per key group and the per-token value scales and offsets into the softmax
+weights. :func:`int_decode_attention` dispatches to a fused kernel for the namespace (Numba on
+NumPy) and falls back to :func:`int_decode_attention_reference`, the array-API version the
+kernels are tested against.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _compat
+from ..quant.bitpack import unpack_bits
+
+__all__ = ["int_decode_attention", "int_decode_attention_reference"]
+
+
+def _check_query(codec: Any, q: Any) -> tuple:
+    if q.ndim != 4 or int(q.shape[2]) != 1:
+        raise ValueError(f"q must hold one new token per head (batch, q_heads, 1, head_dim), received "
+                         f"shape {tuple(q.shape)}")
+    b, qh, _, d = (int(s) for s in q.shape)
+    kb, h = (int(s) for s in codec.v_codes.shape[:2])
+    if kb != b or qh % h or int(codec.k_residual.shape[3]) != d:
+        raise ValueError(f"q must have shape (batch={kb}, a multiple of kv_heads={h}, 1, "
+                         f"head_dim={int(codec.k_residual.shape[3])}), received {tuple(q.shape)}")
+    if codec.n_tokens < 1:
+        raise ValueError("the layer holds no token to attend to")
+    return b, h, qh // h, d
+
+
+def int_decode_attention_reference(codec: Any, q: Any, scale: float):
+    """Array-API version of :func:`int_decode_attention`, with the same scale/offset folding.
+
+    Same inputs and output as :func:`int_decode_attention`. Memory is
+    O(tokens · head_dim): it unpacks every code (as float32), but never forms ``scale · code +
+    offset``; the fused kernels unpack a tile at a time.
+
+    Notes
+    -----
+    With ``q' = scale · q`` and key group ``grp`` holding tokens ``t = grp·G + i``::
+
+        s_t = Σ_c (q'_c · kscale_{grp,c}) code_{t,c} + Σ_c q'_c · koffset_{grp,c}
+
+    (one matrix product per group against its ``(head_dim, G)`` code block) and ``s_t = q'·k_t``
+    for the residual keys. With ``p_t = exp(s_t − max s)`` and value channel ``c`` in group
+    ``j``::
+
+        Σ_t p_t v_{t,c} = Σ_t (p_t · vscale_{t,j}) code_{t,c} + Σ_t p_t · voffset_{t,j}
+
+    and the output is that divided by ``Σ_t p_t``.
+    """
+    xp = _compat.namespace(q)
+    b, h, g, d = _check_query(codec, q)
+    dev = _compat.device(q)
+    f32 = xp.float32
+    G, bits = int(codec.group_size), int(codec.bits)
+    ng, n = int(codec.n_groups), int(codec.n_tokens)
+    qf = xp.reshape(xp.astype(q, f32), (b, h, g, d)) * float(scale)
+    parts = []
+    if ng:
+        kc = xp.astype(unpack_bits(codec.k_codes, bits, G), f32)  # (b, h, ng, d, G)
+        ks = xp.astype(codec.k_scale, f32)  # (b, h, ng, d)
+        ko = xp.astype(codec.k_offset, f32)
+        qs = qf[:, :, None, :, :] * ks[:, :, :, None, :]  # (b, h, ng, g, d): the query folded per group
+        const = xp.matmul(ko, xp.matrix_transpose(qf))  # (b, h, ng, g)
+        sq = xp.matmul(qs, kc) + const[..., None]  # (b, h, ng, g, G)
+        parts.append(xp.reshape(xp.permute_dims(sq, (0, 1, 3, 2, 4)), (b, h, g, ng * G)))
+    if int(codec.n_residual):
+        kr = xp.astype(codec.k_residual, f32)  # (b, h, r, d)
+        parts.append(xp.matmul(qf, xp.matrix_transpose(kr)))  # (b, h, g, r)
+    s = parts[0] if len(parts) == 1 else xp.concat(parts, axis=-1)  # (b, h, g, n)
+    m = xp.max(s, axis=-1, keepdims=True)
+    p = xp.exp(s - m)
+    den = xp.sum(p, axis=-1)  # (b, h, g)
+    vs = xp.astype(codec.v_scale, f32)  # (b, h, n, nvg)
+    vo = xp.astype(codec.v_offset, f32)
+    nvg = int(vs.shape[-1])
+    vc = xp.astype(unpack_bits(codec.v_codes, bits, d), f32)  # (b, h, n, d)
+    pad = nvg * G - d
+    if pad:
+        vc = xp.concat([vc, xp.zeros((b, h, n, pad), dtype=f32, device=dev)], axis=-1)
+    vcg = xp.permute_dims(xp.reshape(vc, (b, h, n, nvg, G)), (0, 1, 3, 2, 4))  # (b, h, nvg, n, G)
+    w = p[..., None] * vs[:, :, None, :, :]  # (b, h, g, n, nvg): weights folded with the value scales
+    acc = xp.matmul(xp.permute_dims(w, (0, 1, 4, 2, 3)), vcg)  # (b, h, nvg, g, G)
+    acc = xp.permute_dims(acc, (0, 1, 3, 2, 4))  # (b, h, g, nvg, G)
+    off = xp.matmul(p, vo)  # (b, h, g, nvg)
+    num = xp.reshape(acc + off[..., None], (b, h, g, nvg * G))[..., :d]
+    out = num / den[..., None]
+    return xp.astype(xp.reshape(out, (b, h * g, 1, d)), q.dtype)
+
+
+def int_decode_attention(codec: Any, q: Any, scale: float):
+    """Attention of one query per head over an integer-cache layer, from its packed codes.
+
+    Parameters
+    ----------
+    codec : IntLayerCodec
+        The layer's state (``IntQuantCache.layer_codec_state``); at least one token.
+    q : array, shape (batch, q_heads, 1, head_dim)
+        ``q_heads`` a multiple of the layer's KV heads; query head ``i`` reads KV head
+        ``i // (q_heads // kv_heads)``.
+    scale : float
+        Softmax scale.
+
+    Returns
+    -------
+    array, shape (batch, q_heads, 1, head_dim), dtype of ``q``
+        Equal (to float32 rounding) to ``attention(q, K, V)`` over the layer's dequantized
+        keys and values; computed in float32.
+
+    Notes
+    -----
+    See :func:`int_decode_attention_reference` for the folding of scales and offsets. The
+    kernel (:mod:`arraykv.backends._numba_int_fused` on NumPy) covers 4- and 8-bit codes;
+    other widths use the reference.
+    """
+    from ..backends import lookup
+
+    xp = _compat.namespace(q)
+    fast = lookup("int_decode_attention", xp) if int(codec.bits) in (4, 8) else None
+    if fast is not None:
+        return fast(codec, q, float(scale))
+    return int_decode_attention_reference(codec, q, float(scale))
