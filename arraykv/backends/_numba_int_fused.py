@@ -1,0 +1,412 @@
+"""Numba kernel: one decode step of attention straight from an ``int4``/``int8`` cache layer.
+
+A call is one compiled function that does the whole step for every (batch, KV head), over the
+layout of :class:`arraykv.caches.intq.IntLayerCodec` (keys quantized per channel in groups of
+``G`` tokens, then up to ``G − 1`` exact residual keys; values quantized per token in groups of
+``G`` channels):
+
+1. the queries of the KV head's GQA group, times the softmax scale;
+2. tokens in tiles of whole key groups (about :data:`TILE` tokens): for each key group the
+   codes are unpacked once (INT4 through a byte table: one 8-byte load and store per two codes)
+   into a ``(head_dim, G)`` block, the group's per-channel scales are folded into each query
+   head's query and its offsets into a constant, and the block's scores are query · block;
+   residual keys are scored exactly. An online softmax per query head is rescaled once per tile,
+   then the tile's value codes are unpacked once for the group and accumulated with weights
+   ``p_t · vscale_{t,j}`` per value group ``j``, the offsets as ``Σ_t p_t · voffset_{t,j}``;
+3. a log-sum-exp merge of the token splits and the division by the softmax denominator.
+
+Small steps run on the calling thread (:data:`PARALLEL_MIN_WORK`); larger ones split each
+head's tokens, at key-group boundaries, over Numba's threads (only step 2 is parallel). Work
+buffers are ``O(heads · G_q · head_dim)`` plus ``O(TILE · head_dim + head_dim · G)`` per task:
+nothing grows with the context. float16 scales and offsets are read through ``uint16`` views
+and :data:`arraykv.backends._numba_fused.HALF_TO_FLOAT`. Functions are compiled once per
+parameter dtype (float16 or float32), for read-only arguments of any layout, and cached on
+disk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:
+    import numba as nb
+    from numba import types as nbt
+    from numba.extending import overload
+except ImportError as exc:  # pragma: no cover - exercised only without numba
+    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+
+from ._numba_fused import HALF_TO_FLOAT
+
+__all__ = ["int_decode_attention", "TILE", "PARALLEL_MIN_WORK"]
+
+#: Tokens per tile, rounded to whole key groups (at least one group).
+TILE = 64
+#: Below this many (batch · KV head · token) units a step runs on the calling thread alone
+#: (the rule of :mod:`arraykv.backends._numba_fused`: waking worker threads costs more than the
+#: work of a small step).
+PARALLEL_MIN_WORK = 16384
+
+# Value-changing fast-math flags are left out ("nnan", "ninf"): the online softmax starts
+# from -inf and compares against it.
+_FASTMATH = {"nsz", "arcp", "contract", "reassoc", "afn"}
+
+#: Byte -> its two 4-bit codes as float32 (low nibble first), as one 8-byte word.
+_NIBBLES = np.ascontiguousarray(
+    np.stack([np.arange(256) & 15, np.arange(256) >> 4], axis=1).astype(np.float32)).view(np.uint64).reshape(-1)
+
+
+def _f32(x, half):  # pragma: no cover - replaced in compiled code by the overload below
+    raise NotImplementedError
+
+
+@overload(_f32, inline="always")
+def _f32_impl(x, half):
+    """A scale/offset element as float32: float16 bit patterns through ``half``, floats as they are."""
+    if isinstance(x, nbt.Integer):
+        return lambda x, half: half[x]
+    return lambda x, half: np.float32(x)
+
+
+def _ro(dtype, ndim, layout="A"):
+    return nbt.Array(dtype, ndim, layout, readonly=True)
+
+
+def _signature(param):
+    """``(q, scale, n, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset,
+    nib, half, splits, out)`` with float16 (``uint16``) or float32 scales and offsets."""
+    return nbt.void(_ro(nbt.float32, 3, "C"), nbt.float64, nbt.int64, nbt.int64, nbt.int64,
+                    _ro(nbt.uint8, 5), _ro(param, 4), _ro(param, 4), _ro(nbt.float32, 4, "C"),
+                    _ro(nbt.uint8, 4), _ro(param, 4), _ro(param, 4),
+                    _ro(nbt.uint64, 1, "C"), _ro(nbt.float32, 1, "C"), nbt.int64, nbt.Array(nbt.float32, 3, "C"))
+
+
+_SIGS = [_signature(nbt.uint16), _signature(nbt.float32)]
+
+
+@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset,
+                 nib, half, m, l, acc):
+    """Online softmax over tokens ``[t_lo, t_hi)`` of head ``(b, h)`` for every query head of its group.
+
+    ``qs`` (G_q, d) are the queries times the softmax scale; ``t_lo`` is a multiple of ``G``.
+    ``m``, ``l`` (G_q,) and ``acc`` (G_q, d) hold the running maximum logit, the sum of
+    ``exp(logit − m)`` and ``Σ exp(logit − m) · v_t``; they are updated in place (a caller
+    starts them at ``-inf``, ``0``, ``0``). Tokens below ``n_groups · G`` have quantized keys,
+    the others are rows of ``k_res``.
+    """
+    g_n, d = qs.shape
+    n_groups = k_codes.shape[2]
+    nq = n_groups * G
+    nvg = v_scale.shape[3]
+    tile = max(1, TILE // G) * G
+    kb64 = np.empty((d, (G + 1) // 2), np.uint64)  # one key group, channels x tokens
+    kb = kb64.view(np.float32)
+    vb64 = np.empty((tile, (d + 1) // 2), np.uint64)  # the tile's values, tokens x channels
+    vb = vb64.view(np.float32)
+    s = np.empty((g_n, tile), np.float32)
+    qf = np.empty(d, np.float32)
+    ksf = np.empty(d, np.float32)
+    kof = np.empty(d, np.float32)
+    vsf = np.empty((nvg, tile), np.float32)
+    vof = np.empty((nvg, tile), np.float32)
+    wt = np.empty(tile, np.float32)
+    d4 = d - d % 4
+    nbk = (G + 1) // 2
+    nbv = (d + 1) // 2
+    for t0 in range(t_lo, t_hi, tile):
+        t1 = min(t_hi, t0 + tile)
+        nt = t1 - t0
+        # 1. scores: quantized key groups, the query folded with each group's scales
+        for g0 in range(t0, min(t1, nq), G):
+            grp = g0 // G
+            off = g0 - t0
+            if bits == 4:
+                for c in range(d):
+                    row = k_codes[b, h, grp, c]
+                    for j in range(nbk):
+                        kb64[c, j] = nib[row[j]]
+            else:
+                for c in range(d):
+                    row = k_codes[b, h, grp, c]
+                    for i in range(G):
+                        kb[c, i] = np.float32(row[i])
+            for c in range(d):
+                ksf[c] = _f32(k_scale[b, h, grp, c], half)
+                kof[c] = _f32(k_offset[b, h, grp, c], half)
+            for g in range(g_n):
+                cst = np.float32(0.0)
+                for c in range(d):
+                    x = qs[g, c]
+                    qf[c] = x * ksf[c]
+                    cst += x * kof[c]
+                # a view: indices from 0 let the compiler drop negative-index handling and vectorize
+                srow = s[g, off:off + G]
+                for i in range(G):
+                    srow[i] = cst
+                for c in range(0, d4, 4):  # four channels per pass over the group's scores
+                    w0 = qf[c]
+                    w1 = qf[c + 1]
+                    w2 = qf[c + 2]
+                    w3 = qf[c + 3]
+                    k0 = kb[c]
+                    k1 = kb[c + 1]
+                    k2 = kb[c + 2]
+                    k3 = kb[c + 3]
+                    for i in range(G):
+                        srow[i] += w0 * k0[i] + w1 * k1[i] + w2 * k2[i] + w3 * k3[i]
+                for c in range(d4, d):
+                    w0 = qf[c]
+                    k0 = kb[c]
+                    for i in range(G):
+                        srow[i] += w0 * k0[i]
+        # ... and exact residual keys
+        for t in range(max(t0, nq), t1):
+            kr = k_res[b, h, t - nq]
+            for g in range(g_n):
+                qg = qs[g]
+                dot = np.float32(0.0)
+                for c in range(d):
+                    dot += qg[c] * kr[c]
+                s[g, t - t0] = dot
+        # 2. values of the tile, unpacked once for the group, and their scales and offsets
+        if bits == 4:
+            for r in range(nt):
+                row = v_codes[b, h, t0 + r]
+                for j in range(nbv):
+                    vb64[r, j] = nib[row[j]]
+        else:
+            for r in range(nt):
+                row = v_codes[b, h, t0 + r]
+                for c in range(d):
+                    vb[r, c] = np.float32(row[c])
+        for r in range(nt):
+            for j in range(nvg):
+                vsf[j, r] = _f32(v_scale[b, h, t0 + r, j], half)
+                vof[j, r] = _f32(v_offset[b, h, t0 + r, j], half)
+        r4 = nt - nt % 4
+        for g in range(g_n):
+            # 3. online softmax: rescale once per tile, then the tile's weights
+            mt = m[g]
+            for r in range(nt):
+                if s[g, r] > mt:
+                    mt = s[g, r]
+            if mt > m[g]:
+                c = np.float32(math.exp(m[g] - mt)) if m[g] > -np.inf else np.float32(0.0)
+                l[g] *= c
+                for j in range(d):
+                    acc[g, j] *= c
+                m[g] = mt
+            srow = s[g]
+            lg = np.float32(0.0)
+            for r in range(nt):
+                p = np.float32(math.exp(srow[r] - mt))
+                srow[r] = p
+                lg += p
+            l[g] += lg
+            # 4. per value group j: Σ_t (p_t vscale_tj) code_t, four tokens per accumulator
+            #    pass, plus Σ_t p_t voffset_tj on each of the group's channels
+            for j in range(nvg):
+                vsj = vsf[j]
+                voj = vof[j]
+                o = np.float32(0.0)
+                for r in range(nt):
+                    p = srow[r]
+                    wt[r] = p * vsj[r]
+                    o += p * voj[r]
+                c0 = j * G
+                c1 = min(d, c0 + G)
+                w = c1 - c0
+                arow = acc[g, c0:c1]  # views indexed from 0, as above
+                for c in range(w):
+                    arow[c] += o
+                for r in range(0, r4, 4):
+                    w0 = wt[r]
+                    w1 = wt[r + 1]
+                    w2 = wt[r + 2]
+                    w3 = wt[r + 3]
+                    v0 = vb[r, c0:c1]
+                    v1 = vb[r + 1, c0:c1]
+                    v2 = vb[r + 2, c0:c1]
+                    v3 = vb[r + 3, c0:c1]
+                    for c in range(w):
+                        arow[c] += w0 * v0[c] + w1 * v1[c] + w2 * v2[c] + w3 * v3[c]
+                for r in range(r4, nt):
+                    w0 = wt[r]
+                    v0 = vb[r, c0:c1]
+                    for c in range(w):
+                        arow[c] += w0 * v0[c]
+
+
+@nb.njit(inline="always")
+def _scaled_queries(q, b, h, scale, qs):
+    """``qs[g] = scale · q[b, h·G_q + g]`` for the query heads of KV head ``h``."""
+    g_n, d = qs.shape
+    sc = np.float32(scale)
+    for g in range(g_n):
+        for c in range(d):
+            qs[g, c] = q[b, h * g_n + g, c] * sc
+
+
+@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+def _finish_head(b, h, m_sp, l_sp, acc_sp, out):
+    """Merge the token splits of head ``(b, h)`` (log-sum-exp) and write ``out[b, qh]``."""
+    splits, g_n, d = acc_sp.shape
+    for g in range(g_n):
+        top = -np.inf
+        for sp in range(splits):
+            if m_sp[sp, g] > top:
+                top = m_sp[sp, g]
+        den = np.float32(0.0)
+        qi = h * g_n + g
+        for j in range(d):
+            out[b, qi, j] = np.float32(0.0)
+        for sp in range(splits):
+            if m_sp[sp, g] > -np.inf:
+                c = np.float32(math.exp(m_sp[sp, g] - top))
+                den += c * l_sp[sp, g]
+                for j in range(d):
+                    out[b, qi, j] += c * acc_sp[sp, g, j]
+        inv = np.float32(1.0) / den
+        for j in range(d):
+            out[b, qi, j] *= inv
+
+
+@nb.njit(_SIGS, cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
+def _step_serial(q, scale, n, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, nib, half,
+                 splits, out):
+    """The whole step on the calling thread (``splits`` is ignored: one span per head)."""
+    b_n, qh, d = q.shape
+    h_n = v_codes.shape[1]
+    g_n = qh // h_n
+    qs = np.empty((g_n, d), np.float32)
+    m = np.empty((1, g_n), np.float32)
+    l = np.empty((1, g_n), np.float32)
+    acc = np.empty((1, g_n, d), np.float32)
+    for b in range(b_n):
+        for h in range(h_n):
+            _scaled_queries(q, b, h, scale, qs)
+            m[:] = -np.inf
+            l[:] = 0.0
+            acc[:] = 0.0
+            _attend_span(b, h, 0, n, qs, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset,
+                         nib, half, m[0], l[0], acc[0])
+            _finish_head(b, h, m, l, acc, out)
+
+
+#: Only the explicit ``prange`` runs on worker threads: array expressions (``np.zeros``, ...)
+#: would each become a parallel region of their own, and every region wakes the threads.
+_PRANGE_ONLY = {"prange": True, "comprehension": False, "setitem": False, "reduction": False, "numpy": False,
+                "stencil": False, "fusion": False, "inplace_binop": False}
+
+
+@nb.njit(_SIGS, cache=True, nogil=True, parallel=_PRANGE_ONLY, fastmath=_FASTMATH, error_model="numpy")
+def _step_parallel(q, scale, n, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, nib,
+                   half, splits, out):
+    """The step with each head's tokens cut, at key-group boundaries, into ``splits`` spans run on Numba's threads."""
+    b_n, qh, d = q.shape
+    h_n = v_codes.shape[1]
+    g_n = qh // h_n
+    qs = np.empty((b_n, h_n, g_n, d), np.float32)
+    for b in range(b_n):
+        for h in range(h_n):
+            _scaled_queries(q, b, h, scale, qs[b, h])
+    m = np.empty((b_n, h_n, splits, g_n), np.float32)
+    l = np.empty((b_n, h_n, splits, g_n), np.float32)
+    acc = np.empty((b_n, h_n, splits, g_n, d), np.float32)
+    per = ((n + G - 1) // G + splits - 1) // splits * G
+    for task in nb.prange(b_n * h_n * splits):
+        sp = task % splits
+        bh = task // splits
+        b = bh // h_n
+        h = bh % h_n
+        t_lo = min(n, sp * per)
+        t_hi = min(n, t_lo + per)
+        # the task's own state (no cache line shared with another task while it runs)
+        m_t = np.full(g_n, -np.inf, np.float32)
+        l_t = np.zeros(g_n, np.float32)
+        acc_t = np.zeros((g_n, d), np.float32)
+        _attend_span(b, h, t_lo, t_hi, qs[b, h], G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale,
+                     v_offset, nib, half, m_t, l_t, acc_t)
+        m[b, h, sp] = m_t
+        l[b, h, sp] = l_t
+        acc[b, h, sp] = acc_t
+    for b in range(b_n):
+        for h in range(h_n):
+            _finish_head(b, h, m[b, h], l[b, h], acc[b, h], out)
+
+
+def _plan(bh: int, n: int, group_size: int) -> tuple:
+    """``(threads, token splits per head)`` for ``bh`` (batch, KV head) pairs of ``n`` tokens.
+
+    ``(1, 1)`` (the serial kernel, on the calling thread) below :data:`PARALLEL_MIN_WORK`;
+    otherwise enough spans for two tasks per thread, each of at least ``4 · TILE`` tokens
+    (and one key group).
+    """
+    if bh * n < PARALLEL_MIN_WORK:
+        return 1, 1
+    threads = max(1, nb.get_num_threads())
+    want = max(1, -(-2 * threads // bh))
+    span = max(4 * TILE, group_size)
+    return threads, max(1, min(want, n // span or 1))
+
+
+def _params(a):
+    """Scales or offsets as the kernel reads them: float16 as its uint16 bit patterns (a view)."""
+    if a.dtype == np.float16:
+        return a.view(np.uint16)
+    return a if a.dtype == np.float32 else a.astype(np.float32)
+
+
+def int_decode_attention(codec, q, scale):
+    """Fused decode attention over an :class:`~arraykv.caches.intq.IntLayerCodec` (NumPy).
+
+    Same contract as :func:`arraykv.attention.int_fused.int_decode_attention_reference`.
+
+    Parameters
+    ----------
+    codec : IntLayerCodec
+        NumPy state: uint8 codes of 4 or 8 bits, float16 or float32 scales and offsets (the
+        same dtype for keys and values), residual keys of any float dtype.
+    q : ndarray, shape (batch, q_heads, 1, head_dim)
+        Any float dtype; computed in float32.
+    scale : float
+        Softmax scale.
+
+    Returns
+    -------
+    ndarray, shape (batch, q_heads, 1, head_dim), dtype of ``q``
+    """
+    from ..attention.int_fused import _check_query
+
+    b, h, _, d = _check_query(codec, q)
+    bits = int(codec.bits)
+    if bits not in (4, 8):
+        raise ValueError(f"codec.bits must be 4 or 8 for this kernel, received {bits}")
+    G = int(codec.group_size)
+    n = int(codec.n_tokens)
+    qh = int(q.shape[1])
+    k_scale, k_offset = _params(codec.k_scale), _params(codec.k_offset)
+    v_scale, v_offset = _params(codec.v_scale), _params(codec.v_offset)
+    if k_scale.dtype != v_scale.dtype:  # the cache stores both in one dtype; a mixed codec reads float32
+        k_scale, k_offset, v_scale, v_offset = (np.asarray(codec.k_scale, np.float32),
+                                                np.asarray(codec.k_offset, np.float32),
+                                                np.asarray(codec.v_scale, np.float32),
+                                                np.asarray(codec.v_offset, np.float32))
+    threads, splits = _plan(b * h, n, G)
+    out = np.empty((b, qh, d), np.float32)
+    args = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, G, bits,
+            codec.k_codes, k_scale, k_offset, np.ascontiguousarray(codec.k_residual, dtype=np.float32),
+            codec.v_codes, v_scale, v_offset, _NIBBLES, HALF_TO_FLOAT)
+    if threads == 1 and splits == 1:
+        _step_serial(*args, 1, out)
+    else:
+        saved = nb.get_num_threads()
+        nb.set_num_threads(threads)  # thread-local in Numba: other threads keep their setting
+        try:
+            _step_parallel(*args, splits, out)
+        finally:
+            nb.set_num_threads(saved)
+    out = out.reshape(b, qh, 1, d)
+    return out if q.dtype == np.float32 else out.astype(q.dtype)
