@@ -603,33 +603,32 @@ class PolarCache(LayeredCache):
 
     def _codec_state(self, st: LayerState) -> PolarLayerCodec:
         """:meth:`layer_codec_state` of a layer whose lock the caller holds."""
-        if True:
-            codec = self._codec(st.xp, st.device)
-            buf: TokenBuffers = st.extra["codes"]
-            calib = st.extra["calib"] or {}
-            d = self.head_dim
+        codec = self._codec(st.xp, st.device)
+        buf: TokenBuffers = st.extra["codes"]
+        calib = st.extra["calib"] or {}
+        d = self.head_dim
 
-            def view(name, tail):
-                if name in buf.names():
-                    return buf.view(name)
-                shape = (st.batch, self.num_kv_heads, 0) + tail
-                return st.xp.zeros(shape, dtype=st.xp.uint8 if "codes" in name or name == "k_qjl"
-                                   else half_dtype(st.xp), device=st.device)
+        def view(name, tail):
+            if name in buf.names():
+                return buf.view(name)
+            shape = (st.batch, self.num_kv_heads, 0) + tail
+            return st.xp.zeros(shape, dtype=st.xp.uint8 if "codes" in name or name == "k_qjl"
+                               else half_dtype(st.xp), device=st.device)
 
-            has_out = "k_outlier_idx" in calib and int(calib["k_outlier_idx"].shape[-1]) > 0
-            return PolarLayerCodec(
-                n_sink=self._n_sink(st),
-                n_quantized=buf.length, n_window=int(st.extra["k_window"].shape[2]),
-                rotation=codec["rotation"], k_codebook=codec["k_codebook"], v_codebook=codec["v_codebook"],
-                k_codes=view("k_codes", (packed_nbytes(d, self.key_bits),)), k_norms=view("k_norms", ()),
-                v_codes=view("v_codes", (packed_nbytes(d, self.value_bits),)), v_norms=view("v_norms", ()),
-                k_mean=calib.get("k_mean"), v_mean=calib.get("v_mean"), k_scale=calib.get("k_scale"),
-                k_outlier_idx=calib["k_outlier_idx"] if has_out else None,
-                k_outliers=buf.view("k_outliers") if has_out and "k_outliers" in buf.names() else None,
-                k_window=st.extra["k_window"], v_window=st.extra["v_window"],
-                qjl=codec["qjl"],
-                k_qjl=view("k_qjl", (packed_nbytes(d, 1),)) if self.qjl else None,
-                k_qjl_norms=view("k_qjl_norms", ()) if self.qjl else None)
+        has_out = "k_outlier_idx" in calib and int(calib["k_outlier_idx"].shape[-1]) > 0
+        return PolarLayerCodec(
+            n_sink=self._n_sink(st),
+            n_quantized=buf.length, n_window=int(st.extra["k_window"].shape[2]),
+            rotation=codec["rotation"], k_codebook=codec["k_codebook"], v_codebook=codec["v_codebook"],
+            k_codes=view("k_codes", (packed_nbytes(d, self.key_bits),)), k_norms=view("k_norms", ()),
+            v_codes=view("v_codes", (packed_nbytes(d, self.value_bits),)), v_norms=view("v_norms", ()),
+            k_mean=calib.get("k_mean"), v_mean=calib.get("v_mean"), k_scale=calib.get("k_scale"),
+            k_outlier_idx=calib["k_outlier_idx"] if has_out else None,
+            k_outliers=buf.view("k_outliers") if has_out and "k_outliers" in buf.names() else None,
+            k_window=st.extra["k_window"], v_window=st.extra["v_window"],
+            qjl=codec["qjl"],
+            k_qjl=view("k_qjl", (packed_nbytes(d, 1),)) if self.qjl else None,
+            k_qjl_norms=view("k_qjl_norms", ()) if self.qjl else None)
 
 
 def _register(name: str, key_bits: int, value_bits: int, qjl: bool) -> None:
