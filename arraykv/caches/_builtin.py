@@ -3,3 +3,4 @@
 from . import dense  # noqa: F401
 from . import polar  # noqa: F401
 from . import intq  # noqa: F401
+from . import compressed  # noqa: F401

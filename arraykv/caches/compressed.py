@@ -1,0 +1,550 @@
+"""Streaming caches built on the whole-tensor codecs of :mod:`arraykv.compressor`.
+
+``lowrank``
+    Every key and value is stored as its coefficients on a per-(layer, KV head) PCA basis:
+    ``x ≈ mean + basis @ coef`` (:mod:`arraykv.quant.lowrank`).
+``vq``
+    Product quantization: every vector is split into sub-vectors of ``sub_dim`` channels, each
+    stored as the index of its nearest centroid in a per-(layer, KV head, sub-space) k-means
+    codebook (:mod:`arraykv.quant.pq`).
+
+Both need a fitted model (basis or codebooks) per layer. It is either given (``calibration``:
+a fitted :class:`~arraykv.KVCacheCompressor` or the fitted arrays) or fitted by the cache on
+the tokens a layer holds the first time it holds enough of them (normally its first
+prefill); until then the layer keeps its tokens in float16. After the fit, the latest
+``residual_window`` tokens stay in float16 and older ones are encoded as they leave the
+window. The arrays a layer holds, and the fitting rule, are in the class docstrings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _compat
+from .._validation import check_int
+from ..compressor import KVCacheCompressor, LowRank, VectorQuantization
+from ..protocol import AttendConfig, Dequantized, DequantResult
+from ..quant.polar import half_dtype
+from ..quant.lowrank import LowRankBasis, check_rank_energy, fit_basis
+from ..quant.pq import PQCodebook, PQCodes, check_pq_options, code_bits, pq_decode, pq_encode, train_pq
+from ..storage import TokenBuffers
+from .base import LayeredCache, LayerState
+from .registry import register_method
+
+__all__ = ["LowRankCache", "VQCache"]
+
+_COEFF_DTYPES = ("float16", "float32")
+#: ``vq`` fits its codebooks once it holds this many vectors per centroid (per head).
+VQ_VECTORS_PER_CENTROID = 4
+
+
+def _samples(xp: Any, x: Any):
+    """(batch, heads, n, d) → (heads, batch · n, d), ordered as :class:`KVCacheCompressor` does."""
+    b, h, n, d = (int(s) for s in x.shape)
+    return xp.reshape(xp.permute_dims(x, (1, 0, 2, 3)), (h, b * n, d))
+
+
+def _to(xp: Any, dev: Any, a: Any):
+    """A copy of array ``a`` (any namespace) in namespace ``xp`` on device ``dev``."""
+    if _compat.namespace(a) is xp:
+        return xp.asarray(a, copy=True)
+    return xp.asarray(_compat.to_numpy(a), device=dev)
+
+
+def _f32(xp: Any, x: Any):
+    return x if x.dtype == xp.float32 else xp.astype(x, xp.float32)
+
+
+class _CalibratedCache(LayeredCache):
+    """What ``lowrank`` and ``vq`` share: the float16 window and the per-layer fit.
+
+    Subclasses set ``_per_token`` (names of the per-token arrays), ``_calib_names`` and
+    implement ``_convert(item)`` (a user calibration → arrays by name), ``_fit(xp, k, v)``,
+    ``_encode(xp, calib, k, v)`` and ``_decode_tokens(xp, calib, buf)``.
+    """
+
+    _per_token: tuple = ()
+    _calib_names: tuple = ()
+    _item_kinds: tuple = ()
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, calibration: Any = None,
+                 residual_window: int = 0, sink_tokens: int = 0, check_finite: bool = True,
+                 max_tokens: int | None = None):
+        super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         check_finite=check_finite, max_tokens=max_tokens)
+        self.residual_window = check_int("residual_window", residual_window, low=0)
+        self.sink_tokens = check_int("sink_tokens", sink_tokens, low=0)
+        self._given = self._check_calibration(calibration)
+
+    # -- the user's calibration ---------------------------------------------------------
+    def _check_calibration(self, calibration: Any) -> list:
+        """One entry per layer: None (fit on the layer's tokens) or a dict of arrays."""
+        if calibration is None:
+            return [None] * self.num_layers
+        if self._is_item(calibration):
+            arrays = self._convert(calibration)
+            return [arrays] * self.num_layers
+        if isinstance(calibration, (list, tuple)):
+            if len(calibration) != self.num_layers:
+                raise ValueError(
+                    f"calibration must be one fitted item for every layer or a sequence of num_layers="
+                    f"{self.num_layers} items (None for a layer that fits its own), received a sequence of "
+                    f"{len(calibration)}"
+                )
+            out = []
+            for i, item in enumerate(calibration):
+                if item is not None and not self._is_item(item):
+                    raise TypeError(f"calibration[{i}] must be {self._item_help()} or None, "
+                                    f"received {type(item).__name__}")
+                out.append(None if item is None else self._convert(item, where=f"calibration[{i}]"))
+            return out
+        raise TypeError(f"calibration must be None, {self._item_help()}, or a sequence of num_layers of them, "
+                        f"received {type(calibration).__name__}")
+
+    def _is_item(self, x: Any) -> bool:
+        if isinstance(x, KVCacheCompressor):
+            return True
+        return isinstance(x, (list, tuple)) and len(x) == 2 and all(isinstance(e, self._item_kinds) for e in x)
+
+    def _pair(self, item: Any, method_type: type, where: str) -> tuple:
+        """(k model, v model) of a fitted compressor or a pair."""
+        if isinstance(item, KVCacheCompressor):
+            if not isinstance(item.method, method_type):
+                raise TypeError(f"{where} must be a KVCacheCompressor with a {method_type.__name__} method, "
+                                f"received one with {type(item.method).__name__}")
+            if not item.fitted:
+                raise ValueError(f"{where} must be a fitted KVCacheCompressor (call fit(k, v) first)")
+            fit = item._fit
+            return fit["k"], fit["v"]
+        return item[0], item[1]
+
+    def _check_heads(self, where: str, a: Any, axis_heads: int, axis_dim: int | None, what: str) -> None:
+        shape = tuple(int(s) for s in a.shape)
+        h = shape[axis_heads]
+        d = shape[axis_dim] if axis_dim is not None else None
+        if h != self.num_kv_heads or (d is not None and d != self.head_dim):
+            raise ValueError(f"{where}: {what} must be for num_kv_heads={self.num_kv_heads} and "
+                             f"head_dim={self.head_dim}, received shape {shape}")
+
+    # -- layer state ----------------------------------------------------------------------
+    def _new_layer(self, xp, dev, batch, dtype) -> LayerState:
+        st = super()._new_layer(xp, dev, batch, dtype)
+        st.extra["codes"] = TokenBuffers(max_tokens=self.max_tokens)
+        half = half_dtype(xp)
+        shape = (batch, self.num_kv_heads, 0, self.head_dim)
+        for name in ("k_sink", "v_sink", "k_window", "v_window"):
+            st.extra[name] = xp.zeros(shape, dtype=half, device=dev)
+        st.extra["calib"] = None
+        st.extra["layer"] = None
+        return st
+
+    def _admit(self, layer, xp, k, v, tokens):
+        st = super()._admit(layer, xp, k, v, tokens)
+        if st.extra["layer"] is None:  # a fresh layer: take the given calibration, if any
+            st.extra["layer"] = layer
+            given = self._given[layer]
+            if given is not None:
+                st.extra["calib"] = {n: _to(xp, st.device, a) for n, a in given.items()}
+        return st
+
+    def _store(self, st: LayerState, k: Any, v: Any) -> bool:
+        """Append new tokens (everything computed first, then committed); True when the layer was fitted now."""
+        xp = st.xp
+        half = half_dtype(xp)
+        ks, vs = st.extra["k_sink"], st.extra["v_sink"]
+        take = min(self.sink_tokens - int(ks.shape[2]), int(k.shape[2]))
+        if take > 0:  # the first tokens of the sequence stay in float16, outside the fit
+            ks = xp.concat([ks, xp.astype(k[:, :, :take, :], half)], axis=2)
+            vs = xp.concat([vs, xp.astype(v[:, :, :take, :], half)], axis=2)
+            k, v = k[:, :, take:, :], v[:, :, take:, :]
+        kw, vw = st.extra["k_window"], st.extra["v_window"]
+        n_w, t = int(kw.shape[2]), int(k.shape[2])
+        calib = st.extra["calib"]
+        fitted_now = False
+        w = self.residual_window
+        arrays = None
+        if calib is None and st.batch * (n_w + t) >= self.min_calibration:
+            allk = xp.concat([_f32(xp, kw), _f32(xp, k)], axis=2) if n_w else _f32(xp, k)
+            allv = xp.concat([_f32(xp, vw), _f32(xp, v)], axis=2) if n_w else _f32(xp, v)
+            calib = self._fit(xp, allk, allv)
+            fitted_now = True
+            spill = max(0, n_w + t - w)
+            if spill:
+                arrays = self._encode(xp, calib, allk[:, :, :spill, :], allv[:, :, :spill, :])
+        elif calib is not None:
+            spill = max(0, n_w + t - w)
+            if spill:
+                old = min(spill, n_w)
+                if old and spill > old:
+                    ek = xp.concat([_f32(xp, kw[:, :, :old, :]), _f32(xp, k[:, :, : spill - old, :])], axis=2)
+                    ev = xp.concat([_f32(xp, vw[:, :, :old, :]), _f32(xp, v[:, :, : spill - old, :])], axis=2)
+                elif old:
+                    ek, ev = _f32(xp, kw[:, :, :old, :]), _f32(xp, vw[:, :, :old, :])
+                else:
+                    ek, ev = _f32(xp, k[:, :, :spill, :]), _f32(xp, v[:, :, :spill, :])
+                arrays = self._encode(xp, calib, ek, ev)
+        else:
+            spill = 0
+        keep_new = t - max(0, spill - n_w)
+        drop = min(spill, n_w)
+        new_kw = xp.concat([kw[:, :, drop:, :], xp.astype(k[:, :, t - keep_new:, :], half)], axis=2)
+        new_vw = xp.concat([vw[:, :, drop:, :], xp.astype(v[:, :, t - keep_new:, :], half)], axis=2)
+        # Commit.
+        if arrays is not None:
+            st.extra["codes"].append(arrays)
+        st.extra["calib"] = calib
+        st.extra["k_sink"], st.extra["v_sink"] = ks, vs
+        st.extra["k_window"], st.extra["v_window"] = new_kw, new_vw
+        return fitted_now
+
+    def _decoded(self, st: LayerState) -> DequantResult:
+        """K/V of every stored token in the layer's dtype: sinks, encoded tokens, window."""
+        xp = st.xp
+        buf: TokenBuffers = st.extra["codes"]
+        ex = st.extra
+        if buf.length:
+            kd, vd = self._decode_tokens(xp, ex["calib"], buf)
+            pk = [_f32(xp, ex["k_sink"]), kd, _f32(xp, ex["k_window"])]
+            pv = [_f32(xp, ex["v_sink"]), vd, _f32(xp, ex["v_window"])]
+        else:
+            pk, pv = [ex["k_sink"], ex["k_window"]], [ex["v_sink"], ex["v_window"]]
+        pk = [a for a in pk if int(a.shape[2])] or pk[:1]
+        pv = [a for a in pv if int(a.shape[2])] or pv[:1]
+        kd = pk[0] if len(pk) == 1 else xp.concat(pk, axis=2)
+        vd = pv[0] if len(pv) == 1 else xp.concat(pv, axis=2)
+        return DequantResult(k=xp.astype(kd, st.dtype), v=xp.astype(vd, st.dtype))
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _prefill(self, st, k, v, q):
+        first = st.length == 0
+        self._store(st, k, v)
+        if first:
+            return DequantResult(k=k, v=v)
+        return self._decoded(st)
+
+    def _decode(self, st, k, v, q, config: AttendConfig):
+        self._store(st, k, v)
+        return Dequantized(self._decoded(st))
+
+    def _dequantize(self, st) -> DequantResult:
+        return self._decoded(st)
+
+    def _layer_arrays(self, st) -> dict:
+        out = dict(st.extra["codes"].arrays())
+        for name in ("k_sink", "v_sink", "k_window", "v_window"):
+            out[name] = st.extra[name]
+        if st.extra["calib"] is not None:
+            out.update(st.extra["calib"])
+        return out
+
+    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> LayerState:
+        st = self._new_layer(xp, dev, batch, dtype)
+        per_token = {n: arrays[n] for n in self._per_token if n in arrays}
+        if per_token and int(next(iter(per_token.values())).shape[2]):
+            st.extra["codes"].append(per_token)
+        for name in ("k_sink", "v_sink", "k_window", "v_window"):
+            st.extra[name] = xp.asarray(arrays[name], copy=True)
+        if all(n in arrays for n in self._calib_names):
+            st.extra["calib"] = {n: xp.asarray(arrays[n], copy=True) for n in self._calib_names}
+        elif st.extra["codes"].length:
+            raise ValueError("stored arrays hold encoded tokens but no fitted basis/codebooks")
+        st.extra["layer"] = -1  # restored: the file's calibration, not the constructor's
+        held = st.extra["codes"].length + int(st.extra["k_sink"].shape[2]) + int(st.extra["k_window"].shape[2])
+        if held != length:
+            raise ValueError(f"stored arrays hold {held} tokens, expected {length}")
+        st.length = length
+        return st
+
+    def _side_nbytes(self, st) -> int:
+        total = sum(_compat.array_nbytes(st.extra[n]) for n in ("k_sink", "v_sink", "k_window", "v_window"))
+        if st.extra["calib"] is not None:
+            total += sum(_compat.array_nbytes(a) for a in st.extra["calib"].values())
+        return total
+
+    def _layer_nbytes(self, st) -> int:
+        return st.extra["codes"].used_nbytes() + self._side_nbytes(st)
+
+    def _layer_reserved_nbytes(self, st) -> int:
+        return st.extra["codes"].reserved_nbytes() + self._side_nbytes(st)
+
+    def is_fitted(self, layer: int) -> bool:
+        """Whether ``layer`` holds its basis/codebooks (given, fitted, or loaded)."""
+        layer = self._check_layer(layer)
+        with self._locks[layer]:
+            st = self._states[layer]
+            return st is not None and st.extra["calib"] is not None
+
+
+@register_method("lowrank")
+class LowRankCache(_CalibratedCache):
+    """Keys and values stored as coefficients on a per-(layer, KV head) PCA basis.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim, check_finite, max_tokens
+        As for every cache (:class:`~arraykv.caches.LayeredCache`).
+    rank : int, optional
+        Principal directions kept per head, ``1 <= rank <= head_dim``. Default ``head_dim // 2``
+        (at least 1) when ``energy`` is not given either.
+    energy : float, optional
+        Keep the fewest directions holding at least this fraction of the calibration variance
+        (``0 < energy <= 1``; the largest such rank over the heads, separately for keys and
+        values). Give ``rank`` or ``energy``, not both.
+    center : bool, default True
+        Subtract the per-head mean of the calibration vectors first (PCA); ``False`` fits the
+        uncentred SVD basis and stores a zero mean.
+    coeff_dtype : {"float16", "float32"}, default "float16"
+        Dtype of the stored coefficients. Namespaces without float16 (``array_api_strict``)
+        store float32.
+    calibration : optional
+        Bases given by the user instead of fitted by the cache: a fitted
+        :class:`~arraykv.KVCacheCompressor` with a :class:`~arraykv.LowRank` method, or a pair
+        ``(k_basis, v_basis)`` of :class:`~arraykv.quant.lowrank.LowRankBasis` (heads =
+        ``num_kv_heads``, head_dim = ``head_dim``), used for every layer; or a sequence of
+        ``num_layers`` such items, ``None`` for a layer that fits its own. Its rank wins over
+        ``rank``/``energy``.
+    min_calibration : int, optional
+        Vectors per head (``batch × tokens``) a layer must hold before it fits its basis; until
+        then its tokens are kept in float16. Default ``head_dim`` (fewer vectors leave the
+        sample covariance singular: the directions beyond their span would be arbitrary).
+        At least 2.
+    residual_window : int, default 0
+        Latest tokens kept in float16 after the fit; older tokens are projected as they
+        leave the window.
+    sink_tokens : int, default 0
+        The first tokens of the sequence, kept in float16 for good and left out of the fit
+        (attention sinks).
+
+    Notes
+    -----
+    State of a layer (``b`` batch, ``h`` heads, ``d`` head_dim, ``r`` rank, ``W`` window):
+
+    ``k_coef``, ``v_coef`` (b, h, tokens, r_k / r_v), ``coeff_dtype``
+        ``c = Vᵣᵀ (x − μ)`` of every encoded token.
+    ``k_basis``, ``v_basis`` (h, d, r) float32; ``k_mean``, ``v_mean`` (h, d) float32
+        ``Vᵣ`` (orthonormal columns) and ``μ`` of each head.
+    ``k_window``, ``v_window`` (b, h, n, d) float16
+        The tokens not encoded: all of them before the fit, the latest ``≤ W`` after.
+    ``k_sink``, ``v_sink`` (b, h, ≤ sink_tokens, d) float16
+        The first tokens of the sequence.
+
+    A token is decoded as ``x̂ = μ + Vᵣ c``. For the calibration vectors ``X`` (centred
+    covariance ``C = V Λ Vᵀ``) this is the best rank-``r`` affine approximation
+    (Eckart–Young–Mirsky), with mean squared error ``Σ_{i>r} λ_i`` per vector; a token unlike
+    the calibration tokens loses whatever part of it lies outside the span of ``Vᵣ``.
+    With float16 coefficients a value costs ``16 r / d`` bits (8 at ``r = d/2``), plus the
+    basis and mean, ``32 (d r + d)`` bits per head for keys and again for values, and the
+    window. The fit is :func:`arraykv.quant.lowrank.fit_basis` on the layer's tokens when it
+    first holds ``min_calibration`` vectors per head (the first prefill, normally), the very
+    fit of ``KVCacheCompressor(LowRank(rank)).fit(k, v)`` on those tokens; the first prefill
+    returns its exact K/V. ``decode`` returns :class:`~arraykv.Dequantized` (the layer
+    reconstructed: one ``(tokens × r) @ (r × d)`` matmul per head).
+
+    :meth:`get_config` leaves ``calibration`` out (arrays are not configuration); a saved
+    cache stores each non-empty layer's basis with the layer, so a loaded cache continues
+    exactly, while its empty layers (and every layer after :meth:`reset`) fit their own.
+    """
+
+    method = "lowrank"
+    _per_token = ("k_coef", "v_coef")
+    _calib_names = ("k_basis", "k_mean", "v_basis", "v_mean")
+    _item_kinds = (LowRankBasis,)
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, rank: int | None = None,
+                 energy: float | None = None, center: bool = True, coeff_dtype: str = "float16",
+                 calibration: Any = None, min_calibration: int | None = None, residual_window: int = 0,
+                 sink_tokens: int = 0, check_finite: bool = True, max_tokens: int | None = None):
+        d = check_int("head_dim", head_dim, low=1)
+        if rank is None and energy is None:
+            rank = max(1, d // 2)
+        self.rank, self.energy = check_rank_energy(rank, energy, d)
+        if not isinstance(center, bool):
+            raise TypeError(f"center must be a bool, received {type(center).__name__}")
+        self.center = center
+        if not isinstance(coeff_dtype, str) or coeff_dtype not in _COEFF_DTYPES:
+            raise ValueError(f"coeff_dtype must be one of {', '.join(_COEFF_DTYPES)}, received {coeff_dtype!r}")
+        self.coeff_dtype = coeff_dtype
+        self.min_calibration = d if min_calibration is None else check_int("min_calibration", min_calibration,
+                                                                           low=2)
+        super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         calibration=calibration, residual_window=residual_window, sink_tokens=sink_tokens,
+                         check_finite=check_finite, max_tokens=max_tokens)
+
+    def _item_help(self) -> str:
+        return "a fitted KVCacheCompressor(LowRank(...)) or a pair (k_basis, v_basis) of LowRankBasis"
+
+    def _convert(self, item: Any, where: str = "calibration") -> dict:
+        out = {}
+        for name, b in zip(("k", "v"), self._pair(item, LowRank, where)):
+            if not isinstance(b, LowRankBasis):
+                raise TypeError(f"{where} must hold LowRankBasis, received {type(b).__name__}")
+            if b.basis.ndim != 3:
+                raise ValueError(f"{where}: the {name} basis must be (heads, head_dim, rank), "
+                                 f"received shape {tuple(int(s) for s in b.basis.shape)}")
+            self._check_heads(where, b.basis, 0, 1, f"the {name} basis")
+            xp = _compat.namespace(b.basis)
+            out[f"{name}_basis"] = xp.asarray(_f32(xp, b.basis), copy=True)
+            if b.mean is None:
+                out[f"{name}_mean"] = xp.zeros((self.num_kv_heads, self.head_dim), dtype=xp.float32,
+                                              device=_compat.device(b.basis))
+            else:
+                self._check_heads(where, b.mean, 0, 1, f"the {name} mean")
+                out[f"{name}_mean"] = xp.asarray(_f32(xp, b.mean), copy=True)
+        return out
+
+    def _extra_config(self) -> dict:
+        return {"rank": self.rank, "energy": self.energy, "center": self.center, "coeff_dtype": self.coeff_dtype,
+                "min_calibration": self.min_calibration, "residual_window": self.residual_window,
+                "sink_tokens": self.sink_tokens}
+
+    def _cdt(self, xp: Any):
+        return xp.float32 if self.coeff_dtype == "float32" else half_dtype(xp)
+
+    def _fit(self, xp, k, v) -> dict:
+        out = {}
+        for name, x in (("k", k), ("v", v)):
+            b = fit_basis(_samples(xp, x), rank=self.rank, energy=self.energy, center=self.center)
+            out[f"{name}_basis"] = b.basis
+            out[f"{name}_mean"] = b.mean if b.mean is not None else xp.zeros(
+                (self.num_kv_heads, self.head_dim), dtype=xp.float32, device=_compat.device(x))
+        return out
+
+    def _encode(self, xp, calib, k, v) -> dict:
+        cdt = self._cdt(xp)
+        out = {}
+        for name, x in (("k", k), ("v", v)):
+            c = xp.matmul(x - calib[f"{name}_mean"][:, None, :], calib[f"{name}_basis"])
+            out[f"{name}_coef"] = c if c.dtype == cdt else xp.astype(c, cdt)
+        return out
+
+    def _decode_tokens(self, xp, calib, buf: TokenBuffers) -> tuple:
+        out = []
+        for name in ("k", "v"):
+            c = _f32(xp, buf.view(f"{name}_coef"))
+            out.append(xp.matmul(c, xp.matrix_transpose(calib[f"{name}_basis"])) + calib[f"{name}_mean"][:, None, :])
+        return out[0], out[1]
+
+
+@register_method("vq")
+class VQCache(_CalibratedCache):
+    """Keys and values stored as product-quantization codes on per-(layer, KV head) codebooks.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim, check_finite, max_tokens
+        As for every cache (:class:`~arraykv.caches.LayeredCache`).
+    codebook_size : int, default 16
+        Centroids per (head, sub-space), 2 to 65536; a code takes ``ceil(log2(codebook_size))``
+        bits (codes of up to 8 bits are packed into uint8, two per byte at 4 bits; uint16 above).
+    sub_dim : int, default 2
+        Channels per sub-vector; must divide ``head_dim``. Bits per value of the codes:
+        ``ceil(log2(codebook_size)) / sub_dim`` (2 at the defaults).
+    max_iter, tol, seed
+        Lloyd iterations at most, relative objective decrease that stops them, seed of the
+        k-means++ draws (as :class:`~arraykv.VectorQuantization`).
+    calibration : optional
+        Codebooks given by the user instead of trained by the cache: a fitted
+        :class:`~arraykv.KVCacheCompressor` with a :class:`~arraykv.VectorQuantization`
+        method, or a pair ``(k_codebook, v_codebook)`` of :class:`~arraykv.quant.pq.PQCodebook`
+        (heads = ``num_kv_heads``, sub-spaces × sub_dim = ``head_dim``), used for every layer;
+        or a sequence of ``num_layers`` such items, ``None`` for a layer that trains its own.
+        Its codebook size and sub_dim win over the options.
+    min_calibration : int, optional
+        Vectors per head (``batch × tokens``) a layer must hold before it trains its codebooks;
+        until then its tokens are kept in float16. Default ``4 × codebook_size``; at least
+        ``codebook_size`` (k-means with more centroids than training vectors is degenerate, the
+        rule of :class:`~arraykv.KVCacheCompressor`).
+    residual_window : int, default 0
+        Latest tokens kept in float16 after the fit; older tokens are encoded as they leave
+        the window.
+    sink_tokens : int, default 0
+        The first tokens of the sequence, kept in float16 for good and left out of the fit.
+
+    Notes
+    -----
+    State of a layer (``b`` batch, ``h`` heads, ``d`` head_dim, ``m = d / sub_dim`` sub-spaces,
+    ``K`` codebook size, ``β = ceil(log2 K)``):
+
+    ``k_codes``, ``v_codes`` (b, h, tokens, ceil(m β / 8)) uint8, or (b, h, tokens, m) uint16 when ``β > 8``
+        The centroid index of every sub-vector, packed by :func:`arraykv.quant.bitpack.pack_bits`.
+    ``k_centroids``, ``v_centroids`` (h, m, K, sub_dim) float32
+        The codebooks.
+    ``k_window``, ``v_window`` (b, h, n, d) float16
+        The tokens not encoded: all of them before the fit, the latest ``≤ residual_window`` after.
+    ``k_sink``, ``v_sink`` (b, h, ≤ sink_tokens, d) float16
+        The first tokens of the sequence.
+
+    Product quantization (Jégou, Douze & Schmid, 2011) stores ``x`` as the indices
+    ``a_j = argmin_c ‖x_j − c‖`` of its sub-vectors ``x_j`` and decodes
+    ``x̂ = [c_{a_1}, …, c_{a_m}]``; each codebook minimises ``Σ ‖x_j − c_{a(j)}‖²`` over the
+    calibration vectors by Lloyd's algorithm from a k-means++ start
+    (:func:`arraykv.quant.pq.train_pq`). A value costs ``β / sub_dim`` bits of codes plus the
+    codebooks, ``32 K d`` bits per head for keys and again for values. The fit runs when a
+    layer first holds ``min_calibration`` vectors per head (its first prefill, normally) on all
+    of them, exactly as ``KVCacheCompressor(VectorQuantization(...)).fit(k, v)`` on the same
+    tokens; the first prefill returns its exact K/V. ``decode`` returns
+    :class:`~arraykv.Dequantized` (every code looked up each step).
+
+    :meth:`get_config` leaves ``calibration`` out; a saved cache stores each non-empty layer's
+    codebooks with the layer (see :class:`LowRankCache`).
+    """
+
+    method = "vq"
+    _per_token = ("k_codes", "v_codes")
+    _calib_names = ("k_centroids", "v_centroids")
+    _item_kinds = (PQCodebook,)
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, codebook_size: int = 16,
+                 sub_dim: int = 2, max_iter: int = 25, tol: float = 1e-4, seed: int = 0, calibration: Any = None,
+                 min_calibration: int | None = None, residual_window: int = 0, sink_tokens: int = 0,
+                 check_finite: bool = True, max_tokens: int | None = None):
+        d = check_int("head_dim", head_dim, low=1)
+        self.codebook_size, self.sub_dim, self.max_iter, self.tol = check_pq_options(
+            codebook_size, sub_dim, d, max_iter, tol)
+        self.seed = check_int("seed", seed, low=0)
+        if min_calibration is None:
+            min_calibration = VQ_VECTORS_PER_CENTROID * self.codebook_size
+        self.min_calibration = check_int("min_calibration", min_calibration, low=self.codebook_size)
+        super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         calibration=calibration, residual_window=residual_window, sink_tokens=sink_tokens,
+                         check_finite=check_finite, max_tokens=max_tokens)
+
+    def _item_help(self) -> str:
+        return "a fitted KVCacheCompressor(VectorQuantization(...)) or a pair (k_codebook, v_codebook) of PQCodebook"
+
+    def _convert(self, item: Any, where: str = "calibration") -> dict:
+        out = {}
+        for name, cb in zip(("k", "v"), self._pair(item, VectorQuantization, where)):
+            if not isinstance(cb, PQCodebook):
+                raise TypeError(f"{where} must hold PQCodebook, received {type(cb).__name__}")
+            c = cb.centroids
+            if c.ndim != 4 or int(c.shape[0]) != self.num_kv_heads or cb.subspaces * cb.sub_dim != self.head_dim:
+                raise ValueError(f"{where}: the {name} codebook must be (num_kv_heads={self.num_kv_heads}, "
+                                 f"subspaces, codebook_size, sub_dim) with subspaces × sub_dim = head_dim="
+                                 f"{self.head_dim}, received shape {tuple(int(s) for s in c.shape)}")
+            xp = _compat.namespace(c)
+            out[f"{name}_centroids"] = xp.asarray(_f32(xp, c), copy=True)
+        return out
+
+    def _extra_config(self) -> dict:
+        return {"codebook_size": self.codebook_size, "sub_dim": self.sub_dim, "max_iter": self.max_iter,
+                "tol": self.tol, "seed": self.seed, "min_calibration": self.min_calibration,
+                "residual_window": self.residual_window, "sink_tokens": self.sink_tokens}
+
+    def _fit(self, xp, k, v) -> dict:
+        return {f"{name}_centroids": train_pq(_samples(xp, x), codebook_size=self.codebook_size,
+                                              sub_dim=self.sub_dim, max_iter=self.max_iter, tol=self.tol,
+                                              seed=self.seed).centroids
+                for name, x in (("k", k), ("v", v))}
+
+    def _encode(self, xp, calib, k, v) -> dict:
+        return {f"{name}_codes": pq_encode(x, PQCodebook(centroids=calib[f"{name}_centroids"])).codes
+                for name, x in (("k", k), ("v", v))}
+
+    def _decode_tokens(self, xp, calib, buf: TokenBuffers) -> tuple:
+        out = []
+        for name in ("k", "v"):
+            cb = PQCodebook(centroids=calib[f"{name}_centroids"])
+            codes = PQCodes(codes=buf.view(f"{name}_codes"), bits=code_bits(cb.codebook_size), subspaces=cb.subspaces)
+            out.append(pq_decode(codes, cb))
+        return out[0], out[1]
