@@ -82,6 +82,7 @@ register_kernel("unpack_bits", "cupy", "arraykv.backends._cuda_bitpack:unpack_bi
 register_kernel("intq_group_minmax", "numpy", "arraykv.backends._numba_intq:group_minmax")
 register_kernel("intq_quantize_pack", "numpy", "arraykv.backends._numba_intq:quantize_pack")
 register_kernel("intq_dequantize", "numpy", "arraykv.backends._numba_intq:dequantize")
+register_kernel("split_outliers", "numpy", "arraykv.backends._numba_outliers:split_outliers")
 register_kernel("pq_assign", "numpy", "arraykv.backends._numba_pq:assign")
 register_kernel("pq_update", "numpy", "arraykv.backends._numba_pq:update")
 register_kernel("polar_encode", "numpy", "arraykv.backends._numba_polar:polar_encode")

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
+from ..backends.registry import lookup
 
-__all__ = ["SparseOutliers", "split_outliers", "scatter_outliers"]
+__all__ = ["SparseOutliers", "split_outliers", "split_outliers_reference", "scatter_outliers"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,16 @@ def split_outliers(x: Any, threshold: float):
     it needs no sort (one pass for the statistics, one for the test). On Gaussian data at
     ``threshold = 6`` the expected fraction of outliers is 2e-9.
     """
+    xp = _compat.namespace(x)
+    kernel = lookup("split_outliers", xp)
+    if kernel is not None:
+        dense, index, value = kernel(x, threshold)
+        return dense, SparseOutliers(index=index, value=value)
+    return split_outliers_reference(x, threshold)
+
+
+def split_outliers_reference(x: Any, threshold: float):
+    """Array-API form of :func:`split_outliers` (the reference its kernels are tested against)."""
     xp = _compat.namespace(x)
     x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
     mu = xp.mean(x32, axis=(0, 2), keepdims=True)
