@@ -89,6 +89,7 @@ register_kernel("polar_encode", "numpy", "arraykv.backends._numba_polar:polar_en
 register_kernel("polar_decode", "numpy", "arraykv.backends._numba_polar:polar_decode")
 register_kernel("polar_decode_attention", "numpy", "arraykv.backends._numba_fused:polar_decode_attention")
 register_kernel("int_decode_attention", "numpy", "arraykv.backends._numba_int_fused:int_decode_attention")
+register_kernel("pq_decode_attention", "numpy", "arraykv.backends._numba_pq_fused:pq_decode_attention")
 register_kernel("polar_encode", "cupy", "arraykv.backends._cuda_polar:polar_encode")
 register_kernel("polar_decode", "cupy", "arraykv.backends._cuda_polar:polar_decode")
 register_kernel("polar_decode_attention", "cupy", "arraykv.backends._cuda_polar:polar_decode_attention")

@@ -15,7 +15,8 @@ from .. import _compat
 from .._validation import check_int, dtype_name, is_floating
 from .bitpack import pack_bits, unpack_bits
 
-__all__ = ["PQCodebook", "PQCodes", "check_pq_options", "train_pq", "pq_encode", "pq_decode", "code_bits"]
+__all__ = ["PQCodebook", "PQCodes", "check_pq_options", "train_pq", "pq_encode", "pq_decode", "code_bits",
+           "pq_decode_attention_reference"]
 
 # One-hot / distance blocks are processed in chunks of at most this many float32 elements.
 _CHUNK_ELEMENTS = 1 << 24
@@ -346,3 +347,113 @@ def pq_decode(codes: PQCodes, cb: PQCodebook, dtype: Any = None):
     if dtype is not None and out.dtype != dtype:
         out = xp.astype(out, dtype)
     return out
+
+
+def check_decode_attention_args(q: Any, k_codes: Any, k_centroids: Any, v_codes: Any, v_centroids: Any,
+                                k_extra: Any, v_extra: Any, bits: Any) -> tuple:
+    """Shape and dtype checks of :func:`pq_decode_attention_reference` (shared with its kernels).
+
+    Returns
+    -------
+    tuple of int
+        ``(b, hq, h, T, E, d, m, bits)``.
+    """
+    xp = _compat.namespace(q)
+    bits = check_int("bits", bits, low=1, high=16)
+    if q.ndim != 3 or not is_floating(xp, q.dtype):
+        raise ValueError(f"q must be a float array of shape (batch, q_heads, head_dim), received "
+                         f"{dtype_name(q.dtype)} shape {tuple(q.shape)}")
+    b, hq, d = (int(s) for s in q.shape)
+    for name, c in (("k_centroids", k_centroids), ("v_centroids", v_centroids)):
+        if c.ndim != 4 or not is_floating(xp, c.dtype):
+            raise ValueError(f"{name} must be a float array of shape (heads, subspaces, codebook_size, sub_dim), "
+                             f"received {dtype_name(c.dtype)} shape {tuple(c.shape)}")
+    h, m, _, s = (int(v) for v in k_centroids.shape)
+    if (int(v_centroids.shape[0]), int(v_centroids.shape[1]), int(v_centroids.shape[3])) != (h, m, s):
+        raise ValueError(f"v_centroids must have (heads, subspaces, sub_dim) = {(h, m, s)} like k_centroids, "
+                         f"received shape {tuple(v_centroids.shape)}")
+    if m * s != d:
+        raise ValueError(f"subspaces * sub_dim of the codebooks ({m} * {s}) must equal head_dim {d} of q")
+    if h < 1 or hq % h != 0:
+        raise ValueError(f"q_heads must be a multiple of the codebooks' kv heads, received {hq} and {h}")
+    width, want = ((m * bits + 7) // 8, xp.uint8) if bits <= 8 else (m, xp.uint16)
+    for name, c in (("k_codes", k_codes), ("v_codes", v_codes)):
+        if c.ndim != 4 or c.dtype != want or (int(c.shape[0]), int(c.shape[1]), int(c.shape[3])) != (b, h, width):
+            raise ValueError(f"{name} must be {dtype_name(want)} of shape (batch={b}, heads={h}, tokens, {width}) "
+                             f"for {m} codes of {bits} bits, received {dtype_name(c.dtype)} shape {tuple(c.shape)}")
+    t = int(k_codes.shape[2])
+    if int(v_codes.shape[2]) != t:
+        raise ValueError(f"v_codes must hold {t} tokens like k_codes, received {int(v_codes.shape[2])}")
+    for name, x in (("k_extra", k_extra), ("v_extra", v_extra)):
+        lead = (int(x.shape[0]), int(x.shape[1]), int(x.shape[3])) if x.ndim == 4 else None
+        if lead != (b, h, d) or not is_floating(xp, x.dtype):
+            raise ValueError(f"{name} must be a float array of shape (batch={b}, heads={h}, extra, {d}), "
+                             f"received {dtype_name(x.dtype)} shape {tuple(x.shape)}")
+    e = int(k_extra.shape[2])
+    if int(v_extra.shape[2]) != e:
+        raise ValueError(f"v_extra must hold {e} tokens like k_extra, received {int(v_extra.shape[2])}")
+    if t + e == 0:
+        raise ValueError("attention needs at least one token: k_codes and k_extra are both empty")
+    return b, hq, h, t, e, d, m, bits
+
+
+def pq_decode_attention_reference(q: Any, k_codes: Any, k_centroids: Any, v_codes: Any, v_centroids: Any,
+                                  k_extra: Any, v_extra: Any, *, bits: int, softmax_scale: float):
+    """One decode step of attention over PQ-coded keys and values plus a few dense tokens.
+
+    Decodes every key and value with :func:`pq_decode`, appends the dense tokens and runs
+    :func:`arraykv.attention.attention` (no causal mask: one query sees every token).
+
+    Parameters
+    ----------
+    q : array of float, shape (batch, q_heads, head_dim)
+        The new token's queries; ``q_heads`` is a multiple of the KV heads ``h`` and query head
+        ``i`` uses KV head ``i // (q_heads // h)`` (grouped-query attention).
+    k_codes, v_codes : array, shape (batch, h, T, ceil(m * bits / 8)) uint8 or (batch, h, T, m) uint16
+        PQ codes of the ``T`` coded tokens (:attr:`PQCodes.codes`): packed with
+        :func:`arraykv.quant.bitpack.pack_bits` when ``bits <= 8``, one uint16 per code otherwise.
+    k_centroids, v_centroids : array of float, shape (h, m, K, s)
+        The codebooks (:attr:`PQCodebook.centroids`), ``m * s == head_dim``; ``K`` may differ
+        between keys and values.
+    k_extra, v_extra : array of float, shape (batch, h, E, head_dim)
+        Dense tokens (a cache's float16 sinks and recent window); ``E`` may be 0.
+    bits : int
+        Bits per code, 1 to 16 (``code_bits(K)``).
+    softmax_scale : float
+        Multiplies ``q · k`` before the softmax.
+
+    Returns
+    -------
+    array of float32, shape (batch, q_heads, head_dim)
+
+    Raises
+    ------
+    ValueError
+        On inconsistent shapes or dtypes, or when ``T + E == 0``.
+
+    Notes
+    -----
+    With ``K_t`` the decoded keys and dense keys, ``out = softmax(scale · q K_tᵀ) V_t``. The
+    fused kernel (``lookup("pq_decode_attention", xp)``) computes the same without decoding:
+    see :mod:`arraykv.backends._numba_pq_fused`.
+    """
+    from ..attention import attention
+
+    xp = _compat.namespace(q)
+    b, hq, h, t, e, d, m, bits = check_decode_attention_args(q, k_codes, k_centroids, v_codes, v_centroids,
+                                                             k_extra, v_extra, bits)
+    f32 = xp.float32
+    ks, vs = [], []
+    if t > 0:
+        kcb = PQCodebook(centroids=xp.astype(k_centroids, f32, copy=False))
+        vcb = PQCodebook(centroids=xp.astype(v_centroids, f32, copy=False))
+        ks.append(pq_decode(PQCodes(codes=k_codes, bits=bits, subspaces=m), kcb, f32))
+        vs.append(pq_decode(PQCodes(codes=v_codes, bits=bits, subspaces=m), vcb, f32))
+    if e > 0:
+        ks.append(xp.astype(k_extra, f32, copy=False))
+        vs.append(xp.astype(v_extra, f32, copy=False))
+    k = ks[0] if len(ks) == 1 else xp.concat(ks, axis=2)
+    v = vs[0] if len(vs) == 1 else xp.concat(vs, axis=2)
+    q4 = xp.reshape(xp.astype(q, f32, copy=False), (b, hq, 1, d))
+    out = attention(q4, k, v, softmax_scale=float(softmax_scale), causal=False)
+    return xp.reshape(out, (b, hq, d))

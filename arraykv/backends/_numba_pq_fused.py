@@ -1,0 +1,456 @@
+"""Numba kernel: one decode step of attention straight from product-quantization codes.
+
+Layout read (the :class:`~arraykv.caches.compressed.VQCache` state, :mod:`arraykv.quant.pq`):
+``head_dim = m · s``; a key or value vector is ``m`` codes, code ``j`` naming a row of the
+per-(KV head, sub-space) codebook ``centroids[h, j]`` of shape ``(K, s)``. A token's codes are
+one row of ``ceil(m · β / 8)`` uint8 bytes packed LSB-first by
+:func:`arraykv.quant.bitpack.pack_bits` (code ``j`` in stream bits ``[jβ, (j+1)β)``, stream bit
+``i`` = bit ``i % 8`` of byte ``i // 8``) when ``β <= 8``, or ``m`` uint16 values when ``β > 8``.
+
+A call is one compiled function that does the whole step for every (batch, KV head):
+
+1. the queries of the KV head's GQA group times the softmax scale, ``qs`` (G, d);
+2. the coded tokens in tiles of :data:`TILE`: the tile's key codes are unpacked once into a
+   small ``(TILE, m)`` index block and scored for every query head of the group, an online
+   softmax per query head is rescaled at most once per tile, then the tile's value codes are
+   unpacked once and their weights accumulated. Two ways, picked per call by cost
+   (:func:`_use_tables`):
+
+   * *tables* (asymmetric distance computation): ``LUT[g, j, k] = qs_g,j · c_jk`` once per task,
+     a token's score is ``Σ_j LUT[g, j, a_tj]``; the values go into per-sub-space weight
+     histograms ``H[g, j, k] += p_t`` and ``out_g,j = Σ_k H[g, j, k] · c^V_jk`` at the end;
+   * *direct*: the centroid rows the codes name are read and multiplied in place (for short
+     contexts, ``sub_dim == 1`` and codebooks above :data:`TABLE_MAX_K`, where building the
+     ``G · m · K`` tables costs more than it saves);
+3. a log-sum-exp merge of the token splits, the dense extra tokens (sinks and window, exact
+   float32) in the same softmax, and the division by the denominator.
+
+Small steps run on the calling thread (:func:`arraykv.backends._numba_threads.threads_for`);
+larger ones cut each head's tokens into spans run on Numba's threads. Work buffers are
+``O(G · m · K)`` (tables) plus ``O(TILE · (m + G))`` per task: nothing grows with the context.
+Functions are compiled once per code dtype (uint8 packed, uint16), for read-only arguments,
+and cached on disk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:
+    import numba as nb
+    from numba import types as nbt
+except ImportError as exc:  # pragma: no cover - exercised only without numba
+    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+
+from ..quant.pq import check_decode_attention_args
+from ._numba_threads import threads_for
+
+__all__ = ["pq_decode_attention", "TILE", "TABLE_MAX_K", "RESCALE_SLACK"]
+
+#: Tokens per tile.
+TILE = 64
+#: Largest codebook served by the tables (LUT and histograms, 2 · G · m · K floats per task).
+TABLE_MAX_K = 1024
+#: The online softmax keeps a reference maximum and rescales the accumulators only when a tile's
+#: maximum exceeds it by more than this (in logits): weights stay below ``e**16``, far from
+#: float32 overflow, and the ``G · m · K`` histograms are rarely rescaled.
+RESCALE_SLACK = 16.0
+
+#: Below this many codes read a step runs on the calling thread
+#: (:data:`arraykv.backends._numba_threads.PARALLEL_MIN_VALUES` unless set).
+PARALLEL_MIN_VALUES = None
+#: Tests set this to ``"tables"`` or ``"direct"`` to force a path; None picks by cost.
+_FORCE_MODE = None
+
+# Value-changing fast-math flags are left out ("nnan", "ninf"): the online softmax starts
+# from -inf and compares against it.
+_FASTMATH = {"nsz", "arcp", "contract", "reassoc", "afn"}
+
+
+def _ro(dtype, ndim, layout="A"):
+    return nbt.Array(dtype, ndim, layout, readonly=True)
+
+
+def _signature(code):
+    """``(q, scale, bits, tables, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra, splits, out)``."""
+    return nbt.void(_ro(nbt.float32, 3, "C"), nbt.float64, nbt.int64, nbt.boolean,
+                    _ro(code, 4), _ro(nbt.float32, 4, "C"), _ro(code, 4), _ro(nbt.float32, 4, "C"),
+                    _ro(nbt.float32, 4, "C"), _ro(nbt.float32, 4, "C"), nbt.int64, nbt.Array(nbt.float32, 3, "C"))
+
+
+_SIGS = [_signature(nbt.uint8), _signature(nbt.uint16)]
+
+
+@nb.njit(inline="always")
+def _unpack_tile(codes, b, h, t0, nt, bits, kn, out):
+    """Codes ``a_tj`` of tokens ``[t0, t0 + nt)`` of head ``(b, h)`` as flat indices ``j · kn + min(a_tj, kn − 1)``
+    into ``out[:nt]`` (nt, m): rows of a ``(m · kn, ...)`` view of one head's codebooks or tables."""
+    m = out.shape[1]
+    top = kn - 1
+    if bits > 8 or bits == 8:
+        for r in range(nt):
+            row = codes[b, h, t0 + r]
+            o = out[r]
+            for j in range(m):
+                o[j] = min(np.int32(row[j]), top) + j * kn
+    elif bits == 4:
+        half = m // 2
+        for r in range(nt):
+            row = codes[b, h, t0 + r]
+            o = out[r]
+            for i in range(half):
+                x = np.int32(row[i])
+                o[2 * i] = min(x & 15, top) + 2 * i * kn
+                o[2 * i + 1] = min(x >> 4, top) + (2 * i + 1) * kn
+            if m % 2 == 1:
+                o[m - 1] = min(np.int32(row[half]) & 15, top) + (m - 1) * kn
+    else:
+        mask = np.uint64((1 << bits) - 1)
+        ub = np.uint64(bits)
+        for r in range(nt):
+            row = codes[b, h, t0 + r]
+            nbytes = row.shape[0]
+            o = out[r]
+            for grp in range((m + 7) // 8):
+                base = grp * bits
+                w = np.uint64(0)
+                for k in range(bits):
+                    if base + k < nbytes:
+                        w |= np.uint64(row[base + k]) << np.uint64(8 * k)
+                j0 = grp * 8
+                for i in range(min(8, m - j0)):
+                    o[j0 + i] = min(np.int32((w >> (np.uint64(i) * ub)) & mask), top) + (j0 + i) * kn
+
+
+@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v_cent, mref, l, acc):
+    """Online softmax over coded tokens ``[t_lo, t_hi)`` of head ``(b, h)`` for every query head of its group.
+
+    ``qs`` (G, d) are the queries times the softmax scale. ``mref``, ``l`` (G,) and ``acc``
+    (G, d) hold the reference maximum logit, ``Σ exp(logit − mref)`` and
+    ``Σ exp(logit − mref) · v_t``; a caller starts them at ``-inf``, ``0``, ``0``.
+    """
+    g_n, d = qs.shape
+    m = k_cent.shape[1]
+    kk = k_cent.shape[2]
+    kv = v_cent.shape[2]
+    sd = k_cent.shape[3]
+    ka = np.empty((TILE, m), np.int32)
+    va = np.empty((TILE, m), np.int32)
+    sc = np.empty((g_n, TILE), np.float32)
+    kf = k_cent[h].reshape((m * kk, sd))  # row j·K + k is c_jk
+    vf = v_cent[h].reshape((m * kv, sd))
+    if tables:
+        lut = np.empty((g_n, m * kk), np.float32)
+        # two histograms, for even and odd tokens: consecutive tokens that name the same code
+        # would otherwise wait on each other's scatter-add (store-to-load forwarding)
+        hist = np.zeros((g_n, 2 * m * kv), np.float32)
+        for g in range(g_n):
+            for j in range(m):
+                qj = qs[g, j * sd:(j + 1) * sd]
+                row = lut[g, j * kk:(j + 1) * kk]
+                cj = k_cent[h, j]
+                for k in range(kk):
+                    x = np.float32(0.0)
+                    for c in range(sd):
+                        x += qj[c] * cj[k, c]
+                    row[k] = x
+    else:
+        lut = np.empty((0, 0), np.float32)
+        hist = np.empty((0, 0), np.float32)
+    for t0 in range(t_lo, t_hi, TILE):
+        nt = min(t_hi, t0 + TILE) - t0
+        # 1. scores of every query head from one unpacking of the tile's key codes
+        _unpack_tile(k_codes, b, h, t0, nt, bits, kk, ka)
+        if tables:
+            for g in range(g_n):
+                lg = lut[g]
+                srow = sc[g]
+                for r in range(nt):
+                    a = ka[r]
+                    x = np.float32(0.0)
+                    for j in range(m):
+                        x += lg[a[j]]
+                    srow[r] = x
+        else:
+            for r in range(nt):
+                a = ka[r]
+                for g in range(g_n):
+                    qg = qs[g]
+                    x = np.float32(0.0)
+                    for j in range(m):
+                        cj = kf[a[j]]
+                        for c in range(sd):
+                            x += qg[j * sd + c] * cj[c]
+                    sc[g, r] = x
+        # 2. online softmax per query head and the value weights
+        _unpack_tile(v_codes, b, h, t0, nt, bits, kv, va)
+        for g in range(g_n):
+            srow = sc[g]
+            mt = srow[0]
+            for r in range(1, nt):
+                if srow[r] > mt:
+                    mt = srow[r]
+            if mt > mref[g] + RESCALE_SLACK:
+                f = np.float32(math.exp(mref[g] - mt)) if mref[g] > -np.inf else np.float32(0.0)
+                l[g] *= f
+                if tables:
+                    hg = hist[g]
+                    for k in range(2 * m * kv):
+                        hg[k] *= f
+                else:
+                    for c in range(d):
+                        acc[g, c] *= f
+                mref[g] = mt
+            mr = mref[g]
+            lsum = np.float32(0.0)
+            if tables:
+                h0 = hist[g, :m * kv]
+                h1 = hist[g, m * kv:]
+                r2 = nt - nt % 2
+                for r in range(0, r2, 2):
+                    p0 = np.float32(math.exp(srow[r] - mr))
+                    p1 = np.float32(math.exp(srow[r + 1] - mr))
+                    lsum += p0 + p1
+                    a0 = va[r]
+                    a1 = va[r + 1]
+                    for j in range(m):
+                        h0[a0[j]] += p0
+                        h1[a1[j]] += p1
+                for r in range(r2, nt):
+                    p0 = np.float32(math.exp(srow[r] - mr))
+                    lsum += p0
+                    a0 = va[r]
+                    for j in range(m):
+                        h0[a0[j]] += p0
+            else:
+                ag = acc[g]
+                for r in range(nt):
+                    p = np.float32(math.exp(srow[r] - mr))
+                    lsum += p
+                    a = va[r]
+                    for j in range(m):
+                        cj = vf[a[j]]
+                        for c in range(sd):
+                            ag[j * sd + c] += p * cj[c]
+            l[g] += lsum
+    if tables:
+        # 3. out_j = Σ_k H[j, k] · c^V_jk
+        for g in range(g_n):
+            hg = hist[g]
+            ag = acc[g]
+            for j in range(m):
+                cj = v_cent[h, j]
+                hj = hg[j * kv:(j + 1) * kv]
+                hj1 = hg[(m + j) * kv:(m + j + 1) * kv]
+                for k in range(kv):
+                    w = hj[k] + hj1[k]
+                    if w != 0.0:
+                        for c in range(sd):
+                            ag[j * sd + c] += w * cj[k, c]
+
+
+@nb.njit(inline="always")
+def _scaled_queries(q, b, h, scale, qs):
+    """``qs[g] = scale · q[b, h·G + g]`` for the query heads of KV head ``h``."""
+    g_n, d = qs.shape
+    sc = np.float32(scale)
+    for g in range(g_n):
+        for c in range(d):
+            qs[g, c] = q[b, h * g_n + g, c] * sc
+
+
+@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+def _finish_head(b, h, qs, m_sp, l_sp, acc_sp, k_extra, v_extra, out):
+    """Merge the token splits of head ``(b, h)`` with its dense tokens (log-sum-exp); write ``out[b, qi]``."""
+    splits, g_n, d = acc_sp.shape
+    e_n = k_extra.shape[2]
+    for g in range(g_n):
+        qg = qs[g]
+        top = -np.inf
+        for sp in range(splits):
+            if m_sp[sp, g] > top:
+                top = m_sp[sp, g]
+        for t in range(e_n):
+            x = np.float32(0.0)
+            for c in range(d):
+                x += qg[c] * k_extra[b, h, t, c]
+            if x > top:
+                top = x
+        qi = h * g_n + g
+        o = out[b, qi]
+        for c in range(d):
+            o[c] = np.float32(0.0)
+        den = np.float32(0.0)
+        for sp in range(splits):
+            if m_sp[sp, g] > -np.inf:
+                f = np.float32(math.exp(m_sp[sp, g] - top))
+                den += f * l_sp[sp, g]
+                for c in range(d):
+                    o[c] += f * acc_sp[sp, g, c]
+        for t in range(e_n):
+            x = np.float32(0.0)
+            for c in range(d):
+                x += qg[c] * k_extra[b, h, t, c]
+            p = np.float32(math.exp(x - top))
+            den += p
+            for c in range(d):
+                o[c] += p * v_extra[b, h, t, c]
+        inv = np.float32(1.0) / den
+        for c in range(d):
+            o[c] *= inv
+
+
+@nb.njit(_SIGS, cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
+def _step_serial(q, scale, bits, tables, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra, splits, out):
+    """The whole step on the calling thread (``splits`` is ignored: one span per head)."""
+    b_n, qh, d = q.shape
+    h_n = k_cent.shape[0]
+    n = k_codes.shape[2]
+    g_n = qh // h_n
+    qs = np.empty((g_n, d), np.float32)
+    m = np.empty((1, g_n), np.float32)
+    l = np.empty((1, g_n), np.float32)
+    acc = np.empty((1, g_n, d), np.float32)
+    for b in range(b_n):
+        for h in range(h_n):
+            _scaled_queries(q, b, h, scale, qs)
+            m[:] = -np.inf
+            l[:] = 0.0
+            acc[:] = 0.0
+            if n > 0:
+                _attend_span(b, h, 0, n, qs, bits, tables, k_codes, k_cent, v_codes, v_cent, m[0], l[0], acc[0])
+            _finish_head(b, h, qs, m, l, acc, k_extra, v_extra, out)
+
+
+#: Only the explicit ``prange`` runs on worker threads (see :mod:`arraykv.backends._numba_int_fused`).
+_PRANGE_ONLY = {"prange": True, "comprehension": False, "setitem": False, "reduction": False, "numpy": False,
+                "stencil": False, "fusion": False, "inplace_binop": False}
+
+
+@nb.njit(_SIGS, cache=True, nogil=True, parallel=_PRANGE_ONLY, fastmath=_FASTMATH, error_model="numpy")
+def _step_parallel(q, scale, bits, tables, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra, splits, out):
+    """The step with each (batch, KV head)'s tokens cut into ``splits`` spans run on Numba's threads."""
+    b_n, qh, d = q.shape
+    h_n = k_cent.shape[0]
+    n = k_codes.shape[2]
+    g_n = qh // h_n
+    qs = np.empty((b_n, h_n, g_n, d), np.float32)
+    for b in range(b_n):
+        for h in range(h_n):
+            _scaled_queries(q, b, h, scale, qs[b, h])
+    m = np.empty((b_n, h_n, splits, g_n), np.float32)
+    l = np.empty((b_n, h_n, splits, g_n), np.float32)
+    acc = np.empty((b_n, h_n, splits, g_n, d), np.float32)
+    per = (n + splits - 1) // splits
+    for task in nb.prange(b_n * h_n * splits):
+        sp = task % splits
+        bh = task // splits
+        b = bh // h_n
+        h = bh % h_n
+        t_lo = min(n, sp * per)
+        t_hi = min(n, t_lo + per)
+        # the task's own state (no cache line shared with another task while it runs)
+        m_t = np.full(g_n, -np.inf, np.float32)
+        l_t = np.zeros(g_n, np.float32)
+        acc_t = np.zeros((g_n, d), np.float32)
+        if t_hi > t_lo:
+            _attend_span(b, h, t_lo, t_hi, qs[b, h], bits, tables, k_codes, k_cent, v_codes, v_cent, m_t, l_t, acc_t)
+        m[b, h, sp] = m_t
+        l[b, h, sp] = l_t
+        acc[b, h, sp] = acc_t
+    for b in range(b_n):
+        for h in range(h_n):
+            _finish_head(b, h, qs[b, h], m[b, h], l[b, h], acc[b, h], k_extra, v_extra, out)
+
+
+def _use_tables(kk: int, kv: int, sub_dim: int, span: int) -> bool:
+    """Whether a task of ``span`` tokens should build the ADC tables.
+
+    Per token and query head the tables cost ``2m`` lookups against ``2d = 2ms`` gathered
+    multiply-adds of the direct path; building and reading them out costs about
+    ``(K_k + K_v) · d`` once. Measured (3 KV heads, G = 3, d = 64): the tables win from about
+    ``K ≈ span / 2`` on, for every ``s`` (even ``s = 1``, where the direct path's gathers are slower).
+    """
+    if _FORCE_MODE is not None:
+        return _FORCE_MODE == "tables"
+    if max(kk, kv) > TABLE_MAX_K:
+        return False
+    return kk + kv <= span
+
+
+def _splits(bh: int, n: int, threads: int, min_span: int) -> int:
+    """Token splits per (batch, head): two tasks per thread, each of at least ``min_span`` tokens."""
+    want = max(1, -(-2 * threads // bh))
+    return max(1, min(want, n // max(min_span, 1) or 1))
+
+
+def pq_decode_attention(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale):
+    """Fused decode attention over PQ codes (NumPy): ADC scores and histogram value sums.
+
+    Same contract as :func:`arraykv.quant.pq.pq_decode_attention_reference`.
+
+    Parameters
+    ----------
+    q : ndarray of float, shape (batch, q_heads, head_dim)
+        Any float dtype; computed in float32. Query head ``i`` uses KV head ``i // (q_heads // h)``.
+    k_codes, v_codes : ndarray, shape (batch, h, T, ceil(m * bits / 8)) uint8 or (batch, h, T, m) uint16
+        Packed codes (``bits <= 8``, :func:`~arraykv.quant.bitpack.pack_bits` layout) or one
+        uint16 per code (``bits > 8``); read in place, any strides.
+    k_centroids, v_centroids : ndarray of float, shape (h, m, K, s)
+        Codebooks; ``K`` may differ between keys and values. Codes ``>= K`` (never written by
+        :func:`~arraykv.quant.pq.pq_encode`) are read as ``K - 1``.
+    k_extra, v_extra : ndarray of float, shape (batch, h, E, head_dim)
+        Dense tokens (float16 sinks and window); ``E`` may be 0.
+    bits : int
+        Bits per code, 1 to 16.
+    softmax_scale : float
+
+    Returns
+    -------
+    ndarray of float32, shape (batch, q_heads, head_dim)
+
+    Notes
+    -----
+    Asymmetric distance computation (Jégou, Douze & Schmid, 2011, "Product quantization for
+    nearest neighbor search"): the query stays exact while the key is its PQ reconstruction
+    ``k_t = [c_{1,a_t1}, …, c_{m,a_tm}]``, so
+
+    .. math:: \\mathrm{scale} \\cdot q \\cdot k_t = \\sum_j \\mathrm{LUT}[j, a_{tj}],
+              \\qquad \\mathrm{LUT}[j, k] = \\mathrm{scale} \\cdot q_j \\cdot c_{jk},
+
+    ``m · K · s`` multiply-adds once, then ``m`` lookups per token instead of ``d``
+    multiply-adds. The value sum is linear in the reconstructed values, so it groups by code:
+
+    .. math:: \\sum_t p_t v_t = \\Big[\\sum_k H_{jk}\\, c^V_{jk}\\Big]_{j=1..m},
+              \\qquad H_{jk} = \\sum_{t:\\, b_{tj} = k} p_t,
+
+    ``m`` scatter-adds per token and one ``m · K · s`` product at the end. ``p_t`` is the
+    online softmax weight ``exp(logit_t − M)`` against a reference maximum ``M``, raised (and
+    ``H`` rescaled by ``exp(M_old − M_new)``) at most once per tile and only when a logit
+    exceeds ``M`` by more than :data:`RESCALE_SLACK`; splits and dense tokens are merged by
+    log-sum-exp. When the tables would cost more than they save (short spans, ``s == 1``,
+    ``K >`` :data:`TABLE_MAX_K` — so uint16 codebooks up to 65536 never allocate ``m × 65536``
+    histograms) the kernel reads the named centroid rows directly instead, same result.
+    """
+    b, hq, h, t, e, d, m, bits = check_decode_attention_args(q, k_codes, k_centroids, v_codes, v_centroids,
+                                                             k_extra, v_extra, bits)
+    q32 = np.ascontiguousarray(q, dtype=np.float32)
+    kc = np.ascontiguousarray(k_centroids, dtype=np.float32)
+    vc = np.ascontiguousarray(v_centroids, dtype=np.float32)
+    ke = np.ascontiguousarray(k_extra, dtype=np.float32)
+    ve = np.ascontiguousarray(v_extra, dtype=np.float32)
+    kk, kv, sd = int(kc.shape[2]), int(vc.shape[2]), int(kc.shape[3])
+    out = np.empty((b, hq, d), np.float32)
+    with threads_for(2 * b * h * t * m, PARALLEL_MIN_VALUES):
+        threads = nb.get_num_threads()
+        splits = 1 if threads == 1 else _splits(b * h, t, threads, max(4 * TILE, kk + kv))
+        tables = _use_tables(kk, kv, sd, -(-t // splits))
+        args = (q32, float(softmax_scale), bits, tables, k_codes, kc, v_codes, vc, ke, ve)
+        if threads == 1 or b * h * splits == 1:
+            _step_serial(*args, 1, out)
+        else:
+            _step_parallel(*args, splits, out)
+    return out

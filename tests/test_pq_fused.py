@@ -1,0 +1,277 @@
+"""Fused PQ decode attention (ADC scores, histogram value sums) against the array-API reference."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import arraykv
+from arraykv.backends import lookup
+from arraykv.quant.bitpack import pack_bits
+from arraykv.quant.pq import code_bits, pq_decode_attention_reference
+from conftest import asarray, to_np
+
+try:
+    from arraykv.backends import _numba_pq_fused as nf
+except ImportError:  # numba missing
+    nf = None
+
+needs_numba = pytest.mark.skipif(nf is None, reason="numba is not installed")
+
+
+def _case(rng, *, b=1, h=2, g=1, d=32, K=16, s=2, T=7, E=0, kv_K=None, scale_q=1.0):
+    """Random NumPy inputs: uniform codes, normal codebooks/queries, float16 extra tokens."""
+    m = d // s
+    kv_K = K if kv_K is None else kv_K
+    bits = code_bits(max(K, kv_K))
+
+    def codes(k):
+        a = rng.integers(0, k, (b, h, T, m))
+        return pack_bits(a.astype(np.uint8), bits) if bits <= 8 else a.astype(np.uint16)
+
+    args = dict(
+        q=(rng.standard_normal((b, h * g, d)) * scale_q).astype(np.float32),
+        k_codes=codes(K),
+        k_centroids=rng.standard_normal((h, m, K, s)).astype(np.float32),
+        v_codes=codes(kv_K),
+        v_centroids=rng.standard_normal((h, m, kv_K, s)).astype(np.float32),
+        k_extra=rng.standard_normal((b, h, E, d)).astype(np.float16),
+        v_extra=rng.standard_normal((b, h, E, d)).astype(np.float16),
+    )
+    return args, bits
+
+
+def _naive(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale):
+    """Token-by-token float64 loops: unpack each code from its bits, look its centroid up."""
+    b, hq, d = q.shape
+    h, m, _, s = k_centroids.shape
+    g = hq // h
+    T, E = k_codes.shape[2], k_extra.shape[2]
+
+    def code(row, j):
+        if bits > 8:
+            return int(row[j])
+        val = 0
+        for i in range(bits):
+            pos = j * bits + i
+            val |= ((int(row[pos // 8]) >> (pos % 8)) & 1) << i
+        return val
+
+    out = np.zeros((b, hq, d))
+    for bi in range(b):
+        for qi in range(hq):
+            kh = qi // g
+            keys, vals = [], []
+            for t in range(T):
+                keys.append(np.concatenate([k_centroids[kh, j, code(k_codes[bi, kh, t], j)] for j in range(m)]))
+                vals.append(np.concatenate([v_centroids[kh, j, code(v_codes[bi, kh, t], j)] for j in range(m)]))
+            for t in range(E):
+                keys.append(k_extra[bi, kh, t])
+                vals.append(v_extra[bi, kh, t])
+            kk = np.asarray(keys, np.float64)
+            vv = np.asarray(vals, np.float64)
+            logits = softmax_scale * (kk @ q[bi, qi].astype(np.float64))
+            p = np.exp(logits - logits.max())
+            out[bi, qi] = (p / p.sum()) @ vv
+    return out
+
+
+def _close(got, want, rtol=1e-4):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)
+    assert err <= rtol, err
+
+
+# (b, h, g, d, K, s, T, E): every codebook size, sub_dim, head_dim, group, batch, extra count and
+# context of the brief appears; 5000 tokens cross many tiles (and token splits when threaded).
+SHAPES = [
+    (1, 2, 1, 32, 2, 1, 1, 0),
+    (3, 2, 4, 32, 2, 4, 7, 5),
+    (1, 3, 3, 64, 16, 2, 300, 0),
+    (3, 1, 4, 64, 16, 8, 7, 5),
+    (1, 2, 4, 128, 16, 1, 5000, 5),
+    (3, 2, 1, 32, 256, 2, 300, 5),
+    (1, 1, 4, 64, 256, 8, 5000, 0),
+    (1, 2, 1, 128, 256, 4, 1, 5),
+    (1, 2, 4, 32, 300, 2, 300, 5),   # uint16 codes
+    (3, 1, 1, 64, 1000, 4, 5000, 0),  # uint16 codes, tables
+    (1, 1, 4, 32, 5, 2, 300, 5),     # 3-bit codes
+    (1, 2, 1, 64, 100, 8, 300, 0),   # 7-bit codes
+    (1, 1, 1, 32, 16, 2, 0, 5),      # no coded tokens, only the dense ones
+]
+
+
+def _ids(shape):
+    return "b{}h{}g{}d{}K{}s{}T{}E{}".format(*shape)
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[6] <= 300], ids=_ids)
+def test_reference_matches_naive_loop(xp, rng, shape):
+    b, h, g, d, K, s, T, E = shape
+    args, bits = _case(rng, b=b, h=h, g=g, d=d, K=K, s=s, T=T, E=E)
+    scale = d ** -0.5
+    want = _naive(**args, bits=bits, softmax_scale=scale)
+    # array_api_strict has no float16: the dense tokens go in as float32 there
+    conv = {k: asarray(xp, v, np.float32 if v.dtype == np.float16 and not hasattr(xp, "float16") else None)
+            for k, v in args.items()}
+    got = pq_decode_attention_reference(**conv, bits=bits, softmax_scale=scale)
+    assert got.dtype == xp.float32 and tuple(got.shape) == (b, h * g, d)
+    _close(to_np(got), want)
+
+
+@needs_numba
+@pytest.mark.parametrize("mode", [None, "tables", "direct"])
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_kernel_matches_reference(rng, shape, mode, monkeypatch):
+    b, h, g, d, K, s, T, E = shape
+    monkeypatch.setattr(nf, "_FORCE_MODE", mode)
+    args, bits = _case(rng, b=b, h=h, g=g, d=d, K=K, s=s, T=T, E=E)
+    scale = d ** -0.5
+    want = pq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
+    got = nf.pq_decode_attention(**args, bits=bits, softmax_scale=scale)
+    assert got.dtype == np.float32 and got.shape == (b, h * g, d)
+    _close(got, want)
+
+
+@needs_numba
+def test_different_key_and_value_codebook_sizes(rng):
+    args, bits = _case(rng, b=2, h=2, g=2, d=32, K=16, kv_K=5, s=2, T=300, E=3)
+    want = pq_decode_attention_reference(**args, bits=bits, softmax_scale=0.2)
+    for mode in ("tables", "direct"):
+        nf._FORCE_MODE = mode
+        try:
+            _close(nf.pq_decode_attention(**args, bits=bits, softmax_scale=0.2), want)
+        finally:
+            nf._FORCE_MODE = None
+
+
+@needs_numba
+@pytest.mark.parametrize("mode", ["tables", "direct"])
+@pytest.mark.parametrize("scale", [30.0, 1000.0])
+def test_large_logit_ranges_are_stable(rng, mode, scale, monkeypatch):
+    """Logits spanning thousands: the running maximum rises across tiles, the weights never overflow."""
+    monkeypatch.setattr(nf, "_FORCE_MODE", mode)
+    args, bits = _case(rng, b=1, h=2, g=4, d=64, K=16, s=2, T=5000, E=5)
+    want = pq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
+    got = nf.pq_decode_attention(**args, bits=bits, softmax_scale=scale)
+    assert np.all(np.isfinite(got))
+    _close(got, want)
+    # key codes that rise with the token index: the running maximum moves up tile after tile
+    # and the histograms are rescaled many times
+    m = 32
+    a = np.minimum(np.arange(5000) * 16 // 5000, 15)
+    rising = np.broadcast_to(a[None, None, :, None], (1, 2, 5000, m)).astype(np.uint8)
+    cent = np.broadcast_to(np.linspace(-1, 1, 16, dtype=np.float32)[None, None, :, None], (2, m, 16, 2))
+    args.update(k_codes=pack_bits(np.ascontiguousarray(rising), 4), k_centroids=np.ascontiguousarray(cent))
+    args["q"] = np.abs(args["q"])
+    want = pq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
+    got = nf.pq_decode_attention(**args, bits=bits, softmax_scale=scale)
+    assert np.all(np.isfinite(got)) and np.all(np.isfinite(want))
+    _close(got, want)
+
+
+@needs_numba
+def test_float16_query_and_strided_codes(rng):
+    """Any float dtype for q and the codebooks, codes read in place through strides."""
+    args, bits = _case(rng, b=2, h=2, g=2, d=64, K=16, s=2, T=301, E=2)
+    want = pq_decode_attention_reference(**args, bits=bits, softmax_scale=0.1)
+    wide = np.zeros(args["k_codes"].shape[:2] + (602, args["k_codes"].shape[3]), np.uint8)
+    wide[:, :, ::2] = args["k_codes"]
+    args = dict(args, k_codes=wide[:, :, ::2], k_centroids=args["k_centroids"].astype(np.float64))
+    _close(nf.pq_decode_attention(**args, bits=bits, softmax_scale=0.1), want)
+
+
+@needs_numba
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("mode", ["tables", "direct"])
+def test_parallel_kernel_and_token_splits(rng, splits, mode, monkeypatch):
+    """The threaded kernel, forced on a small step, with 1–7 spans per head (empty ones included)."""
+    if nf.nb.get_num_threads() < 2:
+        pytest.skip("Numba has one thread")
+    args, bits = _case(rng, b=2, h=2, g=4, d=32, K=16, s=2, T=200, E=5)
+    want = pq_decode_attention_reference(**args, bits=bits, softmax_scale=0.3)
+    calls = []
+    real = nf._step_parallel
+
+    def spy(*a):
+        calls.append(a[-2])
+        return real(*a)
+
+    monkeypatch.setattr(nf, "_FORCE_MODE", mode)
+    monkeypatch.setattr(nf, "PARALLEL_MIN_VALUES", 0)
+    monkeypatch.setattr(nf, "_splits", lambda bh, n, threads, span: splits)
+    monkeypatch.setattr(nf, "_step_parallel", spy)
+    _close(nf.pq_decode_attention(**args, bits=bits, softmax_scale=0.3), want)
+    assert calls == [splits]
+    # more spans than tokens: trailing spans are empty
+    few, _ = _case(rng, b=1, h=2, g=1, d=32, K=16, s=2, T=3, E=0)
+    _close(nf.pq_decode_attention(**few, bits=bits, softmax_scale=0.3),
+           pq_decode_attention_reference(**few, bits=bits, softmax_scale=0.3))
+
+
+@needs_numba
+def test_small_steps_run_serially(rng, monkeypatch):
+    def fail(*a):
+        raise AssertionError("the threaded kernel ran for a small step")
+
+    monkeypatch.setattr(nf, "_step_parallel", fail)
+    args, bits = _case(rng, b=1, h=3, g=3, d=64, K=16, s=2, T=500)
+    nf.pq_decode_attention(**args, bits=bits, softmax_scale=0.125)
+
+
+def test_mode_choice():
+    if nf is None:
+        pytest.skip("numba is not installed")
+    assert not nf._use_tables(16, 16, 2, 7)
+    assert nf._use_tables(16, 16, 2, 500)
+    assert nf._use_tables(16, 16, 1, 500)
+    assert not nf._use_tables(256, 256, 2, 300)
+    assert not nf._use_tables(65536, 65536, 2, 10 ** 6)
+
+
+@needs_numba
+@pytest.mark.parametrize("threaded", [False, True])
+def test_step_memory_does_not_grow_with_context(rng, threaded, monkeypatch):
+    """Peak traced allocation of one step is about the same at 1k and 8k tokens.
+
+    Decoded float32 K/V of the extra 7000 tokens would be 7000 * 4 * 128 * 4 * 2 = 28 MB.
+    """
+    monkeypatch.setattr(nf, "PARALLEL_MIN_VALUES", 0 if threaded else 1 << 62)
+    args, bits = _case(rng, b=1, h=4, g=4, d=128, K=16, s=2, T=8000, E=5)
+
+    def peak(n):
+        a = dict(args, k_codes=args["k_codes"][:, :, :n], v_codes=args["v_codes"][:, :, :n])
+        nf.pq_decode_attention(**a, bits=bits, softmax_scale=0.1)  # compiled and warm
+        tracemalloc.start()
+        nf.pq_decode_attention(**a, bits=bits, softmax_scale=0.1)
+        _, top = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        return top
+
+    small, large = peak(1024), peak(8000)
+    margin = 128 * 1024 * nf.nb.get_num_threads() if threaded else 16 * 1024
+    assert large <= small + margin, (small, large)
+
+
+@needs_numba
+def test_kernel_is_registered_for_numpy():
+    assert lookup("pq_decode_attention", arraykv._compat.namespace(np.zeros(1))) is nf.pq_decode_attention
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(q=np.zeros((1, 3, 32), np.float32)), "multiple"),
+    (dict(k_codes=np.zeros((1, 2, 7, 16), np.uint16)), "k_codes"),
+    (dict(v_codes=np.zeros((1, 2, 6, 16), np.uint8)), "v_codes"),
+    (dict(k_extra=np.zeros((1, 2, 1, 32), np.float16)), "v_extra"),
+    (dict(v_centroids=np.zeros((2, 8, 16, 4), np.float32)), "v_centroids"),
+])
+def test_bad_inputs_are_rejected(rng, change, match):
+    args, bits = _case(rng, b=1, h=2, g=1, d=32, K=16, s=2, T=7)
+    args.update(change)
+    fns = [pq_decode_attention_reference] + ([nf.pq_decode_attention] if nf is not None else [])
+    for fn in fns:
+        with pytest.raises(ValueError, match=match):
+            fn(**args, bits=bits, softmax_scale=0.1)
