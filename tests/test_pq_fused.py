@@ -101,6 +101,8 @@ SHAPES = [
     (1, 1, 4, 32, 5, 2, 300, 5),     # 3-bit codes
     (1, 2, 1, 64, 100, 8, 300, 0),   # 7-bit codes
     (1, 1, 1, 32, 16, 2, 0, 5),      # no coded tokens, only the dense ones
+    (2, 1, 4, 24, 16, 8, 300, 5),    # 4-bit pair tables with an odd number of sub-spaces
+    (1, 2, 4, 24, 9, 4, 300, 0),     # 4-bit codes of a 9-entry codebook
 ]
 
 

@@ -19,6 +19,8 @@ A call is one compiled function that does the whole step for every (batch, KV he
    * *tables* (asymmetric distance computation): ``LUT[g, j, k] = qs_g,j · c_jk`` once per task,
      a token's score is ``Σ_j LUT[g, j, a_tj]``; the values go into per-sub-space weight
      histograms ``H[g, j, k] += p_t`` and ``out_g,j = Σ_k H[g, j, k] · c^V_jk`` at the end;
+     4-bit key codes are scored a byte at a time from the packed row through pair tables
+     ``LUT2[g, i, byte] = LUT[g, 2i, byte & 15] + LUT[g, 2i+1, byte >> 4]`` (m / 2 lookups);
    * *direct*: the centroid rows the codes name are read and multiplied in place (for short
      contexts, ``sub_dim == 1`` and codebooks above :data:`TABLE_MAX_K`, where building the
      ``G · m · K`` tables costs more than it saves);
@@ -27,7 +29,7 @@ A call is one compiled function that does the whole step for every (batch, KV he
 
 Small steps run on the calling thread (:func:`arraykv.backends._numba_threads.threads_for`);
 larger ones cut each head's tokens into spans run on Numba's threads. Work buffers are
-``O(G · m · K)`` (tables) plus ``O(TILE · (m + G))`` per task: nothing grows with the context.
+``O(G · m · K)`` (tables; ``O(G · m · 128)`` more for 4-bit pair tables) plus ``O(TILE · (m + G))`` per task: nothing grows with the context.
 Functions are compiled once per code dtype (uint8 packed, uint16), for read-only arguments,
 and cached on disk.
 """
@@ -51,6 +53,8 @@ __all__ = ["pq_decode_attention", "TILE", "TABLE_MAX_K", "RESCALE_SLACK"]
 
 #: Tokens per tile.
 TILE = 64
+#: Entries per byte position of the 4-bit pair tables (one per byte value).
+PAIR_TABLE = 256
 #: Largest codebook served by the tables (LUT and histograms, 2 · G · m · K floats per task).
 TABLE_MAX_K = 1024
 #: The online softmax keeps a reference maximum and rescales the accumulators only when a tile's
@@ -160,11 +164,38 @@ def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v
     else:
         lut = np.empty((0, 0), np.float32)
         hist = np.empty((0, 0), np.float32)
+    # 4-bit codes: one table entry per (byte position, byte value) sums the two sub-spaces the
+    # byte holds, so a score is ceil(m / 2) lookups straight from the packed row, no unpacking
+    nbk = k_codes.shape[3]
+    pairs = tables and bits == 4 and (t_hi - t_lo) * g_n >= 2 * PAIR_TABLE
+    if pairs:
+        lut2 = np.empty((g_n, nbk * PAIR_TABLE), np.float32)
+        for g in range(g_n):
+            lg = lut[g]
+            for i in range(nbk):
+                j0 = 2 * i
+                for byte in range(PAIR_TABLE):
+                    x = lg[j0 * kk + min(byte & 15, kk - 1)]
+                    if j0 + 1 < m:
+                        x += lg[(j0 + 1) * kk + min(byte >> 4, kk - 1)]
+                    lut2[g, i * PAIR_TABLE + byte] = x
+    else:
+        lut2 = np.empty((0, 0), np.float32)
     for t0 in range(t_lo, t_hi, TILE):
         nt = min(t_hi, t0 + TILE) - t0
         # 1. scores of every query head from one unpacking of the tile's key codes
-        _unpack_tile(k_codes, b, h, t0, nt, bits, kk, ka)
-        if tables:
+        if pairs:
+            for g in range(g_n):
+                lg = lut2[g]
+                srow = sc[g]
+                for r in range(nt):
+                    row = k_codes[b, h, t0 + r]
+                    x = np.float32(0.0)
+                    for i in range(nbk):
+                        x += lg[i * PAIR_TABLE + np.int32(row[i])]
+                    srow[r] = x
+        elif tables:
+            _unpack_tile(k_codes, b, h, t0, nt, bits, kk, ka)
             for g in range(g_n):
                 lg = lut[g]
                 srow = sc[g]
@@ -175,6 +206,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v
                         x += lg[a[j]]
                     srow[r] = x
         else:
+            _unpack_tile(k_codes, b, h, t0, nt, bits, kk, ka)
             for r in range(nt):
                 a = ka[r]
                 for g in range(g_n):
