@@ -48,6 +48,7 @@ __all__ = [
     "teacher_forced",
     "compare",
     "evaluate",
+    "calibrate",
     "format_table",
 ]
 
@@ -182,6 +183,50 @@ def teacher_forced(model: Any, token_ids: Any, cache: Any, *, prefill: int = 64,
             progress(j + 1)
     return TeacherForced(method=label, logits=out, seconds=seconds, kv_bytes=int(cache.memory_usage()),
                          tokens=int(cache.seq_len(0)))
+
+
+def calibrate(model: Any, token_ids: Any, method: Any) -> list:
+    """Fit one :class:`~arraykv.KVCacheCompressor` per layer on the K/V ``model`` makes for ``token_ids``.
+
+    The result is the ``calibration`` option of the ``lowrank`` and ``vq`` caches: bases or
+    codebooks fitted once, on a text of the user's choice, instead of on the first tokens of
+    every sequence.
+
+    Parameters
+    ----------
+    model : LlamaModel
+        Anything with ``prefill(ids, cache)``, ``make_cache(method)`` and ``config``.
+    token_ids : sequence of int
+        The calibration text (at least 2 tokens, at most the context length). Use a text other
+        than the one evaluated.
+    method : LowRank or VectorQuantization
+        What to fit (:class:`arraykv.LowRank`, :class:`arraykv.VectorQuantization`).
+
+    Returns
+    -------
+    list of KVCacheCompressor, one per layer, fitted
+
+    Notes
+    -----
+    The K/V are those of the exact dense cache after one prefill of ``token_ids`` (keys after
+    RoPE, as a cache sees them), so a basis or codebook covers the positions of the
+    calibration text.
+    """
+    from .compressor import KVCacheCompressor
+
+    ids = [int(i) for i in (_compat.to_numpy(token_ids).tolist() if hasattr(token_ids, "shape") else token_ids)]
+    if len(ids) < 2:
+        raise ValueError(f"token_ids must hold at least 2 tokens, received {len(ids)}")
+    if len(ids) > model.config.context_length:
+        raise ValueError(f"token_ids has {len(ids)} tokens, more than the model's context length "
+                         f"{model.config.context_length}")
+    dense = model.make_cache("dense")
+    model.prefill(ids, dense)
+    out = []
+    for layer in range(model.config.num_layers):
+        kv = dense.dequantize(layer)
+        out.append(KVCacheCompressor(method).fit(kv.k, kv.v))
+    return out
 
 
 def _log_softmax(z: Any) -> Any:

@@ -54,6 +54,28 @@ def speed_at_context(model, methods, *, context: int = 512, steps: int = 32, rou
     return [(m, 1.0 / med[m], med[m] / base) for m in methods]
 
 
+def calibrated_rows(model, ids, prefill: int, exact) -> list:
+    """``lowrank`` and ``vq`` (default options) with bases/codebooks fitted on tokens 600-1400 of the text.
+
+    The evaluated tokens are the first ``len(ids)`` (≤ 600), so calibration and test do not overlap.
+    """
+    from arraykv import LowRank, VectorQuantization
+    from arraykv import eval as ev
+
+    if len(ids) > 600:
+        raise SystemExit("--calibrated needs --tokens <= 600 (tokens 600-1400 are the calibration text)")
+    cal_ids = ev.builtin_token_ids(model, 1400)[600:]
+    c = model.config
+    geometry = dict(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+    rows = []
+    for name, fitted in (("lowrank", LowRank(rank=c.head_dim // 2)),
+                         ("vq", VectorQuantization(codebook_size=16, sub_dim=2))):
+        cache = model.make_cache(name, calibration=ev.calibrate(model, cal_ids, fitted))
+        run = ev.teacher_forced(model, ids, cache, prefill=prefill, method=f"{name} (calibrated)")
+        rows.append(ev.compare(run, exact, ids[prefill + 1:], **geometry))
+    return rows
+
+
 def main(argv=None) -> int:
     import arraykv
     from arraykv import eval as ev
@@ -68,6 +90,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the speed table (median reported)")
     ap.add_argument("--no-speed", action="store_true")
     ap.add_argument("--no-quality", action="store_true", help="only the decode-speed table")
+    ap.add_argument("--calibrated", action="store_true",
+                    help="also run lowrank and vq with bases/codebooks fitted on another part of the text")
     ap.add_argument("--model", default=None)
     args = ap.parse_args(argv)
 
@@ -80,7 +104,10 @@ def main(argv=None) -> int:
         ids = ev.builtin_token_ids(model, args.tokens)
         print(f"\n## Quality: {args.tokens} tokens, prefill {args.prefill}, "
               f"{args.tokens - args.prefill - 1} decode steps\n")
-        rows = ev.evaluate(model, ids, methods, prefill=args.prefill, progress=sys.stderr.isatty())
+        exact = ev.teacher_forced(model, ids, model.make_cache("dense"), prefill=args.prefill)
+        rows = ev.evaluate(model, ids, methods, prefill=args.prefill, progress=sys.stderr.isatty(), exact=exact)
+        if args.calibrated:
+            rows += calibrated_rows(model, ids, args.prefill, exact)
         print(ev.format_table(rows))
     if not args.no_speed:
         print(f"\n## Decode speed with {args.context} tokens cached ({args.steps - 1} steps timed, "

@@ -12,7 +12,8 @@ H, D = 2, 32
 
 
 def make(method, **kw):
-    opts = dict(num_layers=2, num_kv_heads=H, head_dim=D)
+    """A cache with no float16 window or sinks unless asked: every token goes through the codec."""
+    opts = dict(num_layers=2, num_kv_heads=H, head_dim=D, residual_window=0, sink_tokens=0)
     opts.update(kw)
     return arraykv.make_cache(method, **opts)
 
@@ -151,10 +152,10 @@ def test_vq_given_codebooks_and_decode_attention(rng):
     k1, v1, q1 = random_kvq(rng, np, 1, H, 2, 1, D)
     cfg = arraykv.AttendConfig(D ** -0.5, 2)
     out = cache.decode(0, k1, v1, q1, cfg)
-    assert isinstance(out, arraykv.Dequantized)
+    assert isinstance(out, (arraykv.Fused, arraykv.Dequantized))
     ck, cv = comp.decompress_kv(comp.compress_kv(np.concatenate([k, k1], 2), np.concatenate([v, v1], 2)))
     want = arraykv.attention(q1, ck, cv, softmax_scale=D ** -0.5)
-    np.testing.assert_allclose(to_np(attend(out, q1, D ** -0.5)), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(to_np(attend(out, q1, D ** -0.5)), want, rtol=1e-4, atol=1e-5)
 
 
 def test_vq_save_load_continues_exactly(tmp_path, rng):
@@ -171,6 +172,62 @@ def test_vq_save_load_continues_exactly(tmp_path, rng):
         a, b = cache.decode(0, k1, v1, q1, cfg), loaded.decode(0, k1, v1, q1, cfg)
         np.testing.assert_array_equal(to_np(attend(a, q1, D ** -0.5)), to_np(attend(b, q1, D ** -0.5)))
     assert_same_snapshot(snapshot(cache), snapshot(loaded))
+
+
+# -- decode paths ------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["lowrank", "vq"])
+@pytest.mark.parametrize("b,g,window,sinks,prefill", [(1, 1, 0, 0, 80), (3, 4, 5, 2, 70), (2, 2, 20, 4, 6)])
+def test_fused_decode_is_attention_over_the_dequantized_layer(xp, rng, method, b, g, window, sinks, prefill):
+    """Fused (from coefficients / codes) equals attention over what the layer dequantizes to."""
+    opts = dict(residual_window=window, sink_tokens=sinks, decode_path="fused")
+    if method == "vq":
+        opts.update(codebook_size=8, min_calibration=16)
+    cache = make(method, **opts)
+    k, v, q = random_kvq(rng, xp, b, H, g, prefill, D)
+    cache.prefill(0, k, v, q)
+    cfg = arraykv.AttendConfig(D ** -0.5, g)
+    for step in range(4):
+        k1, v1, q1 = random_kvq(rng, xp, b, H, g, 1, D)
+        out = cache.decode(0, k1, v1, q1, cfg)
+        assert isinstance(out, arraykv.Fused) and out.output.shape == (b, H * g, 1, D)
+        r = cache.dequantize(0)
+        want = to_np(arraykv.attention(q1, r.k, r.v, softmax_scale=D ** -0.5))
+        np.testing.assert_allclose(to_np(out.output), want, rtol=1e-4, atol=2e-5)
+    assert cache.is_fitted(0) == (b * prefill >= cache.min_calibration)
+
+
+@pytest.mark.parametrize("method", ["lowrank", "vq"])
+def test_decode_paths(rng, method):
+    k, v, q = random_kvq(rng, np, 1, H, 2, 80, D)
+    k1, v1, q1 = random_kvq(rng, np, 1, H, 2, 1, D)
+    cfg = arraykv.AttendConfig(D ** -0.5, 2)
+    outs = {}
+    for path in ("auto", "fused", "dequantized"):
+        cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=H, head_dim=D, decode_path=path)
+        assert cache.get_config()["decode_path"] == path
+        cache.prefill(0, k, v, q)
+        out = cache.decode(0, k1, v1, q1, cfg)
+        outs[path] = to_np(attend(out, q1, D ** -0.5))
+        if path == "dequantized":
+            assert isinstance(out, arraykv.Dequantized)
+        elif path == "fused" or method == "lowrank":
+            assert isinstance(out, arraykv.Fused)
+    for path in ("auto", "fused"):
+        np.testing.assert_allclose(outs[path], outs["dequantized"], rtol=1e-4, atol=2e-5)
+    with pytest.raises(ValueError, match="decode_path"):
+        arraykv.make_cache(method, num_layers=1, num_kv_heads=H, head_dim=D, decode_path="fast")
+
+
+def test_defaults_keep_a_window_and_sinks(rng):
+    for method in ("lowrank", "vq"):
+        cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=H, head_dim=D)
+        assert cache.residual_window == 20 and cache.sink_tokens == 4
+        k, v, q = random_kvq(rng, np, 1, H, 1, 100, D)
+        cache.prefill(0, k, v, q)
+        a = cache.layer_arrays(0)
+        assert a["k_sink"].shape[2] == 4 and a["k_window"].shape[2] == 20
+        coded = "k_coef" if method == "lowrank" else "k_codes"
+        assert a[coded].shape[2] == 76
 
 
 # -- bad input ---------------------------------------------------------------------------------

@@ -118,3 +118,23 @@ def test_builtin_text_is_long_public_domain_prose():
         ev.builtin_token_ids(_CharTokenizer(), 10**7)
     with pytest.raises(TypeError, match="encode"):
         ev.builtin_token_ids(object())
+
+
+def test_calibrate_fits_every_layer_on_the_models_kv(model, rng):
+    cal = [int(i) for i in rng.integers(0, CFG.vocab_size, 40)]
+    fitted = ev.calibrate(model, cal, arraykv.LowRank(rank=3))
+    assert len(fitted) == CFG.num_layers and all(c.fitted for c in fitted)
+    dense = model.make_cache("dense")
+    model.prefill(cal, dense)
+    kv = dense.dequantize(1)
+    want = arraykv.KVCacheCompressor(arraykv.LowRank(rank=3)).fit(kv.k, kv.v)
+    np.testing.assert_allclose(np.abs(fitted[1]._fit["k"].basis), np.abs(want._fit["k"].basis), atol=1e-5)
+    # The fitted list plugs into the lowrank cache: every layer encodes from its first token.
+    cache = model.make_cache("lowrank", calibration=fitted, sink_tokens=0, residual_window=0)
+    model.prefill(cal[:5], cache)
+    assert all(cache.is_fitted(i) for i in range(CFG.num_layers))
+    assert cache.layer_arrays(0)["k_coef"].shape[-1] == 3
+    with pytest.raises(ValueError, match="at least 2"):
+        ev.calibrate(model, cal[:1], arraykv.LowRank(rank=3))
+    with pytest.raises(ValueError, match="context length"):
+        ev.calibrate(model, [1] * (CFG.context_length + 1), arraykv.LowRank(rank=3))

@@ -14,6 +14,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
+from ._numba_threads import threads_for
+
 __all__ = ["assign", "update"]
 
 
@@ -63,12 +65,14 @@ def assign(xg, c):
     c = np.ascontiguousarray(c, np.float32)
     idx = np.empty(xg.shape[:2], np.int64)
     err = np.empty(xg.shape[:2], np.float32)
-    _assign(xg, c, idx, err)
+    with threads_for(xg.size * c.shape[1]):  # one decode step's token: no worker threads
+        _assign(xg, c, idx, err)
     return idx, float(err.sum(dtype=np.float64))
 
 
 def update(xg, c, idx):
     out = np.empty(c.shape, np.float32)
-    _update(np.ascontiguousarray(xg, np.float32), np.ascontiguousarray(c, np.float32),
-            np.ascontiguousarray(idx, np.int64), out)
+    with threads_for(xg.size):
+        _update(np.ascontiguousarray(xg, np.float32), np.ascontiguousarray(c, np.float32),
+                np.ascontiguousarray(idx, np.int64), out)
     return out

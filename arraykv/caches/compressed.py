@@ -23,10 +23,14 @@ from typing import Any
 from .. import _compat
 from .._validation import check_int
 from ..compressor import KVCacheCompressor, LowRank, VectorQuantization
-from ..protocol import AttendConfig, Dequantized, DequantResult
+from ..attention.lowrank_fused import lowrank_decode_attention
+from ..attention.reference import attention
+from ..backends.registry import lookup
+from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.polar import half_dtype
 from ..quant.lowrank import LowRankBasis, check_rank_energy, fit_basis
-from ..quant.pq import PQCodebook, PQCodes, check_pq_options, code_bits, pq_decode, pq_encode, train_pq
+from ..quant.pq import (PQCodebook, PQCodes, check_pq_options, code_bits, pq_decode, pq_decode_attention_reference,
+                        pq_encode, train_pq)
 from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState
 from .registry import register_method
@@ -34,6 +38,14 @@ from .registry import register_method
 __all__ = ["LowRankCache", "VQCache"]
 
 _COEFF_DTYPES = ("float16", "float32")
+#: ``decode_path`` values: attend from the stored form ("auto": where it pays, see each class;
+#: "fused": always), or reconstruct the layer for the caller ("dequantized").
+DECODE_PATHS = ("auto", "fused", "dequantized")
+#: Default float16 recent-token window and attention sinks of both caches. Measured on
+#: SmolLM2-135M (512 tokens, prefill 64, rank 32 of 64): mean KL 2.17 with neither, 2.00 with
+#: 4 sinks, 0.41 with a 20-token window, 0.26 with both, for +0.3 bits per value.
+DEFAULT_WINDOW = 20
+DEFAULT_SINKS = 4
 #: ``vq`` fits its codebooks once it holds this many vectors per centroid (per head).
 VQ_VECTORS_PER_CENTROID = 4
 
@@ -68,12 +80,15 @@ class _CalibratedCache(LayeredCache):
     _item_kinds: tuple = ()
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, calibration: Any = None,
-                 residual_window: int = 0, sink_tokens: int = 0, check_finite: bool = True,
-                 max_tokens: int | None = None):
+                 residual_window: int = DEFAULT_WINDOW, sink_tokens: int = DEFAULT_SINKS,
+                 decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
         self.residual_window = check_int("residual_window", residual_window, low=0)
         self.sink_tokens = check_int("sink_tokens", sink_tokens, low=0)
+        if not isinstance(decode_path, str) or decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, received {decode_path!r}")
+        self.decode_path = decode_path
         self._given = self._check_calibration(calibration)
 
     # -- the user's calibration ---------------------------------------------------------
@@ -224,7 +239,25 @@ class _CalibratedCache(LayeredCache):
 
     def _decode(self, st, k, v, q, config: AttendConfig):
         self._store(st, k, v)
+        if self._fused(st.xp):
+            return Fused(self._attend(st, q, config.softmax_scale))
         return Dequantized(self._decoded(st))
+
+    def _fused(self, xp: Any) -> bool:
+        """Whether decode attends from the stored form itself (see ``decode_path``)."""
+        if self.decode_path == "auto":
+            return self._fused_auto(xp)
+        return self.decode_path == "fused"
+
+    def _extras(self, st: LayerState) -> tuple:
+        """The tokens kept as float16 vectors (sinks, then window): (b, h, E, d) each."""
+        xp, ex = st.xp, st.extra
+        if not int(ex["k_sink"].shape[2]):
+            return ex["k_window"], ex["v_window"]
+        if not int(ex["k_window"].shape[2]):
+            return ex["k_sink"], ex["v_sink"]
+        return (xp.concat([ex["k_sink"], ex["k_window"]], axis=2),
+                xp.concat([ex["v_sink"], ex["v_window"]], axis=2))
 
     def _dequantize(self, st) -> DequantResult:
         return self._decoded(st)
@@ -308,12 +341,17 @@ class LowRankCache(_CalibratedCache):
         then its tokens are kept in float16. Default ``head_dim`` (fewer vectors leave the
         sample covariance singular: the directions beyond their span would be arbitrary).
         At least 2.
-    residual_window : int, default 0
+    residual_window : int, default 20
         Latest tokens kept in float16 after the fit; older tokens are projected as they
         leave the window.
-    sink_tokens : int, default 0
+    sink_tokens : int, default 4
         The first tokens of the sequence, kept in float16 for good and left out of the fit
         (attention sinks).
+    decode_path : {"auto", "fused", "dequantized"}, default "auto"
+        ``"auto"`` and ``"fused"``: ``decode`` attends in coefficient space and returns
+        :class:`~arraykv.Fused` (:func:`arraykv.attention.lowrank_fused.lowrank_decode_attention`,
+        array-API matrix products, on every namespace); ``"dequantized"`` reconstructs the
+        layer and returns :class:`~arraykv.Dequantized`.
 
     Notes
     -----
@@ -337,8 +375,12 @@ class LowRankCache(_CalibratedCache):
     window. The fit is :func:`arraykv.quant.lowrank.fit_basis` on the layer's tokens when it
     first holds ``min_calibration`` vectors per head (the first prefill, normally), the very
     fit of ``KVCacheCompressor(LowRank(rank)).fit(k, v)`` on those tokens; the first prefill
-    returns its exact K/V. ``decode`` returns :class:`~arraykv.Dequantized` (the layer
-    reconstructed: one ``(tokens × r) @ (r × d)`` matmul per head).
+    returns its exact K/V. ``decode`` scores the query against the coefficients
+    (``q·x̂ = q·μ + (Vᵣᵀq)·c``) and sums the values in coefficient space, so a step costs
+    ``O(tokens · r)`` per query head rather than the ``O(tokens · r · d)`` of reconstructing.
+    On SmolLM2-135M the float16 window and the sinks matter most: without them (rank 32 of
+    64) the mean KL is 2.17, with them 0.26, and 0.16 with a basis fitted on another text
+    (``calibration``); see ``docs/quality.md``.
 
     :meth:`get_config` leaves ``calibration`` out (arrays are not configuration); a saved
     cache stores each non-empty layer's basis with the layer, so a loaded cache continues
@@ -352,8 +394,9 @@ class LowRankCache(_CalibratedCache):
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, rank: int | None = None,
                  energy: float | None = None, center: bool = True, coeff_dtype: str = "float16",
-                 calibration: Any = None, min_calibration: int | None = None, residual_window: int = 0,
-                 sink_tokens: int = 0, check_finite: bool = True, max_tokens: int | None = None):
+                 calibration: Any = None, min_calibration: int | None = None, residual_window: int = DEFAULT_WINDOW,
+                 sink_tokens: int = DEFAULT_SINKS, decode_path: str = "auto", check_finite: bool = True,
+                 max_tokens: int | None = None):
         d = check_int("head_dim", head_dim, low=1)
         if rank is None and energy is None:
             rank = max(1, d // 2)
@@ -368,7 +411,7 @@ class LowRankCache(_CalibratedCache):
                                                                            low=2)
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          calibration=calibration, residual_window=residual_window, sink_tokens=sink_tokens,
-                         check_finite=check_finite, max_tokens=max_tokens)
+                         decode_path=decode_path, check_finite=check_finite, max_tokens=max_tokens)
 
     def _item_help(self) -> str:
         return "a fitted KVCacheCompressor(LowRank(...)) or a pair (k_basis, v_basis) of LowRankBasis"
@@ -395,7 +438,7 @@ class LowRankCache(_CalibratedCache):
     def _extra_config(self) -> dict:
         return {"rank": self.rank, "energy": self.energy, "center": self.center, "coeff_dtype": self.coeff_dtype,
                 "min_calibration": self.min_calibration, "residual_window": self.residual_window,
-                "sink_tokens": self.sink_tokens}
+                "sink_tokens": self.sink_tokens, "decode_path": self.decode_path}
 
     def _cdt(self, xp: Any):
         return xp.float32 if self.coeff_dtype == "float32" else half_dtype(xp)
@@ -416,6 +459,20 @@ class LowRankCache(_CalibratedCache):
             c = xp.matmul(x - calib[f"{name}_mean"][:, None, :], calib[f"{name}_basis"])
             out[f"{name}_coef"] = c if c.dtype == cdt else xp.astype(c, cdt)
         return out
+
+    def _fused_auto(self, xp: Any) -> bool:
+        return True  # matrix products in coefficient space: cheaper than reconstructing, everywhere
+
+    def _attend(self, st: LayerState, q: Any, scale: float):
+        xp, ex = st.xp, st.extra
+        buf: TokenBuffers = ex["codes"]
+        ke, ve = self._extras(st)
+        calib = ex["calib"]
+        if calib is None or not buf.length:
+            return lowrank_decode_attention(q, ke[:, :, :0, :], None, None, ve[:, :, :0, :], None, None, ke, ve,
+                                            softmax_scale=scale)
+        return lowrank_decode_attention(q, buf.view("k_coef"), calib["k_basis"], calib["k_mean"], buf.view("v_coef"),
+                                        calib["v_basis"], calib["v_mean"], ke, ve, softmax_scale=scale)
 
     def _decode_tokens(self, xp, calib, buf: TokenBuffers) -> tuple:
         out = []
@@ -454,11 +511,17 @@ class VQCache(_CalibratedCache):
         until then its tokens are kept in float16. Default ``4 × codebook_size``; at least
         ``codebook_size`` (k-means with more centroids than training vectors is degenerate, the
         rule of :class:`~arraykv.KVCacheCompressor`).
-    residual_window : int, default 0
+    residual_window : int, default 20
         Latest tokens kept in float16 after the fit; older tokens are encoded as they leave
         the window.
-    sink_tokens : int, default 0
+    sink_tokens : int, default 4
         The first tokens of the sequence, kept in float16 for good and left out of the fit.
+    decode_path : {"auto", "fused", "dequantized"}, default "auto"
+        ``"auto"``: ``decode`` attends straight from the codes and returns
+        :class:`~arraykv.Fused` where a kernel exists for the namespace (Numba on NumPy), else
+        it returns :class:`~arraykv.Dequantized`; ``"fused"`` always attends itself (the
+        array-API :func:`~arraykv.quant.pq.pq_decode_attention_reference` where no kernel
+        exists); ``"dequantized"`` always reconstructs the layer.
 
     Notes
     -----
@@ -482,8 +545,10 @@ class VQCache(_CalibratedCache):
     codebooks, ``32 K d`` bits per head for keys and again for values. The fit runs when a
     layer first holds ``min_calibration`` vectors per head (its first prefill, normally) on all
     of them, exactly as ``KVCacheCompressor(VectorQuantization(...)).fit(k, v)`` on the same
-    tokens; the first prefill returns its exact K/V. ``decode`` returns
-    :class:`~arraykv.Dequantized` (every code looked up each step).
+    tokens; the first prefill returns its exact K/V. ``decode`` (fused) scores a query by
+    asymmetric distance computation: a table ``T[j, k] = q_j · c_{jk}`` per query head, then
+    ``q·x̂_t = Σ_j T[j, a_tj]``, and sums the values as per-sub-space histograms of the
+    softmax weights over the centroids; nothing of the size of K or V is formed.
 
     :meth:`get_config` leaves ``calibration`` out; a saved cache stores each non-empty layer's
     codebooks with the layer (see :class:`LowRankCache`).
@@ -496,8 +561,8 @@ class VQCache(_CalibratedCache):
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, codebook_size: int = 16,
                  sub_dim: int = 2, max_iter: int = 25, tol: float = 1e-4, seed: int = 0, calibration: Any = None,
-                 min_calibration: int | None = None, residual_window: int = 0, sink_tokens: int = 0,
-                 check_finite: bool = True, max_tokens: int | None = None):
+                 min_calibration: int | None = None, residual_window: int = DEFAULT_WINDOW,
+                 sink_tokens: int = DEFAULT_SINKS, decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
         d = check_int("head_dim", head_dim, low=1)
         self.codebook_size, self.sub_dim, self.max_iter, self.tol = check_pq_options(
             codebook_size, sub_dim, d, max_iter, tol)
@@ -507,7 +572,7 @@ class VQCache(_CalibratedCache):
         self.min_calibration = check_int("min_calibration", min_calibration, low=self.codebook_size)
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          calibration=calibration, residual_window=residual_window, sink_tokens=sink_tokens,
-                         check_finite=check_finite, max_tokens=max_tokens)
+                         decode_path=decode_path, check_finite=check_finite, max_tokens=max_tokens)
 
     def _item_help(self) -> str:
         return "a fitted KVCacheCompressor(VectorQuantization(...)) or a pair (k_codebook, v_codebook) of PQCodebook"
@@ -529,7 +594,8 @@ class VQCache(_CalibratedCache):
     def _extra_config(self) -> dict:
         return {"codebook_size": self.codebook_size, "sub_dim": self.sub_dim, "max_iter": self.max_iter,
                 "tol": self.tol, "seed": self.seed, "min_calibration": self.min_calibration,
-                "residual_window": self.residual_window, "sink_tokens": self.sink_tokens}
+                "residual_window": self.residual_window, "sink_tokens": self.sink_tokens,
+                "decode_path": self.decode_path}
 
     def _fit(self, xp, k, v) -> dict:
         return {f"{name}_centroids": train_pq(_samples(xp, x), codebook_size=self.codebook_size,
@@ -540,6 +606,28 @@ class VQCache(_CalibratedCache):
     def _encode(self, xp, calib, k, v) -> dict:
         return {f"{name}_codes": pq_encode(x, PQCodebook(centroids=calib[f"{name}_centroids"])).codes
                 for name, x in (("k", k), ("v", v))}
+
+    def _fused_auto(self, xp: Any) -> bool:
+        return lookup("pq_decode_attention", xp) is not None
+
+    def _attend(self, st: LayerState, q: Any, scale: float):
+        xp, ex = st.xp, st.extra
+        buf: TokenBuffers = ex["codes"]
+        ke, ve = self._extras(st)
+        calib = ex["calib"]
+        if calib is None or not buf.length:
+            return attention(q, ke, ve, softmax_scale=scale, causal=False)
+        kc, vc = calib["k_centroids"], calib["v_centroids"]
+        bits = code_bits(int(kc.shape[2]))
+        if bits != code_bits(int(vc.shape[2])):  # given codebooks of different sizes: one code width per call
+            r = self._decoded(st)
+            return attention(q, r.k, r.v, softmax_scale=scale, causal=False)
+        kern = lookup("pq_decode_attention", xp) or pq_decode_attention_reference
+        b, hq, _, d = (int(s) for s in q.shape)
+        out = kern(xp.reshape(q, (b, hq, d)), buf.view("k_codes"), kc, buf.view("v_codes"), vc, ke, ve,
+                   bits=bits, softmax_scale=scale)
+        out = xp.reshape(out, (b, hq, 1, d))
+        return out if out.dtype == q.dtype else xp.astype(out, q.dtype)
 
     def _decode_tokens(self, xp, calib, buf: TokenBuffers) -> tuple:
         out = []

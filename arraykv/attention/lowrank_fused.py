@@ -1,0 +1,87 @@
+"""Decode attention straight from a low-rank cache layer, in coefficient space.
+
+A ``lowrank`` layer (:class:`~arraykv.caches.compressed.LowRankCache`) holds each encoded key
+and value as coefficients on a per-head basis, ``k ≈ μ_K + B_K c``, ``v ≈ μ_V + B_V e``, plus a
+few float16 tokens (attention sinks and the recent window). For one new query per head,
+:func:`lowrank_decode_attention` computes ``softmax(scale · q Kᵀ) V`` over all of them without
+reconstructing K or V: the query is projected on the key basis once, scores are taken against
+the ``r``-dimensional coefficients, and the value sum is formed in coefficient space and
+lifted back once. Everything is array-API matrix products, so the same code runs on NumPy and
+CuPy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _compat
+
+__all__ = ["lowrank_decode_attention"]
+
+
+def _f32(xp: Any, x: Any):
+    return x if x.dtype == xp.float32 else xp.astype(x, xp.float32)
+
+
+def lowrank_decode_attention(q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_coef: Any, v_basis: Any,
+                             v_mean: Any, k_extra: Any, v_extra: Any, *, softmax_scale: float):
+    """One decode step of attention over a low-rank layer.
+
+    Parameters
+    ----------
+    q : array of float, shape (batch, q_heads, 1, head_dim)
+        ``q_heads`` a multiple of the KV heads ``h``; query head ``i`` uses KV head ``i // (q_heads // h)``.
+    k_coef, v_coef : array of float16/float32, shape (batch, h, T, r_k) and (batch, h, T, r_v)
+        Coefficients of the ``T`` encoded tokens (``T`` may be 0).
+    k_basis, v_basis : array of float32, shape (h, head_dim, r_k) and (h, head_dim, r_v)
+        Orthonormal columns (ignored, and may be None, when ``T = 0``).
+    k_mean, v_mean : array of float32, shape (h, head_dim), or None when ``T = 0``
+    k_extra, v_extra : array of float, shape (batch, h, E, head_dim)
+        Tokens kept as vectors (sinks and window; ``E`` may be 0). ``T + E ≥ 1``.
+    softmax_scale : float
+
+    Returns
+    -------
+    array, shape (batch, q_heads, 1, head_dim), in the dtype of ``q``
+
+    Notes
+    -----
+    With ``q' = scale · q`` and ``q̃ = B_Kᵀ q'`` (one ``d × r`` product per query head), the
+    score of encoded token ``t`` is ``q'·(μ_K + B_K c_t) = q'·μ_K + q̃·c_t`` and of a kept token
+    ``q'·k_t``. With ``p = exp(s − max s)`` over all ``T + E`` tokens, the value sum of the
+    encoded tokens is ``Σ_t p_t (μ_V + B_V e_t) = (Σ_t p_t) μ_V + B_V (Eᵀ p)``; the kept tokens
+    add ``Σ p_t v_t``, and the output is the total over ``Σ p``. Per step and query head this
+    costs ``O(T (r_k + r_v) + d (r_k + r_v))`` instead of the ``O(T d (r_k + r_v))`` of
+    reconstructing the layer first, and it is the same attention up to float32 rounding.
+    """
+    xp = _compat.namespace(q)
+    b, hq, one, d = (int(s) for s in q.shape)
+    h = int(k_extra.shape[1])
+    if one != 1 or hq % h:
+        raise ValueError(f"q must have shape (batch, a multiple of kv_heads={h}, 1, head_dim), received {tuple(q.shape)}")
+    g = hq // h
+    n_t, n_e = int(k_coef.shape[2]), int(k_extra.shape[2])
+    if n_t + n_e < 1:
+        raise ValueError("the layer holds no token to attend to")
+    qs = xp.reshape(_f32(xp, q), (b, h, g, d)) * float(softmax_scale)
+    parts = []
+    if n_t:
+        kc = _f32(xp, k_coef)
+        qt = xp.matmul(qs, k_basis)  # (b, h, g, r_k)
+        bias = xp.sum(qs * k_mean[None, :, None, :], axis=-1)  # (b, h, g)
+        parts.append(xp.matmul(qt, xp.matrix_transpose(kc)) + bias[..., None])  # (b, h, g, T)
+    if n_e:
+        parts.append(xp.matmul(qs, xp.matrix_transpose(_f32(xp, k_extra))))  # (b, h, g, E)
+    s = parts[0] if len(parts) == 1 else xp.concat(parts, axis=-1)
+    p = xp.exp(s - xp.max(s, axis=-1, keepdims=True))
+    total = xp.sum(p, axis=-1, keepdims=True)  # (b, h, g, 1)
+    out = xp.zeros((b, h, g, d), dtype=xp.float32, device=_compat.device(q))
+    if n_t:
+        pt = p[..., :n_t]
+        w = xp.matmul(pt, _f32(xp, v_coef))  # (b, h, g, r_v)
+        out = out + xp.matmul(w, xp.matrix_transpose(v_basis))
+        out = out + xp.sum(pt, axis=-1, keepdims=True) * v_mean[None, :, None, :]
+    if n_e:
+        out = out + xp.matmul(p[..., n_t:], _f32(xp, v_extra))
+    out = xp.reshape(out / total, (b, hq, 1, d))
+    return out if out.dtype == q.dtype else xp.astype(out, q.dtype)
