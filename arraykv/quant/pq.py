@@ -309,6 +309,13 @@ def pq_encode(x: Any, cb: PQCodebook) -> PQCodes:
     rows = 1
     for s in lead:
         rows *= s
+    bits = code_bits(cb.codebook_size)
+    from ..backends import lookup
+
+    fast = lookup("pq_encode", xp)
+    if fast is not None:  # one call: assignment and packing (same codes as below)
+        codes = fast(xp.reshape(x, (rows, h, t, d)), cb.centroids, bits)
+        return PQCodes(codes=xp.reshape(codes, lead + (h, t, int(codes.shape[-1]))), bits=bits, subspaces=cb.subspaces)
     x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
     # (rows, h, t, d) → (h, rows * t, d): every head's vectors together.
     xh = xp.reshape(xp.permute_dims(xp.reshape(x32, (rows, h, t, d)), (1, 0, 2, 3)), (h, rows * t, d))
@@ -317,7 +324,6 @@ def pq_encode(x: Any, cb: PQCodebook) -> PQCodes:
     idx, _ = _assign(xg, c)  # (h*m, rows*t)
     m = cb.subspaces
     idx = xp.permute_dims(xp.reshape(idx, (h, m, rows, t)), (2, 0, 3, 1))  # (rows, h, t, m)
-    bits = code_bits(cb.codebook_size)
     if bits <= 8:
         codes = pack_bits(xp.astype(idx, xp.uint8), bits)
     else:
