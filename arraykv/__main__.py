@@ -3,7 +3,7 @@
 ``demo``
     Fetch SmolLM2-135M if needed, generate text through a compressed cache, and print a quality
     table (bits/value, KV bytes vs float16, perplexity change, top-1 agreement, tokens/s) for
-    dense and the compressed methods that are registered.
+    dense and the main compressed methods (pqo4/3/2, int8/int4; `--methods` for others).
 ``bench``
     Run the benchmark scripts of a source checkout (``benchmarks/*.py``) and print their tables.
 ``inspect``
