@@ -50,3 +50,23 @@ def test_float16_and_strided_input(rng):
     a = encode(x, cent, 4)
     np.testing.assert_array_equal(a, encode(strided, cent, 4))
     np.testing.assert_array_equal(a, encode(x.astype(np.float32), cent, 4))
+
+
+decode = lookup("pq_decode", np)
+
+
+@pytest.mark.parametrize("k,s,d,lead,t", [(2, 1, 8, (1,), 5), (5, 2, 32, (2,), 17), (16, 2, 64, (1,), 1),
+                                          (100, 8, 64, (), 9), (256, 2, 32, (2,), 33), (300, 4, 32, (1,), 12),
+                                          (7, 3, 24, (2, 2), 6)])
+def test_decode_kernel_equals_the_reference(rng, k, s, d, lead, t):
+    h = 2
+    cent = rng.standard_normal((h, d // s, k, s)).astype(np.float32)
+    x = rng.standard_normal(lead + (h, t, d)).astype(np.float32)
+    cb = PQCodebook(centroids=cent)
+    codes = pq_encode(x, cb)
+    got = pq_decode(codes, cb)
+    with set_kernels_enabled(False):
+        want = pq_decode(codes, cb)
+    assert got.shape == want.shape == x.shape and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(pq_decode(codes, cb, dtype=np.float16), want.astype(np.float16))

@@ -16,7 +16,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from ._numba_threads import threads_for
 
-__all__ = ["assign", "update", "encode"]
+__all__ = ["assign", "update", "encode", "decode"]
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
@@ -166,4 +166,73 @@ def encode(x, centroids, bits):
     out = np.empty((rows, h, t, (m * bits + 7) // 8), np.uint8)
     with threads_for(x.size * c.shape[2]):
         _encode_packed(x, c, int(bits), out)
+    return out
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)
+def _decode_packed(codes, c, bits, out):
+    """Centroids named by packed codes (rows, h, t, nbytes) → vectors ``out`` (rows, h, t, m · s)."""
+    rows, h, t, nbytes = codes.shape
+    m, k, s = c.shape[1], c.shape[2], c.shape[3]
+    mask = (1 << bits) - 1
+    for p in nb.prange(rows * h * t):
+        r = p // (h * t)
+        hh = (p // t) % h
+        tt = p % t
+        row = codes[r, hh, tt]
+        o = out[r, hh, tt]
+        for j in range(m):
+            pos = j * bits
+            byte = pos >> 3
+            off = pos & 7
+            a = np.int64(row[byte]) >> off
+            if off + bits > 8:
+                a |= np.int64(row[byte + 1]) << (8 - off)
+            a = min(a & mask, k - 1)
+            for u in range(s):
+                o[j * s + u] = c[hh, j, a, u]
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)
+def _decode_wide(codes, c, out):
+    """Centroids named by uint16 codes (rows, h, t, m) → vectors ``out`` (rows, h, t, m · s)."""
+    rows, h, t, m = codes.shape
+    k, s = c.shape[2], c.shape[3]
+    for p in nb.prange(rows * h * t):
+        r = p // (h * t)
+        hh = (p // t) % h
+        tt = p % t
+        for j in range(m):
+            a = min(np.int64(codes[r, hh, tt, j]), k - 1)
+            for u in range(s):
+                out[r, hh, tt, j * s + u] = c[hh, j, a, u]
+
+
+def decode(codes, centroids, bits):
+    """Vectors that PQ codes name, in one pass: the result of :func:`arraykv.quant.pq.pq_decode`.
+
+    Parameters
+    ----------
+    codes : ndarray, shape (rows, h, t, ceil(m · bits / 8)) uint8 (packed) or (rows, h, t, m) uint16
+    centroids : ndarray of float32, shape (h, m, K, s)
+    bits : int
+
+    Returns
+    -------
+    ndarray of float32, shape (rows, h, t, m · s)
+
+    Notes
+    -----
+    Codes ``>= K`` (never written by the encoder) read as ``K − 1``, as in the fused attention kernel.
+    """
+    c = np.ascontiguousarray(centroids, np.float32)
+    codes = np.ascontiguousarray(codes)
+    rows, h, t = codes.shape[:3]
+    m, s = c.shape[1], c.shape[3]
+    out = np.empty((rows, h, t, m * s), np.float32)
+    with threads_for(out.size):
+        if bits > 8:
+            _decode_wide(codes, c, out)
+        else:
+            _decode_packed(codes, c, int(bits), out)
     return out

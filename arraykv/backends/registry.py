@@ -86,6 +86,7 @@ register_kernel("split_outliers", "numpy", "arraykv.backends._numba_outliers:spl
 register_kernel("pq_assign", "numpy", "arraykv.backends._numba_pq:assign")
 register_kernel("pq_update", "numpy", "arraykv.backends._numba_pq:update")
 register_kernel("pq_encode", "numpy", "arraykv.backends._numba_pq:encode")
+register_kernel("pq_decode", "numpy", "arraykv.backends._numba_pq:decode")
 register_kernel("polar_encode", "numpy", "arraykv.backends._numba_polar:polar_encode")
 register_kernel("polar_decode", "numpy", "arraykv.backends._numba_polar:polar_decode")
 register_kernel("polar_decode_attention", "numpy", "arraykv.backends._numba_fused:polar_decode_attention")

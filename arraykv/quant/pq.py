@@ -339,10 +339,17 @@ def pq_decode(codes: PQCodes, cb: PQCodebook, dtype: Any = None):
     lead = tuple(int(s) for s in c.shape[:-3])
     h, t = int(c.shape[-3]), int(c.shape[-2])
     m = codes.subspaces
-    idx = unpack_bits(c, codes.bits, m) if codes.bits <= 8 else c
     rows = 1
     for s in lead:
         rows *= s
+    from ..backends import lookup
+
+    fast = lookup("pq_decode", xp)
+    if fast is not None:  # one pass, no unpacked index array
+        out = fast(xp.reshape(c, (rows, h, t, int(c.shape[-1]))), cb.centroids, codes.bits)
+        out = xp.reshape(out, lead + (h, t, m * cb.sub_dim))
+        return out if dtype is None or out.dtype == dtype else xp.astype(out, dtype)
+    idx = unpack_bits(c, codes.bits, m) if codes.bits <= 8 else c
     idx = xp.astype(xp.reshape(idx, (rows, h, t, m)), xp.int64)
     idx = xp.reshape(xp.permute_dims(idx, (1, 3, 0, 2)), (h * m, rows * t))  # (h*m, rows*t)
     cent = xp.reshape(cb.centroids, (h * m, cb.codebook_size, cb.sub_dim))
