@@ -36,12 +36,12 @@ def export_module():
 
 
 def main(argv=None) -> int:
-    import onnx
-    import onnxruntime as ort
-
     import arraykv
     from arraykv import eval as ev
-    from arraykv.integrations.gguf import cache_dir
+    from arraykv.integrations.gguf import cache_dir, require
+
+    onnx = require("onnx", "onnx")
+    ort = require("onnxruntime", "onnx")
     from arraykv.integrations.gguf_llama import load_model
     from arraykv.integrations.onnxruntime import OrtKVDecoder
 
