@@ -196,6 +196,24 @@ def test_fused_decode_is_attention_over_the_dequantized_layer(xp, rng, method, b
     assert cache.is_fitted(0) == (b * prefill >= cache.min_calibration)
 
 
+def test_energy_rank_differs_for_keys_and_values_and_decode_still_matches(rng):
+    """``energy`` picks a rank per side: keys near rank 3, values full-rank noise."""
+    basis = rng.standard_normal((H, 3, D))
+    k = np.einsum("bhtr,hrd->bhtd", rng.standard_normal((1, H, 120, 3)), basis).astype(np.float32)
+    k += 0.01 * rng.standard_normal(k.shape).astype(np.float32)
+    v = rng.standard_normal((1, H, 120, D)).astype(np.float32)
+    cache = make("lowrank", energy=0.95, rank=None, residual_window=4, sink_tokens=1)
+    cache.prefill(0, k, v, k)
+    a = cache.layer_arrays(0)
+    assert a["k_coef"].shape[-1] == 3 and a["v_coef"].shape[-1] > 20
+    cfg = arraykv.AttendConfig(D ** -0.5, 2)
+    k1, v1, q1 = random_kvq(rng, np, 1, H, 2, 1, D)
+    out = cache.decode(0, k1, v1, q1, cfg)
+    r = cache.dequantize(0)
+    want = arraykv.attention(q1, r.k, r.v, softmax_scale=D ** -0.5)
+    np.testing.assert_allclose(out.output, want, rtol=1e-4, atol=2e-5)
+
+
 @pytest.mark.parametrize("method", ["lowrank", "vq"])
 def test_decode_paths(rng, method):
     k, v, q = random_kvq(rng, np, 1, H, 2, 80, D)
