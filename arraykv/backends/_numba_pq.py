@@ -78,11 +78,28 @@ def update(xg, c, idx):
     return out
 
 
+@nb.njit(inline="always")
+def _nearest(x, c, r, hh, tt, j):
+    """Index of the centroid of ``c[hh, j]`` nearest to sub-vector ``j`` of ``x[r, hh, tt]`` (first minimum)."""
+    k, s = c.shape[2], c.shape[3]
+    best = np.inf
+    arg = 0
+    for kk in range(k):
+        d = np.float32(0.0)
+        for u in range(s):
+            diff = x[r, hh, tt, j * s + u] - c[hh, j, kk, u]
+            d += diff * diff
+        if d < best:
+            best = d
+            arg = kk
+    return arg
+
+
 @nb.njit(cache=True, nogil=True, parallel=True)
 def _encode_packed(x, c, bits, out):
     """Nearest centroid of every sub-vector, packed LSB-first into ``out`` (rows, h, t, nbytes) uint8."""
     rows, h, t, _ = x.shape
-    m, k, s = c.shape[1], c.shape[2], c.shape[3]
+    m = c.shape[1]
     for p in nb.prange(rows * h * t):
         r = p // (h * t)
         hh = (p // t) % h
@@ -91,16 +108,7 @@ def _encode_packed(x, c, bits, out):
         for i in range(o.shape[0]):
             o[i] = 0
         for j in range(m):
-            best = np.inf
-            arg = 0
-            for kk in range(k):
-                d = np.float32(0.0)
-                for u in range(s):
-                    diff = x[r, hh, tt, j * s + u] - c[hh, j, kk, u]
-                    d += diff * diff
-                if d < best:
-                    best = d
-                    arg = kk
+            arg = _nearest(x, c, r, hh, tt, j)
             pos = j * bits
             byte = pos >> 3
             off = pos & 7
@@ -113,23 +121,13 @@ def _encode_packed(x, c, bits, out):
 def _encode_wide(x, c, out):
     """Nearest centroid of every sub-vector as one uint16 per code: ``out`` (rows, h, t, m)."""
     rows, h, t, _ = x.shape
-    m, k, s = c.shape[1], c.shape[2], c.shape[3]
+    m = c.shape[1]
     for p in nb.prange(rows * h * t):
         r = p // (h * t)
         hh = (p // t) % h
         tt = p % t
         for j in range(m):
-            best = np.inf
-            arg = 0
-            for kk in range(k):
-                d = np.float32(0.0)
-                for u in range(s):
-                    diff = x[r, hh, tt, j * s + u] - c[hh, j, kk, u]
-                    d += diff * diff
-                if d < best:
-                    best = d
-                    arg = kk
-            out[r, hh, tt, j] = arg
+            out[r, hh, tt, j] = _nearest(x, c, r, hh, tt, j)
 
 
 def encode(x, centroids, bits):
