@@ -62,6 +62,7 @@ def main(argv=None) -> int:
                         all_tensors_to_one_file=True, location=path.name + ".data", size_threshold=1024)
         print(f"exported {path} in {time.perf_counter() - t0:.0f} s")
     dec = OrtKVDecoder(str(path))
+    dec_full = OrtKVDecoder(dec.session, incremental=False)  # reconstructs every layer's whole past each step
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; onnxruntime {ort.__version__}, "
           f"arraykv {arraykv.__version__}; model {model.config.name}")
     print(f"command: python benchmarks/onnx_hook.py {' '.join(argv if argv is not None else os.sys.argv[1:])}".rstrip())
@@ -70,6 +71,8 @@ def main(argv=None) -> int:
     runs = {"numpy decoder, dense": ("numpy", "dense")}
     for m in args.methods:
         runs[f"onnxruntime, {m}"] = ("ort", m)
+        if m != "dense":
+            runs[f"onnxruntime, {m}, whole past read back"] = ("ort-full", m)
     times: dict = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, (engine, method) in runs.items():
@@ -78,9 +81,10 @@ def main(argv=None) -> int:
                 model.prefill(ids[:args.context], cache)
                 step = lambda t, c=cache: model.decode(t, c)  # noqa: E731
             else:
-                cache = dec.make_cache(method)
-                dec.prefill([ids[:args.context]], cache)
-                step = lambda t, c=cache: dec.decode([t], c)  # noqa: E731
+                d = dec if engine == "ort" else dec_full
+                cache = d.make_cache(method)
+                d.prefill([ids[:args.context]], cache)
+                step = lambda t, c=cache, d=d: d.decode([t], c)  # noqa: E731
             step(ids[args.context])  # warm-up
             t0 = time.perf_counter()
             for t in ids[args.context + 1: args.context + args.steps]:

@@ -172,6 +172,52 @@ def test_compressed_caches_stay_close_to_exact(graph, rng, method):
         assert cache.memory_usage() < exact_cache.memory_usage()
 
 
+@pytest.mark.parametrize("method", ["dense", "pqo4", "pqo2", "tq3", "int4", "lowrank", "vq"])
+def test_incremental_readback_feeds_the_same_past(graph, rng, method):
+    """Reading back only what changed gives the logits of reconstructing the whole past each step."""
+    if method not in arraykv.available_methods():
+        pytest.skip(f"{method} is not registered")
+    prompt = rng.integers(0, VOCAB, (2, 9)).astype(np.int64)
+    follow = rng.integers(0, VOCAB, (40, 2))  # enough steps for windows to spill and groups to fill
+    runs, starts = {}, []
+    for incremental in (True, False):
+        dec = OrtKVDecoder(graph, incremental=incremental)
+        cache = dec.make_cache(method)
+        if incremental:  # record where each read-back starts
+            read = cache.dequantize
+            cache.dequantize = lambda layer, start=0: (starts.append(start), read(layer, start))[1]
+        out = [dec.prefill(prompt, cache)] + [dec.decode(t, cache) for t in follow]
+        runs[incremental] = out
+    inc, full = runs[True], runs[False]
+    for a, b in zip(inc, full):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # the first decode reads each layer back whole, later ones only past the stable prefix
+    assert starts[:LAYERS] == [0] * LAYERS and max(starts) > 9
+    if method == "dense":
+        for a, b in zip(inc, full):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_cache_changed_between_steps_is_read_back_whole(graph, rng):
+    """The hook's held past is used only while it covers exactly what the cache holds."""
+    prompt = rng.integers(0, VOCAB, (1, 5)).astype(np.int64)
+    dec = OrtKVDecoder(graph)
+    cache = dec.make_cache("pqo4")
+    dec.prefill(prompt, cache)
+    dec.decode([3], cache)
+    other = OrtKVDecoder(graph)  # another decoder appends a token the first one has not seen
+    other.decode([4], cache)
+    got = dec.decode([5], cache)
+    ref = OrtKVDecoder(graph, incremental=False)
+    cache2 = ref.make_cache("pqo4")
+    ref.prefill(prompt, cache2)
+    ref.decode([3], cache2)
+    ref.decode([4], cache2)
+    np.testing.assert_allclose(got, ref.decode([5], cache2), rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="incremental"):
+        OrtKVDecoder(graph, incremental=1)
+
+
 def test_model_without_kv_inputs_is_refused_with_a_hint():
     plain = _decoder_graph(with_kv=False)
     with pytest.raises(ValueError, match="no past_key_values.*export the decoder with KV-cache inputs"):

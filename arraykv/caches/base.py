@@ -97,6 +97,34 @@ class LayeredCache:
             self._commit(layer, state, shape[2])
             return result
 
+    def append(self, layer: int, k: Any, v: Any, q: Any) -> None:
+        """Store ``new_tokens`` keys and values exactly as :meth:`prefill` does, returning nothing.
+
+        For callers that read the stored K/V back incrementally (:meth:`stable_length`,
+        :meth:`dequantize` with ``start``), so that nothing is reconstructed that they already
+        hold. Same parameters, checks and errors as :meth:`prefill`.
+        """
+        layer = self._check_layer(layer)
+        xp, shape = self._check_inputs(k, v, q)
+        with self._locks[layer]:
+            state = self._admit(layer, xp, k, v, shape[2])
+            self._append_tokens(state, k, v, q)
+            self._commit(layer, state, shape[2])
+
+    def stable_length(self, layer: int) -> int:
+        """Leading tokens of ``layer`` whose reconstruction will not change as tokens are added.
+
+        A token held exactly in a recent-token window, or a key waiting for its quantization
+        group to fill, is reconstructed differently once it is encoded; tokens before this
+        index are encoded for good (or never will be). ``dequantize(layer)[..., :s, :]`` with
+        ``s = stable_length(layer)`` stays the same, bit for bit, whatever is stored later,
+        until :meth:`reset`. 0 for an empty layer.
+        """
+        layer = self._check_layer(layer)
+        with self._locks[layer]:
+            st = self._states[layer]
+            return 0 if st is None else self._stable_length(st)
+
     def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
         """Store one token and attend with ``q``.
 
@@ -180,16 +208,22 @@ class LayeredCache:
                     total += self._layer_nbytes(st)
         return total
 
-    def dequantize(self, layer: int) -> DequantResult | None:
-        """K/V of every token stored in ``layer``, reconstructed, without storing anything.
+    def dequantize(self, layer: int, start: int = 0) -> DequantResult | None:
+        """K/V of the tokens ``start ..`` stored in ``layer``, reconstructed, without storing anything.
 
-        Returns None for an empty layer. For inspection and tests; arrays are
-        ``(batch, kv_heads, total, head_dim)`` in the stored dtype.
+        Returns None for an empty layer. Arrays are ``(batch, kv_heads, total - start,
+        head_dim)`` in the stored dtype. ``start`` (``0 <= start <= seq_len``) skips tokens a
+        caller already holds: the codes before it are not decoded.
         """
         layer = self._check_layer(layer)
         with self._locks[layer]:
             st = self._states[layer]
-            return None if st is None else self._dequantize(st)
+            if st is None:
+                if start != 0:
+                    check_int("start", start, low=0, high=0)
+                return None
+            start = check_int("start", start, low=0, high=st.length)
+            return self._dequantize(st) if start == 0 else self._dequantize_from(st, start)
 
     def layer_arrays(self, layer: int) -> dict:
         """Copies of the raw arrays that ``layer`` holds (codes, norms, buffers), by name.
@@ -277,6 +311,19 @@ class LayeredCache:
 
     def _dequantize(self, state: LayerState) -> DequantResult:
         raise NotImplementedError
+
+    def _dequantize_from(self, state: LayerState, start: int) -> DequantResult:
+        """Tokens ``start ..`` (``0 < start <= length``); by default the whole layer, sliced."""
+        r = self._dequantize(state)
+        return DequantResult(k=r.k[:, :, start:, :], v=r.v[:, :, start:, :])
+
+    def _append_tokens(self, state: LayerState, k: Any, v: Any, q: Any) -> None:
+        """Store tokens without building a result; by default :meth:`_prefill`, result dropped."""
+        self._prefill(state, k, v, q)
+
+    def _stable_length(self, state: LayerState) -> int:
+        """See :meth:`stable_length`; 0 (nothing promised) unless a cache knows better."""
+        return 0
 
     def _layer_arrays(self, state: LayerState) -> dict:
         raise NotImplementedError

@@ -72,7 +72,7 @@ class _CalibratedCache(LayeredCache):
 
     Subclasses set ``_per_token`` (names of the per-token arrays), ``_calib_names`` and
     implement ``_convert(item)`` (a user calibration → arrays by name), ``_fit(xp, k, v)``,
-    ``_encode(xp, calib, k, v)`` and ``_decode_tokens(xp, calib, buf)``.
+    ``_encode(xp, calib, k, v)`` and ``_decode_tokens(xp, calib, buf, start)``.
     """
 
     _per_token: tuple = ()
@@ -212,17 +212,22 @@ class _CalibratedCache(LayeredCache):
         st.extra["k_window"], st.extra["v_window"] = new_kw, new_vw
         return fitted_now
 
-    def _decoded(self, st: LayerState) -> DequantResult:
-        """K/V of every stored token in the layer's dtype: sinks, encoded tokens, window."""
+    def _decoded(self, st: LayerState, start: int = 0) -> DequantResult:
+        """K/V of the stored tokens ``start ..`` in the layer's dtype: sinks, encoded tokens, window."""
         xp = st.xp
         buf: TokenBuffers = st.extra["codes"]
         ex = st.extra
-        if buf.length:
-            kd, vd = self._decode_tokens(xp, ex["calib"], buf)
-            pk = [_f32(xp, ex["k_sink"]), kd, _f32(xp, ex["k_window"])]
-            pv = [_f32(xp, ex["v_sink"]), vd, _f32(xp, ex["v_window"])]
+        n_s = int(ex["k_sink"].shape[2])
+        c0 = min(max(0, start - n_s), buf.length)
+        w0 = max(0, start - n_s - buf.length)
+        ks, vs = ex["k_sink"][:, :, min(start, n_s):, :], ex["v_sink"][:, :, min(start, n_s):, :]
+        kw, vw = ex["k_window"][:, :, w0:, :], ex["v_window"][:, :, w0:, :]
+        if buf.length > c0:
+            kd, vd = self._decode_tokens(xp, ex["calib"], buf, c0)
+            pk = [_f32(xp, ks), kd, _f32(xp, kw)]
+            pv = [_f32(xp, vs), vd, _f32(xp, vw)]
         else:
-            pk, pv = [ex["k_sink"], ex["k_window"]], [ex["v_sink"], ex["v_window"]]
+            pk, pv = [ks, kw], [vs, vw]
         pk = [a for a in pk if int(a.shape[2])] or pk[:1]
         pv = [a for a in pv if int(a.shape[2])] or pv[:1]
         kd = pk[0] if len(pk) == 1 else xp.concat(pk, axis=2)
@@ -261,6 +266,16 @@ class _CalibratedCache(LayeredCache):
 
     def _dequantize(self, st) -> DequantResult:
         return self._decoded(st)
+
+    def _dequantize_from(self, st, start: int) -> DequantResult:
+        return self._decoded(st, start)
+
+    def _append_tokens(self, st, k, v, q) -> None:
+        self._store(st, k, v)
+
+    def _stable_length(self, st) -> int:
+        # sinks and encoded tokens never change; window tokens (all tokens before the fit) will be encoded
+        return int(st.extra["k_sink"].shape[2]) + st.extra["codes"].length
 
     def _layer_arrays(self, st) -> dict:
         out = dict(st.extra["codes"].arrays())
@@ -474,10 +489,10 @@ class LowRankCache(_CalibratedCache):
         return lowrank_decode_attention(q, buf.view("k_coef"), calib["k_basis"], calib["k_mean"], buf.view("v_coef"),
                                         calib["v_basis"], calib["v_mean"], ke, ve, softmax_scale=scale)
 
-    def _decode_tokens(self, xp, calib, buf: TokenBuffers) -> tuple:
+    def _decode_tokens(self, xp, calib, buf: TokenBuffers, start: int = 0) -> tuple:
         out = []
         for name in ("k", "v"):
-            c = _f32(xp, buf.view(f"{name}_coef"))
+            c = _f32(xp, buf.view(f"{name}_coef")[:, :, start:, :])
             out.append(xp.matmul(c, xp.matrix_transpose(calib[f"{name}_basis"])) + calib[f"{name}_mean"][:, None, :])
         return out[0], out[1]
 
@@ -629,10 +644,11 @@ class VQCache(_CalibratedCache):
         out = xp.reshape(out, (b, hq, 1, d))
         return out if out.dtype == q.dtype else xp.astype(out, q.dtype)
 
-    def _decode_tokens(self, xp, calib, buf: TokenBuffers) -> tuple:
+    def _decode_tokens(self, xp, calib, buf: TokenBuffers, start: int = 0) -> tuple:
         out = []
         for name in ("k", "v"):
             cb = PQCodebook(centroids=calib[f"{name}_centroids"])
-            codes = PQCodes(codes=buf.view(f"{name}_codes"), bits=code_bits(cb.codebook_size), subspaces=cb.subspaces)
+            codes = PQCodes(codes=buf.view(f"{name}_codes")[:, :, start:, :], bits=code_bits(cb.codebook_size),
+                            subspaces=cb.subspaces)
             out.append(pq_decode(codes, cb))
         return out[0], out[1]

@@ -46,6 +46,12 @@ class DenseCache(LayeredCache):
         buf = st.extra["buf"]
         return DequantResult(k=buf.view("k"), v=buf.view("v"))
 
+    def _append_tokens(self, st, k, v, q) -> None:
+        self._append(st, k, v)  # (the views it returns cost nothing; subclasses may change what is stored)
+
+    def _stable_length(self, st) -> int:
+        return st.length  # stored as given
+
     def _layer_arrays(self, st) -> dict:
         return st.extra["buf"].arrays()
 

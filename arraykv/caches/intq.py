@@ -180,20 +180,34 @@ class IntQuantCache(LayeredCache):
         st.extra["vq"].append(vq)
         st.extra["k_residual"] = residual
 
-    def _decoded(self, st: LayerState) -> DequantResult:
+    def _decoded(self, st: LayerState, start: int = 0) -> DequantResult:
+        """K/V of the stored tokens ``start ..``; only the key groups and value rows from there are decoded."""
         xp = st.xp
         g, d = self.group_size, self.head_dim
         kq, vq = st.extra["kq"], st.extra["vq"]
         parts = []
-        if kq.length:
-            q = IntQuantized(codes=kq.view("k_codes"), scale=kq.view("k_scale")[..., None],
-                             offset=kq.view("k_offset")[..., None], bits=self.bits, group_size=g, n=g)
+        g0 = min(start // g, kq.length)  # first key group holding a token from ``start`` on
+        if kq.length > g0:
+            def kview(name):
+                a = kq.view(name)
+                return a if g0 == 0 else a[:, :, g0:, ...]
+
+            q = IntQuantized(codes=kview("k_codes"), scale=kview("k_scale")[..., None],
+                             offset=kview("k_offset")[..., None], bits=self.bits, group_size=g, n=g)
             blk = dequantize_groups(q, st.dtype)  # (b, h, groups, d, G)
             b, h, ng = (int(s) for s in blk.shape[:3])
-            parts.append(xp.reshape(xp.permute_dims(blk, (0, 1, 2, 4, 3)), (b, h, ng * g, d)))
-        parts.append(st.extra["k_residual"])
+            kd = xp.reshape(xp.permute_dims(blk, (0, 1, 2, 4, 3)), (b, h, ng * g, d))
+            skip = start - g0 * g
+            parts.append(kd if skip == 0 else kd[:, :, skip:, :])
+        r0 = max(0, start - kq.length * g)
+        parts.append(st.extra["k_residual"][:, :, r0:, :] if r0 else st.extra["k_residual"])
         k = parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
-        qv = IntQuantized(codes=vq.view("v_codes"), scale=vq.view("v_scale"), offset=vq.view("v_offset"),
+
+        def vview(name):
+            a = vq.view(name)
+            return a if start == 0 else a[:, :, start:, ...]
+
+        qv = IntQuantized(codes=vview("v_codes"), scale=vview("v_scale"), offset=vview("v_offset"),
                           bits=self.bits, group_size=g, n=d)
         v = dequantize_groups(qv, st.dtype)
         return DequantResult(k=k, v=v)
@@ -217,6 +231,16 @@ class IntQuantCache(LayeredCache):
 
     def _dequantize(self, st) -> DequantResult:
         return self._decoded(st)
+
+    def _dequantize_from(self, st, start: int) -> DequantResult:
+        return self._decoded(st, start)
+
+    def _append_tokens(self, st, k, v, q) -> None:
+        self._store(st, k, v)
+
+    def _stable_length(self, st) -> int:
+        # values are final when stored; a key is final once its group of group_size tokens is quantized
+        return st.extra["kq"].length * self.group_size
 
     def _layer_arrays(self, st) -> dict:
         out = dict(st.extra["kq"].arrays())

@@ -451,37 +451,48 @@ class PolarCache(LayeredCache):
         st.extra["calib"] = calib
         st.extra["k_window"], st.extra["v_window"] = new_kx, new_vx
 
-    def _decoded(self, st: LayerState) -> tuple:
-        """float32 K/V of every stored token: (b, h, total, d) each."""
+    def _decoded(self, st: LayerState, start: int = 0) -> tuple:
+        """float32 K/V of the stored tokens ``start ..``: (b, h, total - start, d) each.
+
+        Layout: the sink tokens, the encoded tokens, the recent window; only the codes of
+        tokens from ``start`` on are decoded.
+        """
         xp = st.xp
         buf: TokenBuffers = st.extra["codes"]
         parts_k, parts_v = [], []
         n_s = self._n_sink(st)
         kx = xp.astype(st.extra["k_window"], xp.float32)
         vx = xp.astype(st.extra["v_window"], xp.float32)
-        if n_s:
-            parts_k.append(kx[:, :, :n_s, :])
-            parts_v.append(vx[:, :, :n_s, :])
-        if buf.length:
+        if start < n_s:
+            parts_k.append(kx[:, :, start:n_s, :])
+            parts_v.append(vx[:, :, start:n_s, :])
+        c0 = min(max(0, start - n_s), buf.length)
+        if buf.length > c0:
             codec = self._codec(xp, st.device)
             calib = st.extra["calib"]
             d = self.head_dim
-            kq = PolarCode(buf.view("k_codes"), buf.view("k_norms"), self.key_bits, d)
-            vq = PolarCode(buf.view("v_codes"), buf.view("v_norms"), self.value_bits, d)
+
+            def view(name):
+                a = buf.view(name)
+                return a if c0 == 0 else a[:, :, c0:, ...]
+
+            kq = PolarCode(view("k_codes"), view("k_norms"), self.key_bits, d)
+            vq = PolarCode(view("v_codes"), view("v_norms"), self.value_bits, d)
             kd = polar_decode(kq, codec["k_codebook"], codec["rotation"])
             vd = polar_decode(vq, codec["v_codebook"], codec["rotation"])
             idx = calib["k_outlier_idx"]
             if int(idx.shape[-1]) > 0:
                 sel = self._selector(xp, idx, d)
                 keep = 1.0 - xp.sum(sel, axis=-1)[:, :, None, :]
-                kd = kd * keep + xp.matmul(xp.astype(buf.view("k_outliers"), xp.float32), xp.matrix_transpose(sel))
+                kd = kd * keep + xp.matmul(xp.astype(view("k_outliers"), xp.float32), xp.matrix_transpose(sel))
             kd = kd / xp.astype(calib["k_scale"], xp.float32)[:, :, None, :] \
                 + xp.astype(calib["k_mean"], xp.float32)[:, :, None, :]
             vd = vd + xp.astype(calib["v_mean"], xp.float32)[:, :, None, :]
             parts_k.append(kd)
             parts_v.append(vd)
-        parts_k.append(kx[:, :, n_s:, :])
-        parts_v.append(vx[:, :, n_s:, :])
+        w0 = n_s + max(0, start - n_s - buf.length)
+        parts_k.append(kx[:, :, w0:, :])
+        parts_v.append(vx[:, :, w0:, :])
         if len(parts_k) == 1:
             return parts_k[0], parts_v[0]
         return xp.concat(parts_k, axis=2), xp.concat(parts_v, axis=2)
@@ -548,9 +559,18 @@ class PolarCache(LayeredCache):
         return self.decode_path == "fused"
 
     def _dequantize(self, st) -> DequantResult:
+        return self._dequantize_from(st, 0)
+
+    def _dequantize_from(self, st, start: int) -> DequantResult:
         xp = st.xp
-        k, v = self._decoded(st)
+        k, v = self._decoded(st, start)
         return DequantResult(k=xp.astype(k, st.dtype), v=xp.astype(v, st.dtype))
+
+    def _append_tokens(self, st, k, v, q) -> None:
+        self._store(st, k, v, q)
+
+    def _stable_length(self, st) -> int:
+        return self._n_sink(st) + st.extra["codes"].length  # sinks and codes never change; the window does
 
     def _layer_arrays(self, st) -> dict:
         out = dict(st.extra["codes"].arrays())

@@ -14,6 +14,12 @@ the head layout from the session, and after each step
 So the graph always attends over what the cache actually kept: the dense cache reproduces the
 plain ORT loop exactly; a compressed cache shows its effect on the model's outputs.
 
+With a cache that offers ``append``, ``stable_length`` and ``dequantize(layer, start)`` (every
+built-in cache), step 2 reads back only what changed: the hook keeps the last past it fed and
+the number of its leading tokens that the cache promises never to change
+(:meth:`~arraykv.caches.LayeredCache.stable_length`), and decodes the rest — the new tokens
+and those still in a float16 window — instead of reconstructing the whole past every step.
+
 Notes
 -----
 The graph computes attention itself, so a cache's :class:`~arraykv.Fused` output and its
@@ -77,6 +83,10 @@ class OrtKVDecoder:
         Needed only when the session's past inputs have symbolic head dimensions.
     providers : list of str, optional
         Execution providers when a session is created here (default: CPU).
+    incremental : bool, default True
+        Read back only the tokens whose reconstruction may have changed (see the module
+        notes) when the cache supports it; ``False`` reconstructs every layer's whole past
+        each step (the same past, to float32 rounding).
 
     Attributes
     ----------
@@ -94,7 +104,7 @@ class OrtKVDecoder:
     """
 
     def __init__(self, model: Any, *, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 providers: Sequence[str] | None = None):
+                 providers: Sequence[str] | None = None, incremental: bool = True):
         ort = require("onnxruntime", "onnx")
         import numpy as np
 
@@ -122,7 +132,11 @@ class OrtKVDecoder:
         if past.type not in types:
             raise ValueError(f"past_key_values.0.key has type {past.type}; float, float16 or double is supported")
         self.dtype = np.dtype(types[past.type])
-        # cache -> {layer: DequantResult of its last prefill}: the K/V to feed as the next past.
+        if not isinstance(incremental, bool):
+            raise TypeError(f"incremental must be a bool, received {type(incremental).__name__}")
+        self.incremental = incremental
+        # cache -> {layer: (k, v, tokens, stable)}: the past fed last, how many tokens it covers,
+        # and how many of its leading tokens the cache will never reconstruct differently.
         self._held: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._int_type = {name: (np.int32 if inputs[name].type == "tensor(int32)" else np.int64)
                           for name in ("input_ids", "attention_mask", "position_ids") if name in inputs}
@@ -148,13 +162,33 @@ class OrtKVDecoder:
                 empty = np.zeros((batch, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype)
                 out.append((empty, empty))
                 continue
-            r = held.get(i)
-            if r is None and hasattr(cache, "dequantize"):
-                r = cache.dequantize(i)
+            h = held.get(i)
+            if h is not None and h[2] == cache.seq_len(i):
+                out.append((h[0], h[1]))
+                continue
+            r = cache.dequantize(i) if hasattr(cache, "dequantize") else None
             if r is None:
                 raise ValueError("this cache was filled elsewhere and cannot be read back; reset it first")
             out.append((to_numpy(r.k), to_numpy(r.v)))
         return out
+
+    def _store(self, cache: Any, i: int, k_new: Any, v_new: Any, q: Any, prev: tuple | None) -> tuple:
+        """Store layer ``i``'s new K/V in ``cache``; return ``(k, v, tokens, stable)`` of its next past."""
+        import numpy as np
+
+        from .._compat import to_numpy
+
+        incremental = (self.incremental and prev is not None and hasattr(cache, "append")
+                       and hasattr(cache, "stable_length"))
+        if not incremental:
+            r = cache.prefill(i, k_new, v_new, q)
+            return to_numpy(r.k), to_numpy(r.v), int(cache.seq_len(i)), 0
+        k_prev, v_prev, _, stable = prev
+        cache.append(i, k_new, v_new, q)
+        tail = cache.dequantize(i, stable)
+        k = np.concatenate([k_prev[:, :, :stable], to_numpy(tail.k)], axis=2)
+        v = np.concatenate([v_prev[:, :, :stable], to_numpy(tail.v)], axis=2)
+        return k, v, int(cache.seq_len(i)), int(cache.stable_length(i))
 
     def step(self, input_ids: Any, cache: Any) -> Any:
         """Run the graph on ``input_ids`` after the tokens ``cache`` holds; store the new K/V.
@@ -192,6 +226,7 @@ class OrtKVDecoder:
                                       for kd in ("key", "value")]
         res = self.session.run(names, feeds)
         q = np.zeros((batch, self.num_kv_heads, t, self.head_dim), dtype=self.dtype)
+        before = self._held.get(cache, {})
         held = {}
         for i in range(self.num_layers):
             pk, pv = res[1 + 2 * i], res[2 + 2 * i]
@@ -199,7 +234,10 @@ class OrtKVDecoder:
                 raise ValueError(f"present.{i}.key has {pk.shape[2]} tokens, expected past {past_len} + new {t}")
             k_new = np.ascontiguousarray(pk[:, :, past_len:, :])
             v_new = np.ascontiguousarray(pv[:, :, past_len:, :])
-            held[i] = cache.prefill(i, k_new, v_new, q)
+            prev = before.get(i)
+            if prev is not None and (past_len == 0 or prev[2] != past_len):
+                prev = None  # not the past this step ran on: read the layer back whole
+            held[i] = self._store(cache, i, k_new, v_new, q, prev)
         self._held[cache] = held
         return res[0]
 
