@@ -293,3 +293,19 @@ def test_a_rejected_decode_changes_nothing(method, rng):
     with pytest.raises(ValueError):
         cache.decode(0, k1, v1, q1, arraykv.AttendConfig(D ** -0.5))
     assert_same_snapshot(before, snapshot(cache))
+
+
+def test_vq_fits_a_long_prefill_on_an_even_subsample(rng):
+    k, v, q = random_kvq(rng, np, 2, H, 1, 300, D)
+    cache = make("vq", codebook_size=4, min_calibration=16, max_calibration=40, seed=1)
+    assert cache.get_config()["max_calibration"] == 40
+    cache.prefill(0, k, v, q)
+    idx = np.round(np.linspace(0, 299, 20)).astype(np.int64)  # 40 vectors per head over batch 2
+    comp = KVCacheCompressor(VectorQuantization(codebook_size=4, sub_dim=2, seed=1)).fit(k[:, :, idx], v[:, :, idx])
+    np.testing.assert_allclose(to_np(cache.layer_arrays(0)["k_centroids"]), comp._fit["k"].centroids, rtol=1e-5,
+                               atol=1e-6)
+    assert cache.layer_arrays(0)["k_codes"].shape[2] == 300  # every token is still encoded
+    default = arraykv.make_cache("vq", num_layers=1, num_kv_heads=H, head_dim=D, codebook_size=16)
+    assert default.max_calibration == 1024
+    with pytest.raises(ValueError, match="max_calibration"):
+        make("vq", codebook_size=4, min_calibration=16, max_calibration=8)
