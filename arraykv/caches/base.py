@@ -43,6 +43,19 @@ class LayerState:
     extra: dict = field(default_factory=dict)
 
 
+#: ``decode_path`` values of the caches with a fused decode: attend from the stored form where
+#: a kernel makes it pay ("auto"), always ("fused"; the array-API version where no kernel
+#: exists), or never: reconstruct the layer for the caller ("dequantized").
+DECODE_PATHS = ("auto", "fused", "dequantized")
+
+
+def check_decode_path(value: Any) -> str:
+    """``value`` if it is one of :data:`DECODE_PATHS`, else a ``ValueError`` naming them."""
+    if not isinstance(value, str) or value not in DECODE_PATHS:
+        raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, received {value!r}")
+    return value
+
+
 class LayeredCache:
     """Base class of the caches: a lock and a state per layer.
 
@@ -324,6 +337,19 @@ class LayeredCache:
     def _stable_length(self, state: LayerState) -> int:
         """See :meth:`stable_length`; 0 (nothing promised) unless a cache knows better."""
         return 0
+
+    #: How a cache with a fused decode answers ``decode`` (see :func:`check_decode_path`).
+    decode_path: str = "auto"
+
+    def _fused(self, xp: Any) -> bool:
+        """Whether ``decode`` attends itself (:class:`~arraykv.Fused`) for namespace ``xp``."""
+        if self.decode_path == "auto":
+            return self._fused_auto(xp)
+        return self.decode_path == "fused"
+
+    def _fused_auto(self, xp: Any) -> bool:
+        """The ``"auto"`` choice: whether attending from the stored form pays on ``xp``."""
+        return False
 
     def _layer_arrays(self, state: LayerState) -> dict:
         raise NotImplementedError

@@ -32,15 +32,12 @@ from ..quant.lowrank import LowRankBasis, check_rank_energy, fit_basis
 from ..quant.pq import (PQCodebook, PQCodes, check_pq_options, code_bits, pq_decode, pq_decode_attention_reference,
                         pq_encode, train_pq)
 from ..storage import TokenBuffers
-from .base import LayeredCache, LayerState
+from .base import LayeredCache, LayerState, check_decode_path
 from .registry import register_method
 
 __all__ = ["LowRankCache", "VQCache"]
 
 _COEFF_DTYPES = ("float16", "float32")
-#: ``decode_path`` values: attend from the stored form ("auto": where it pays, see each class;
-#: "fused": always), or reconstruct the layer for the caller ("dequantized").
-DECODE_PATHS = ("auto", "fused", "dequantized")
 #: Default float16 recent-token window and attention sinks of both caches. Measured on
 #: SmolLM2-135M (512 tokens, prefill 64, rank 32 of 64): mean KL 2.17 with neither, 2.00 with
 #: 4 sinks, 0.41 with a 20-token window, 0.26 with both, for +0.3 bits per value.
@@ -92,9 +89,7 @@ class _CalibratedCache(LayeredCache):
                          check_finite=check_finite, max_tokens=max_tokens)
         self.residual_window = check_int("residual_window", residual_window, low=0)
         self.sink_tokens = check_int("sink_tokens", sink_tokens, low=0)
-        if not isinstance(decode_path, str) or decode_path not in DECODE_PATHS:
-            raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, received {decode_path!r}")
-        self.decode_path = decode_path
+        self.decode_path = check_decode_path(decode_path)
         self._given = self._check_calibration(calibration)
 
     # -- the user's calibration ---------------------------------------------------------
@@ -264,12 +259,6 @@ class _CalibratedCache(LayeredCache):
         if self._fused(st.xp):
             return Fused(self._attend(st, q, config.softmax_scale))
         return Dequantized(self._decoded(st))
-
-    def _fused(self, xp: Any) -> bool:
-        """Whether decode attends from the stored form itself (see ``decode_path``)."""
-        if self.decode_path == "auto":
-            return self._fused_auto(xp)
-        return self.decode_path == "fused"
 
     def _extras(self, st: LayerState) -> tuple:
         """The tokens kept as float16 vectors (sinks, then window): (b, h, E, d) each."""

@@ -16,15 +16,12 @@ from ..quant.bitpack import packed_nbytes
 from ..quant.intq import IntQuantized, dequantize_groups, quantize_groups
 from ..storage import TokenBuffers
 from .._validation import check_int
-from .base import LayeredCache, LayerState
+from .base import LayeredCache, LayerState, check_decode_path
 from .registry import register_method
 
 __all__ = ["IntQuantCache", "Int4Cache", "Int8Cache", "IntLayerCodec"]
 
 _SCALE_DTYPES = ("float16", "float32")
-#: ``decode_path`` values: attend from the packed codes when a kernel exists for the namespace
-#: ("auto"), always ("fused"; the array-API version where no kernel exists), or never.
-DECODE_PATHS = ("auto", "fused", "dequantized")
 
 
 @dataclass(frozen=True)
@@ -132,9 +129,7 @@ class IntQuantCache(LayeredCache):
         if scale_dtype not in _SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {_SCALE_DTYPES}, received {scale_dtype!r}")
         self.scale_dtype = scale_dtype
-        if not isinstance(decode_path, str) or decode_path not in DECODE_PATHS:
-            raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, received {decode_path!r}")
-        self.decode_path = decode_path
+        self.decode_path = check_decode_path(decode_path)
 
     def _extra_config(self) -> dict:
         return {"group_size": self.group_size, "scale_dtype": self.scale_dtype, "decode_path": self.decode_path}
@@ -223,11 +218,8 @@ class IntQuantCache(LayeredCache):
             return Fused(int_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._decoded(st))
 
-    def _fused(self, xp: Any) -> bool:
-        """Whether decode attends from the packed codes (see ``decode_path``)."""
-        if self.decode_path == "auto":
-            return self.bits in (4, 8) and lookup("int_decode_attention", xp) is not None
-        return self.decode_path == "fused"
+    def _fused_auto(self, xp: Any) -> bool:
+        return self.bits in (4, 8) and lookup("int_decode_attention", xp) is not None
 
     def _dequantize(self, st) -> DequantResult:
         return self._decoded(st)

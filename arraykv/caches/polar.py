@@ -31,14 +31,11 @@ from ..quant.polar import PolarCode, half_dtype, polar_decode, polar_encode
 from ..quant.qjl import QJL_SCALE, QJLSketch, make_sketch, qjl_encode
 from ..quant.rotation import Rotation, is_power_of_two, make_rotation
 from ..storage import TokenBuffers
-from .base import LayeredCache, LayerState
+from .base import LayeredCache, LayerState, check_decode_path
 from .registry import register_method
 
 __all__ = ["PolarCache", "PolarLayerCodec", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window"]
 
-#: ``decode_path`` values: attend from the packed codes when a kernel exists for the namespace
-#: ("auto"), always ("fused"; the array-API version where no kernel exists), or never.
-DECODE_PATHS = ("auto", "fused", "dequantized")
 #: Recent tokens kept in float16 by default, by key bits (chosen by measurement, see
 #: docs/algorithms.md §7): 4-bit codes are accurate enough that four more exact tokens buy
 #: less than the 0.09 bits/value they cost at 512 tokens; at 3 bits and below they pay.
@@ -252,9 +249,7 @@ class PolarCache(LayeredCache):
             raise TypeError(f"key_scale must be a bool, received {type(key_scale).__name__}")
         self.key_scale = key_scale
         self.sink_tokens = check_int("sink_tokens", sink_tokens, low=0)
-        if decode_path not in DECODE_PATHS:
-            raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, received {decode_path!r}")
-        self.decode_path = decode_path
+        self.decode_path = check_decode_path(decode_path)
         self._fixed: dict = {}
 
     # -- fixed state (rotation, codebooks, sketch), one set per namespace and device ------
@@ -552,11 +547,8 @@ class PolarCache(LayeredCache):
             return Fused(polar_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._result(st, q, config.softmax_scale))
 
-    def _fused(self, xp: Any) -> bool:
-        """Whether decode attends from the packed codes (see ``decode_path``)."""
-        if self.decode_path == "auto":
-            return lookup("polar_decode_attention", xp) is not None
-        return self.decode_path == "fused"
+    def _fused_auto(self, xp: Any) -> bool:
+        return lookup("polar_decode_attention", xp) is not None
 
     def _dequantize(self, st) -> DequantResult:
         return self._dequantize_from(st, 0)
