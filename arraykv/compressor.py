@@ -371,23 +371,18 @@ class KVCacheCompressor:
         """Forget the fitted bases/codebooks (compression fits on every call again)."""
         self._fit = None
 
-    def _samples(self, xp: Any, x: Any):
-        """(batch, heads, seq, d) → (heads, batch * seq, d)."""
-        b, h, s, d = (int(t) for t in x.shape)
-        return xp.reshape(xp.permute_dims(x, (1, 0, 2, 3)), (h, b * s, d))
-
     def _fit_one(self, xp: Any, x: Any, dense: Any = None):
         m = self.method
         if isinstance(m, VectorQuantization):
-            return train_pq(self._samples(xp, x), codebook_size=m.codebook_size, sub_dim=m.sub_dim,
+            return train_pq(samples_by_head(xp, x), codebook_size=m.codebook_size, sub_dim=m.sub_dim,
                             max_iter=m.max_iter, tol=m.tol, seed=m.seed)
         src = x if dense is None else dense
         if isinstance(m, LowRank):
-            return fit_basis(self._samples(xp, src), rank=m.rank, energy=m.energy, center=m.center,
+            return fit_basis(samples_by_head(xp, src), rank=m.rank, energy=m.energy, center=m.center,
                              per_head=m.per_head)
         if dense is None and m.outlier_threshold is not None:
             src, _ = split_outliers(x, m.outlier_threshold)
-        return fit_basis(self._samples(xp, src), rank=m.rank, center=m.center)
+        return fit_basis(samples_by_head(xp, src), rank=m.rank, center=m.center)
 
     # -- compression --------------------------------------------------------------
     def compress_kv(self, k: Any, v: Any) -> CompressedKV:
@@ -533,6 +528,12 @@ class KVCacheCompressor:
                 raise ValueError(f"an MLA sequence takes one batch row, received batch {int(k.shape[0])}")
             k, v = k[0, ...], v[0, ...]
         cache.append(layer, seq_id, k, v)
+
+
+def samples_by_head(xp: Any, x: Any):
+    """(batch, heads, seq, d) → (heads, batch · seq, d): every head's vectors, the samples a fit sees."""
+    b, h, s, d = (int(t) for t in x.shape)
+    return xp.reshape(xp.permute_dims(x, (1, 0, 2, 3)), (h, b * s, d))
 
 
 def _project(xp: Any, x: Any, b: LowRankBasis):

@@ -131,16 +131,21 @@ def builtin_token_ids(tokenizer: Any, n_tokens: int = 512) -> list:
     return ids[:n_tokens]
 
 
-def _check_ids(model: Any, token_ids: Any, prefill: int) -> list:
+def _as_ids(model: Any, token_ids: Any, least: int, least_text: str | None = None) -> list:
+    """``token_ids`` as a list of int, at least ``least`` and at most the model's context length."""
     ids = [int(i) for i in (_compat.to_numpy(token_ids).tolist() if hasattr(token_ids, "shape") else token_ids)]
-    if isinstance(prefill, bool) or not isinstance(prefill, int) or prefill < 1:
-        raise ValueError(f"prefill must be an integer >= 1, received {prefill!r}")
-    if len(ids) < prefill + 2:
-        raise ValueError(f"token_ids must hold at least prefill + 2 = {prefill + 2} tokens, received {len(ids)}")
+    if len(ids) < least:
+        raise ValueError(f"token_ids must hold at least {least_text or least} tokens, received {len(ids)}")
     limit = model.config.context_length
     if len(ids) > limit:
         raise ValueError(f"token_ids has {len(ids)} tokens, more than the model's context length {limit}")
     return ids
+
+
+def _check_ids(model: Any, token_ids: Any, prefill: int) -> list:
+    if isinstance(prefill, bool) or not isinstance(prefill, int) or prefill < 1:
+        raise ValueError(f"prefill must be an integer >= 1, received {prefill!r}")
+    return _as_ids(model, token_ids, prefill + 2, f"prefill + 2 = {prefill + 2}")
 
 
 def teacher_forced(model: Any, token_ids: Any, cache: Any, *, prefill: int = 64, method: str | None = None,
@@ -214,12 +219,7 @@ def calibrate(model: Any, token_ids: Any, method: Any) -> list:
     """
     from .compressor import KVCacheCompressor
 
-    ids = [int(i) for i in (_compat.to_numpy(token_ids).tolist() if hasattr(token_ids, "shape") else token_ids)]
-    if len(ids) < 2:
-        raise ValueError(f"token_ids must hold at least 2 tokens, received {len(ids)}")
-    if len(ids) > model.config.context_length:
-        raise ValueError(f"token_ids has {len(ids)} tokens, more than the model's context length "
-                         f"{model.config.context_length}")
+    ids = _as_ids(model, token_ids, 2)
     dense = model.make_cache("dense")
     model.prefill(ids, dense)
     out = []

@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import _compat
 from .._validation import check_int
-from ..compressor import KVCacheCompressor, LowRank, VectorQuantization
+from ..compressor import KVCacheCompressor, LowRank, VectorQuantization, samples_by_head
 from ..attention.lowrank_fused import lowrank_decode_attention
 from ..attention.reference import attention
 from ..backends.registry import lookup
@@ -51,12 +51,6 @@ VQ_VECTORS_PER_CENTROID = 4
 VQ_FIT_VECTORS_PER_CENTROID = 64
 
 
-def _samples(xp: Any, x: Any):
-    """(batch, heads, n, d) → (heads, batch · n, d), ordered as :class:`KVCacheCompressor` does."""
-    b, h, n, d = (int(s) for s in x.shape)
-    return xp.reshape(xp.permute_dims(x, (1, 0, 2, 3)), (h, b * n, d))
-
-
 def _to(xp: Any, dev: Any, a: Any):
     """A copy of array ``a`` (any namespace) in namespace ``xp`` on device ``dev``."""
     if _compat.namespace(a) is xp:
@@ -66,6 +60,15 @@ def _to(xp: Any, dev: Any, a: Any):
 
 def _f32(xp: Any, x: Any):
     return x if x.dtype == xp.float32 else xp.astype(x, xp.float32)
+
+
+def _first_tokens(xp: Any, held: Any, new: Any, n: int):
+    """The first ``n`` tokens of ``held`` followed by ``new`` (axis 2), as float32; only those are converted."""
+    a = min(n, int(held.shape[2]))
+    parts = [_f32(xp, held[:, :, :a, :])] if a else []
+    if n > a:
+        parts.append(_f32(xp, new[:, :, : n - a, :]))
+    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
 
 
 class _CalibratedCache(LayeredCache):
@@ -134,13 +137,16 @@ class _CalibratedCache(LayeredCache):
             return fit["k"], fit["v"]
         return item[0], item[1]
 
-    def _check_heads(self, where: str, a: Any, axis_heads: int, axis_dim: int | None, what: str) -> None:
+    def _check_heads(self, where: str, a: Any, what: str) -> None:
+        """``a`` must be (num_kv_heads, head_dim, ...)."""
         shape = tuple(int(s) for s in a.shape)
-        h = shape[axis_heads]
-        d = shape[axis_dim] if axis_dim is not None else None
-        if h != self.num_kv_heads or (d is not None and d != self.head_dim):
+        if shape[:2] != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"{where}: {what} must be for num_kv_heads={self.num_kv_heads} and "
                              f"head_dim={self.head_dim}, received shape {shape}")
+
+    def _extra_config(self) -> dict:
+        return {"min_calibration": self.min_calibration, "residual_window": self.residual_window,
+                "sink_tokens": self.sink_tokens, "decode_path": self.decode_path}
 
     # -- layer state ----------------------------------------------------------------------
     def _new_layer(self, xp, dev, batch, dtype) -> LayerState:
@@ -163,8 +169,8 @@ class _CalibratedCache(LayeredCache):
                 st.extra["calib"] = {n: _to(xp, st.device, a) for n, a in given.items()}
         return st
 
-    def _store(self, st: LayerState, k: Any, v: Any) -> bool:
-        """Append new tokens (everything computed first, then committed); True when the layer was fitted now."""
+    def _store(self, st: LayerState, k: Any, v: Any) -> None:
+        """Append new tokens (everything computed first, then committed)."""
         xp = st.xp
         half = half_dtype(xp)
         ks, vs = st.extra["k_sink"], st.extra["v_sink"]
@@ -176,32 +182,14 @@ class _CalibratedCache(LayeredCache):
         kw, vw = st.extra["k_window"], st.extra["v_window"]
         n_w, t = int(kw.shape[2]), int(k.shape[2])
         calib = st.extra["calib"]
-        fitted_now = False
-        w = self.residual_window
-        arrays = None
         if calib is None and st.batch * (n_w + t) >= self.min_calibration:
-            allk = xp.concat([_f32(xp, kw), _f32(xp, k)], axis=2) if n_w else _f32(xp, k)
-            allv = xp.concat([_f32(xp, vw), _f32(xp, v)], axis=2) if n_w else _f32(xp, v)
-            fk, fv = self._fit_sample(xp, allk, allv)
+            # the first fit: on every token held so far (window, then the new ones)
+            fk, fv = self._fit_sample(xp, _first_tokens(xp, kw, k, n_w + t), _first_tokens(xp, vw, v, n_w + t))
             calib = self._fit(xp, fk, fv)
-            fitted_now = True
-            spill = max(0, n_w + t - w)
-            if spill:
-                arrays = self._encode(xp, calib, allk[:, :, :spill, :], allv[:, :, :spill, :])
-        elif calib is not None:
-            spill = max(0, n_w + t - w)
-            if spill:
-                old = min(spill, n_w)
-                if old and spill > old:
-                    ek = xp.concat([_f32(xp, kw[:, :, :old, :]), _f32(xp, k[:, :, : spill - old, :])], axis=2)
-                    ev = xp.concat([_f32(xp, vw[:, :, :old, :]), _f32(xp, v[:, :, : spill - old, :])], axis=2)
-                elif old:
-                    ek, ev = _f32(xp, kw[:, :, :old, :]), _f32(xp, vw[:, :, :old, :])
-                else:
-                    ek, ev = _f32(xp, k[:, :, :spill, :]), _f32(xp, v[:, :, :spill, :])
-                arrays = self._encode(xp, calib, ek, ev)
-        else:
-            spill = 0
+        spill = max(0, n_w + t - self.residual_window) if calib is not None else 0
+        arrays = None
+        if spill:  # the oldest tokens of window + new leave the window: encode them
+            arrays = self._encode(xp, calib, _first_tokens(xp, kw, k, spill), _first_tokens(xp, vw, v, spill))
         keep_new = t - max(0, spill - n_w)
         drop = min(spill, n_w)
         new_kw = xp.concat([kw[:, :, drop:, :], xp.astype(k[:, :, t - keep_new:, :], half)], axis=2)
@@ -212,7 +200,6 @@ class _CalibratedCache(LayeredCache):
         st.extra["calib"] = calib
         st.extra["k_sink"], st.extra["v_sink"] = ks, vs
         st.extra["k_window"], st.extra["v_window"] = new_kw, new_vw
-        return fitted_now
 
     def _fit_sample(self, xp: Any, k: Any, v: Any) -> tuple:
         """The tokens the fit sees: all of them, or ``max_calibration // batch`` evenly spaced ones."""
@@ -434,6 +421,10 @@ class LowRankCache(_CalibratedCache):
                          calibration=calibration, residual_window=residual_window, sink_tokens=sink_tokens,
                          decode_path=decode_path, check_finite=check_finite, max_tokens=max_tokens)
 
+    def _extra_config(self) -> dict:
+        return super()._extra_config() | {"rank": self.rank, "energy": self.energy, "center": self.center,
+                                          "coeff_dtype": self.coeff_dtype}
+
     def _item_help(self) -> str:
         return "a fitted KVCacheCompressor(LowRank(...)) or a pair (k_basis, v_basis) of LowRankBasis"
 
@@ -445,21 +436,16 @@ class LowRankCache(_CalibratedCache):
             if b.basis.ndim != 3:
                 raise ValueError(f"{where}: the {name} basis must be (heads, head_dim, rank), "
                                  f"received shape {tuple(int(s) for s in b.basis.shape)}")
-            self._check_heads(where, b.basis, 0, 1, f"the {name} basis")
+            self._check_heads(where, b.basis, f"the {name} basis")
             xp = _compat.namespace(b.basis)
             out[f"{name}_basis"] = xp.asarray(_f32(xp, b.basis), copy=True)
             if b.mean is None:
                 out[f"{name}_mean"] = xp.zeros((self.num_kv_heads, self.head_dim), dtype=xp.float32,
                                               device=_compat.device(b.basis))
             else:
-                self._check_heads(where, b.mean, 0, 1, f"the {name} mean")
+                self._check_heads(where, b.mean, f"the {name} mean")
                 out[f"{name}_mean"] = xp.asarray(_f32(xp, b.mean), copy=True)
         return out
-
-    def _extra_config(self) -> dict:
-        return {"rank": self.rank, "energy": self.energy, "center": self.center, "coeff_dtype": self.coeff_dtype,
-                "min_calibration": self.min_calibration, "residual_window": self.residual_window,
-                "sink_tokens": self.sink_tokens, "decode_path": self.decode_path}
 
     def _cdt(self, xp: Any):
         return xp.float32 if self.coeff_dtype == "float32" else half_dtype(xp)
@@ -467,7 +453,7 @@ class LowRankCache(_CalibratedCache):
     def _fit(self, xp, k, v) -> dict:
         out = {}
         for name, x in (("k", k), ("v", v)):
-            b = fit_basis(_samples(xp, x), rank=self.rank, energy=self.energy, center=self.center)
+            b = fit_basis(samples_by_head(xp, x), rank=self.rank, energy=self.energy, center=self.center)
             out[f"{name}_basis"] = b.basis
             out[f"{name}_mean"] = b.mean if b.mean is not None else xp.zeros(
                 (self.num_kv_heads, self.head_dim), dtype=xp.float32, device=_compat.device(x))
@@ -622,14 +608,12 @@ class VQCache(_CalibratedCache):
         return out
 
     def _extra_config(self) -> dict:
-        return {"codebook_size": self.codebook_size, "sub_dim": self.sub_dim, "max_iter": self.max_iter,
-                "tol": self.tol, "seed": self.seed, "min_calibration": self.min_calibration,
-                "max_calibration": self.max_calibration,
-                "residual_window": self.residual_window, "sink_tokens": self.sink_tokens,
-                "decode_path": self.decode_path}
+        return super()._extra_config() | {"codebook_size": self.codebook_size, "sub_dim": self.sub_dim,
+                                          "max_iter": self.max_iter, "tol": self.tol, "seed": self.seed,
+                                          "max_calibration": self.max_calibration}
 
     def _fit(self, xp, k, v) -> dict:
-        return {f"{name}_centroids": train_pq(_samples(xp, x), codebook_size=self.codebook_size,
+        return {f"{name}_centroids": train_pq(samples_by_head(xp, x), codebook_size=self.codebook_size,
                                               sub_dim=self.sub_dim, max_iter=self.max_iter, tol=self.tol,
                                               seed=self.seed).centroids
                 for name, x in (("k", k), ("v", v))}
