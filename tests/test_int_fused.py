@@ -1,4 +1,4 @@
-"""Fused decode attention from the packed codes of the int4/int8 caches."""
+"""Fused decode attention from the packed codes of the int2/int4/int8 caches."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ import arraykv
 from arraykv.attention.int_fused import int_decode_attention, int_decode_attention_reference
 from arraykv.backends import lookup, set_kernels_enabled
 from conftest import asarray, to_np
+from reference import int_decode_attention_loops
 
 #: contexts (tokens held when attending) for group_size 32: shorter than one group, exactly at
-#: one and at two group boundaries, and long with a partial residual
-CONTEXTS = {"short": 5, "one_group": 32, "two_groups": 64, "long": 301}
+#: one and at two group boundaries, partial groups (and for int2 quantized values short of a
+#: group), and long with a partial residual
+CONTEXTS = {"short": 5, "one_group": 32, "two_groups": 64, "partial": 45, "long": 301}
+METHODS = ["int2", "int4", "int8"]
 
 
 def _fill(method, d, g, b, tokens, rng, h=3, dtype=np.float32, **opts):
@@ -47,16 +50,18 @@ def _close(got, want, tol=1e-4):
 
 
 def _first_tokens(codec, n):
-    """The codec state of the first ``n`` tokens (views); ``n`` a multiple of the group size."""
+    """The codec state of the first ``n`` tokens (views); ``n`` a multiple of the group size, all quantized."""
     G = codec.group_size
     ng = n // G
+    assert ng <= codec.n_groups and n <= codec.v_codes.shape[2]
     return dataclasses.replace(
         codec, n_tokens=n, n_groups=ng, n_residual=0, k_codes=codec.k_codes[:, :, :ng],
         k_scale=codec.k_scale[:, :, :ng], k_offset=codec.k_offset[:, :, :ng], k_residual=codec.k_residual[:, :, :0],
-        v_codes=codec.v_codes[:, :, :n], v_scale=codec.v_scale[:, :, :n], v_offset=codec.v_offset[:, :, :n])
+        v_codes=codec.v_codes[:, :, :n], v_scale=codec.v_scale[:, :, :n], v_offset=codec.v_offset[:, :, :n],
+        n_window=0, v_window=None)
 
 
-@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("d", [64, 128, 33])
 @pytest.mark.parametrize("g", [1, 3, 4])
 @pytest.mark.parametrize("b", [1, 3])
@@ -67,6 +72,7 @@ def test_fused_equals_reference_equals_attention_over_dequantized(method, d, g, 
     assert isinstance(out, arraykv.Fused)
     codec = cache.layer_codec_state(0)
     assert codec.n_tokens == n and codec.n_groups == n // 32 and codec.n_residual == n % 32
+    assert codec.n_window == (min(n, 32) if method == "int2" else 0)
     scale = d**-0.5
     want = _over_dequantized(cache, q, scale)
     _close(out.output, want)
@@ -74,13 +80,14 @@ def test_fused_equals_reference_equals_attention_over_dequantized(method, d, g, 
     _close(int_decode_attention_reference(codec, q, scale), want)
 
 
-@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("group_size", [1, 7, 16, 128])
 @pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
 def test_group_sizes_and_scale_dtypes(method, group_size, scale_dtype, rng):
-    """Odd groups end mid-byte (int4), one-token groups, groups longer than a tile; float32 scales."""
+    """Odd groups end mid-byte (int4, int2), one-token groups, groups longer than a tile; float32 scales."""
+    window = {"residual_window": 2 * group_size} if method == "int2" else {}
     cache, q, out = _fill(method, 40, 2, 2, 2 * group_size + 9, rng, h=2, group_size=group_size,
-                          scale_dtype=scale_dtype)
+                          scale_dtype=scale_dtype, **window)
     codec = cache.layer_codec_state(0)
     assert codec.k_scale.dtype == np.dtype(scale_dtype) and codec.v_scale.dtype == np.dtype(scale_dtype)
     want = _over_dequantized(cache, q, 40**-0.5)
@@ -101,7 +108,7 @@ def test_float16_tokens_and_query_dtypes(rng):
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
-@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("method", METHODS)
 def test_parallel_kernel_and_token_splits(splits, method, rng, monkeypatch):
     """The threaded kernel, forced on a small cache, with 1–7 spans per head (empty ones included)."""
     from arraykv.backends import _numba_int_fused as nf
@@ -187,7 +194,7 @@ def test_kernel_is_registered_for_numpy():
     assert lookup("int_decode_attention", arraykv._compat.namespace(np.zeros(1))) is not None
 
 
-@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("method", METHODS)
 def test_decode_paths_agree(method, rng):
     """'auto' and 'fused' return Fused on NumPy, 'dequantized' Dequantized; the outputs agree."""
     d, g = 64, 3
@@ -228,10 +235,11 @@ def test_decode_path_without_kernels(rng):
     _close(f.output, want)
 
 
-def test_reference_in_any_namespace(xp, rng):
+@pytest.mark.parametrize("method", ["int2", "int4"])
+def test_reference_in_any_namespace(xp, rng, method):
     """The array-API reference agrees with attention over the dequantized cache in every namespace."""
     d, g, n = 48, 2, 77
-    cache = arraykv.make_cache("int4", num_layers=1, num_kv_heads=2, head_dim=d, group_size=16, decode_path="fused")
+    cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=2, head_dim=d, group_size=16, decode_path="fused")
     cache.prefill(0, asarray(xp, rng.standard_normal((2, 2, n, d)), "float32"),
                   asarray(xp, rng.standard_normal((2, 2, n, d)), "float32"),
                   asarray(xp, rng.standard_normal((2, 2 * g, n, d)), "float32"))
@@ -270,3 +278,29 @@ def test_more_than_one_query_token_is_rejected(rng):
         int_decode_attention(cache.layer_codec_state(0), np.concatenate([q, q], axis=2), 0.125)
     with pytest.raises(ValueError, match="one new token"):
         int_decode_attention_reference(cache.layer_codec_state(0), np.concatenate([q, q], axis=2), 0.125)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("method,opts", [("int2", {}), ("int2", {"residual_window": 16}), ("int4", {}),
+                                         ("int8", {}), ("int4", {"residual_window": 8})])
+@pytest.mark.parametrize("d,g,b,n", [(16, 1, 1, 5), (16, 3, 2, 40), (33, 4, 1, 70), (8, 2, 2, 100)])
+def test_fused_equals_plain_loops(kernels, method, opts, d, g, b, n, rng):
+    """Keys and values rebuilt element by element from the codec's documented formulas, then attention by loops."""
+    with set_kernels_enabled(kernels):
+        cache, q, out = _fill(method, d, g, b, n, rng, h=2, group_size=8, decode_path="fused", **opts)
+        codec = cache.layer_codec_state(0)
+        got = int_decode_attention(codec, q, d**-0.5)
+    want = int_decode_attention_loops(codec, q, d**-0.5)
+    _close(out.output, want)
+    _close(got, want)
+
+
+def test_inconsistent_codec_is_rejected(rng):
+    cache, q, _ = _fill("int2", 64, 2, 1, 50, rng)
+    codec = cache.layer_codec_state(0)
+    for bad in (dataclasses.replace(codec, n_window=0, v_window=None),
+                dataclasses.replace(codec, n_tokens=49),
+                dataclasses.replace(codec, n_residual=codec.n_residual - 1)):
+        for fn in (int_decode_attention, int_decode_attention_reference):
+            with pytest.raises(ValueError, match="codec counts disagree"):
+                fn(bad, q, 0.125)

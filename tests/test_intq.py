@@ -4,6 +4,7 @@ import pytest
 from arraykv.backends import set_kernels_enabled
 from arraykv.quant.intq import IntQuantized, dequantize_groups, quantize_groups
 from conftest import asarray, to_np
+from reference import intq_quantize_loops
 
 
 def loops_reference(x, bits, g, param_dtype):
@@ -25,7 +26,7 @@ def loops_reference(x, bits, g, param_dtype):
     return out.reshape(x.shape)
 
 
-@pytest.mark.parametrize("bits", [4, 8, 3])
+@pytest.mark.parametrize("bits", [2, 4, 8, 3])
 @pytest.mark.parametrize("shape,g", [((5,), 2), ((3, 37), 8), ((2, 3, 64), 32), ((4, 33), 33), ((2, 1, 7), 16)])
 @pytest.mark.parametrize("param_dtype", ["float32", "float16"])
 @pytest.mark.parametrize("kernels", [False, True])
@@ -41,8 +42,31 @@ def test_matches_loops_kernels_on_and_off(xp, rng, bits, shape, g, param_dtype, 
     np.testing.assert_allclose(got, loops_reference(x, bits, g, param_dtype), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("shape,g", [((3, 37), 8), ((2, 2, 64), 32), ((4, 33), 7), ((1, 6), 6), ((2, 5), 1)])
+@pytest.mark.parametrize("param_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kernels", [False, True])
+def test_packed_codes_and_parameters_equal_loops(rng, bits, shape, g, param_dtype, kernels):
+    """The stored bytes themselves (2 bits: four codes per byte, the first in the lowest bits)."""
+    x = (rng.standard_normal(shape) * 2 + 0.5).astype(np.float32)
+    x[..., 0] = x[..., 1]  # repeated values and a constant group (g == 1) on the way
+    with set_kernels_enabled(kernels):
+        q = quantize_groups(x, bits, g, param_dtype=param_dtype)
+    codes, scale, offset = intq_quantize_loops(x, bits, g, param_dtype)
+    np.testing.assert_array_equal(q.codes, codes)
+    np.testing.assert_array_equal(q.scale, scale)
+    np.testing.assert_array_equal(q.offset, offset)
+
+
+def test_two_bit_layout_by_hand():
+    """Codes 0, 1, 2, 3 of one group of four values land in one byte, lowest bits first."""
+    q = quantize_groups(np.array([[0.0, 1.0, 2.0, 3.0, 3.0, 0.0]], np.float32), 2, 4)
+    assert q.codes.tolist() == [[0b11100100, 0b00000011]]  # second group (range [0, 3]): codes 3, 0
+    np.testing.assert_array_equal(dequantize_groups(q), [[0, 1, 2, 3, 3, 0]])
+
+
 @pytest.mark.parametrize("parallel", [False, True])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [2, 4, 8])
 def test_kernel_and_reference_codes_identical(rng, bits, parallel, monkeypatch):
     from arraykv.backends import _numba_intq
 
@@ -60,15 +84,16 @@ def test_kernel_and_reference_codes_identical(rng, bits, parallel, monkeypatch):
         np.testing.assert_array_equal(da, dequantize_groups(b))
 
 
-def test_error_bound_and_constant_groups(xp, rng):
+@pytest.mark.parametrize("bits", [2, 4])
+def test_error_bound_and_constant_groups(xp, rng, bits):
     x = rng.standard_normal((6, 64)).astype(np.float32)
     x[2] = 1.25  # a constant row must come back exactly
-    q = quantize_groups(asarray(xp, x), 4, 16)
+    q = quantize_groups(asarray(xp, x), bits, 16)
     back = to_np(dequantize_groups(q))
     step = np.repeat(to_np(q.scale), 16, axis=-1)
     assert np.all(np.abs(back - x) <= step / 2 + 1e-6)
     np.testing.assert_array_equal(back[2], x[2])
-    assert q.bits_per_value == pytest.approx(4 + 64 / 16)
+    assert q.bits_per_value == pytest.approx(bits + 64 / 16)
 
 
 def test_float16_input_and_output_dtype(xp, rng):

@@ -121,3 +121,114 @@ def test_attention_close_to_exact(rng):
     got = attend(cache.decode(0, k1, v1, q1, arraykv.AttendConfig(scale, 2)), q1, scale)
     want = arraykv.attention(q1, np.concatenate([k, k1], 2), np.concatenate([v, v1], 2), softmax_scale=scale)
     assert rel_mse(got, want) < 1e-3
+
+
+# -- int2: KIVI-2 with a float16 residual ---------------------------------------------------
+
+def test_int2_layout_schedule_and_memory(rng):
+    """Keys gather in float16 until 32 are held, then become one 2-bit group; the last 32 values slide."""
+    cache = make("int2")
+    assert cache.residual_window == 32 and cache.get_config()["residual_window"] == 32
+    k, v, q = random_kvq(rng, np, 1, H, 1, 45, D)
+    cache.prefill(0, k, v, q)
+    cfg = arraykv.AttendConfig(D ** -0.5, 1)
+    ks, vs = [k], [v]
+    for n in range(46, 46 + 40):
+        k1, v1, q1 = random_kvq(rng, np, 1, H, 1, 1, D)
+        ks.append(k1)
+        vs.append(v1)
+        assert isinstance(cache.decode(0, k1, v1, q1, cfg), arraykv.Fused)
+        a = cache.layer_arrays(0)
+        assert a["k_codes"].shape == (1, H, n // 32, D, 8) and a["k_residual"].shape == (1, H, n % 32, D)
+        assert a["v_codes"].shape == (1, H, n - 32, D // 4) and a["v_window"].shape == (1, H, 32, D)
+        assert a["k_residual"].dtype == a["v_window"].dtype == np.float16
+        assert cache.stable_length(0) == min(32 * (n // 32), n - 32)
+        assert cache.memory_usage() == sum(x.nbytes for x in a.values())
+    n = 85
+    # 64 quantized keys and 53 quantized values at 2 + 32/32 bits; 21 keys and 32 values in float16
+    assert cache.memory_usage() == (64 + 53) * H * D * 3 // 8 + (21 + 32) * H * D * 2
+    k, v = np.concatenate(ks, 2), np.concatenate(vs, 2)
+    r = cache.dequantize(0)
+    assert r.k.dtype == np.float32 and r.k.shape == (1, H, n, D)
+    np.testing.assert_array_equal(r.k[:, :, 64:], k[:, :, 64:].astype(np.float16))  # the key residual
+    np.testing.assert_array_equal(r.v[:, :, n - 32:], v[:, :, n - 32:].astype(np.float16))  # the value window
+    assert rel_mse(r.k[:, :, :64], k[:, :, :64]) < 0.25 and rel_mse(r.v[:, :, :53], v[:, :, :53]) < 0.25
+
+
+def test_int2_what_is_stored_does_not_depend_on_the_calls(rng):
+    """One prefill, pieces, or one token at a time: the same bytes (append and prefill alike)."""
+    k, v, q = random_kvq(rng, np, 2, H, 2, 77, D)
+    whole, pieces, tokens = make("int2"), make("int2"), make("int2")
+    whole.prefill(0, k, v, q)
+    for a, b in ((0, 30), (30, 31), (31, 64), (64, 77)):
+        pieces.append(0, k[:, :, a:b], v[:, :, a:b], q[:, :, a:b])
+    cfg = arraykv.AttendConfig(D ** -0.5, 2)
+    for t in range(77):
+        tokens.decode(0, k[:, :, t:t + 1], v[:, :, t:t + 1], q[:, :, t:t + 1], cfg)
+    for other in (pieces, tokens):
+        a, b = whole.layer_arrays(0), other.layer_arrays(0)
+        assert a.keys() == b.keys()
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
+
+
+@pytest.mark.parametrize("window", [0, 64, 128])
+def test_residual_window_option(rng, window):
+    """Chunks of several groups, and no window at all (values quantized on arrival, like int4)."""
+    cache = make("int2", residual_window=window)
+    k, v, q = random_kvq(rng, np, 1, H, 1, 300, D)
+    r = cache.prefill(0, k, v, q)
+    a = cache.layer_arrays(0)
+    chunk = window or 32
+    assert a["k_codes"].shape[2] == 300 // chunk * chunk // 32 and a["k_residual"].shape[2] == 300 % chunk
+    assert a["v_codes"].shape[2] == 300 - window
+    assert ("v_window" in a) == bool(window)
+    assert a["k_residual"].dtype == (np.float16 if window else np.float32)
+    assert cache.stable_length(0) == min(300 // chunk * chunk, 300 - window)
+    again = arraykv.make_cache(**cache.get_config())
+    again.prefill(0, k, v, q)
+    np.testing.assert_array_equal(again.dequantize(0).k, r.k)
+
+
+def test_int4_with_a_window_and_int2_options_are_checked(rng):
+    cache = make("int4", residual_window=32, group_size=16)
+    k, v, q = random_kvq(rng, np, 1, H, 1, 40, D)
+    r = cache.prefill(0, k, v, q)
+    np.testing.assert_array_equal(r.v[:, :, 8:], v[:, :, 8:].astype(np.float16))
+    assert cache.layer_arrays(0)["k_codes"].shape == (1, H, 2, D, 8)
+    with pytest.raises(ValueError, match="residual_window must be 0 or a multiple of group_size=32"):
+        make("int2", residual_window=20)
+    with pytest.raises(ValueError, match="residual_window"):
+        make("int2", residual_window=-32)
+    with pytest.raises(ValueError, match="residual_window"):
+        make("int2", group_size=7)  # the default window of 32 is not a multiple of 7
+    assert make("int2", group_size=16).residual_window == 32
+    assert make("int4").residual_window == 0 and make("int8").residual_window == 0
+
+
+@pytest.mark.parametrize("outlier_channels", [False, True])
+def test_int2_per_channel_keys_beat_per_token(rng, outlier_channels):
+    """Without the window (to compare like with like), keys per channel vs per token at 2 bits."""
+    k = rng.standard_normal((1, H, 512, D)).astype(np.float32)
+    if outlier_channels:
+        k[..., [2, 40]] *= 15
+    v = rng.standard_normal((1, H, 512, D)).astype(np.float32)
+    cache = make("int2", residual_window=0)
+    r = cache.prefill(0, k, v, rng.standard_normal((1, H, 512, D)).astype(np.float32))
+    ours_k, base_k = rel_mse(r.k, k), rel_mse(per_token_baseline(k, 2, 32), k)
+    assert rel_mse(r.v, v) == pytest.approx(rel_mse(per_token_baseline(v, 2, 32), v), rel=1e-6)
+    assert ours_k <= base_k * 1.02
+    if outlier_channels:
+        assert ours_k < base_k / 1.5
+    assert ours_k < 0.17  # 0.155 measured: per-channel scales absorb the outlier channels
+
+
+def test_int2_window_in_every_namespace(xp, rng):
+    """float16 residual where the namespace has it (float32 otherwise); K/V come back in the input dtype."""
+    cache = make("int2")
+    k, v, q = random_kvq(rng, xp, 1, H, 1, 50, D)
+    r = cache.prefill(0, k, v, q)
+    assert r.k.dtype == xp.float32 and tuple(r.v.shape) == (1, H, 50, D)
+    a = cache.layer_arrays(0)
+    assert a["v_window"].dtype == getattr(xp, "float16", xp.float32)
+    np.testing.assert_array_equal(to_np(r.v)[:, :, 18:], to_np(v)[:, :, 18:].astype(to_np(a["v_window"]).dtype))

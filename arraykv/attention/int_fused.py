@@ -1,12 +1,13 @@
-"""Decode attention straight from a group-wise integer (``int4``/``int8``) cache layer.
+"""Decode attention straight from a group-wise integer (``int2``/``int4``/``int8``) cache layer.
 
 For one new query per head this computes ``softmax(scale · q Kᵀ) V`` over every token of an
 :class:`~arraykv.caches.intq.IntLayerCodec` (the quantized key groups, then the exact residual
-keys) without reconstructing K or V: the per-channel key scales and offsets are folded into
-the query once per key group and the per-token value scales and offsets into the softmax
-weights. :func:`int_decode_attention` dispatches to a fused kernel for the namespace (Numba on
-NumPy) and falls back to :func:`int_decode_attention_reference`, the array-API version the
-kernels are tested against.
+keys; the quantized values, then the exact window values) without reconstructing the
+quantized K or V: the per-channel key scales and offsets are folded into the query once per
+key group and the per-token value scales and offsets into the softmax weights.
+:func:`int_decode_attention` dispatches to a fused kernel for the namespace (Numba on NumPy)
+and falls back to :func:`int_decode_attention_reference`, the array-API version the kernels
+are tested against.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ def _check_query(codec: Any, q: Any) -> tuple:
                          f"head_dim={int(codec.k_residual.shape[3])}), received {tuple(q.shape)}")
     if codec.n_tokens < 1:
         raise ValueError("the layer holds no token to attend to")
+    n, G, nw = int(codec.n_tokens), int(codec.group_size), int(getattr(codec, "n_window", 0) or 0)
+    ng, nr, nv = int(codec.n_groups), int(codec.n_residual), int(codec.v_codes.shape[2])
+    wrows = int(codec.v_window.shape[2]) if nw else 0
+    if (ng * G + nr != n or nv + nw != n or int(codec.k_codes.shape[2]) != ng
+            or int(codec.k_residual.shape[2]) != nr or wrows != nw):
+        raise ValueError(f"codec counts disagree: n_tokens={n}, keys {ng} groups of {G} + {nr} exact "
+                         f"(k_codes {int(codec.k_codes.shape[2])} groups, k_residual "
+                         f"{int(codec.k_residual.shape[2])} rows), values {nv} quantized + {nw} exact "
+                         f"(v_window {wrows} rows)")
     return b, h, qh // h, d
 
 
@@ -52,7 +62,8 @@ def int_decode_attention_reference(codec: Any, q: Any, scale: float):
 
         Σ_t p_t v_{t,c} = Σ_t (p_t · vscale_{t,j}) code_{t,c} + Σ_t p_t · voffset_{t,j}
 
-    and the output is that divided by ``Σ_t p_t``.
+    for the quantized values, ``Σ_t p_t v_t`` for the ``n_window`` exact ones (the latest
+    tokens), and the output is the sum divided by ``Σ_t p_t``.
     """
     xp = _compat.namespace(q)
     b, h, g, d = _check_query(codec, q)
@@ -77,19 +88,24 @@ def int_decode_attention_reference(codec: Any, q: Any, scale: float):
     m = xp.max(s, axis=-1, keepdims=True)
     p = xp.exp(s - m)
     den = xp.sum(p, axis=-1)  # (b, h, g)
-    vs = xp.astype(codec.v_scale, f32)  # (b, h, n, nvg)
+    nw = int(getattr(codec, "n_window", 0) or 0)
+    nv = n - nw  # quantized values
+    pq = p[..., :nv] if nw else p
+    vs = xp.astype(codec.v_scale, f32)  # (b, h, nv, nvg)
     vo = xp.astype(codec.v_offset, f32)
     nvg = int(vs.shape[-1])
-    vc = xp.astype(unpack_bits(codec.v_codes, bits, d), f32)  # (b, h, n, d)
+    vc = xp.astype(unpack_bits(codec.v_codes, bits, d), f32)  # (b, h, nv, d)
     pad = nvg * G - d
     if pad:
-        vc = xp.concat([vc, xp.zeros((b, h, n, pad), dtype=f32, device=dev)], axis=-1)
-    vcg = xp.permute_dims(xp.reshape(vc, (b, h, n, nvg, G)), (0, 1, 3, 2, 4))  # (b, h, nvg, n, G)
-    w = p[..., None] * vs[:, :, None, :, :]  # (b, h, g, n, nvg): weights folded with the value scales
+        vc = xp.concat([vc, xp.zeros((b, h, nv, pad), dtype=f32, device=dev)], axis=-1)
+    vcg = xp.permute_dims(xp.reshape(vc, (b, h, nv, nvg, G)), (0, 1, 3, 2, 4))  # (b, h, nvg, nv, G)
+    w = pq[..., None] * vs[:, :, None, :, :]  # (b, h, g, nv, nvg): weights folded with the value scales
     acc = xp.matmul(xp.permute_dims(w, (0, 1, 4, 2, 3)), vcg)  # (b, h, nvg, g, G)
     acc = xp.permute_dims(acc, (0, 1, 3, 2, 4))  # (b, h, g, nvg, G)
-    off = xp.matmul(p, vo)  # (b, h, g, nvg)
+    off = xp.matmul(pq, vo)  # (b, h, g, nvg)
     num = xp.reshape(acc + off[..., None], (b, h, g, nvg * G))[..., :d]
+    if nw:  # exact window values: Σ_t p_t v_t
+        num = num + xp.matmul(p[..., nv:], xp.astype(codec.v_window, f32))  # (b, h, g, d)
     out = num / den[..., None]
     return xp.astype(xp.reshape(out, (b, h * g, 1, d)), q.dtype)
 
@@ -116,13 +132,13 @@ def int_decode_attention(codec: Any, q: Any, scale: float):
     Notes
     -----
     See :func:`int_decode_attention_reference` for the folding of scales and offsets. The
-    kernel (:mod:`arraykv.backends._numba_int_fused` on NumPy) covers 4- and 8-bit codes;
+    kernel (:mod:`arraykv.backends._numba_int_fused` on NumPy) covers 2-, 4- and 8-bit codes;
     other widths use the reference.
     """
     from ..backends import lookup
 
     xp = _compat.namespace(q)
-    fast = lookup("int_decode_attention", xp) if int(codec.bits) in (4, 8) else None
+    fast = lookup("int_decode_attention", xp) if int(codec.bits) in (2, 4, 8) else None
     if fast is not None:
         return fast(codec, q, float(scale))
     return int_decode_attention_reference(codec, q, float(scale))

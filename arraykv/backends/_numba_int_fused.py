@@ -1,18 +1,19 @@
-"""Numba kernel: one decode step of attention straight from an ``int4``/``int8`` cache layer.
+"""Numba kernel: one decode step of attention straight from an ``int2``/``int4``/``int8`` cache layer.
 
 A call is one compiled function that does the whole step for every (batch, KV head), over the
 layout of :class:`arraykv.caches.intq.IntLayerCodec` (keys quantized per channel in groups of
-``G`` tokens, then up to ``G − 1`` exact residual keys; values quantized per token in groups of
-``G`` channels):
+``G`` tokens, then exact residual keys; values quantized per token in groups of ``G`` channels,
+then exact window values):
 
 1. the queries of the KV head's GQA group, times the softmax scale;
 2. tokens in tiles of whole key groups (about :data:`TILE` tokens): for each key group the
-   codes are unpacked once (INT4 through a byte table: one 8-byte load and store per two codes)
-   into a ``(head_dim, G)`` block, the group's per-channel scales are folded into each query
-   head's query and its offsets into a constant, and the block's scores are query · block;
-   residual keys are scored exactly. An online softmax per query head is rescaled once per tile,
-   then the tile's value codes are unpacked once for the group and accumulated with weights
-   ``p_t · vscale_{t,j}`` per value group ``j``, the offsets as ``Σ_t p_t · voffset_{t,j}``;
+   codes are unpacked once (INT4/INT2 through a byte table: 8-byte loads and stores of two
+   codes) into a ``(head_dim, G)`` block, the group's per-channel scales are folded into each
+   query head's query and its offsets into a constant, and the block's scores are query ·
+   block; residual keys are scored exactly. An online softmax per query head is rescaled once
+   per tile, then the tile's value codes are unpacked once for the group and accumulated with
+   weights ``p_t · vscale_{t,j}`` per value group ``j``, the offsets as ``Σ_t p_t ·
+   voffset_{t,j}`` (exact window values enter the tile with scale 1 and offset 0);
 3. a log-sum-exp merge of the token splits and the division by the softmax denominator.
 
 Small steps run on the calling thread (:data:`PARALLEL_MIN_WORK`); larger ones split each
@@ -20,9 +21,7 @@ head's tokens, at key-group boundaries, over Numba's threads (only step 2 is par
 buffers are ``O(heads · G_q · head_dim)`` plus ``O(TILE · head_dim + head_dim · G)`` per task:
 nothing grows with the context. float16 scales and offsets are read through ``uint16`` views
 and :data:`arraykv.backends._numba_fused.HALF_TO_FLOAT`. Functions are compiled once per
-parameter dtype (float16 or float32), for read-only arguments of any layout, and cached on
-disk.
-"""
+parameter dtype (float16 or float32), for read-only arguments of any layout, and cached on disk."""
 
 from __future__ import annotations
 
@@ -55,6 +54,9 @@ _FASTMATH = {"nsz", "arcp", "contract", "reassoc", "afn"}
 #: Byte -> its two 4-bit codes as float32 (low nibble first), as one 8-byte word.
 _NIBBLES = np.ascontiguousarray(
     np.stack([np.arange(256) & 15, np.arange(256) >> 4], axis=1).astype(np.float32)).view(np.uint64).reshape(-1)
+#: Byte -> its four 2-bit codes as float32 (lowest bits first), as two 8-byte words (entries 2·byte, 2·byte + 1).
+_QUADS = np.ascontiguousarray(
+    np.stack([(np.arange(256) >> s) & 3 for s in (0, 2, 4, 6)], axis=1).astype(np.float32)).view(np.uint64).reshape(-1)
 
 
 def _f32(x, half):  # pragma: no cover - replaced in compiled code by the overload below
@@ -75,10 +77,10 @@ def _ro(dtype, ndim, layout="A"):
 
 def _signature(param):
     """``(q, scale, n, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset,
-    nib, half, splits, out)`` with float16 (``uint16``) or float32 scales and offsets."""
+    v_win, table, half, splits, out)`` with float16 (``uint16``) or float32 scales and offsets."""
     return nbt.void(_ro(nbt.float32, 3, "C"), nbt.float64, nbt.int64, nbt.int64, nbt.int64,
                     _ro(nbt.uint8, 5), _ro(param, 4), _ro(param, 4), _ro(nbt.float32, 4, "C"),
-                    _ro(nbt.uint8, 4), _ro(param, 4), _ro(param, 4),
+                    _ro(nbt.uint8, 4), _ro(param, 4), _ro(param, 4), _ro(nbt.float32, 4, "C"),
                     _ro(nbt.uint64, 1, "C"), _ro(nbt.float32, 1, "C"), nbt.int64, nbt.Array(nbt.float32, 3, "C"))
 
 
@@ -87,23 +89,26 @@ _SIGS = [_signature(nbt.uint16), _signature(nbt.float32)]
 
 @nb.njit(fastmath=_FASTMATH, error_model="numpy")
 def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset,
-                 nib, half, m, l, acc):
+                 v_win, tab, half, m, l, acc):
     """Online softmax over tokens ``[t_lo, t_hi)`` of head ``(b, h)`` for every query head of its group.
 
     ``qs`` (G_q, d) are the queries times the softmax scale; ``t_lo`` is a multiple of ``G``.
     ``m``, ``l`` (G_q,) and ``acc`` (G_q, d) hold the running maximum logit, the sum of
     ``exp(logit − m)`` and ``Σ exp(logit − m) · v_t``; they are updated in place (a caller
     starts them at ``-inf``, ``0``, ``0``). Tokens below ``n_groups · G`` have quantized keys,
-    the others are rows of ``k_res``.
+    the others are rows of ``k_res``; values likewise below ``v_codes.shape[2]``, then ``v_win``.
+    ``tab`` is :data:`_NIBBLES` (4 bits) or :data:`_QUADS` (2 bits; 8 bits do not use it).
     """
     g_n, d = qs.shape
     n_groups = k_codes.shape[2]
     nq = n_groups * G
+    nvq = v_codes.shape[2]
     nvg = v_scale.shape[3]
     tile = max(1, TILE // G) * G
-    kb64 = np.empty((d, (G + 1) // 2), np.uint64)  # one key group, channels x tokens
+    # row widths in 8-byte words (two float32 codes each), rounded to whole bytes of codes
+    kb64 = np.empty((d, 2 * ((G + 3) // 4)), np.uint64)  # one key group, channels x tokens
     kb = kb64.view(np.float32)
-    vb64 = np.empty((tile, (d + 1) // 2), np.uint64)  # the tile's values, tokens x channels
+    vb64 = np.empty((tile, 2 * ((d + 3) // 4)), np.uint64)  # the tile's values, tokens x channels
     vb = vb64.view(np.float32)
     s = np.empty((g_n, tile), np.float32)
     qf = np.empty(d, np.float32)
@@ -113,8 +118,8 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
     vof = np.empty((nvg, tile), np.float32)
     wt = np.empty(tile, np.float32)
     d4 = d - d % 4
-    nbk = (G + 1) // 2
-    nbv = (d + 1) // 2
+    nbk = (G * bits + 7) // 8  # bytes per packed key row / value row
+    nbv = (d * bits + 7) // 8
     for t0 in range(t_lo, t_hi, tile):
         t1 = min(t_hi, t0 + tile)
         nt = t1 - t0
@@ -122,16 +127,23 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
         for g0 in range(t0, min(t1, nq), G):
             grp = g0 // G
             off = g0 - t0
-            if bits == 4:
-                for c in range(d):
-                    row = k_codes[b, h, grp, c]
-                    for j in range(nbk):
-                        kb64[c, j] = nib[row[j]]
-            else:
+            if bits == 8:
                 for c in range(d):
                     row = k_codes[b, h, grp, c]
                     for i in range(G):
                         kb[c, i] = np.float32(row[i])
+            elif bits == 4:
+                for c in range(d):
+                    row = k_codes[b, h, grp, c]
+                    for j in range(nbk):
+                        kb64[c, j] = tab[row[j]]
+            else:
+                for c in range(d):
+                    row = k_codes[b, h, grp, c]
+                    for j in range(nbk):
+                        i2 = 2 * np.int64(row[j])  # the byte's two table words
+                        kb64[c, 2 * j] = tab[i2]
+                        kb64[c, 2 * j + 1] = tab[i2 + 1]
             for c in range(d):
                 ksf[c] = _f32(k_scale[b, h, grp, c], half)
                 kof[c] = _f32(k_offset[b, h, grp, c], half)
@@ -170,21 +182,34 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
                 for c in range(d):
                     dot += qg[c] * kr[c]
                 s[g, t - t0] = dot
-        # 2. values of the tile, unpacked once for the group, and their scales and offsets
-        if bits == 4:
-            for r in range(nt):
-                row = v_codes[b, h, t0 + r]
-                for j in range(nbv):
-                    vb64[r, j] = nib[row[j]]
-        else:
-            for r in range(nt):
+        # 2. values of the tile, unpacked once for the group, and their scales and offsets;
+        #    exact window values are copied with scale 1 and offset 0
+        nqt = max(0, min(nt, nvq - t0))
+        if bits == 8:
+            for r in range(nqt):
                 row = v_codes[b, h, t0 + r]
                 for c in range(d):
                     vb[r, c] = np.float32(row[c])
-        for r in range(nt):
+        elif bits == 4:
+            for r in range(nqt):
+                row = v_codes[b, h, t0 + r]
+                for j in range(nbv):
+                    vb64[r, j] = tab[row[j]]
+        else:
+            for r in range(nqt):
+                row = v_codes[b, h, t0 + r]
+                for j in range(nbv):
+                    i2 = 2 * np.int64(row[j])
+                    vb64[r, 2 * j] = tab[i2]
+                    vb64[r, 2 * j + 1] = tab[i2 + 1]
+        for r in range(nqt):
             for j in range(nvg):
                 vsf[j, r] = _f32(v_scale[b, h, t0 + r, j], half)
                 vof[j, r] = _f32(v_offset[b, h, t0 + r, j], half)
+        for r in range(nqt, nt):
+            vb[r, :d] = v_win[b, h, t0 + r - nvq]
+            vsf[:, r] = 1.0
+            vof[:, r] = 0.0
         r4 = nt - nt % 4
         for g in range(g_n):
             # 3. online softmax: rescale once per tile, then the tile's weights
@@ -274,8 +299,8 @@ def _finish_head(b, h, m_sp, l_sp, acc_sp, out):
 
 
 @nb.njit(_SIGS, cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _step_serial(q, scale, n, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, nib, half,
-                 splits, out):
+def _step_serial(q, scale, n, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, v_win, tab,
+                 half, splits, out):
     """The whole step on the calling thread (``splits`` is ignored: one span per head)."""
     b_n, qh, d = q.shape
     h_n = v_codes.shape[1]
@@ -291,7 +316,7 @@ def _step_serial(q, scale, n, G, bits, k_codes, k_scale, k_offset, k_res, v_code
             l[:] = 0.0
             acc[:] = 0.0
             _attend_span(b, h, 0, n, qs, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset,
-                         nib, half, m[0], l[0], acc[0])
+                         v_win, tab, half, m[0], l[0], acc[0])
             _finish_head(b, h, m, l, acc, out)
 
 
@@ -302,8 +327,8 @@ _PRANGE_ONLY = {"prange": True, "comprehension": False, "setitem": False, "reduc
 
 
 @nb.njit(_SIGS, cache=True, nogil=True, parallel=_PRANGE_ONLY, fastmath=_FASTMATH, error_model="numpy")
-def _step_parallel(q, scale, n, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, nib,
-                   half, splits, out):
+def _step_parallel(q, scale, n, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, v_win,
+                   tab, half, splits, out):
     """The step with each head's tokens cut, at key-group boundaries, into ``splits`` spans run on Numba's threads."""
     b_n, qh, d = q.shape
     h_n = v_codes.shape[1]
@@ -328,7 +353,7 @@ def _step_parallel(q, scale, n, G, bits, k_codes, k_scale, k_offset, k_res, v_co
         l_t = np.zeros(g_n, np.float32)
         acc_t = np.zeros((g_n, d), np.float32)
         _attend_span(b, h, t_lo, t_hi, qs[b, h], G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale,
-                     v_offset, nib, half, m_t, l_t, acc_t)
+                     v_offset, v_win, tab, half, m_t, l_t, acc_t)
         m[b, h, sp] = m_t
         l[b, h, sp] = l_t
         acc[b, h, sp] = acc_t
@@ -367,8 +392,8 @@ def int_decode_attention(codec, q, scale):
     Parameters
     ----------
     codec : IntLayerCodec
-        NumPy state: uint8 codes of 4 or 8 bits, float16 or float32 scales and offsets (the
-        same dtype for keys and values), residual keys of any float dtype.
+        NumPy state: uint8 codes of 2, 4 or 8 bits, float16 or float32 scales and offsets (the
+        same dtype for keys and values), residual keys and window values of any float dtype.
     q : ndarray, shape (batch, q_heads, 1, head_dim)
         Any float dtype; computed in float32.
     scale : float
@@ -382,23 +407,23 @@ def int_decode_attention(codec, q, scale):
 
     b, h, _, d = _check_query(codec, q)
     bits = int(codec.bits)
-    if bits not in (4, 8):
-        raise ValueError(f"codec.bits must be 4 or 8 for this kernel, received {bits}")
+    if bits not in (2, 4, 8):
+        raise ValueError(f"codec.bits must be 2, 4 or 8 for this kernel, received {bits}")
     G = int(codec.group_size)
     n = int(codec.n_tokens)
     qh = int(q.shape[1])
     k_scale, k_offset = _params(codec.k_scale), _params(codec.k_offset)
     v_scale, v_offset = _params(codec.v_scale), _params(codec.v_offset)
     if k_scale.dtype != v_scale.dtype:  # the cache stores both in one dtype; a mixed codec reads float32
-        k_scale, k_offset, v_scale, v_offset = (np.asarray(codec.k_scale, np.float32),
-                                                np.asarray(codec.k_offset, np.float32),
-                                                np.asarray(codec.v_scale, np.float32),
-                                                np.asarray(codec.v_offset, np.float32))
+        k_scale, k_offset, v_scale, v_offset = (np.asarray(a, np.float32) for a in (
+            codec.k_scale, codec.k_offset, codec.v_scale, codec.v_offset))
     threads, splits = _plan(b * h, n, G)
     out = np.empty((b, qh, d), np.float32)
+    n_window = int(getattr(codec, "n_window", 0) or 0)
+    v_win = np.ascontiguousarray(codec.v_window, np.float32) if n_window else np.zeros((b, h, 0, d), np.float32)
     args = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, G, bits,
             codec.k_codes, k_scale, k_offset, np.ascontiguousarray(codec.k_residual, dtype=np.float32),
-            codec.v_codes, v_scale, v_offset, _NIBBLES, HALF_TO_FLOAT)
+            codec.v_codes, v_scale, v_offset, v_win, _QUADS if bits == 2 else _NIBBLES, HALF_TO_FLOAT)
     if threads == 1 and splits == 1:
         _step_serial(*args, 1, out)
     else:

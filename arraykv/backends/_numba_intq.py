@@ -5,6 +5,10 @@ round, clip, pack), with identical float32 arithmetic so results match bit for b
 fewer than :data:`PARALLEL_MIN_VALUES` values run on the calling thread: a decode step of a
 small model touches a few hundred thousand values, and waking Numba's worker threads costs
 more than that work (on a busy machine, milliseconds).
+
+Code widths: 8 bits (one per byte), 4 bits (two per byte, low nibble first) and 2 bits (four
+per byte, the first code in the lowest two bits), the layout of
+:mod:`arraykv.quant.bitpack`; other widths use the array-API reference.
 """
 
 from __future__ import annotations
@@ -64,12 +68,13 @@ def _quant_pack(x, g, bits, off, inv, out):
                 if t > levels:
                     t = levels
                 out[r, i] = np.uint8(t)
-        else:
+        else:  # 4 or 2 bits: 8 // bits codes per byte, the first in the lowest bits
+            per = 8 // bits
             nb_out = out.shape[1]
             for p in range(nb_out):
                 byte = 0
-                for h in range(2):
-                    i = 2 * p + h
+                for h in range(per):
+                    i = per * p + h
                     if i < n:
                         j = i // g
                         t = np.floor((x[r, i] - off[r, j]) * inv[r, j] + half)
@@ -77,7 +82,7 @@ def _quant_pack(x, g, bits, off, inv, out):
                             t = zero
                         if t > levels:
                             t = levels
-                        byte |= int(t) << (4 * h)
+                        byte |= int(t) << (bits * h)
                 out[r, p] = np.uint8(byte)
 
 
@@ -89,8 +94,10 @@ def _dequant(codes, bits, g, n, s, o, out):
             j = i // g
             if bits == 8:
                 c = codes[r, i]
-            else:
+            elif bits == 4:
                 c = (codes[r, i >> 1] >> (4 * (i & 1))) & 15
+            else:
+                c = (codes[r, i >> 2] >> (2 * (i & 3))) & 3
             out[r, i] = np.float32(c) * s[r, j] + o[r, j]
 
 

@@ -1,7 +1,9 @@
-"""KIVI-style group-wise integer caches: ``int4`` and ``int8``.
+"""KIVI-style group-wise integer caches: ``int2``, ``int4`` and ``int8``.
 
 Keys are quantized per channel over groups of ``group_size`` tokens, values per token over
-groups of ``group_size`` channels; the latest keys stay in full precision until a group fills.
+groups of ``group_size`` channels. Exact (unquantized) tokens: the latest keys until a group
+fills (with ``residual_window > 0``, a window's worth of groups) and, with a window (``int2``),
+the most recent values; with a window both are held in float16.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _compat
 from ..attention.int_fused import int_decode_attention
 from ..backends import lookup
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
@@ -19,7 +22,7 @@ from .._validation import check_int
 from .base import LayeredCache, LayerState, check_decode_path
 from .registry import register_method
 
-__all__ = ["IntQuantCache", "Int4Cache", "Int8Cache", "IntLayerCodec"]
+__all__ = ["IntQuantCache", "Int2Cache", "Int4Cache", "Int8Cache", "IntLayerCodec"]
 
 _SCALE_DTYPES = ("float16", "float32")
 
@@ -28,32 +31,40 @@ _SCALE_DTYPES = ("float16", "float32")
 class IntLayerCodec:
     """Everything a kernel needs to read one layer of an :class:`IntQuantCache` (views, no copies).
 
-    The layer holds ``n_tokens`` tokens; the first ``n_groups · group_size`` have quantized keys,
-    the last ``n_residual`` exact keys. With ``G = group_size``, token ``t = grp · G + i`` of
-    head ``(b, h)`` has key channel ``c``::
+    The layer holds ``n_tokens`` tokens. Keys: the first ``n_groups · G`` are quantized, the
+    last ``n_residual`` exact. Values: the first ``n_tokens − n_window`` are quantized, the last
+    ``n_window`` exact (the two boundaries are independent). With ``G = group_size``, token
+    ``t = grp · G + i`` of head ``(b, h)`` has key channel ``c``::
 
         k[c] = k_scale[b,h,grp,c] · unpack(k_codes[b,h,grp,c])[i] + k_offset[b,h,grp,c]   (t < n_groups·G)
         k[c] = k_residual[b,h,t - n_groups·G,c]                                             (otherwise)
 
-    and every token ``t`` has value channel ``c``, in channel group ``j = c // G``::
+    and value channel ``c``, in channel group ``j = c // G``, with ``n_q = n_tokens − n_window``::
 
-        v[c] = v_scale[b,h,t,j] · unpack(v_codes[b,h,t])[c] + v_offset[b,h,t,j]
+        v[c] = v_scale[b,h,t,j] · unpack(v_codes[b,h,t])[c] + v_offset[b,h,t,j]             (t < n_q)
+        v[c] = v_window[b,h,t - n_q,c]                                                      (otherwise)
 
-    ``unpack`` is :func:`arraykv.quant.bitpack.unpack_bits` (INT4: low nibble first).
+    ``unpack`` is :func:`arraykv.quant.bitpack.unpack_bits` (INT2: four codes per byte, the
+    first in the lowest two bits; INT4: low nibble first).
 
     Attributes
     ----------
     bits : int
-        Bits per code (4 or 8 for the registered caches).
+        Bits per code (2, 4 or 8 for the registered caches).
     group_size : int
         ``G``: tokens per key group, channels per value group.
     n_tokens, n_groups, n_residual : int
         Tokens held, full key groups, exact keys (``n_tokens = n_groups · G + n_residual``).
     k_codes : uint8 (batch, kv_heads, n_groups, head_dim, ceil(G·bits/8))
     k_scale, k_offset : float16 or float32 (batch, kv_heads, n_groups, head_dim)
-    k_residual : (batch, kv_heads, n_residual, head_dim), the cache's input dtype
-    v_codes : uint8 (batch, kv_heads, n_tokens, ceil(head_dim·bits/8))
-    v_scale, v_offset : float16 or float32 (batch, kv_heads, n_tokens, ceil(head_dim/G))
+    k_residual : (batch, kv_heads, n_residual, head_dim)
+        float16 when the cache has a window (``residual_window > 0``), else the input dtype.
+    v_codes : uint8 (batch, kv_heads, n_tokens − n_window, ceil(head_dim·bits/8))
+    v_scale, v_offset : float16 or float32 (batch, kv_heads, n_tokens − n_window, ceil(head_dim/G))
+    n_window : int, default 0
+        Exact values (the most recent tokens); 0 without a window (``int4``/``int8`` by default).
+    v_window : float16 (batch, kv_heads, n_window, head_dim) or None
+        The exact values (float32 on namespaces without float16); None when ``n_window == 0``.
     """
 
     bits: int
@@ -68,6 +79,8 @@ class IntLayerCodec:
     v_codes: Any
     v_scale: Any
     v_offset: Any
+    n_window: int = 0
+    v_window: Any = None
 
 
 class IntQuantCache(LayeredCache):
@@ -82,6 +95,14 @@ class IntQuantCache(LayeredCache):
     scale_dtype : {"float16", "float32"}, default "float16"
         Dtype of the per-group scales and offsets. Namespaces without float16
         (``array_api_strict``) store float32.
+    residual_window : int or None, default None
+        ``R``, 0 or a multiple of ``group_size``: KIVI's full-precision residual. The latest
+        ``R`` values and the latest ``n mod R`` keys of ``n`` tokens are held in float16
+        (float32 on namespaces without float16); a value is quantized when it leaves the
+        window, keys ``R`` at a time (``R / group_size`` groups) when ``R`` have gathered.
+        None: the class default (:attr:`default_residual_window`: 32 for ``int2``, 0 for
+        ``int4``/``int8``). With 0, values are quantized on arrival and the keys of an unfilled
+        group are held exactly, in the input dtype.
     decode_path : {"auto", "fused", "dequantized"}, default "auto"
         How ``decode`` attends: ``"auto"`` from the packed codes (:class:`~arraykv.Fused`)
         when a fused kernel exists for the namespace (Numba on NumPy), else it returns
@@ -91,24 +112,34 @@ class IntQuantCache(LayeredCache):
 
     Notes
     -----
-    State of a layer (``b`` batch, ``h`` heads, ``d`` head_dim, ``G`` group_size, ``β`` bits):
+    State of a layer of ``n`` tokens (``b`` batch, ``h`` heads, ``d`` head_dim, ``G``
+    group_size, ``β`` bits, ``R`` residual_window):
 
     ``k_codes`` (b, h, groups, d, G·β/8) uint8
         Keys of each full group of ``G`` tokens, one row per channel, codes packed along the
-        tokens (INT4: two per byte).
+        tokens (INT4: two per byte, INT2: four).
     ``k_scale``, ``k_offset`` (b, h, groups, d)
         One scale and offset per (group, channel).
-    ``k_residual`` (b, h, r, d), ``r < G``, input dtype
-        The latest keys, kept exactly until ``G`` of them fill a group.
-    ``v_codes`` (b, h, tokens, ceil(d·β/8)) uint8; ``v_scale``, ``v_offset`` (b, h, tokens, ceil(d/G))
-        Values, quantized per token as they arrive.
+    ``k_residual`` (b, h, n mod R, d) (``n mod G`` when ``R = 0``)
+        The latest keys, exact: float16 when ``R > 0``, else the input dtype.
+    ``v_codes`` (b, h, n − w, ceil(d·β/8)) uint8; ``v_scale``, ``v_offset`` (b, h, n − w, ceil(d/G))
+        Values, quantized per token.
+    ``v_window`` (b, h, w, d) float16, ``w = min(n, R)``; held (and saved) only when ``R > 0``
+        The latest values, exact.
 
-    KIVI (Liu et al., 2024) observed that key caches have outlier *channels* (a few channels
-    with large magnitude in every token) while value errors matter per token; quantizing keys
-    per channel confines each outlier channel to its own scale. Each code is
-    ``clip(floor((x - offset) / scale + 1/2), 0, 2^β - 1)`` with ``scale = (max - min) / (2^β - 1)``
-    per group, so the error is at most half a step. Bits per value with float16 parameters:
-    ``β + 32 / G`` (5 for INT4, 9 for INT8 at ``G = 32``), plus the residual.
+    KIVI (Liu et al., 2024, *KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache*)
+    observed that key caches have outlier *channels* (a few channels with large magnitude in
+    every token) while value errors matter per token; quantizing keys per channel confines
+    each outlier channel to its own scale. Its Algorithm 1 also keeps a full-precision
+    residual (R = 32–128 in the paper): keys gather until ``R`` are held, then are quantized
+    together; the latest ``R`` values slide. Each code is
+    ``clip(floor((x - offset) / scale + 1/2), 0, 2^β - 1)`` with
+    ``scale = (max - min) / (2^β - 1)`` per group, so the error is at most half a step.
+    Bits per value with float16 parameters: ``β + 32 / G`` (3 for INT2, 5 for INT4, 9 for INT8
+    at ``G = 32``), plus the exact tokens: on average ``16 · ((R − 1)/2 + R) / (2n)`` more
+    (0.05 at ``n = 8192``, ``R = G = 32``). Tokens enter the residual rounded to its dtype and
+    are quantized from there at positions fixed by ``n``, so what is stored does not depend on
+    how the tokens were split into calls.
     ``decode`` attends straight from the codes when the fused path is taken (see
     ``decode_path``): the per-channel key scales fold into the query once per group,
     ``q·k_t = Σ_c (q_c · scale_c) code_{t,c} + Σ_c q_c · offset_c``, and the per-token value
@@ -119,23 +150,36 @@ class IntQuantCache(LayeredCache):
 
     method = "int"
     bits = 8
+    #: ``residual_window`` when the constructor is given None.
+    default_residual_window = 0
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, group_size: int = 32,
-                 scale_dtype: str = "float16", decode_path: str = "auto", check_finite: bool = True,
-                 max_tokens: int | None = None):
+                 scale_dtype: str = "float16", residual_window: int | None = None, decode_path: str = "auto",
+                 check_finite: bool = True, max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
         self.group_size = check_int("group_size", group_size, low=1)
         if scale_dtype not in _SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {_SCALE_DTYPES}, received {scale_dtype!r}")
         self.scale_dtype = scale_dtype
+        if residual_window is None:
+            residual_window = self.default_residual_window
+        self.residual_window = check_int("residual_window", residual_window, low=0)
+        if self.residual_window % self.group_size:
+            raise ValueError(f"residual_window must be 0 or a multiple of group_size={self.group_size}, "
+                             f"received {self.residual_window}")
         self.decode_path = check_decode_path(decode_path)
 
     def _extra_config(self) -> dict:
-        return {"group_size": self.group_size, "scale_dtype": self.scale_dtype, "decode_path": self.decode_path}
+        return {"group_size": self.group_size, "scale_dtype": self.scale_dtype,
+                "residual_window": self.residual_window, "decode_path": self.decode_path}
 
     def _pdt(self, xp: Any) -> str:
         return self.scale_dtype if hasattr(xp, self.scale_dtype) else "float32"
+
+    def _exact_dtype(self, xp: Any, dtype: Any):
+        """Dtype of the exact tokens: half precision with a window, else the input ``dtype``."""
+        return (getattr(xp, "float16", None) or xp.float32) if self.residual_window else dtype
 
     # -- state ----------------------------------------------------------------------
     def _new_layer(self, xp, dev, batch, dtype) -> LayerState:
@@ -143,17 +187,28 @@ class IntQuantCache(LayeredCache):
         mt = self.max_tokens
         st.extra["kq"] = TokenBuffers(max_tokens=None if mt is None else -(-mt // self.group_size), min_capacity=4)
         st.extra["vq"] = TokenBuffers(max_tokens=mt)
-        st.extra["k_residual"] = xp.zeros((batch, self.num_kv_heads, 0, self.head_dim), dtype=dtype, device=dev)
+        empty = (batch, self.num_kv_heads, 0, self.head_dim)
+        edt = self._exact_dtype(xp, dtype)
+        st.extra["k_residual"] = xp.zeros(empty, dtype=edt, device=dev)
+        st.extra["v_window"] = xp.zeros(empty, dtype=edt, device=dev)
         return st
 
     def _encode(self, st: LayerState, k: Any, v: Any) -> tuple:
-        """Everything a store writes, computed before anything changes."""
+        """Everything a store writes, computed before anything changes.
+
+        Returns ``(kq, vq, k_residual, v_window)``: the arrays to append to the key groups
+        and to the value rows (None when nothing is quantized) and the new exact tokens.
+        """
         xp = st.xp
-        g = self.group_size
+        g, w = self.group_size, self.residual_window
         pdt = self._pdt(xp)
+        edt = st.extra["k_residual"].dtype
+        if k.dtype != edt:
+            k, v = xp.astype(k, edt), xp.astype(v, edt)
         allk = xp.concat([st.extra["k_residual"], k], axis=2)
         b, h, n, d = (int(s) for s in allk.shape)
-        full = n // g
+        chunk = w or g  # keys are quantized in whole chunks of the window (or of one group)
+        full = n // chunk * (chunk // g)
         kq = None
         if full:
             blk = xp.reshape(allk[:, :, : full * g, :], (b, h, full, g, d))
@@ -161,19 +216,32 @@ class IntQuantCache(LayeredCache):
             q = quantize_groups(blk, self.bits, g, param_dtype=pdt)
             kq = {"k_codes": q.codes, "k_scale": q.scale[..., 0], "k_offset": q.offset[..., 0]}
         residual = xp.asarray(allk[:, :, full * g :, :], copy=True)
-        qv = quantize_groups(v, self.bits, g, param_dtype=pdt)
-        vq = {"v_codes": qv.codes, "v_scale": qv.scale, "v_offset": qv.offset}
-        return kq, vq, residual
+        window = st.extra["v_window"]
+        if w == 0:
+            spill, allv, new_window = int(v.shape[2]), v, window
+        else:
+            allv = xp.concat([window, v], axis=2)
+            spill = max(0, int(allv.shape[2]) - w)
+            new_window = xp.asarray(allv[:, :, spill:, :], copy=True)
+        vq = None
+        if spill:
+            qv = quantize_groups(allv[:, :, :spill, :], self.bits, g, param_dtype=pdt)
+            vq = {"v_codes": qv.codes, "v_scale": qv.scale, "v_offset": qv.offset}
+        return kq, vq, residual, new_window
 
     def _store(self, st: LayerState, k: Any, v: Any) -> None:
-        kq, vq, residual = self._encode(st, k, v)
+        kq, vq, residual, window = self._encode(st, k, v)
         if kq is not None:
             st.extra["kq"].check_room(int(kq["k_codes"].shape[2]))
-        st.extra["vq"].check_room(int(v.shape[2]))
+        if vq is not None:
+            st.extra["vq"].check_room(int(vq["v_codes"].shape[2]))
+        # Commit.
         if kq is not None:
             st.extra["kq"].append(kq)
-        st.extra["vq"].append(vq)
+        if vq is not None:
+            st.extra["vq"].append(vq)
         st.extra["k_residual"] = residual
+        st.extra["v_window"] = window
 
     def _decoded(self, st: LayerState, start: int = 0) -> DequantResult:
         """K/V of the stored tokens ``start ..``; only the key groups and value rows from there are decoded."""
@@ -195,17 +263,27 @@ class IntQuantCache(LayeredCache):
             skip = start - g0 * g
             parts.append(kd if skip == 0 else kd[:, :, skip:, :])
         r0 = max(0, start - kq.length * g)
-        parts.append(st.extra["k_residual"][:, :, r0:, :] if r0 else st.extra["k_residual"])
+        parts.append(self._exact(st, "k_residual", r0))
         k = parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
+        parts = []
+        if vq.length > start:
+            def vview(name):
+                a = vq.view(name)
+                return a if start == 0 else a[:, :, start:, ...]
 
-        def vview(name):
-            a = vq.view(name)
-            return a if start == 0 else a[:, :, start:, ...]
-
-        qv = IntQuantized(codes=vview("v_codes"), scale=vview("v_scale"), offset=vview("v_offset"),
-                          bits=self.bits, group_size=g, n=d)
-        v = dequantize_groups(qv, st.dtype)
+            qv = IntQuantized(codes=vview("v_codes"), scale=vview("v_scale"), offset=vview("v_offset"),
+                              bits=self.bits, group_size=g, n=d)
+            parts.append(dequantize_groups(qv, st.dtype))
+        if self.residual_window or not parts:
+            parts.append(self._exact(st, "v_window", max(0, start - vq.length)))
+        v = parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
         return DequantResult(k=k, v=v)
+
+    @staticmethod
+    def _exact(st: LayerState, name: str, skip: int):
+        """Exact tokens ``skip ..`` of ``k_residual`` or ``v_window``, in the layer's dtype (a copy)."""
+        a = st.extra[name][:, :, skip:, :]
+        return st.xp.asarray(a, copy=True) if a.dtype == st.dtype else st.xp.astype(a, st.dtype)
 
     # -- hooks ----------------------------------------------------------------------
     def _prefill(self, st, k, v, q):
@@ -219,7 +297,7 @@ class IntQuantCache(LayeredCache):
         return Dequantized(self._decoded(st))
 
     def _fused_auto(self, xp: Any) -> bool:
-        return self.bits in (4, 8) and lookup("int_decode_attention", xp) is not None
+        return self.bits in (2, 4, 8) and lookup("int_decode_attention", xp) is not None
 
     def _dequantize(self, st) -> DequantResult:
         return self._decoded(st)
@@ -231,13 +309,15 @@ class IntQuantCache(LayeredCache):
         self._store(st, k, v)
 
     def _stable_length(self, st) -> int:
-        # values are final when stored; a key is final once its group of group_size tokens is quantized
-        return st.extra["kq"].length * self.group_size
+        # a key is final once its group is quantized, a value once it left the window
+        return min(st.extra["kq"].length * self.group_size, st.extra["vq"].length)
 
     def _layer_arrays(self, st) -> dict:
         out = dict(st.extra["kq"].arrays())
         out.update(st.extra["vq"].arrays())
         out["k_residual"] = st.extra["k_residual"]
+        if self.residual_window:
+            out["v_window"] = st.extra["v_window"]
         return out
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> LayerState:
@@ -249,20 +329,19 @@ class IntQuantCache(LayeredCache):
         if vq and int(vq["v_codes"].shape[2]):
             st.extra["vq"].append(vq)
         st.extra["k_residual"] = xp.asarray(arrays["k_residual"], copy=True)
+        if "v_window" in arrays:
+            st.extra["v_window"] = xp.asarray(arrays["v_window"], copy=True)
         st.length = length
         return st
 
-    def _layer_nbytes(self, st) -> int:
-        from .. import _compat
+    def _exact_nbytes(self, st) -> int:
+        return _compat.array_nbytes(st.extra["k_residual"]) + _compat.array_nbytes(st.extra["v_window"])
 
-        return (st.extra["kq"].used_nbytes() + st.extra["vq"].used_nbytes()
-                + _compat.array_nbytes(st.extra["k_residual"]))
+    def _layer_nbytes(self, st) -> int:
+        return st.extra["kq"].used_nbytes() + st.extra["vq"].used_nbytes() + self._exact_nbytes(st)
 
     def _layer_reserved_nbytes(self, st) -> int:
-        from .. import _compat
-
-        return (st.extra["kq"].reserved_nbytes() + st.extra["vq"].reserved_nbytes()
-                + _compat.array_nbytes(st.extra["k_residual"]))
+        return st.extra["kq"].reserved_nbytes() + st.extra["vq"].reserved_nbytes() + self._exact_nbytes(st)
 
     # -- inspection for kernels ------------------------------------------------------
     def layer_codec_state(self, layer: int) -> IntLayerCodec | None:
@@ -280,26 +359,36 @@ class IntQuantCache(LayeredCache):
         xp = st.xp
         g, d = self.group_size, self.head_dim
         kq, vq = st.extra["kq"], st.extra["vq"]
+        pdt = getattr(xp, self._pdt(xp))
         if kq.length:
             k_codes, k_scale, k_offset = kq.view("k_codes"), kq.view("k_scale"), kq.view("k_offset")
         else:
             lead = (st.batch, self.num_kv_heads, 0, d)
-            pdt = getattr(xp, self._pdt(xp))
             k_codes = xp.zeros(lead + (packed_nbytes(g, self.bits),), dtype=xp.uint8, device=st.device)
             k_scale = xp.zeros(lead, dtype=pdt, device=st.device)
             k_offset = k_scale
         if vq.length:
             v_codes, v_scale, v_offset = vq.view("v_codes"), vq.view("v_scale"), vq.view("v_offset")
-        else:  # a layer created by an empty prefill
+        else:  # every value is in the window, or the layer was created by an empty prefill
             lead = (st.batch, self.num_kv_heads, 0)
             v_codes = xp.zeros(lead + (packed_nbytes(d, self.bits),), dtype=xp.uint8, device=st.device)
-            v_scale = xp.zeros(lead + (-(-d // g),), dtype=getattr(xp, self._pdt(xp)), device=st.device)
+            v_scale = xp.zeros(lead + (-(-d // g),), dtype=pdt, device=st.device)
             v_offset = v_scale
-        residual = st.extra["k_residual"]
-        return IntLayerCodec(bits=self.bits, group_size=g, n_tokens=vq.length, n_groups=kq.length,
+        residual, window = st.extra["k_residual"], st.extra["v_window"]
+        n_window = int(window.shape[2])
+        return IntLayerCodec(bits=self.bits, group_size=g, n_tokens=vq.length + n_window, n_groups=kq.length,
                              n_residual=int(residual.shape[2]), k_codes=k_codes, k_scale=k_scale,
                              k_offset=k_offset, k_residual=residual, v_codes=v_codes, v_scale=v_scale,
-                             v_offset=v_offset)
+                             v_offset=v_offset, n_window=n_window, v_window=window if n_window else None)
+
+
+@register_method("int2")
+class Int2Cache(IntQuantCache):
+    """INT2 KIVI-style cache (KIVI-2: four codes per byte, a 32-token float16 residual); see :class:`IntQuantCache`."""
+
+    method = "int2"
+    bits = 2
+    default_residual_window = 32
 
 
 @register_method("int4")

@@ -8,10 +8,11 @@ float ``scale`` and ``offset`` (its minimum); every value becomes a ``bits``-bit
 
 ``code = clip(floor((x - offset) / scale + 1/2), 0, 2**bits - 1)``,  ``x̂ = scale * code + offset``
 
-and the codes of a row are packed with :func:`arraykv.quant.bitpack.pack_bits` (INT4: two
-codes per byte, low nibble first; INT8: one per byte). ``offset`` is the zero point expressed
-in value units (``zero_point = -offset / scale`` in the integer convention); storing it as a
-float keeps an exact zero-range group (all values equal) exact.
+and the codes of a row are packed with :func:`arraykv.quant.bitpack.pack_bits` (INT2: four
+codes per byte, the first in the lowest two bits; INT4: two per byte, low nibble first; INT8:
+one per byte). ``offset`` is the zero point expressed in value units (``zero_point = -offset /
+scale`` in the integer convention); storing it as a float keeps an exact zero-range group (all
+values equal) exact.
 
 Quantizing a different axis (per-channel over tokens, as KIVI does for keys) is done by moving
 that axis last before calling :func:`quantize_groups`.
@@ -30,6 +31,8 @@ __all__ = ["IntQuantized", "quantize_groups", "dequantize_groups", "group_minmax
            "quantize_pack_reference", "dequantize_reference"]
 
 _PARAM_DTYPES = ("float16", "float32")
+#: Code widths the quantize/dequantize kernels handle (others use the array-API reference).
+_KERNEL_BITS = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ def quantize_groups(x: Any, bits: int, group_size: int, *, param_dtype: str = "f
     x : array of float16/float32/float64, shape (..., n)
         Finite values (not checked here; callers validate at their entry points).
     bits : int
-        Bits per code, 1 to 8 (the caches use 4 and 8).
+        Bits per code, 1 to 8 (the caches use 2, 4 and 8; those widths have Numba kernels).
     group_size : int
         Values per group; the last group of a row is shorter when it does not divide ``n``.
     param_dtype : {"float32", "float16"}
@@ -137,7 +140,7 @@ def quantize_groups(x: Any, bits: int, group_size: int, *, param_dtype: str = "f
     scale32 = xp.astype(scale, xp.float32)
     off32 = xp.astype(offset, xp.float32)
     inv = xp.where(scale32 > 0.0, 1.0 / xp.where(scale32 > 0.0, scale32, 1.0), 0.0)
-    fast = lookup("intq_quantize_pack", xp) if bits in (4, 8) else None
+    fast = lookup("intq_quantize_pack", xp) if bits in _KERNEL_BITS else None
     if fast is not None:
         codes = fast(x32, group_size, bits, off32, inv)
     else:
@@ -164,7 +167,7 @@ def dequantize_groups(q: IntQuantized, dtype: Any = None):
     xp = _compat.namespace(q.codes)
     from ..backends import lookup
 
-    fast = lookup("intq_dequantize", xp) if q.bits in (4, 8) else None
+    fast = lookup("intq_dequantize", xp) if q.bits in _KERNEL_BITS else None
     s32 = xp.astype(q.scale, xp.float32)
     o32 = xp.astype(q.offset, xp.float32)
     if fast is not None:
