@@ -188,11 +188,13 @@ __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, 
 
 // One block of D threads per row: rows of `x` (rows, D) -> packed codes (rows, row_bytes) and
 // float16 gains (rows). HADAMARD selects the fast transform (signs used) or the dense matrix.
-// T is float or unsigned short (float16 bits).
+// T is float or unsigned short (float16 bits). unbiased != 0 stores norm / <y, c> (inner
+// products with x kept) instead of the least-squares norm * <y, c> / |c|^2.
 template <typename T, int D, int BITS, bool HADAMARD>
 __global__ void polar_quantize(const T* __restrict__ x, long long rows, const float* __restrict__ signs,
                                const float* __restrict__ matrix, const float* __restrict__ thresholds,
-                               const float* __restrict__ centroids, u8* __restrict__ codes, u16* __restrict__ gains) {
+                               const float* __restrict__ centroids, u8* __restrict__ codes, u16* __restrict__ gains,
+                               int unbiased) {
     static_assert(D % 32 == 0 && D <= 1024, "D must be a multiple of 32, at most 1024");
     __shared__ float s[D];
     __shared__ u8 c[D];
@@ -225,7 +227,8 @@ __global__ void polar_quantize(const T* __restrict__ x, long long rows, const fl
     c[i] = static_cast<u8>(lo);
     const float yc = block_sum(y * ch, scratch);
     const float cc = block_sum(ch * ch, scratch);
-    if (i == 0) gains[row] = f2h(cc > 0.f ? norm * yc / cc : 0.f);
+    if (i == 0) gains[row] = f2h(unbiased ? (yc > 0.f ? norm / yc : 0.f)
+                                          : (cc > 0.f ? norm * yc / cc : 0.f));
     __syncthreads();
     if (i < D / 8) {  // pack a group of eight codes into BITS bytes
         unsigned long long word = 0;
@@ -656,11 +659,11 @@ polar_merge_window(const float* __restrict__ out_m, const float* __restrict__ ou
 // Explicit instantiations so ahead-of-time compilation (nvcc --ptx) checks every body; at run
 // time the loader instantiates what it needs by name expression.
 template __global__ void polar_quantize<float, 128, 4, true>(const float*, long long, const float*, const float*,
-                                                             const float*, const float*, u8*, u16*);
+                                                             const float*, const float*, u8*, u16*, int);
 template __global__ void polar_quantize<u16, 64, 3, true>(const u16*, long long, const float*, const float*,
-                                                          const float*, const float*, u8*, u16*);
+                                                          const float*, const float*, u8*, u16*, int);
 template __global__ void polar_quantize<float, 96, 2, false>(const float*, long long, const float*, const float*,
-                                                             const float*, const float*, u8*, u16*);
+                                                             const float*, const float*, u8*, u16*, int);
 template __global__ void polar_dequantize<float, 128, 4, true>(const u8*, const u16*, long long, const float*,
                                                                const float*, const float*, float*);
 template __global__ void polar_dequantize<u16, 256, 3, true>(const u8*, const u16*, long long, const float*,

@@ -211,9 +211,10 @@ def test_gpu_decode_window_only_and_fallback(method):
 
 
 @requires_gpu
+@pytest.mark.parametrize("unbiased", [False, True])
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
-def test_gpu_encode_decode_poisoned(bits, d):
+def test_gpu_encode_decode_poisoned(bits, d, unbiased):
     import cupy as cp
 
     from arraykv import _compat
@@ -232,8 +233,9 @@ def test_gpu_encode_decode_poisoned(bits, d):
         xg = cp.asarray(x).astype(dtype)
         codes = cp.full(want_codes.shape, 0xAB, dtype=cp.uint8)
         norms = cp.full(want_norms.shape, cp.nan, dtype=cp.float16)
-        polar_encode(xg, rot_g, cb_g, codes_out=codes, norms_out=norms)
-        ref_codes, ref_norms = polar_encode_reference(cp.asnumpy(xg).astype(np.float32), cb_c, rot_c)
+        polar_encode(xg, rot_g, cb_g, unbiased=unbiased, codes_out=codes, norms_out=norms)
+        ref_codes, ref_norms = polar_encode_reference(cp.asnumpy(xg).astype(np.float32), cb_c, rot_c,
+                                                      unbiased=unbiased)
         assert np.mean(cp.asnumpy(codes) == ref_codes) > 0.99
         np.testing.assert_allclose(cp.asnumpy(norms).astype(np.float32), ref_norms.astype(np.float32), rtol=2e-3)
     back = cp.full((3, 5, d), cp.nan, dtype=cp.float32)

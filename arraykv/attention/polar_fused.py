@@ -14,9 +14,11 @@ from typing import Any
 from .. import _compat
 from ..quant.bitpack import unpack_bits
 from ..quant.qjl import QJL_SCALE
+from ..quant.rotary_mean import rotary_mean_at
 from ..quant.rotation import rotate, unrotate
 
-__all__ = ["polar_decode_attention", "polar_decode_attention_reference", "prepare_queries", "merge_window"]
+__all__ = ["polar_decode_attention", "polar_decode_attention_reference", "prepare_queries", "key_mean_logits",
+           "merge_window"]
 
 
 def prepare_queries(codec: Any, q: Any, scale: float) -> dict:
@@ -34,7 +36,9 @@ def prepare_queries(codec: Any, q: Any, scale: float) -> dict:
         ``q`` (b, h, G, d) the queries; ``qr`` (b, h, G, d) ``scale · M q̃`` with the outlier
         channels of ``q̃`` zeroed; ``qconst`` (b, h, G) ``scale · q · k_mean``; ``qout``
         (b, h, G, n_out) ``scale · q`` at the outlier channels; ``sq`` (b, h, G, m)
-        ``scale · √(π/2)/m · S q`` for QJL keys (absent otherwise).
+        ``scale · √(π/2)/m · S q`` for QJL keys (absent otherwise). With a rotating key mean
+        (``codec.k_mean_freq``) ``qconst`` is 0: the mean's share of each logit depends on the
+        token's position (:func:`key_mean_logits`).
 
     Notes
     -----
@@ -64,7 +68,7 @@ def prepare_queries(codec: Any, q: Any, scale: float) -> dict:
     else:
         out["qout"] = xp.zeros((b, h, g, 0), dtype=xp.float32, device=_compat.device(q))
     out["qr"] = rotate(qt, codec.rotation) * scale
-    if codec.k_mean is not None:
+    if codec.k_mean is not None and getattr(codec, "k_mean_freq", None) is None:
         out["qconst"] = xp.sum(q32 * xp.astype(codec.k_mean, xp.float32)[:, :, None, :], axis=-1) * scale
     else:
         out["qconst"] = xp.zeros((b, h, g), dtype=xp.float32, device=_compat.device(q))
@@ -72,6 +76,28 @@ def prepare_queries(codec: Any, q: Any, scale: float) -> dict:
         m = codec.qjl.rows
         out["sq"] = xp.matmul(qt, xp.matrix_transpose(codec.qjl.matrix)) * (scale * QJL_SCALE / m)
     return out
+
+
+def key_mean_logits(codec: Any, q32: Any, scale: float, t0: int, t1: int):
+    """``scale · q · m_p`` for the quantized tokens ``t0 .. t1 - 1`` of a rotating key mean.
+
+    Parameters
+    ----------
+    codec : PolarLayerCodec
+        With ``k_mean_freq`` (else the mean is in ``qconst`` and this is not needed).
+    q32 : array (b, h, G, d) float32
+    scale : float
+    t0, t1 : int
+        Quantized-token range; token ``t`` sits at position ``n_sink + t``.
+
+    Returns
+    -------
+    array (b, h, G, t1 - t0) float32
+    """
+    xp = _compat.namespace(q32)
+    pos = xp.arange(codec.n_sink + t0, codec.n_sink + t1, dtype=xp.float64, device=_compat.device(q32))
+    mt = rotary_mean_at(codec.k_mean, codec.k_mean_freq, codec.k_mean_pairs, pos)  # (b, h, n, d)
+    return xp.matmul(q32, xp.matrix_transpose(mt)) * scale
 
 
 def merge_window(codec: Any, prep: dict, scale: float, m: Any, l: Any, acc_rot: Any, out_dtype: Any):
@@ -129,6 +155,8 @@ def polar_decode_attention_reference(codec: Any, q: Any, scale: float):
     kc = xp.take(codec.k_codebook.centroids, xp.reshape(xp.astype(unpack_bits(codec.k_codes, codec.k_codebook.bits, d), xp.int64), (-1,)))
     ky = xp.reshape(kc, (b, h, n, d)) * xp.astype(codec.k_norms, xp.float32)[..., None]
     s = xp.matmul(prep["qr"], xp.matrix_transpose(ky)) + prep["qconst"][..., None]  # (b, h, G, n)
+    if getattr(codec, "k_mean_freq", None) is not None:
+        s = s + key_mean_logits(codec, prep["q"], scale, 0, n)
     if int(prep["qout"].shape[-1]):
         s = s + xp.matmul(prep["qout"], xp.matrix_transpose(xp.astype(codec.k_outliers, xp.float32)))
     if codec.qjl is not None:

@@ -213,9 +213,10 @@ def _check_out(cp, out, shape, dtype, name):
     return out
 
 
-def polar_encode(x, rotation, codebook, *, codes_out=None, norms_out=None):
+def polar_encode(x, rotation, codebook, *, unbiased=False, codes_out=None, norms_out=None):
     """GPU ``polar_encode``: CuPy ``(..., dim)`` float16/float32 -> (codes uint8, gains float16).
 
+    ``unbiased`` stores ``‖x‖ / ⟨y, ŷ⟩`` instead of the least-squares length.
     ``codes_out`` / ``norms_out``, when given, receive the result (C-contiguous, exact shapes).
     """
     cp = require_cupy()
@@ -231,7 +232,7 @@ def polar_encode(x, rotation, codebook, *, codes_out=None, norms_out=None):
         matrix = rotation.matrix if rotation.matrix is not None else rotation.signs
         kern = get_kernel(_SOURCE, plan.name)
         kern(plan.grid, plan.block, (x, cp.int64(rows), rotation.signs, matrix, codebook.thresholds,
-                                     codebook.centroids, codes, gains))
+                                     codebook.centroids, codes, gains, cp.int32(1 if unbiased else 0)))
     return codes, gains
 
 
@@ -309,6 +310,8 @@ def unsupported_reason(codec, q) -> str | None:
         return "more than one query token"
     if codec.qjl is not None and int(codec.qjl.rows) != d:
         return f"a QJL sketch of {codec.qjl.rows} rows (the kernel needs head_dim rows)"
+    if getattr(codec, "k_mean_freq", None) is not None:
+        return "a rotating key mean (keys with rotary embeddings): the kernel adds only a constant one"
     if codec.k_outlier_idx is not None and int(codec.k_outlier_idx.shape[-1]) > MAX_OUTLIERS:
         return f"more than {MAX_OUTLIERS} outlier channels"
     if codec.n_quantized:

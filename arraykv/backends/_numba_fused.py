@@ -4,10 +4,14 @@ A call is one compiled function that does the whole step for every (batch, KV he
 
 1. *queries*: divide by the key channel weights ``k_scale``, split out the outlier channels,
    rotate (fast Walsh–Hadamard with the rotation's signs, or the dense matrix), ``q·k_mean``
-   and the QJL sketch ``S q̃`` (:func:`arraykv.attention.polar_fused.prepare_queries`);
+   and the QJL sketch ``S q̃`` (:func:`arraykv.attention.polar_fused.prepare_queries`); with a
+   rotating key mean, the two coefficients per turning channel pair of ``q·m_p`` and the
+   phase tables of one tile;
 2. *quantized tokens*, in tiles of ``TILE``: the tile's key codes are unpacked once into
    centroid values (byte-chunk tables: one 8-byte load and store per two codes) and scored
-   against every query head of the GQA group, an online softmax per query head is rescaled
+   against every query head of the GQA group (plus, for a rotating key mean,
+   ``Σ_j A_j cos ω_j p + B_j sin ω_j p``, phases carried from tile to tile by one complex
+   multiplication per pair), an online softmax per query head is rescaled
    once per tile, then the value codes are unpacked and accumulated, weighted, in the rotated
    domain;
 3. *finish* (:func:`arraykv.attention.polar_fused.merge_window`): a log-sum-exp merge of the
@@ -65,10 +69,11 @@ _OUT = nbt.Array(nbt.float32, 3, "C")
 _TAB = _ro(nbt.uint64, 1, "C")
 #: q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits,
 #: k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, sign_table, k_qjl, k_qjl_norms,
-#: n_window, k_window, v_window, half, splits, out
+#: rm_freq, rm_pairs, pos0, n_window, k_window, v_window, half, splits, out
 _SIG = nbt.void(_Q, nbt.float64, nbt.int64,
                 _U8_4, _U16_3, _F32_1C, _TAB, nbt.int64, _U8_4, _U16_3, _F32_1C, _TAB, nbt.int64,
                 _U16_3, _U16_3, _U16_3, _I32_3, _U16_4, _F32_1C, _F32_2C, _F32_2C, _TAB, _U8_4, _U16_3,
+                _ro(nbt.float32, 3), _ro(nbt.int32, 2), nbt.int64,
                 nbt.int64, _U16_4, _U16_4, _F32_1C, nbt.int64, _OUT)
 
 
@@ -203,6 +208,48 @@ def _fwht(x):
 
 
 @nb.njit(fastmath=_FASTMATH, error_model="numpy")
+def _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst, ra, rb, rw, ct, st, step):
+    """The turning pairs of a rotating key mean of KV head ``(b, h)``; returns their count ``J``.
+
+    For pair ``j`` (channels ``a, c``) with ``ω ≠ 0``: ``ra[g, j] = scale (q_a μ_a + q_c μ_c)``
+    and ``rb[g, j] = scale (q_c μ_a − q_a μ_c)``, so that its share of ``scale · q·m_p`` is
+    ``ra cos ωp + rb sin ωp``; that share is taken out of ``qconst``. ``rw[j] = ω``,
+    ``ct[r, j], st[r, j] = cos, sin(ω r)`` for ``r < TILE`` and ``step[j] = (cos, sin)(ω TILE)``.
+    """
+    g_n = ra.shape[0]
+    sc = np.float32(scale)
+    n_j = 0
+    for j in range(rm_pairs.shape[0]):
+        w = np.float64(rm_freq[b, h, j])
+        if w == 0.0:
+            continue
+        a = rm_pairs[j, 0]
+        c = rm_pairs[j, 1]
+        mua = half[k_mean[b, h, a]]
+        muc = half[k_mean[b, h, c]]
+        for g in range(g_n):
+            qa = q[b, h * g_n + g, a]
+            qc = q[b, h * g_n + g, c]
+            cos_part = (qa * mua + qc * muc) * sc
+            ra[g, n_j] = cos_part
+            rb[g, n_j] = (qc * mua - qa * muc) * sc
+            qconst[g] -= cos_part
+        rw[n_j] = w
+        c1 = math.cos(w)
+        s1 = math.sin(w)
+        cr = 1.0
+        sr = 0.0
+        for r in range(TILE):
+            ct[r, n_j] = np.float32(cr)
+            st[r, n_j] = np.float32(sr)
+            cr, sr = cr * c1 - sr * s1, sr * c1 + cr * s1
+        step[n_j, 0] = math.cos(w * TILE)
+        step[n_j, 1] = math.sin(w * TILE)
+        n_j += 1
+    return n_j
+
+
+@nb.njit(fastmath=_FASTMATH, error_model="numpy")
 def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x, qr, qout, qconst, sq):
     """Query-side quantities of the ``G`` query heads of KV head ``(b, h)``.
 
@@ -210,6 +257,7 @@ def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, ha
     channels, ``qconst`` (G,) ``scale · q·k_mean`` and ``sq`` (G, m)
     ``scale · √(π/2)/m · S q̃``, where ``q̃`` is ``q / s`` with the outlier channels zeroed
     (see :func:`arraykv.attention.polar_fused.prepare_queries`). ``x`` (d,) is scratch.
+    A rotating key mean adjusts ``qconst`` afterwards (:func:`_prepare_rotating`).
     """
     g_n, d = qr.shape
     n_out = k_idx.shape[2]
@@ -255,7 +303,7 @@ def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, ha
 @nb.njit(fastmath=_FASTMATH, error_model="numpy")
 def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_table, k_bits,
                  v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms, sign_table, half,
-                 m, l, acc):
+                 n_j, ra, rb, rw, ct, st, step, pos0, m, l, acc):
     """Online softmax over quantized tokens ``[t_lo, t_hi)`` of head ``(b, h)``, every query head.
 
     ``m``, ``l`` (G,) and ``acc`` (G, d) hold the running maximum logit, the sum of
@@ -264,7 +312,9 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
     ``k_table``, ``v_table``, ``sign_table`` are :func:`_chunk_table` of the key and value
     centroids and of ``(-1, 1)`` (the QJL bits). Per tile of ``TILE`` tokens: the key codes are
     unpacked once for the whole GQA group, scored, the softmax state rescaled once, then the
-    value codes unpacked and accumulated.
+    value codes unpacked and accumulated. ``n_j`` turning pairs of a rotating key mean
+    (:func:`_prepare_rotating`; token ``t`` sits at position ``pos0 + t``) add their share of
+    ``q·m_p`` to each logit.
     """
     g_n, d = qr.shape
     n_out = qout.shape[1]
@@ -274,6 +324,15 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
     pbuf64 = np.empty((TILE, (m_rows + 1) // 2), np.uint64)
     pbuf = pbuf64.view(np.float32)
     s = np.empty((g_n, TILE), np.float32)
+    # rotating key mean: the phase (cos, sin of ω p) at the current tile's first token
+    ph = np.empty((n_j, 2), np.float64)
+    for j in range(n_j):
+        ang = rw[j] * np.float64(pos0 + t_lo)
+        ph[j, 0] = math.cos(ang)
+        ph[j, 1] = math.sin(ang)
+    ra_t = np.empty((g_n, n_j), np.float32)
+    rb_t = np.empty((g_n, n_j), np.float32)
+    rterm = np.zeros((g_n, TILE), np.float32)
     for t0 in range(t_lo, t_hi, TILE):
         t1 = min(t_hi, t0 + TILE)
         # 1. scores of the tile
@@ -303,12 +362,27 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                 for j in range(d):
                     dot += qr[g, j] * buf[r, j]
                 s[g, r] = dot
+        if n_j:  # coefficients turned to this tile's start: A cos ω(p0+r) + B sin ω(p0+r)
+            for j in range(n_j):
+                cp = ph[j, 0]
+                sp = ph[j, 1]
+                for g in range(g_n):
+                    ra_t[g, j] = np.float32(ra[g, j] * cp + rb[g, j] * sp)
+                    rb_t[g, j] = np.float32(rb[g, j] * cp - ra[g, j] * sp)
+                ph[j, 0] = cp * step[j, 0] - sp * step[j, 1]
+                ph[j, 1] = sp * step[j, 0] + cp * step[j, 1]
+            for g in range(g_n):
+                for r in range(nt):
+                    x = np.float32(0.0)
+                    for j in range(n_j):
+                        x += ra_t[g, j] * ct[r, j] + rb_t[g, j] * st[r, j]
+                    rterm[g, r] = x
         for t in range(t0, t1):
             r = t - t0
             kn = half[k_norms[b, h, t]]
             qn = half[k_qjl_norms[b, h, t]] if m_rows else np.float32(0.0)
             for g in range(g_n):
-                x = s[g, r] * kn + qconst[g]
+                x = s[g, r] * kn + qconst[g] + rterm[g, r]
                 for o in range(n_out):
                     x += qout[g, o] * half[k_outliers[b, h, t, o]]
                 if m_rows:
@@ -439,7 +513,7 @@ def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_windo
 @nb.njit(_SIG, cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
 def _step_serial(q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table,
                  v_bits, k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, sign_table, k_qjl,
-                 k_qjl_norms,
+                 k_qjl_norms, rm_freq, rm_pairs, pos0,
                  n_window, k_window, v_window, half, splits, out):
     """The whole step on the calling thread (``splits`` is ignored: one span per head)."""
     b_n, qh, d = q.shape
@@ -453,15 +527,24 @@ def _step_serial(q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_codes
     m = np.empty((1, g_n), np.float32)
     l = np.empty((1, g_n), np.float32)
     acc = np.empty((1, g_n, d), np.float32)
+    n_p = rm_pairs.shape[0]
+    ra = np.empty((g_n, n_p), np.float32)
+    rb = np.empty((g_n, n_p), np.float32)
+    rw = np.empty(n_p, np.float64)
+    ct = np.empty((TILE, n_p), np.float32)
+    st = np.empty((TILE, n_p), np.float32)
+    step = np.empty((n_p, 2), np.float64)
     for b in range(b_n):
         for h in range(h_n):
             _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x, qr, qout, qconst, sq)
+            n_j = _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst, ra, rb, rw, ct, st,
+                                    step)
             m[:] = -np.inf
             l[:] = 0.0
             acc[:] = 0.0
             _attend_span(b, h, 0, n, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_table, k_bits,
                          v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms, sign_table,
-                         half, m[0], l[0], acc[0])
+                         half, n_j, ra, rb, rw, ct, st, step, pos0, m[0], l[0], acc[0])
             _finish_head(q, b, h, scale, m, l, acc, n_window, k_window, v_window, v_mean, signs, rot, half, out)
 
 
@@ -474,7 +557,7 @@ _PRANGE_ONLY = {"prange": True, "comprehension": False, "setitem": False, "reduc
 @nb.njit(_SIG, cache=True, nogil=True, parallel=_PRANGE_ONLY, fastmath=_FASTMATH, error_model="numpy")
 def _step_parallel(q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table,
                    v_bits, k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, sign_table, k_qjl,
-                   k_qjl_norms,
+                   k_qjl_norms, rm_freq, rm_pairs, pos0,
                    n_window, k_window, v_window, half, splits, out):
     """The step with each head's tokens cut into ``splits`` spans run on Numba's threads."""
     b_n, qh, d = q.shape
@@ -487,10 +570,20 @@ def _step_parallel(q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_cod
     qout = np.empty((b_n, h_n, g_n, n_out), np.float32)
     qconst = np.empty((b_n, h_n, g_n), np.float32)
     sq = np.empty((b_n, h_n, g_n, m_rows), np.float32)
+    n_p = rm_pairs.shape[0]
+    ra = np.empty((b_n, h_n, g_n, n_p), np.float32)
+    rb = np.empty((b_n, h_n, g_n, n_p), np.float32)
+    rw = np.empty((b_n, h_n, n_p), np.float64)
+    ct = np.empty((b_n, h_n, TILE, n_p), np.float32)
+    st = np.empty((b_n, h_n, TILE, n_p), np.float32)
+    step = np.empty((b_n, h_n, n_p, 2), np.float64)
+    n_js = np.zeros((b_n, h_n), np.int64)
     for b in range(b_n):
         for h in range(h_n):
             _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x,
                           qr[b, h], qout[b, h], qconst[b, h], sq[b, h])
+            n_js[b, h] = _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst[b, h], ra[b, h],
+                                           rb[b, h], rw[b, h], ct[b, h], st[b, h], step[b, h])
     m = np.empty((b_n, h_n, splits, g_n), np.float32)
     l = np.empty((b_n, h_n, splits, g_n), np.float32)
     acc = np.empty((b_n, h_n, splits, g_n, d), np.float32)
@@ -508,7 +601,8 @@ def _step_parallel(q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_cod
         acc_t = np.zeros((g_n, d), np.float32)
         _attend_span(b, h, t_lo, t_hi, qr[b, h], qout[b, h], qconst[b, h], sq[b, h], k_codes, k_norms, k_cent,
                      k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms,
-                     sign_table, half, m_t, l_t, acc_t)
+                     sign_table, half, n_js[b, h], ra[b, h], rb[b, h], rw[b, h], ct[b, h], st[b, h], step[b, h],
+                     pos0, m_t, l_t, acc_t)
         m[b, h, sp] = m_t
         l[b, h, sp] = l_t
         acc[b, h, sp] = acc_t
@@ -547,6 +641,7 @@ def _absent(ndim: int, dtype) -> np.ndarray:
 
 _NO_U16_3, _NO_U16_4, _NO_U8_4 = _absent(3, np.uint16), _absent(4, np.uint16), _absent(4, np.uint8)
 _NO_I32_3, _NO_F32_2 = _absent(3, np.int32), _absent(2, np.float32)
+_NO_F32_3, _NO_I32_2 = _absent(3, np.float32), _absent(2, np.int32)
 
 
 def _bits16(a, absent=_NO_U16_3):
@@ -623,13 +718,19 @@ def polar_decode_attention(codec, q, scale):
         k_qjl, k_qjl_norms = _NO_U8_4, _NO_U16_3
     else:
         k_qjl, k_qjl_norms = codec.k_qjl, _bits16(codec.k_qjl_norms)
+    freq = getattr(codec, "k_mean_freq", None)
+    if freq is None or n == 0:
+        rm_freq, rm_pairs = _NO_F32_3, _NO_I32_2
+    else:
+        rm_freq = np.asarray(freq, np.float32)
+        rm_pairs = np.ascontiguousarray(codec.k_mean_pairs, np.int32)
     threads, splits = _plan(b * h, n)
     out = np.empty((b, qh, d), np.float32)
     args = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n,
             k_codes, _bits16(codec.k_norms), k_cent, k_table, k_bits,
             codec.v_codes, _bits16(codec.v_norms), v_cent, v_table, v_bits,
             _bits16(getattr(codec, "k_scale", None)), _bits16(codec.k_mean), _bits16(codec.v_mean), idx, k_out,
-            signs, rot, sketch, _SIGN_TABLE, k_qjl, k_qjl_norms,
+            signs, rot, sketch, _SIGN_TABLE, k_qjl, k_qjl_norms, rm_freq, rm_pairs, int(codec.n_sink),
             int(codec.n_window), _bits16(codec.k_window, _NO_U16_4), _bits16(codec.v_window, _NO_U16_4),
             HALF_TO_FLOAT)
     if threads == 1 and splits == 1:

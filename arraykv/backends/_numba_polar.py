@@ -2,7 +2,7 @@
 
 One pass per vector, ``prange`` over chunks of 64 vectors: norm, random signs, in-place fast Walsh–Hadamard
 transform (or a dense matrix for other sizes), bucketize by binary search over the thresholds
-between centroids, least-squares length, and bit packing in the same loop. Decode unpacks,
+between centroids, the stored length (least-squares or unbiased), and bit packing in the same loop. Decode unpacks,
 looks up centroids and applies the inverse transform. Results equal
 :func:`~arraykv.quant.polar.polar_encode_reference` except where float rounding puts a
 coordinate on the other side of a threshold (the reference multiplies by the dense matrix).
@@ -69,7 +69,7 @@ def _bucket(y, thr, levels):
     return pos
 
 
-def _encode_py(x, signs, matrix, hadamard, thr, cents, bits, codes, lengths):
+def _encode_py(x, signs, matrix, hadamard, thr, cents, bits, unbiased, codes, lengths):
     n, d = x.shape
     levels = cents.shape[0]
     nbytes = codes.shape[1]
@@ -113,7 +113,10 @@ def _encode_py(x, signs, matrix, hadamard, thr, cents, bits, codes, lengths):
                 for q in range(bits):
                     if start + q < nbytes:
                         codes[r, start + q] = np.uint8((word >> np.uint64(8 * q)) & np.uint64(255))
-            lengths[r] = norm * dot / sq
+            if unbiased:
+                lengths[r] = norm / dot if dot > 0 else np.float32(0.0)
+            else:
+                lengths[r] = norm * dot / sq
 
 
 def _decode_py(codes, lengths, signs, matrix, hadamard, cents, bits, out):
@@ -170,8 +173,11 @@ def _matrix(rotation):
     return _NO_MATRIX if rotation.matrix is None else _host(rotation.matrix)
 
 
-def polar_encode(x, rotation, codebook):
-    """Kernel behind :func:`arraykv.quant.polar.polar_encode`: ``(codes uint8, lengths float16)``."""
+def polar_encode(x, rotation, codebook, *, unbiased=False):
+    """Kernel behind :func:`arraykv.quant.polar.polar_encode`: ``(codes uint8, lengths float16)``.
+
+    ``unbiased`` stores ``‖x‖ / ⟨y, ŷ⟩`` instead of the least-squares length.
+    """
     x = np.asarray(x)
     lead, d = x.shape[:-1], int(x.shape[-1])
     flat = _host(x.reshape(-1, d))
@@ -180,7 +186,7 @@ def polar_encode(x, rotation, codebook):
     lengths = np.empty(flat.shape[0], dtype=np.float32)
     kernel = _encode_par if flat.size >= _PARALLEL_MIN_VALUES else _encode_ser
     kernel(flat, _host(rotation.signs), _matrix(rotation), rotation.kind == "hadamard",
-            _host(codebook.thresholds), _host(codebook.centroids), bits, codes, lengths)
+            _host(codebook.thresholds), _host(codebook.centroids), bits, bool(unbiased), codes, lengths)
     return codes.reshape(lead + (codes.shape[1],)), lengths.astype(np.float16).reshape(lead)
 
 

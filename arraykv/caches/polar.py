@@ -27,8 +27,9 @@ from ..backends import lookup
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.codebooks import Codebook, make_codebook
-from ..quant.polar import PolarCode, half_dtype, polar_decode, polar_encode
+from ..quant.polar import LENGTHS, PolarCode, half_dtype, polar_decode, polar_encode
 from ..quant.qjl import QJL_SCALE, QJLSketch, make_sketch, qjl_encode
+from ..quant.rotary_mean import check_rope, fit_rotary_mean, rotary_mean_at
 from ..quant.rotation import Rotation, is_power_of_two, make_rotation
 from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState, check_decode_path
@@ -66,7 +67,12 @@ class PolarLayerCodec:
 
         k = k_norms[b,h,t] · Mᵀ k_codebook.centroids[unpack(k_codes[b,h,t])]    (rotation part)
         k[c] = k_outliers[b,h,t,j]  for c = k_outlier_idx[b,h,j]             (exact channels)
-        k = k / k_scale[b,h] + k_mean[b,h]                                    (weights, centering)
+        k = k / k_scale[b,h] + m_t[b,h]                                       (weights, centering)
+
+    where ``m_t`` is the key mean at the token's position ``p = n_sink + t``: ``k_mean[b,h]``
+    itself, or, with ``k_mean_freq`` (keys with rotary embeddings), ``k_mean`` turned by the
+    angle ``k_mean_freq[b,h,j] · p`` in each channel pair ``k_mean_pairs[j]``
+    (:func:`arraykv.quant.rotary_mean.rotary_mean_at`).
 
     and likewise for values (no outlier channels). The layer's token order is
     ``k_window[:, :, :n_sink]`` (the first tokens), the quantized tokens (``t`` above), then
@@ -89,9 +95,15 @@ class PolarLayerCodec:
     k_norms, v_norms : float16 (batch, kv_heads, n_quantized)
     k_mean, v_mean : float16 (batch, kv_heads, d) or None before calibration
     k_scale : float16 (batch, kv_heads, d) or None before calibration
-        Query-derived channel weights ``s``: keys are encoded as ``s ⊙ (k − k_mean)``, so the
-        rotation part and ``k_outliers`` decode to ``s ⊙ (k − k_mean)``; divide by ``s``
-        (or, in a kernel, multiply the query by ``1/s``) before adding ``k_mean``.
+        Query-derived channel weights ``s``: keys are encoded as ``s ⊙ (k − m_t)``, so the
+        rotation part and ``k_outliers`` decode to ``s ⊙ (k − m_t)``; divide by ``s``
+        (or, in a kernel, multiply the query by ``1/s``) before adding ``m_t``.
+    k_mean_freq : float32 (batch, kv_heads, d // 2) or None
+        Angular frequency (radians per position) of each channel pair of the key mean; 0 for a
+        pair whose mean does not turn. None: the key mean is ``k_mean`` at every position.
+    k_mean_pairs : int32 (d // 2, 2) or None
+        Channels ``(a, b)`` of each pair: ``m[a] = μ_a cos φ − μ_b sin φ``,
+        ``m[b] = μ_b cos φ + μ_a sin φ`` with ``φ = k_mean_freq · p``.
     k_outlier_idx : int32 (batch, kv_heads, n_out) or None
     k_outliers : float16 (batch, kv_heads, n_quantized, n_out) or None
         Exact (centered) key values of the outlier channels; the rotated part was encoded with
@@ -119,6 +131,8 @@ class PolarLayerCodec:
     k_mean: Any
     v_mean: Any
     k_scale: Any
+    k_mean_freq: Any
+    k_mean_pairs: Any
     k_outlier_idx: Any
     k_outliers: Any
     k_window: Any
@@ -164,6 +178,19 @@ class PolarCache(LayeredCache):
     sink_tokens : int, default 4
         The first tokens of the sequence are kept in float16: models put large attention
         weights on them ("attention sinks"), so their quantization error costs most.
+    key_length, value_length : {"unbiased", "fit"}, default "unbiased"
+        Length stored with each key / value code (:mod:`arraykv.quant.polar`): ``"fit"`` is
+        the least-squares length (smallest error per vector, but every reconstruction is
+        shorter than the original by ``cos²θ``, about 12 % at 2 bits, which flattens attention
+        over long contexts); ``"unbiased"`` keeps ``⟨x̂, x⟩ = ‖x‖²``.
+    rope : "auto", None or dict, default "auto"
+        How the key mean follows rotary position embeddings
+        (:mod:`arraykv.quant.rotary_mean`): ``"auto"`` finds the convention from the
+        calibration keys (the mean of the projected keys, turned to each position, is
+        subtracted, which leaves 3–6× less to quantize on RoPE models) and falls back to a
+        plain per-channel mean when the keys show none; ``{"theta": base, "layout": "half"
+        | "interleaved"}`` gives it; None uses the plain mean. The token at index ``i`` of a
+        layer is taken to be at position ``i`` (a constant offset does not matter).
     key_scale : bool, default True
         Weight key channels before the rotation: keys are quantized as ``s ⊙ (k − mean)`` and
         decoded as ``k̂' / s + mean`` with ``s_c = sqrt(rms_q[c] / rms_k[c])`` from the queries
@@ -203,7 +230,9 @@ class PolarCache(LayeredCache):
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, key_bits: int, value_bits: int,
                  qjl: bool = False, seed: int = 0, residual_window: int | None = None,
                  center: Any = "auto", outliers: Any = "auto", outlier_threshold: float = DEFAULT_OUTLIER_THRESHOLD,
-                 max_outliers: int | None = None, key_scale: bool = True, sink_tokens: int = DEFAULT_SINK_TOKENS, softmax_scale: float | None = None,
+                 max_outliers: int | None = None, key_scale: bool = True, sink_tokens: int = DEFAULT_SINK_TOKENS,
+                 key_length: str = "unbiased", value_length: str = "unbiased", rope: Any = "auto",
+                 softmax_scale: float | None = None,
                  decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
@@ -248,6 +277,11 @@ class PolarCache(LayeredCache):
         if not isinstance(key_scale, bool):
             raise TypeError(f"key_scale must be a bool, received {type(key_scale).__name__}")
         self.key_scale = key_scale
+        for name, value in (("key_length", key_length), ("value_length", value_length)):
+            if not isinstance(value, str) or value not in LENGTHS:
+                raise ValueError(f"{name} must be one of {', '.join(LENGTHS)}, received {value!r}")
+        self.key_length, self.value_length = key_length, value_length
+        self.rope = check_rope(rope)
         self.sink_tokens = check_int("sink_tokens", sink_tokens, low=0)
         self.decode_path = check_decode_path(decode_path)
         self._fixed: dict = {}
@@ -282,7 +316,9 @@ class PolarCache(LayeredCache):
         return {"key_bits": self.key_bits, "value_bits": self.value_bits, "seed": self.seed,
                 "residual_window": self.residual_window, "center": self.center, "outliers": self.outliers,
                 "outlier_threshold": self.outlier_threshold, "max_outliers": self.max_outliers,
-                "key_scale": self.key_scale, "sink_tokens": self.sink_tokens,
+                "key_scale": self.key_scale, "sink_tokens": self.sink_tokens, "key_length": self.key_length,
+                "value_length": self.value_length,
+                "rope": self.rope,
                 "softmax_scale": self.softmax_scale, "decode_path": self.decode_path}
 
     # -- layer state -------------------------------------------------------------------
@@ -297,29 +333,38 @@ class PolarCache(LayeredCache):
         st.extra["calib"] = None  # dict of k_mean, v_mean, k_outlier_idx once calibrated
         return st
 
-    def _calibrate(self, xp: Any, k: Any, v: Any, q: Any) -> dict:
+    def _calibrate(self, xp: Any, k: Any, v: Any, q: Any, start: int) -> dict:
         """Per-head statistics of float32 tokens ``k``, ``v`` (b, h, n, d) -> calibration arrays.
 
-        With fewer than ``MIN_CALIBRATION_TOKENS`` tokens the means are zero and ``"auto"``
-        selects no outlier channel (one token says nothing about channel statistics).
+        ``start`` is the position of the first token. With fewer than
+        ``MIN_CALIBRATION_TOKENS`` tokens the means are zero and ``"auto"`` selects no outlier
+        channel (one token says nothing about channel statistics). The key mean is a rotating
+        one (:mod:`arraykv.quant.rotary_mean`) where the keys carry rotary embeddings.
         """
         d = self.head_dim
         half = half_dtype(xp)
         dev = _compat.device(k)
         out = {}
         few = int(k.shape[2]) < MIN_CALIBRATION_TOKENS
+        rm = fit_rotary_mean(k, start, rope=self.rope if self.center is not False and not few else None)
         for name, x in (("k", k), ("v", v)):
-            mu = xp.mean(x, axis=2)
-            if few:
-                mu = xp.zeros_like(mu)
+            if name == "k":
+                mu = rm.mean
+                removed = xp.sum(mu * mu, axis=-1)  # |R_t mu|^2 = |mu|^2 at every position
+            else:
+                mu = xp.mean(x, axis=2)
+                removed = xp.sum(mu * mu, axis=-1)
+            use = xp.ones(tuple(mu.shape[:2]), dtype=xp.bool, device=dev)
+            if few or not self.center:
+                use = xp.zeros_like(use)
             elif self.center == "auto":
                 energy = xp.mean(xp.sum(x * x, axis=-1), axis=2)
-                use = xp.sum(mu * mu, axis=-1) > CENTER_MIN_SHARE * energy
-                mu = xp.where(use[..., None], mu, xp.zeros_like(mu))
-            elif not self.center:
-                mu = xp.zeros_like(mu)
-            out[name + "_mean"] = xp.astype(mu, half)
-        kc = k - xp.astype(out["k_mean"], xp.float32)[:, :, None, :]
+                use = removed > CENTER_MIN_SHARE * energy
+            out[name + "_mean"] = xp.astype(xp.where(use[..., None], mu, xp.zeros_like(mu)), half)
+            if name == "k" and rm.layout is not None:
+                out["k_mean_freq"] = xp.where(use[..., None], rm.freq, xp.zeros_like(rm.freq))
+                out["k_mean_pairs"] = rm.pairs
+        kc = k - self._key_mean(xp, out, start, int(k.shape[2]))
         out["k_scale"] = self._query_scale(xp, q, kc)
         rms = xp.sqrt(xp.mean(kc * kc, axis=2))  # (b, h, d), of the centered, unweighted keys
         if self.outliers == "auto" and few:
@@ -365,16 +410,28 @@ class PolarCache(LayeredCache):
         return xp.astype(s, half)
 
     @staticmethod
+    def _key_mean(xp: Any, calib: dict, start: int, n: int):
+        """The key mean at positions ``start .. start + n - 1``: (b, h, n, d) float32 (or (b, h, 1, d)).
+
+        A plain mean broadcasts over the tokens; a rotating one is ``R_t μ`` per position.
+        """
+        mu = calib["k_mean"]
+        if "k_mean_freq" not in calib:
+            return xp.astype(mu, xp.float32)[:, :, None, :]
+        pos = xp.arange(start, start + n, dtype=xp.float64, device=_compat.device(mu))
+        return rotary_mean_at(mu, calib["k_mean_freq"], calib["k_mean_pairs"], pos)
+
+    @staticmethod
     def _selector(xp: Any, idx: Any, d: int):
         """One-hot ``(b, h, d, n_out)`` float32 matrix selecting the outlier channels."""
         ar = xp.arange(d, dtype=xp.int32, device=_compat.device(idx))
         return xp.astype(ar[None, None, :, None] == idx[:, :, None, :], xp.float32)
 
-    def _encode(self, xp: Any, codec: dict, calib: dict, k: Any, v: Any) -> dict:
-        """Quantize float32 tokens (b, h, t, d) -> the per-token arrays to append."""
+    def _encode(self, xp: Any, codec: dict, calib: dict, k: Any, v: Any, start: int) -> dict:
+        """Quantize float32 tokens (b, h, t, d) at positions ``start ..`` -> the per-token arrays to append."""
         d = self.head_dim
         half = half_dtype(xp)
-        kc = (k - xp.astype(calib["k_mean"], xp.float32)[:, :, None, :]) \
+        kc = (k - self._key_mean(xp, calib, start, int(k.shape[2]))) \
             * xp.astype(calib["k_scale"], xp.float32)[:, :, None, :]
         vc = v - xp.astype(calib["v_mean"], xp.float32)[:, :, None, :]
         idx = calib["k_outlier_idx"]
@@ -386,8 +443,8 @@ class PolarCache(LayeredCache):
             kc = kc * keep
         else:
             keep = None
-        kq = polar_encode(kc, codec["k_codebook"], codec["rotation"])
-        vq = polar_encode(vc, codec["v_codebook"], codec["rotation"])
+        kq = polar_encode(kc, codec["k_codebook"], codec["rotation"], length=self.key_length)
+        vq = polar_encode(vc, codec["v_codebook"], codec["rotation"], length=self.value_length)
         arrays.update(k_codes=kq.codes, k_norms=kq.norms, v_codes=vq.codes, v_norms=vq.norms)
         if self.qjl:
             resid = kc - polar_decode(kq, codec["k_codebook"], codec["rotation"])
@@ -419,6 +476,7 @@ class PolarCache(LayeredCache):
             k, v = k[:, :, take:, :], v[:, :, take:, :]
             q = q[:, :, take:, :]
         n_w, t = int(kw.shape[2]), int(k.shape[2])
+        first = n_s + take + st.extra["codes"].length  # position of the window's oldest token
         spill = max(0, n_w + t - self.residual_window)
         keep_new = min(t, self.residual_window)
         calib = st.extra["calib"]
@@ -428,7 +486,7 @@ class PolarCache(LayeredCache):
             if calib is None:  # calibrate on every token held so far, then quantize the oldest
                 allk = xp.concat([xp.astype(kw, f32), xp.astype(k, f32)], axis=2)
                 allv = xp.concat([xp.astype(vw, f32), xp.astype(v, f32)], axis=2)
-                calib = self._calibrate(xp, allk, allv, q)
+                calib = self._calibrate(xp, allk, allv, q, first)
                 ek, ev = allk[:, :, :spill, :], allv[:, :, :spill, :]
             else:  # only the tokens that leave the window are converted
                 old = min(spill, n_w)
@@ -436,7 +494,7 @@ class PolarCache(LayeredCache):
                 if spill > old:
                     ek = xp.concat([ek, xp.astype(k[:, :, :spill - old, :], f32)], axis=2)
                     ev = xp.concat([ev, xp.astype(v[:, :, :spill - old, :], f32)], axis=2)
-            arrays = self._encode(xp, self._codec(xp, st.device), calib, ek, ev)
+            arrays = self._encode(xp, self._codec(xp, st.device), calib, ek, ev, first)
         drop = max(0, n_w + keep_new - self.residual_window)
         new_kx = xp.concat([ks, kw[:, :, drop:, :], xp.astype(k[:, :, t - keep_new:, :], half)], axis=2)
         new_vx = xp.concat([vs, vw[:, :, drop:, :], xp.astype(v[:, :, t - keep_new:, :], half)], axis=2)
@@ -481,7 +539,7 @@ class PolarCache(LayeredCache):
                 keep = 1.0 - xp.sum(sel, axis=-1)[:, :, None, :]
                 kd = kd * keep + xp.matmul(xp.astype(view("k_outliers"), xp.float32), xp.matrix_transpose(sel))
             kd = kd / xp.astype(calib["k_scale"], xp.float32)[:, :, None, :] \
-                + xp.astype(calib["k_mean"], xp.float32)[:, :, None, :]
+                + self._key_mean(xp, calib, n_s + c0, buf.length - c0)
             vd = vd + xp.astype(calib["v_mean"], xp.float32)[:, :, None, :]
             parts_k.append(kd)
             parts_v.append(vd)
@@ -582,7 +640,8 @@ class PolarCache(LayeredCache):
         st.extra["v_window"] = xp.asarray(arrays["v_window"], copy=True)
         if "k_mean" in arrays:
             st.extra["calib"] = {n: xp.asarray(arrays[n], copy=True)
-                                 for n in ("k_mean", "v_mean", "k_scale", "k_outlier_idx")}
+                                 for n in ("k_mean", "v_mean", "k_scale", "k_outlier_idx", "k_mean_freq",
+                                           "k_mean_pairs") if n in arrays}
         held = st.extra["codes"].length + int(st.extra["k_window"].shape[2])
         if held != length:
             raise ValueError(f"stored arrays hold {held} "
@@ -635,6 +694,7 @@ class PolarCache(LayeredCache):
             k_codes=view("k_codes", (packed_nbytes(d, self.key_bits),)), k_norms=view("k_norms", ()),
             v_codes=view("v_codes", (packed_nbytes(d, self.value_bits),)), v_norms=view("v_norms", ()),
             k_mean=calib.get("k_mean"), v_mean=calib.get("v_mean"), k_scale=calib.get("k_scale"),
+            k_mean_freq=calib.get("k_mean_freq"), k_mean_pairs=calib.get("k_mean_pairs"),
             k_outlier_idx=calib["k_outlier_idx"] if has_out else None,
             k_outliers=buf.view("k_outliers") if has_out and "k_outliers" in buf.names() else None,
             k_window=st.extra["k_window"], v_window=st.extra["v_window"],

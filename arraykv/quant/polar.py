@@ -2,11 +2,24 @@
 
 A vector ``x`` of length ``d`` is stored as a float16 length and the ``bits``-bit codes of its
 rotated direction ``y = M x / ‖x‖``, packed with :func:`arraykv.quant.bitpack.pack_bits`.
-Decoding is ``x̂ = n · Mᵀ c[codes]`` where the stored length ``n = ‖x‖ · ⟨y, ŷ⟩ / ‖ŷ‖²`` is the
-least-squares fit of ``ŷ = c[codes]`` to ``y``. It costs nothing over storing ``‖x‖`` and
-removes the worst case of the plain norm: a one-hot spike rotates to ``±1/√d`` in every
-coordinate, which the plain norm reconstructs with 2.2× the Gaussian error at 2 bits and the
-fitted length reconstructs exactly. On Gaussian data it lowers the error by 1–2 %.
+Decoding is ``x̂ = n · Mᵀ c[codes]``. Two choices of the stored length ``n``, with
+``ŷ = c[codes]``:
+
+``"fit"``
+    ``n = ‖x‖ · ⟨y, ŷ⟩ / ‖ŷ‖²``, the least-squares fit of ``ŷ`` to ``y``: the smallest
+    ``‖x − x̂‖``. It costs nothing over storing ``‖x‖`` and removes the worst case of the
+    plain norm: a one-hot spike rotates to ``±1/√d`` in every coordinate, which the plain
+    norm reconstructs with 2.2× the Gaussian error at 2 bits and the fitted length
+    reconstructs exactly. On Gaussian data it lowers the error by 1–2 %.
+``"unbiased"``
+    ``n = ‖x‖ / ⟨y, ŷ⟩``, so that ``⟨x̂, x⟩ = ‖x‖²``: the error ``x̂ − x`` is orthogonal to
+    ``x``. The fitted reconstruction is shorter than ``x`` by the factor ``cos²θ`` (θ the
+    angle between ``y`` and ``ŷ``; ``E cos²θ ≈ 1 − mse``, 0.88 at 2 bits), so every inner
+    product ``⟨q, x̂⟩`` of a query aligned with ``x`` comes out shrunk by that factor. In
+    attention this shrinks exactly the large logits that matter, like a softmax temperature
+    raised by 1/0.88; the unbiased length removes the shrinkage at the price of a larger
+    error orthogonal to ``x`` (``tan θ`` instead of ``sin θ cos θ`` of ``‖x‖``). See
+    ``docs/algorithms.md`` for what this does to long-context retrieval.
 """
 
 from __future__ import annotations
@@ -20,7 +33,11 @@ from .bitpack import pack_bits, packed_nbytes, unpack_bits
 from .codebooks import Codebook
 from .rotation import Rotation, rotate, unrotate
 
-__all__ = ["half_dtype", "PolarCode", "polar_encode", "polar_decode", "polar_encode_reference", "polar_decode_reference"]
+__all__ = ["half_dtype", "LENGTHS", "PolarCode", "polar_encode", "polar_decode", "polar_encode_reference",
+           "polar_decode_reference"]
+
+#: Choices of the stored length (see the module notes).
+LENGTHS = ("fit", "unbiased")
 
 
 def half_dtype(xp: Any):
@@ -38,9 +55,10 @@ class PolarCode:
         Codebook indices of the rotated unit vector, packed (layout of
         :mod:`arraykv.quant.bitpack`).
     norms : array of float16, shape (...)
-        Length of each reconstruction: ``‖x‖ · ⟨y, ŷ⟩ / ‖ŷ‖²`` with ``y = M x / ‖x‖`` and
-        ``ŷ = c[codes]`` (the least-squares length; ``≈ ‖x‖``). float32 on namespaces
-        without float16 (see :func:`half_dtype`).
+        Length of each reconstruction: ``‖x‖ · ⟨y, ŷ⟩ / ‖ŷ‖²`` (``length="fit"``, the
+        least-squares length) or ``‖x‖ / ⟨y, ŷ⟩`` (``length="unbiased"``), with
+        ``y = M x / ‖x‖`` and ``ŷ = c[codes]``. float32 on namespaces without float16 (see
+        :func:`half_dtype`).
     bits : int
         Bits per code.
     dim : int
@@ -77,7 +95,7 @@ def _check(x: Any, codebook: Codebook, rotation: Rotation) -> Any:
     return xp
 
 
-def polar_encode(x: Any, codebook: Codebook, rotation: Rotation) -> PolarCode:
+def polar_encode(x: Any, codebook: Codebook, rotation: Rotation, *, length: str = "fit") -> PolarCode:
     """Quantize vectors along the last axis.
 
     Parameters
@@ -88,6 +106,9 @@ def polar_encode(x: Any, codebook: Codebook, rotation: Rotation) -> PolarCode:
         Lloyd-Max codebook for rotated unit vectors (``make_codebook(bits, dim)``).
     rotation : Rotation
         ``make_rotation(dim, seed)``.
+    length : {"fit", "unbiased"}, default "fit"
+        The stored length: least squares (smallest error) or unbiased inner products with
+        ``x`` itself (``⟨x̂, x⟩ = ‖x‖²``); see the module notes.
 
     Returns
     -------
@@ -101,10 +122,12 @@ def polar_encode(x: Any, codebook: Codebook, rotation: Rotation) -> PolarCode:
     coordinate-wise Lloyd-Max quantizer of ``f`` gives ``E‖x − x̂‖² / ‖x‖² = codebook.mse``,
     within a factor ≈ 2.7 of the 4^−b lower bound. The length is kept separately, as in
     PolarQuant (Han et al. 2025), which stores a radius and quantized angles; here it is the
-    least-squares length ``‖x‖ ⟨y, ŷ⟩ / ‖ŷ‖²`` (see the module notes).
+    least-squares length ``‖x‖ ⟨y, ŷ⟩ / ‖ŷ‖²`` or the unbiased one (see the module notes).
     A zero vector gets length 0 and decodes to 0.
     """
     xp = _check(x, codebook, rotation)
+    if length not in LENGTHS:
+        raise ValueError(f"length must be one of {', '.join(LENGTHS)}, received {length!r}")
     if x.ndim < 1 or int(x.shape[-1]) != rotation.dim:
         raise ValueError(f"x must have {rotation.dim} values on its last axis, received shape {tuple(x.shape)}")
     if not is_floating(xp, x.dtype):
@@ -112,14 +135,15 @@ def polar_encode(x: Any, codebook: Codebook, rotation: Rotation) -> PolarCode:
     from ..backends import lookup
 
     fast = lookup("polar_encode", xp)
+    unbiased = length == "unbiased"
     if fast is not None:
-        codes, norms = fast(x, rotation, codebook)
+        codes, norms = fast(x, rotation, codebook, unbiased=unbiased)
     else:
-        codes, norms = polar_encode_reference(x, codebook, rotation)
+        codes, norms = polar_encode_reference(x, codebook, rotation, unbiased=unbiased)
     return PolarCode(codes=codes, norms=norms, bits=codebook.bits, dim=rotation.dim)
 
 
-def polar_encode_reference(x: Any, codebook: Codebook, rotation: Rotation) -> tuple:
+def polar_encode_reference(x: Any, codebook: Codebook, rotation: Rotation, *, unbiased: bool = False) -> tuple:
     """Array-API version of :func:`polar_encode` (no checks); returns ``(codes, norms)``."""
     xp = _compat.namespace(x)
     xf = xp.astype(x, xp.float32)
@@ -129,7 +153,11 @@ def polar_encode_reference(x: Any, codebook: Codebook, rotation: Rotation) -> tu
     flat = xp.searchsorted(codebook.thresholds, xp.reshape(y, (-1,)))
     yh = xp.reshape(xp.take(codebook.centroids, flat), tuple(y.shape))
     idx = xp.reshape(xp.astype(flat, xp.uint8), tuple(y.shape))
-    scale = norms * xp.sum(y * yh, axis=-1) / xp.sum(yh * yh, axis=-1)
+    dot = xp.sum(y * yh, axis=-1)
+    if unbiased:
+        scale = xp.where(dot > 0.0, norms / xp.where(dot > 0.0, dot, 1.0), xp.zeros_like(norms))
+    else:
+        scale = norms * dot / xp.sum(yh * yh, axis=-1)
     return pack_bits(idx, codebook.bits), xp.astype(scale, half_dtype(xp))
 
 

@@ -1,0 +1,295 @@
+"""The mean of rotary-embedded keys: a constant vector turned by the position's rotation.
+
+Models with rotary position embedding (RoPE) hand a cache the keys ``k_t = R_t k'_t``, where
+``k'_t`` is what the projection produced and ``R_t`` turns each channel pair ``(a, b)`` by the
+angle ``ω_j t``. The projected keys ``k'_t`` share a large mean ``μ`` (on SmolLM2-135M it carries
+50–95 % of their energy), but after the rotation that mean is a different vector at every
+position: ``R_t μ`` spins at ``ω_j`` in pair ``j``. A per-channel mean of the rotated keys only
+catches the pairs that turn slowly; the rest stays in what is quantized. Subtracting ``R_t μ``
+instead leaves 3–6× less energy to quantize, which is worth one to two bits of key precision.
+
+Functions here are pure (array API):
+
+:func:`fit_rotary_mean`
+    ``μ`` (as it is at position 0) and the angular frequency of each pair, from keys at known
+    positions; the rotary convention (pair layout and frequency base) is given or found by
+    trying the usual ones.
+:func:`rotary_mean_at`
+    ``R_t μ`` at any positions.
+
+A pair whose rotating mean removes less energy than a plain mean of its two channels gets
+frequency 0: it is then exactly the per-channel mean (``R_t`` with ``ω = 0`` is the identity),
+so the plain centering of earlier versions is the special case with every frequency 0.
+
+Notes
+-----
+RoPE (Su et al., 2021, *RoFormer*): pair ``j`` of ``d/2`` pairs turns by ``ω_j = θ^(−2j/d)``
+per position, ``θ`` the base (10 000 in the paper; 100 000 for SmolLM2, 500 000 for
+Llama 3). The pairs are channels ``(j, j + d/2)`` ("half", the rotate-half layout of most
+checkpoints) or ``(2j, 2j + 1)`` ("interleaved"). For one pair written as a complex number
+``z_t = k_a + i k_b``, the keys are ``z_t = e^{iω t} z'_t``; the least-squares fit of
+``z_t ≈ e^{iω t} μ`` is ``μ = mean_t(e^{−iω t} z_t)`` and it removes ``n |μ|²`` of the
+energy ``Σ_t |z_t|²``, which is what candidate conventions are compared by.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .. import _compat
+
+__all__ = ["ROPE_LAYOUTS", "RotaryMean", "rope_pairs", "rope_frequencies", "fit_rotary_mean", "rotary_mean_at",
+           "check_rope"]
+
+#: Channel pairings of rotary embeddings: ``(j, j + d/2)`` or ``(2j, 2j + 1)``.
+ROPE_LAYOUTS = ("half", "interleaved")
+#: Bases tried first by ``rope="auto"`` (the published ones); a grid and a refinement follow.
+_KNOWN_BASES = (10000.0, 50000.0, 100000.0, 500000.0, 1000000.0, 5000000.0, 10000000.0)
+#: Coarse grid of bases: 4 per decade from 10^3 to 10^8.
+_GRID = tuple(10.0 ** (3.0 + i / 4.0) for i in range(21))
+#: Calibration tokens used to choose the convention (the first ones; the fit uses them all).
+_DETECT_TOKENS = 1024
+#: Fewer calibration tokens than this: no rotating mean (the convention cannot be told apart).
+MIN_TOKENS = 32
+#: A convention is used only when it removes this share of the energy more than plain means.
+MIN_GAIN = 0.02
+
+
+@dataclass(frozen=True)
+class RotaryMean:
+    """A rotating mean: ``m_t = R_t μ`` for the keys at position ``t``.
+
+    Attributes
+    ----------
+    mean : array, shape (batch, heads, d), float32
+        ``μ``, the mean as it is at position 0 (channel layout of the keys).
+    freq : array, shape (batch, heads, d // 2), float32
+        ``ω_j`` in radians per position; 0 for a pair with a plain (constant) mean.
+    pairs : array, shape (d // 2, 2), int32
+        Channels ``(a, b)`` of each pair: ``m_t[a] = μ_a cos ω t − μ_b sin ω t`` and
+        ``m_t[b] = μ_b cos ω t + μ_a sin ω t``.
+    layout : str or None
+        The convention found (``"half"``/``"interleaved"``) or None when every frequency is 0.
+    base : float or None
+        Its frequency base ``θ`` (None when every frequency is 0).
+    """
+
+    mean: Any
+    freq: Any
+    pairs: Any
+    layout: str | None
+    base: float | None
+
+
+def check_rope(value: Any) -> Any:
+    """Validate a ``rope`` option: ``"auto"``, None, or ``{"theta": float, "layout": str}``."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, Mapping):
+        keys = set(value)
+        if keys != {"theta", "layout"}:
+            raise ValueError(f"rope must have exactly the keys 'theta' and 'layout', received {sorted(keys)}")
+        theta = value["theta"]
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1.0 < float(theta) < float("inf"):
+            raise ValueError(f"rope['theta'] must be a finite number > 1, received {theta!r}")
+        if value["layout"] not in ROPE_LAYOUTS:
+            raise ValueError(f"rope['layout'] must be one of {', '.join(ROPE_LAYOUTS)}, received {value['layout']!r}")
+        return {"theta": float(theta), "layout": str(value["layout"])}
+    raise ValueError(f"rope must be 'auto', None or a dict with 'theta' and 'layout', received {value!r}")
+
+
+def rope_pairs(d: int, layout: str, *, xp: Any, device: Any = None):
+    """Channel pairs ``(d // 2, 2)`` int32 of the rotary ``layout`` for ``d`` (even) channels."""
+    half = d // 2
+    j = xp.arange(half, dtype=xp.int32, device=device)
+    if layout == "half":
+        return xp.stack([j, j + half], axis=1)
+    if layout == "interleaved":
+        return xp.stack([2 * j, 2 * j + 1], axis=1)
+    raise ValueError(f"layout must be one of {', '.join(ROPE_LAYOUTS)}, received {layout!r}")
+
+
+def rope_frequencies(d: int, base: float) -> list:
+    """``ω_j = base^(−2j/d)`` for ``j < d/2``, as Python floats (radians per position)."""
+    return [float(base) ** (-2.0 * j / d) for j in range(d // 2)]
+
+
+def _phases(xp: Any, freq: Any, positions: Any, exact: bool = True):
+    """cos and sin of ``freq · positions`` (float32), the product formed in float64.
+
+    ``freq`` (..., J) and ``positions`` (n,) broadcast to (..., n, J). Positions reach 10⁵ and
+    more, where float32 angles are off by a tenth of a radian; ``exact=False`` (positions
+    below about 10⁴, where float32 is within 10⁻³ rad) computes in float32, several times faster.
+    """
+    dt = xp.float64 if exact else xp.float32
+    ang = xp.astype(positions, dt)[:, None] * xp.astype(freq, dt)[..., None, :]
+    if not exact:
+        return xp.cos(ang), xp.sin(ang)
+    return xp.astype(xp.cos(ang), xp.float32), xp.astype(xp.sin(ang), xp.float32)
+
+
+def _demodulated_means(xa: Any, xb: Any, c: Any, s: Any):
+    """``mean_t R(−ω t) (x_a, x_b)``: the rotating mean of each pair, (..., J) twice."""
+    xp = _compat.namespace(xa)
+    ma = xp.mean(xa * c + xb * s, axis=-2)
+    mb = xp.mean(xb * c - xa * s, axis=-2)
+    return ma, mb
+
+
+def _fit(x: Any, positions: Any, pairs: Any, freq: Any):
+    """Per-pair rotating means for frequencies ``freq`` (J,) and the energy each removes, (b, h, J)."""
+    xp = _compat.namespace(x)
+    xa = xp.take(x, pairs[:, 0], axis=3)
+    xb = xp.take(x, pairs[:, 1], axis=3)
+    c, s = _phases(xp, freq, positions)
+    ma, mb = _demodulated_means(xa, xb, c, s)
+    return ma, mb, ma * ma + mb * mb
+
+
+def fit_rotary_mean(x: Any, start: int, *, rope: Any = "auto") -> RotaryMean:
+    """Fit ``m_t = R_t μ`` to keys ``x`` at positions ``start, start + 1, ...``.
+
+    Parameters
+    ----------
+    x : array, shape (batch, heads, n, d), float32
+        Keys as the model hands them (rotary embedding applied), in position order.
+    start : int
+        Position of ``x[:, :, 0]``. Any constant offset between the cache's count and the
+        model's positions is absorbed into ``μ``.
+    rope : "auto", None or dict
+        ``{"theta": base, "layout": "half" | "interleaved"}`` fixes the convention; ``"auto"``
+        tries the usual layouts and bases (see Notes) and keeps the best; None fits plain
+        per-channel means (every frequency 0).
+
+    Returns
+    -------
+    RotaryMean
+
+    Notes
+    -----
+    ``"auto"`` scores each (layout, base) by the energy its per-pair best fit removes
+    (rotating or plain, whichever removes more in that pair), over the first 1 024 tokens of
+    the first sequence: the published bases, 4 bases per decade from 10³ to 10⁸, then two
+    refinements around the best. The winner is used only if it removes at least 2 % of the keys' energy more than
+    plain means; below :data:`MIN_TOKENS` tokens, or for odd ``d``, every frequency is 0.
+    """
+    xp = _compat.namespace(x)
+    dev = _compat.device(x)
+    b, h, n, d = (int(s) for s in x.shape)
+    half = d // 2
+    rope = check_rope(rope)
+    positions = xp.arange(start, start + n, dtype=xp.float64, device=dev)
+    static = xp.mean(x, axis=2)  # (b, h, d)
+    if d % 2 or half == 0:
+        return RotaryMean(static, xp.zeros((b, h, half), dtype=xp.float32, device=dev),
+                          xp.zeros((half, 2), dtype=xp.int32, device=dev), None, None)
+    layout, base = None, None
+    if rope is not None and n >= MIN_TOKENS:
+        if isinstance(rope, Mapping):
+            layout, base = rope["layout"], rope["theta"]
+        else:
+            m = min(n, _DETECT_TOKENS)
+            # detection needs the relative positions only: count from 0 (float32 angles stay exact)
+            layout, base = _detect(x[:, :, :m, :], positions[:m] - float(start), static)
+    pairs = rope_pairs(d, layout or "half", xp=xp, device=dev)
+    if layout is None:
+        return RotaryMean(static, xp.zeros((b, h, half), dtype=xp.float32, device=dev), pairs, None, None)
+    freq = xp.asarray(rope_frequencies(d, base), dtype=xp.float32, device=dev)
+    ma, mb, e_rot = _fit(x, positions, pairs, freq)
+    sa = xp.take(static, pairs[:, 0], axis=2)
+    sb = xp.take(static, pairs[:, 1], axis=2)
+    use = e_rot > sa * sa + sb * sb  # (b, h, J): the rotating mean removes more in this pair
+    ma, mb = xp.where(use, ma, sa), xp.where(use, mb, sb)
+    freq_bh = xp.where(use, freq[None, None, :], xp.zeros_like(ma))
+    # scatter the pair means back to channel order
+    onehot_a = xp.astype(xp.arange(d, dtype=xp.int32, device=dev)[None, :] == pairs[:, 0:1], xp.float32)  # (J, d)
+    onehot_b = xp.astype(xp.arange(d, dtype=xp.int32, device=dev)[None, :] == pairs[:, 1:2], xp.float32)
+    mean = xp.matmul(ma, onehot_a) + xp.matmul(mb, onehot_b)
+    return RotaryMean(mean, freq_bh, pairs, layout, float(base))
+
+
+def _detect(x: Any, positions: Any, static: Any) -> tuple:
+    """``(layout, base)`` of the best convention for ``x``, or ``(None, None)`` (plain means win)."""
+    xp = _compat.namespace(x)
+    dev = _compat.device(x)
+    d = int(x.shape[3])
+    xs = x[:1, ...]  # the convention is the model's: one sequence of the batch tells it
+    st = xp.mean(xs, axis=2)
+    energy = float(xp.sum(xp.mean(xs * xs, axis=2)))
+    plain = float(xp.sum(st * st))
+    if energy <= 0.0:
+        return None, None
+    best = (plain, None, None)
+    for layout in ROPE_LAYOUTS:
+        pairs = rope_pairs(d, layout, xp=xp, device=dev)
+        xa = xp.take(xs, pairs[:, 0], axis=3)[:, :, None, :, :]  # (1, h, 1, n, J)
+        xb = xp.take(xs, pairs[:, 1], axis=3)[:, :, None, :, :]
+        sa = xp.take(st, pairs[:, 0], axis=2)
+        sb = xp.take(st, pairs[:, 1], axis=2)
+        e_static = (sa * sa + sb * sb)[:, :, None, :]  # (1, h, 1, J)
+
+        def scores(bases: list) -> dict:
+            freq = xp.asarray([rope_frequencies(d, b) for b in bases], dtype=xp.float32, device=dev)  # (C, J)
+            c, s = _phases(xp, freq, positions, exact=False)  # (C, n, J); positions < 1024 + start
+            ma, mb = _demodulated_means(xa, xb, c, s)  # (1, h, C, J)
+            total = xp.sum(xp.maximum(ma * ma + mb * mb, e_static), axis=(0, 1, 3))
+            return {b: float(v) for b, v in zip(bases, _compat.to_numpy(total).tolist())}
+
+        tried = scores(list(_KNOWN_BASES + _GRID))
+        top = max(tried, key=tried.get)
+        step = 10.0 ** (1.0 / 4.0)
+        for _ in range(2):  # refine around the best: a grid 4x finer each round
+            step = step ** 0.25
+            tried.update(scores([top * step ** k for k in range(-4, 5) if k]))
+            top = max(tried, key=tried.get)
+        if tried[top] > best[0]:
+            best = (tried[top], layout, top)
+    removed, layout, base = best
+    if layout is None or removed - plain < MIN_GAIN * energy:
+        return None, None
+    # a published base within the refinement's resolution is what the model uses
+    for known in _KNOWN_BASES:
+        if abs(math.log(base / known)) < 0.03:
+            base = known
+    return layout, float(base)
+
+
+def rotary_mean_at(rm_mean: Any, freq: Any, pairs: Any, positions: Any):
+    """``R_t μ`` at ``positions``: shape (batch, heads, n, d), float32.
+
+    Parameters
+    ----------
+    rm_mean : array (batch, heads, d)
+        ``μ`` (:attr:`RotaryMean.mean`), any float dtype.
+    freq : array (batch, heads, d // 2)
+        :attr:`RotaryMean.freq`.
+    pairs : array (d // 2, 2) int32
+        :attr:`RotaryMean.pairs`.
+    positions : array (n,)
+        Integer or float positions.
+    """
+    xp = _compat.namespace(rm_mean)
+    dev = _compat.device(rm_mean)
+    mu = xp.astype(rm_mean, xp.float32)
+    d = int(mu.shape[-1])
+    top = xp.max(freq, axis=(0, 1))  # (J,): the layer's frequencies where heads share them
+    if bool(xp.all((freq == 0.0) | (freq == top))):
+        c1, s1 = _phases(xp, top, positions)  # (n, J), once for every head
+        turn = (freq != 0.0)[:, :, None, :]
+        c = xp.where(turn, c1, xp.ones_like(c1))
+        s = xp.where(turn, s1, xp.zeros_like(s1))
+    else:
+        c, s = _phases(xp, freq, positions)  # (b, h, n, J)
+    ma = xp.take(mu, pairs[:, 0], axis=2)[:, :, None, :]
+    mb = xp.take(mu, pairs[:, 1], axis=2)[:, :, None, :]
+    ra = ma * c - mb * s
+    rb = mb * c + ma * s
+    onehot_a = xp.astype(xp.arange(d, dtype=xp.int32, device=dev)[None, :] == pairs[:, 0:1], xp.float32)
+    onehot_b = xp.astype(xp.arange(d, dtype=xp.int32, device=dev)[None, :] == pairs[:, 1:2], xp.float32)
+    out = xp.matmul(ra, onehot_a) + xp.matmul(rb, onehot_b)
+    if 2 * int(pairs.shape[0]) < d:  # a channel outside every pair (odd d) keeps its plain mean
+        free = 1.0 - xp.sum(onehot_a + onehot_b, axis=0)
+        out = out + (mu * free)[:, :, None, :]
+    return out
