@@ -38,7 +38,7 @@ from .registry import register_method
 __all__ = ["PolarCache", "PolarLayerCodec", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window"]
 
 #: Recent tokens kept in float16 by default, by key bits (chosen by measurement, see
-#: docs/algorithms.md §7): 4-bit codes are accurate enough that four more exact tokens buy
+#: docs/algorithms.md §8): 4-bit codes are accurate enough that four more exact tokens buy
 #: less than the 0.09 bits/value they cost at 512 tokens; at 3 bits and below they pay.
 DEFAULT_RESIDUAL_WINDOW = {1: 24, 2: 24, 3: 24, 4: 20}
 
