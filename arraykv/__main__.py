@@ -1,4 +1,4 @@
-"""Command line: ``python -m arraykv {demo,bench,inspect}``.
+"""Command line: ``python -m arraykv {demo,bench,inspect,longctx}``.
 
 ``demo``
     Fetch SmolLM2-135M if needed, generate text through a compressed cache, and print a quality
@@ -8,6 +8,9 @@
     Run the benchmark scripts of a source checkout (``benchmarks/*.py``) and print their tables.
 ``inspect``
     Follow one vector through every stage of a PolarQuant cache and save plots.
+``longctx``
+    Needle retrieval over 2k-8k tokens and the KL after long prefixes, per cache method, as
+    Markdown tables (``--plot`` saves a PNG).
 """
 
 from __future__ import annotations
@@ -20,11 +23,11 @@ __all__ = ["main"]
 
 def main(argv: list | None = None) -> int:
     """Entry point of ``python -m arraykv`` (and the ``arraykv`` console script)."""
-    from . import cli_bench, cli_demo, inspect_pqo
+    from . import cli_bench, cli_demo, cli_longctx, inspect_pqo
 
     parser = argparse.ArgumentParser(prog="arraykv", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for mod in (cli_demo, cli_bench, inspect_pqo):
+    for mod in (cli_demo, cli_bench, inspect_pqo, cli_longctx):
         mod.add_parser(sub)
     args = parser.parse_args(argv)
     try:

@@ -85,3 +85,79 @@ def test_demo_generates_and_prints_the_table(tmp_path):
 def test_demo_rejects_unknown_methods(capsys):
     assert main(["demo", "--methods", "nope"]) == 2
     assert "unknown methods ['nope']" in capsys.readouterr().err
+
+
+def _tiny_llama_gguf(path):
+    """A 2-layer random Llama GGUF whose byte-level vocabulary covers printable ASCII and newline."""
+    gguf = pytest.importorskip("gguf", reason="extra [model] not installed")
+    pytest.importorskip("tokenizers", reason="extra [model] not installed")
+    from arraykv.integrations.gguf import LlamaConfig
+    from arraykv.integrations.llama import random_gguf_tensors
+
+    tokens = ["<|end|>", "Ċ", "Ġ"] + [chr(c) for c in range(33, 127)] + ["ĠT", "he"]
+    cfg = LlamaConfig(num_layers=2, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
+                      vocab_size=len(tokens), context_length=512, rope_theta=10000.0, rms_eps=1e-5)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_layers)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.ffn_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_context_length(cfg.context_length)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    w.add_token_merges(["Ġ T", "h e"])
+    w.add_eos_token_id(0)
+    for name, a in random_gguf_tensors(cfg, seed=2).items():
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_longctx_prints_both_tables_and_the_memory(tmp_path, capsys):
+    model = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    png = tmp_path / "long.png"
+    argv = ["longctx", "--model", str(model), "--methods", "dense", "int8", "--lengths", "260", "300",
+            "--depths", "0.25", "0.75", "--prefix-lengths", "64", "128", "--positions", "8", "--chunk-size", "64",
+            "--no-progress"]
+    try:
+        import matplotlib  # noqa: F401
+        argv += ["--plot", str(png)]
+    except ImportError:
+        png = None
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "## Needle retrieval" in out and "## Long-text quality" in out
+    assert "| method | 260@25% | 260@75% | 300@25% | 300@75% | retrieved | where exact |" in out
+    assert sum(ln.startswith("| int8 |") for ln in out.splitlines()) == 1 + 2  # grid row, two KL rows
+    assert "wall time:" in out and "max RSS" in out and "tracemalloc" not in out
+    if png is not None:
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_longctx_benchmark_script_traces_memory(tmp_path, capsys):
+    import importlib.util
+
+    model = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    spec = importlib.util.spec_from_file_location("long_context_bench", ROOT / "benchmarks" / "long_context.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--model", str(model), "--methods", "int8", "--no-needle", "--prefix-lengths", "64",
+                       "--positions", "4", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("command: python benchmarks/long_context.py") and "machine:" in out
+    assert "tracemalloc peak of the run" in out and "## Needle retrieval" not in out
+
+
+def test_longctx_rejects_bad_options(capsys):
+    assert main(["longctx", "--methods", "nope"]) == 2
+    assert "unknown methods ['nope']" in capsys.readouterr().err
+    assert main(["longctx", "--no-needle", "--no-kl"]) == 2
+    assert "nothing to run" in capsys.readouterr().err

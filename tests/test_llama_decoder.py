@@ -217,3 +217,71 @@ def test_bad_inputs_raise_clear_errors(model, ids):
     model.prefill(ids[:3], used)
     with pytest.raises(ValueError, match="empty"):
         model.generate(ids[:3], 2, cache=used)
+
+
+# -- chunked prefill ----------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [1, 5, 7, 39, 40, 64])
+def test_chunked_prefill_equals_one_shot(model, ids, chunk):
+    one = model.make_cache("dense")
+    want = model.prefill(ids, one)
+    cache = model.make_cache("dense")
+    got = model.prefill(ids, cache, chunk_size=chunk)
+    assert got.shape == (len(ids), CFG.vocab_size)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    for layer in range(CFG.num_layers):
+        np.testing.assert_allclose(cache.dequantize(layer).k, one.dequantize(layer).k, atol=1e-5)
+        np.testing.assert_allclose(cache.dequantize(layer).v, one.dequantize(layer).v, atol=1e-5)
+    np.testing.assert_allclose(model.decode(ids[0], cache), model.decode(ids[0], one), atol=1e-4)
+
+
+def test_last_logits_only(model, ids, rng):
+    full = model.forward(ids)
+    last = model.prefill(ids, model.make_cache("dense"), chunk_size=9, logits="last")
+    assert last.shape == (CFG.vocab_size,)
+    np.testing.assert_allclose(last, full[-1], atol=1e-4)
+    batch = rng.integers(0, CFG.vocab_size, (2, 17))
+    got = model.prefill(batch, model.make_cache("dense"), chunk_size=4, logits="last")
+    assert got.shape == (2, CFG.vocab_size)
+    np.testing.assert_allclose(got, model.forward(batch)[:, -1], atol=1e-4)
+    # continuing a cache that already holds tokens
+    cache = model.make_cache("dense")
+    model.prefill(ids[:11], cache)
+    np.testing.assert_allclose(model.prefill(ids[11:], cache, chunk_size=6, logits="last"), full[-1], atol=1e-4)
+    assert cache.seq_len(0) == len(ids)
+
+
+class _CountingDense(arraykv.DenseCache):
+    """Counts the tokens of every prefill call of layer 0."""
+
+    method = "test-counting"
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.chunks = []
+
+    def prefill(self, layer, k, v, q):
+        if layer == 0:
+            self.chunks.append(int(k.shape[2]))
+        return super().prefill(layer, k, v, q)
+
+
+def test_each_chunk_is_one_cache_prefill_per_layer(model, ids):
+    cache = _CountingDense(num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)
+    model.prefill(ids, cache, chunk_size=16, logits="last")
+    assert cache.chunks == [16, 16, 8]
+
+
+def test_generate_prefills_in_chunks_with_the_same_result(model, ids):
+    assert model.generate(ids[:30], 5, prefill_chunk=4) == model.generate(ids[:30], 5, prefill_chunk=None)
+    assert model.generate(ids[:30], 5) == model.generate(ids[:30], 5, prefill_chunk=7)
+
+
+def test_bad_chunk_arguments_leave_the_cache_untouched(model, ids):
+    cache = model.make_cache("dense")
+    for kw, match in (({"chunk_size": 0}, "chunk_size"), ({"chunk_size": 2.5}, "chunk_size"),
+                      ({"chunk_size": True}, "chunk_size"), ({"logits": "first"}, "logits")):
+        with pytest.raises(ValueError, match=match):
+            model.prefill(ids, cache, **kw)
+        assert cache.seq_len(0) == 0
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        model.generate(ids[:5], 2, prefill_chunk=0)

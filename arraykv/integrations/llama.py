@@ -2,71 +2,31 @@
 
 The reference "framework-independent inference code": RMSNorm, rotary position embedding
 (rotate-half layout), grouped-query attention, a SwiGLU feed-forward block and tied (or
-separate) input/output embeddings, in float32. The prompt goes through ``cache.prefill`` and
-every further token through ``cache.decode``, which answers either with the attention output
+separate) input/output embeddings, in float32. The prompt goes through ``cache.prefill`` (in
+chunks of ``chunk_size`` tokens for long prompts, each chunk continuing the sequence) and every
+further token through ``cache.decode``, which answers either with the attention output
 (:class:`~arraykv.Fused`) or with keys and values (:class:`~arraykv.Dequantized`, possibly with
 a ``logit_bias``) for :func:`arraykv.attention`.
 
 Speed on NumPy comes from the weight layout, not from clever code: every matrix is stored
 transposed and contiguous, ``(in_features, out_features)``, so ``x @ W`` is one BLAS call; Q, K
 and V are one fused matrix, gate and up are one fused matrix; the RoPE tables are computed once.
+Prefill attention runs its softmax in place over ``(chunk, total)`` scores, and the output head
+can be limited to the last position (``logits="last"``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from .. import _compat
 from ..attention import attention
 from ..protocol import AttendConfig, Fused
 from .gguf import LlamaConfig
+from .llama_weights import LayerWeights, random_gguf_tensors, unpermute_qk
 
 __all__ = ["LlamaModel", "LayerWeights", "random_gguf_tensors", "unpermute_qk"]
-
-
-def unpermute_qk(w: Any, heads: int) -> Any:
-    """Undo the GGUF converter's per-head row permutation of a Q or K projection.
-
-    Parameters
-    ----------
-    w : numpy.ndarray, shape (heads * head_dim, hidden)
-        Rows as stored in GGUF, where RoPE rotates adjacent pairs ``(2i, 2i+1)``.
-    heads : int
-
-    Returns
-    -------
-    numpy.ndarray, same shape
-        Rows in the rotate-half layout, where RoPE pairs channel ``i`` with ``i + head_dim/2``.
-    """
-    rows, cols = w.shape
-    hd = rows // heads
-    return w.reshape(heads, hd // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
-@dataclass
-class LayerWeights:
-    """One decoder block, matrices laid out ``(in_features, out_features)``, float32.
-
-    Attributes
-    ----------
-    attn_norm : array, shape (hidden,)
-    wqkv : array, shape (hidden, (heads + 2 * kv_heads) * head_dim)
-        Q, K, V projections side by side; Q/K in the rotate-half layout.
-    wo : array, shape (heads * head_dim, hidden)
-    ffn_norm : array, shape (hidden,)
-    wgu : array, shape (hidden, 2 * ffn)
-        Gate and up projections side by side.
-    wdown : array, shape (ffn, hidden)
-    """
-
-    attn_norm: Any
-    wqkv: Any
-    wo: Any
-    ffn_norm: Any
-    wgu: Any
-    wdown: Any
 
 
 class LlamaModel:
@@ -102,7 +62,8 @@ class LlamaModel:
         self.xp = _compat.namespace(embedding)
         # NumPy 2 offers the array-API names itself; calling it directly skips a wrapper per
         # operation (a few percent of a decode step at 135M parameters).
-        self._ops = _plain_numpy() if _compat.is_numpy(self.xp) else self.xp
+        self._numpy = _compat.is_numpy(self.xp)
+        self._ops = _plain_numpy() if self._numpy else self.xp
         self._dev = _compat.device(embedding)
         self._scale = 1.0 / math.sqrt(config.head_dim)
         self._attend = AttendConfig(softmax_scale=self._scale, n_kv_groups=config.n_kv_groups)
@@ -247,6 +208,53 @@ class LlamaModel:
         p = s / xp.sum(s, axis=-1, keepdims=True)
         return xp.reshape(xp.matmul(p, v), (b, hq, 1, int(v.shape[3])))
 
+    def _attend_chunk(self, q: Any, k: Any, v: Any, bias: Any) -> Any:
+        """Causal attention of ``t`` new query tokens, the last ``t`` of ``total`` keys (the prefill case).
+
+        The same math as :func:`arraykv.attention` with ``causal=True``, in fewer passes over
+        the ``(b, kv_heads, groups * t, total)`` scores: the scale is folded into ``q``, the
+        mask touches only the last ``t`` key columns (earlier keys are visible to every new
+        query), the normalization divides the ``(t, d)`` output instead of the weights, and on
+        NumPy the softmax runs in place. Returns (b, H, t, d).
+        """
+        xp = self._ops
+        b, hq, t, d = (int(s) for s in q.shape)
+        hkv, total = int(k.shape[1]), int(k.shape[2])
+        g = hq // hkv
+        if k.dtype != q.dtype:
+            k = xp.astype(k, q.dtype)
+            v = xp.astype(v, q.dtype)
+        s = xp.matmul(xp.reshape(q * self._scale, (b, hkv, g * t, d)), xp.matrix_transpose(k))
+        if bias is not None:
+            s = s + xp.reshape(xp.astype(bias, s.dtype), (b, hkv, g * t, total))
+        if self._numpy:  # in place, on the fresh scores array
+            import numpy as np
+
+            if t > 1:
+                np.reshape(s, (b, hkv, g, t, total))[..., total - t:] += self._causal_block(t)
+            s -= np.max(s, axis=-1, keepdims=True)
+            np.exp(s, out=s)
+        else:
+            if t > 1:
+                s = xp.reshape(xp.reshape(s, (b, hkv, g, t, total)) + self._causal_mask(t, total),
+                               (b, hkv, g * t, total))
+            s = xp.exp(s - xp.max(s, axis=-1, keepdims=True))
+        o = xp.matmul(s, v) / xp.sum(s, axis=-1, keepdims=True)
+        return xp.reshape(o, (b, hq, t, int(v.shape[3])))
+
+    def _causal_block(self, t: int) -> Any:
+        """(t, t) float32 NumPy: 0 on and below the diagonal, -inf above (query i sees new keys <= i)."""
+        import numpy as np
+
+        return np.triu(np.full((t, t), -np.inf, dtype=np.float32), k=1)
+
+    def _causal_mask(self, t: int, total: int) -> Any:
+        """(t, total) additive mask of the last ``t`` queries over ``total`` keys, in the weights' namespace."""
+        import numpy as np
+
+        m = np.concatenate([np.zeros((t, total - t), dtype=np.float32), self._causal_block(t)], axis=1)
+        return self.xp.asarray(m, device=self._dev)
+
     def _logits(self, x: Any) -> Any:
         xp = self._ops
         h = self._rmsnorm(x, self.output_norm)
@@ -319,7 +327,7 @@ class LlamaModel:
             return self.decode(token_ids, cache)
         return self.prefill(token_ids, cache)
 
-    def prefill(self, token_ids: Any, cache: Any) -> Any:
+    def prefill(self, token_ids: Any, cache: Any, *, chunk_size: int | None = None, logits: str = "all") -> Any:
         """Run ``token_ids`` through the model, storing their K/V with ``cache.prefill``.
 
         Parameters
@@ -327,25 +335,56 @@ class LlamaModel:
         token_ids : sequence of int or integer array, shape (tokens,) or (batch, tokens)
         cache : CompressedKVCache
             Continued from the length of its layer 0.
+        chunk_size : int, optional
+            Feed the tokens in chunks of at most this many, each chunk one ``cache.prefill``
+            call per layer continuing the sequence; attention scores then take
+            ``(batch, heads, chunk_size, total)`` instead of ``(batch, heads, tokens, tokens)``.
+            None (default) feeds them all at once.
+        logits : {"all", "last"}, default "all"
+            "last" computes the output head for the last position only (all logits of an 8k
+            prompt would take 1.6 GB).
 
         Returns
         -------
-        array, shape (tokens, vocab) or (batch, tokens, vocab), float32
+        array, float32
+            ``logits="all"``: shape (tokens, vocab) or (batch, tokens, vocab);
+            ``logits="last"``: shape (vocab,) or (batch, vocab).
+
+        Notes
+        -----
+        With the exact cache (``dense``) a chunked prefill equals the one-shot one to float
+        rounding; with a compressed cache later chunks attend to the stored form of earlier ones.
         """
+        _check_chunk("chunk_size", chunk_size)
+        if not isinstance(logits, str) or logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', received {logits!r}")
         ids, flat = self._ids(token_ids)
         start = _cache_len(cache)
         t = int(ids.shape[1])
         self._check_room(start, t)
+        step = t if chunk_size is None else chunk_size
+        parts = []
+        for s in range(0, t, step):
+            e = min(s + step, t)
+            x = self._prefill_chunk(ids[:, s:e], cache, start + s)
+            if logits == "all":
+                parts.append(self._logits(x))
+            elif e == t:
+                parts.append(self._logits(x[:, -1:, :])[:, 0, :])
+        out = parts[0] if len(parts) == 1 else self._ops.concat(parts, axis=1)
+        return out[0] if flat else out
+
+    def _prefill_chunk(self, ids: Any, cache: Any, start: int) -> Any:
+        """Hidden states (batch, t, hidden) of ``ids`` (batch, t) at positions ``start ..``, stored in ``cache``."""
         x = self._embed(ids)
         for i, lw in enumerate(self.layers):
             h = self._rmsnorm(x, lw.attn_norm)
             q, k, v = self._qkv(lw, h, start)
             r = cache.prefill(i, k, v, q)
-            o = attention(q, r.k, r.v, softmax_scale=self._scale, logit_bias=r.logit_bias, causal=True)
+            o = self._attend_chunk(q, r.k, r.v, r.logit_bias)
             x = x + self._out_proj(lw, o)
             x = x + self._mlp(lw, x)
-        out = self._logits(x)
-        return out[0] if flat else out
+        return x
 
     def decode(self, token_id: Any, cache: Any) -> Any:
         """One decode step: store the token's K/V with ``cache.decode`` and return its logits.
@@ -393,7 +432,8 @@ class LlamaModel:
     # -- text generation ---------------------------------------------------------------
     def generate(self, prompt: Any, max_new_tokens: int = 32, *, cache: Any = None, method: str = "dense",
                  temperature: float = 0.0, top_k: int | None = None, seed: int | None = None,
-                 stop_at_eos: bool = True, on_token: Callable[[int], None] | None = None) -> list:
+                 stop_at_eos: bool = True, on_token: Callable[[int], None] | None = None,
+                 prefill_chunk: int | None = 512) -> list:
         """Greedy or sampled generation for one sequence.
 
         Parameters
@@ -415,6 +455,9 @@ class LlamaModel:
             Stop after the tokenizer's end-of-sequence token.
         on_token : callable, optional
             Called with each new token id as it is produced (for streaming output).
+        prefill_chunk : int or None, default 512
+            The prompt goes through :meth:`prefill` in chunks of this many tokens, with the
+            output head on its last position only; None feeds it in one piece.
 
         Returns
         -------
@@ -438,6 +481,7 @@ class LlamaModel:
             raise ValueError(f"temperature must be >= 0, received {temperature}")
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be a positive integer or None, received {top_k!r}")
+        _check_chunk("prefill_chunk", prefill_chunk)
         limit = self.config.context_length
         if len(ids) + max_new_tokens > limit:
             raise ValueError(
@@ -453,7 +497,7 @@ class LlamaModel:
         out: list = []
         if max_new_tokens == 0:
             return out
-        logits = self.prefill(ids, cache)[-1]
+        logits = self.prefill(ids, cache, chunk_size=prefill_chunk, logits="last")
         while True:
             tok = _pick(_compat.to_numpy(logits), temperature, top_k, rng)
             out.append(tok)
@@ -467,47 +511,6 @@ class LlamaModel:
         c = self.config
         return (f"LlamaModel({c.name!r}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}, "
                 f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, vocab={c.vocab_size})")
-
-
-def random_gguf_tensors(config: LlamaConfig, seed: int = 0) -> dict:
-    """Random float32 tensors under GGUF names for ``config`` (a tiny model for tests and examples).
-
-    Parameters
-    ----------
-    config : LlamaConfig
-    seed : int, default 0
-
-    Returns
-    -------
-    dict of str to numpy.ndarray
-        ``(out, in)`` matrices scaled by ``1/sqrt(in)``, norms near 1; tied embeddings.
-        ``LlamaModel.from_gguf_tensors(config, random_gguf_tensors(config))`` builds a model.
-    """
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    c = config
-
-    def mat(out, inp):
-        return (rng.standard_normal((out, inp)) / math.sqrt(inp)).astype(np.float32)
-
-    def norm(n):
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    t = {"token_embd.weight": rng.standard_normal((c.vocab_size, c.hidden_size)).astype(np.float32),
-         "output_norm.weight": norm(c.hidden_size)}
-    for i in range(c.num_layers):
-        p = f"blk.{i}."
-        t[p + "attn_norm.weight"] = norm(c.hidden_size)
-        t[p + "attn_q.weight"] = mat(c.num_heads * c.head_dim, c.hidden_size)
-        t[p + "attn_k.weight"] = mat(c.num_kv_heads * c.head_dim, c.hidden_size)
-        t[p + "attn_v.weight"] = mat(c.num_kv_heads * c.head_dim, c.hidden_size)
-        t[p + "attn_output.weight"] = mat(c.hidden_size, c.num_heads * c.head_dim)
-        t[p + "ffn_norm.weight"] = norm(c.hidden_size)
-        t[p + "ffn_gate.weight"] = mat(c.ffn_size, c.hidden_size)
-        t[p + "ffn_up.weight"] = mat(c.ffn_size, c.hidden_size)
-        t[p + "ffn_down.weight"] = mat(c.hidden_size, c.ffn_size)
-    return t
 
 
 def _plain_numpy():
@@ -533,6 +536,11 @@ def _pick(logits: Any, temperature: float, top_k: int | None, rng: Any) -> int:
     p = np.exp(z - z.max())
     p /= p.sum()
     return int(rng.choice(z.size, p=p))
+
+
+def _check_chunk(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive integer or None, received {value!r}")
 
 
 def _is_array(x: Any) -> bool:

@@ -38,7 +38,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
-from . import _compat
+from .. import _compat
+from .texts import text_token_ids
 
 __all__ = [
     "EvalRow",
@@ -102,7 +103,7 @@ class EvalRow:
 
 def builtin_text() -> str:
     """The public-domain text shipped for evaluation (Pride and Prejudice, chapters 1-2)."""
-    from .data import read_text
+    from ..data import read_text
 
     return read_text()
 
@@ -120,15 +121,7 @@ def builtin_token_ids(tokenizer: Any, n_tokens: int = 512) -> list:
     -------
     list of int
     """
-    tok = getattr(tokenizer, "tokenizer", None) or tokenizer
-    if not hasattr(tok, "encode"):
-        raise TypeError(f"tokenizer must have an encode method, received {type(tokenizer).__name__}")
-    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 2:
-        raise ValueError(f"n_tokens must be an integer >= 2, received {n_tokens!r}")
-    ids = list(tok.encode(builtin_text()))
-    if len(ids) < n_tokens:
-        raise ValueError(f"the built-in text has {len(ids)} tokens, fewer than n_tokens={n_tokens}")
-    return ids[:n_tokens]
+    return text_token_ids(tokenizer, n_tokens, builtin_text, "the built-in text")
 
 
 def _as_ids(model: Any, token_ids: Any, least: int, least_text: str | None = None) -> list:
@@ -217,7 +210,7 @@ def calibrate(model: Any, token_ids: Any, method: Any) -> list:
     RoPE, as a cache sees them), so a basis or codebook covers the positions of the
     calibration text.
     """
-    from .compressor import KVCacheCompressor
+    from ..compressor import KVCacheCompressor
 
     ids = _as_ids(model, token_ids, 2)
     dense = model.make_cache("dense")
@@ -327,7 +320,7 @@ def evaluate(model: Any, token_ids: Any, methods: Sequence[str], *, prefill: int
     ValueError
         Unknown method, too few tokens, or ``cache_options`` naming a method not evaluated.
     """
-    from .caches import available_methods
+    from ..caches import available_methods
 
     ids = _check_ids(model, token_ids, prefill)
     if isinstance(methods, str):

@@ -1,0 +1,135 @@
+"""``python -m arraykv longctx``: cache methods at long context (needle retrieval and long-text KL).
+
+Prints, as Markdown, the needle-retrieval grid (:func:`arraykv.eval.needle_grid`: a pass key
+hidden at several depths of 2k-8k tokens of filler) and the teacher-forced quality after long
+prefixes (:func:`arraykv.eval.long_text_quality`: KL, top-1, perplexity change and bits/value at
+each prefix length), then the wall time and the peak memory; ``--plot`` saves a PNG of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+__all__ = ["add_parser", "add_arguments", "run", "DEFAULT_METHODS"]
+
+#: Methods of the default run (those registered).
+DEFAULT_METHODS = ("dense", "pqo4", "pqo3", "pqo2", "int8", "int4")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("longctx", help="needle retrieval and KL of cache methods at 2k-8k tokens",
+                       description=__doc__)
+    add_arguments(p)
+    p.set_defaults(run=run)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``longctx`` (shared with ``benchmarks/long_context.py``)."""
+    p.add_argument("--model", default=None, help="a Llama .gguf file (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="cache methods (default: dense, pqo4, pqo3, pqo2, int8, int4); dense is always run")
+    p.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 8192],
+                   help="needle context lengths in tokens (prompt + question)")
+    p.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9], help="needle depths in [0, 1]")
+    p.add_argument("--haystack", default="filler",
+                   help="filler text: 'filler' (the classic grass/sky/sun lines), 'book' (the shipped novel) "
+                        "or any text")
+    p.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
+    p.add_argument("--prefix-lengths", nargs="+", type=int, default=[3840, 7936],
+                   help="long-text prefix lengths (each + --positions must fit the context)")
+    p.add_argument("--positions", type=int, default=256, help="decoded positions scored after each prefix")
+    p.add_argument("--chunk-size", type=int, default=512, help="tokens per prefill chunk")
+    p.add_argument("--prefill-mode", choices=["exact", "cache"], default="exact",
+                   help="exact: every method starts from one exact prefill; cache: chunked prefill through "
+                        "each method's own cache")
+    p.add_argument("--plot", default=None, metavar="PATH", help="save a PNG of the grids and the KL curve")
+    p.add_argument("--no-needle", action="store_true", help="skip the needle grid")
+    p.add_argument("--no-kl", action="store_true", help="skip the long-text quality table")
+    p.add_argument("--trace-memory", action="store_true",
+                   help="also report the tracemalloc peak of the run (slower)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace, *, out=print) -> int:
+    """Run ``longctx`` with parsed ``args``; ``out`` prints a line."""
+    from . import __version__
+    from . import eval as ev
+    from .caches import available_methods
+    from .integrations.gguf_llama import load_model
+
+    if args.no_needle and args.no_kl:
+        raise ValueError("--no-needle and --no-kl leave nothing to run")
+    have = available_methods()
+    methods = args.methods or [m for m in DEFAULT_METHODS if m in have]
+    unknown = [m for m in methods if m not in have]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; available: {', '.join(have)}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise ImportError('--plot needs matplotlib: pip install "arraykv[plot]"') from exc
+    haystack = ev.FILLER if args.haystack == "filler" else args.haystack
+    task = ev.NeedleTask(haystack=haystack, seed=args.seed)
+    progress = not args.no_progress and sys.stderr.isatty()
+
+    model = load_model(args.model, quiet=args.no_progress)
+    if model.tokenizer is None:
+        raise ValueError("this GGUF file has no tokenizer; longctx needs one")
+    c = model.config
+    out(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"arraykv {__version__}; model {c.name} ({c.num_layers} layers, {c.num_kv_heads} KV heads, "
+        f"head_dim {c.head_dim}, context {c.context_length})")
+    out(f"prefill: {args.prefill_mode}, chunks of {args.chunk_size} tokens")
+    if args.trace_memory:
+        import tracemalloc
+
+        tracemalloc.start()
+    t0 = time.perf_counter()
+    grid = kl = None
+    if not args.no_needle:
+        grid = ev.needle_grid(model, methods, lengths=args.lengths, depths=args.depths, task=task,
+                              chunk_size=args.chunk_size, prefill_mode=args.prefill_mode, progress=progress)
+        kind = {"book": "the book", "filler": "filler"}.get(args.haystack, "custom")
+        out(f"\n## Needle retrieval ({kind} haystack, "
+            f"{task.key_digits}-digit keys, {task.answer_tokens} greedy answer tokens)\n")
+        out(grid.format_grid())
+        out("\n✓ retrieved / ✗ missed, then log p(key) in nats (teacher-forced); in parentheses where the "
+            "exact cache missed (not counted in 'where exact').")
+    if not args.no_kl:
+        kl = ev.long_text_quality(model, methods, prefix_lengths=args.prefix_lengths, positions=args.positions,
+                                  chunk_size=args.chunk_size, prefill_mode=args.prefill_mode, progress=progress)
+        out(f"\n## Long-text quality ({args.positions} teacher-forced positions after each prefix, "
+            "Pride and Prejudice ch. 1-6)\n")
+        out(kl.format_table())
+        out("\nbits/value = memory_usage() * 8 / (2 * layers * kv_heads * tokens * head_dim) with prefix + "
+            "positions tokens held; dense holds float32.")
+    wall = time.perf_counter() - t0
+    out(f"\nwall time: {wall:.1f} s")
+    peak = _max_rss_mib()
+    line = "peak memory: " + (f"max RSS {peak:.0f} MiB" if peak is not None else "max RSS unavailable")
+    if args.trace_memory:
+        import tracemalloc
+
+        _, traced = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        line += f", tracemalloc peak of the run {traced / 2 ** 20:.0f} MiB"
+    out(line)
+    if args.plot:
+        ev.plot_long_context(args.plot, needle=grid, long_text=kl, title=f"{c.name}: long-context quality")
+        out(f"plot: {args.plot}")
+    return 0
+
+
+def _max_rss_mib() -> float | None:
+    """``getrusage(RUSAGE_SELF).ru_maxrss`` in MiB (None where the resource module is missing)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2 ** 20 if sys.platform == "darwin" else rss / 1024

@@ -1,0 +1,99 @@
+"""Weight layout helpers of the Llama decoder: GGUF Q/K row order, per-block weights, a random model.
+
+Kept apart from :mod:`arraykv.integrations.llama` (which re-exports them) so that the decoder
+module holds the forward pass only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .gguf import LlamaConfig
+
+__all__ = ["LayerWeights", "random_gguf_tensors", "unpermute_qk"]
+
+
+def unpermute_qk(w: Any, heads: int) -> Any:
+    """Undo the GGUF converter's per-head row permutation of a Q or K projection.
+
+    Parameters
+    ----------
+    w : numpy.ndarray, shape (heads * head_dim, hidden)
+        Rows as stored in GGUF, where RoPE rotates adjacent pairs ``(2i, 2i+1)``.
+    heads : int
+
+    Returns
+    -------
+    numpy.ndarray, same shape
+        Rows in the rotate-half layout, where RoPE pairs channel ``i`` with ``i + head_dim/2``.
+    """
+    rows, cols = w.shape
+    hd = rows // heads
+    return w.reshape(heads, hd // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder block, matrices laid out ``(in_features, out_features)``, float32.
+
+    Attributes
+    ----------
+    attn_norm : array, shape (hidden,)
+    wqkv : array, shape (hidden, (heads + 2 * kv_heads) * head_dim)
+        Q, K, V projections side by side; Q/K in the rotate-half layout.
+    wo : array, shape (heads * head_dim, hidden)
+    ffn_norm : array, shape (hidden,)
+    wgu : array, shape (hidden, 2 * ffn)
+        Gate and up projections side by side.
+    wdown : array, shape (ffn, hidden)
+    """
+
+    attn_norm: Any
+    wqkv: Any
+    wo: Any
+    ffn_norm: Any
+    wgu: Any
+    wdown: Any
+
+
+def random_gguf_tensors(config: LlamaConfig, seed: int = 0) -> dict:
+    """Random float32 tensors under GGUF names for ``config`` (a tiny model for tests and examples).
+
+    Parameters
+    ----------
+    config : LlamaConfig
+    seed : int, default 0
+
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        ``(out, in)`` matrices scaled by ``1/sqrt(in)``, norms near 1; tied embeddings.
+        ``LlamaModel.from_gguf_tensors(config, random_gguf_tensors(config))`` builds a model.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    c = config
+
+    def mat(out, inp):
+        return (rng.standard_normal((out, inp)) / math.sqrt(inp)).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    t = {"token_embd.weight": rng.standard_normal((c.vocab_size, c.hidden_size)).astype(np.float32),
+         "output_norm.weight": norm(c.hidden_size)}
+    for i in range(c.num_layers):
+        p = f"blk.{i}."
+        t[p + "attn_norm.weight"] = norm(c.hidden_size)
+        t[p + "attn_q.weight"] = mat(c.num_heads * c.head_dim, c.hidden_size)
+        t[p + "attn_k.weight"] = mat(c.num_kv_heads * c.head_dim, c.hidden_size)
+        t[p + "attn_v.weight"] = mat(c.num_kv_heads * c.head_dim, c.hidden_size)
+        t[p + "attn_output.weight"] = mat(c.hidden_size, c.num_heads * c.head_dim)
+        t[p + "ffn_norm.weight"] = norm(c.hidden_size)
+        t[p + "ffn_gate.weight"] = mat(c.ffn_size, c.hidden_size)
+        t[p + "ffn_up.weight"] = mat(c.ffn_size, c.hidden_size)
+        t[p + "ffn_down.weight"] = mat(c.hidden_size, c.ffn_size)
+    return t
