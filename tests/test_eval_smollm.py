@@ -23,11 +23,15 @@ pytestmark = pytest.mark.slow
 PREFILL = 64
 N_TOKENS = 512
 
-# method: (max bits/value, max mean KL, min top-1 agreement), the targets.
+# method: (max bits/value, max mean KL, min top-1 agreement). Measured on 447 decoded
+# positions: pqo4 KL 0.0033 / top-1 95.5 %, pqo3 0.0105 / 92.8 %, pqo2 0.056 / 86.4 %.
+# KL is stable across CPUs; top-1 counts near-ties that flip with the machine's float
+# rounding (pqo4 was 424/447 on one CI machine and 427/447 on another), so the top-1
+# floors sit ~2.5 points (about 11 tokens) below the measurement and KL carries the test.
 THRESHOLDS = {
-    "pqo4": (5.0, 0.006, 0.95),
-    "pqo3": (4.1, 0.02, 0.90),
-    "pqo2": (3.2, 0.10, 0.82),
+    "pqo4": (5.0, 0.0045, 0.93),
+    "pqo3": (4.1, 0.015, 0.90),
+    "pqo2": (3.2, 0.075, 0.83),
 }
 
 
