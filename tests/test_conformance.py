@@ -272,7 +272,7 @@ def test_growth_is_amortized_and_max_tokens_is_enforced(method, rng):
     k, v, q = random_kvq(rng, np, 1, HKV, G, 1, D)
     for _ in range(1500):
         cache.decode(0, k, v, q, cfg)
-    buffers = sum(1 for b in cache._states[0].extra.values() if isinstance(b, arraykv.storage.TokenBuffers))
+    buffers = len(cache._states[0].buffers())
     assert cache.reallocations() <= 12 * max(buffers, 1), cache.reallocations()
 
     capped = make(method, num_layers=1, max_tokens=20)

@@ -77,7 +77,7 @@ def test_growth_is_amortized(rng):
     cfg = arraykv.AttendConfig(1.0)
     for _ in range(2000):
         cache.decode(0, k, v, q, cfg)
-    buf = cache._states[0].extra["buf"]
+    buf = cache._states[0].buf
     assert buf.reallocations <= 12  # 64 * 1.5**10 > 2000
     assert cache.memory_usage() == 2000 * 2 * 2 * 16 * 4
 

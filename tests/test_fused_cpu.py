@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import arraykv
+from arraykv.caches.polar_decode import qjl_logit_bias
 from arraykv.attention.polar_fused import polar_decode_attention, polar_decode_attention_reference
 from arraykv.backends import lookup, set_kernels_enabled
 
@@ -45,7 +46,7 @@ def _exact_over_dequantized(cache, q, scale):
     bias = None
     if st.qjl is not None and st.n_quantized:
         layer = cache._states[0]
-        bias = cache._qjl_bias(layer, q, scale)
+        bias = qjl_logit_bias(layer, cache._codec(layer.xp, layer.device), q, scale)
     return arraykv.attention(q, r.k, r.v, softmax_scale=scale, logit_bias=bias)
 
 

@@ -3,4 +3,4 @@
 from . import dense  # noqa: F401
 from . import polar  # noqa: F401
 from . import intq  # noqa: F401
-from . import compressed  # noqa: F401
+from . import lowrank_vq  # noqa: F401

@@ -20,27 +20,43 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
 from .._validation import check_finite, check_int, check_kv, check_query, dtype_name
 from ..protocol import AttendConfig, DecodeOutput, DequantResult
-from ..storage import TokenBuffers
 
 __all__ = ["LayeredCache", "LayerState"]
 
 
 @dataclass
 class LayerState:
-    """What every layer remembers about its inputs, plus the cache's own buffers."""
+    """What every layer remembers about its inputs; each cache subclasses it with its own arrays.
+
+    Attributes
+    ----------
+    xp : namespace
+        The array namespace of the stored arrays.
+    device : device
+        Their device.
+    batch : int
+        Batch size of the stored tokens.
+    dtype : dtype
+        The callers' dtype (results are returned in it).
+    length : int
+        Tokens stored.
+    """
 
     xp: Any
     device: Any
     batch: int
     dtype: Any
     length: int = 0
-    extra: dict = field(default_factory=dict)
+
+    def buffers(self) -> tuple:
+        """The growable token buffers of the layer (for :meth:`LayeredCache.reallocations`)."""
+        return ()
 
 
 #: ``decode_path`` values of the caches with a fused decode: attend from the stored form where
@@ -195,7 +211,7 @@ class LayeredCache:
         with self._all_layers_locked():
             for st in self._states:
                 if st is not None:
-                    total += sum(b.reallocations for b in st.extra.values() if isinstance(b, TokenBuffers))
+                    total += sum(b.reallocations for b in st.buffers())
         return total
 
     @contextlib.contextmanager

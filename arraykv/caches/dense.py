@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..protocol import AttendConfig, Dequantized, DequantResult
@@ -9,7 +10,17 @@ from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState
 from .registry import register_method
 
-__all__ = ["DenseCache"]
+__all__ = ["DenseCache", "DenseLayer"]
+
+
+@dataclass
+class DenseLayer(LayerState):
+    """One layer of a :class:`DenseCache`: ``buf`` holds arrays ``k`` and ``v`` (b, h, tokens, d)."""
+
+    buf: TokenBuffers = None
+
+    def buffers(self) -> tuple:
+        return (self.buf,)
 
 
 @register_method("dense")
@@ -26,13 +37,11 @@ class DenseCache(LayeredCache):
 
     method = "dense"
 
-    def _new_layer(self, xp, dev, batch, dtype) -> LayerState:
-        st = super()._new_layer(xp, dev, batch, dtype)
-        st.extra["buf"] = TokenBuffers(max_tokens=self.max_tokens)
-        return st
+    def _new_layer(self, xp, dev, batch, dtype) -> DenseLayer:
+        return DenseLayer(xp=xp, device=dev, batch=batch, dtype=dtype, buf=TokenBuffers(max_tokens=self.max_tokens))
 
-    def _append(self, st: LayerState, k: Any, v: Any) -> DequantResult:
-        buf: TokenBuffers = st.extra["buf"]
+    def _append(self, st: DenseLayer, k: Any, v: Any) -> DequantResult:
+        buf = st.buf
         buf.append({"k": k, "v": v})
         return DequantResult(k=buf.view("k"), v=buf.view("v"))
 
@@ -43,7 +52,7 @@ class DenseCache(LayeredCache):
         return Dequantized(self._append(st, k, v))
 
     def _dequantize(self, st) -> DequantResult:
-        buf = st.extra["buf"]
+        buf = st.buf
         return DequantResult(k=buf.view("k"), v=buf.view("v"))
 
     def _append_tokens(self, st, k, v, q) -> None:
@@ -53,16 +62,19 @@ class DenseCache(LayeredCache):
         return st.length  # stored as given
 
     def _layer_arrays(self, st) -> dict:
-        return st.extra["buf"].arrays()
+        return st.buf.arrays()
 
-    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> LayerState:
+    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> DenseLayer:
+        for name in ("k", "v"):
+            if int(arrays[name].shape[2]) != length:
+                raise ValueError(f"stored array {name!r} holds {int(arrays[name].shape[2])} tokens, expected {length}")
         st = self._new_layer(xp, dev, batch, dtype)
-        st.extra["buf"].append({"k": arrays["k"], "v": arrays["v"]})
+        st.buf.append({"k": arrays["k"], "v": arrays["v"]})
         st.length = length
         return st
 
     def _layer_nbytes(self, st) -> int:
-        return st.extra["buf"].used_nbytes()
+        return st.buf.used_nbytes()
 
     def _layer_reserved_nbytes(self, st) -> int:
-        return st.extra["buf"].reserved_nbytes()
+        return st.buf.reserved_nbytes()

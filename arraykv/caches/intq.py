@@ -22,9 +22,33 @@ from .._validation import check_int
 from .base import LayeredCache, LayerState, check_decode_path
 from .registry import register_method
 
-__all__ = ["IntQuantCache", "Int2Cache", "Int4Cache", "Int8Cache", "IntLayerCodec"]
+__all__ = ["IntQuantCache", "Int2Cache", "Int4Cache", "Int8Cache", "IntLayerCodec", "IntLayer"]
 
 _SCALE_DTYPES = ("float16", "float32")
+_BITS = (2, 4, 8)
+
+
+@dataclass
+class IntLayer(LayerState):
+    """One layer of an :class:`IntQuantCache` (array names as in its Notes).
+
+    Attributes
+    ----------
+    kq : TokenBuffers
+        ``k_codes``, ``k_scale``, ``k_offset`` of the full key groups (axis 2: groups).
+    vq : TokenBuffers
+        ``v_codes``, ``v_scale``, ``v_offset`` of the quantized values (axis 2: tokens).
+    k_residual, v_window : array (b, h, n, d)
+        The exact keys of the unfilled groups and the exact recent values.
+    """
+
+    kq: TokenBuffers = None
+    vq: TokenBuffers = None
+    k_residual: Any = None
+    v_window: Any = None
+
+    def buffers(self) -> tuple:
+        return (self.kq, self.vq)
 
 
 @dataclass(frozen=True)
@@ -83,6 +107,7 @@ class IntLayerCodec:
     v_window: Any = None
 
 
+@register_method("int", generic=True)
 class IntQuantCache(LayeredCache):
     """Group-wise asymmetric integer K/V cache (KIVI: per-channel keys, per-token values).
 
@@ -90,6 +115,8 @@ class IntQuantCache(LayeredCache):
     ----------
     num_layers, num_kv_heads, head_dim, check_finite, max_tokens
         As for every cache (:class:`~arraykv.caches.LayeredCache`).
+    bits : {2, 4, 8}, default 8
+        Bits per code; only for the generic method ``"int"`` (``int2``/``int4``/``int8`` fix it).
     group_size : int, default 32
         Tokens per key group and channels per value group.
     scale_dtype : {"float16", "float32"}, default "float16"
@@ -153,11 +180,18 @@ class IntQuantCache(LayeredCache):
     #: ``residual_window`` when the constructor is given None.
     default_residual_window = 0
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, group_size: int = 32,
-                 scale_dtype: str = "float16", residual_window: int | None = None, decode_path: str = "auto",
-                 check_finite: bool = True, max_tokens: int | None = None):
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, bits: int | None = None,
+                 group_size: int = 32, scale_dtype: str = "float16", residual_window: int | None = None,
+                 decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
+        if bits is not None:
+            if type(self).method != "int":
+                raise TypeError(f"method {self.method!r} does not take bits (it fixes bits={type(self).bits}; method 'int' takes it)")
+            bits = check_int("bits", bits, low=2, high=8)
+            if bits not in _BITS:
+                raise ValueError(f"bits must be one of {_BITS}, received {bits}")
+            self.bits = bits
         self.group_size = check_int("group_size", group_size, low=1)
         if scale_dtype not in _SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {_SCALE_DTYPES}, received {scale_dtype!r}")
@@ -171,8 +205,10 @@ class IntQuantCache(LayeredCache):
         self.decode_path = check_decode_path(decode_path)
 
     def _extra_config(self) -> dict:
-        return {"group_size": self.group_size, "scale_dtype": self.scale_dtype,
-                "residual_window": self.residual_window, "decode_path": self.decode_path}
+        cfg = {"bits": self.bits} if type(self).method == "int" else {}
+        cfg.update(group_size=self.group_size, scale_dtype=self.scale_dtype,
+                   residual_window=self.residual_window, decode_path=self.decode_path)
+        return cfg
 
     def _pdt(self, xp: Any) -> str:
         return self.scale_dtype if hasattr(xp, self.scale_dtype) else "float32"
@@ -182,18 +218,14 @@ class IntQuantCache(LayeredCache):
         return (getattr(xp, "float16", None) or xp.float32) if self.residual_window else dtype
 
     # -- state ----------------------------------------------------------------------
-    def _new_layer(self, xp, dev, batch, dtype) -> LayerState:
-        st = super()._new_layer(xp, dev, batch, dtype)
+    def _new_layer(self, xp, dev, batch, dtype) -> IntLayer:
         mt = self.max_tokens
-        st.extra["kq"] = TokenBuffers(max_tokens=None if mt is None else -(-mt // self.group_size), min_capacity=4)
-        st.extra["vq"] = TokenBuffers(max_tokens=mt)
-        empty = (batch, self.num_kv_heads, 0, self.head_dim)
-        edt = self._exact_dtype(xp, dtype)
-        st.extra["k_residual"] = xp.zeros(empty, dtype=edt, device=dev)
-        st.extra["v_window"] = xp.zeros(empty, dtype=edt, device=dev)
-        return st
+        empty = xp.zeros((batch, self.num_kv_heads, 0, self.head_dim), dtype=self._exact_dtype(xp, dtype), device=dev)
+        return IntLayer(xp=xp, device=dev, batch=batch, dtype=dtype,
+                        kq=TokenBuffers(max_tokens=None if mt is None else -(-mt // self.group_size), min_capacity=4),
+                        vq=TokenBuffers(max_tokens=mt), k_residual=empty, v_window=empty)
 
-    def _encode(self, st: LayerState, k: Any, v: Any) -> tuple:
+    def _encode(self, st: IntLayer, k: Any, v: Any) -> tuple:
         """Everything a store writes, computed before anything changes.
 
         Returns ``(kq, vq, k_residual, v_window)``: the arrays to append to the key groups
@@ -202,10 +234,10 @@ class IntQuantCache(LayeredCache):
         xp = st.xp
         g, w = self.group_size, self.residual_window
         pdt = self._pdt(xp)
-        edt = st.extra["k_residual"].dtype
+        edt = st.k_residual.dtype
         if k.dtype != edt:
             k, v = xp.astype(k, edt), xp.astype(v, edt)
-        allk = xp.concat([st.extra["k_residual"], k], axis=2)
+        allk = xp.concat([st.k_residual, k], axis=2)
         b, h, n, d = (int(s) for s in allk.shape)
         chunk = w or g  # keys are quantized in whole chunks of the window (or of one group)
         full = n // chunk * (chunk // g)
@@ -216,7 +248,7 @@ class IntQuantCache(LayeredCache):
             q = quantize_groups(blk, self.bits, g, param_dtype=pdt)
             kq = {"k_codes": q.codes, "k_scale": q.scale[..., 0], "k_offset": q.offset[..., 0]}
         residual = xp.asarray(allk[:, :, full * g :, :], copy=True)
-        window = st.extra["v_window"]
+        window = st.v_window
         if w == 0:
             spill, allv, new_window = int(v.shape[2]), v, window
         else:
@@ -229,25 +261,25 @@ class IntQuantCache(LayeredCache):
             vq = {"v_codes": qv.codes, "v_scale": qv.scale, "v_offset": qv.offset}
         return kq, vq, residual, new_window
 
-    def _store(self, st: LayerState, k: Any, v: Any) -> None:
+    def _store(self, st: IntLayer, k: Any, v: Any) -> None:
         kq, vq, residual, window = self._encode(st, k, v)
         if kq is not None:
-            st.extra["kq"].check_room(int(kq["k_codes"].shape[2]))
+            st.kq.check_room(int(kq["k_codes"].shape[2]))
         if vq is not None:
-            st.extra["vq"].check_room(int(vq["v_codes"].shape[2]))
+            st.vq.check_room(int(vq["v_codes"].shape[2]))
         # Commit.
         if kq is not None:
-            st.extra["kq"].append(kq)
+            st.kq.append(kq)
         if vq is not None:
-            st.extra["vq"].append(vq)
-        st.extra["k_residual"] = residual
-        st.extra["v_window"] = window
+            st.vq.append(vq)
+        st.k_residual = residual
+        st.v_window = window
 
-    def _decoded(self, st: LayerState, start: int = 0) -> DequantResult:
+    def _decoded(self, st: IntLayer, start: int = 0) -> DequantResult:
         """K/V of the stored tokens ``start ..``; only the key groups and value rows from there are decoded."""
         xp = st.xp
         g, d = self.group_size, self.head_dim
-        kq, vq = st.extra["kq"], st.extra["vq"]
+        kq, vq = st.kq, st.vq
         parts = []
         g0 = min(start // g, kq.length)  # first key group holding a token from ``start`` on
         if kq.length > g0:
@@ -280,9 +312,9 @@ class IntQuantCache(LayeredCache):
         return DequantResult(k=k, v=v)
 
     @staticmethod
-    def _exact(st: LayerState, name: str, skip: int):
+    def _exact(st: IntLayer, name: str, skip: int):
         """Exact tokens ``skip ..`` of ``k_residual`` or ``v_window``, in the layer's dtype (a copy)."""
-        a = st.extra[name][:, :, skip:, :]
+        a = getattr(st, name)[:, :, skip:, :]
         return st.xp.asarray(a, copy=True) if a.dtype == st.dtype else st.xp.astype(a, st.dtype)
 
     # -- hooks ----------------------------------------------------------------------
@@ -310,38 +342,42 @@ class IntQuantCache(LayeredCache):
 
     def _stable_length(self, st) -> int:
         # a key is final once its group is quantized, a value once it left the window
-        return min(st.extra["kq"].length * self.group_size, st.extra["vq"].length)
+        return min(st.kq.length * self.group_size, st.vq.length)
 
     def _layer_arrays(self, st) -> dict:
-        out = dict(st.extra["kq"].arrays())
-        out.update(st.extra["vq"].arrays())
-        out["k_residual"] = st.extra["k_residual"]
+        out = dict(st.kq.arrays())
+        out.update(st.vq.arrays())
+        out["k_residual"] = st.k_residual
         if self.residual_window:
-            out["v_window"] = st.extra["v_window"]
+            out["v_window"] = st.v_window
         return out
 
-    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> LayerState:
+    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> IntLayer:
         st = self._new_layer(xp, dev, batch, dtype)
         kq = {n: arrays[n] for n in ("k_codes", "k_scale", "k_offset") if n in arrays}
         if kq and int(kq["k_codes"].shape[2]):
-            st.extra["kq"].append(kq)
+            st.kq.append(kq)
         vq = {n: arrays[n] for n in ("v_codes", "v_scale", "v_offset") if n in arrays}
         if vq and int(vq["v_codes"].shape[2]):
-            st.extra["vq"].append(vq)
-        st.extra["k_residual"] = xp.asarray(arrays["k_residual"], copy=True)
+            st.vq.append(vq)
+        st.k_residual = xp.asarray(arrays["k_residual"], copy=True)
         if "v_window" in arrays:
-            st.extra["v_window"] = xp.asarray(arrays["v_window"], copy=True)
+            st.v_window = xp.asarray(arrays["v_window"], copy=True)
+        keys = st.kq.length * self.group_size + int(st.k_residual.shape[2])
+        values = st.vq.length + int(st.v_window.shape[2])
+        if keys != length or values != length:
+            raise ValueError(f"stored arrays hold {keys} keys and {values} values, expected {length} of each")
         st.length = length
         return st
 
     def _exact_nbytes(self, st) -> int:
-        return _compat.array_nbytes(st.extra["k_residual"]) + _compat.array_nbytes(st.extra["v_window"])
+        return _compat.array_nbytes(st.k_residual) + _compat.array_nbytes(st.v_window)
 
     def _layer_nbytes(self, st) -> int:
-        return st.extra["kq"].used_nbytes() + st.extra["vq"].used_nbytes() + self._exact_nbytes(st)
+        return st.kq.used_nbytes() + st.vq.used_nbytes() + self._exact_nbytes(st)
 
     def _layer_reserved_nbytes(self, st) -> int:
-        return st.extra["kq"].reserved_nbytes() + st.extra["vq"].reserved_nbytes() + self._exact_nbytes(st)
+        return st.kq.reserved_nbytes() + st.vq.reserved_nbytes() + self._exact_nbytes(st)
 
     # -- inspection for kernels ------------------------------------------------------
     def layer_codec_state(self, layer: int) -> IntLayerCodec | None:
@@ -354,11 +390,11 @@ class IntQuantCache(LayeredCache):
             st = self._states[layer]
             return None if st is None else self._codec_state(st)
 
-    def _codec_state(self, st: LayerState) -> IntLayerCodec:
+    def _codec_state(self, st: IntLayer) -> IntLayerCodec:
         """:meth:`layer_codec_state` of a layer whose lock the caller holds."""
         xp = st.xp
         g, d = self.group_size, self.head_dim
-        kq, vq = st.extra["kq"], st.extra["vq"]
+        kq, vq = st.kq, st.vq
         pdt = getattr(xp, self._pdt(xp))
         if kq.length:
             k_codes, k_scale, k_offset = kq.view("k_codes"), kq.view("k_scale"), kq.view("k_offset")
@@ -374,7 +410,7 @@ class IntQuantCache(LayeredCache):
             v_codes = xp.zeros(lead + (packed_nbytes(d, self.bits),), dtype=xp.uint8, device=st.device)
             v_scale = xp.zeros(lead + (-(-d // g),), dtype=pdt, device=st.device)
             v_offset = v_scale
-        residual, window = st.extra["k_residual"], st.extra["v_window"]
+        residual, window = st.k_residual, st.v_window
         n_window = int(window.shape[2])
         return IntLayerCodec(bits=self.bits, group_size=g, n_tokens=vq.length + n_window, n_groups=kq.length,
                              n_residual=int(residual.shape[2]), k_codes=k_codes, k_scale=k_scale,

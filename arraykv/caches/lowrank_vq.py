@@ -18,6 +18,7 @@ window. The arrays a layer holds, and the fitting rule, are in the class docstri
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
@@ -34,8 +35,9 @@ from ..quant.pq import (PQCodebook, PQCodes, check_pq_options, code_bits, pq_dec
 from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState, check_decode_path
 from .registry import register_method
+from .window import ExactTokens
 
-__all__ = ["LowRankCache", "VQCache"]
+__all__ = ["LowRankCache", "VQCache", "FittedLayer"]
 
 _COEFF_DTYPES = ("float16", "float32")
 #: Default float16 recent-token window and attention sinks of both caches. Measured on
@@ -62,13 +64,29 @@ def _f32(xp: Any, x: Any):
     return x if x.dtype == xp.float32 else xp.astype(x, xp.float32)
 
 
-def _first_tokens(xp: Any, held: Any, new: Any, n: int):
-    """The first ``n`` tokens of ``held`` followed by ``new`` (axis 2), as float32; only those are converted."""
-    a = min(n, int(held.shape[2]))
-    parts = [_f32(xp, held[:, :, :a, :])] if a else []
-    if n > a:
-        parts.append(_f32(xp, new[:, :, : n - a, :]))
-    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
+@dataclass
+class FittedLayer(LayerState):
+    """One layer of a ``lowrank`` or ``vq`` cache.
+
+    Attributes
+    ----------
+    codes : TokenBuffers
+        The encoded tokens' arrays (the cache's ``_per_token`` names), token axis 2.
+    exact : ExactTokens
+        The sink tokens, then the recent window (all tokens until the layer is fitted), float16.
+    calib : dict or None
+        The fitted arrays by name (``_calib_names``): given, fitted, or loaded.
+    layer : int or None
+        The layer index, set on the first call (-1 for a restored layer).
+    """
+
+    codes: TokenBuffers = None
+    exact: ExactTokens = None
+    calib: dict | None = None
+    layer: int | None = None
+
+    def buffers(self) -> tuple:
+        return (self.codes,)
 
 
 class _CalibratedCache(LayeredCache):
@@ -149,57 +167,38 @@ class _CalibratedCache(LayeredCache):
                 "sink_tokens": self.sink_tokens, "decode_path": self.decode_path}
 
     # -- layer state ----------------------------------------------------------------------
-    def _new_layer(self, xp, dev, batch, dtype) -> LayerState:
-        st = super()._new_layer(xp, dev, batch, dtype)
-        st.extra["codes"] = TokenBuffers(max_tokens=self.max_tokens)
-        half = half_dtype(xp)
-        shape = (batch, self.num_kv_heads, 0, self.head_dim)
-        for name in ("k_sink", "v_sink", "k_window", "v_window"):
-            st.extra[name] = xp.zeros(shape, dtype=half, device=dev)
-        st.extra["calib"] = None
-        st.extra["layer"] = None
-        return st
+    def _new_layer(self, xp, dev, batch, dtype) -> FittedLayer:
+        return FittedLayer(xp=xp, device=dev, batch=batch, dtype=dtype, codes=TokenBuffers(max_tokens=self.max_tokens),
+                           exact=ExactTokens.empty(xp, dev, batch, self.num_kv_heads, self.head_dim))
 
     def _admit(self, layer, xp, k, v, tokens):
         st = super()._admit(layer, xp, k, v, tokens)
-        if st.extra["layer"] is None:  # a fresh layer: take the given calibration, if any
-            st.extra["layer"] = layer
+        if st.layer is None:  # a fresh layer: take the given calibration, if any
+            st.layer = layer
             given = self._given[layer]
             if given is not None:
-                st.extra["calib"] = {n: _to(xp, st.device, a) for n, a in given.items()}
+                st.calib = {n: _to(xp, st.device, a) for n, a in given.items()}
         return st
 
-    def _store(self, st: LayerState, k: Any, v: Any) -> None:
+    def _store(self, st: FittedLayer, k: Any, v: Any) -> None:
         """Append new tokens (everything computed first, then committed)."""
         xp = st.xp
-        half = half_dtype(xp)
-        ks, vs = st.extra["k_sink"], st.extra["v_sink"]
-        take = min(self.sink_tokens - int(ks.shape[2]), int(k.shape[2]))
-        if take > 0:  # the first tokens of the sequence stay in float16, outside the fit
-            ks = xp.concat([ks, xp.astype(k[:, :, :take, :], half)], axis=2)
-            vs = xp.concat([vs, xp.astype(v[:, :, :take, :], half)], axis=2)
-            k, v = k[:, :, take:, :], v[:, :, take:, :]
-        kw, vw = st.extra["k_window"], st.extra["v_window"]
-        n_w, t = int(kw.shape[2]), int(k.shape[2])
-        calib = st.extra["calib"]
-        if calib is None and st.batch * (n_w + t) >= self.min_calibration:
+        step = st.exact.step(xp, k, v, sink_tokens=self.sink_tokens)  # the first tokens stay exact, unfitted
+        n = step.n_recent + step.n_new
+        calib = st.calib
+        if calib is None and st.batch * n >= self.min_calibration:
             # the first fit: on every token held so far (window, then the new ones)
-            fk, fv = self._fit_sample(xp, _first_tokens(xp, kw, k, n_w + t), _first_tokens(xp, vw, v, n_w + t))
-            calib = self._fit(xp, fk, fv)
-        spill = max(0, n_w + t - self.residual_window) if calib is not None else 0
+            calib = self._fit(xp, *self._fit_sample(xp, *step.first(n)))
+        spill = step.spill(self.residual_window) if calib is not None else 0
         arrays = None
         if spill:  # the oldest tokens of window + new leave the window: encode them
-            arrays = self._encode(xp, calib, _first_tokens(xp, kw, k, spill), _first_tokens(xp, vw, v, spill))
-        keep_new = t - max(0, spill - n_w)
-        drop = min(spill, n_w)
-        new_kw = xp.concat([kw[:, :, drop:, :], xp.astype(k[:, :, t - keep_new:, :], half)], axis=2)
-        new_vw = xp.concat([vw[:, :, drop:, :], xp.astype(v[:, :, t - keep_new:, :], half)], axis=2)
+            arrays = self._encode(xp, calib, *step.first(spill))
+        exact = step.block(spill)
         # Commit.
         if arrays is not None:
-            st.extra["codes"].append(arrays)
-        st.extra["calib"] = calib
-        st.extra["k_sink"], st.extra["v_sink"] = ks, vs
-        st.extra["k_window"], st.extra["v_window"] = new_kw, new_vw
+            st.codes.append(arrays)
+        st.calib = calib
+        st.exact = exact
 
     def _fit_sample(self, xp: Any, k: Any, v: Any) -> tuple:
         """The tokens the fit sees: all of them, or ``max_calibration // batch`` evenly spaced ones."""
@@ -211,18 +210,18 @@ class _CalibratedCache(LayeredCache):
         idx = xp.astype(xp.round(xp.linspace(0.0, float(n - 1), n_fit, device=_compat.device(k))), xp.int64)
         return xp.take(k, idx, axis=2), xp.take(v, idx, axis=2)
 
-    def _decoded(self, st: LayerState, start: int = 0) -> DequantResult:
+    def _decoded(self, st: FittedLayer, start: int = 0) -> DequantResult:
         """K/V of the stored tokens ``start ..`` in the layer's dtype: sinks, encoded tokens, window."""
         xp = st.xp
-        buf: TokenBuffers = st.extra["codes"]
-        ex = st.extra
-        n_s = int(ex["k_sink"].shape[2])
+        buf = st.codes
+        n_s = st.exact.n_sink
         c0 = min(max(0, start - n_s), buf.length)
         w0 = max(0, start - n_s - buf.length)
-        ks, vs = ex["k_sink"][:, :, min(start, n_s):, :], ex["v_sink"][:, :, min(start, n_s):, :]
-        kw, vw = ex["k_window"][:, :, w0:, :], ex["v_window"][:, :, w0:, :]
+        (ks, vs), (kw, vw) = st.exact.sinks(), st.exact.recent()
+        ks, vs = ks[:, :, min(start, n_s):, :], vs[:, :, min(start, n_s):, :]
+        kw, vw = kw[:, :, w0:, :], vw[:, :, w0:, :]
         if buf.length > c0:
-            kd, vd = self._decode_tokens(xp, ex["calib"], buf, c0)
+            kd, vd = self._decode_tokens(xp, st.calib, buf, c0)
             pk = [_f32(xp, ks), kd, _f32(xp, kw)]
             pv = [_f32(xp, vs), vd, _f32(xp, vw)]
         else:
@@ -247,15 +246,9 @@ class _CalibratedCache(LayeredCache):
             return Fused(self._attend(st, q, config.softmax_scale))
         return Dequantized(self._decoded(st))
 
-    def _extras(self, st: LayerState) -> tuple:
+    def _extras(self, st: FittedLayer) -> tuple:
         """The tokens kept as float16 vectors (sinks, then window): (b, h, E, d) each."""
-        xp, ex = st.xp, st.extra
-        if not int(ex["k_sink"].shape[2]):
-            return ex["k_window"], ex["v_window"]
-        if not int(ex["k_window"].shape[2]):
-            return ex["k_sink"], ex["v_sink"]
-        return (xp.concat([ex["k_sink"], ex["k_window"]], axis=2),
-                xp.concat([ex["v_sink"], ex["v_window"]], axis=2))
+        return st.exact.k, st.exact.v
 
     def _dequantize(self, st) -> DequantResult:
         return self._decoded(st)
@@ -268,52 +261,52 @@ class _CalibratedCache(LayeredCache):
 
     def _stable_length(self, st) -> int:
         # sinks and encoded tokens never change; window tokens (all tokens before the fit) will be encoded
-        return int(st.extra["k_sink"].shape[2]) + st.extra["codes"].length
+        return st.exact.n_sink + st.codes.length
 
+    # -- persistence view: sinks and window saved apart (k_sink, k_window, ...), codes, fit ------
     def _layer_arrays(self, st) -> dict:
-        out = dict(st.extra["codes"].arrays())
-        for name in ("k_sink", "v_sink", "k_window", "v_window"):
-            out[name] = st.extra[name]
-        if st.extra["calib"] is not None:
-            out.update(st.extra["calib"])
+        out = dict(st.codes.arrays())
+        (out["k_sink"], out["v_sink"]), (out["k_window"], out["v_window"]) = st.exact.sinks(), st.exact.recent()
+        if st.calib is not None:
+            out.update(st.calib)
         return out
 
-    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> LayerState:
+    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> FittedLayer:
         st = self._new_layer(xp, dev, batch, dtype)
         per_token = {n: arrays[n] for n in self._per_token if n in arrays}
         if per_token and int(next(iter(per_token.values())).shape[2]):
-            st.extra["codes"].append(per_token)
-        for name in ("k_sink", "v_sink", "k_window", "v_window"):
-            st.extra[name] = xp.asarray(arrays[name], copy=True)
+            st.codes.append(per_token)
+        parts = [xp.asarray(arrays[n], copy=True) for n in ("k_sink", "v_sink", "k_window", "v_window")]
+        st.exact = ExactTokens.from_parts(xp, *parts)
         if all(n in arrays for n in self._calib_names):
-            st.extra["calib"] = {n: xp.asarray(arrays[n], copy=True) for n in self._calib_names}
-        elif st.extra["codes"].length:
+            st.calib = {n: xp.asarray(arrays[n], copy=True) for n in self._calib_names}
+        elif st.codes.length:
             raise ValueError("stored arrays hold encoded tokens but no fitted basis/codebooks")
-        st.extra["layer"] = -1  # restored: the file's calibration, not the constructor's
-        held = st.extra["codes"].length + int(st.extra["k_sink"].shape[2]) + int(st.extra["k_window"].shape[2])
+        st.layer = -1  # restored: the file's calibration, not the constructor's
+        held = st.codes.length + st.exact.count
         if held != length:
             raise ValueError(f"stored arrays hold {held} tokens, expected {length}")
         st.length = length
         return st
 
     def _side_nbytes(self, st) -> int:
-        total = sum(_compat.array_nbytes(st.extra[n]) for n in ("k_sink", "v_sink", "k_window", "v_window"))
-        if st.extra["calib"] is not None:
-            total += sum(_compat.array_nbytes(a) for a in st.extra["calib"].values())
+        total = st.exact.nbytes()
+        if st.calib is not None:
+            total += sum(_compat.array_nbytes(a) for a in st.calib.values())
         return total
 
     def _layer_nbytes(self, st) -> int:
-        return st.extra["codes"].used_nbytes() + self._side_nbytes(st)
+        return st.codes.used_nbytes() + self._side_nbytes(st)
 
     def _layer_reserved_nbytes(self, st) -> int:
-        return st.extra["codes"].reserved_nbytes() + self._side_nbytes(st)
+        return st.codes.reserved_nbytes() + self._side_nbytes(st)
 
     def is_fitted(self, layer: int) -> bool:
         """Whether ``layer`` holds its basis/codebooks (given, fitted, or loaded)."""
         layer = self._check_layer(layer)
         with self._locks[layer]:
             st = self._states[layer]
-            return st is not None and st.extra["calib"] is not None
+            return st is not None and st.calib is not None
 
 
 @register_method("lowrank")
@@ -470,11 +463,9 @@ class LowRankCache(_CalibratedCache):
     def _fused_auto(self, xp: Any) -> bool:
         return True  # matrix products in coefficient space: cheaper than reconstructing, everywhere
 
-    def _attend(self, st: LayerState, q: Any, scale: float):
-        xp, ex = st.xp, st.extra
-        buf: TokenBuffers = ex["codes"]
+    def _attend(self, st: FittedLayer, q: Any, scale: float):
+        buf, calib = st.codes, st.calib
         ke, ve = self._extras(st)
-        calib = ex["calib"]
         if calib is None or not buf.length:
             return lowrank_decode_attention(q, ke[:, :, :0, :], None, None, ve[:, :, :0, :], None, None, ke, ve,
                                             softmax_scale=scale)
@@ -625,11 +616,9 @@ class VQCache(_CalibratedCache):
     def _fused_auto(self, xp: Any) -> bool:
         return lookup("pq_decode_attention", xp) is not None
 
-    def _attend(self, st: LayerState, q: Any, scale: float):
-        xp, ex = st.xp, st.extra
-        buf: TokenBuffers = ex["codes"]
+    def _attend(self, st: FittedLayer, q: Any, scale: float):
+        xp, buf, calib = st.xp, st.codes, st.calib
         ke, ve = self._extras(st)
-        calib = ex["calib"]
         if calib is None or not buf.length:
             return attention(q, ke, ve, softmax_scale=scale, causal=False)
         kc, vc = calib["k_centroids"], calib["v_centroids"]

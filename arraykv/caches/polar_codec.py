@@ -1,0 +1,139 @@
+"""What a kernel reads of a polar cache layer, and the fixed arrays of a polar cache.
+
+:class:`PolarLayerCodec` is the packed state of one layer (views of the cache's arrays, no
+copies) that the fused decode attention reads (:mod:`arraykv.attention.polar_fused` and the
+kernels under it); :class:`PolarFixed` is the rotation, codebooks and QJL sketch a cache holds
+once per namespace and device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..quant.codebooks import Codebook, make_codebook
+from ..quant.qjl import QJLSketch, make_sketch
+from ..quant.rotation import Rotation, make_rotation
+
+__all__ = ["PolarLayerCodec", "PolarFixed"]
+
+
+@dataclass(frozen=True)
+class PolarLayerCodec:
+    """Everything a kernel needs to read one layer of a :class:`PolarCache` (no copies).
+
+    Token ``t < n_quantized`` of head ``(b, h)`` is decoded as::
+
+        k = k_norms[b,h,t] · Mᵀ k_codebook.centroids[unpack(k_codes[b,h,t])]    (rotation part)
+        k[c] = k_outliers[b,h,t,j]  for c = k_outlier_idx[b,h,j]             (exact channels)
+        k = k / k_scale[b,h] + m_t[b,h]                                       (weights, centering)
+
+    where ``m_t`` is the key mean at the token's position ``p = n_sink + t``: ``k_mean[b,h]``
+    itself, or, with ``k_mean_freq`` (keys with rotary embeddings), ``k_mean`` turned by the
+    angle ``k_mean_freq[b,h,j] · p`` in each channel pair ``k_mean_pairs[j]``
+    (:func:`arraykv.quant.rotary_mean.rotary_mean_at`).
+
+    and likewise for values (no outlier channels). The layer's token order is
+    ``k_window[:, :, :n_sink]`` (the first tokens), the quantized tokens (``t`` above), then
+    ``k_window[:, :, n_sink:]`` (the recent tokens). A decode kernel may treat ``k_window`` as
+    one block of exact tokens: one query's attention does not depend on the order of keys. For TurboQuant-prod keys the logit of query ``q`` gains
+    ``softmax_scale · √(π/2)/m · k_qjl_norms[b,h,t] · ⟨S q, ±1(k_qjl[b,h,t])⟩``.
+
+    Attributes
+    ----------
+    n_sink : int
+        Sink tokens: the first ``n_sink`` rows of ``k_window``/``v_window`` are the first
+        tokens of the sequence (kept in float16, they come *before* the quantized tokens).
+    n_quantized, n_window : int
+        Quantized tokens, and float16 tokens (``n_window`` counts the sinks too).
+    rotation : Rotation
+        ``M``; for ``kind == "hadamard"``, ``M x = H (signs ⊙ x) / √d``.
+    k_codebook, v_codebook : Codebook
+        Centroids of rotated unit-vector coordinates (``bits`` = key/value MSE bits).
+    k_codes, v_codes : uint8 (batch, kv_heads, n_quantized, ceil(d·bits/8))
+    k_norms, v_norms : float16 (batch, kv_heads, n_quantized)
+    k_mean, v_mean : float16 (batch, kv_heads, d) or None before calibration
+    k_scale : float16 (batch, kv_heads, d) or None before calibration
+        Query-derived channel weights ``s``: keys are encoded as ``s ⊙ (k − m_t)``, so the
+        rotation part and ``k_outliers`` decode to ``s ⊙ (k − m_t)``; divide by ``s``
+        (or, in a kernel, multiply the query by ``1/s``) before adding ``m_t``.
+    k_mean_freq : float32 (batch, kv_heads, d // 2) or None
+        Angular frequency (radians per position) of each channel pair of the key mean; 0 for a
+        pair whose mean does not turn. None: the key mean is ``k_mean`` at every position.
+    k_mean_pairs : int32 (d // 2, 2) or None
+        Channels ``(a, b)`` of each pair: ``m[a] = μ_a cos φ − μ_b sin φ``,
+        ``m[b] = μ_b cos φ + μ_a sin φ`` with ``φ = k_mean_freq · p``.
+    k_outlier_idx : int32 (batch, kv_heads, n_out) or None
+    k_outliers : float16 (batch, kv_heads, n_quantized, n_out) or None
+        Exact (centered) key values of the outlier channels; the rotated part was encoded with
+        those channels set to zero.
+    k_window, v_window : float16 (batch, kv_heads, n_window, d)
+        Sink tokens, then the recent tokens, as given (rounded to float16).
+    qjl : QJLSketch or None
+        ``S`` (m, d) for ``tq`` caches.
+    k_qjl : uint8 (batch, kv_heads, n_quantized, ceil(m/8)) or None
+        ``S r >= 0`` bits of the key residual ``r`` (outlier channels excluded).
+    k_qjl_norms : float16 (batch, kv_heads, n_quantized) or None
+        ``‖r‖``.
+    """
+
+    n_sink: int
+    n_quantized: int
+    n_window: int
+    rotation: Rotation
+    k_codebook: Codebook
+    v_codebook: Codebook
+    k_codes: Any
+    k_norms: Any
+    v_codes: Any
+    v_norms: Any
+    k_mean: Any
+    v_mean: Any
+    k_scale: Any
+    k_mean_freq: Any
+    k_mean_pairs: Any
+    k_outlier_idx: Any
+    k_outliers: Any
+    k_window: Any
+    v_window: Any
+    qjl: Any
+    k_qjl: Any
+    k_qjl_norms: Any
+
+
+@dataclass(frozen=True)
+class PolarFixed:
+    """The arrays a polar cache holds once per namespace and device, whatever it stores.
+
+    Attributes
+    ----------
+    rotation : Rotation
+        The seeded random rotation ``M`` (head_dim × head_dim, or its Hadamard form).
+    k_codebook, v_codebook : Codebook
+        Lloyd-Max centroids for ``key_bits`` and ``value_bits``.
+    qjl : QJLSketch or None
+        The seeded Gaussian sketch of TurboQuant-prod keys.
+    """
+
+    rotation: Rotation
+    k_codebook: Codebook
+    v_codebook: Codebook
+    qjl: QJLSketch | None
+
+    @classmethod
+    def build(cls, xp: Any, dev: Any, *, head_dim: int, key_bits: int, value_bits: int, seed: int,
+              qjl: bool) -> "PolarFixed":
+        """The arrays for one namespace and device (same seed, same arrays)."""
+        return cls(rotation=make_rotation(head_dim, seed, xp=xp, device=dev),
+                   k_codebook=make_codebook(key_bits, head_dim, xp=xp, device=dev),
+                   v_codebook=make_codebook(value_bits, head_dim, xp=xp, device=dev),
+                   qjl=make_sketch(head_dim, seed, xp=xp, device=dev) if qjl else None)
+
+    def nbytes(self) -> int:
+        """Bytes held (a codebook shared by keys and values counted once)."""
+        total = self.rotation.nbytes + self.k_codebook.nbytes
+        if self.v_codebook.bits != self.k_codebook.bits:
+            total += self.v_codebook.nbytes
+        if self.qjl is not None:
+            total += self.qjl.nbytes
+        return total

@@ -1,0 +1,126 @@
+"""Options of the ``pqo``/``pq``/``tq`` caches: their defaults and their checks.
+
+The defaults were chosen by measurement on SmolLM2-135M (``docs/algorithms.md``); every
+option is checked once, here, and held in a frozen :class:`PolarOptions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .._validation import check_int
+from ..quant.polar import LENGTHS
+from ..quant.rotary_mean import check_rope
+from ..quant.rotation import is_power_of_two
+from .base import check_decode_path
+
+__all__ = ["PolarOptions", "check_polar_options", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window",
+           "DEFAULT_SINK_TOKENS", "DEFAULT_OUTLIER_THRESHOLD", "MAX_DENSE_HEAD_DIM"]
+
+#: Recent tokens kept in float16 by default, by key bits (chosen by measurement, see
+#: docs/algorithms.md §8): 4-bit codes are accurate enough that four more exact tokens buy
+#: less than the 0.09 bits/value they cost at 512 tokens; at 3 bits and below they pay.
+DEFAULT_RESIDUAL_WINDOW = {1: 24, 2: 24, 3: 24, 4: 20}
+#: First tokens of a sequence kept in float16 (attention sinks; chosen by measurement).
+DEFAULT_SINK_TOKENS = 4
+#: A channel is an outlier when its RMS exceeds this multiple of the head's median channel RMS.
+DEFAULT_OUTLIER_THRESHOLD = 4.0
+#: Largest non-power-of-two head_dim (a dense head_dim² rotation is held).
+MAX_DENSE_HEAD_DIM = 1024
+
+
+def default_residual_window(key_bits: int) -> int:
+    """The default ``residual_window`` for keys of ``key_bits`` MSE bits (20 from 4 bits up, else 24)."""
+    return DEFAULT_RESIDUAL_WINDOW.get(int(key_bits), 20)
+
+
+@dataclass(frozen=True)
+class PolarOptions:
+    """The checked options of a :class:`~arraykv.caches.polar.PolarCache` (see its docstring)."""
+
+    key_bits: int
+    value_bits: int
+    qjl: bool
+    seed: int
+    residual_window: int
+    center: Any
+    outliers: Any
+    outlier_threshold: float
+    max_outliers: int
+    key_scale: bool
+    sink_tokens: int
+    key_length: str
+    value_length: str
+    rope: Any
+    softmax_scale: float | None
+    decode_path: str
+
+    def config(self) -> dict:
+        """The options as plain JSON values, by name (``qjl`` included)."""
+        return asdict(self)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, received {type(value).__name__}")
+    return value
+
+
+def check_polar_options(head_dim: int, *, key_bits: Any, value_bits: Any, qjl: Any = False, seed: Any = 0,
+                        residual_window: Any = None, center: Any = "auto", outliers: Any = "auto",
+                        outlier_threshold: Any = DEFAULT_OUTLIER_THRESHOLD, max_outliers: Any = None,
+                        key_scale: Any = True, sink_tokens: Any = DEFAULT_SINK_TOKENS, key_length: Any = "unbiased",
+                        value_length: Any = "unbiased", rope: Any = "auto", softmax_scale: Any = None,
+                        decode_path: Any = "auto") -> PolarOptions:
+    """Check every option of a polar cache with ``head_dim`` channels per head.
+
+    Returns
+    -------
+    PolarOptions
+        With the defaults that depend on others filled in (``residual_window``,
+        ``max_outliers``) and numbers as Python ``int``/``float``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        Naming the option and the value received.
+    """
+    d = head_dim
+    if d < 4:
+        raise ValueError(f"head_dim must be >= 4 for the rotated quantizers, received {d}")
+    if not is_power_of_two(d) and d > MAX_DENSE_HEAD_DIM:
+        raise ValueError(f"head_dim must be a power of two or at most {MAX_DENSE_HEAD_DIM} (a dense rotation is "
+                         f"held), received {d}")
+    key_bits = check_int("key_bits", key_bits, low=1, high=8)
+    value_bits = check_int("value_bits", value_bits, low=1, high=8)
+    qjl = _check_bool("qjl", qjl)
+    seed = check_int("seed", seed, low=0)
+    if residual_window is None:
+        residual_window = default_residual_window(key_bits)
+    residual_window = check_int("residual_window", residual_window, low=0)
+    if center not in ("auto", True, False) or isinstance(center, int) and not isinstance(center, bool):
+        raise ValueError(f"center must be 'auto', True or False, received {center!r}")
+    if outliers != "auto":
+        if isinstance(outliers, str):
+            raise ValueError(f"outliers must be 'auto' or an integer, received {outliers!r}")
+        outliers = check_int("outliers", outliers, low=0, high=d - 1)
+    if isinstance(outlier_threshold, bool) or not isinstance(outlier_threshold, (int, float)) \
+            or not 1.0 <= float(outlier_threshold) < float("inf"):
+        raise ValueError(f"outlier_threshold must be a finite number >= 1, received {outlier_threshold!r}")
+    max_outliers = d // 16 if max_outliers is None else check_int("max_outliers", max_outliers, low=0, high=d - 1)
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+                or not 0.0 < float(softmax_scale) < float("inf"):
+            raise ValueError(f"softmax_scale must be positive and finite, received {softmax_scale!r}")
+        softmax_scale = float(softmax_scale)
+    key_scale = _check_bool("key_scale", key_scale)
+    for name, value in (("key_length", key_length), ("value_length", value_length)):
+        if not isinstance(value, str) or value not in LENGTHS:
+            raise ValueError(f"{name} must be one of {', '.join(LENGTHS)}, received {value!r}")
+    return PolarOptions(
+        key_bits=key_bits, value_bits=value_bits, qjl=qjl, seed=seed, residual_window=residual_window,
+        center=center, outliers=outliers, outlier_threshold=float(outlier_threshold), max_outliers=max_outliers,
+        key_scale=key_scale, sink_tokens=check_int("sink_tokens", sink_tokens, low=0), key_length=key_length,
+        value_length=value_length, rope=check_rope(rope), softmax_scale=softmax_scale,
+        decode_path=check_decode_path(decode_path))

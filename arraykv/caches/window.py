@@ -1,0 +1,171 @@
+"""Tokens a compressed cache keeps exactly: attention sinks and a recent-token window.
+
+The ``pqo``/``pq``/``tq`` and ``lowrank``/``vq`` caches hold the first ``sink_tokens`` tokens
+of a sequence and its latest ``residual_window`` tokens in float16 (float32 where the
+namespace has no float16), and encode the tokens between them. :class:`ExactTokens` is that
+float16 block, sinks first, and :meth:`ExactTokens.step` plans one store: which new tokens
+become sinks, which tokens leave the window (oldest first) to be encoded, and the block
+afterwards. Nothing is changed until the cache commits the block the plan returns, so a store
+that fails while encoding leaves the layer as it was.
+
+The integer caches do not use it: their keys wait in a residual until a quantization group
+of ``group_size`` tokens fills (KIVI's schedule), which is a different rule from a sliding
+window (:mod:`arraykv.caches.intq`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..quant.polar import half_dtype
+
+__all__ = ["ExactTokens", "WindowStep"]
+
+
+def _f32(xp: Any, x: Any):
+    return x if x.dtype == xp.float32 else xp.astype(x, xp.float32)
+
+
+@dataclass(frozen=True)
+class ExactTokens:
+    """The float16 tokens of one layer: the sinks, then the recent window.
+
+    Attributes
+    ----------
+    k, v : array, float16 (batch, kv_heads, n_sink + n_recent, head_dim)
+        Rows ``:n_sink`` are the first tokens of the sequence; the rest are the latest tokens,
+        oldest first. A decode kernel may read the block as one set of exact tokens.
+    n_sink : int
+        Sink tokens held.
+    """
+
+    k: Any
+    v: Any
+    n_sink: int = 0
+
+    @classmethod
+    def empty(cls, xp: Any, dev: Any, batch: int, heads: int, head_dim: int) -> "ExactTokens":
+        """No token: blocks of shape (batch, heads, 0, head_dim) in the namespace's half dtype."""
+        z = xp.zeros((batch, heads, 0, head_dim), dtype=half_dtype(xp), device=dev)
+        return cls(k=z, v=z, n_sink=0)
+
+    @classmethod
+    def from_parts(cls, xp: Any, k_sink: Any, v_sink: Any, k_recent: Any, v_recent: Any) -> "ExactTokens":
+        """The block of separately held sinks and recent tokens (each (b, h, n, d))."""
+        n = int(k_sink.shape[2])
+        if not n:
+            return cls(k=k_recent, v=v_recent, n_sink=0)
+        if not int(k_recent.shape[2]):
+            return cls(k=k_sink, v=v_sink, n_sink=n)
+        return cls(k=xp.concat([k_sink, k_recent], axis=2), v=xp.concat([v_sink, v_recent], axis=2), n_sink=n)
+
+    @property
+    def count(self) -> int:
+        """Tokens held (sinks and recent)."""
+        return int(self.k.shape[2])
+
+    @property
+    def n_recent(self) -> int:
+        """Recent (window) tokens held."""
+        return self.count - self.n_sink
+
+    def sinks(self) -> tuple:
+        """``(k, v)`` of the sink tokens (views)."""
+        return self.k[:, :, : self.n_sink, :], self.v[:, :, : self.n_sink, :]
+
+    def recent(self) -> tuple:
+        """``(k, v)`` of the recent tokens (views)."""
+        return self.k[:, :, self.n_sink :, :], self.v[:, :, self.n_sink :, :]
+
+    def nbytes(self) -> int:
+        """Bytes of the two blocks."""
+        from .._compat import array_nbytes
+
+        return array_nbytes(self.k) + array_nbytes(self.v)
+
+    def step(self, xp: Any, k: Any, v: Any, q: Any = None, *, sink_tokens: int) -> "WindowStep":
+        """Plan the store of new tokens ``k``, ``v`` (b, h, t, d): the first become sinks while
+        fewer than ``sink_tokens`` are held; the rest follow the recent window.
+
+        ``q`` (b, q_heads, t, d), if given, is cut the same way (its rows for the sink tokens
+        dropped), for caches that calibrate on the queries of the window tokens.
+        """
+        half = half_dtype(xp)
+        ks, vs = self.sinks()
+        take = min(sink_tokens - self.n_sink, int(k.shape[2]))
+        if take > 0:
+            ks = xp.concat([ks, xp.astype(k[:, :, :take, :], half)], axis=2)
+            vs = xp.concat([vs, xp.astype(v[:, :, :take, :], half)], axis=2)
+            k, v = k[:, :, take:, :], v[:, :, take:, :]
+            if q is not None:
+                q = q[:, :, take:, :]
+        kw, vw = self.recent()
+        return WindowStep(xp=xp, k_sink=ks, v_sink=vs, k_recent=kw, v_recent=vw, k=k, v=v, q=q,
+                          taken=max(0, take))
+
+
+@dataclass(frozen=True)
+class WindowStep:
+    """One store in progress: sinks taken, the recent window and the new tokens after them.
+
+    The tokens in store order are ``recent ++ new``; :meth:`first` converts a prefix of them
+    to float32 (the ones to encode, or to fit on), :meth:`block` returns the
+    :class:`ExactTokens` left once ``spill`` of them have left the window.
+    """
+
+    xp: Any
+    k_sink: Any
+    v_sink: Any
+    k_recent: Any
+    v_recent: Any
+    k: Any
+    v: Any
+    q: Any
+    taken: int
+
+    @property
+    def n_recent(self) -> int:
+        """Window tokens held before this store."""
+        return int(self.k_recent.shape[2])
+
+    @property
+    def n_new(self) -> int:
+        """New tokens that go to the window (after the sinks)."""
+        return int(self.k.shape[2])
+
+    @property
+    def n_sink(self) -> int:
+        """Sink tokens after this store."""
+        return int(self.k_sink.shape[2])
+
+    def spill(self, window: int) -> int:
+        """Tokens that leave a window of ``window`` tokens in this store (oldest first)."""
+        return max(0, self.n_recent + self.n_new - window)
+
+    def first(self, n: int) -> tuple:
+        """``(k, v)``: the first ``n`` tokens of ``recent ++ new`` as float32 (b, h, n, d); only those are converted."""
+        return self._first(self.k_recent, self.k, n), self._first(self.v_recent, self.v, n)
+
+    def _first(self, held: Any, new: Any, n: int):
+        xp = self.xp
+        a = min(n, int(held.shape[2]))
+        parts = [_f32(xp, held[:, :, :a, :])] if a else []
+        if n > a:
+            parts.append(_f32(xp, new[:, :, : n - a, :]))
+        if not parts:
+            return _f32(xp, held[:, :, :0, :])
+        return parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
+
+    def block(self, spill: int) -> ExactTokens:
+        """The exact tokens after ``spill`` tokens of ``recent ++ new`` left the window."""
+        xp = self.xp
+        half = half_dtype(xp)
+        n_w, t = self.n_recent, self.n_new
+        drop = min(spill, n_w)
+        keep_new = t - max(0, spill - n_w)
+        k = xp.concat([self.k_sink, self.k_recent[:, :, drop:, :], xp.astype(self.k[:, :, t - keep_new:, :], half)],
+                      axis=2)
+        v = xp.concat([self.v_sink, self.v_recent[:, :, drop:, :], xp.astype(self.v[:, :, t - keep_new:, :], half)],
+                      axis=2)
+        return ExactTokens(k=k, v=v, n_sink=self.n_sink)
