@@ -1,0 +1,206 @@
+"""The cache file format: writing a snapshot of a cache's layers, reading and checking one.
+
+File format (version 1)
+-----------------------
+::
+
+    magic    8 bytes   b"ARRAYKV\\x00"
+    version  4 bytes   little-endian uint32 (1)
+    hlen     8 bytes   little-endian uint64, length of the header
+    header   hlen      UTF-8 JSON: {"config": {...}, "layers": [...], "arrays": [...]}
+    data               the arrays' bytes, C order, at the offsets the header gives
+    digest   32 bytes  SHA-256 of everything before it
+
+``config`` is the cache's ``get_config()`` (method name and options, so the loader rebuilds
+the same codec: same seed, same rotation). ``layers`` holds, per layer, ``null`` for an empty
+layer or ``{"length", "batch", "dtype", "arrays": [names]}``. Each entry of ``arrays`` is
+``{"layer", "name", "dtype", "shape", "offset", "nbytes"}``, with offsets relative to the
+start of ``data``.
+
+A file is written to a temporary name beside the target and renamed into place, so a crash
+never leaves a half-written file under the target name. :func:`read_cache_file` checks the
+magic, the version, the digest and every field of the header against the data (types,
+ranges, dtypes, shapes against byte counts, offsets inside the data, one entry per listed
+array) before it returns anything, and raises :class:`CacheFileError` for every defect: a
+file cannot make the reader allocate more than the file holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CacheFileError", "LayerRecord", "write_cache_file", "read_cache_file", "FORMAT_VERSION",
+           "LAYER_DTYPES"]
+
+MAGIC = b"ARRAYKV\x00"
+FORMAT_VERSION = 1
+_DIGEST = 32
+_PREFIX = len(MAGIC) + 12
+#: dtypes a layer's callers may use (the ``dtype`` of a layer entry).
+LAYER_DTYPES = ("float16", "float32", "float64", "bfloat16")
+#: kinds of the stored arrays: unsigned/signed integers, floats and booleans (never objects).
+_ARRAY_KINDS = "uifb"
+
+
+class CacheFileError(ValueError):
+    """A cache file that cannot be loaded: truncated, corrupted, wrong version or not a cache."""
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """One non-empty layer of a cache file.
+
+    Attributes
+    ----------
+    length : int
+        Tokens the layer holds.
+    batch : int
+        Its batch size.
+    dtype : str
+        The callers' dtype, one of :data:`LAYER_DTYPES`.
+    arrays : dict of str to numpy.ndarray
+        The layer's arrays by name (host copies when read; any host arrays when written).
+    """
+
+    length: int
+    batch: int
+    dtype: str
+    arrays: dict
+
+
+def write_cache_file(path: str | os.PathLike, config: dict, layers: list) -> int:
+    """Write ``config`` and ``layers`` (``LayerRecord`` or None each) to ``path``; return its size.
+
+    The arrays of the records must be host (NumPy) arrays; ``path`` is replaced atomically.
+    """
+    records, arrays, blobs = [], [], []
+    offset = 0
+    for i, rec in enumerate(layers):
+        if rec is None:
+            records.append(None)
+            continue
+        records.append({"length": int(rec.length), "batch": int(rec.batch), "dtype": rec.dtype,
+                        "arrays": list(rec.arrays)})
+        for name, a in rec.arrays.items():
+            host = np.ascontiguousarray(a)
+            blob = host.tobytes()
+            arrays.append({"layer": i, "name": name, "dtype": host.dtype.str, "shape": list(host.shape),
+                           "offset": offset, "nbytes": len(blob)})
+            blobs.append(blob)
+            offset += len(blob)
+    header = json.dumps({"config": config, "layers": records, "arrays": arrays}, sort_keys=True).encode("utf-8")
+    head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header
+    digest = hashlib.sha256(head)
+    for blob in blobs:
+        digest.update(blob)
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".arraykv-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(head)
+            for blob in blobs:
+                f.write(blob)
+            f.write(digest.digest())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return len(head) + offset + _DIGEST
+
+
+def _int(where: str, value: Any, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise CacheFileError(f"{where} must be an integer {span}, found {value!r}")
+    return value
+
+
+def _array_dtype(where: str, name: Any) -> np.dtype:
+    try:
+        dt = np.dtype(name) if isinstance(name, str) else None
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind not in _ARRAY_KINDS or dt.hasobject:
+        raise CacheFileError(f"{where} has dtype {name!r}; arrays hold integers, floats or booleans")
+    return dt
+
+
+def read_cache_file(path: str | os.PathLike) -> tuple:
+    """Read and check a cache file: ``(config, layers)`` with ``layers`` a list of LayerRecord or None.
+
+    Raises
+    ------
+    CacheFileError
+        Anything wrong with the file: every check is done before an array is built.
+    FileNotFoundError, IsADirectoryError, PermissionError
+        From opening ``path``.
+    """
+    with open(os.fspath(path), "rb") as f:
+        data = f.read()
+    if len(data) < _PREFIX + _DIGEST or data[: len(MAGIC)] != MAGIC:
+        raise CacheFileError(f"{path} is not an arraykv cache file (bad magic or too short)")
+    version, hlen = struct.unpack_from("<IQ", data, len(MAGIC))
+    if version != FORMAT_VERSION:
+        raise CacheFileError(f"{path} has format version {version}; this arraykv reads version {FORMAT_VERSION}")
+    if _PREFIX + hlen + _DIGEST > len(data):
+        raise CacheFileError(f"{path} is truncated (header runs past the end of the file)")
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    if hashlib.sha256(body).digest() != digest:
+        raise CacheFileError(f"{path} is corrupted or truncated (checksum mismatch)")
+    try:
+        header = json.loads(body[_PREFIX : _PREFIX + hlen].decode("utf-8"))
+        config, layers, entries = header["config"], header["layers"], header["arrays"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CacheFileError(f"{path} has an unreadable header: {exc}") from None
+    if not isinstance(config, dict) or not isinstance(layers, list) or not isinstance(entries, list):
+        raise CacheFileError(f"{path}: header fields config/layers/arrays must be an object and two lists")
+    if config.get("num_layers") != len(layers):
+        raise CacheFileError(f"{path} holds {len(layers)} layers but its config says {config.get('num_layers')!r}")
+    payload = memoryview(body)[_PREFIX + hlen :]
+    by_layer: dict = {}
+    for j, a in enumerate(entries):
+        where = f"{path}: array entry {j}"
+        if not isinstance(a, dict) or not isinstance(a.get("name"), str) or not isinstance(a.get("shape"), list):
+            raise CacheFileError(f"{where} is malformed: {a!r}"[:300])
+        layer = _int(f"{where} layer", a.get("layer"), 0, max(len(layers) - 1, 0))
+        dt = _array_dtype(where, a.get("dtype"))
+        shape = tuple(_int(f"{where} shape", s, 0, len(payload)) for s in a["shape"])
+        off = _int(f"{where} offset", a.get("offset"), 0, len(payload))
+        n = _int(f"{where} nbytes", a.get("nbytes"), 0, len(payload) - off)
+        if math.prod(shape) * dt.itemsize != n:
+            raise CacheFileError(f"{where} ({a['name']!r}): shape {shape} of {dt} is not {n} bytes")
+        arrays = by_layer.setdefault(layer, {})
+        if a["name"] in arrays:
+            raise CacheFileError(f"{where}: layer {layer} lists array {a['name']!r} twice")
+        arrays[a["name"]] = np.frombuffer(payload[off : off + n], dtype=dt).reshape(shape).copy()
+    out = []
+    for i, meta in enumerate(layers):
+        held = by_layer.get(i, {})
+        if meta is None:
+            if held:
+                raise CacheFileError(f"{path}: layer {i} is empty but the file holds arrays for it")
+            out.append(None)
+            continue
+        if not isinstance(meta, dict) or not isinstance(meta.get("arrays"), list):
+            raise CacheFileError(f"{path}: layer {i} entry is malformed")
+        if sorted(held) != sorted(meta["arrays"]):
+            raise CacheFileError(f"{path}: layer {i} lists arrays {meta['arrays']} but holds {sorted(held)}")
+        if meta.get("dtype") not in LAYER_DTYPES:
+            raise CacheFileError(f"{path}: layer {i} has dtype {meta.get('dtype')!r}; expected one of {LAYER_DTYPES}")
+        out.append(LayerRecord(length=_int(f"{path}: layer {i} length", meta.get("length"), 0),
+                               batch=_int(f"{path}: layer {i} batch", meta.get("batch"), 0),
+                               dtype=meta["dtype"], arrays=held))
+    return config, out
