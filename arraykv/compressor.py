@@ -367,6 +367,19 @@ class KVCacheCompressor:
         self._fit = fit
         return self
 
+    def fitted_models(self) -> tuple:
+        """``(k_model, v_model)``: the fitted bases (``LowRankBasis``) or codebooks of keys and values.
+
+        Raises
+        ------
+        ValueError
+            When the compressor is not fitted (call :meth:`fit` first).
+        """
+        fit = self._fit
+        if fit is None:
+            raise ValueError("the KVCacheCompressor is not fitted (call fit(k, v) first)")
+        return fit["k"], fit["v"]
+
     def reset_fit(self) -> None:
         """Forget the fitted bases/codebooks (compression fits on every call again)."""
         self._fit = None

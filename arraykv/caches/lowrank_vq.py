@@ -151,8 +151,7 @@ class _CalibratedCache(LayeredCache):
                                 f"received one with {type(item.method).__name__}")
             if not item.fitted:
                 raise ValueError(f"{where} must be a fitted KVCacheCompressor (call fit(k, v) first)")
-            fit = item._fit
-            return fit["k"], fit["v"]
+            return item.fitted_models()
         return item[0], item[1]
 
     def _check_heads(self, where: str, a: Any, what: str) -> None:
