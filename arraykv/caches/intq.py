@@ -263,11 +263,12 @@ class IntQuantCache(LayeredCache):
 
     def _store(self, st: IntLayer, k: Any, v: Any) -> None:
         kq, vq, residual, window = self._encode(st, k, v)
+        # Room in both buffers first: an allocation that fails leaves both as they were.
         if kq is not None:
-            st.kq.check_room(int(kq["k_codes"].shape[2]))
+            st.kq.reserve(kq)
         if vq is not None:
-            st.vq.check_room(int(vq["v_codes"].shape[2]))
-        # Commit.
+            st.vq.reserve(vq)
+        # Commit (nothing below allocates).
         if kq is not None:
             st.kq.append(kq)
         if vq is not None:

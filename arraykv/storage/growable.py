@@ -99,6 +99,20 @@ class TokenBuffers:
             self._arrays[name][:, :, n : n + t, ...] = a
         self.length = need
 
+    def reserve(self, arrays: Mapping[str, Any]) -> None:
+        """Make room for appending ``arrays`` (as :meth:`append` takes them) without writing them.
+
+        After it returns, ``append(arrays)`` allocates nothing and cannot fail for lack of
+        memory: a cache that appends to several buffers reserves all of them first, so a failed
+        allocation leaves every buffer as it was. Raises like :meth:`append`.
+        """
+        if not arrays:
+            return
+        t = max(int(a.shape[2]) for a in arrays.values())
+        self.check_room(t)
+        if self.length + t > self.capacity:
+            self._grow(arrays, self.length + t)
+
     def _grow(self, template: Mapping[str, Any], need: int) -> None:
         if self.max_tokens is not None:
             new_cap = self.max_tokens

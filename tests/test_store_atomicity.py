@@ -1,0 +1,74 @@
+"""Every store of every method is all-or-nothing when an allocation fails part-way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import arraykv
+from arraykv.storage import TokenBuffers
+from cache_contract import assert_same_snapshot, snapshot
+
+
+def _kvq(r, tokens):
+    k = r.standard_normal((1, 2, tokens, 16)).astype(np.float32)
+    v = r.standard_normal((1, 2, tokens, 16)).astype(np.float32)
+    q = r.standard_normal((1, 4, tokens, 16)).astype(np.float32)
+    return k, v, q
+
+
+@pytest.mark.parametrize("method", arraykv.available_methods())
+def test_a_failed_allocation_leaves_the_layer_as_it_was(method, monkeypatch):
+    r = np.random.default_rng(0)
+    cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=2, head_dim=16)
+    cache.prefill(0, *_kvq(r, 60))
+    cfg = arraykv.AttendConfig(0.25, 2)
+    real = TokenBuffers._grow
+    failures = 0
+    # Fail the n-th buffer growth for n = 1, 2, 3 while tokens keep coming: every growth the
+    # stores trigger (in any of the layer's buffers) is hit once.
+    for nth in (1, 2, 3):
+        calls = {"n": 0}
+
+        def flaky(self, template, need, _nth=nth, _calls=calls):
+            _calls["n"] += 1
+            if _calls["n"] == _nth:
+                raise MemoryError("injected")
+            return real(self, template, need)
+
+        monkeypatch.setattr(TokenBuffers, "_grow", flaky)
+        for _ in range(200):
+            before = snapshot(cache)
+            try:
+                cache.decode(0, *_kvq(r, 1), cfg)
+            except MemoryError:
+                failures += 1
+                assert_same_snapshot(before, snapshot(cache))
+                break
+        monkeypatch.setattr(TokenBuffers, "_grow", real)
+    assert failures >= 1  # the injection was reached
+    n = cache.seq_len(0)
+    res = cache.decode(0, *_kvq(r, 1), cfg)  # and the cache still works
+    assert cache.seq_len(0) == n + 1 and res is not None
+    d = cache.dequantize(0)
+    assert d.k.shape[2] == d.v.shape[2] == n + 1
+
+
+def test_int_keys_and_values_stay_in_step_when_the_value_buffer_cannot_grow(monkeypatch):
+    r = np.random.default_rng(1)
+    cache = arraykv.make_cache("int8", num_layers=1, num_kv_heads=2, head_dim=16)
+    cache.prefill(0, *_kvq(r, 64))
+    st = cache._states[0]
+    real = TokenBuffers._grow
+
+    def only_values_fail(self, template, need):
+        if "v_codes" in template:
+            raise MemoryError("injected")
+        return real(self, template, need)
+
+    monkeypatch.setattr(TokenBuffers, "_grow", only_values_fail)
+    before = snapshot(cache)
+    with pytest.raises(MemoryError):  # a full key group and a value buffer that must grow, in one call
+        cache.prefill(0, *_kvq(r, 32))
+    assert_same_snapshot(before, snapshot(cache))
+    assert st.kq.length * 32 + int(st.k_residual.shape[2]) == st.vq.length + int(st.v_window.shape[2])
