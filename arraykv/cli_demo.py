@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
           f"then {args.tokens - args.prefill - 1} decode steps per method):", flush=True)
     rows = ev.evaluate(model, ids, methods, prefill=args.prefill, progress=not args.no_progress)
     print(ev.format_table(rows, markdown=False))
-    print("\nbits/value = memory_usage() * 8 / (2 * layers * kv_heads * tokens * head_dim); dense holds float32.")
+    print("\nbits/value = used_bytes() * 8 / (2 * layers * kv_heads * tokens * head_dim); dense holds float32.")
     print("KV vs f16 = bytes held / float16 K/V of the same tokens. Full table: python benchmarks/quality.py")
     sys.stdout.flush()
     return 0

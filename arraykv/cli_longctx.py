@@ -106,7 +106,7 @@ def run(args: argparse.Namespace, *, out=print) -> int:
         out(f"\n## Long-text quality ({args.positions} teacher-forced positions after each prefix, "
             "Pride and Prejudice ch. 1-6)\n")
         out(kl.format_table())
-        out("\nbits/value = memory_usage() * 8 / (2 * layers * kv_heads * tokens * head_dim) with prefix + "
+        out("\nbits/value = used_bytes() * 8 / (2 * layers * kv_heads * tokens * head_dim) with prefix + "
             "positions tokens held; dense holds float32.")
     wall = time.perf_counter() - t0
     out(f"\nwall time: {wall:.1f} s")

@@ -113,7 +113,7 @@ def caches(rng):
             r = cache.prefill(0, kk, v, kk)
             base_k = dequantize_groups(quantize_groups(kk, bits, 32, param_dtype="float16"))
             base_v = dequantize_groups(quantize_groups(v, bits, 32, param_dtype="float16"))
-            bpv = 8 * cache.memory_usage() / (2 * kk.size)
+            bpv = 8 * cache.used_bytes() / (2 * kk.size)
             rows.append([kind, method, f"{rel_mse(r.k, kk):.5f}", f"{rel_mse(base_k, kk):.5f}",
                          f"{rel_mse(r.v, v):.5f}", f"{rel_mse(base_v, v):.5f}", f"{bpv:.3f}"])
     table("int4/int8 caches (group 32, float16 scales) vs KIVI-style per-token quantization of both K and V",

@@ -35,7 +35,7 @@ def cos(a, b):
 
 def gaussian(rng, n):
     print("\n## Gaussian data, head_dim 128")
-    print("| method | relative MSE | Lloyd-Max optimum | ratio | bits/value (codes + norm) | bits/value memory_usage() |")
+    print("| method | relative MSE | Lloyd-Max optimum | ratio | bits/value (codes + norm) | bits/value used_bytes() |")
     print("|---|---|---|---|---|---|")
     d = 128
     x = rng.standard_normal((1, 8, n, d)).astype(np.float32)
@@ -46,7 +46,7 @@ def gaussian(rng, n):
         c = arraykv.make_cache(f"pqo{b}", num_layers=1, num_kv_heads=8, head_dim=d)
         c.prefill(0, x, x, x)
         c.prefill(0, x[:, :, :1], x[:, :, :1], x[:, :, :1])
-        bpv = c.memory_usage() * 8 / (2 * 8 * (n + 1) * d)
+        bpv = c.used_bytes() * 8 / (2 * 8 * (n + 1) * d)
         print(f"| pqo{b} | {err:.5f} | {OPT128[b]:.5f} | {err / OPT128[b]:.3f} | {code.bits_per_value:.3f} | {bpv:.3f} |")
 
 
@@ -93,7 +93,7 @@ def outlier_keys(rng, t):
                                    **opts)
             row.append(cos(_attend_last(c, q, k, v, 64, scale), exact))
             if not opts:
-                bpv = c.memory_usage() * 8 / (2 * h * t * d)
+                bpv = c.used_bytes() * 8 / (2 * h * t * d)
         print(f"| {m} | {row[0]:.4f} | {row[1]:.4f} | {bpv:.3f} |")
 
 

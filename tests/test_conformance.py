@@ -111,10 +111,12 @@ def test_memory_usage_counts_what_is_held_grows_linearly_and_resets(method, rng)
         k, v, q = random_kvq(rng, np, 1, HKV, G, 1, D)
         cache.decode(0, k, v, q, cfg)
         if n in (192, 320, 448):
-            used = cache.memory_usage()
+            used = cache.used_bytes()
             held = held_bytes(cache)
             assert abs(used - held) <= 0.01 * held, (used, held)
-            assert cache.reserved_bytes() >= used
+            assert cache.memory_usage() == cache.reserved_bytes() >= used
+            for buf in cache._states[0].buffers():  # spare room bounded: 1.1 x used + one step
+                assert buf.capacity <= 1.1 * buf.length + buf.min_capacity, (buf.capacity, buf.length)
             sizes[n] = used
     step1, step2 = sizes[320] - sizes[192], sizes[448] - sizes[320]
     assert step1 > 0 and abs(step1 - step2) <= 0.01 * step1, sizes
@@ -231,7 +233,8 @@ def test_save_load_round_trip_is_bit_exact(method, rng, tmp_path):
     loaded = arraykv.load(path)
     assert type(loaded) is type(cache) and loaded.get_config() == cache.get_config()
     assert_same_snapshot(snapshot(cache), snapshot(loaded))
-    assert loaded.memory_usage() == cache.memory_usage()
+    assert loaded.used_bytes() == cache.used_bytes()
+    assert loaded.memory_usage() <= cache.memory_usage()  # loaded buffers are sized exactly
     # the loaded cache continues exactly like the original
     k1, v1, q1 = random_kvq(rng, np, 2, HKV, G, 1, D)
     a = np.asarray(attend(cache.decode(0, k1, v1, q1, cfg), q1, SCALE))
@@ -273,7 +276,8 @@ def test_growth_is_amortized_and_max_tokens_is_enforced(method, rng):
     for _ in range(1500):
         cache.decode(0, k, v, q, cfg)
     buffers = len(cache._states[0].buffers())
-    assert cache.reallocations() <= 12 * max(buffers, 1), cache.reallocations()
+    # steps of 64 tokens (4 int key groups) up to 640, then 10 %: about 20 per buffer for 1500 tokens
+    assert cache.reallocations() <= 24 * max(buffers, 1), cache.reallocations()
 
     capped = make(method, num_layers=1, max_tokens=20)
     k, v, q = random_kvq(rng, np, 1, HKV, G, 15, D)

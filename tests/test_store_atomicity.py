@@ -30,11 +30,11 @@ def test_a_failed_allocation_leaves_the_layer_as_it_was(method, monkeypatch):
     for nth in (1, 2, 3):
         calls = {"n": 0}
 
-        def flaky(self, template, need, _nth=nth, _calls=calls):
+        def flaky(self, template, need, *rest, _nth=nth, _calls=calls):
             _calls["n"] += 1
             if _calls["n"] == _nth:
                 raise MemoryError("injected")
-            return real(self, template, need)
+            return real(self, template, need, *rest)
 
         monkeypatch.setattr(TokenBuffers, "_grow", flaky)
         for _ in range(200):
@@ -61,10 +61,10 @@ def test_int_keys_and_values_stay_in_step_when_the_value_buffer_cannot_grow(monk
     st = cache._states[0]
     real = TokenBuffers._grow
 
-    def only_values_fail(self, template, need):
+    def only_values_fail(self, template, need, *rest):
         if "v_codes" in template:
             raise MemoryError("injected")
-        return real(self, template, need)
+        return real(self, template, need, *rest)
 
     monkeypatch.setattr(TokenBuffers, "_grow", only_values_fail)
     before = snapshot(cache)

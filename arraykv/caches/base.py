@@ -290,16 +290,28 @@ class LayeredCache:
                 lock.release()
 
     def memory_usage(self) -> int:
-        """Bytes of the state held for the stored tokens, over all layers, plus fixed state.
+        """Bytes the cache holds: every layer's buffers, spare capacity included, plus fixed state.
 
-        Spare capacity of the growable buffers is not counted; :meth:`reserved_bytes` adds it.
+        Buffers are sized exactly on prefill and grow in bounded steps on decode (at most
+        ``1.1 × used + 64`` tokens each, :class:`~arraykv.storage.TokenBuffers`), so this
+        exceeds :meth:`used_bytes` by at most that spare room.
         """
+        return self._sum_layers(self._layer_reserved_nbytes)
+
+    def used_bytes(self) -> int:
+        """Bytes of the state of the stored tokens, plus fixed state (spare capacity not counted).
+
+        What bits per value are computed from: ``8 · used_bytes() / values stored``.
+        """
+        return self._sum_layers(self._layer_nbytes)
+
+    def _sum_layers(self, per_layer) -> int:
         total = self._fixed_nbytes()
         for i, lock in enumerate(self._locks):
             with lock:
                 st = self._states[i]
                 if st is not None:
-                    total += self._layer_nbytes(st)
+                    total += per_layer(st)
         return total
 
     def dequantize(self, layer: int, start: int = 0) -> DequantResult | None:
@@ -332,14 +344,8 @@ class LayeredCache:
             return {name: st.xp.asarray(a, copy=True) for name, a in self._layer_arrays(st).items()}
 
     def reserved_bytes(self) -> int:
-        """Bytes allocated, spare capacity included."""
-        total = self._fixed_nbytes()
-        for i, lock in enumerate(self._locks):
-            with lock:
-                st = self._states[i]
-                if st is not None:
-                    total += self._layer_reserved_nbytes(st)
-        return total
+        """Bytes allocated, spare capacity included: the same as :meth:`memory_usage`."""
+        return self.memory_usage()
 
     def get_config(self) -> dict:
         """Constructor arguments that rebuild this cache: ``make_cache(**cfg)`` (method included)."""

@@ -203,14 +203,22 @@ def method_cache(model: Any, method: str, options: Mapping[str, Any], exact: Exa
     return cache
 
 
+def stored_bytes(cache: Any) -> int:
+    """Bytes of the stored tokens and fixed state: ``used_bytes()`` where the cache has it, else
+    ``memory_usage()`` (a cache of the protocol only)."""
+    used = getattr(cache, "used_bytes", None)
+    return int(used() if callable(used) else cache.memory_usage())
+
+
 def bits_per_value(model: Any, cache: Any) -> tuple:
     """``(bits_per_value, kv_bytes, tokens)`` of ``cache`` now.
 
-    ``bits_per_value = memory_usage() * 8 / (2 * layers * kv_heads * tokens * head_dim)``.
+    ``bits_per_value = used_bytes() * 8 / (2 * layers * kv_heads * tokens * head_dim)``
+    (:func:`stored_bytes`: the stored tokens and fixed state, not spare buffer capacity).
     """
     c = model.config
     tokens = int(cache.seq_len(0))
-    kv_bytes = int(cache.memory_usage())
+    kv_bytes = stored_bytes(cache)
     values = 2 * c.num_layers * c.num_kv_heads * tokens * c.head_dim
     return (kv_bytes * 8.0 / values if values else 0.0), kv_bytes, tokens
 

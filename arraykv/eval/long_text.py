@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .exact_prefill import check_common, exact_prefill, method_cache, progress_bar
+from .exact_prefill import check_common, exact_prefill, method_cache, progress_bar, stored_bytes
 from .needle_result import format_markdown
 from .teacher_forced import EvalRow, TeacherForced, compare
 from .texts import builtin_long_token_ids
@@ -171,5 +171,5 @@ def _decode(model: Any, ids: list, cache: Any, method: str) -> TeacherForced:
         lg = model.decode(t, cache)
         seconds += time.perf_counter() - t0
         out[j] = _compat.to_numpy(lg)
-    return TeacherForced(method=method, logits=out, seconds=seconds, kv_bytes=int(cache.memory_usage()),
+    return TeacherForced(method=method, logits=out, seconds=seconds, kv_bytes=stored_bytes(cache),
                          tokens=int(cache.seq_len(0)))

@@ -68,10 +68,10 @@ class NeedleRow:
         ``sum log p(target token)`` in nats, teacher-forced after the question, over the tokens
         of ``answer_prefix + key``; 0 is certainty.
     bits_per_value : float
-        ``memory_usage() * 8 / (2 * layers * kv_heads * tokens * head_dim)`` once the cache
+        ``used_bytes() * 8 / (2 * layers * kv_heads * tokens * head_dim)`` once the cache
         holds the prompt and the question.
     kv_bytes : int
-        ``memory_usage()`` at that moment.
+        ``used_bytes()`` at that moment.
     tokens : int
         Tokens the cache held then (``length``).
     needle_start : int

@@ -23,10 +23,10 @@ Metrics of an :class:`EvalRow` (over the ``N - prefill - 1`` decoded positions):
 ``max_abs_logit_diff``
     Largest ``|logit_method - logit_exact|``.
 ``bits_per_value``
-    ``memory_usage() * 8 / (2 * layers * kv_heads * tokens * head_dim)`` after the run
+    ``used_bytes() * 8 / (2 * layers * kv_heads * tokens * head_dim)`` after the run
     (``tokens`` = tokens the cache holds, ``N - 1``).
 ``kv_bytes`` / ``f16_ratio``
-    ``memory_usage()`` and its ratio to float16 K/V of the same tokens (``bits_per_value / 16``).
+    ``used_bytes()`` and its ratio to float16 K/V of the same tokens (``bits_per_value / 16``).
 ``decode_tokens_per_s``
     Decode steps per second of wall time spent in the model's decode calls.
 """
@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 from .. import _compat
+from .exact_prefill import stored_bytes
 from .texts import text_token_ids
 
 __all__ = [
@@ -66,7 +67,7 @@ class TeacherForced:
     seconds : float
         Wall time of the decode steps.
     kv_bytes : int
-        ``cache.memory_usage()`` after the run.
+        ``cache.used_bytes()`` after the run.
     tokens : int
         Tokens the cache holds after the run (``N - 1``).
     """
@@ -179,7 +180,7 @@ def teacher_forced(model: Any, token_ids: Any, cache: Any, *, prefill: int = 64,
         out[j] = _compat.to_numpy(lg)
         if progress is not None:
             progress(j + 1)
-    return TeacherForced(method=label, logits=out, seconds=seconds, kv_bytes=int(cache.memory_usage()),
+    return TeacherForced(method=label, logits=out, seconds=seconds, kv_bytes=stored_bytes(cache),
                          tokens=int(cache.seq_len(0)))
 
 

@@ -11,19 +11,22 @@ __all__ = ["TokenBuffers"]
 
 
 class TokenBuffers:
-    """Named arrays that share a token axis (axis 2) and grow by amortized doubling.
+    """Named arrays that share a token axis (axis 2), sized exactly for prompts and grown in bounded steps.
 
     Each array has shape ``(batch, heads, capacity, *rest)``; ``length`` tokens of it are in
-    use. Appending ``t`` tokens copies the old contents only when the capacity is exceeded,
-    and then grows by ``growth`` (default 1.5×), so ``n`` single-token appends cost O(n) copies
-    overall rather than O(n²).
+    use. The first append of several tokens (a prompt) allocates exactly those tokens. An
+    append that does not fit later reallocates to ``max(needed, held + step)`` tokens with
+    ``step = max(min_capacity, (growth − 1) × needed)``: so the capacity never exceeds
+    ``growth × used + min_capacity`` tokens (1.1 × used + 64 by default), and ``n`` appended
+    tokens, one at a time or in chunks, cost O(n) copies overall: each reallocation of ``L``
+    tokens follows at least ``(growth − 1) L`` appended tokens.
 
     Parameters
     ----------
-    growth : float, default 1.5
-        Capacity multiplier when a buffer must grow.
+    growth : float, default 1.1
+        Bound on capacity over use when a buffer grows by single tokens (> 1).
     min_capacity : int, default 64
-        Smallest capacity allocated.
+        Smallest growth step, in tokens.
     max_tokens : int or None
         Hard limit on tokens; appends beyond it raise ``ValueError`` and write nothing.
         When given, the first allocation reserves ``max_tokens`` directly (no regrowth).
@@ -38,7 +41,9 @@ class TokenBuffers:
         How many times the buffers were reallocated (for tests of the growth policy).
     """
 
-    def __init__(self, *, growth: float = 1.5, min_capacity: int = 64, max_tokens: int | None = None):
+    def __init__(self, *, growth: float = 1.1, min_capacity: int = 64, max_tokens: int | None = None):
+        if not float(growth) > 1.0:
+            raise ValueError(f"growth must be > 1, received {growth!r}")
         self.growth = float(growth)
         self.min_capacity = int(min_capacity)
         self.max_tokens = max_tokens
@@ -93,7 +98,7 @@ class TokenBuffers:
         self.check_room(t)
         need = self.length + t
         if need > self.capacity:
-            self._grow(arrays, need)
+            self._grow(arrays, need, t)
         n = self.length
         for name, a in arrays.items():
             self._arrays[name][:, :, n : n + t, ...] = a
@@ -111,13 +116,15 @@ class TokenBuffers:
         t = max(int(a.shape[2]) for a in arrays.values())
         self.check_room(t)
         if self.length + t > self.capacity:
-            self._grow(arrays, self.length + t)
+            self._grow(arrays, self.length + t, t)
 
-    def _grow(self, template: Mapping[str, Any], need: int) -> None:
+    def _grow(self, template: Mapping[str, Any], need: int, tokens: int) -> None:
         if self.max_tokens is not None:
             new_cap = self.max_tokens
+        elif self.capacity == 0 and tokens > 1:
+            new_cap = need  # a first prompt: exactly its tokens
         else:
-            new_cap = max(need, self.min_capacity, int(math.ceil(self.capacity * self.growth)))
+            new_cap = max(need, self.length + max(self.min_capacity, int(math.ceil((self.growth - 1.0) * need))))
         fresh = {}
         for name, a in template.items():
             xp = _compat.namespace(a)
