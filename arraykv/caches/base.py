@@ -28,7 +28,7 @@ from .._validation import check_finite, check_int, check_kv, check_query, dtype_
 from ..protocol import AttendConfig, DecodeOutput, DequantResult
 from ..storage.cache_file import LAYER_DTYPES, LayerRecord, write_cache_file
 
-__all__ = ["LayeredCache", "LayerState"]
+__all__ = ["LayeredCache", "LayerState", "refuse_overflow"]
 
 
 @dataclass
@@ -71,6 +71,24 @@ def check_decode_path(value: Any) -> str:
     if not isinstance(value, str) or value not in DECODE_PATHS:
         raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, received {value!r}")
     return value
+
+
+def refuse_overflow(xp: Any, method: str, arrays: dict) -> None:
+    """Raise ``ValueError`` when an array about to be stored holds infinity (float16 overflow).
+
+    The float16 parts of a compressed cache (windows, sinks, lengths, outlier channels, means,
+    coefficients) hold magnitudes up to 65504; a finite float32 input beyond that would be
+    stored as inf and poison every later decode. Called on what a store computed, before it
+    commits anything, so the refused call leaves the layer as it was.
+    """
+    for name, a in arrays.items():
+        if a is None or not xp.isdtype(a.dtype, "real floating"):
+            continue
+        if not bool(xp.all(xp.isfinite(a))):
+            raise ValueError(
+                f"these keys/values overflow the float16 {name!r} of method {method!r} (magnitudes above 65504, "
+                f"after centering and channel weights); scale them down, or use method 'dense' or an int method "
+                f"('int8', 'int4', 'int2', which hold any magnitude)")
 
 
 class LayeredCache:

@@ -33,7 +33,7 @@ from ..quant.lowrank import LowRankBasis, check_rank_energy, fit_basis
 from ..quant.pq import (PQCodebook, PQCodes, check_pq_options, code_bits, pq_decode, pq_decode_attention_reference,
                         pq_encode, train_pq)
 from ..storage import TokenBuffers
-from .base import LayeredCache, LayerState, check_decode_path
+from .base import LayeredCache, LayerState, check_decode_path, refuse_overflow
 from .registry import register_method
 from .window import ExactTokens
 
@@ -193,6 +193,8 @@ class _CalibratedCache(LayeredCache):
         if spill:  # the oldest tokens of window + new leave the window: encode them
             arrays = self._encode(xp, calib, *step.first(spill))
         exact = step.block(spill)
+        refuse_overflow(xp, self.method, {"window": exact.k, "value window": exact.v, **(arrays or {}),
+                                          **({} if calib is st.calib else calib)})
         # Commit.
         if arrays is not None:
             st.codes.append(arrays)

@@ -22,7 +22,7 @@ from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype, polar_decode, polar_encode
 from ..quant.qjl import qjl_encode
 from ..storage import TokenBuffers
-from .base import LayeredCache, LayerState
+from .base import LayeredCache, LayerState, refuse_overflow
 from .polar_calibration import PolarCalibration, calibrate, outlier_selector
 from .polar_codec import PolarFixed, PolarLayerCodec
 from .polar_decode import decode_layer, qjl_logit_bias
@@ -238,6 +238,8 @@ class PolarCache(LayeredCache):
                 ek, ev = step.first(spill)
             arrays = self._encode(xp, self._codec(xp, st.device), calib, ek, ev, first)
         exact = step.block(spill)
+        refuse_overflow(xp, self.method, {"window": exact.k, "value window": exact.v, **(arrays or {}),
+                                          **({} if calib is st.calib else calib.arrays())})
         # Commit.
         if arrays is not None:
             st.codes.append(arrays)
