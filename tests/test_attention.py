@@ -3,7 +3,7 @@ import pytest
 
 import arraykv
 from conftest import asarray, to_np
-from reference import attention_loops
+from naive import attention_loops
 
 
 @pytest.mark.parametrize("b,hkv,g,t,s,d", [(1, 1, 1, 1, 1, 4), (2, 2, 3, 4, 9, 8), (1, 3, 2, 1, 17, 16), (3, 1, 4, 5, 5, 8)])

@@ -12,7 +12,7 @@ import arraykv
 from arraykv.attention.int_fused import int_decode_attention, int_decode_attention_reference
 from arraykv.backends import lookup, set_kernels_enabled
 from conftest import asarray, to_np
-from reference import int_decode_attention_loops
+from naive import int_decode_attention_loops
 
 #: contexts (tokens held when attending) for group_size 32: shorter than one group, exactly at
 #: one and at two group boundaries, partial groups (and for int2 quantized values short of a

@@ -4,7 +4,7 @@ import pytest
 from arraykv.backends import set_kernels_enabled
 from arraykv.quant.intq import IntQuantized, dequantize_groups, quantize_groups
 from conftest import asarray, to_np
-from reference import intq_quantize_loops
+from naive import intq_quantize_loops
 
 
 def loops_reference(x, bits, g, param_dtype):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import arraykv
 from arraykv.quant.bitpack import pack_bits, unpack_bits
 from arraykv.storage import TokenBuffers
-from reference import attention_loops
+from naive import attention_loops
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
