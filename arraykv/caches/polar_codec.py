@@ -37,7 +37,9 @@ class PolarLayerCodec:
     ``k_window[:, :, :n_sink]`` (the first tokens), the quantized tokens (``t`` above), then
     ``k_window[:, :, n_sink:]`` (the recent tokens). A decode kernel may treat ``k_window`` as
     one block of exact tokens: one query's attention does not depend on the order of keys. For TurboQuant-prod keys the logit of query ``q`` gains
-    ``softmax_scale · √(π/2)/m · k_qjl_norms[b,h,t] · ⟨S q, ±1(k_qjl[b,h,t])⟩``.
+    ``softmax_scale · √(π/2)/m · k_qjl_norms[b,h,t] · ⟨S q̃, ±1(k_qjl[b,h,t])⟩`` with
+    ``q̃ = q / k_scale[b,h]`` and the outlier channels of ``q̃`` set to zero (the residual lives in
+    the weighted key space without them).
 
     Attributes
     ----------
