@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
+from .._validation import check_softmax_scale
 from ..quant.bitpack import unpack_bits
 
 __all__ = ["int_decode_attention", "int_decode_attention_reference"]
@@ -65,6 +66,7 @@ def int_decode_attention_reference(codec: Any, q: Any, scale: float):
     for the quantized values, ``Σ_t p_t v_t`` for the ``n_window`` exact ones (the latest
     tokens), and the output is the sum divided by ``Σ_t p_t``.
     """
+    scale = check_softmax_scale(scale, "scale")
     xp = _compat.namespace(q)
     b, h, g, d = _check_query(codec, q)
     dev = _compat.device(q)
@@ -137,8 +139,9 @@ def int_decode_attention(codec: Any, q: Any, scale: float):
     """
     from ..backends import lookup
 
+    scale = check_softmax_scale(scale, "scale")
     xp = _compat.namespace(q)
     fast = lookup("int_decode_attention", xp) if int(codec.bits) in (2, 4, 8) else None
     if fast is not None:
-        return fast(codec, q, float(scale))
-    return int_decode_attention_reference(codec, q, float(scale))
+        return fast(codec, q, scale)
+    return int_decode_attention_reference(codec, q, scale)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
-from .._validation import check_int
+from .._validation import check_auto_bool, check_bool, check_int, check_real, check_softmax_scale
 from ..attention.polar_fused import polar_decode_attention
 from ..backends import lookup
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
@@ -246,37 +246,22 @@ class PolarCache(LayeredCache):
             )
         self.key_bits = check_int("key_bits", key_bits, low=1, high=8)
         self.value_bits = check_int("value_bits", value_bits, low=1, high=8)
-        if not isinstance(qjl, bool):
-            raise TypeError(f"qjl must be a bool, received {type(qjl).__name__}")
-        self.qjl = qjl
+        self.qjl = check_bool("qjl", qjl)
         self.seed = check_int("seed", seed, low=0)
         if residual_window is None:
             residual_window = default_residual_window(self.key_bits)
         self.residual_window = check_int("residual_window", residual_window, low=0)
-        if center not in ("auto", True, False) or isinstance(center, int) and not isinstance(center, bool):
-            raise ValueError(f"center must be 'auto', True or False, received {center!r}")
-        self.center = center
+        self.center = check_auto_bool("center", center)
         if outliers != "auto":
             if isinstance(outliers, str):
                 raise ValueError(f"outliers must be 'auto' or an integer, received {outliers!r}")
             outliers = check_int("outliers", outliers, low=0, high=d - 1)
         self.outliers = outliers
-        if isinstance(outlier_threshold, bool) or not isinstance(outlier_threshold, (int, float)) \
-                or not 1.0 <= float(outlier_threshold) < float("inf"):
-            raise ValueError(f"outlier_threshold must be a finite number >= 1, received {outlier_threshold!r}")
-        self.outlier_threshold = float(outlier_threshold)
+        self.outlier_threshold = check_real("outlier_threshold", outlier_threshold, low=1.0)
         self.max_outliers = d // 16 if max_outliers is None else check_int("max_outliers", max_outliers, low=0,
                                                                           high=d - 1)
-        if softmax_scale is None:
-            self.softmax_scale = None
-        else:
-            if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-                    or not 0.0 < float(softmax_scale) < float("inf"):
-                raise ValueError(f"softmax_scale must be positive and finite, received {softmax_scale!r}")
-            self.softmax_scale = float(softmax_scale)
-        if not isinstance(key_scale, bool):
-            raise TypeError(f"key_scale must be a bool, received {type(key_scale).__name__}")
-        self.key_scale = key_scale
+        self.softmax_scale = None if softmax_scale is None else check_softmax_scale(softmax_scale)
+        self.key_scale = check_bool("key_scale", key_scale)
         for name, value in (("key_length", key_length), ("value_length", value_length)):
             if not isinstance(value, str) or value not in LENGTHS:
                 raise ValueError(f"{name} must be one of {', '.join(LENGTHS)}, received {value!r}")

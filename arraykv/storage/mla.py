@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 from .. import _compat
-from .._validation import check_finite, check_int, dtype_name, is_floating
+from .._validation import check_bool, check_finite, check_int, dtype_name, is_floating
 from .growable import TokenBuffers
 
 __all__ = ["MlaCache"]
@@ -66,9 +66,8 @@ class MlaCache:
         self.v_head_dim = self.nope_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, low=1)
         self.in_dim = self.num_heads * (self.nope_dim + self.v_head_dim)
         self.latent_dim = check_int("latent_dim", latent_dim, low=1, high=self.in_dim)
-        for name, val in (("shared_rope", shared_rope), ("check_finite", check_finite)):
-            if not isinstance(val, bool):
-                raise TypeError(f"{name} must be a bool, received {type(val).__name__}")
+        shared_rope = check_bool("shared_rope", shared_rope)
+        check_finite = check_bool("check_finite", check_finite)
         self.shared_rope = shared_rope
         self.rope_heads = 1 if shared_rope else self.num_heads
         self.check_finite = check_finite
