@@ -7,13 +7,19 @@ a cache exactly as it was.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from typing import Any
 
 from . import _compat
 
 __all__ = [
+    "check_auto_bool",
+    "check_bool",
     "check_int",
+    "check_real",
+    "check_softmax_scale",
     "check_kv",
     "check_query",
     "check_finite",
@@ -35,9 +41,39 @@ def is_floating(xp: Any, dtype: Any) -> bool:
     return dtype in _compat.float_dtypes(xp)
 
 
+def _is_bool(value: Any) -> bool:
+    """True for Python and NumPy booleans (``np.bool_`` is neither ``bool`` nor a number)."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """Return ``value`` as a Python ``bool`` after checking it is one (NumPy booleans included).
+
+    A NumPy boolean comes back as ``bool``, so it is stored and saved like a Python one.
+    """
+    if not _is_bool(value):
+        raise TypeError(f"{name} must be a bool, received {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def check_auto_bool(name: str, value: Any) -> Any:
+    """Return ``"auto"`` or ``value`` as a Python ``bool`` (NumPy booleans included).
+
+    Raises ``ValueError`` for anything else (``1``, ``1.0`` and ``"yes"`` included).
+    """
+    if isinstance(value, str) and value == "auto":
+        return value
+    if not _is_bool(value):
+        raise ValueError(f"{name} must be 'auto', True or False, received {value!r}")
+    return bool(value)
+
+
 def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
-    """Return ``value`` as ``int`` after checking it is an integer in ``[low, high]``."""
-    if isinstance(value, bool):
+    """Return ``value`` as ``int`` after checking it is an integer in ``[low, high]``.
+
+    NumPy integers are accepted and come back as Python ``int``; booleans are refused.
+    """
+    if _is_bool(value):
         raise TypeError(f"{name} must be an integer, received bool {value!r}")
     try:
         iv = operator.index(value)
@@ -48,6 +84,54 @@ def check_int(name: str, value: Any, *, low: int | None = None, high: int | None
     if high is not None and iv > high:
         raise ValueError(f"{name} must be <= {high}, received {iv}")
     return iv
+
+
+def check_real(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+               low_open: bool = False, high_open: bool = False) -> float:
+    """Return ``value`` as a finite Python ``float`` after checking it lies within the bounds.
+
+    Parameters
+    ----------
+    name : str
+        The parameter's name, for the message.
+    value : int, float or NumPy real scalar
+        Booleans and strings are refused (``TypeError``).
+    low, high : float, optional
+        Bounds; inclusive unless ``low_open`` / ``high_open``.
+
+    Returns
+    -------
+    float
+        NumPy scalars come back as Python floats, so they save as plain JSON and never promote
+        float32 arrays to float64.
+
+    Raises
+    ------
+    TypeError
+        ``value`` is not a real number.
+    ValueError
+        NaN, infinite, or outside the bounds.
+    """
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, received {type(value).__name__} {value!r}")
+    fv = float(value)
+    if not math.isfinite(fv):
+        raise ValueError(f"{name} must be finite, received {value!r}")
+    if low is not None and (fv <= low if low_open else fv < low):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, received {value!r}")
+    if high is not None and (fv >= high if high_open else fv > high):
+        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, received {value!r}")
+    return fv
+
+
+def check_softmax_scale(value: Any, name: str = "softmax_scale") -> float:
+    """Return the softmax scale as a positive finite Python ``float``.
+
+    Every public attention entry point calls this, so NaN, infinity, zero, negative scales,
+    booleans and strings are refused the same way everywhere (``ValueError`` for a bad number,
+    ``TypeError`` for something that is not a real number).
+    """
+    return check_real(name, value, low=0.0, low_open=True)
 
 
 def _check_array(name: str, x: Any) -> None:

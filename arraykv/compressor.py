@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _compat
-from ._validation import check_finite, check_int, dtype_name, is_floating
+from ._validation import check_bool, check_finite, check_int, check_real, dtype_name, is_floating
 from .quant.intq import IntQuantized, dequantize_groups, quantize_groups
 from .quant.lowrank import LowRankBasis, check_rank_energy, fit_basis
 from .quant.outliers import SparseOutliers, scatter_outliers, split_outliers
@@ -22,9 +22,7 @@ __all__ = ["LowRank", "VectorQuantization", "Hybrid", "CompressedTensor", "Compr
 
 
 def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, received {type(value).__name__}")
-    return value
+    return check_bool(name, value)
 
 
 @dataclass(frozen=True)
@@ -52,8 +50,8 @@ class LowRank:
         rank, energy = check_rank_energy(self.rank, self.energy, 1 << 30)
         object.__setattr__(self, "rank", rank)
         object.__setattr__(self, "energy", energy)
-        _check_bool("center", self.center)
-        _check_bool("per_head", self.per_head)
+        object.__setattr__(self, "center", _check_bool("center", self.center))
+        object.__setattr__(self, "per_head", _check_bool("per_head", self.per_head))
 
 
 @dataclass(frozen=True)
@@ -120,18 +118,18 @@ class Hybrid:
         object.__setattr__(self, "group_size", check_int("group_size", self.group_size, low=1))
         t = self.outlier_threshold
         if t is not None:
-            if isinstance(t, bool) or not isinstance(t, (int, float)):
-                raise TypeError(f"outlier_threshold must be a positive number or None, received {type(t).__name__}")
-            if not float(t) > 0.0 or float(t) == float("inf"):
-                raise ValueError(f"outlier_threshold must be positive and finite, received {t!r}")
-            object.__setattr__(self, "outlier_threshold", float(t))
-        _check_bool("center", self.center)
+            object.__setattr__(self, "outlier_threshold", check_real("outlier_threshold", t, low=0.0, low_open=True))
+        object.__setattr__(self, "center", _check_bool("center", self.center))
 
 
 def _check_quant_bits(bits: Any) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):
+    try:
+        bits = check_int("quant_bits", bits)
+    except TypeError:
+        raise ValueError(f"quant_bits must be 4 or 8, received {bits!r}") from None
+    if bits not in (4, 8):
         raise ValueError(f"quant_bits must be 4 or 8, received {bits!r}")
-    return int(bits)
+    return bits
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, Union, runtime_checkable
 
+from ._validation import check_int, check_softmax_scale
+
 __all__ = [
     "AttendConfig",
     "DequantResult",
@@ -53,15 +55,9 @@ class AttendConfig:
     n_kv_groups: int = 1
 
     def __post_init__(self) -> None:
-        scale = self.softmax_scale
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"softmax_scale must be a real number, received {type(scale).__name__}")
-        if not (float(scale) > 0.0 and float(scale) < float("inf")):
-            raise ValueError(f"softmax_scale must be positive and finite, received {scale!r}")
-        object.__setattr__(self, "softmax_scale", float(scale))
-        g = self.n_kv_groups
-        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-            raise ValueError(f"n_kv_groups must be an integer >= 1, received {g!r}")
+        # NumPy scalars are accepted and stored as Python float/int.
+        object.__setattr__(self, "softmax_scale", check_softmax_scale(self.softmax_scale))
+        object.__setattr__(self, "n_kv_groups", check_int("n_kv_groups", self.n_kv_groups, low=1))
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
+from .._validation import check_softmax_scale
 from ..quant.bitpack import unpack_bits
 
 __all__ = ["int_decode_attention", "int_decode_attention_reference"]
@@ -63,15 +64,19 @@ def int_decode_attention_reference(codec: Any, q: Any, scale: float):
         Σ_t p_t v_{t,c} = Σ_t (p_t · vscale_{t,j}) code_{t,c} + Σ_t p_t · voffset_{t,j}
 
     for the quantized values, ``Σ_t p_t v_t`` for the ``n_window`` exact ones (the latest
-    tokens), and the output is the sum divided by ``Σ_t p_t``.
+    tokens), and the output is the sum divided by ``Σ_t p_t``. A layer stored in units of
+    ``2**k_exp`` / ``2**v_exp`` (``codec.k_exp``, ``codec.v_exp``) multiplies ``q'`` by
+    ``2**k_exp`` and the output by ``2**v_exp``.
     """
+    scale = check_softmax_scale(scale, "scale")
     xp = _compat.namespace(q)
     b, h, g, d = _check_query(codec, q)
     dev = _compat.device(q)
     f32 = xp.float32
     G, bits = int(codec.group_size), int(codec.bits)
     ng, n = int(codec.n_groups), int(codec.n_tokens)
-    qf = xp.reshape(xp.astype(q, f32), (b, h, g, d)) * float(scale)
+    k_exp, v_exp = _exponents(codec)
+    qf = xp.reshape(xp.astype(q, f32), (b, h, g, d)) * (float(scale) * 2.0 ** k_exp)
     parts = []
     if ng:
         kc = xp.astype(unpack_bits(codec.k_codes, bits, G), f32)  # (b, h, ng, d, G)
@@ -107,6 +112,8 @@ def int_decode_attention_reference(codec: Any, q: Any, scale: float):
     if nw:  # exact window values: Σ_t p_t v_t
         num = num + xp.matmul(p[..., nv:], xp.astype(codec.v_window, f32))  # (b, h, g, d)
     out = num / den[..., None]
+    if v_exp:
+        out = out * 2.0 ** v_exp
     return xp.astype(xp.reshape(out, (b, h * g, 1, d)), q.dtype)
 
 
@@ -137,8 +144,16 @@ def int_decode_attention(codec: Any, q: Any, scale: float):
     """
     from ..backends import lookup
 
+    scale = check_softmax_scale(scale, "scale")
     xp = _compat.namespace(q)
     fast = lookup("int_decode_attention", xp) if int(codec.bits) in (2, 4, 8) else None
-    if fast is not None:
-        return fast(codec, q, float(scale))
-    return int_decode_attention_reference(codec, q, float(scale))
+    if fast is None:
+        return int_decode_attention_reference(codec, q, scale)
+    k_exp, v_exp = _exponents(codec)
+    out = fast(codec, q, scale * 2.0 ** k_exp)  # the kernels read the keys and values in their stored units
+    return out * 2.0 ** v_exp if v_exp else out
+
+
+def _exponents(codec: Any) -> tuple:
+    """``(k_exp, v_exp)``: stored keys are ``2**-k_exp`` and values ``2**-v_exp`` times the true ones."""
+    return int(getattr(codec, "k_exp", 0) or 0), int(getattr(codec, "v_exp", 0) or 0)

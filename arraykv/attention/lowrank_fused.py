@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
+from .._validation import check_softmax_scale
 
 __all__ = ["lowrank_decode_attention"]
 
@@ -54,6 +55,7 @@ def lowrank_decode_attention(q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_c
     costs ``O(T (r_k + r_v) + d (r_k + r_v))`` instead of the ``O(T d (r_k + r_v))`` of
     reconstructing the layer first, and it is the same attention up to float32 rounding.
     """
+    softmax_scale = check_softmax_scale(softmax_scale)
     xp = _compat.namespace(q)
     b, hq, one, d = (int(s) for s in q.shape)
     h = int(k_extra.shape[1])

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
+from .._validation import check_softmax_scale
 from ..quant.bitpack import unpack_bits
 from ..quant.qjl import QJL_SCALE
 from ..quant.rotary_mean import rotary_mean_at
@@ -142,6 +143,7 @@ def polar_decode_attention_reference(codec: Any, q: Any, scale: float):
     Same inputs and output as :func:`polar_decode_attention`. Memory is O(tokens · head_dim)
     (it builds the rotated values of every token); the fused kernels avoid that.
     """
+    scale = check_softmax_scale(scale, "scale")
     xp = _compat.namespace(q)
     prep = prepare_queries(codec, q, scale)
     b, h, g, d = (int(s) for s in prep["q"].shape)
@@ -190,8 +192,9 @@ def polar_decode_attention(codec: Any, q: Any, scale: float):
     """
     from ..backends import lookup
 
+    scale = check_softmax_scale(scale, "scale")
     xp = _compat.namespace(q)
     fast = lookup("polar_decode_attention", xp)
     if fast is not None:
-        return fast(codec, q, float(scale))
-    return polar_decode_attention_reference(codec, q, float(scale))
+        return fast(codec, q, scale)
+    return polar_decode_attention_reference(codec, q, scale)

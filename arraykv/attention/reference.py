@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
-from .._validation import dtype_name, is_floating
+from .._validation import check_softmax_scale, dtype_name, is_floating
 
 __all__ = ["attention"]
 
@@ -41,6 +41,7 @@ def attention(q: Any, k: Any, v: Any, *, softmax_scale: float, logit_bias: Any =
     batched BLAS calls on the stored layout without copying the cache (see
     ``docs/benchmarks.md`` for the forms that were measured).
     """
+    softmax_scale = check_softmax_scale(softmax_scale)
     xp = _compat.namespace(q, k, v)
     _check_shapes(xp, q, k, v, logit_bias)
     b, hq, t, d = (int(s) for s in q.shape)
@@ -56,7 +57,7 @@ def attention(q: Any, k: Any, v: Any, *, softmax_scale: float, logit_bias: Any =
     vv = xp.astype(v, work, copy=False)
     # (b, hkv, s, g*t) -> (b, hkv, g*t, s)
     scores = xp.matrix_transpose(xp.matmul(kk, xp.matrix_transpose(qg)))
-    scores = scores * float(softmax_scale)
+    scores = scores * softmax_scale
     if logit_bias is not None:
         scores = scores + xp.reshape(xp.astype(logit_bias, work, copy=False), (b, hkv, g * t, s))
     if causal and t > 1:

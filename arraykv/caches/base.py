@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
-from .._validation import check_finite, check_int, check_kv, check_query, dtype_name
+from .._validation import check_bool, check_finite, check_int, check_kv, check_query, dtype_name
 from ..protocol import AttendConfig, DecodeOutput, DequantResult
 from ..storage.cache_file import LAYER_DTYPES, LayerRecord, write_cache_file
 
@@ -115,9 +115,7 @@ class LayeredCache:
         self.num_layers = check_int("num_layers", num_layers, low=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, low=1)
         self.head_dim = check_int("head_dim", head_dim, low=1)
-        if not isinstance(check_finite, bool):
-            raise TypeError(f"check_finite must be a bool, received {type(check_finite).__name__}")
-        self.check_finite = check_finite
+        self.check_finite = check_bool("check_finite", check_finite)
         self.max_tokens = None if max_tokens is None else check_int("max_tokens", max_tokens, low=1)
         self._locks = [threading.Lock() for _ in range(self.num_layers)]
         self._states: list[LayerState | None] = [None] * self.num_layers

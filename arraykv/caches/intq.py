@@ -8,6 +8,7 @@ the most recent values; with a window both are held in float16.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ from ..attention.int_fused import int_decode_attention
 from ..backends import lookup
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
-from ..quant.intq import IntQuantized, dequantize_groups, quantize_groups
+from ..quant.intq import HALF_MAX, IntQuantized, dequantize_groups, half_exponent, quantize_groups
 from ..storage import TokenBuffers
 from .._validation import check_int
 from .base import LayeredCache, LayerState, check_decode_path
@@ -25,6 +26,8 @@ from .registry import register_method
 __all__ = ["IntQuantCache", "Int2Cache", "Int4Cache", "Int8Cache", "IntLayerCodec", "IntLayer"]
 
 _SCALE_DTYPES = ("float16", "float32")
+#: Saved in place of an exponent not fixed yet (the layer has held only zeros).
+_NO_EXP = -(1 << 20)
 _BITS = (2, 4, 8)
 
 
@@ -40,12 +43,15 @@ class IntLayer(LayerState):
         ``v_codes``, ``v_scale``, ``v_offset`` of the quantized values (axis 2: tokens).
     k_residual, v_window : array (b, h, n, d)
         The exact keys of the unfilled groups and the exact recent values.
+    exp : tuple of (int or None)
+        Powers of two of the units of keys and values; None until the layer held non-zero data.
     """
 
     kq: TokenBuffers = None
     vq: TokenBuffers = None
     k_residual: Any = None
     v_window: Any = None
+    exp: tuple = (None, None)
 
     def buffers(self) -> tuple:
         return (self.kq, self.vq)
@@ -89,6 +95,10 @@ class IntLayerCodec:
         Exact values (the most recent tokens); 0 without a window (``int4``/``int8`` by default).
     v_window : float16 (batch, kv_heads, n_window, head_dim) or None
         The exact values (float32 on namespaces without float16); None when ``n_window == 0``.
+    k_exp, v_exp : int, default 0
+        Every key (quantized or exact) is ``2**k_exp`` times what the formulas above give,
+        every value ``2**v_exp`` times (see :func:`arraykv.quant.intq.half_exponent`); 0
+        unless the layer's data is very small or very large.
     """
 
     bits: int
@@ -105,6 +115,8 @@ class IntLayerCodec:
     v_offset: Any
     n_window: int = 0
     v_window: Any = None
+    k_exp: int = 0
+    v_exp: int = 0
 
 
 @register_method("int", generic=True)
@@ -173,6 +185,13 @@ class IntQuantCache(LayeredCache):
     scales into the softmax weights (:func:`arraykv.attention.int_fused.int_decode_attention`).
     Otherwise the whole layer is dequantized each step (with a Numba kernel on CPU) and
     returned as :class:`~arraykv.Dequantized`.
+
+    Magnitude: a layer keeps its keys in units of ``2**k_exp`` and its values in units of
+    ``2**v_exp`` (:func:`arraykv.quant.intq.half_exponent` of the first non-zero store; 0 for
+    data whose largest magnitude lies between ``2**-6`` and ``2**12``), so float16 scales and
+    windows hold data of magnitude 1e-8 to beyond 65504 with the same relative error and no
+    extra bytes per value. A later store that would still exceed float16 in those units is
+    refused (``ValueError``) before anything changes.
     """
 
     method = "int"
@@ -187,7 +206,8 @@ class IntQuantCache(LayeredCache):
                          check_finite=check_finite, max_tokens=max_tokens)
         if bits is not None:
             if type(self).method != "int":
-                raise TypeError(f"method {self.method!r} does not take bits (it fixes bits={type(self).bits}; method 'int' takes it)")
+                raise TypeError(f"method {self.method!r} does not take bits (it fixes bits={type(self).bits}; "
+                                "method 'int' takes it)")
             bits = check_int("bits", bits, low=2, high=8)
             if bits not in _BITS:
                 raise ValueError(f"bits must be one of {_BITS}, received {bits}")
@@ -234,6 +254,7 @@ class IntQuantCache(LayeredCache):
         xp = st.xp
         g, w = self.group_size, self.residual_window
         pdt = self._pdt(xp)
+        (k, v), exps = self._normalized(st, k, v)
         edt = st.k_residual.dtype
         if k.dtype != edt:
             k, v = xp.astype(k, edt), xp.astype(v, edt)
@@ -245,7 +266,7 @@ class IntQuantCache(LayeredCache):
         if full:
             blk = xp.reshape(allk[:, :, : full * g, :], (b, h, full, g, d))
             blk = xp.permute_dims(blk, (0, 1, 2, 4, 3))  # (b, h, groups, d, G): tokens last
-            q = quantize_groups(blk, self.bits, g, param_dtype=pdt)
+            q = quantize_groups(blk, self.bits, g, param_dtype=pdt, exponent=0)
             kq = {"k_codes": q.codes, "k_scale": q.scale[..., 0], "k_offset": q.offset[..., 0]}
         residual = xp.asarray(allk[:, :, full * g :, :], copy=True)
         window = st.v_window
@@ -257,12 +278,42 @@ class IntQuantCache(LayeredCache):
             new_window = xp.asarray(allv[:, :, spill:, :], copy=True)
         vq = None
         if spill:
-            qv = quantize_groups(allv[:, :, :spill, :], self.bits, g, param_dtype=pdt)
+            qv = quantize_groups(allv[:, :, :spill, :], self.bits, g, param_dtype=pdt, exponent=0)
             vq = {"v_codes": qv.codes, "v_scale": qv.scale, "v_offset": qv.offset}
-        return kq, vq, residual, new_window
+        return kq, vq, residual, new_window, exps
+
+    def _normalized(self, st: IntLayer, k: Any, v: Any) -> tuple:
+        """``(k / 2**k_exp, v / 2**v_exp)`` and the layer's exponents after this store.
+
+        An exponent is fixed by the first store with non-zero data (:func:`half_exponent`);
+        everything of the layer is kept in those units, so float16 scales and windows neither
+        underflow nor overflow at any magnitude. A later store that would still overflow
+        float16 is refused before anything changes.
+        """
+        xp = st.xp
+        out, exps = [], []
+        for name, x, e in (("k", k, st.exp[0]), ("v", v, st.exp[1])):
+            m = float(xp.max(xp.abs(x)))
+            if e is None and m > 0.0:
+                e = half_exponent(m)
+            if e:
+                x = x * 2.0 ** -e
+            if math.isfinite(m) and m * 2.0 ** -(e or 0) > HALF_MAX and self._holds_half(xp):
+                raise ValueError(
+                    f"{name} holds values up to {m:.4g}, beyond what this layer's float16 scales and exact "
+                    f"tokens hold in the units its first tokens fixed (2**{e or 0}, largest |{name}| "
+                    f"{HALF_MAX:g} · 2**{e or 0}); reset the cache, or use scale_dtype='float32' "
+                    "and residual_window=0")
+            out.append(x)
+            exps.append(e)
+        return out, tuple(exps)
+
+    def _holds_half(self, xp: Any) -> bool:
+        """Whether a layer keeps anything in float16 (its scales, or its exact window)."""
+        return hasattr(xp, "float16") and (self._pdt(xp) == "float16" or bool(self.residual_window))
 
     def _store(self, st: IntLayer, k: Any, v: Any) -> None:
-        kq, vq, residual, window = self._encode(st, k, v)
+        kq, vq, residual, window, exps = self._encode(st, k, v)
         # Room in both buffers first: an allocation that fails leaves both as they were.
         if kq is not None:
             st.kq.reserve(kq)
@@ -275,12 +326,14 @@ class IntQuantCache(LayeredCache):
             st.vq.append(vq)
         st.k_residual = residual
         st.v_window = window
+        st.exp = exps
 
     def _decoded(self, st: IntLayer, start: int = 0) -> DequantResult:
         """K/V of the stored tokens ``start ..``; only the key groups and value rows from there are decoded."""
         xp = st.xp
         g, d = self.group_size, self.head_dim
         kq, vq = st.kq, st.vq
+        ek, ev = (e or 0 for e in st.exp)
         parts = []
         g0 = min(start // g, kq.length)  # first key group holding a token from ``start`` on
         if kq.length > g0:
@@ -289,14 +342,14 @@ class IntQuantCache(LayeredCache):
                 return a if g0 == 0 else a[:, :, g0:, ...]
 
             q = IntQuantized(codes=kview("k_codes"), scale=kview("k_scale")[..., None],
-                             offset=kview("k_offset")[..., None], bits=self.bits, group_size=g, n=g)
+                             offset=kview("k_offset")[..., None], bits=self.bits, group_size=g, n=g, exponent=ek)
             blk = dequantize_groups(q, st.dtype)  # (b, h, groups, d, G)
             b, h, ng = (int(s) for s in blk.shape[:3])
             kd = xp.reshape(xp.permute_dims(blk, (0, 1, 2, 4, 3)), (b, h, ng * g, d))
             skip = start - g0 * g
             parts.append(kd if skip == 0 else kd[:, :, skip:, :])
         r0 = max(0, start - kq.length * g)
-        parts.append(self._exact(st, "k_residual", r0))
+        parts.append(self._exact(st, "k_residual", r0, ek))
         k = parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
         parts = []
         if vq.length > start:
@@ -305,17 +358,19 @@ class IntQuantCache(LayeredCache):
                 return a if start == 0 else a[:, :, start:, ...]
 
             qv = IntQuantized(codes=vview("v_codes"), scale=vview("v_scale"), offset=vview("v_offset"),
-                              bits=self.bits, group_size=g, n=d)
+                              bits=self.bits, group_size=g, n=d, exponent=ev)
             parts.append(dequantize_groups(qv, st.dtype))
         if self.residual_window or not parts:
-            parts.append(self._exact(st, "v_window", max(0, start - vq.length)))
+            parts.append(self._exact(st, "v_window", max(0, start - vq.length), ev))
         v = parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
         return DequantResult(k=k, v=v)
 
     @staticmethod
-    def _exact(st: IntLayer, name: str, skip: int):
-        """Exact tokens ``skip ..`` of ``k_residual`` or ``v_window``, in the layer's dtype (a copy)."""
+    def _exact(st: IntLayer, name: str, skip: int, exp: int = 0):
+        """Exact tokens ``skip ..`` of ``k_residual`` or ``v_window`` times ``2**exp``, in the layer's dtype (a copy)."""
         a = getattr(st, name)[:, :, skip:, :]
+        if exp:
+            return st.xp.astype(st.xp.astype(a, st.xp.float32) * 2.0 ** exp, st.dtype)
         return st.xp.asarray(a, copy=True) if a.dtype == st.dtype else st.xp.astype(a, st.dtype)
 
     # -- hooks ----------------------------------------------------------------------
@@ -351,6 +406,9 @@ class IntQuantCache(LayeredCache):
         out["k_residual"] = st.k_residual
         if self.residual_window:
             out["v_window"] = st.v_window
+        if st.exp != (0, 0):  # typical data keeps the arrays it always had
+            out["exp"] = st.xp.asarray([_NO_EXP if e is None else e for e in st.exp], dtype=st.xp.int32,
+                                       device=st.device)
         return out
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> IntLayer:
@@ -364,6 +422,11 @@ class IntQuantCache(LayeredCache):
         st.k_residual = xp.asarray(arrays["k_residual"], copy=True)
         if "v_window" in arrays:
             st.v_window = xp.asarray(arrays["v_window"], copy=True)
+        if "exp" in arrays:
+            exps = (int(arrays["exp"][0]), int(arrays["exp"][1]))
+            st.exp = tuple(None if e == _NO_EXP else e for e in exps)
+        else:
+            st.exp = (0, 0)
         keys = st.kq.length * self.group_size + int(st.k_residual.shape[2])
         values = st.vq.length + int(st.v_window.shape[2])
         if keys != length or values != length:
@@ -413,10 +476,12 @@ class IntQuantCache(LayeredCache):
             v_offset = v_scale
         residual, window = st.k_residual, st.v_window
         n_window = int(window.shape[2])
+        ek, ev = (e or 0 for e in st.exp)
         return IntLayerCodec(bits=self.bits, group_size=g, n_tokens=vq.length + n_window, n_groups=kq.length,
                              n_residual=int(residual.shape[2]), k_codes=k_codes, k_scale=k_scale,
                              k_offset=k_offset, k_residual=residual, v_codes=v_codes, v_scale=v_scale,
-                             v_offset=v_offset, n_window=n_window, v_window=window if n_window else None)
+                             v_offset=v_offset, n_window=n_window, v_window=window if n_window else None,
+                             k_exp=ek, v_exp=ev)
 
 
 @register_method("int2")

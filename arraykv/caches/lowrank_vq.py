@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
-from .._validation import check_int
+from .._validation import check_bool, check_int
 from ..compressor import KVCacheCompressor, LowRank, VectorQuantization, samples_by_head
 from ..attention.lowrank_fused import lowrank_decode_attention
 from ..attention.reference import attention
@@ -403,9 +403,7 @@ class LowRankCache(_CalibratedCache):
         if rank is None and energy is None:
             rank = max(1, d // 2)
         self.rank, self.energy = check_rank_energy(rank, energy, d)
-        if not isinstance(center, bool):
-            raise TypeError(f"center must be a bool, received {type(center).__name__}")
-        self.center = center
+        self.center = check_bool("center", center)
         if not isinstance(coeff_dtype, str) or coeff_dtype not in _COEFF_DTYPES:
             raise ValueError(f"coeff_dtype must be one of {', '.join(_COEFF_DTYPES)}, received {coeff_dtype!r}")
         self.coeff_dtype = coeff_dtype

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .._validation import check_int
+from .._validation import check_auto_bool, check_bool, check_int, check_real, check_softmax_scale
 from ..quant.polar import LENGTHS
 from ..quant.rotary_mean import check_rope
 from ..quant.rotation import is_power_of_two
@@ -61,12 +61,6 @@ class PolarOptions:
         return asdict(self)
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, received {type(value).__name__}")
-    return value
-
-
 def check_polar_options(head_dim: int, *, key_bits: Any, value_bits: Any, qjl: Any = False, seed: Any = 0,
                         residual_window: Any = None, center: Any = "auto", outliers: Any = "auto",
                         outlier_threshold: Any = DEFAULT_OUTLIER_THRESHOLD, max_outliers: Any = None,
@@ -94,27 +88,20 @@ def check_polar_options(head_dim: int, *, key_bits: Any, value_bits: Any, qjl: A
                          f"held), received {d}")
     key_bits = check_int("key_bits", key_bits, low=1, high=8)
     value_bits = check_int("value_bits", value_bits, low=1, high=8)
-    qjl = _check_bool("qjl", qjl)
+    qjl = check_bool("qjl", qjl)
     seed = check_int("seed", seed, low=0)
     if residual_window is None:
         residual_window = default_residual_window(key_bits)
     residual_window = check_int("residual_window", residual_window, low=0)
-    if center not in ("auto", True, False) or isinstance(center, int) and not isinstance(center, bool):
-        raise ValueError(f"center must be 'auto', True or False, received {center!r}")
+    center = check_auto_bool("center", center)
     if outliers != "auto":
         if isinstance(outliers, str):
             raise ValueError(f"outliers must be 'auto' or an integer, received {outliers!r}")
         outliers = check_int("outliers", outliers, low=0, high=d - 1)
-    if isinstance(outlier_threshold, bool) or not isinstance(outlier_threshold, (int, float)) \
-            or not 1.0 <= float(outlier_threshold) < float("inf"):
-        raise ValueError(f"outlier_threshold must be a finite number >= 1, received {outlier_threshold!r}")
+    outlier_threshold = check_real("outlier_threshold", outlier_threshold, low=1.0)
     max_outliers = d // 16 if max_outliers is None else check_int("max_outliers", max_outliers, low=0, high=d - 1)
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-                or not 0.0 < float(softmax_scale) < float("inf"):
-            raise ValueError(f"softmax_scale must be positive and finite, received {softmax_scale!r}")
-        softmax_scale = float(softmax_scale)
-    key_scale = _check_bool("key_scale", key_scale)
+    softmax_scale = None if softmax_scale is None else check_softmax_scale(softmax_scale)
+    key_scale = check_bool("key_scale", key_scale)
     for name, value in (("key_length", key_length), ("value_length", value_length)):
         if not isinstance(value, str) or value not in LENGTHS:
             raise ValueError(f"{name} must be one of {', '.join(LENGTHS)}, received {value!r}")

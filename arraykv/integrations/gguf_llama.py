@@ -62,8 +62,11 @@ def load_model(path: str | os.PathLike | None = None, *, xp: Any = None, tokeniz
     ------
     FileNotFoundError
         ``path`` does not exist.
+    IsADirectoryError
+        ``path`` is a directory.
     ValueError
-        Not a GGUF file, a corrupted or truncated one, or not the Llama architecture.
+        Not a GGUF file, a corrupted or truncated one, not the Llama architecture, or metadata
+        and tensors that cannot describe a model (see :func:`~arraykv.integrations.gguf.read_gguf`).
     ModelDownloadError
         The default model could not be fetched.
     ImportError

@@ -359,7 +359,7 @@ class LlamaModel:
         if not isinstance(logits, str) or logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', received {logits!r}")
         ids, flat = self._ids(token_ids)
-        start = _cache_len(cache)
+        start = _cache_len(cache, self.config.num_layers)
         t = int(ids.shape[1])
         self._check_room(start, t)
         step = t if chunk_size is None else chunk_size
@@ -410,7 +410,7 @@ class LlamaModel:
             if a.ndim == 2 and a.shape[1] != 1:
                 raise ValueError(f"decode takes one token per sequence, received shape {a.shape}")
             ids, _ = self._ids(a.reshape(-1, 1) if a.ndim <= 1 else a)
-        start = _cache_len(cache)
+        start = _cache_len(cache, self.config.num_layers)
         if start == 0:
             raise ValueError("decode needs a cache holding earlier tokens; call prefill with the prompt first")
         self._check_room(start, 1)
@@ -490,7 +490,7 @@ class LlamaModel:
             )
         if cache is None:
             cache = self.make_cache(method)
-        elif _cache_len(cache) != 0:
+        elif _cache_len(cache, self.config.num_layers) != 0:
             raise ValueError("cache must be empty; call cache.reset() first")
         rng = np.random.default_rng(seed)
         eos = None if self.tokenizer is None else self.tokenizer.eos_id
@@ -556,8 +556,18 @@ def _as_len(token_ids: Any) -> int:
     return len(token_ids)
 
 
-def _cache_len(cache: Any) -> int:
+def _cache_len(cache: Any, num_layers: int = 1) -> int:
+    """Tokens ``cache`` holds; a ValueError when its first ``num_layers`` layers disagree.
+
+    Layers run in sequence, so a step refused by layer ``i > 0`` (for example non-finite keys)
+    has already stored its tokens in layers ``0 .. i-1``; such a cache is refused from then on
+    instead of being grown further apart.
+    """
     if not hasattr(cache, "seq_len") or not hasattr(cache, "prefill"):
         raise TypeError(f"cache must be a CompressedKVCache, received {type(cache).__name__}")
-    return int(cache.seq_len(0))
+    lengths = [int(cache.seq_len(i)) for i in range(num_layers)]
+    if any(n != lengths[0] for n in lengths):
+        raise ValueError(f"the cache's layers hold different numbers of tokens ({lengths}), left so by a step "
+                         "that a later layer refused; call cache.reset() and run the prompt again")
+    return lengths[0]
 

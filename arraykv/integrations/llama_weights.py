@@ -12,7 +12,7 @@ from typing import Any
 
 from .gguf import LlamaConfig
 
-__all__ = ["LayerWeights", "random_gguf_tensors", "unpermute_qk"]
+__all__ = ["LayerWeights", "random_gguf_tensors", "tensor_shapes", "unpermute_qk"]
 
 
 def unpermute_qk(w: Any, heads: int) -> Any:
@@ -30,6 +30,8 @@ def unpermute_qk(w: Any, heads: int) -> Any:
         Rows in the rotate-half layout, where RoPE pairs channel ``i`` with ``i + head_dim/2``.
     """
     rows, cols = w.shape
+    if heads < 1 or rows % heads or (rows // heads) % 2:
+        raise ValueError(f"a Q/K projection of {rows} rows does not split into {heads} heads of an even size")
     hd = rows // heads
     return w.reshape(heads, hd // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
@@ -56,6 +58,37 @@ class LayerWeights:
     ffn_norm: Any
     wgu: Any
     wdown: Any
+
+
+def tensor_shapes(config: LlamaConfig) -> dict:
+    """The GGUF tensors a Llama model of ``config`` needs, by name, with their ``(out, in)`` shapes.
+
+    ``output.weight`` is left out: it is optional (absent for tied embeddings).
+
+    Parameters
+    ----------
+    config : LlamaConfig
+
+    Returns
+    -------
+    dict of str to tuple of int
+    """
+    c = config
+    shapes = {"token_embd.weight": (c.vocab_size, c.hidden_size), "output_norm.weight": (c.hidden_size,)}
+    for i in range(c.num_layers):
+        p = f"blk.{i}."
+        shapes.update({
+            p + "attn_norm.weight": (c.hidden_size,),
+            p + "attn_q.weight": (c.num_heads * c.head_dim, c.hidden_size),
+            p + "attn_k.weight": (c.num_kv_heads * c.head_dim, c.hidden_size),
+            p + "attn_v.weight": (c.num_kv_heads * c.head_dim, c.hidden_size),
+            p + "attn_output.weight": (c.hidden_size, c.num_heads * c.head_dim),
+            p + "ffn_norm.weight": (c.hidden_size,),
+            p + "ffn_gate.weight": (c.ffn_size, c.hidden_size),
+            p + "ffn_up.weight": (c.ffn_size, c.hidden_size),
+            p + "ffn_down.weight": (c.hidden_size, c.ffn_size),
+        })
+    return shapes
 
 
 def random_gguf_tensors(config: LlamaConfig, seed: int = 0) -> dict:

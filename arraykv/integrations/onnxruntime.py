@@ -213,6 +213,10 @@ class OrtKVDecoder:
             raise ValueError(f"input_ids must be integers of shape (batch, new_tokens), received {ids.shape} {ids.dtype}")
         batch, t = ids.shape
         past_len = int(cache.seq_len(0))
+        lengths = [int(cache.seq_len(i)) for i in range(self.num_layers)]
+        if any(n != past_len for n in lengths):
+            raise ValueError(f"the cache's layers hold different numbers of tokens ({lengths}); every layer must "
+                             "hold the same tokens: call cache.reset() and prefill again")
         feeds = {"input_ids": ids.astype(self._int_type["input_ids"])}
         if "attention_mask" in self._int_type:
             feeds["attention_mask"] = np.ones((batch, past_len + t), dtype=self._int_type["attention_mask"])
@@ -226,20 +230,44 @@ class OrtKVDecoder:
                                       for kd in ("key", "value")]
         res = self.session.run(names, feeds)
         q = np.zeros((batch, self.num_kv_heads, t, self.head_dim), dtype=self.dtype)
+        new = self._new_tokens(res, batch, past_len, t, bool(getattr(cache, "check_finite", True)))
         before = self._held.get(cache, {})
         held = {}
-        for i in range(self.num_layers):
-            pk, pv = res[1 + 2 * i], res[2 + 2 * i]
-            if pk.shape[2] != past_len + t:
-                raise ValueError(f"present.{i}.key has {pk.shape[2]} tokens, expected past {past_len} + new {t}")
-            k_new = np.ascontiguousarray(pk[:, :, past_len:, :])
-            v_new = np.ascontiguousarray(pv[:, :, past_len:, :])
+        for i, (k_new, v_new) in enumerate(new):
             prev = before.get(i)
             if prev is not None and (past_len == 0 or prev[2] != past_len):
                 prev = None  # not the past this step ran on: read the layer back whole
             held[i] = self._store(cache, i, k_new, v_new, q, prev)
         self._held[cache] = held
         return res[0]
+
+    def _new_tokens(self, res: list, batch: int, past_len: int, t: int, finite: bool) -> list:
+        """Every layer's new K/V out of the ``present.*`` outputs, all checked before any is stored.
+
+        A step stores layer by layer, so a layer refused after an earlier one was stored would
+        leave the layers at different lengths; checking every layer first keeps a refused step
+        from changing the cache. ``finite``: refuse NaN/Inf (as a cache with ``check_finite``
+        would, but before anything is stored).
+        """
+        import numpy as np
+
+        want = (batch, self.num_kv_heads, past_len + t, self.head_dim)
+        new = []
+        for i in range(self.num_layers):
+            pair = []
+            for kind, a in (("key", res[1 + 2 * i]), ("value", res[2 + 2 * i])):
+                if a.ndim != 4 or a.shape[2] != past_len + t:
+                    raise ValueError(f"present.{i}.{kind} has shape {a.shape}: {a.shape[2] if a.ndim == 4 else '?'} "
+                                     f"tokens, expected past {past_len} + new {t}; nothing was stored")
+                if tuple(a.shape) != want:
+                    raise ValueError(f"present.{i}.{kind} has shape {a.shape}, expected {want}; nothing was stored")
+                x = np.ascontiguousarray(a[:, :, past_len:, :])
+                if finite and not np.isfinite(x).all():
+                    raise ValueError(f"present.{i}.{kind} holds non-finite values (NaN or Inf) for the new tokens; "
+                                     "nothing was stored, every layer of the cache is as it was")
+                pair.append(x)
+            new.append(tuple(pair))
+        return new
 
     def prefill(self, input_ids: Any, cache: Any) -> Any:
         """The prompt: ``step`` on an empty cache. Returns logits (batch, tokens, vocab)."""

@@ -16,10 +16,21 @@ values equal) exact.
 
 Quantizing a different axis (per-channel over tokens, as KIVI does for keys) is done by moving
 that axis last before calling :func:`quantize_groups`.
+
+Magnitude
+---------
+float16 parameters hold normal numbers between ``2**-14`` and 65504 only: data of magnitude
+1e-6 would get scales that underflow (int8 returned worse than zeros) and data near 65504
+offsets that overflow. The parameters are therefore kept for data divided by ``2**exponent``,
+one power of two per quantized array (:func:`half_exponent`): ``x̂ = 2**exponent · (scale ·
+code + offset)``. The division is exact, typical data (largest magnitude between ``2**-6`` and
+``2**12``) keeps ``exponent = 0`` and exactly the parameters it always had, and nothing is
+stored for it per group.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +38,44 @@ from .. import _compat
 from .._validation import check_int, dtype_name, is_floating
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 
-__all__ = ["IntQuantized", "quantize_groups", "dequantize_groups", "group_minmax_reference",
+__all__ = ["IntQuantized", "quantize_groups", "dequantize_groups", "half_exponent", "group_minmax_reference",
            "quantize_pack_reference", "dequantize_reference"]
 
 _PARAM_DTYPES = ("float16", "float32")
 #: Code widths the quantize/dequantize kernels handle (others use the array-API reference).
 _KERNEL_BITS = (2, 4, 8)
+#: Data whose largest magnitude lies in this range keeps ``exponent = 0`` (see :func:`half_exponent`).
+HALF_SAFE_RANGE = (2.0 ** -6, 2.0 ** 12)
+#: The largest finite float16.
+HALF_MAX = 65504.0
+
+
+def half_exponent(max_abs: float) -> int:
+    """The power of two that brings data of largest magnitude ``max_abs`` into float16's comfortable range.
+
+    Parameters
+    ----------
+    max_abs : float
+        Largest ``|x|`` of the data (finite, >= 0).
+
+    Returns
+    -------
+    int
+        0 when ``max_abs`` is 0 or within :data:`HALF_SAFE_RANGE` (the parameters are stored as
+        they always were), else ``floor(log2(max_abs))``, so that ``x / 2**exponent`` has its
+        largest magnitude in ``[1, 2)``.
+
+    Notes
+    -----
+    For ``b``-bit codes a group whose values span ``[m, M]`` gets ``scale = (M - m) / (2**b -
+    1)``. With the data's largest magnitude ``A >= 2**-6``, the scale of the groups that hold
+    it is at least ``A / 2**b >= 2**-14`` for ``b <= 8``, a normal float16 (relative rounding
+    ``2**-11``); with ``A <= 2**12`` later data up to about 16 times larger (65504) still fits.
+    """
+    a = float(max_abs)
+    if not (a > 0.0) or not math.isfinite(a) or HALF_SAFE_RANGE[0] <= a <= HALF_SAFE_RANGE[1]:
+        return 0
+    return int(math.floor(math.log2(a)))
 
 
 @dataclass(frozen=True)
@@ -51,6 +94,9 @@ class IntQuantized:
         Values per group along the last axis.
     n : int
         Length of the quantized last axis.
+    exponent : int, default 0
+        ``x̂ = 2**exponent · (scale · code + offset)``: the parameters describe the data divided
+        by ``2**exponent`` (see the module notes; 0 for typical magnitudes and float32 parameters).
     """
 
     codes: Any
@@ -59,6 +105,7 @@ class IntQuantized:
     bits: int
     group_size: int
     n: int
+    exponent: int = 0
 
     @property
     def shape(self) -> tuple:
@@ -94,7 +141,8 @@ def _param_dtype(xp: Any, name: Any):
     return dt
 
 
-def quantize_groups(x: Any, bits: int, group_size: int, *, param_dtype: str = "float32") -> IntQuantized:
+def quantize_groups(x: Any, bits: int, group_size: int, *, param_dtype: str = "float32",
+                    exponent: int | None = None) -> IntQuantized:
     """Quantize ``x`` group-wise along its last axis.
 
     Parameters
@@ -108,6 +156,10 @@ def quantize_groups(x: Any, bits: int, group_size: int, *, param_dtype: str = "f
     param_dtype : {"float32", "float16"}
         Dtype of the stored scales and offsets. Codes are computed from the rounded
         parameters, so dequantization uses exactly what was stored.
+    exponent : int, optional
+        Quantize ``x / 2**exponent`` (exact) and record ``exponent`` in the result. None: 0 for
+        float32 parameters, :func:`half_exponent` of ``max |x|`` for float16 ones (one more
+        pass over ``x``), so that float16 scales neither underflow nor overflow.
 
     Returns
     -------
@@ -130,6 +182,11 @@ def quantize_groups(x: Any, bits: int, group_size: int, *, param_dtype: str = "f
         raise ValueError(f"x must have a non-empty last axis, received shape {tuple(x.shape)}")
     pdt = _param_dtype(xp, param_dtype)
     x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
+    if exponent is None:
+        exponent = half_exponent(float(xp.max(xp.abs(x32)))) if pdt != xp.float32 else 0
+    exponent = check_int("exponent", exponent, low=-140, high=140)
+    if exponent:
+        x32 = x32 * 2.0 ** -exponent
     levels = (1 << bits) - 1
     from ..backends import lookup
 
@@ -146,7 +203,7 @@ def quantize_groups(x: Any, bits: int, group_size: int, *, param_dtype: str = "f
     else:
         codes = quantize_pack_reference(x32, group_size, bits, off32, inv)
     return IntQuantized(codes=codes, scale=scale, offset=offset, bits=bits, group_size=group_size,
-                        n=int(x.shape[-1]))
+                        n=int(x.shape[-1]), exponent=exponent)
 
 
 def dequantize_groups(q: IntQuantized, dtype: Any = None):
@@ -161,6 +218,7 @@ def dequantize_groups(q: IntQuantized, dtype: Any = None):
     Returns
     -------
     array, shape (..., n)
+        ``2**q.exponent · (scale · code + offset)``, computed in float32.
     """
     if not isinstance(q, IntQuantized):
         raise TypeError(f"q must be an IntQuantized, received {type(q).__name__}")
@@ -174,6 +232,8 @@ def dequantize_groups(q: IntQuantized, dtype: Any = None):
         out = fast(q.codes, q.bits, q.group_size, q.n, s32, o32)
     else:
         out = dequantize_reference(q.codes, q.bits, q.group_size, q.n, s32, o32)
+    if q.exponent:
+        out = out * 2.0 ** q.exponent
     if dtype is not None and out.dtype != dtype:
         out = xp.astype(out, dtype)
     return out

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
-from .._validation import check_int, dtype_name, is_floating
+from .._validation import check_int, check_real, dtype_name, is_floating
 
 __all__ = ["LowRankBasis", "fit_basis", "project", "reconstruct", "eckart_young_error", "choose_rank"]
 
@@ -154,12 +154,7 @@ def check_rank_energy(rank: Any, energy: Any, head_dim: int) -> tuple:
         raise ValueError(f"give exactly one of rank and energy, received rank={rank!r}, energy={energy!r}")
     if rank is not None:
         return check_int("rank", rank, low=1, high=head_dim), None
-    if isinstance(energy, bool) or not isinstance(energy, (int, float)):
-        raise TypeError(f"energy must be a real number in (0, 1], received {type(energy).__name__}")
-    energy = float(energy)
-    if not 0.0 < energy <= 1.0:
-        raise ValueError(f"energy must be in (0, 1], received {energy}")
-    return None, energy
+    return None, check_real("energy", energy, low=0.0, high=1.0, low_open=True)
 
 
 def project(x: Any, b: LowRankBasis):

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .. import _compat
+from .._validation import check_real
 
 __all__ = ["ROPE_LAYOUTS", "RotaryMean", "rope_pairs", "rope_frequencies", "fit_rotary_mean", "rotary_mean_at",
            "check_rope"]
@@ -91,9 +92,10 @@ def check_rope(value: Any) -> Any:
         keys = set(value)
         if keys != {"theta", "layout"}:
             raise ValueError(f"rope must have exactly the keys 'theta' and 'layout', received {sorted(keys)}")
-        theta = value["theta"]
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1.0 < float(theta) < float("inf"):
-            raise ValueError(f"rope['theta'] must be a finite number > 1, received {theta!r}")
+        try:
+            theta = check_real("rope['theta']", value["theta"], low=1.0, low_open=True)
+        except TypeError as exc:  # every malformed rope option is a ValueError
+            raise ValueError(str(exc)) from None
         if value["layout"] not in ROPE_LAYOUTS:
             raise ValueError(f"rope['layout'] must be one of {', '.join(ROPE_LAYOUTS)}, received {value['layout']!r}")
         return {"theta": float(theta), "layout": str(value["layout"])}

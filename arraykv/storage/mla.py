@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 from .. import _compat
-from .._validation import check_finite, check_int, dtype_name, is_floating
+from .._validation import check_bool, check_finite, check_int, dtype_name, is_floating
 from .growable import TokenBuffers
 
 __all__ = ["MlaCache"]
@@ -66,9 +66,8 @@ class MlaCache:
         self.v_head_dim = self.nope_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, low=1)
         self.in_dim = self.num_heads * (self.nope_dim + self.v_head_dim)
         self.latent_dim = check_int("latent_dim", latent_dim, low=1, high=self.in_dim)
-        for name, val in (("shared_rope", shared_rope), ("check_finite", check_finite)):
-            if not isinstance(val, bool):
-                raise TypeError(f"{name} must be a bool, received {type(val).__name__}")
+        shared_rope = check_bool("shared_rope", shared_rope)
+        check_finite = check_bool("check_finite", check_finite)
         self.shared_rope = shared_rope
         self.rope_heads = 1 if shared_rope else self.num_heads
         self.check_finite = check_finite
@@ -90,6 +89,13 @@ class MlaCache:
         down : array (latent_dim, num_heads * (head_dim - rope_dim + v_head_dim)), optional
             Maps stacked ``[k_nope of every head, v of every head]`` to a latent; default is
             the pseudo-inverse of the stacked up projections (least squares).
+
+        Raises
+        ------
+        ValueError
+            ``layer`` holds latents of some sequence: they were encoded with the current
+            projections and would silently decode differently under new ones. Call
+            :meth:`reset_layer` first (it forgets those tokens), then append them again.
         """
         layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
         xp = _compat.namespace(up_k, up_v)
@@ -111,6 +117,7 @@ class MlaCache:
             down = xp.astype(down, xp.float32)
             check_finite(xp, down=down)
         with self._locks[layer]:
+            self._refuse_if_holding(layer, "set_projection")
             self._proj[layer] = _Projection(up_k, up_v, down)
 
     def fit(self, layer: int, k: Any, v: Any) -> None:
@@ -121,6 +128,11 @@ class MlaCache:
         k : array (num_heads, n, head_dim)
         v : array (num_heads, n, v_head_dim)
             ``n >= 1`` calibration tokens.
+
+        Raises
+        ------
+        ValueError
+            ``layer`` holds latents (see :meth:`set_projection`); call :meth:`reset_layer` first.
         """
         layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
         xp, _ = self._check_kv(k, v)
@@ -133,7 +145,24 @@ class MlaCache:
         up_k = xp.reshape(u[:hn, :], (self.num_heads, self.nope_dim, self.latent_dim))
         up_v = xp.reshape(u[hn:, :], (self.num_heads, self.v_head_dim, self.latent_dim))
         with self._locks[layer]:
+            self._refuse_if_holding(layer, "fit")
             self._proj[layer] = _Projection(up_k, up_v, xp.matrix_transpose(u))
+
+    def _refuse_if_holding(self, layer: int, what: str) -> None:
+        """Raise ``ValueError`` if ``layer`` (whose lock the caller holds) holds any token."""
+        held = sorted(sid for sid, buf in self._data[layer].items() if buf.length)
+        if held:
+            raise ValueError(f"{what}() would change how the latents already stored in layer {layer} "
+                             f"(seq_ids {held}) decode; call reset_layer({layer}) first, then append them again")
+
+    def reset_layer(self, layer: int) -> None:
+        """Forget the tokens of every sequence in ``layer``; its projections and the sequence ids stay.
+
+        After it, :meth:`set_projection` and :meth:`fit` may replace the layer's projections.
+        """
+        layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
+        with self._locks[layer]:
+            self._data[layer] = {}
 
     def projection(self, layer: int) -> tuple:
         """``(up_k, up_v, down)`` of ``layer`` (None when not set)."""

@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 from .. import _compat
-from .._validation import check_finite, check_int, dtype_name, is_floating
+from .._validation import check_bool, check_finite, check_int, dtype_name, is_floating
 
 __all__ = ["PagedKVCache"]
 
@@ -60,9 +60,7 @@ class PagedKVCache:
         self.v_head_dim = self.head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, low=1)
         self.block_size = check_int("block_size", block_size, low=1)
         self.num_blocks = check_int("num_blocks", num_blocks, low=1)
-        if not isinstance(check_finite, bool):
-            raise TypeError(f"check_finite must be a bool, received {type(check_finite).__name__}")
-        self.check_finite = check_finite
+        self.check_finite = check_bool("check_finite", check_finite)
         self._layers = [_Layer() for _ in range(self.num_layers)]
         for lay in self._layers:
             lay.free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out block 0 first

@@ -1,0 +1,153 @@
+"""A refused decoder step: the ONNX loop leaves every layer as it was; LlamaModel refuses a torn cache.
+
+The ONNX loop gets every layer's new K/V at once and checks them all before storing any. In
+LlamaModel the layers run in sequence (layer 1's K/V need layer 0's attention over its stored
+token), so a step refused by a later layer has stored its tokens in the earlier ones; the model
+then refuses that cache, naming the layer lengths, instead of growing the layers apart.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import arraykv
+from arraykv.integrations.gguf import LlamaConfig
+from arraykv.integrations.llama import LlamaModel, random_gguf_tensors
+
+_ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
+needs_onnx = pytest.mark.skipif(not _ONNX, reason="onnx and onnxruntime (extra [onnx]) are not installed")
+
+
+def _ort_decoder():
+    from arraykv.integrations.onnxruntime import OrtKVDecoder
+    from test_onnx_hook import _decoder_graph
+
+    return OrtKVDecoder(_decoder_graph())
+
+
+class _Spoiling:
+    """A session that runs the real one, then spoils one ``present`` output when armed."""
+
+    def __init__(self, session):
+        self.session = session
+        self.spoil = None  # (output name, how)
+
+    def run(self, names, feeds):
+        res = self.session.run(names, feeds)
+        if self.spoil is not None:
+            name, how = self.spoil
+            i = names.index(name)
+            a = np.array(res[i])
+            if how == "nan":
+                a[0, 0, -1, 3] = np.nan
+            elif how == "short":
+                a = a[:, :, :-1]
+            elif how == "heads":
+                a = a[:, :1]
+            res[i] = a
+        return res
+
+
+def _snapshot(cache, layers):
+    return [(cache.seq_len(i), {n: np.array(a) for n, a in cache._layer_arrays(cache._states[i]).items()})
+            for i in range(layers)]
+
+
+@needs_onnx
+@pytest.mark.parametrize("method", ["dense", "int4", "pqo4"])
+@pytest.mark.parametrize("spoil", [("present.1.key", "nan"), ("present.1.value", "nan"),
+                                   ("present.1.value", "short"), ("present.1.key", "heads")])
+def test_a_refused_step_stores_no_layer(method, spoil):
+    dec = _ort_decoder()
+    fake = _Spoiling(dec.session)
+    dec.session = fake
+    cache = dec.make_cache(method)
+    dec.prefill([[1, 2, 3, 4, 5]], cache)
+    dec.decode([6], cache)
+    before = _snapshot(cache, dec.num_layers)
+    fake.spoil = spoil
+    with pytest.raises(ValueError, match="present.1"):
+        dec.decode([7], cache)
+    after = _snapshot(cache, dec.num_layers)
+    assert [n for n, _ in after] == [n for n, _ in before] == [6, 6]
+    for (_, a), (_, b) in zip(after, before):
+        assert a.keys() == b.keys()
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
+    # the loop goes on as if the refused step never ran, and matches a loop that never saw it
+    fake.spoil = None
+    got = dec.decode([7], cache)
+    ref_dec = _ort_decoder()
+    ref = ref_dec.make_cache(method)
+    ref_dec.prefill([[1, 2, 3, 4, 5]], ref)
+    ref_dec.decode([6], ref)
+    np.testing.assert_array_equal(got, ref_dec.decode([7], ref))
+    assert [cache.seq_len(i) for i in range(dec.num_layers)] == [7, 7]
+
+
+@needs_onnx
+def test_a_prefill_refused_at_a_later_layer_leaves_the_cache_empty():
+    dec = _ort_decoder()
+    fake = _Spoiling(dec.session)
+    dec.session = fake
+    cache = dec.make_cache("int8")
+    fake.spoil = ("present.1.key", "nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        dec.prefill([[1, 2, 3]], cache)
+    assert [cache.seq_len(i) for i in range(dec.num_layers)] == [0, 0]
+    fake.spoil = None
+    dec.prefill([[1, 2, 3]], cache)  # not refused: nothing was stored
+    assert [cache.seq_len(i) for i in range(dec.num_layers)] == [3, 3]
+
+
+@needs_onnx
+def test_layers_of_different_lengths_are_refused_not_grown_apart():
+    dec = _ort_decoder()
+    cache = dec.make_cache("dense")
+    dec.prefill([[1, 2, 3]], cache)
+    k = np.zeros((1, dec.num_kv_heads, 1, dec.head_dim), np.float32)
+    cache.prefill(0, k, k, k)  # layer 0 alone gets a token
+    with pytest.raises(ValueError, match=r"different numbers of tokens \(\[4, 3\]\)"):
+        dec.decode([4], cache)
+    assert [cache.seq_len(i) for i in range(dec.num_layers)] == [4, 3]
+
+
+CFG = LlamaConfig(num_layers=3, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
+                  vocab_size=60, context_length=64, rope_theta=50000.0, rms_eps=1e-5)
+
+
+@pytest.mark.parametrize("method", ["dense", "int4"])
+def test_llama_refuses_a_cache_torn_by_a_refused_step(method):
+    tensors = random_gguf_tensors(CFG, seed=2)
+    model = LlamaModel.from_gguf_tensors(CFG, tensors)
+    cache = model.make_cache(method)
+    model.prefill([1, 2, 3], cache)
+    wk = model.layers[1].wqkv
+    saved = np.array(wk)
+    wk[...] = np.nan  # layer 1 now computes non-finite K/V: the cache refuses its store
+    with pytest.raises(ValueError, match="non-finite"):
+        model.decode(4, cache)
+    wk[...] = saved
+    assert [cache.seq_len(i) for i in range(3)] == [4, 3, 3]  # layer 0 stored before layer 1 refused
+    for call in (lambda: model.decode(5, cache), lambda: model.prefill([5, 6], cache),
+                 lambda: model.forward([5], cache)):
+        with pytest.raises(ValueError, match=r"different numbers of tokens \(\[4, 3, 3\]\).*reset"):
+            call()
+    assert [cache.seq_len(i) for i in range(3)] == [4, 3, 3]  # refused calls store nothing
+    with pytest.raises(ValueError, match="different numbers of tokens"):
+        model.generate([1, 2], 2, cache=cache)
+    cache.reset()
+    ref = model.make_cache(method)
+    np.testing.assert_array_equal(model.prefill([1, 2, 3], cache), model.prefill([1, 2, 3], ref))
+    np.testing.assert_array_equal(model.decode(4, cache), model.decode(4, ref))
+
+
+def test_llama_refuses_a_cache_with_fewer_layers_before_storing():
+    model = LlamaModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
+    small = arraykv.make_cache("dense", num_layers=2, num_kv_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match="layer"):
+        model.prefill([1, 2, 3], small)
+    assert [small.seq_len(i) for i in range(2)] == [0, 0]
