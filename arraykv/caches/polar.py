@@ -22,8 +22,7 @@ from typing import Any
 
 from .. import _compat
 from .._validation import check_int
-from ..attention.polar_fused import polar_decode_attention
-from ..backends import lookup
+from .. import ops
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.codebooks import Codebook, make_codebook
@@ -443,11 +442,11 @@ class PolarCache(LayeredCache):
             kc = kc * keep
         else:
             keep = None
-        kq = polar_encode(kc, codec["k_codebook"], codec["rotation"], length=self.key_length)
-        vq = polar_encode(vc, codec["v_codebook"], codec["rotation"], length=self.value_length)
+        kq = polar_encode(kc, codec["k_codebook"], codec["rotation"], length=self.key_length, encode=ops.polar_encode)
+        vq = polar_encode(vc, codec["v_codebook"], codec["rotation"], length=self.value_length, encode=ops.polar_encode)
         arrays.update(k_codes=kq.codes, k_norms=kq.norms, v_codes=vq.codes, v_norms=vq.norms)
         if self.qjl:
-            resid = kc - polar_decode(kq, codec["k_codebook"], codec["rotation"])
+            resid = kc - polar_decode(kq, codec["k_codebook"], codec["rotation"], decode=ops.polar_decode)
             if keep is not None:
                 resid = resid * keep
             s = qjl_encode(resid, codec["qjl"])
@@ -531,8 +530,8 @@ class PolarCache(LayeredCache):
 
             kq = PolarCode(view("k_codes"), view("k_norms"), self.key_bits, d)
             vq = PolarCode(view("v_codes"), view("v_norms"), self.value_bits, d)
-            kd = polar_decode(kq, codec["k_codebook"], codec["rotation"])
-            vd = polar_decode(vq, codec["v_codebook"], codec["rotation"])
+            kd = polar_decode(kq, codec["k_codebook"], codec["rotation"], decode=ops.polar_decode)
+            vd = polar_decode(vq, codec["v_codebook"], codec["rotation"], decode=ops.polar_decode)
             idx = calib["k_outlier_idx"]
             if int(idx.shape[-1]) > 0:
                 sel = self._selector(xp, idx, d)
@@ -563,8 +562,6 @@ class PolarCache(LayeredCache):
         if n_s:
             parts.append(xp.zeros((b, qh, t, n_s), dtype=xp.float32, device=st.device))
         if n_q:
-            from ..quant.bitpack import unpack_bits
-
             sk: QJLSketch = self._codec(xp, st.device)["qjl"]
             m = sk.rows
             calib = st.extra["calib"]
@@ -575,7 +572,7 @@ class PolarCache(LayeredCache):
                 w = w * (1.0 - xp.sum(self._selector(xp, idx, d), axis=-1))
             qt = xp.reshape(xp.astype(q, xp.float32), (b, h, g * t, d)) * w[:, :, None, :]
             sq = xp.matmul(qt, xp.matrix_transpose(sk.matrix))  # (b, h, g*t, m)
-            pm = 2.0 * xp.astype(unpack_bits(buf.view("k_qjl"), 1, m), xp.float32) - 1.0  # (b, h, n_q, m)
+            pm = 2.0 * xp.astype(ops.unpack_bits(buf.view("k_qjl"), 1, m), xp.float32) - 1.0  # (b, h, n_q, m)
             dots = xp.matmul(sq, xp.matrix_transpose(pm))  # (b, h, g*t, n_q)
             w = xp.astype(buf.view("k_qjl_norms"), xp.float32) * (scale * QJL_SCALE / m)
             parts.append(xp.reshape(dots * w[:, :, None, :], (b, qh, t, n_q)))
@@ -602,11 +599,11 @@ class PolarCache(LayeredCache):
     def _decode(self, st, k, v, q, config: AttendConfig):
         self._store(st, k, v, q)
         if self._fused(st.xp):
-            return Fused(polar_decode_attention(self._codec_state(st), q, config.softmax_scale))
+            return Fused(ops.polar_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._result(st, q, config.softmax_scale))
 
     def _fused_auto(self, xp: Any) -> bool:
-        return lookup("polar_decode_attention", xp) is not None
+        return ops.has_kernel("polar_decode_attention", xp)
 
     def _dequantize(self, st) -> DequantResult:
         return self._dequantize_from(st, 0)

@@ -18,7 +18,8 @@ A call is one compiled function that does the whole step for every (batch, KV he
    token splits, the float16 window (sinks and recent tokens, one exact block), the inverse
    rotation of the value sum, ``v_mean``, and the division by the softmax denominator.
 
-Small steps run on the calling thread (:data:`PARALLEL_MIN_WORK`); larger ones split each
+Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`: below
+``PARALLEL_MIN_WORK`` values, ``batch · heads · tokens · head_dim``); larger ones split each
 head's tokens over Numba's threads (only step 2 is parallel: steps 1 and 3 cost
 ``O(heads · head_dim · (log head_dim + m + window))``). Work buffers are
 ``O(heads · G · head_dim)`` plus ``O(G · TILE)`` per task: nothing grows with the context.
@@ -39,19 +40,15 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from ..quant.qjl import QJL_SCALE
+from ...quant.qjl import QJL_SCALE
+from .threads import launch, threads_for
 
-__all__ = ["polar_decode_attention", "TILE", "PARALLEL_MIN_WORK", "HALF_TO_FLOAT"]
+__all__ = ["polar_decode_attention", "TILE", "HALF_TO_FLOAT"]
 
 TILE = 64
 #: float16 bit pattern -> float32 value. Numba has no float16 arrays, so float16 state is
 #: read through ``uint16`` views (no copy) and this 256 KiB table.
 HALF_TO_FLOAT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-
-#: Below this many (batch · head · token) units a step runs on the calling thread alone:
-#: waking worker threads costs more than the work (measured: 0.46 ms on one thread against
-#: 16 ms on two for 3 heads × 100 tokens on a busy 2-core machine).
-PARALLEL_MIN_WORK = 16384
 
 # Value-changing fast-math flags are left out ("nnan", "ninf"): the online softmax starts
 # from -inf and compares against it.
@@ -612,22 +609,19 @@ def _step_parallel(q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_cod
                          signs, rot, half, out)
 
 
-def _threads_for(work: int) -> int:
-    return 1 if work < PARALLEL_MIN_WORK else max(1, nb.get_num_threads())
-
-
 def _splits(bh: int, n: int, cores: int) -> int:
     """Token splits per (batch, head): enough tasks for every core, tiles of work each."""
     want = max(1, -(-2 * cores // bh))
     return max(1, min(want, n // (4 * TILE) or 1))
 
 
-def _plan(bh: int, n: int) -> tuple:
-    """``(threads, token splits per head)`` for ``bh`` (batch, KV head) pairs of ``n`` tokens.
+def _plan(bh: int, n: int, d: int) -> tuple:
+    """``(threads, token splits per head)`` for ``bh`` (batch, KV head) pairs of ``n`` tokens of ``d`` channels.
 
-    ``(1, 1)`` (the serial kernel, on the calling thread) below :data:`PARALLEL_MIN_WORK`.
+    ``(1, 1)`` (the serial kernel, on the calling thread) below the threading policy's size
+    (:func:`arraykv.ops.numba.threads.threads_for` of ``bh · n · d`` values).
     """
-    threads = _threads_for(bh * n)
+    threads = threads_for(bh * n * d)
     if threads == 1:
         return 1, 1
     return threads, _splits(bh, n, threads)
@@ -724,7 +718,7 @@ def polar_decode_attention(codec, q, scale):
     else:
         rm_freq = np.asarray(freq, np.float32)
         rm_pairs = np.ascontiguousarray(codec.k_mean_pairs, np.int32)
-    threads, splits = _plan(b * h, n)
+    threads, splits = _plan(b * h, n, d)
     out = np.empty((b, qh, d), np.float32)
     args = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n,
             k_codes, _bits16(codec.k_norms), k_cent, k_table, k_bits,
@@ -736,11 +730,7 @@ def polar_decode_attention(codec, q, scale):
     if threads == 1 and splits == 1:
         _step_serial(*args, 1, out)
     else:
-        saved = nb.get_num_threads()
-        nb.set_num_threads(threads)  # thread-local in Numba: other threads keep their setting
-        try:
+        with launch(b * h * n * d):
             _step_parallel(*args, splits, out)
-        finally:
-            nb.set_num_threads(saved)
     out = out.reshape(b, qh, 1, d)
     return out if q.dtype == np.float32 else out.astype(q.dtype)

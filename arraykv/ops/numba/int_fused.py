@@ -16,11 +16,12 @@ then exact window values):
    voffset_{t,j}`` (exact window values enter the tile with scale 1 and offset 0);
 3. a log-sum-exp merge of the token splits and the division by the softmax denominator.
 
-Small steps run on the calling thread (:data:`PARALLEL_MIN_WORK`); larger ones split each
+Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`: below
+``PARALLEL_MIN_WORK`` values, ``batch · heads · tokens · head_dim``); larger ones split each
 head's tokens, at key-group boundaries, over Numba's threads (only step 2 is parallel). Work
 buffers are ``O(heads · G_q · head_dim)`` plus ``O(TILE · head_dim + head_dim · G)`` per task:
 nothing grows with the context. float16 scales and offsets are read through ``uint16`` views
-and :data:`arraykv.backends._numba_fused.HALF_TO_FLOAT`. Functions are compiled once per
+and :data:`arraykv.ops.numba.polar_fused.HALF_TO_FLOAT`. Functions are compiled once per
 parameter dtype (float16 or float32), for read-only arguments of any layout, and cached on disk."""
 
 from __future__ import annotations
@@ -36,16 +37,14 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from ._numba_fused import HALF_TO_FLOAT
+from ...attention.int_fused import check_query
+from .polar_fused import HALF_TO_FLOAT
+from .threads import launch, threads_for
 
-__all__ = ["int_decode_attention", "TILE", "PARALLEL_MIN_WORK"]
+__all__ = ["int_decode_attention", "TILE"]
 
 #: Tokens per tile, rounded to whole key groups (at least one group).
 TILE = 64
-#: Below this many (batch · KV head · token) units a step runs on the calling thread alone
-#: (the rule of :mod:`arraykv.backends._numba_fused`: waking worker threads costs more than the
-#: work of a small step).
-PARALLEL_MIN_WORK = 16384
 
 # Value-changing fast-math flags are left out ("nnan", "ninf"): the online softmax starts
 # from -inf and compares against it.
@@ -362,16 +361,16 @@ def _step_parallel(q, scale, n, G, bits, k_codes, k_scale, k_offset, k_res, v_co
             _finish_head(b, h, m[b, h], l[b, h], acc[b, h], out)
 
 
-def _plan(bh: int, n: int, group_size: int) -> tuple:
-    """``(threads, token splits per head)`` for ``bh`` (batch, KV head) pairs of ``n`` tokens.
+def _plan(bh: int, n: int, d: int, group_size: int) -> tuple:
+    """``(threads, token splits per head)`` for ``bh`` (batch, KV head) pairs of ``n`` tokens of ``d`` channels.
 
-    ``(1, 1)`` (the serial kernel, on the calling thread) below :data:`PARALLEL_MIN_WORK`;
-    otherwise enough spans for two tasks per thread, each of at least ``4 · TILE`` tokens
-    (and one key group).
+    ``(1, 1)`` (the serial kernel, on the calling thread) below the threading policy's size
+    (:func:`arraykv.ops.numba.threads.threads_for` of ``bh · n · d`` values); otherwise enough
+    spans for two tasks per thread, each of at least ``4 · TILE`` tokens (and one key group).
     """
-    if bh * n < PARALLEL_MIN_WORK:
+    threads = threads_for(bh * n * d)
+    if threads == 1:
         return 1, 1
-    threads = max(1, nb.get_num_threads())
     want = max(1, -(-2 * threads // bh))
     span = max(4 * TILE, group_size)
     return threads, max(1, min(want, n // span or 1))
@@ -403,9 +402,7 @@ def int_decode_attention(codec, q, scale):
     -------
     ndarray, shape (batch, q_heads, 1, head_dim), dtype of ``q``
     """
-    from ..attention.int_fused import _check_query
-
-    b, h, _, d = _check_query(codec, q)
+    b, h, _, d = check_query(codec, q)
     bits = int(codec.bits)
     if bits not in (2, 4, 8):
         raise ValueError(f"codec.bits must be 2, 4 or 8 for this kernel, received {bits}")
@@ -417,7 +414,7 @@ def int_decode_attention(codec, q, scale):
     if k_scale.dtype != v_scale.dtype:  # the cache stores both in one dtype; a mixed codec reads float32
         k_scale, k_offset, v_scale, v_offset = (np.asarray(a, np.float32) for a in (
             codec.k_scale, codec.k_offset, codec.v_scale, codec.v_offset))
-    threads, splits = _plan(b * h, n, G)
+    threads, splits = _plan(b * h, n, d, G)
     out = np.empty((b, qh, d), np.float32)
     n_window = int(getattr(codec, "n_window", 0) or 0)
     v_win = np.ascontiguousarray(codec.v_window, np.float32) if n_window else np.zeros((b, h, 0, d), np.float32)
@@ -427,11 +424,7 @@ def int_decode_attention(codec, q, scale):
     if threads == 1 and splits == 1:
         _step_serial(*args, 1, out)
     else:
-        saved = nb.get_num_threads()
-        nb.set_num_threads(threads)  # thread-local in Numba: other threads keep their setting
-        try:
+        with launch(b * h * n * d):
             _step_parallel(*args, splits, out)
-        finally:
-            nb.set_num_threads(saved)
     out = out.reshape(b, qh, 1, d)
     return out if q.dtype == np.float32 else out.astype(q.dtype)

@@ -1,6 +1,6 @@
-"""Numba kernel: one decode step of attention straight from product-quantization codes.
+"""Numba kernel: one decode step of attention straight from vector-quantization (product-quantization) codes.
 
-Layout read (the :class:`~arraykv.caches.compressed.VQCache` state, :mod:`arraykv.quant.pq`):
+Layout read (the :class:`~arraykv.caches.compressed.VQCache` state, :mod:`arraykv.quant.vq`):
 ``head_dim = m · s``; a key or value vector is ``m`` codes, code ``j`` naming a row of the
 per-(KV head, sub-space) codebook ``centroids[h, j]`` of shape ``(K, s)``. A token's codes are
 one row of ``ceil(m · β / 8)`` uint8 bytes packed LSB-first by
@@ -27,7 +27,8 @@ A call is one compiled function that does the whole step for every (batch, KV he
 3. a log-sum-exp merge of the token splits, the dense extra tokens (sinks and window, exact
    float32) in the same softmax, and the division by the denominator.
 
-Small steps run on the calling thread (:func:`arraykv.backends._numba_threads.threads_for`);
+Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`, work counted as the
+``2 · batch · heads · tokens · m`` codes read);
 larger ones cut each head's tokens into spans run on Numba's threads. Work buffers are
 ``O(G · m · K)`` (tables; ``O(G · m · 128)`` more for 4-bit pair tables) plus ``O(TILE · (m + G))`` per task: nothing grows with the context.
 Functions are compiled once per code dtype (uint8 packed, uint16), for read-only arguments,
@@ -46,10 +47,10 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from ..quant.pq import check_decode_attention_args
-from ._numba_threads import threads_for
+from ...quant.vq import check_decode_attention_args
+from .threads import launch, threads_for
 
-__all__ = ["pq_decode_attention", "TILE", "TABLE_MAX_K", "RESCALE_SLACK"]
+__all__ = ["vq_decode_attention", "decode_attention_mode", "TILE", "TABLE_MAX_K", "RESCALE_SLACK"]
 
 #: Tokens per tile.
 TILE = 64
@@ -62,11 +63,6 @@ TABLE_MAX_K = 1024
 #: float32 overflow, and the ``G · m · K`` histograms are rarely rescaled.
 RESCALE_SLACK = 16.0
 
-#: Below this many codes read a step runs on the calling thread
-#: (:data:`arraykv.backends._numba_threads.PARALLEL_MIN_VALUES` unless set).
-PARALLEL_MIN_VALUES = None
-#: Tests set this to ``"tables"`` or ``"direct"`` to force a path; None picks by cost.
-_FORCE_MODE = None
 
 # Value-changing fast-math flags are left out ("nnan", "ninf"): the online softmax starts
 # from -inf and compares against it.
@@ -406,8 +402,6 @@ def _use_tables(kk: int, kv: int, sub_dim: int, span: int) -> bool:
     ``(K_k + K_v) · d`` once. Measured (3 KV heads, G = 3, d = 64): the tables win from about
     ``K ≈ span / 2`` on, for every ``s`` (even ``s = 1``, where the direct path's gathers are slower).
     """
-    if _FORCE_MODE is not None:
-        return _FORCE_MODE == "tables"
     if max(kk, kv) > TABLE_MAX_K:
         return False
     return kk + kv <= span
@@ -419,10 +413,17 @@ def _splits(bh: int, n: int, threads: int, min_span: int) -> int:
     return max(1, min(want, n // max(min_span, 1) or 1))
 
 
-def pq_decode_attention(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale):
-    """Fused decode attention over PQ codes (NumPy): ADC scores and histogram value sums.
+def vq_decode_attention(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale):
+    """Fused decode attention over VQ codes (NumPy); see :func:`decode_attention_mode`."""
+    return decode_attention_mode(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits=bits,
+                                 softmax_scale=softmax_scale)
 
-    Same contract as :func:`arraykv.quant.pq.pq_decode_attention_reference`.
+
+def decode_attention_mode(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale,
+                          mode=None):
+    """Fused decode attention over VQ codes (NumPy): ADC scores and histogram value sums.
+
+    Same contract as :func:`arraykv.attention.vq_fused.vq_decode_attention_reference`.
 
     Parameters
     ----------
@@ -433,12 +434,14 @@ def pq_decode_attention(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, 
         uint16 per code (``bits > 8``); read in place, any strides.
     k_centroids, v_centroids : ndarray of float, shape (h, m, K, s)
         Codebooks; ``K`` may differ between keys and values. Codes ``>= K`` (never written by
-        :func:`~arraykv.quant.pq.pq_encode`) are read as ``K - 1``.
+        :func:`~arraykv.quant.vq.vq_encode`) are read as ``K - 1``.
     k_extra, v_extra : ndarray of float, shape (batch, h, E, head_dim)
         Dense tokens (float16 sinks and window); ``E`` may be 0.
     bits : int
         Bits per code, 1 to 16.
     softmax_scale : float
+    mode : {None, "tables", "direct"}
+        Force a path (tests); None picks by cost (:func:`_use_tables`).
 
     Returns
     -------
@@ -476,13 +479,14 @@ def pq_decode_attention(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, 
     ve = np.ascontiguousarray(v_extra, dtype=np.float32)
     kk, kv, sd = int(kc.shape[2]), int(vc.shape[2]), int(kc.shape[3])
     out = np.empty((b, hq, d), np.float32)
-    with threads_for(2 * b * h * t * m, PARALLEL_MIN_VALUES):
-        threads = nb.get_num_threads()
-        splits = 1 if threads == 1 else _splits(b * h, t, threads, max(4 * TILE, kk + kv))
-        tables = _use_tables(kk, kv, sd, -(-t // splits))
-        args = (q32, float(softmax_scale), bits, tables, k_codes, kc, v_codes, vc, ke, ve)
-        if threads == 1 or b * h * splits == 1:
-            _step_serial(*args, 1, out)
-        else:
+    work = 2 * b * h * t * m
+    threads = threads_for(work)
+    splits = 1 if threads == 1 else _splits(b * h, t, threads, max(4 * TILE, kk + kv))
+    tables = _use_tables(kk, kv, sd, -(-t // splits)) if mode is None else mode == "tables"
+    args = (q32, float(softmax_scale), bits, tables, k_codes, kc, v_codes, vc, ke, ve)
+    if threads == 1 or b * h * splits == 1:
+        _step_serial(*args, 1, out)
+    else:
+        with launch(work):
             _step_parallel(*args, splits, out)
     return out
