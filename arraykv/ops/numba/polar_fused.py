@@ -41,37 +41,26 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ...quant.qjl import QJL_SCALE
-from .threads import launch, threads_for
+from .fused_driver import FASTMATH, TILE, build_steps, merge_splits, merge_top, plan, ro, run_step
 
 __all__ = ["polar_decode_attention", "TILE", "HALF_TO_FLOAT"]
 
-TILE = 64
 #: float16 bit pattern -> float32 value. Numba has no float16 arrays, so float16 state is
 #: read through ``uint16`` views (no copy) and this 256 KiB table.
 HALF_TO_FLOAT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
-# Value-changing fast-math flags are left out ("nnan", "ninf"): the online softmax starts
-# from -inf and compares against it.
-_FASTMATH = {"nsz", "arcp", "contract", "reassoc", "afn"}
 
 
-def _ro(dtype, ndim, layout="A"):
-    return nbt.Array(dtype, ndim, layout, readonly=True)
-
-
-_U8_4, _U16_3, _U16_4, _I32_3 = _ro(nbt.uint8, 4), _ro(nbt.uint16, 3), _ro(nbt.uint16, 4), _ro(nbt.int32, 3)
-_F32_1C, _F32_2C = _ro(nbt.float32, 1, "C"), _ro(nbt.float32, 2, "C")
-_Q = _ro(nbt.float32, 3, "C")
+_U8_4, _U16_3, _U16_4, _I32_3 = ro(nbt.uint8, 4), ro(nbt.uint16, 3), ro(nbt.uint16, 4), ro(nbt.int32, 3)
+_F32_1C, _F32_2C = ro(nbt.float32, 1, "C"), ro(nbt.float32, 2, "C")
+_Q = ro(nbt.float32, 3, "C")
 _OUT = nbt.Array(nbt.float32, 3, "C")
-_TAB = _ro(nbt.uint64, 1, "C")
-#: q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits,
-#: k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, sign_table, k_qjl, k_qjl_norms,
-#: rm_freq, rm_pairs, pos0, n_window, k_window, v_window, half, splits, out
-_SIG = nbt.void(_Q, nbt.float64, nbt.int64,
-                _U8_4, _U16_3, _F32_1C, _TAB, nbt.int64, _U8_4, _U16_3, _F32_1C, _TAB, nbt.int64,
-                _U16_3, _U16_3, _U16_3, _I32_3, _U16_4, _F32_1C, _F32_2C, _F32_2C, _TAB, _U8_4, _U16_3,
-                _ro(nbt.float32, 3), _ro(nbt.int32, 2), nbt.int64,
-                nbt.int64, _U16_4, _U16_4, _F32_1C, nbt.int64, _OUT)
+_TAB = ro(nbt.uint64, 1, "C")
+#: (q, scale, n, h_n, args, splits, out), args as in the kernel's part of the step below
+_ARGS = nbt.Tuple((_U8_4, _U16_3, _F32_1C, _TAB, nbt.int64, _U8_4, _U16_3, _F32_1C, _TAB, nbt.int64,
+                   _U16_3, _U16_3, _U16_3, _I32_3, _U16_4, _F32_1C, _F32_2C, _F32_2C, _TAB, _U8_4, _U16_3,
+                   ro(nbt.float32, 3), ro(nbt.int32, 2), nbt.int64, nbt.int64, _U16_4, _U16_4, _F32_1C))
+_SIG = nbt.void(_Q, nbt.float64, nbt.int64, nbt.int64, _ARGS, nbt.int64, _OUT)
 
 
 #: QJL bit values: bit 0 -> -1, bit 1 -> +1.
@@ -107,7 +96,7 @@ def _chunk_table(cent, bits):
 _SIGN_TABLE = _chunk_table(_SIGNS, 1)
 
 
-@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _unpack_rows(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
     """Centroid values of rows ``t0 .. t1`` of ``codes[b, h]`` into ``out[:t1 - t0, :d]``.
 
@@ -204,7 +193,7 @@ def _fwht(x):
         h *= 2
 
 
-@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst, ra, rb, rw, ct, st, step):
     """The turning pairs of a rotating key mean of KV head ``(b, h)``; returns their count ``J``.
 
@@ -246,7 +235,7 @@ def _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst, r
     return n_j
 
 
-@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x, qr, qout, qconst, sq):
     """Query-side quantities of the ``G`` query heads of KV head ``(b, h)``.
 
@@ -297,7 +286,7 @@ def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, ha
                 qr[g, j] = x[j] * c_rot
 
 
-@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_table, k_bits,
                  v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms, sign_table, half,
                  n_j, ra, rb, rw, ct, st, step, pos0, m, l, acc):
@@ -426,7 +415,7 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                     acc[g, j] += w * buf[r, j]
 
 
-@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot,
                  half, out):
     """Merge the token splits of head ``(b, h)`` with its float16 window; write ``out[b, qh]``.
@@ -448,11 +437,7 @@ def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_windo
     row = np.empty(d, np.float32)
     sw = np.empty((g_n, n_window), np.float32)
     for g in range(g_n):
-        mx = -np.inf
-        for sp in range(splits):
-            if m_sp[sp, g] > mx:
-                mx = m_sp[sp, g]
-        top[g] = mx
+        top[g] = merge_top(m_sp, g)
     # window scores, each key row converted once for the group
     for w in range(n_window):
         for j in range(d):
@@ -468,15 +453,9 @@ def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_windo
                 top[g] = dot
     # quantized tokens: rescaled split sums, back from the rotated domain
     for g in range(g_n):
-        lq = np.float32(0.0)
         for j in range(d):
             y[j] = np.float32(0.0)
-        for sp in range(splits):
-            if m_sp[sp, g] > -np.inf:
-                c = np.float32(math.exp(m_sp[sp, g] - top[g]))
-                lq += c * l_sp[sp, g]
-                for j in range(d):
-                    y[j] += c * acc_sp[sp, g, j]
+        lq = merge_splits(m_sp, l_sp, acc_sp, g, top[g], y)
         if lq > 0:
             if dense:
                 for i in range(d):
@@ -507,124 +486,67 @@ def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_windo
             out[b, qi, j] = num[g, j] * inv
 
 
-@nb.njit(_SIG, cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _step_serial(q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table,
-                 v_bits, k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, sign_table, k_qjl,
-                 k_qjl_norms, rm_freq, rm_pairs, pos0,
-                 n_window, k_window, v_window, half, splits, out):
-    """The whole step on the calling thread (``splits`` is ignored: one span per head)."""
-    b_n, qh, d = q.shape
-    h_n = k_codes.shape[1]
-    g_n = qh // h_n
-    x = np.empty(d, np.float32)
-    qr = np.empty((g_n, d), np.float32)
-    qout = np.empty((g_n, k_idx.shape[2]), np.float32)
-    qconst = np.empty(g_n, np.float32)
-    sq = np.empty((g_n, sketch.shape[0]), np.float32)
-    m = np.empty((1, g_n), np.float32)
-    l = np.empty((1, g_n), np.float32)
-    acc = np.empty((1, g_n, d), np.float32)
-    n_p = rm_pairs.shape[0]
-    ra = np.empty((g_n, n_p), np.float32)
-    rb = np.empty((g_n, n_p), np.float32)
-    rw = np.empty(n_p, np.float64)
-    ct = np.empty((TILE, n_p), np.float32)
-    st = np.empty((TILE, n_p), np.float32)
-    step = np.empty((n_p, 2), np.float64)
-    for b in range(b_n):
-        for h in range(h_n):
-            _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x, qr, qout, qconst, sq)
-            n_j = _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst, ra, rb, rw, ct, st,
-                                    step)
-            m[:] = -np.inf
-            l[:] = 0.0
-            acc[:] = 0.0
-            _attend_span(b, h, 0, n, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_table, k_bits,
-                         v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms, sign_table,
-                         half, n_j, ra, rb, rw, ct, st, step, pos0, m[0], l[0], acc[0])
-            _finish_head(q, b, h, scale, m, l, acc, n_window, k_window, v_window, v_mean, signs, rot, half, out)
+# ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
+# args = (k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits, k_scale, k_mean,
+#         v_mean, k_idx, k_outliers, signs, rot, sketch, sign_table, k_qjl, k_qjl_norms, rm_freq, rm_pairs, pos0,
+#         n_window, k_window, v_window, half)
+
+@nb.njit
+def alloc_state(b_n, h_n, g_n, d, args):
+    """Per (batch, KV head) slot: ``qr, qout, qconst, sq`` (:func:`_prepare_head`), the rotating
+    mean's ``ra, rb, rw, ct, st, step`` and pair count (:func:`_prepare_rotating`), and a scratch row."""
+    n_out = args[13].shape[2]
+    m_rows = args[17].shape[0]
+    n_p = args[22].shape[0]
+    return (np.empty((b_n, h_n, g_n, d), np.float32), np.empty((b_n, h_n, g_n, n_out), np.float32),
+            np.empty((b_n, h_n, g_n), np.float32), np.empty((b_n, h_n, g_n, m_rows), np.float32),
+            np.empty((b_n, h_n, g_n, n_p), np.float32), np.empty((b_n, h_n, g_n, n_p), np.float32),
+            np.empty((b_n, h_n, n_p), np.float64), np.empty((b_n, h_n, TILE, n_p), np.float32),
+            np.empty((b_n, h_n, TILE, n_p), np.float32), np.empty((b_n, h_n, n_p, 2), np.float64),
+            np.zeros((b_n, h_n), np.int64), np.empty(d, np.float32))
 
 
-#: Only the explicit ``prange`` runs on worker threads: array expressions (``np.zeros``, ...)
-#: would each become a parallel region of their own, and every region wakes the threads.
-_PRANGE_ONLY = {"prange": True, "comprehension": False, "setitem": False, "reduction": False, "numpy": False,
-                "stencil": False, "fusion": False, "inplace_binop": False}
+@nb.njit
+def prepare(q, b, h, scale, args, state, sb, sh):
+    k_scale, k_mean, k_idx, signs, rot, sketch = args[10], args[11], args[13], args[15], args[16], args[17]
+    rm_freq, rm_pairs, half = args[21], args[22], args[27]
+    qr, qout, qconst, sq, ra, rb, rw, ct, st, step, n_js, x = state
+    _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x, qr[sb, sh], qout[sb, sh],
+                  qconst[sb, sh], sq[sb, sh])
+    n_js[sb, sh] = _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst[sb, sh], ra[sb, sh],
+                                     rb[sb, sh], rw[sb, sh], ct[sb, sh], st[sb, sh], step[sb, sh])
 
 
-@nb.njit(_SIG, cache=True, nogil=True, parallel=_PRANGE_ONLY, fastmath=_FASTMATH, error_model="numpy")
-def _step_parallel(q, scale, n, k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table,
-                   v_bits, k_scale, k_mean, v_mean, k_idx, k_outliers, signs, rot, sketch, sign_table, k_qjl,
-                   k_qjl_norms, rm_freq, rm_pairs, pos0,
-                   n_window, k_window, v_window, half, splits, out):
-    """The step with each head's tokens cut into ``splits`` spans run on Numba's threads."""
-    b_n, qh, d = q.shape
-    h_n = k_codes.shape[1]
-    g_n = qh // h_n
-    n_out = k_idx.shape[2]
-    m_rows = sketch.shape[0]
-    x = np.empty(d, np.float32)
-    qr = np.empty((b_n, h_n, g_n, d), np.float32)
-    qout = np.empty((b_n, h_n, g_n, n_out), np.float32)
-    qconst = np.empty((b_n, h_n, g_n), np.float32)
-    sq = np.empty((b_n, h_n, g_n, m_rows), np.float32)
-    n_p = rm_pairs.shape[0]
-    ra = np.empty((b_n, h_n, g_n, n_p), np.float32)
-    rb = np.empty((b_n, h_n, g_n, n_p), np.float32)
-    rw = np.empty((b_n, h_n, n_p), np.float64)
-    ct = np.empty((b_n, h_n, TILE, n_p), np.float32)
-    st = np.empty((b_n, h_n, TILE, n_p), np.float32)
-    step = np.empty((b_n, h_n, n_p, 2), np.float64)
-    n_js = np.zeros((b_n, h_n), np.int64)
-    for b in range(b_n):
-        for h in range(h_n):
-            _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x,
-                          qr[b, h], qout[b, h], qconst[b, h], sq[b, h])
-            n_js[b, h] = _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst[b, h], ra[b, h],
-                                           rb[b, h], rw[b, h], ct[b, h], st[b, h], step[b, h])
-    m = np.empty((b_n, h_n, splits, g_n), np.float32)
-    l = np.empty((b_n, h_n, splits, g_n), np.float32)
-    acc = np.empty((b_n, h_n, splits, g_n, d), np.float32)
-    per = (n + splits - 1) // splits
-    for task in nb.prange(b_n * h_n * splits):
-        sp = task % splits
-        bh = task // splits
-        b = bh // h_n
-        h = bh % h_n
-        t_lo = min(n, sp * per)
-        t_hi = min(n, t_lo + per)
-        # the task's own state (no cache line shared with another task while it runs)
-        m_t = np.full(g_n, -np.inf, np.float32)
-        l_t = np.zeros(g_n, np.float32)
-        acc_t = np.zeros((g_n, d), np.float32)
-        _attend_span(b, h, t_lo, t_hi, qr[b, h], qout[b, h], qconst[b, h], sq[b, h], k_codes, k_norms, k_cent,
-                     k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms,
-                     sign_table, half, n_js[b, h], ra[b, h], rb[b, h], rw[b, h], ct[b, h], st[b, h], step[b, h],
-                     pos0, m_t, l_t, acc_t)
-        m[b, h, sp] = m_t
-        l[b, h, sp] = l_t
-        acc[b, h, sp] = acc_t
-    for b in range(b_n):
-        for h in range(h_n):
-            _finish_head(q, b, h, scale, m[b, h], l[b, h], acc[b, h], n_window, k_window, v_window, v_mean,
-                         signs, rot, half, out)
+@nb.njit
+def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
+    (k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits, _, _, _, _, k_outliers,
+     _, _, _, sign_table, k_qjl, k_qjl_norms, _, _, pos0, _, _, _, half) = args
+    qr, qout, qconst, sq, ra, rb, rw, ct, st, step, n_js, _ = state
+    _attend_span(b, h, t_lo, t_hi, qr[sb, sh], qout[sb, sh], qconst[sb, sh], sq[sb, sh], k_codes, k_norms, k_cent,
+                 k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms,
+                 sign_table, half, n_js[sb, sh], ra[sb, sh], rb[sb, sh], rw[sb, sh], ct[sb, sh], st[sb, sh],
+                 step[sb, sh], pos0, m, l, acc)
 
 
-def _splits(bh: int, n: int, cores: int) -> int:
-    """Token splits per (batch, head): enough tasks for every core, tiles of work each."""
-    want = max(1, -(-2 * cores // bh))
-    return max(1, min(want, n // (4 * TILE) or 1))
+@nb.njit
+def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
+    v_mean, signs, rot, n_window, k_window, v_window, half = (args[12], args[15], args[16], args[24], args[25],
+                                                              args[26], args[27])
+    _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot, half, out)
+
+
+@nb.njit
+def span_unit(args):
+    return 1
+
+
+_step_serial, _step_parallel = build_steps(globals(), [_SIG])
 
 
 def _plan(bh: int, n: int, d: int) -> tuple:
-    """``(threads, token splits per head)`` for ``bh`` (batch, KV head) pairs of ``n`` tokens of ``d`` channels.
-
-    ``(1, 1)`` (the serial kernel, on the calling thread) below the threading policy's size
-    (:func:`arraykv.ops.numba.threads.threads_for` of ``bh · n · d`` values).
-    """
-    threads = threads_for(bh * n * d)
-    if threads == 1:
-        return 1, 1
-    return threads, _splits(bh, n, threads)
+    """``(threads, token splits per head)``: :func:`arraykv.ops.numba.fused_driver.plan` of ``bh · n · d``
+    values, spans of at least ``4 · TILE`` tokens."""
+    return plan(bh, n, bh * n * d, 4 * TILE)
 
 
 def _absent(ndim: int, dtype) -> np.ndarray:
@@ -720,17 +642,13 @@ def polar_decode_attention(codec, q, scale):
         rm_pairs = np.ascontiguousarray(codec.k_mean_pairs, np.int32)
     threads, splits = _plan(b * h, n, d)
     out = np.empty((b, qh, d), np.float32)
-    args = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n,
-            k_codes, _bits16(codec.k_norms), k_cent, k_table, k_bits,
+    args = (k_codes, _bits16(codec.k_norms), k_cent, k_table, k_bits,
             codec.v_codes, _bits16(codec.v_norms), v_cent, v_table, v_bits,
             _bits16(getattr(codec, "k_scale", None)), _bits16(codec.k_mean), _bits16(codec.v_mean), idx, k_out,
             signs, rot, sketch, _SIGN_TABLE, k_qjl, k_qjl_norms, rm_freq, rm_pairs, int(codec.n_sink),
             int(codec.n_window), _bits16(codec.k_window, _NO_U16_4), _bits16(codec.v_window, _NO_U16_4),
             HALF_TO_FLOAT)
-    if threads == 1 and splits == 1:
-        _step_serial(*args, 1, out)
-    else:
-        with launch(b * h * n * d):
-            _step_parallel(*args, splits, out)
+    step = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, h, args)
+    run_step(_step_serial, _step_parallel, threads, splits, b * h * n * d, step, out)
     out = out.reshape(b, qh, 1, d)
     return out if q.dtype == np.float32 else out.astype(q.dtype)

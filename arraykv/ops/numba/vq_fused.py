@@ -48,12 +48,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ...quant.vq import check_decode_attention_args
-from .threads import launch, threads_for
+from .fused_driver import (FASTMATH, TILE, build_steps, merge_splits, merge_top, ro, run_step, scaled_queries,
+                           split_count)
+from .threads import threads_for
 
 __all__ = ["vq_decode_attention", "decode_attention_mode", "TILE", "TABLE_MAX_K", "RESCALE_SLACK"]
 
-#: Tokens per tile.
-TILE = 64
 #: Entries per byte position of the 4-bit pair tables (one per byte value).
 PAIR_TABLE = 256
 #: Largest codebook served by the tables (LUT and histograms, 2 · G · m · K floats per task).
@@ -64,20 +64,15 @@ TABLE_MAX_K = 1024
 RESCALE_SLACK = 16.0
 
 
-# Value-changing fast-math flags are left out ("nnan", "ninf"): the online softmax starts
-# from -inf and compares against it.
-_FASTMATH = {"nsz", "arcp", "contract", "reassoc", "afn"}
-
-
-def _ro(dtype, ndim, layout="A"):
-    return nbt.Array(dtype, ndim, layout, readonly=True)
 
 
 def _signature(code):
-    """``(q, scale, bits, tables, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra, splits, out)``."""
-    return nbt.void(_ro(nbt.float32, 3, "C"), nbt.float64, nbt.int64, nbt.boolean,
-                    _ro(code, 4), _ro(nbt.float32, 4, "C"), _ro(code, 4), _ro(nbt.float32, 4, "C"),
-                    _ro(nbt.float32, 4, "C"), _ro(nbt.float32, 4, "C"), nbt.int64, nbt.Array(nbt.float32, 3, "C"))
+    """``(q, scale, n, h_n, args, splits, out)``, ``args`` = ``(bits, tables, k_codes, k_cent, v_codes, v_cent,
+    k_extra, v_extra)`` with uint8 (packed) or uint16 codes."""
+    args = nbt.Tuple((nbt.int64, nbt.boolean, ro(code, 4), ro(nbt.float32, 4, "C"), ro(code, 4),
+                      ro(nbt.float32, 4, "C"), ro(nbt.float32, 4, "C"), ro(nbt.float32, 4, "C")))
+    return nbt.void(ro(nbt.float32, 3, "C"), nbt.float64, nbt.int64, nbt.int64, args, nbt.int64,
+                    nbt.Array(nbt.float32, 3, "C"))
 
 
 _SIGS = [_signature(nbt.uint8), _signature(nbt.uint16)]
@@ -124,7 +119,7 @@ def _unpack_tile(codes, b, h, t0, nt, bits, kn, out):
                     o[j0 + i] = min(np.int32((w >> (np.uint64(i) * ub)) & mask), top) + (j0 + i) * kn
 
 
-@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v_cent, mref, l, acc):
     """Online softmax over coded tokens ``[t_lo, t_hi)`` of head ``(b, h)`` for every query head of its group.
 
@@ -280,27 +275,14 @@ def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v
                             ag[j * sd + c] += w * cj[k, c]
 
 
-@nb.njit(inline="always")
-def _scaled_queries(q, b, h, scale, qs):
-    """``qs[g] = scale · q[b, h·G + g]`` for the query heads of KV head ``h``."""
-    g_n, d = qs.shape
-    sc = np.float32(scale)
-    for g in range(g_n):
-        for c in range(d):
-            qs[g, c] = q[b, h * g_n + g, c] * sc
-
-
-@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _finish_head(b, h, qs, m_sp, l_sp, acc_sp, k_extra, v_extra, out):
     """Merge the token splits of head ``(b, h)`` with its dense tokens (log-sum-exp); write ``out[b, qi]``."""
     splits, g_n, d = acc_sp.shape
     e_n = k_extra.shape[2]
     for g in range(g_n):
         qg = qs[g]
-        top = -np.inf
-        for sp in range(splits):
-            if m_sp[sp, g] > top:
-                top = m_sp[sp, g]
+        top = merge_top(m_sp, g)
         for t in range(e_n):
             x = np.float32(0.0)
             for c in range(d):
@@ -311,13 +293,7 @@ def _finish_head(b, h, qs, m_sp, l_sp, acc_sp, k_extra, v_extra, out):
         o = out[b, qi]
         for c in range(d):
             o[c] = np.float32(0.0)
-        den = np.float32(0.0)
-        for sp in range(splits):
-            if m_sp[sp, g] > -np.inf:
-                f = np.float32(math.exp(m_sp[sp, g] - top))
-                den += f * l_sp[sp, g]
-                for c in range(d):
-                    o[c] += f * acc_sp[sp, g, c]
+        den = merge_splits(m_sp, l_sp, acc_sp, g, top, o)
         for t in range(e_n):
             x = np.float32(0.0)
             for c in range(d):
@@ -331,67 +307,37 @@ def _finish_head(b, h, qs, m_sp, l_sp, acc_sp, k_extra, v_extra, out):
             o[c] *= inv
 
 
-@nb.njit(_SIGS, cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _step_serial(q, scale, bits, tables, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra, splits, out):
-    """The whole step on the calling thread (``splits`` is ignored: one span per head)."""
-    b_n, qh, d = q.shape
-    h_n = k_cent.shape[0]
-    n = k_codes.shape[2]
-    g_n = qh // h_n
-    qs = np.empty((g_n, d), np.float32)
-    m = np.empty((1, g_n), np.float32)
-    l = np.empty((1, g_n), np.float32)
-    acc = np.empty((1, g_n, d), np.float32)
-    for b in range(b_n):
-        for h in range(h_n):
-            _scaled_queries(q, b, h, scale, qs)
-            m[:] = -np.inf
-            l[:] = 0.0
-            acc[:] = 0.0
-            if n > 0:
-                _attend_span(b, h, 0, n, qs, bits, tables, k_codes, k_cent, v_codes, v_cent, m[0], l[0], acc[0])
-            _finish_head(b, h, qs, m, l, acc, k_extra, v_extra, out)
+# ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
+# args = (bits, tables, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra)
+
+@nb.njit
+def alloc_state(b_n, h_n, g_n, d, args):
+    """The scaled queries of every (batch, KV head) slot."""
+    return (np.empty((b_n, h_n, g_n, d), np.float32),)
 
 
-#: Only the explicit ``prange`` runs on worker threads (see :mod:`arraykv.backends._numba_int_fused`).
-_PRANGE_ONLY = {"prange": True, "comprehension": False, "setitem": False, "reduction": False, "numpy": False,
-                "stencil": False, "fusion": False, "inplace_binop": False}
+@nb.njit
+def prepare(q, b, h, scale, args, state, sb, sh):
+    scaled_queries(q, b, h, scale, state[0][sb, sh])
 
 
-@nb.njit(_SIGS, cache=True, nogil=True, parallel=_PRANGE_ONLY, fastmath=_FASTMATH, error_model="numpy")
-def _step_parallel(q, scale, bits, tables, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra, splits, out):
-    """The step with each (batch, KV head)'s tokens cut into ``splits`` spans run on Numba's threads."""
-    b_n, qh, d = q.shape
-    h_n = k_cent.shape[0]
-    n = k_codes.shape[2]
-    g_n = qh // h_n
-    qs = np.empty((b_n, h_n, g_n, d), np.float32)
-    for b in range(b_n):
-        for h in range(h_n):
-            _scaled_queries(q, b, h, scale, qs[b, h])
-    m = np.empty((b_n, h_n, splits, g_n), np.float32)
-    l = np.empty((b_n, h_n, splits, g_n), np.float32)
-    acc = np.empty((b_n, h_n, splits, g_n, d), np.float32)
-    per = (n + splits - 1) // splits
-    for task in nb.prange(b_n * h_n * splits):
-        sp = task % splits
-        bh = task // splits
-        b = bh // h_n
-        h = bh % h_n
-        t_lo = min(n, sp * per)
-        t_hi = min(n, t_lo + per)
-        # the task's own state (no cache line shared with another task while it runs)
-        m_t = np.full(g_n, -np.inf, np.float32)
-        l_t = np.zeros(g_n, np.float32)
-        acc_t = np.zeros((g_n, d), np.float32)
-        if t_hi > t_lo:
-            _attend_span(b, h, t_lo, t_hi, qs[b, h], bits, tables, k_codes, k_cent, v_codes, v_cent, m_t, l_t, acc_t)
-        m[b, h, sp] = m_t
-        l[b, h, sp] = l_t
-        acc[b, h, sp] = acc_t
-    for b in range(b_n):
-        for h in range(h_n):
-            _finish_head(b, h, qs[b, h], m[b, h], l[b, h], acc[b, h], k_extra, v_extra, out)
+@nb.njit
+def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
+    bits, tables, k_codes, k_cent, v_codes, v_cent, _, _ = args
+    _attend_span(b, h, t_lo, t_hi, state[0][sb, sh], bits, tables, k_codes, k_cent, v_codes, v_cent, m, l, acc)
+
+
+@nb.njit
+def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
+    _finish_head(b, h, state[0][sb, sh], m_sp, l_sp, acc_sp, args[6], args[7], out)
+
+
+@nb.njit
+def span_unit(args):
+    return 1
+
+
+_step_serial, _step_parallel = build_steps(globals(), _SIGS)
 
 
 def _use_tables(kk: int, kv: int, sub_dim: int, span: int) -> bool:
@@ -407,10 +353,7 @@ def _use_tables(kk: int, kv: int, sub_dim: int, span: int) -> bool:
     return kk + kv <= span
 
 
-def _splits(bh: int, n: int, threads: int, min_span: int) -> int:
-    """Token splits per (batch, head): two tasks per thread, each of at least ``min_span`` tokens."""
-    want = max(1, -(-2 * threads // bh))
-    return max(1, min(want, n // max(min_span, 1) or 1))
+_splits = split_count
 
 
 def vq_decode_attention(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale):
@@ -483,10 +426,6 @@ def decode_attention_mode(q, k_codes, k_centroids, v_codes, v_centroids, k_extra
     threads = threads_for(work)
     splits = 1 if threads == 1 else _splits(b * h, t, threads, max(4 * TILE, kk + kv))
     tables = _use_tables(kk, kv, sd, -(-t // splits)) if mode is None else mode == "tables"
-    args = (q32, float(softmax_scale), bits, tables, k_codes, kc, v_codes, vc, ke, ve)
-    if threads == 1 or b * h * splits == 1:
-        _step_serial(*args, 1, out)
-    else:
-        with launch(work):
-            _step_parallel(*args, splits, out)
+    args = (q32, float(softmax_scale), t, h, (bits, tables, k_codes, kc, v_codes, vc, ke, ve))
+    run_step(_step_serial, _step_parallel, threads, splits, work, args, out)
     return out
