@@ -144,7 +144,7 @@ class IntQuantCache(LayeredCache):
     ``decode`` attends straight from the codes when the fused path is taken (see
     ``decode_path``): the per-channel key scales fold into the query once per group,
     ``q·k_t = Σ_c (q_c · scale_c) code_{t,c} + Σ_c q_c · offset_c``, and the per-token value
-    scales into the softmax weights (:func:`arraykv.attention.int_fused.int_decode_attention`).
+    scales into the softmax weights (:func:`arraykv.ops.int_decode_attention`).
     Otherwise the whole layer is dequantized each step (with a Numba kernel on CPU) and
     returned as :class:`~arraykv.Dequantized`.
     """

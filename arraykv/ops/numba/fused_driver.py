@@ -28,8 +28,9 @@ them, compiles per caller and is not cached on disk. :func:`build_steps` instead
 step templates below into the kernel module (its globals, its file, a name of its own), so each
 kernel gets an ordinary module-level function that calls its ``prepare``/``span``/``finish`` as
 globals: compiled once for the kernel's explicit signatures and cached on disk like any other.
-The cache is keyed to the kernel module's file; the templates' bytecode is part of the key, so
-a change here recompiles too.
+The cache is keyed to the kernel module's file and the templates' bytecode; as everywhere with
+Numba's cache, an edit of a jitted helper in another file (the merge helpers here, the tile
+unpacking of ``polar_rows``) is not seen by it: clear ``__pycache__`` after such an edit.
 """
 
 from __future__ import annotations

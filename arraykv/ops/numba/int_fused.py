@@ -21,7 +21,7 @@ Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`: below
 head's tokens, at key-group boundaries, over Numba's threads (only step 2 is parallel). Work
 buffers are ``O(heads · G_q · head_dim)`` plus ``O(TILE · head_dim + head_dim · G)`` per task:
 nothing grows with the context. float16 scales and offsets are read through ``uint16`` views
-and :data:`arraykv.ops.numba.polar_fused.HALF_TO_FLOAT`. Functions are compiled once per
+and :data:`arraykv.ops.numba.polar_rows.HALF_TO_FLOAT`. Functions are compiled once per
 parameter dtype (float16 or float32), for read-only arguments of any layout, and cached on disk."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from ...attention.int_fused import check_query
 from .fused_driver import FASTMATH, TILE, build_steps, merge_splits, merge_top, plan, ro, run_step, scaled_queries
-from .polar_fused import HALF_TO_FLOAT
+from .polar_rows import HALF_TO_FLOAT
 
 __all__ = ["int_decode_attention", "TILE"]
 
