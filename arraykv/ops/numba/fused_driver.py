@@ -48,7 +48,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from .threads import launch, threads_for
 
-__all__ = ["TILE", "FASTMATH", "ro", "scaled_queries", "merge_top", "merge_splits", "build_steps", "plan",
+__all__ = ["TILE", "FASTMATH", "ro", "scaled_queries", "alloc_queries", "prepare_queries", "merge_top", "merge_splits", "build_steps", "plan",
            "split_count", "run_step"]
 
 #: Tokens per tile of the online softmax.
@@ -102,6 +102,18 @@ def merge_splits(m_sp, l_sp, acc_sp, g, top, y):
             for j in range(d):
                 y[j] += c * acc_sp[sp, g, j]
     return den
+
+
+@nb.njit
+def alloc_queries(b_n, h_n, g_n, d, args):
+    """``alloc_state`` of a kernel whose query-side state is the scaled queries of every slot."""
+    return (np.empty((b_n, h_n, g_n, d), np.float32),)
+
+
+@nb.njit
+def prepare_queries(q, b, h, scale, args, state, sb, sh):
+    """``prepare`` of a kernel whose query-side state is the scaled queries (:func:`alloc_queries`)."""
+    scaled_queries(q, b, h, scale, state[0][sb, sh])
 
 
 def _step_serial(q, scale, n, h_n, args, splits, out):  # pragma: no cover - compiled per kernel

@@ -38,7 +38,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ...attention.int_fused import check_query
-from .fused_driver import FASTMATH, TILE, build_steps, merge_splits, merge_top, plan, ro, run_step, scaled_queries
+from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, plan, prepare_queries,
+                           ro, run_step)
 from .polar_rows import HALF_TO_FLOAT
 
 __all__ = ["int_decode_attention", "TILE"]
@@ -273,15 +274,7 @@ def _finish_head(b, h, m_sp, l_sp, acc_sp, out):
 # ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
 # args = (G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, v_win, tab, half)
 
-@nb.njit
-def alloc_state(b_n, h_n, g_n, d, args):
-    """The scaled queries of every (batch, KV head) slot."""
-    return (np.empty((b_n, h_n, g_n, d), np.float32),)
-
-
-@nb.njit
-def prepare(q, b, h, scale, args, state, sb, sh):
-    scaled_queries(q, b, h, scale, state[0][sb, sh])
+alloc_state, prepare = alloc_queries, prepare_queries  # the state: scaled queries per slot
 
 
 @nb.njit

@@ -48,8 +48,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ...quant.vq import check_decode_attention_args
-from .fused_driver import (FASTMATH, TILE, build_steps, merge_splits, merge_top, ro, run_step, scaled_queries,
-                           split_count)
+from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, prepare_queries, ro,
+                           run_step, split_count)
 from .threads import threads_for
 
 __all__ = ["vq_decode_attention", "decode_attention_mode", "TILE", "TABLE_MAX_K", "RESCALE_SLACK"]
@@ -310,15 +310,7 @@ def _finish_head(b, h, qs, m_sp, l_sp, acc_sp, k_extra, v_extra, out):
 # ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
 # args = (bits, tables, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra)
 
-@nb.njit
-def alloc_state(b_n, h_n, g_n, d, args):
-    """The scaled queries of every (batch, KV head) slot."""
-    return (np.empty((b_n, h_n, g_n, d), np.float32),)
-
-
-@nb.njit
-def prepare(q, b, h, scale, args, state, sb, sh):
-    scaled_queries(q, b, h, scale, state[0][sb, sh])
+alloc_state, prepare = alloc_queries, prepare_queries  # the state: scaled queries per slot
 
 
 @nb.njit
