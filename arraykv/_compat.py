@@ -3,6 +3,11 @@
 Every agnostic module (``quant``, ``storage``, ``caches``, ``attention``) obtains its array
 namespace and device through these helpers, so the same code serves NumPy, CuPy and any other
 array-API-conforming library (``array_api_strict`` in the tests).
+
+It is also the one module below :mod:`arraykv.ops` that uses NumPy itself: fixed tables
+computed once on the host (Lloyd-Max codebooks, seeded rotations and sketches, seeded
+k-means++ draws) come from :func:`host_numpy` and :func:`host_uniform`, and are moved into a
+namespace with ``xp.asarray``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ __all__ = [
     "array_nbytes",
     "to_numpy",
     "float_dtypes",
+    "host_numpy",
+    "host_uniform",
 ]
 
 
@@ -106,3 +113,23 @@ def float_dtypes(xp: Any) -> tuple:
         if dt is not None:
             out.append(dt)
     return tuple(out)
+
+
+def host_numpy():
+    """NumPy, for computations on the host of fixed tables (codebooks, seeded rotations)."""
+    import numpy as np
+
+    return np
+
+
+def host_uniform(xp: Any, shape: tuple, *, seed: int, device: Any = None):
+    """Uniform float32 numbers in ``[0, 1)`` of ``shape`` from ``numpy.random.default_rng(seed)``.
+
+    The array API has no random module, so algorithms that need reproducible randomness
+    (k-means++ seeding) draw here; the same ``seed`` gives the same numbers on every namespace
+    and device.
+    """
+    import numpy as np
+
+    u = np.random.default_rng(seed).random(shape, dtype=np.float64).astype(np.float32)
+    return xp.asarray(u, device=device)

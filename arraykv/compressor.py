@@ -12,10 +12,11 @@ from typing import Any
 
 from . import _compat
 from ._validation import check_bool, check_finite, check_int, check_real, dtype_name, is_floating
+from . import ops
 from .quant.intq import IntQuantized, dequantize_groups, quantize_groups
 from .quant.lowrank import LowRankBasis, check_rank_energy, fit_basis
-from .quant.outliers import SparseOutliers, scatter_outliers, split_outliers
-from .quant.pq import PQCodebook, PQCodes, check_pq_options, pq_decode, pq_encode, train_pq
+from .quant.outliers import SparseOutliers, scatter_outliers
+from .quant.vq import VQCodebook, VQCodes, check_vq_options, train_vq, vq_decode, vq_encode
 
 __all__ = ["LowRank", "VectorQuantization", "Hybrid", "CompressedTensor", "CompressedKV", "KVCacheCompressor",
            "compress_paged_cache", "decompress_to_paged_cache", "compress_mla_cache", "decompress_to_mla_cache"]
@@ -79,7 +80,7 @@ class VectorQuantization:
     seed: int = 0
 
     def __post_init__(self):
-        cs, sd, mi, tol = check_pq_options(self.codebook_size, self.sub_dim, None, self.max_iter, self.tol)
+        cs, sd, mi, tol = check_vq_options(self.codebook_size, self.sub_dim, None, self.max_iter, self.tol)
         object.__setattr__(self, "codebook_size", cs)
         object.__setattr__(self, "sub_dim", sd)
         object.__setattr__(self, "max_iter", mi)
@@ -339,7 +340,7 @@ class KVCacheCompressor:
 
     # -- fitting ------------------------------------------------------------------
     def fit(self, k: Any, v: Any) -> "KVCacheCompressor":
-        """Fit the bases (low rank, hybrid) or codebooks (PQ) once, on calibration K/V.
+        """Fit the bases (low rank, hybrid) or codebooks (VQ) once, on calibration K/V.
 
         Parameters
         ----------
@@ -385,14 +386,14 @@ class KVCacheCompressor:
     def _fit_one(self, xp: Any, x: Any, dense: Any = None):
         m = self.method
         if isinstance(m, VectorQuantization):
-            return train_pq(samples_by_head(xp, x), codebook_size=m.codebook_size, sub_dim=m.sub_dim,
-                            max_iter=m.max_iter, tol=m.tol, seed=m.seed)
+            return train_vq(samples_by_head(xp, x), codebook_size=m.codebook_size, sub_dim=m.sub_dim,
+                            max_iter=m.max_iter, tol=m.tol, seed=m.seed, assign=ops.vq_assign, update=ops.vq_update)
         src = x if dense is None else dense
         if isinstance(m, LowRank):
             return fit_basis(samples_by_head(xp, src), rank=m.rank, energy=m.energy, center=m.center,
                              per_head=m.per_head)
         if dense is None and m.outlier_threshold is not None:
-            src, _ = split_outliers(x, m.outlier_threshold)
+            src, _ = ops.split_outliers(x, m.outlier_threshold)
         return fit_basis(samples_by_head(xp, src), rank=m.rank, center=m.center)
 
     # -- compression --------------------------------------------------------------
@@ -409,7 +410,7 @@ class KVCacheCompressor:
         ValueError, TypeError
             Mismatched shapes or dtypes, non-finite values, a rank above ``head_dim``, a
             ``sub_dim`` that does not divide ``head_dim``, fewer vectors than
-            ``codebook_size`` for an unfitted PQ compressor, a geometry unlike the fitted one.
+            ``codebook_size`` for an unfitted VQ compressor, a geometry unlike the fitted one.
         """
         xp = self._check_pair(k, v, 4)
         return CompressedKV(k=self._compress_one(xp, k, "k"), v=self._compress_one(xp, v, "v"), layout="bhsd",
@@ -448,7 +449,7 @@ class KVCacheCompressor:
         m = self.method
         if isinstance(m, VectorQuantization):
             cb, shared = self._model(xp, x, which)
-            codes = pq_encode(x, cb)
+            codes = vq_encode(x, cb, encode=ops.vq_encode)
             parts = {"codes": codes.codes, "centroids": cb.centroids}
             meta = {"bits": codes.bits, "subspaces": codes.subspaces, "iterations": cb.iterations,
                     "objective": cb.objective}
@@ -464,14 +465,15 @@ class KVCacheCompressor:
             return CompressedTensor("lowrank", shape, x.dtype, parts, names, {"rank": basis.rank})
         # Hybrid
         if m.outlier_threshold is not None:
-            dense, outl = split_outliers(x, m.outlier_threshold)
+            dense, outl = ops.split_outliers(x, m.outlier_threshold)
         else:
             dense = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
             outl = None
         basis, shared = self._model(xp, x, which, dense)
         coeffs_t = _project_t(xp, dense, basis)  # (b, h, r, s)
         group = m.group_size
-        q = quantize_groups(coeffs_t, self.quant_bits, group)
+        q = quantize_groups(coeffs_t, self.quant_bits, group, group_minmax=ops.intq_group_minmax,
+                            quantize_pack=ops.intq_quantize_pack)
         parts = {"codes": q.codes, "scale": q.scale, "offset": q.offset, "basis": basis.basis}
         if basis.mean is not None:
             parts["mean"] = basis.mean
@@ -489,9 +491,9 @@ class KVCacheCompressor:
         p = t.parts
         xp = _compat.namespace(*p.values())
         if t.kind == "pq":
-            cb = PQCodebook(centroids=p["centroids"])
-            return pq_decode(PQCodes(codes=p["codes"], bits=t.meta["bits"], subspaces=t.meta["subspaces"]), cb,
-                             dtype=t.dtype)
+            cb = VQCodebook(centroids=p["centroids"])
+            return vq_decode(VQCodes(codes=p["codes"], bits=t.meta["bits"], subspaces=t.meta["subspaces"]), cb,
+                             dtype=t.dtype, decode=ops.vq_decode)
         basis = LowRankBasis(basis=p["basis"], mean=p.get("mean"), variance=None, rank=int(p["basis"].shape[-1]))
         if t.kind == "lowrank":
             coeffs = p["coeffs"]
@@ -500,7 +502,7 @@ class KVCacheCompressor:
         elif t.kind == "hybrid":
             q = IntQuantized(codes=p["codes"], scale=p["scale"], offset=p["offset"], bits=t.meta["bits"],
                              group_size=t.meta["group_size"], n=t.shape[2])
-            coeffs_t = dequantize_groups(q)  # (b, h, r, s)
+            coeffs_t = dequantize_groups(q, dequantize=ops.intq_dequantize)  # (b, h, r, s)
             out = xp.matrix_transpose(xp.matmul(basis.basis, coeffs_t))  # (b, h, s, d)
         else:
             raise ValueError(f"unknown compressed kind {t.kind!r}")

@@ -15,7 +15,14 @@ import arraykv
 from arraykv import Hybrid, KVCacheCompressor, LowRank
 from arraykv.quant.intq import dequantize_groups, quantize_groups
 from arraykv.quant.lowrank import eckart_young_error, fit_basis, project, reconstruct
-from arraykv.quant.pq import pq_decode, pq_encode, train_pq
+from functools import partial
+
+from arraykv import ops
+from arraykv.quant import vq
+
+train_vq = partial(vq.train_vq, assign=ops.vq_assign, update=ops.vq_update)
+vq_encode = partial(vq.vq_encode, encode=ops.vq_encode)
+vq_decode = partial(vq.vq_decode, decode=ops.vq_decode)
 
 
 def rel_err(a, b):
@@ -68,11 +75,11 @@ def lowrank(rng):
 def pq(rng):
     x = rng.standard_normal((2, 4096, 128)).astype(np.float32)
     t = time.perf_counter()
-    cb = train_pq(x, codebook_size=256, sub_dim=8, max_iter=25)
+    cb = train_vq(x, codebook_size=256, sub_dim=8, max_iter=25)
     dt = time.perf_counter() - t
-    train = rel_mse(pq_decode(pq_encode(x, cb), cb), x)
+    train = rel_mse(vq_decode(vq_encode(x, cb), cb), x)
     y = rng.standard_normal((2, 4096, 128)).astype(np.float32)
-    held = rel_mse(pq_decode(pq_encode(y, cb), cb), y)
+    held = rel_mse(vq_decode(vq_encode(y, cb), cb), y)
     obj = np.array(cb.objective)
     mono = bool(np.all(np.diff(obj) <= 0))
     table("Product quantization, 256 centroids per 8-dim sub-space, Gaussian head_dim 128 (1 bit/value of codes)",

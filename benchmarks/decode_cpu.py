@@ -43,13 +43,15 @@ import glob
 import os
 import platform
 import subprocess
+import tempfile
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 
 import arraykv
-from arraykv.attention.polar_fused import polar_decode_attention
+from arraykv.ops import polar_decode_attention
 from arraykv.quant.polar import PolarCode, polar_decode
 
 PER_TOKEN = ("k_codes", "k_norms", "v_codes", "v_norms", "k_outliers", "k_qjl", "k_qjl_norms")
@@ -88,12 +90,23 @@ def cell(ts, unit):
 
 
 def load_baseline(rev):
-    """The kernel module ``arraykv/backends/_numba_fused.py`` as of git revision ``rev``."""
-    src = subprocess.run(["git", "show", f"{rev}:arraykv/backends/_numba_fused.py"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
-    mod = types.ModuleType("arraykv.backends._numba_fused_baseline")
-    mod.__package__ = "arraykv.backends"
-    exec(compile(src.replace("cache=True", "cache=False"), f"{rev}:_numba_fused.py", "exec"), mod.__dict__)
+    """The polar fused-kernel module (``arraykv/ops/numba/polar_fused.py``) as of git revision ``rev``.
+
+    Revisions from before the ``ops`` layer had it at ``arraykv/backends/_numba_fused.py``.
+    """
+    for path, package in (("arraykv/ops/numba/polar_fused.py", "arraykv.ops.numba"),
+                          ("arraykv/backends/_numba_fused.py", "arraykv.backends")):
+        out = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
+        if out.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"no polar fused kernel at revision {rev}")
+    src = out.stdout.replace("cache=True", "cache=False")
+    tmp = Path(tempfile.mkdtemp()) / "polar_fused_baseline.py"  # a file, for Numba's source lookups
+    tmp.write_text(src)
+    mod = types.ModuleType(f"{package}._polar_fused_baseline")
+    mod.__package__, mod.__file__ = package, str(tmp)
+    exec(compile(src, str(tmp), "exec"), mod.__dict__)
     return mod
 
 
@@ -178,7 +191,7 @@ def small(args, baseline):
 def model_steps(args, baseline):
     """Decode time per token of SmolLM2-135M with each cache (the model's weights included)."""
     from arraykv import eval as ev
-    from arraykv.backends import registry
+    from arraykv.ops import registry
     from arraykv.integrations.gguf_llama import load_model
 
     model = load_model(None)
@@ -291,7 +304,7 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=5, help="rounds per long-context row")
     ap.add_argument("--repeat-small", type=int, default=15, help="rounds (of 20 calls) per SmolLM2-shape row")
     ap.add_argument("--baseline-rev", default=None,
-                    help="git revision whose arraykv/backends/_numba_fused.py is timed as 'before'")
+                    help="git revision whose polar fused kernel is timed as 'before'")
     ap.add_argument("--model-steps", type=int, default=0,
                     help="decode steps of SmolLM2-135M per cache (0: skip; needs the GGUF, see docs/quality.md)")
     ap.add_argument("--model-context", type=int, default=512)

@@ -4,7 +4,7 @@ Shape: batch 8, 32 query heads, 8 KV heads, head_dim 128; contexts 4k / 32k / 12
 side by side from one run, timed with CUDA events (median of ``--repeat`` calls, the L2 cache
 flushed before each call so that a 4k cache is not served from L2):
 
-- ``fused``: ``arraykv.attention.polar_decode_attention`` on CuPy (the ``kernels/polar.cu``
+- ``fused``: ``arraykv.ops.polar_decode_attention`` on CuPy (the ``kernels/polar.cu``
   launches: query preparation, split-K attention over the packed codes, merge with the
   float16 window), float16 queries;
 - ``dense cupy``: float16 K/V, ``cupy.matmul`` (cuBLAS, float16 in, float32 softmax) with the
@@ -15,7 +15,7 @@ flushed before each call so that a 4k cache is not served from L2):
   window) ÷ the device-to-device copy bandwidth measured in the same run (bytes read + bytes
   written per second), and the achieved bandwidth on those bytes as a share of it;
   ``dense floor``: the float16 K/V bytes ÷ the same bandwidth;
-- quantize throughput: the GPU quantizer (``arraykv.quant.polar.polar_encode``) on the
+- quantize throughput: the GPU quantizer (``arraykv.ops.polar_encode``) on the
   context's float16 keys, values per second.
 
 Usage: ``python benchmarks/decode_gpu.py [--contexts 4096 32768 131072] [--mode pqo4]``
@@ -91,8 +91,8 @@ def dense_cupy(cp, q16, k16, v16, scale):
 def main(argv=None):
     import cupy as cp
 
-    from arraykv.attention.polar_fused import polar_decode_attention, polar_decode_attention_reference
-    from arraykv.quant.polar import polar_encode
+    from arraykv.attention.polar_fused import polar_decode_attention_reference
+    from arraykv.ops import polar_decode_attention, polar_encode
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
@@ -142,7 +142,7 @@ def main(argv=None):
 
         t_fused_tp = cuda_ms(cp, ten, max(3, args.repeat // 5), flush)[0] / 10  # launch gaps hidden
         # the other attention-kernel variant (next-tile prefetch on/off), for the record
-        from arraykv.backends import _cuda_polar
+        from arraykv.ops.cuda import polar as _cuda_polar
 
         default = _cuda_polar.PREFETCH
         _cuda_polar.PREFETCH = not default

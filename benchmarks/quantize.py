@@ -17,9 +17,16 @@ import numpy as np
 
 import arraykv
 from arraykv.quant.codebooks import lloyd_max, make_codebook
-from arraykv.quant.polar import polar_decode, polar_encode
+from functools import partial
+
+from arraykv import ops
+from arraykv.quant import polar
 from arraykv.quant.qjl import make_sketch, prod_decode, prod_encode
 from arraykv.quant.rotation import make_rotation
+
+# the quantizers with the accelerated steps of the namespace
+polar_encode = partial(polar.polar_encode, encode=ops.polar_encode)
+polar_decode = partial(polar.polar_decode, decode=ops.polar_decode)
 
 OPT128 = {2: 0.1160, 3: 0.03397, 4: 0.00932}
 

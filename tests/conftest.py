@@ -54,3 +54,14 @@ def rng(request):
     import zlib
 
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def parallel_threshold():
+    """``parallel_threshold(n)``: the CPU kernels run serially below ``n`` values until the test ends."""
+    import contextlib
+
+    from arraykv.ops.numba.threads import serial_below
+
+    with contextlib.ExitStack() as stack:
+        yield lambda n: stack.enter_context(serial_below(n))

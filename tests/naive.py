@@ -265,7 +265,7 @@ def polar_decode_loops(packed, lengths, codebook, rotation):
     return out.reshape(lead + (d,))
 
 
-# -- product quantization (arraykv.quant.pq) --------------------------------------------------
+# -- product quantization (arraykv.quant.vq) --------------------------------------------------
 
 
 def pq_code_bits(codebook_size):
@@ -300,7 +300,7 @@ def pq_assign_loops(x, centroids):
 
 
 def pq_encode_loops(x, centroids):
-    """Product-quantization codes as :class:`arraykv.quant.pq.PQCodes` stores them.
+    """Product-quantization codes as :class:`arraykv.quant.vq.VQCodes` stores them.
 
     The indices of :func:`pq_assign_loops`, packed with :func:`pack_bits_loops` at
     ``pq_code_bits(K)`` bits when that is at most 8, else one uint16 per code.

@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
-from arraykv.backends import set_kernels_enabled
-from arraykv.quant.bitpack import pack_bits, packed_nbytes, unpack_bits
+from arraykv.ops import pack_bits, set_kernels_enabled, unpack_bits
+from arraykv.quant import bitpack
+from arraykv.quant.bitpack import packed_nbytes
 from conftest import asarray, to_np
 
 
@@ -34,18 +35,20 @@ def test_pack_matches_bit_by_bit_and_round_trips(xp, rng, bits, shape, kernels):
 
 
 @pytest.mark.parametrize("bits", [1, 3, 4])
-def test_numba_threaded_path_matches_loops(rng, bits, monkeypatch):
+def test_numba_threaded_path_matches_loops(rng, bits):
     """Large calls take Numba's multi-threaded path; force it on small inputs and compare."""
-    from arraykv.backends import _numba_bitpack
+    from arraykv.ops.numba import bitpack as nbp
+    from arraykv.ops.numba.threads import serial_below
 
-    monkeypatch.setattr(_numba_bitpack, "PARALLEL_MIN_VALUES", 0)
     codes = rng.integers(0, 2**bits, size=(5, 3, 37), dtype=np.uint8)
-    packed = _numba_bitpack.pack_bits(codes, bits)
-    np.testing.assert_array_equal(packed, pack_loops(codes, bits))
-    np.testing.assert_array_equal(_numba_bitpack.unpack_bits(packed, bits, 37), codes)
+    with serial_below(0):
+        packed = nbp.pack_bits(codes, bits)
+        np.testing.assert_array_equal(packed, pack_loops(codes, bits))
+        np.testing.assert_array_equal(nbp.unpack_bits(packed, bits, 37), codes)
 
 
 def test_known_bytes():
+    assert bitpack.pack_bits(np.array([1, 2], np.uint8), 4).tolist() == [0x21]  # the array-API front
     assert pack_bits(np.array([1, 2], np.uint8), 4).tolist() == [0x21]
     assert pack_bits(np.array([3, 0, 1, 2], np.uint8), 2).tolist() == [0b10010011]
     assert pack_bits(np.arange(8, dtype=np.uint8), 3).tolist() == [0b10001000, 0b11000110, 0b11111010]

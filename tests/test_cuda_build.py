@@ -7,10 +7,10 @@ import subprocess
 import numpy as np
 import pytest
 
-from arraykv.backends._cuda import DEFAULT_OPTIONS
-from arraykv.backends._cuda_bitpack import _FAMILY as BITPACK_FAMILY
-from arraykv.backends._cuda_bitpack import plan_bitpack
-from arraykv.backends._cuda_polar import kernel_names, plan_codec_launch
+from arraykv.ops.cuda.loader import DEFAULT_OPTIONS
+from arraykv.ops.cuda.bitpack import _FAMILY as BITPACK_FAMILY
+from arraykv.ops.cuda.bitpack import plan_bitpack
+from arraykv.ops.cuda.polar import kernel_names, plan_codec_launch
 from gpu import requires_gpu
 from nvrtc import compile_source, find_nvrtc
 
@@ -63,7 +63,7 @@ def test_bitpack_plan():
 
 
 def test_loader_asks_for_cupy_when_missing():
-    from arraykv.backends import _cuda
+    from arraykv.ops.cuda import loader as _cuda
 
     try:
         import cupy  # noqa: F401
@@ -80,7 +80,7 @@ def test_loader_asks_for_cupy_when_missing():
 def test_gpu_bitpack_matches_cpu(bits, shape):
     import cupy as cp
 
-    from arraykv.backends._cuda_bitpack import pack_bits, unpack_bits
+    from arraykv.ops.cuda.bitpack import pack_bits_into as pack_bits, unpack_bits_into as unpack_bits
     from arraykv.quant.bitpack import pack_bits_reference
 
     rng = np.random.default_rng(bits * 100 + len(shape))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.backends._cuda_polar import MAX_GROUP, TILE, WARPS, plan_codec_launch, plan_decode_attn
+from arraykv.ops.cuda.polar import MAX_GROUP, TILE, WARPS, plan_codec_launch, plan_decode_attn
 from gpu import requires_gpu
 
 MODES = ["pqo2", "pqo3", "pqo4", "pq2", "pq3", "pq4", "tq2", "tq3", "tq4"]
@@ -97,7 +97,7 @@ def _poisoned_call(codec, q, scale):
     """Run the GPU kernel twice: the second time with NaN in the output and in every scratch buffer."""
     import cupy as cp
 
-    from arraykv.backends._cuda_polar import polar_decode_attention, scratch_buffers
+    from arraykv.ops.cuda.polar import polar_decode_attention_into as polar_decode_attention, scratch_buffers
 
     polar_decode_attention(codec, q, scale)  # allocates the scratch buffers of this shape
     for buf in scratch_buffers():
@@ -142,7 +142,7 @@ def _check_decode(method, d, g, b):
     import cupy as cp
 
     from arraykv.attention.polar_fused import polar_decode_attention_reference
-    from arraykv.backends._cuda_polar import unsupported_reason
+    from arraykv.ops.cuda.polar import unsupported_reason
 
     h, n = 2, 301  # 273 quantized tokens: several splits, warps with different tile counts, a partial tile
     (cpu, gpu), rng = _pair(method, d, h, g, b, n, seed=MODES.index(method) * 10000 + d * 10 + g + b)
@@ -190,7 +190,7 @@ def test_gpu_decode_window_only_and_fallback(method):
     import cupy as cp
 
     from arraykv.attention.polar_fused import polar_decode_attention_reference
-    from arraykv.backends._cuda_polar import unsupported_reason
+    from arraykv.ops.cuda.polar import unsupported_reason
 
     # fewer tokens than sinks + window: nothing quantized, only the merge with the window runs
     (_, gpu), rng = _pair(method, 64, 2, 4, 2, 20, seed=5)
@@ -204,7 +204,7 @@ def test_gpu_decode_window_only_and_fallback(method):
     codec = big.layer_codec_state(0)
     q = cp.asarray(rng.standard_normal((1, 2, 1, 512)), dtype=cp.float32)
     assert unsupported_reason(codec, q) is not None
-    from arraykv.backends._cuda_polar import polar_decode_attention
+    from arraykv.ops.cuda.polar import polar_decode_attention
 
     np.testing.assert_allclose(cp.asnumpy(polar_decode_attention(codec, q, 0.05)),
                                cp.asnumpy(polar_decode_attention_reference(codec, q, 0.05)), rtol=1e-6)
@@ -218,7 +218,7 @@ def test_gpu_encode_decode_poisoned(bits, d, unbiased):
     import cupy as cp
 
     from arraykv import _compat
-    from arraykv.backends._cuda_polar import polar_decode, polar_encode
+    from arraykv.ops.cuda.polar import polar_decode_into, polar_encode_into
     from arraykv.quant.codebooks import make_codebook
     from arraykv.quant.polar import polar_decode_reference, polar_encode_reference
     from arraykv.quant.rotation import make_rotation
@@ -233,13 +233,13 @@ def test_gpu_encode_decode_poisoned(bits, d, unbiased):
         xg = cp.asarray(x).astype(dtype)
         codes = cp.full(want_codes.shape, 0xAB, dtype=cp.uint8)
         norms = cp.full(want_norms.shape, cp.nan, dtype=cp.float16)
-        polar_encode(xg, rot_g, cb_g, unbiased=unbiased, codes_out=codes, norms_out=norms)
+        polar_encode_into(xg, cb_g, rot_g, unbiased=unbiased, codes_out=codes, norms_out=norms)
         ref_codes, ref_norms = polar_encode_reference(cp.asnumpy(xg).astype(np.float32), cb_c, rot_c,
                                                       unbiased=unbiased)
         assert np.mean(cp.asnumpy(codes) == ref_codes) > 0.99
         np.testing.assert_allclose(cp.asnumpy(norms).astype(np.float32), ref_norms.astype(np.float32), rtol=2e-3)
     back = cp.full((3, 5, d), cp.nan, dtype=cp.float32)
     codes_g = cp.asarray(want_codes)
-    polar_decode(codes_g, cp.asarray(want_norms), rot_g, cb_g, out=back)
+    polar_decode_into(codes_g, cp.asarray(want_norms), cb_g, rot_g, out=back)
     np.testing.assert_allclose(cp.asnumpy(back), polar_decode_reference(want_codes, want_norms, cb_c, rot_c),
                                rtol=1e-4, atol=1e-5 * float(np.abs(x).max()))

@@ -10,8 +10,8 @@ import pytest
 
 import arraykv
 from arraykv.caches.polar_decode import qjl_logit_bias
-from arraykv.attention.polar_fused import polar_decode_attention, polar_decode_attention_reference
-from arraykv.backends import lookup, set_kernels_enabled
+from arraykv.attention.polar_fused import polar_decode_attention_reference
+from arraykv.ops import lookup, polar_decode_attention, set_kernels_enabled
 
 MODES = ["pqo2", "pqo3", "pqo4", "pq3", "tq3", "tq4"]
 #: (residual_window, sink_tokens): float16 recent tokens and first tokens kept exactly
@@ -147,7 +147,7 @@ def test_absent_side_arrays_read_as_defaults(d, rng):
 @pytest.mark.parametrize("method", ["pqo4", "tq3", "pq3"])
 def test_parallel_kernel_and_token_splits(splits, method, rng, monkeypatch):
     """The threaded kernel (forced on a small cache) with 1–7 token spans per head, empty spans included."""
-    from arraykv.backends import _numba_fused as nf
+    from arraykv.ops.numba import polar_fused as nf
 
     cache, q, _ = _filled(method, 96 if method == "pq3" else 64, 4, 2, 20 + 37 * splits, rng)
     codec = cache.layer_codec_state(0)
@@ -159,7 +159,7 @@ def test_parallel_kernel_and_token_splits(splits, method, rng, monkeypatch):
         calls.append(args[-2])
         return real(*args)
 
-    monkeypatch.setattr(nf, "_plan", lambda bh, n: (nf.nb.get_num_threads(), splits))
+    monkeypatch.setattr(nf, "_plan", lambda bh, n, d: (nf.nb.get_num_threads(), splits))
     monkeypatch.setattr(nf, "_step_parallel", spy)
     par = np.asarray(polar_decode_attention(codec, q, 0.125), np.float64)
     assert calls == [splits]
@@ -168,18 +168,19 @@ def test_parallel_kernel_and_token_splits(splits, method, rng, monkeypatch):
     np.testing.assert_allclose(par, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     # more spans than tokens: trailing spans are empty
     few = _first_tokens(codec, 2)
-    monkeypatch.setattr(nf, "_plan", lambda bh, n: (nf.nb.get_num_threads(), 5))
+    monkeypatch.setattr(nf, "_plan", lambda bh, n, d: (nf.nb.get_num_threads(), 5))
     got = np.asarray(polar_decode_attention(few, q, 0.125), np.float64)
     want = _reference(few, q, 0.125)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_small_steps_stay_on_the_calling_thread(rng, monkeypatch):
-    from arraykv.backends import _numba_fused as nf
+    from arraykv.ops.numba import polar_fused as nf
+    from arraykv.ops.numba.threads import PARALLEL_MIN_WORK
 
-    assert nf._plan(3, (nf.PARALLEL_MIN_WORK - 1) // 3) == (1, 1)
+    assert nf._plan(3, (PARALLEL_MIN_WORK // 64 - 1) // 3, 64) == (1, 1)
     if nf.nb.get_num_threads() > 1:
-        threads, splits = nf._plan(8, 32768)
+        threads, splits = nf._plan(8, 32768, 64)
         assert threads == nf.nb.get_num_threads() and splits >= 1
     cache, q, _ = _filled("pqo4", 64, 3, 1, 500, rng, h=3)
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.attention.int_fused import int_decode_attention, int_decode_attention_reference
-from arraykv.backends import lookup, set_kernels_enabled
+from arraykv.attention.int_fused import int_decode_attention_reference
+from arraykv.ops import int_decode_attention, lookup, set_kernels_enabled
 from conftest import asarray, to_np
 from naive import int_decode_attention_loops
 
@@ -111,7 +111,7 @@ def test_float16_tokens_and_query_dtypes(rng):
 @pytest.mark.parametrize("method", METHODS)
 def test_parallel_kernel_and_token_splits(splits, method, rng, monkeypatch):
     """The threaded kernel, forced on a small cache, with 1–7 spans per head (empty ones included)."""
-    from arraykv.backends import _numba_int_fused as nf
+    from arraykv.ops.numba import int_fused as nf
 
     cache, q, _ = _fill(method, 64, 3, 2, 45 + 40 * splits, rng)
     codec = cache.layer_codec_state(0)
@@ -123,7 +123,7 @@ def test_parallel_kernel_and_token_splits(splits, method, rng, monkeypatch):
         calls.append(args[-2])
         return real(*args)
 
-    monkeypatch.setattr(nf, "_plan", lambda bh, n, group: (nf.nb.get_num_threads(), splits))
+    monkeypatch.setattr(nf, "_plan", lambda bh, n, d, group: (nf.nb.get_num_threads(), splits))
     monkeypatch.setattr(nf, "_step_parallel", spy)
     par = int_decode_attention(codec, q, 0.125)
     assert calls == [splits]
@@ -131,15 +131,16 @@ def test_parallel_kernel_and_token_splits(splits, method, rng, monkeypatch):
     _close(par, np.asarray(int_decode_attention_reference(codec, q, 0.125), np.float64))
     # more spans than key groups: trailing spans are empty
     few = _first_tokens(codec, 32)
-    monkeypatch.setattr(nf, "_plan", lambda bh, n, group: (nf.nb.get_num_threads(), 5))
+    monkeypatch.setattr(nf, "_plan", lambda bh, n, d, group: (nf.nb.get_num_threads(), 5))
     _close(int_decode_attention(few, q, 0.125), np.asarray(int_decode_attention_reference(few, q, 0.125), np.float64))
 
 
 def test_threshold_picks_the_parallel_kernel(rng, monkeypatch):
     """Below PARALLEL_MIN_WORK the serial kernel runs; with the threshold at 1 the threaded one."""
-    from arraykv.backends import _numba_int_fused as nf
+    from arraykv.ops.numba import int_fused as nf
+    from arraykv.ops.numba.threads import PARALLEL_MIN_WORK, serial_below
 
-    assert nf._plan(3, (nf.PARALLEL_MIN_WORK - 1) // 3, 32) == (1, 1)
+    assert nf._plan(3, (PARALLEL_MIN_WORK // 64 - 1) // 3, 64, 32) == (1, 1)
     cache, q, _ = _fill("int4", 64, 3, 1, 512, rng)  # the SmolLM2-135M shape
     codec = cache.layer_codec_state(0)
 
@@ -156,9 +157,9 @@ def test_threshold_picks_the_parallel_kernel(rng, monkeypatch):
         calls.append(args[-2])
         return real(*args)
 
-    monkeypatch.setattr(nf, "PARALLEL_MIN_WORK", 1)
     monkeypatch.setattr(nf, "_step_parallel", spy)
-    par = int_decode_attention(codec, q, 0.125)
+    with serial_below(1):
+        par = int_decode_attention(codec, q, 0.125)
     assert len(calls) == 1 and calls[0] >= 1
     _close(par, serial, 1e-5)
 
@@ -171,16 +172,17 @@ def test_step_memory_does_not_grow_with_context(threaded, rng, monkeypatch):
     so that path is allowed a margin per thread; dense float32 K/V of the extra ~7000 tokens
     would be 7000*4*128*4*2 = 28 MB.
     """
-    from arraykv.backends import _numba_int_fused as nf
+    from arraykv.ops.numba import int_fused as nf
+    from arraykv.ops.numba.threads import serial_below
 
-    monkeypatch.setattr(nf, "PARALLEL_MIN_WORK", 1 if threaded else 1 << 62)
     cache, q, _ = _fill("int4", 128, 4, 1, 8000, rng, h=4)
     full = cache.layer_codec_state(0)
 
     def peak(codec):
-        int_decode_attention(codec, q, 0.1)  # compiled and warm
-        tracemalloc.start()
-        int_decode_attention(codec, q, 0.1)
+        with serial_below(1 if threaded else 1 << 62):
+            int_decode_attention(codec, q, 0.1)  # compiled and warm
+            tracemalloc.start()
+            int_decode_attention(codec, q, 0.1)
         _, top = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         return top

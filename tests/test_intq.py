@@ -1,8 +1,16 @@
 import numpy as np
 import pytest
 
-from arraykv.backends import set_kernels_enabled
-from arraykv.quant.intq import IntQuantized, dequantize_groups, quantize_groups
+from functools import partial
+
+from arraykv import ops
+from arraykv.ops import set_kernels_enabled
+from arraykv.quant import intq
+from arraykv.quant.intq import IntQuantized
+
+# the quantizers with the accelerated steps (kernels on NumPy; the references with kernels off)
+quantize_groups = partial(intq.quantize_groups, group_minmax=ops.intq_group_minmax, quantize_pack=ops.intq_quantize_pack)
+dequantize_groups = partial(intq.dequantize_groups, dequantize=ops.intq_dequantize)
 from conftest import asarray, to_np
 from naive import intq_quantize_loops
 
@@ -67,11 +75,9 @@ def test_two_bit_layout_by_hand():
 
 @pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_kernel_and_reference_codes_identical(rng, bits, parallel, monkeypatch):
-    from arraykv.backends import _numba_intq
-
+def test_kernel_and_reference_codes_identical(rng, bits, parallel, parallel_threshold):
     if parallel:  # every call takes the multi-threaded path
-        monkeypatch.setattr(_numba_intq, "PARALLEL_MIN_VALUES", 0)
+        parallel_threshold(0)
     for shape in [(7, 100), (2, 3, 128), (1, 5), (64, 300)]:
         x = rng.standard_normal(shape).astype(np.float32) * 3
         g = int(rng.integers(1, shape[-1] + 1))

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.backends import lookup
+from arraykv.ops import lookup
 from arraykv.quant.intq import dequantize_groups, quantize_groups
 from cache_contract import attend, random_kvq
 from conftest import asarray, to_np

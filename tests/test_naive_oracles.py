@@ -24,14 +24,25 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.backends import set_kernels_enabled
-from arraykv.quant.bitpack import pack_bits, unpack_bits
+from functools import partial
+
+from arraykv import ops
+from arraykv.ops import pack_bits, set_kernels_enabled, split_outliers, unpack_bits
+from arraykv.quant import intq, polar, vq
 from arraykv.quant.codebooks import make_codebook
-from arraykv.quant.intq import IntQuantized, dequantize_groups, quantize_groups
-from arraykv.quant.outliers import split_outliers
-from arraykv.quant.polar import polar_decode, polar_encode
-from arraykv.quant.pq import PQCodebook, pq_decode, pq_encode
+from arraykv.quant.intq import IntQuantized
 from arraykv.quant.rotation import make_rotation
+from arraykv.quant.vq import VQCodebook as PQCodebook
+
+# The quantizers with the ops layer's passes: a kernel where one serves the namespace and
+# kernels are on, the array-API reference otherwise (what the caches call).
+quantize_groups = partial(intq.quantize_groups, group_minmax=ops.intq_group_minmax,
+                          quantize_pack=ops.intq_quantize_pack)
+dequantize_groups = partial(intq.dequantize_groups, dequantize=ops.intq_dequantize)
+polar_encode = partial(polar.polar_encode, encode=ops.polar_encode)
+polar_decode = partial(polar.polar_decode, decode=ops.polar_decode)
+pq_encode = partial(vq.vq_encode, encode=ops.vq_encode)
+pq_decode = partial(vq.vq_decode, decode=ops.vq_decode)
 from naive import (int_decode_attention_loops, intq_dequantize_loops, intq_quantize_loops,
                    lowrank_decode_attention_loops, pack_bits_loops, polar_decode_attention_loops,
                    polar_decode_loops, polar_encode_loops, polar_rotate_loops, pq_assign_loops, pq_code_bits,

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from arraykv.backends.registry import lookup, set_kernels_enabled
-from arraykv.quant.outliers import scatter_outliers, split_outliers, split_outliers_reference
+from arraykv.ops import lookup, set_kernels_enabled, split_outliers
+from arraykv.quant.outliers import scatter_outliers, split_outliers_reference
 
 kernel = lookup("split_outliers", np)
 pytestmark = pytest.mark.skipif(kernel is None, reason="numba is not installed")

@@ -9,7 +9,7 @@ import zipfile
 import pytest
 
 import arraykv
-from arraykv.backends import kernel_names, kernel_source
+from arraykv.ops import kernel_names, kernel_source
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,7 @@ def test_wheel_contains_modules_and_kernels(tmp_path):
     target = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:
         z.extractall(target)
-    code = "import arraykv, arraykv.backends as b; print(arraykv.__file__); print(','.join(b.kernel_names()))"
+    code = "import arraykv, arraykv.ops as b; print(arraykv.__file__); print(','.join(b.kernel_names()))"
     env = dict(os.environ, PYTHONPATH=str(target))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert res.returncode == 0, res.stderr

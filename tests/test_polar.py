@@ -1,10 +1,18 @@
 import numpy as np
 import pytest
 
-from arraykv.backends import set_kernels_enabled
+from functools import partial
+
+from arraykv import ops
+from arraykv.ops import set_kernels_enabled
+from arraykv.quant import polar as _polar
 from arraykv.quant.bitpack import unpack_bits
 from arraykv.quant.codebooks import lloyd_max, make_codebook
-from arraykv.quant.polar import PolarCode, polar_decode, polar_encode
+from arraykv.quant.polar import PolarCode
+
+# the quantizers with the accelerated steps (kernels on NumPy; the reference with kernels off)
+polar_encode = partial(_polar.polar_encode, encode=ops.polar_encode)
+polar_decode = partial(_polar.polar_decode, decode=ops.polar_decode)
 from arraykv.quant.rotation import make_rotation
 from conftest import asarray, to_np
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.backends import set_kernels_enabled
+from arraykv.ops import set_kernels_enabled
 from arraykv.caches.polar import PolarCache
 from arraykv.quant.bitpack import unpack_bits
 from cache_contract import attend, random_kvq

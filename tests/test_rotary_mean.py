@@ -7,7 +7,7 @@ import pytest
 
 import arraykv
 from arraykv.attention.polar_fused import polar_decode_attention_reference
-from arraykv.backends import set_kernels_enabled
+from arraykv.ops import set_kernels_enabled
 from arraykv.quant.rotary_mean import check_rope, fit_rotary_mean, rotary_mean_at, rope_frequencies, rope_pairs
 from conftest import asarray, to_np
 
@@ -136,14 +136,14 @@ def test_cache_with_rotating_mean_decodes_what_it_stores(rng, method, d, b, g, k
 
 
 def test_parallel_kernel_path_matches_reference(rng, monkeypatch):
-    from arraykv.backends import _numba_fused
+    from arraykv.ops.numba.threads import serial_below
 
-    monkeypatch.setattr(_numba_fused, "PARALLEL_MIN_WORK", 1)
     d, h, g = 64, 2, 2
     k, _ = rope_keys(rng, 1, h, 1200, d, 10000.0, "interleaved")
     v = rng.standard_normal((1, h, 1200, d)).astype(np.float32)
     q = rng.standard_normal((1, h * g, 1200, d)).astype(np.float32)
-    cache, outs = _filled("pqo3", k, v, q, 1190)
+    with serial_below(1):
+        cache, outs = _filled("pqo3", k, v, q, 1190)
     codec = cache.layer_codec_state(0)
     ref = polar_decode_attention_reference(codec, q[:, :, -1:], d ** -0.5)
     np.testing.assert_allclose(outs[-1].output, ref, rtol=2e-4, atol=2e-5)

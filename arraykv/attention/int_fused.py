@@ -5,9 +5,9 @@ For one new query per head this computes ``softmax(scale · q Kᵀ) V`` over eve
 keys; the quantized values, then the exact window values) without reconstructing the
 quantized K or V: the per-channel key scales and offsets are folded into the query once per
 key group and the per-token value scales and offsets into the softmax weights.
-:func:`int_decode_attention` dispatches to a fused kernel for the namespace (Numba on NumPy)
-and falls back to :func:`int_decode_attention_reference`, the array-API version the kernels
-are tested against.
+:func:`int_decode_attention_reference` is the array-API version the kernels are tested
+against; ``arraykv.ops.int_decode_attention`` picks a kernel for the namespace (Numba on NumPy,
+2-, 4- and 8-bit codes) or this reference.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from .. import _compat
 from .._validation import check_softmax_scale
 from ..quant.bitpack import unpack_bits
 
-__all__ = ["int_decode_attention", "int_decode_attention_reference"]
+__all__ = ["int_decode_attention_reference", "check_query", "layer_exponents"]
 
 
-def _check_query(codec: Any, q: Any) -> tuple:
+def check_query(codec: Any, q: Any) -> tuple:
+    """Check ``q`` against the layer ``codec`` (shared with the kernels); return ``(b, h, g, d)``."""
     if q.ndim != 4 or int(q.shape[2]) != 1:
         raise ValueError(f"q must hold one new token per head (batch, q_heads, 1, head_dim), received "
                          f"shape {tuple(q.shape)}")
@@ -70,12 +71,12 @@ def int_decode_attention_reference(codec: Any, q: Any, scale: float):
     """
     scale = check_softmax_scale(scale, "scale")
     xp = _compat.namespace(q)
-    b, h, g, d = _check_query(codec, q)
+    b, h, g, d = check_query(codec, q)
     dev = _compat.device(q)
     f32 = xp.float32
     G, bits = int(codec.group_size), int(codec.bits)
     ng, n = int(codec.n_groups), int(codec.n_tokens)
-    k_exp, v_exp = _exponents(codec)
+    k_exp, v_exp = layer_exponents(codec)
     qf = xp.reshape(xp.astype(q, f32), (b, h, g, d)) * (float(scale) * 2.0 ** k_exp)
     parts = []
     if ng:
@@ -117,43 +118,6 @@ def int_decode_attention_reference(codec: Any, q: Any, scale: float):
     return xp.astype(xp.reshape(out, (b, h * g, 1, d)), q.dtype)
 
 
-def int_decode_attention(codec: Any, q: Any, scale: float):
-    """Attention of one query per head over an integer-cache layer, from its packed codes.
-
-    Parameters
-    ----------
-    codec : IntLayerCodec
-        The layer's state (``IntQuantCache.layer_codec_state``); at least one token.
-    q : array, shape (batch, q_heads, 1, head_dim)
-        ``q_heads`` a multiple of the layer's KV heads; query head ``i`` reads KV head
-        ``i // (q_heads // kv_heads)``.
-    scale : float
-        Softmax scale.
-
-    Returns
-    -------
-    array, shape (batch, q_heads, 1, head_dim), dtype of ``q``
-        Equal (to float32 rounding) to ``attention(q, K, V)`` over the layer's dequantized
-        keys and values; computed in float32.
-
-    Notes
-    -----
-    See :func:`int_decode_attention_reference` for the folding of scales and offsets. The
-    kernel (:mod:`arraykv.backends._numba_int_fused` on NumPy) covers 2-, 4- and 8-bit codes;
-    other widths use the reference.
-    """
-    from ..backends import lookup
-
-    scale = check_softmax_scale(scale, "scale")
-    xp = _compat.namespace(q)
-    fast = lookup("int_decode_attention", xp) if int(codec.bits) in (2, 4, 8) else None
-    if fast is None:
-        return int_decode_attention_reference(codec, q, scale)
-    k_exp, v_exp = _exponents(codec)
-    out = fast(codec, q, scale * 2.0 ** k_exp)  # the kernels read the keys and values in their stored units
-    return out * 2.0 ** v_exp if v_exp else out
-
-
-def _exponents(codec: Any) -> tuple:
-    """``(k_exp, v_exp)``: stored keys are ``2**-k_exp`` and values ``2**-v_exp`` times the true ones."""
+def layer_exponents(codec: Any) -> tuple:
+    """``(k_exp, v_exp)``: a layer's stored keys are ``2**-k_exp`` and values ``2**-v_exp`` times the true ones."""
     return int(getattr(codec, "k_exp", 0) or 0), int(getattr(codec, "v_exp", 0) or 0)

@@ -2,9 +2,9 @@
 
 For one new query per head this computes ``softmax(scale · q Kᵀ + bias) V`` over every token
 of a :class:`~arraykv.caches.polar.PolarLayerCodec` without building K or V in the original
-domain. :func:`polar_decode_attention` dispatches to a fused kernel for the namespace (Numba on
-NumPy) and falls back to :func:`polar_decode_attention_reference`, the array-API version the
-kernels are tested against.
+domain. :func:`polar_decode_attention_reference` is the array-API version the fused kernels
+are tested against; ``arraykv.ops.polar_decode_attention`` picks a kernel for the namespace
+(Numba on NumPy, CUDA on CuPy) or this reference.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..quant.qjl import QJL_SCALE
 from ..quant.rotary_mean import rotary_mean_at
 from ..quant.rotation import rotate, unrotate
 
-__all__ = ["polar_decode_attention", "polar_decode_attention_reference", "prepare_queries", "key_mean_logits",
+__all__ = ["polar_decode_attention_reference", "prepare_queries", "key_mean_logits",
            "merge_window"]
 
 
@@ -171,30 +171,3 @@ def polar_decode_attention_reference(codec: Any, q: Any, scale: float):
     vy = xp.reshape(vc, (b, h, n, d)) * xp.astype(codec.v_norms, xp.float32)[..., None]
     acc = xp.matmul(e, vy)
     return merge_window(codec, prep, scale, m, l, acc, q.dtype)
-
-
-def polar_decode_attention(codec: Any, q: Any, scale: float):
-    """Attention of one query per head over a PolarQuant layer, from its packed codes.
-
-    Parameters
-    ----------
-    codec : PolarLayerCodec
-        The layer's state (``PolarCache.layer_codec_state``).
-    q : array, shape (batch, q_heads, 1, head_dim)
-    scale : float
-        Softmax scale.
-
-    Returns
-    -------
-    array, shape (batch, q_heads, 1, head_dim), dtype of ``q``
-        Equal (to float32 rounding) to ``attention(q, K, V, logit_bias=B)`` over the layer's
-        dequantized keys/values and QJL bias.
-    """
-    from ..backends import lookup
-
-    scale = check_softmax_scale(scale, "scale")
-    xp = _compat.namespace(q)
-    fast = lookup("polar_decode_attention", xp)
-    if fast is not None:
-        return fast(codec, q, scale)
-    return polar_decode_attention_reference(codec, q, scale)

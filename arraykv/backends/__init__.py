@@ -1,11 +1,10 @@
-"""Lazy accelerators: Numba kernels on CPU, CUDA kernels through CuPy on GPU.
+"""Deprecated alias of :mod:`arraykv.ops` (kept so that ``arraykv.backends.lookup`` and friends keep working).
 
-Accelerated versions of a function are looked up by name for an array namespace with
-:func:`lookup`; it returns None when none is available, and callers fall back to the array-API
-reference. Nothing here imports Numba or CuPy at import time.
+Use :mod:`arraykv.ops`: one entry per accelerated op (``ops.pack_bits``, ``ops.polar_encode``,
+...) that picks the kernel for the namespace or the array-API reference.
 """
 
-from ._kernel_files import kernel_names, kernel_source
-from .registry import lookup, kernels_enabled, set_kernels_enabled
+from ..ops.kernel_files import kernel_names, kernel_source
+from ..ops.registry import kernels_enabled, lookup, set_kernels_enabled
 
 __all__ = ["kernel_names", "kernel_source", "lookup", "kernels_enabled", "set_kernels_enabled"]

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
-from ..attention.int_fused import int_decode_attention
-from ..backends import lookup
+from .. import ops
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.intq import HALF_MAX, IntQuantized, dequantize_groups, half_exponent, quantize_groups
@@ -22,6 +21,8 @@ from ..storage import TokenBuffers
 from .._validation import check_int
 from .base import LayeredCache, LayerState, check_decode_path
 from .registry import register_method
+
+_INTQ_OPS = {"group_minmax": ops.intq_group_minmax, "quantize_pack": ops.intq_quantize_pack}
 
 __all__ = ["IntQuantCache", "Int2Cache", "Int4Cache", "Int8Cache", "IntLayerCodec", "IntLayer"]
 
@@ -182,7 +183,7 @@ class IntQuantCache(LayeredCache):
     ``decode`` attends straight from the codes when the fused path is taken (see
     ``decode_path``): the per-channel key scales fold into the query once per group,
     ``q·k_t = Σ_c (q_c · scale_c) code_{t,c} + Σ_c q_c · offset_c``, and the per-token value
-    scales into the softmax weights (:func:`arraykv.attention.int_fused.int_decode_attention`).
+    scales into the softmax weights (:func:`arraykv.ops.int_decode_attention`).
     Otherwise the whole layer is dequantized each step (with a Numba kernel on CPU) and
     returned as :class:`~arraykv.Dequantized`.
 
@@ -266,7 +267,7 @@ class IntQuantCache(LayeredCache):
         if full:
             blk = xp.reshape(allk[:, :, : full * g, :], (b, h, full, g, d))
             blk = xp.permute_dims(blk, (0, 1, 2, 4, 3))  # (b, h, groups, d, G): tokens last
-            q = quantize_groups(blk, self.bits, g, param_dtype=pdt, exponent=0)
+            q = quantize_groups(blk, self.bits, g, param_dtype=pdt, exponent=0, **_INTQ_OPS)
             kq = {"k_codes": q.codes, "k_scale": q.scale[..., 0], "k_offset": q.offset[..., 0]}
         residual = xp.asarray(allk[:, :, full * g :, :], copy=True)
         window = st.v_window
@@ -278,7 +279,7 @@ class IntQuantCache(LayeredCache):
             new_window = xp.asarray(allv[:, :, spill:, :], copy=True)
         vq = None
         if spill:
-            qv = quantize_groups(allv[:, :, :spill, :], self.bits, g, param_dtype=pdt, exponent=0)
+            qv = quantize_groups(allv[:, :, :spill, :], self.bits, g, param_dtype=pdt, exponent=0, **_INTQ_OPS)
             vq = {"v_codes": qv.codes, "v_scale": qv.scale, "v_offset": qv.offset}
         return kq, vq, residual, new_window, exps
 
@@ -343,7 +344,7 @@ class IntQuantCache(LayeredCache):
 
             q = IntQuantized(codes=kview("k_codes"), scale=kview("k_scale")[..., None],
                              offset=kview("k_offset")[..., None], bits=self.bits, group_size=g, n=g, exponent=ek)
-            blk = dequantize_groups(q, st.dtype)  # (b, h, groups, d, G)
+            blk = dequantize_groups(q, st.dtype, dequantize=ops.intq_dequantize)  # (b, h, groups, d, G)
             b, h, ng = (int(s) for s in blk.shape[:3])
             kd = xp.reshape(xp.permute_dims(blk, (0, 1, 2, 4, 3)), (b, h, ng * g, d))
             skip = start - g0 * g
@@ -359,7 +360,7 @@ class IntQuantCache(LayeredCache):
 
             qv = IntQuantized(codes=vview("v_codes"), scale=vview("v_scale"), offset=vview("v_offset"),
                               bits=self.bits, group_size=g, n=d, exponent=ev)
-            parts.append(dequantize_groups(qv, st.dtype))
+            parts.append(dequantize_groups(qv, st.dtype, dequantize=ops.intq_dequantize))
         if self.residual_window or not parts:
             parts.append(self._exact(st, "v_window", max(0, start - vq.length), ev))
         v = parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
@@ -381,11 +382,11 @@ class IntQuantCache(LayeredCache):
     def _decode(self, st, k, v, q, config: AttendConfig):
         self._store(st, k, v)
         if self._fused(st.xp):
-            return Fused(int_decode_attention(self._codec_state(st), q, config.softmax_scale))
+            return Fused(ops.int_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._decoded(st))
 
     def _fused_auto(self, xp: Any) -> bool:
-        return self.bits in (2, 4, 8) and lookup("int_decode_attention", xp) is not None
+        return self.bits in (2, 4, 8) and ops.has_kernel("int_decode_attention", xp)
 
     def _dequantize(self, st) -> DequantResult:
         return self._decoded(st)

@@ -6,7 +6,7 @@
 ``vq``
     Product quantization: every vector is split into sub-vectors of ``sub_dim`` channels, each
     stored as the index of its nearest centroid in a per-(layer, KV head, sub-space) k-means
-    codebook (:mod:`arraykv.quant.pq`).
+    codebook (:mod:`arraykv.quant.vq`).
 
 Both need a fitted model (basis or codebooks) per layer. It is either given (``calibration``:
 a fitted :class:`~arraykv.KVCacheCompressor` or the fitted arrays) or fitted by the cache on
@@ -26,12 +26,11 @@ from .._validation import check_bool, check_int
 from ..compressor import KVCacheCompressor, LowRank, VectorQuantization, samples_by_head
 from ..attention.lowrank_fused import lowrank_decode_attention
 from ..attention.reference import attention
-from ..backends.registry import lookup
+from .. import ops
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.polar import half_dtype
 from ..quant.lowrank import LowRankBasis, check_rank_energy, fit_basis
-from ..quant.pq import (PQCodebook, PQCodes, check_pq_options, code_bits, pq_decode, pq_decode_attention_reference,
-                        pq_encode, train_pq)
+from ..quant.vq import VQCodebook, VQCodes, check_vq_options, code_bits, train_vq, vq_decode, vq_encode
 from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState, check_decode_path, refuse_overflow
 from .registry import register_method
@@ -499,7 +498,7 @@ class VQCache(_CalibratedCache):
     calibration : optional
         Codebooks given by the user instead of trained by the cache: a fitted
         :class:`~arraykv.KVCacheCompressor` with a :class:`~arraykv.VectorQuantization`
-        method, or a pair ``(k_codebook, v_codebook)`` of :class:`~arraykv.quant.pq.PQCodebook`
+        method, or a pair ``(k_codebook, v_codebook)`` of :class:`~arraykv.quant.vq.VQCodebook`
         (heads = ``num_kv_heads``, sub-spaces × sub_dim = ``head_dim``), used for every layer;
         or a sequence of ``num_layers`` such items, ``None`` for a layer that trains its own.
         Its codebook size and sub_dim win over the options.
@@ -521,7 +520,7 @@ class VQCache(_CalibratedCache):
         ``"auto"``: ``decode`` attends straight from the codes and returns
         :class:`~arraykv.Fused` where a kernel exists for the namespace (Numba on NumPy), else
         it returns :class:`~arraykv.Dequantized`; ``"fused"`` always attends itself (the
-        array-API :func:`~arraykv.quant.pq.pq_decode_attention_reference` where no kernel
+        array-API :func:`~arraykv.attention.vq_fused.vq_decode_attention_reference` where no kernel
         exists); ``"dequantized"`` always reconstructs the layer.
 
     Notes
@@ -542,7 +541,7 @@ class VQCache(_CalibratedCache):
     ``a_j = argmin_c ‖x_j − c‖`` of its sub-vectors ``x_j`` and decodes
     ``x̂ = [c_{a_1}, …, c_{a_m}]``; each codebook minimises ``Σ ‖x_j − c_{a(j)}‖²`` over the
     calibration vectors by Lloyd's algorithm from a k-means++ start
-    (:func:`arraykv.quant.pq.train_pq`). A value costs ``β / sub_dim`` bits of codes plus the
+    (:func:`arraykv.quant.vq.train_vq`). A value costs ``β / sub_dim`` bits of codes plus the
     codebooks, ``32 K d`` bits per head for keys and again for values. The fit runs when a
     layer first holds ``min_calibration`` vectors per head (its first prefill, normally) on all
     of them (up to ``max_calibration``), exactly as
@@ -559,7 +558,7 @@ class VQCache(_CalibratedCache):
     method = "vq"
     _per_token = ("k_codes", "v_codes")
     _calib_names = ("k_centroids", "v_centroids")
-    _item_kinds = (PQCodebook,)
+    _item_kinds = (VQCodebook,)
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, codebook_size: int = 16,
                  sub_dim: int = 2, max_iter: int = 25, tol: float = 1e-4, seed: int = 0, calibration: Any = None,
@@ -567,7 +566,7 @@ class VQCache(_CalibratedCache):
                  residual_window: int = DEFAULT_WINDOW, sink_tokens: int = DEFAULT_SINKS, decode_path: str = "auto",
                  check_finite: bool = True, max_tokens: int | None = None):
         d = check_int("head_dim", head_dim, low=1)
-        self.codebook_size, self.sub_dim, self.max_iter, self.tol = check_pq_options(
+        self.codebook_size, self.sub_dim, self.max_iter, self.tol = check_vq_options(
             codebook_size, sub_dim, d, max_iter, tol)
         self.seed = check_int("seed", seed, low=0)
         if min_calibration is None:
@@ -581,13 +580,13 @@ class VQCache(_CalibratedCache):
                          decode_path=decode_path, check_finite=check_finite, max_tokens=max_tokens)
 
     def _item_help(self) -> str:
-        return "a fitted KVCacheCompressor(VectorQuantization(...)) or a pair (k_codebook, v_codebook) of PQCodebook"
+        return "a fitted KVCacheCompressor(VectorQuantization(...)) or a pair (k_codebook, v_codebook) of VQCodebook"
 
     def _convert(self, item: Any, where: str = "calibration") -> dict:
         out = {}
         for name, cb in zip(("k", "v"), self._pair(item, VectorQuantization, where)):
-            if not isinstance(cb, PQCodebook):
-                raise TypeError(f"{where} must hold PQCodebook, received {type(cb).__name__}")
+            if not isinstance(cb, VQCodebook):
+                raise TypeError(f"{where} must hold VQCodebook, received {type(cb).__name__}")
             c = cb.centroids
             if c.ndim != 4 or int(c.shape[0]) != self.num_kv_heads or cb.subspaces * cb.sub_dim != self.head_dim:
                 raise ValueError(f"{where}: the {name} codebook must be (num_kv_heads={self.num_kv_heads}, "
@@ -603,17 +602,17 @@ class VQCache(_CalibratedCache):
                                           "max_calibration": self.max_calibration}
 
     def _fit(self, xp, k, v) -> dict:
-        return {f"{name}_centroids": train_pq(samples_by_head(xp, x), codebook_size=self.codebook_size,
+        return {f"{name}_centroids": train_vq(samples_by_head(xp, x), codebook_size=self.codebook_size,
                                               sub_dim=self.sub_dim, max_iter=self.max_iter, tol=self.tol,
-                                              seed=self.seed).centroids
+                                              seed=self.seed, assign=ops.vq_assign, update=ops.vq_update).centroids
                 for name, x in (("k", k), ("v", v))}
 
     def _encode(self, xp, calib, k, v) -> dict:
-        return {f"{name}_codes": pq_encode(x, PQCodebook(centroids=calib[f"{name}_centroids"])).codes
+        return {f"{name}_codes": vq_encode(x, VQCodebook(centroids=calib[f"{name}_centroids"]), encode=ops.vq_encode).codes
                 for name, x in (("k", k), ("v", v))}
 
     def _fused_auto(self, xp: Any) -> bool:
-        return lookup("pq_decode_attention", xp) is not None
+        return ops.has_kernel("vq_decode_attention", xp)
 
     def _attend(self, st: FittedLayer, q: Any, scale: float):
         xp, buf, calib = st.xp, st.codes, st.calib
@@ -625,9 +624,8 @@ class VQCache(_CalibratedCache):
         if bits != code_bits(int(vc.shape[2])):  # given codebooks of different sizes: one code width per call
             r = self._decoded(st)
             return attention(q, r.k, r.v, softmax_scale=scale, causal=False)
-        kern = lookup("pq_decode_attention", xp) or pq_decode_attention_reference
         b, hq, _, d = (int(s) for s in q.shape)
-        out = kern(xp.reshape(q, (b, hq, d)), buf.view("k_codes"), kc, buf.view("v_codes"), vc, ke, ve,
+        out = ops.vq_decode_attention(xp.reshape(q, (b, hq, d)), buf.view("k_codes"), kc, buf.view("v_codes"), vc, ke, ve,
                    bits=bits, softmax_scale=scale)
         out = xp.reshape(out, (b, hq, 1, d))
         return out if out.dtype == q.dtype else xp.astype(out, q.dtype)
@@ -635,8 +633,8 @@ class VQCache(_CalibratedCache):
     def _decode_tokens(self, xp, calib, buf: TokenBuffers, start: int = 0) -> tuple:
         out = []
         for name in ("k", "v"):
-            cb = PQCodebook(centroids=calib[f"{name}_centroids"])
-            codes = PQCodes(codes=buf.view(f"{name}_codes")[:, :, start:, :], bits=code_bits(cb.codebook_size),
+            cb = VQCodebook(centroids=calib[f"{name}_centroids"])
+            codes = VQCodes(codes=buf.view(f"{name}_codes")[:, :, start:, :], bits=code_bits(cb.codebook_size),
                             subspaces=cb.subspaces)
-            out.append(pq_decode(codes, cb))
+            out.append(vq_decode(codes, cb, decode=ops.vq_decode))
         return out[0], out[1]

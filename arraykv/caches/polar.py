@@ -15,8 +15,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..attention.polar_fused import polar_decode_attention
-from ..backends import lookup
+from .. import ops
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype, polar_decode, polar_encode
@@ -210,11 +209,11 @@ class PolarCache(LayeredCache):
             kc = kc * keep
         else:
             keep = None
-        kq = polar_encode(kc, fixed.k_codebook, fixed.rotation, length=self.key_length)
-        vq = polar_encode(vc, fixed.v_codebook, fixed.rotation, length=self.value_length)
+        kq = polar_encode(kc, fixed.k_codebook, fixed.rotation, length=self.key_length, encode=ops.polar_encode)
+        vq = polar_encode(vc, fixed.v_codebook, fixed.rotation, length=self.value_length, encode=ops.polar_encode)
         arrays.update(k_codes=kq.codes, k_norms=kq.norms, v_codes=vq.codes, v_norms=vq.norms)
         if self.qjl:
-            resid = kc - polar_decode(kq, fixed.k_codebook, fixed.rotation)
+            resid = kc - polar_decode(kq, fixed.k_codebook, fixed.rotation, decode=ops.polar_decode)
             if keep is not None:
                 resid = resid * keep
             s = qjl_encode(resid, fixed.qjl)
@@ -269,11 +268,11 @@ class PolarCache(LayeredCache):
     def _decode(self, st, k, v, q, config: AttendConfig):
         self._store(st, k, v, q)
         if self._fused(st.xp):
-            return Fused(polar_decode_attention(self._codec_state(st), q, config.softmax_scale))
+            return Fused(ops.polar_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._result(st, q, config.softmax_scale))
 
     def _fused_auto(self, xp: Any) -> bool:
-        return lookup("polar_decode_attention", xp) is not None
+        return ops.has_kernel("polar_decode_attention", xp)
 
     def _dequantize(self, st) -> DequantResult:
         return self._dequantize_from(st, 0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..quant.bitpack import unpack_bits
+from .. import ops
 from ..quant.polar import PolarCode, polar_decode
 from ..quant.qjl import QJL_SCALE
 from .polar_calibration import outlier_selector
@@ -46,8 +46,8 @@ def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0)
 
         kq = PolarCode(view("k_codes"), view("k_norms"), opts.key_bits, d)
         vq = PolarCode(view("v_codes"), view("v_norms"), opts.value_bits, d)
-        kd = polar_decode(kq, fixed.k_codebook, fixed.rotation)
-        vd = polar_decode(vq, fixed.v_codebook, fixed.rotation)
+        kd = polar_decode(kq, fixed.k_codebook, fixed.rotation, decode=ops.polar_decode)
+        vd = polar_decode(vq, fixed.v_codebook, fixed.rotation, decode=ops.polar_decode)
         if calib.n_outliers > 0:
             sel = outlier_selector(xp, calib.k_outlier_idx, d)
             keep = 1.0 - xp.sum(sel, axis=-1)[:, :, None, :]
@@ -91,7 +91,7 @@ def qjl_logit_bias(st: Any, fixed: PolarFixed, q: Any, scale: float):
             w = w * (1.0 - xp.sum(outlier_selector(xp, calib.k_outlier_idx, d), axis=-1))
         qt = xp.reshape(xp.astype(q, xp.float32), (b, h, g * t, d)) * w[:, :, None, :]
         sq = xp.matmul(qt, xp.matrix_transpose(sk.matrix))  # (b, h, g*t, m)
-        pm = 2.0 * xp.astype(unpack_bits(buf.view("k_qjl"), 1, m), xp.float32) - 1.0  # (b, h, n_q, m)
+        pm = 2.0 * xp.astype(ops.unpack_bits(buf.view("k_qjl"), 1, m), xp.float32) - 1.0  # (b, h, n_q, m)
         dots = xp.matmul(sq, xp.matrix_transpose(pm))  # (b, h, g*t, n_q)
         w = xp.astype(buf.view("k_qjl_norms"), xp.float32) * (scale * QJL_SCALE / m)
         parts.append(xp.reshape(dots * w[:, :, None, :], (b, qh, t, n_q)))

@@ -18,7 +18,8 @@ from typing import Any
 from .. import _compat
 from .._validation import check_int
 
-__all__ = ["packed_nbytes", "pack_bits", "unpack_bits"]
+__all__ = ["packed_nbytes", "pack_bits", "unpack_bits", "pack_bits_reference", "unpack_bits_reference",
+           "check_pack_args", "check_unpack_args"]
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -28,6 +29,17 @@ def packed_nbytes(n: int, bits: int) -> int:
 
 def _check_bits(bits: Any) -> int:
     return check_int("bits", bits, low=1, high=8)
+
+
+def check_pack_args(codes: Any, bits: Any) -> int:
+    """Validate the arguments of :func:`pack_bits`; return ``bits`` as an int."""
+    bits = _check_bits(bits)
+    xp = _compat.namespace(codes)
+    if codes.dtype != xp.uint8:
+        raise TypeError(f"codes must be uint8, received {codes.dtype}")
+    if codes.ndim < 1:
+        raise ValueError("codes must have at least one dimension")
+    return bits
 
 
 def pack_bits(codes: Any, bits: int):
@@ -43,19 +55,27 @@ def pack_bits(codes: Any, bits: int):
     Returns
     -------
     array of uint8, shape (..., ceil(n * bits / 8))
-    """
-    bits = _check_bits(bits)
-    xp = _compat.namespace(codes)
-    if codes.dtype != xp.uint8:
-        raise TypeError(f"codes must be uint8, received {codes.dtype}")
-    if codes.ndim < 1:
-        raise ValueError("codes must have at least one dimension")
-    from ..backends import lookup
 
-    fast = lookup("pack_bits", xp)
-    if fast is not None:
-        return fast(codes, bits)
-    return pack_bits_reference(codes, bits)
+    Notes
+    -----
+    Array-API code; ``arraykv.ops.pack_bits`` is the same function with a kernel per namespace.
+    """
+    return pack_bits_reference(codes, check_pack_args(codes, bits))
+
+
+def check_unpack_args(packed: Any, bits: Any, n: Any) -> tuple:
+    """Validate the arguments of :func:`unpack_bits`; return ``(bits, n)`` as ints."""
+    bits = _check_bits(bits)
+    n = check_int("n", n, low=0)
+    xp = _compat.namespace(packed)
+    if packed.dtype != xp.uint8:
+        raise TypeError(f"packed must be uint8, received {packed.dtype}")
+    if packed.ndim < 1 or int(packed.shape[-1]) != packed_nbytes(n, bits):
+        raise ValueError(
+            f"packed must have {packed_nbytes(n, bits)} bytes on its last axis for n={n}, bits={bits}, "
+            f"received shape {tuple(packed.shape)}"
+        )
+    return bits, n
 
 
 def unpack_bits(packed: Any, bits: int, n: int):
@@ -72,22 +92,12 @@ def unpack_bits(packed: Any, bits: int, n: int):
     Returns
     -------
     array of uint8, shape (..., n)
-    """
-    bits = _check_bits(bits)
-    n = check_int("n", n, low=0)
-    xp = _compat.namespace(packed)
-    if packed.dtype != xp.uint8:
-        raise TypeError(f"packed must be uint8, received {packed.dtype}")
-    if packed.ndim < 1 or int(packed.shape[-1]) != packed_nbytes(n, bits):
-        raise ValueError(
-            f"packed must have {packed_nbytes(n, bits)} bytes on its last axis for n={n}, bits={bits}, "
-            f"received shape {tuple(packed.shape)}"
-        )
-    from ..backends import lookup
 
-    fast = lookup("unpack_bits", xp)
-    if fast is not None:
-        return fast(packed, bits, n)
+    Notes
+    -----
+    Array-API code; ``arraykv.ops.unpack_bits`` is the same function with a kernel per namespace.
+    """
+    bits, n = check_unpack_args(packed, bits, n)
     return unpack_bits_reference(packed, bits, n)
 
 

@@ -106,7 +106,7 @@ def lloyd_max(bits: int, dim: int | None = None) -> tuple:
 
 def _host_lloyd_max(bits: int, dim: int | None) -> tuple:
     """The computation behind :func:`lloyd_max`, with NumPy on the host."""
-    import numpy as np  # host-side codebook computation only
+    np = _compat.host_numpy()  # host-side computation of a fixed table
 
     if dim is None:
         lim = 14.0

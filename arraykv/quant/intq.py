@@ -32,18 +32,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .. import _compat
 from .._validation import check_int, dtype_name, is_floating
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .bitpack import pack_bits_reference, packed_nbytes, unpack_bits_reference
 
 __all__ = ["IntQuantized", "quantize_groups", "dequantize_groups", "half_exponent", "group_minmax_reference",
            "quantize_pack_reference", "dequantize_reference"]
 
 _PARAM_DTYPES = ("float16", "float32")
-#: Code widths the quantize/dequantize kernels handle (others use the array-API reference).
-_KERNEL_BITS = (2, 4, 8)
 #: Data whose largest magnitude lies in this range keeps ``exponent = 0`` (see :func:`half_exponent`).
 HALF_SAFE_RANGE = (2.0 ** -6, 2.0 ** 12)
 #: The largest finite float16.
@@ -142,7 +140,8 @@ def _param_dtype(xp: Any, name: Any):
 
 
 def quantize_groups(x: Any, bits: int, group_size: int, *, param_dtype: str = "float32",
-                    exponent: int | None = None) -> IntQuantized:
+                    exponent: int | None = None, group_minmax: Callable | None = None,
+                    quantize_pack: Callable | None = None) -> IntQuantized:
     """Quantize ``x`` group-wise along its last axis.
 
     Parameters
@@ -160,6 +159,10 @@ def quantize_groups(x: Any, bits: int, group_size: int, *, param_dtype: str = "f
         Quantize ``x / 2**exponent`` (exact) and record ``exponent`` in the result. None: 0 for
         float32 parameters, :func:`half_exponent` of ``max |x|`` for float16 ones (one more
         pass over ``x``), so that float16 scales neither underflow nor overflow.
+    group_minmax, quantize_pack : callable, optional
+        The two passes, with the signatures of :func:`group_minmax_reference` and
+        :func:`quantize_pack_reference` (the defaults); ``arraykv.ops.intq_group_minmax`` and
+        ``arraykv.ops.intq_quantize_pack`` pick a kernel for the namespace.
 
     Returns
     -------
@@ -188,25 +191,18 @@ def quantize_groups(x: Any, bits: int, group_size: int, *, param_dtype: str = "f
     if exponent:
         x32 = x32 * 2.0 ** -exponent
     levels = (1 << bits) - 1
-    from ..backends import lookup
-
-    minmax = lookup("intq_group_minmax", xp)
-    mn, mx = (minmax or group_minmax_reference)(x32, group_size)
+    mn, mx = (group_minmax or group_minmax_reference)(x32, group_size)
     scale = xp.astype((mx - mn) / float(levels), pdt)
     offset = xp.astype(mn, pdt)
     scale32 = xp.astype(scale, xp.float32)
     off32 = xp.astype(offset, xp.float32)
     inv = xp.where(scale32 > 0.0, 1.0 / xp.where(scale32 > 0.0, scale32, 1.0), 0.0)
-    fast = lookup("intq_quantize_pack", xp) if bits in _KERNEL_BITS else None
-    if fast is not None:
-        codes = fast(x32, group_size, bits, off32, inv)
-    else:
-        codes = quantize_pack_reference(x32, group_size, bits, off32, inv)
+    codes = (quantize_pack or quantize_pack_reference)(x32, group_size, bits, off32, inv)
     return IntQuantized(codes=codes, scale=scale, offset=offset, bits=bits, group_size=group_size,
                         n=int(x.shape[-1]), exponent=exponent)
 
 
-def dequantize_groups(q: IntQuantized, dtype: Any = None):
+def dequantize_groups(q: IntQuantized, dtype: Any = None, *, dequantize: Callable | None = None):
     """Reconstruct ``x̂`` of shape ``(..., n)`` from :func:`quantize_groups` output.
 
     Parameters
@@ -214,6 +210,9 @@ def dequantize_groups(q: IntQuantized, dtype: Any = None):
     q : IntQuantized
     dtype : dtype, optional
         Output dtype (default float32).
+    dequantize : callable, optional
+        With the signature of :func:`dequantize_reference` (the default);
+        ``arraykv.ops.intq_dequantize`` picks a kernel for the namespace.
 
     Returns
     -------
@@ -223,15 +222,9 @@ def dequantize_groups(q: IntQuantized, dtype: Any = None):
     if not isinstance(q, IntQuantized):
         raise TypeError(f"q must be an IntQuantized, received {type(q).__name__}")
     xp = _compat.namespace(q.codes)
-    from ..backends import lookup
-
-    fast = lookup("intq_dequantize", xp) if q.bits in _KERNEL_BITS else None
     s32 = xp.astype(q.scale, xp.float32)
     o32 = xp.astype(q.offset, xp.float32)
-    if fast is not None:
-        out = fast(q.codes, q.bits, q.group_size, q.n, s32, o32)
-    else:
-        out = dequantize_reference(q.codes, q.bits, q.group_size, q.n, s32, o32)
+    out = (dequantize or dequantize_reference)(q.codes, q.bits, q.group_size, q.n, s32, o32)
     if q.exponent:
         out = out * 2.0 ** q.exponent
     if dtype is not None and out.dtype != dtype:
@@ -271,13 +264,13 @@ def quantize_pack_reference(x32: Any, group_size: int, bits: int, off32: Any, in
     c = xp.clip(xp.floor(t + 0.5), 0.0, levels)
     lead = tuple(int(s) for s in x32.shape[:-1])
     codes = xp.reshape(xp.astype(c, xp.uint8), lead + (-1,))[..., :n]
-    return pack_bits(codes, bits)
+    return pack_bits_reference(codes, bits)
 
 
 def dequantize_reference(codes: Any, bits: int, group_size: int, n: int, s32: Any, o32: Any):
     """``scale * code + offset`` for packed ``codes`` (..., bytes): float32 (..., n)."""
     xp = _compat.namespace(codes)
-    c = unpack_bits(codes, bits, n)
+    c = unpack_bits_reference(codes, bits, n)
     lead = tuple(int(s) for s in c.shape[:-1])
     groups = int(s32.shape[-1])
     pad = groups * group_size - n

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
-from ..backends.registry import lookup
 
 __all__ = ["SparseOutliers", "split_outliers", "split_outliers_reference", "scatter_outliers"]
 
@@ -64,13 +63,9 @@ def split_outliers(x: Any, threshold: float):
     values that would stretch a quantizer's range in a sparse full-precision table; the
     rest is compressed densely. A z-score rule is used instead of a fixed fraction because
     it needs no sort (one pass for the statistics, one for the test). On Gaussian data at
-    ``threshold = 6`` the expected fraction of outliers is 2e-9.
+    ``threshold = 6`` the expected fraction of outliers is 2e-9. Array-API code;
+    ``arraykv.ops.split_outliers`` is the same function with a kernel per namespace.
     """
-    xp = _compat.namespace(x)
-    kernel = lookup("split_outliers", xp)
-    if kernel is not None:
-        dense, index, value = kernel(x, threshold)
-        return dense, SparseOutliers(index=index, value=value)
     return split_outliers_reference(x, threshold)
 
 

@@ -25,11 +25,11 @@ Decoding is ``x̂ = n · Mᵀ c[codes]``. Two choices of the stored length ``n``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .. import _compat
 from .._validation import check_int, is_floating
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .bitpack import pack_bits_reference, packed_nbytes, unpack_bits_reference
 from .codebooks import Codebook
 from .rotation import Rotation, rotate, unrotate
 
@@ -95,7 +95,8 @@ def _check(x: Any, codebook: Codebook, rotation: Rotation) -> Any:
     return xp
 
 
-def polar_encode(x: Any, codebook: Codebook, rotation: Rotation, *, length: str = "fit") -> PolarCode:
+def polar_encode(x: Any, codebook: Codebook, rotation: Rotation, *, length: str = "fit",
+                 encode: Callable | None = None) -> PolarCode:
     """Quantize vectors along the last axis.
 
     Parameters
@@ -109,6 +110,10 @@ def polar_encode(x: Any, codebook: Codebook, rotation: Rotation, *, length: str 
     length : {"fit", "unbiased"}, default "fit"
         The stored length: least squares (smallest error) or unbiased inner products with
         ``x`` itself (``⟨x̂, x⟩ = ‖x‖²``); see the module notes.
+    encode : callable, optional
+        ``encode(x, codebook, rotation, *, unbiased)`` with the signature of
+        :func:`polar_encode_reference` (the default); ``arraykv.ops.polar_encode`` picks a
+        kernel for the namespace.
 
     Returns
     -------
@@ -132,19 +137,18 @@ def polar_encode(x: Any, codebook: Codebook, rotation: Rotation, *, length: str 
         raise ValueError(f"x must have {rotation.dim} values on its last axis, received shape {tuple(x.shape)}")
     if not is_floating(xp, x.dtype):
         raise TypeError(f"x must have a floating dtype, received {x.dtype}")
-    from ..backends import lookup
-
-    fast = lookup("polar_encode", xp)
-    unbiased = length == "unbiased"
-    if fast is not None:
-        codes, norms = fast(x, rotation, codebook, unbiased=unbiased)
-    else:
-        codes, norms = polar_encode_reference(x, codebook, rotation, unbiased=unbiased)
+    codes, norms = (encode or polar_encode_reference)(x, codebook, rotation, unbiased=length == "unbiased")
     return PolarCode(codes=codes, norms=norms, bits=codebook.bits, dim=rotation.dim)
 
 
 def polar_encode_reference(x: Any, codebook: Codebook, rotation: Rotation, *, unbiased: bool = False) -> tuple:
-    """Array-API version of :func:`polar_encode` (no checks); returns ``(codes, norms)``."""
+    """Array-API version of :func:`polar_encode` (no checks).
+
+    Returns
+    -------
+    codes : array of uint8, shape (..., ceil(dim · bits / 8))
+    norms : array of float16, shape (...)
+    """
     xp = _compat.namespace(x)
     xf = xp.astype(x, xp.float32)
     norms = xp.linalg.vector_norm(xf, axis=-1)
@@ -158,10 +162,11 @@ def polar_encode_reference(x: Any, codebook: Codebook, rotation: Rotation, *, un
         scale = xp.where(dot > 0.0, norms / xp.where(dot > 0.0, dot, 1.0), xp.zeros_like(norms))
     else:
         scale = norms * dot / xp.sum(yh * yh, axis=-1)
-    return pack_bits(idx, codebook.bits), xp.astype(scale, half_dtype(xp))
+    return pack_bits_reference(idx, codebook.bits), xp.astype(scale, half_dtype(xp))
 
 
-def polar_decode(code: PolarCode, codebook: Codebook, rotation: Rotation, *, dtype: Any = None):
+def polar_decode(code: PolarCode, codebook: Codebook, rotation: Rotation, *, dtype: Any = None,
+                 decode: Callable | None = None):
     """Reconstruct vectors from a :class:`PolarCode`.
 
     Parameters
@@ -171,6 +176,10 @@ def polar_decode(code: PolarCode, codebook: Codebook, rotation: Rotation, *, dty
         The ones used to encode.
     dtype : dtype, optional
         Output dtype (default float32).
+    decode : callable, optional
+        ``decode(codes, norms, codebook, rotation)`` with the signature of
+        :func:`polar_decode_reference` (the default); ``arraykv.ops.polar_decode`` picks a
+        kernel for the namespace.
 
     Returns
     -------
@@ -187,13 +196,7 @@ def polar_decode(code: PolarCode, codebook: Codebook, rotation: Rotation, *, dty
         )
     if int(code.codes.shape[-1]) != packed_nbytes(code.dim, code.bits):
         raise ValueError(f"code.codes must have {packed_nbytes(code.dim, code.bits)} bytes on its last axis")
-    from ..backends import lookup
-
-    fast = lookup("polar_decode", xp)
-    if fast is not None:
-        out = fast(code.codes, code.norms, rotation, codebook)
-    else:
-        out = polar_decode_reference(code.codes, code.norms, codebook, rotation)
+    out = (decode or polar_decode_reference)(code.codes, code.norms, codebook, rotation)
     if dtype is not None and out.dtype != dtype:
         out = xp.astype(out, dtype)
     return out
@@ -203,7 +206,7 @@ def polar_decode_reference(codes: Any, norms: Any, codebook: Codebook, rotation:
     """Array-API version of :func:`polar_decode` (no checks); float32 output."""
     xp = _compat.namespace(codes)
     d = rotation.dim
-    idx = unpack_bits(codes, codebook.bits, d)
+    idx = unpack_bits_reference(codes, codebook.bits, d)
     lead = tuple(int(s) for s in idx.shape[:-1])
     y = xp.reshape(xp.take(codebook.centroids, xp.reshape(xp.astype(idx, xp.int64), (-1,))), lead + (d,))
     return unrotate(y, rotation) * xp.astype(norms, xp.float32)[..., None]

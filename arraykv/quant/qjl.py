@@ -113,7 +113,7 @@ def _count(a: Any) -> int:
 @functools.lru_cache(maxsize=32)
 def _host_sketch(rows: int, dim: int, seed: int):
     """Seeded Gaussian sketch generated on the host with NumPy (float32, read-only)."""
-    import numpy as np  # host-side seeded generation only
+    np = _compat.host_numpy()  # host-side computation of a fixed table
 
     s = np.random.default_rng([seed, 0x51A]).standard_normal((rows, dim)).astype(np.float32)
     s.setflags(write=False)

@@ -79,7 +79,7 @@ class Rotation:
 @functools.lru_cache(maxsize=64)
 def _host_rotation(dim: int, seed: int):
     """Generate ``(kind, signs, matrix)`` as NumPy float32 arrays on the host (seeded)."""
-    import numpy as np  # host-side seeded generation only
+    np = _compat.host_numpy()  # host-side computation of a fixed table
 
     rng = np.random.default_rng(seed)
     if is_power_of_two(dim):

@@ -1,29 +1,36 @@
-"""Product quantization: one k-means codebook per (head, sub-space).
+"""Vector (product) quantization: one k-means codebook per (head, sub-space).
 
 Each ``head_dim`` vector is split into ``head_dim / sub_dim`` sub-vectors; every sub-space of
 every head has its own codebook of ``codebook_size`` centroids, trained with k-means++
 seeding and Lloyd iterations until the objective stops decreasing.
+
+Everything here is array-API code (the references the CPU kernels are tested against). The
+steps that have kernels are parameters: :func:`train_vq` takes ``assign``/``update``,
+:func:`vq_encode` ``encode`` and :func:`vq_decode` ``decode``, defaulting to the references
+below; :mod:`arraykv.ops` has the accelerated ones (``ops.vq_assign``, ``ops.vq_update``,
+``ops.vq_encode``, ``ops.vq_decode``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .. import _compat
 from .._validation import check_int, dtype_name, is_floating
-from .bitpack import pack_bits, unpack_bits
+from .bitpack import pack_bits_reference, unpack_bits_reference
 
-__all__ = ["PQCodebook", "PQCodes", "check_pq_options", "train_pq", "pq_encode", "pq_decode", "code_bits",
-           "pq_decode_attention_reference"]
+__all__ = ["VQCodebook", "VQCodes", "check_vq_options", "train_vq", "vq_encode", "vq_decode", "code_bits",
+           "assign_reference", "update_reference", "vq_encode_reference", "vq_decode_reference",
+           "check_decode_attention_args"]
 
 # One-hot / distance blocks are processed in chunks of at most this many float32 elements.
 _CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
-class PQCodebook:
+class VQCodebook:
     """Trained product-quantization codebooks.
 
     Attributes
@@ -66,8 +73,8 @@ class PQCodebook:
 
 
 @dataclass(frozen=True)
-class PQCodes:
-    """Packed PQ codes of vectors of shape (..., heads, seq, head_dim).
+class VQCodes:
+    """Packed VQ codes of vectors of shape (..., heads, seq, head_dim).
 
     Attributes
     ----------
@@ -93,9 +100,9 @@ def code_bits(codebook_size: int) -> int:
     return max(1, math.ceil(math.log2(codebook_size)))
 
 
-def check_pq_options(codebook_size: Any, sub_dim: Any, head_dim: int | None = None,
+def check_vq_options(codebook_size: Any, sub_dim: Any, head_dim: int | None = None,
                      max_iter: Any = 25, tol: Any = 1e-4) -> tuple:
-    """Validate PQ options; return ``(codebook_size, sub_dim, max_iter, tol)``."""
+    """Validate VQ options; return ``(codebook_size, sub_dim, max_iter, tol)``."""
     codebook_size = check_int("codebook_size", codebook_size, low=2, high=65536)
     sub_dim = check_int("sub_dim", sub_dim, low=1)
     if head_dim is not None and head_dim % sub_dim != 0:
@@ -143,10 +150,8 @@ def _kmeans_pp(xg: Any, k: int, seed: int):
     """k-means++ seeding (Arthur & Vassilvitskii 2007), batched over groups: centroids (G, k, s)."""
     xp = _compat.namespace(xg)
     dev = _compat.device(xg)
-    from ..backends._host_rng import host_uniform
-
     groups, n, s = (int(v) for v in xg.shape)
-    u = host_uniform(xp, (k, groups), seed=seed, device=dev)
+    u = _compat.host_uniform(xp, (k, groups), seed=seed, device=dev)
     first = xp.astype(xp.floor(u[0, ...] * float(n)), xp.int64)
     first = xp.clip(first, 0, n - 1)
     chosen = [_gather_rows(xg, first[:, None])]  # each (G, 1, s)
@@ -162,19 +167,20 @@ def _kmeans_pp(xg: Any, k: int, seed: int):
     return xp.concat(chosen, axis=1)
 
 
-def _assign(xg: Any, c: Any):
-    """Nearest centroid index (G, n) and the exact squared error of that assignment."""
-    xp = _compat.namespace(xg)
-    from ..backends import lookup
-
-    fast = lookup("pq_assign", xp)
-    if fast is not None:
-        return fast(xg, c)
-    return assign_reference(xg, c)
-
-
 def assign_reference(xg: Any, c: Any):
-    """Array-API version of the assignment step (distances by a batched matmul)."""
+    """Lloyd's assignment step: nearest centroid of every point (distances by a batched matmul).
+
+    Parameters
+    ----------
+    xg : array of float32, shape (groups, n, sub_dim)
+    c : array of float32, shape (groups, K, sub_dim)
+
+    Returns
+    -------
+    idx : array of int64, shape (groups, n)
+    err : float
+        The squared error of that assignment, summed.
+    """
     xp = _compat.namespace(xg)
     groups, n, _ = (int(v) for v in xg.shape)
     k = int(c.shape[1])
@@ -187,19 +193,20 @@ def assign_reference(xg: Any, c: Any):
     return (parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)), err
 
 
-def _update(xg: Any, c: Any, idx: Any):
-    """Centroid of each cluster (mean of its points); empty clusters keep their centroid."""
-    xp = _compat.namespace(xg)
-    from ..backends import lookup
-
-    fast = lookup("pq_update", xp)
-    if fast is not None:
-        return fast(xg, c, idx)
-    return update_reference(xg, c, idx)
-
-
 def update_reference(xg: Any, c: Any, idx: Any):
-    """Array-API version of the update step (cluster sums by a one-hot matmul)."""
+    """Lloyd's update step: each centroid moves to the mean of its points (cluster sums by a one-hot matmul).
+
+    Parameters
+    ----------
+    xg : array of float32, shape (groups, n, sub_dim)
+    c : array of float32, shape (groups, K, sub_dim)
+        Kept for empty clusters.
+    idx : array of int64, shape (groups, n)
+
+    Returns
+    -------
+    array of float32, shape (groups, K, sub_dim)
+    """
     xp = _compat.namespace(xg)
     dev = _compat.device(xg)
     groups, n, _ = (int(v) for v in xg.shape)
@@ -214,8 +221,8 @@ def update_reference(xg: Any, c: Any, idx: Any):
     return out[0] if len(out) == 1 else xp.concat(out, axis=0)
 
 
-def train_pq(x: Any, *, codebook_size: int = 256, sub_dim: int = 8, max_iter: int = 25, tol: float = 1e-4,
-             seed: int = 0) -> PQCodebook:
+def train_vq(x: Any, *, codebook_size: int = 256, sub_dim: int = 8, max_iter: int = 25, tol: float = 1e-4,
+             seed: int = 0, assign: Callable = assign_reference, update: Callable = update_reference) -> VQCodebook:
     """Train one codebook per (head, sub-space) on ``x``.
 
     Parameters
@@ -232,10 +239,14 @@ def train_pq(x: Any, *, codebook_size: int = 256, sub_dim: int = 8, max_iter: in
         Stop when the objective decreases by less than ``tol`` relative to its previous value.
     seed : int, default 0
         Seed of the k-means++ draws (host NumPy generator).
+    assign, update : callable
+        The two Lloyd steps, with the signatures of :func:`assign_reference` and
+        :func:`update_reference` (the defaults); ``arraykv.ops.vq_assign`` and
+        ``arraykv.ops.vq_update`` pick a kernel for the namespace.
 
     Returns
     -------
-    PQCodebook
+    VQCodebook
 
     Raises
     ------
@@ -261,7 +272,7 @@ def train_pq(x: Any, *, codebook_size: int = 256, sub_dim: int = 8, max_iter: in
     if x.ndim != 3:
         raise ValueError(f"x must have shape (heads, n, head_dim), received shape {tuple(x.shape)}")
     h, n, d = (int(s) for s in x.shape)
-    codebook_size, sub_dim, max_iter, tol = check_pq_options(codebook_size, sub_dim, d, max_iter, tol)
+    codebook_size, sub_dim, max_iter, tol = check_vq_options(codebook_size, sub_dim, d, max_iter, tol)
     seed = check_int("seed", seed, low=0)
     if n < codebook_size:
         raise ValueError(
@@ -276,7 +287,7 @@ def train_pq(x: Any, *, codebook_size: int = 256, sub_dim: int = 8, max_iter: in
     prev_idx = None
     it = 0
     for it in range(1, max_iter + 1):
-        idx, err = _assign(xg, c)
+        idx, err = assign(xg, c)
         history.append(err)
         if len(history) > 1 and (history[-2] - err <= tol * history[-2]):
             converged = True
@@ -284,19 +295,27 @@ def train_pq(x: Any, *, codebook_size: int = 256, sub_dim: int = 8, max_iter: in
         if prev_idx is not None and bool(xp.all(idx == prev_idx)):
             converged = True
             break
-        c = _update(xg, c, idx)
+        c = update(xg, c, idx)
         prev_idx = idx
     m = d // sub_dim
     centroids = xp.reshape(c, (h, m, codebook_size, sub_dim))
-    return PQCodebook(centroids=centroids, objective=tuple(history), iterations=it, converged=converged)
+    return VQCodebook(centroids=centroids, objective=tuple(history), iterations=it, converged=converged)
 
 
-def pq_encode(x: Any, cb: PQCodebook) -> PQCodes:
+def vq_encode(x: Any, cb: VQCodebook, *, encode: Callable | None = None) -> VQCodes:
     """Nearest-centroid codes of ``x`` (..., heads, seq, head_dim), packed.
+
+    Parameters
+    ----------
+    x : array of float, shape (..., heads, seq, head_dim)
+    cb : VQCodebook
+    encode : callable, optional
+        ``encode(x4, centroids, bits)`` with the signature of :func:`vq_encode_reference`
+        (the default); ``arraykv.ops.vq_encode`` picks a kernel for the namespace.
 
     Returns
     -------
-    PQCodes
+    VQCodes
     """
     xp = _compat.namespace(x)
     lead = tuple(int(s) for s in x.shape[:-3])
@@ -310,61 +329,76 @@ def pq_encode(x: Any, cb: PQCodebook) -> PQCodes:
     for s in lead:
         rows *= s
     bits = code_bits(cb.codebook_size)
-    from ..backends import lookup
+    codes = (encode or vq_encode_reference)(xp.reshape(x, (rows, h, t, d)), cb.centroids, bits)
+    return VQCodes(codes=xp.reshape(codes, lead + (h, t, int(codes.shape[-1]))), bits=bits, subspaces=cb.subspaces)
 
-    fast = lookup("pq_encode", xp)
-    if fast is not None:  # one call: assignment and packing (same codes as below)
-        codes = fast(xp.reshape(x, (rows, h, t, d)), cb.centroids, bits)
-        return PQCodes(codes=xp.reshape(codes, lead + (h, t, int(codes.shape[-1]))), bits=bits, subspaces=cb.subspaces)
+
+def vq_encode_reference(x: Any, centroids: Any, bits: int):
+    """Codes of ``x`` (rows, h, t, d) for codebooks ``centroids`` (h, m, K, s).
+
+    Returns
+    -------
+    array of uint8, shape (rows, h, t, ceil(m · bits / 8)) (packed, ``bits <= 8``), or of
+    uint16, shape (rows, h, t, m)
+    """
+    xp = _compat.namespace(x)
+    rows, h, t, d = (int(s) for s in x.shape)
+    _, m, k, sub_dim = (int(s) for s in centroids.shape)
     x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
     # (rows, h, t, d) → (h, rows * t, d): every head's vectors together.
-    xh = xp.reshape(xp.permute_dims(xp.reshape(x32, (rows, h, t, d)), (1, 0, 2, 3)), (h, rows * t, d))
-    xg = _split(xh, cb.sub_dim)
-    c = xp.reshape(cb.centroids, (h * cb.subspaces, cb.codebook_size, cb.sub_dim))
-    idx, _ = _assign(xg, c)  # (h*m, rows*t)
-    m = cb.subspaces
+    xh = xp.reshape(xp.permute_dims(x32, (1, 0, 2, 3)), (h, rows * t, d))
+    xg = _split(xh, sub_dim)
+    c = xp.reshape(centroids, (h * m, k, sub_dim))
+    idx, _ = assign_reference(xg, c)  # (h*m, rows*t)
     idx = xp.permute_dims(xp.reshape(idx, (h, m, rows, t)), (2, 0, 3, 1))  # (rows, h, t, m)
     if bits <= 8:
-        codes = pack_bits(xp.astype(idx, xp.uint8), bits)
-    else:
-        codes = xp.astype(idx, xp.uint16)
-    codes = xp.reshape(codes, lead + (h, t, int(codes.shape[-1])))
-    return PQCodes(codes=codes, bits=bits, subspaces=m)
+        return pack_bits_reference(xp.astype(idx, xp.uint8), bits)
+    return xp.astype(idx, xp.uint16)
 
 
-def pq_decode(codes: PQCodes, cb: PQCodebook, dtype: Any = None):
-    """Concatenate the centroids that ``codes`` name: array (..., heads, seq, head_dim)."""
+def vq_decode(codes: VQCodes, cb: VQCodebook, dtype: Any = None, *, decode: Callable | None = None):
+    """Concatenate the centroids that ``codes`` name: array (..., heads, seq, head_dim).
+
+    Parameters
+    ----------
+    codes : VQCodes
+    cb : VQCodebook
+    dtype : dtype, optional
+        Output dtype (default float32).
+    decode : callable, optional
+        ``decode(codes4, centroids, bits)`` with the signature of :func:`vq_decode_reference`
+        (the default); ``arraykv.ops.vq_decode`` picks a kernel for the namespace.
+    """
     xp = _compat.namespace(codes.codes)
     c = codes.codes
     lead = tuple(int(s) for s in c.shape[:-3])
     h, t = int(c.shape[-3]), int(c.shape[-2])
-    m = codes.subspaces
     rows = 1
     for s in lead:
         rows *= s
-    from ..backends import lookup
+    out = (decode or vq_decode_reference)(xp.reshape(c, (rows, h, t, int(c.shape[-1]))), cb.centroids, codes.bits)
+    out = xp.reshape(out, lead + (h, t, codes.subspaces * cb.sub_dim))
+    return out if dtype is None or out.dtype == dtype else xp.astype(out, dtype)
 
-    fast = lookup("pq_decode", xp)
-    if fast is not None:  # one pass, no unpacked index array
-        out = fast(xp.reshape(c, (rows, h, t, int(c.shape[-1]))), cb.centroids, codes.bits)
-        out = xp.reshape(out, lead + (h, t, m * cb.sub_dim))
-        return out if dtype is None or out.dtype == dtype else xp.astype(out, dtype)
-    idx = unpack_bits(c, codes.bits, m) if codes.bits <= 8 else c
-    idx = xp.astype(xp.reshape(idx, (rows, h, t, m)), xp.int64)
+
+def vq_decode_reference(codes: Any, centroids: Any, bits: int):
+    """Vectors that ``codes`` (rows, h, t, bytes or m) name in ``centroids`` (h, m, K, s): float32 (rows, h, t, m · s)."""
+    xp = _compat.namespace(codes)
+    rows, h, t = (int(s) for s in codes.shape[:3])
+    _, m, k, sub_dim = (int(s) for s in centroids.shape)
+    idx = unpack_bits_reference(codes, bits, m) if bits <= 8 else codes
+    idx = xp.astype(idx, xp.int64)
     idx = xp.reshape(xp.permute_dims(idx, (1, 3, 0, 2)), (h * m, rows * t))  # (h*m, rows*t)
-    cent = xp.reshape(cb.centroids, (h * m, cb.codebook_size, cb.sub_dim))
+    cent = xp.reshape(centroids, (h * m, k, sub_dim))
     vec = _gather_rows(cent, idx)  # (h*m, rows*t, s)
-    vec = xp.reshape(vec, (h, m, rows, t, cb.sub_dim))
+    vec = xp.reshape(vec, (h, m, rows, t, sub_dim))
     vec = xp.permute_dims(vec, (2, 0, 3, 1, 4))
-    out = xp.reshape(vec, lead + (h, t, m * cb.sub_dim))
-    if dtype is not None and out.dtype != dtype:
-        out = xp.astype(out, dtype)
-    return out
+    return xp.reshape(vec, (rows, h, t, m * sub_dim))
 
 
 def check_decode_attention_args(q: Any, k_codes: Any, k_centroids: Any, v_codes: Any, v_centroids: Any,
                                 k_extra: Any, v_extra: Any, bits: Any) -> tuple:
-    """Shape and dtype checks of :func:`pq_decode_attention_reference` (shared with its kernels).
+    """Shape and dtype checks of :func:`arraykv.attention.vq_fused.vq_decode_attention_reference` (shared with its kernels).
 
     Returns
     -------
@@ -408,65 +442,3 @@ def check_decode_attention_args(q: Any, k_codes: Any, k_centroids: Any, v_codes:
     if t + e == 0:
         raise ValueError("attention needs at least one token: k_codes and k_extra are both empty")
     return b, hq, h, t, e, d, m, bits
-
-
-def pq_decode_attention_reference(q: Any, k_codes: Any, k_centroids: Any, v_codes: Any, v_centroids: Any,
-                                  k_extra: Any, v_extra: Any, *, bits: int, softmax_scale: float):
-    """One decode step of attention over PQ-coded keys and values plus a few dense tokens.
-
-    Decodes every key and value with :func:`pq_decode`, appends the dense tokens and runs
-    :func:`arraykv.attention.attention` (no causal mask: one query sees every token).
-
-    Parameters
-    ----------
-    q : array of float, shape (batch, q_heads, head_dim)
-        The new token's queries; ``q_heads`` is a multiple of the KV heads ``h`` and query head
-        ``i`` uses KV head ``i // (q_heads // h)`` (grouped-query attention).
-    k_codes, v_codes : array, shape (batch, h, T, ceil(m * bits / 8)) uint8 or (batch, h, T, m) uint16
-        PQ codes of the ``T`` coded tokens (:attr:`PQCodes.codes`): packed with
-        :func:`arraykv.quant.bitpack.pack_bits` when ``bits <= 8``, one uint16 per code otherwise.
-    k_centroids, v_centroids : array of float, shape (h, m, K, s)
-        The codebooks (:attr:`PQCodebook.centroids`), ``m * s == head_dim``; ``K`` may differ
-        between keys and values.
-    k_extra, v_extra : array of float, shape (batch, h, E, head_dim)
-        Dense tokens (a cache's float16 sinks and recent window); ``E`` may be 0.
-    bits : int
-        Bits per code, 1 to 16 (``code_bits(K)``).
-    softmax_scale : float
-        Multiplies ``q · k`` before the softmax.
-
-    Returns
-    -------
-    array of float32, shape (batch, q_heads, head_dim)
-
-    Raises
-    ------
-    ValueError
-        On inconsistent shapes or dtypes, or when ``T + E == 0``.
-
-    Notes
-    -----
-    With ``K_t`` the decoded keys and dense keys, ``out = softmax(scale · q K_tᵀ) V_t``. The
-    fused kernel (``lookup("pq_decode_attention", xp)``) computes the same without decoding:
-    see :mod:`arraykv.backends._numba_pq_fused`.
-    """
-    from ..attention import attention
-
-    xp = _compat.namespace(q)
-    b, hq, h, t, e, d, m, bits = check_decode_attention_args(q, k_codes, k_centroids, v_codes, v_centroids,
-                                                             k_extra, v_extra, bits)
-    f32 = xp.float32
-    ks, vs = [], []
-    if t > 0:
-        kcb = PQCodebook(centroids=xp.astype(k_centroids, f32, copy=False))
-        vcb = PQCodebook(centroids=xp.astype(v_centroids, f32, copy=False))
-        ks.append(pq_decode(PQCodes(codes=k_codes, bits=bits, subspaces=m), kcb, f32))
-        vs.append(pq_decode(PQCodes(codes=v_codes, bits=bits, subspaces=m), vcb, f32))
-    if e > 0:
-        ks.append(xp.astype(k_extra, f32, copy=False))
-        vs.append(xp.astype(v_extra, f32, copy=False))
-    k = ks[0] if len(ks) == 1 else xp.concat(ks, axis=2)
-    v = vs[0] if len(vs) == 1 else xp.concat(vs, axis=2)
-    q4 = xp.reshape(xp.astype(q, f32, copy=False), (b, hq, 1, d))
-    out = attention(q4, k, v, softmax_scale=float(softmax_scale), causal=False)
-    return xp.reshape(out, (b, hq, d))

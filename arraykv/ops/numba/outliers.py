@@ -17,7 +17,9 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from ._numba_threads import threads_for
+from ...quant.outliers import SparseOutliers
+
+from .threads import launch
 
 __all__ = ["split_outliers"]
 
@@ -78,7 +80,7 @@ def _split(x, thr, mu, sd, dense, index):
 
 
 def split_outliers(x: np.ndarray, threshold: float):
-    """Kernel form of :func:`arraykv.quant.outliers.split_outliers` for NumPy arrays.
+    """Kernel of :func:`arraykv.quant.outliers.split_outliers_reference` for NumPy arrays.
 
     Parameters
     ----------
@@ -89,8 +91,9 @@ def split_outliers(x: np.ndarray, threshold: float):
     -------
     dense : ndarray of float32, same shape (``x`` itself when it is float32, C-contiguous
         and has no outlier)
-    index : ndarray of int32 (int64 from 2**31 values), shape (count,), ascending flat positions
-    value : ndarray of x.dtype, shape (count,)
+    outliers : SparseOutliers
+        ``index`` int32 (int64 from 2**31 values), shape (count,), ascending flat positions;
+        ``value`` of x.dtype, shape (count,).
 
     Notes
     -----
@@ -109,14 +112,14 @@ def split_outliers(x: np.ndarray, threshold: float):
     mu = np.empty((h, d), np.float32)
     sd = np.empty((h, d), np.float32)
     counts = np.zeros(h, np.int64)
-    with threads_for(x.size):
+    with launch(x.size):
         _stats(x, thr, mu, sd, counts)
     count = int(counts.sum())
     idx_dtype = np.int32 if x.size < 2**31 else np.int64
     index = np.empty(count, idx_dtype)
     if count == 0:
         dense = x if x.dtype == np.float32 else x.astype(np.float32)
-        return dense, index, given.reshape(-1)[:0].copy()
+        return dense, SparseOutliers(index=index, value=given.reshape(-1)[:0].copy())
     dense = np.empty(x.shape, np.float32)
     _split(x, thr, mu, sd, dense, index)
-    return dense, index, given.reshape(-1)[index]
+    return dense, SparseOutliers(index=index, value=given.reshape(-1)[index])

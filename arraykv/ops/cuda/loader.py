@@ -1,6 +1,6 @@
 """The one loader of CUDA kernels: ``kernels/*.cu`` compiled by ``cupy.RawModule``.
 
-Sources are read from the installed package (:mod:`arraykv.backends._kernel_files`), a
+Sources are read from the installed package (:mod:`arraykv.ops.kernel_files`), a
 ``#line 1 "<path>"`` directive is prepended so compiler errors point at the ``.cu`` file, and
 templates are instantiated by name expression (``pack_bits<3>``). Modules are memoised per
 (source, name expressions, options) for the life of the process; CuPy also keeps compiled
@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Iterable
 
-from ._kernel_files import kernel_source
+from ..kernel_files import kernel_source
 
 __all__ = ["require_cupy", "load_module", "get_kernel", "DEFAULT_OPTIONS"]
 

@@ -1,7 +1,7 @@
 """Numba kernels for bit packing (the layout of :mod:`arraykv.quant.bitpack`).
 
-Calls on fewer than :data:`PARALLEL_MIN_VALUES` codes (one decode step's token, say) run on
-the calling thread.
+Calls on few codes (one decode step's token, say) run on the calling thread
+(:mod:`arraykv.ops.numba.threads`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from ._numba_threads import threads_for
+from .threads import launch
 
-__all__ = ["pack_bits", "unpack_bits", "PARALLEL_MIN_VALUES"]
+__all__ = ["pack_bits", "unpack_bits"]
 
-#: Below this many codes a call runs on the calling thread only.
-PARALLEL_MIN_VALUES = 1 << 20
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
@@ -61,7 +59,7 @@ def pack_bits(codes, bits):
     out = np.empty(lead + ((n * bits + 7) // 8,), dtype=np.uint8)
     if codes.size == 0:
         return out
-    with threads_for(codes.size, PARALLEL_MIN_VALUES):
+    with launch(codes.size):
         _pack(codes.reshape(-1, n), int(bits), out.reshape(-1, out.shape[-1]))
     return out
 
@@ -72,6 +70,6 @@ def unpack_bits(packed, bits, n):
     out = np.empty(lead + (int(n),), dtype=np.uint8)
     if out.size == 0:
         return out
-    with threads_for(out.size, PARALLEL_MIN_VALUES):
+    with launch(out.size):
         _unpack(packed.reshape(-1, packed.shape[-1]), int(bits), int(n), out.reshape(-1, int(n)))
     return out

@@ -1,4 +1,4 @@
-"""Fused PQ decode attention (ADC scores, histogram value sums) against the array-API reference."""
+"""Fused VQ decode attention (ADC scores, histogram value sums) against the array-API reference."""
 
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.backends import lookup
+from functools import partial
+
+from arraykv.attention.vq_fused import vq_decode_attention_reference
+from arraykv.ops import lookup
 from arraykv.quant.bitpack import pack_bits
-from arraykv.quant.pq import code_bits, pq_decode_attention_reference
+from arraykv.quant.vq import code_bits
 from conftest import asarray, to_np
 
 try:
-    from arraykv.backends import _numba_pq_fused as nf
+    from arraykv.ops.numba import vq_fused as nf
 except ImportError:  # numba missing
     nf = None
 
@@ -119,7 +122,7 @@ def test_reference_matches_naive_loop(xp, rng, shape):
     # array_api_strict has no float16: the dense tokens go in as float32 there
     conv = {k: asarray(xp, v, np.float32 if v.dtype == np.float16 and not hasattr(xp, "float16") else None)
             for k, v in args.items()}
-    got = pq_decode_attention_reference(**conv, bits=bits, softmax_scale=scale)
+    got = vq_decode_attention_reference(**conv, bits=bits, softmax_scale=scale)
     assert got.dtype == xp.float32 and tuple(got.shape) == (b, h * g, d)
     _close(to_np(got), want)
 
@@ -129,11 +132,11 @@ def test_reference_matches_naive_loop(xp, rng, shape):
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
 def test_kernel_matches_reference(rng, shape, mode, monkeypatch):
     b, h, g, d, K, s, T, E = shape
-    monkeypatch.setattr(nf, "_FORCE_MODE", mode)
+    monkeypatch.setattr(nf, "vq_decode_attention", partial(nf.decode_attention_mode, mode=mode))
     args, bits = _case(rng, b=b, h=h, g=g, d=d, K=K, s=s, T=T, E=E)
     scale = d ** -0.5
-    want = pq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
-    got = nf.pq_decode_attention(**args, bits=bits, softmax_scale=scale)
+    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
+    got = nf.vq_decode_attention(**args, bits=bits, softmax_scale=scale)
     assert got.dtype == np.float32 and got.shape == (b, h * g, d)
     _close(got, want)
 
@@ -141,13 +144,9 @@ def test_kernel_matches_reference(rng, shape, mode, monkeypatch):
 @needs_numba
 def test_different_key_and_value_codebook_sizes(rng):
     args, bits = _case(rng, b=2, h=2, g=2, d=32, K=16, kv_K=5, s=2, T=300, E=3)
-    want = pq_decode_attention_reference(**args, bits=bits, softmax_scale=0.2)
+    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=0.2)
     for mode in ("tables", "direct"):
-        nf._FORCE_MODE = mode
-        try:
-            _close(nf.pq_decode_attention(**args, bits=bits, softmax_scale=0.2), want)
-        finally:
-            nf._FORCE_MODE = None
+        _close(nf.decode_attention_mode(**args, bits=bits, softmax_scale=0.2, mode=mode), want)
 
 
 @needs_numba
@@ -155,10 +154,10 @@ def test_different_key_and_value_codebook_sizes(rng):
 @pytest.mark.parametrize("scale", [30.0, 1000.0])
 def test_large_logit_ranges_are_stable(rng, mode, scale, monkeypatch):
     """Logits spanning thousands: the running maximum rises across tiles, the weights never overflow."""
-    monkeypatch.setattr(nf, "_FORCE_MODE", mode)
+    monkeypatch.setattr(nf, "vq_decode_attention", partial(nf.decode_attention_mode, mode=mode))
     args, bits = _case(rng, b=1, h=2, g=4, d=64, K=16, s=2, T=5000, E=5)
-    want = pq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
-    got = nf.pq_decode_attention(**args, bits=bits, softmax_scale=scale)
+    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
+    got = nf.vq_decode_attention(**args, bits=bits, softmax_scale=scale)
     assert np.all(np.isfinite(got))
     _close(got, want)
     # key codes that rise with the token index: the running maximum moves up tile after tile
@@ -169,8 +168,8 @@ def test_large_logit_ranges_are_stable(rng, mode, scale, monkeypatch):
     cent = np.broadcast_to(np.linspace(-1, 1, 16, dtype=np.float32)[None, None, :, None], (2, m, 16, 2))
     args.update(k_codes=pack_bits(np.ascontiguousarray(rising), 4), k_centroids=np.ascontiguousarray(cent))
     args["q"] = np.abs(args["q"])
-    want = pq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
-    got = nf.pq_decode_attention(**args, bits=bits, softmax_scale=scale)
+    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
+    got = nf.vq_decode_attention(**args, bits=bits, softmax_scale=scale)
     assert np.all(np.isfinite(got)) and np.all(np.isfinite(want))
     _close(got, want)
 
@@ -179,22 +178,22 @@ def test_large_logit_ranges_are_stable(rng, mode, scale, monkeypatch):
 def test_float16_query_and_strided_codes(rng):
     """Any float dtype for q and the codebooks, codes read in place through strides."""
     args, bits = _case(rng, b=2, h=2, g=2, d=64, K=16, s=2, T=301, E=2)
-    want = pq_decode_attention_reference(**args, bits=bits, softmax_scale=0.1)
+    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=0.1)
     wide = np.zeros(args["k_codes"].shape[:2] + (602, args["k_codes"].shape[3]), np.uint8)
     wide[:, :, ::2] = args["k_codes"]
     args = dict(args, k_codes=wide[:, :, ::2], k_centroids=args["k_centroids"].astype(np.float64))
-    _close(nf.pq_decode_attention(**args, bits=bits, softmax_scale=0.1), want)
+    _close(nf.vq_decode_attention(**args, bits=bits, softmax_scale=0.1), want)
 
 
 @needs_numba
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
 @pytest.mark.parametrize("mode", ["tables", "direct"])
-def test_parallel_kernel_and_token_splits(rng, splits, mode, monkeypatch):
+def test_parallel_kernel_and_token_splits(rng, splits, mode, monkeypatch, parallel_threshold):
     """The threaded kernel, forced on a small step, with 1–7 spans per head (empty ones included)."""
     if nf.nb.get_num_threads() < 2:
         pytest.skip("Numba has one thread")
     args, bits = _case(rng, b=2, h=2, g=4, d=32, K=16, s=2, T=200, E=5)
-    want = pq_decode_attention_reference(**args, bits=bits, softmax_scale=0.3)
+    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=0.3)
     calls = []
     real = nf._step_parallel
 
@@ -202,16 +201,16 @@ def test_parallel_kernel_and_token_splits(rng, splits, mode, monkeypatch):
         calls.append(a[-2])
         return real(*a)
 
-    monkeypatch.setattr(nf, "_FORCE_MODE", mode)
-    monkeypatch.setattr(nf, "PARALLEL_MIN_VALUES", 0)
+    monkeypatch.setattr(nf, "vq_decode_attention", partial(nf.decode_attention_mode, mode=mode))
+    parallel_threshold(0)
     monkeypatch.setattr(nf, "_splits", lambda bh, n, threads, span: splits)
     monkeypatch.setattr(nf, "_step_parallel", spy)
-    _close(nf.pq_decode_attention(**args, bits=bits, softmax_scale=0.3), want)
+    _close(nf.vq_decode_attention(**args, bits=bits, softmax_scale=0.3), want)
     assert calls == [splits]
     # more spans than tokens: trailing spans are empty
     few, _ = _case(rng, b=1, h=2, g=1, d=32, K=16, s=2, T=3, E=0)
-    _close(nf.pq_decode_attention(**few, bits=bits, softmax_scale=0.3),
-           pq_decode_attention_reference(**few, bits=bits, softmax_scale=0.3))
+    _close(nf.vq_decode_attention(**few, bits=bits, softmax_scale=0.3),
+           vq_decode_attention_reference(**few, bits=bits, softmax_scale=0.3))
 
 
 @needs_numba
@@ -221,7 +220,7 @@ def test_small_steps_run_serially(rng, monkeypatch):
 
     monkeypatch.setattr(nf, "_step_parallel", fail)
     args, bits = _case(rng, b=1, h=3, g=3, d=64, K=16, s=2, T=500)
-    nf.pq_decode_attention(**args, bits=bits, softmax_scale=0.125)
+    nf.vq_decode_attention(**args, bits=bits, softmax_scale=0.125)
 
 
 def test_mode_choice():
@@ -236,19 +235,19 @@ def test_mode_choice():
 
 @needs_numba
 @pytest.mark.parametrize("threaded", [False, True])
-def test_step_memory_does_not_grow_with_context(rng, threaded, monkeypatch):
+def test_step_memory_does_not_grow_with_context(rng, threaded, monkeypatch, parallel_threshold):
     """Peak traced allocation of one step is about the same at 1k and 8k tokens.
 
     Decoded float32 K/V of the extra 7000 tokens would be 7000 * 4 * 128 * 4 * 2 = 28 MB.
     """
-    monkeypatch.setattr(nf, "PARALLEL_MIN_VALUES", 0 if threaded else 1 << 62)
+    parallel_threshold(0 if threaded else 1 << 62)
     args, bits = _case(rng, b=1, h=4, g=4, d=128, K=16, s=2, T=8000, E=5)
 
     def peak(n):
         a = dict(args, k_codes=args["k_codes"][:, :, :n], v_codes=args["v_codes"][:, :, :n])
-        nf.pq_decode_attention(**a, bits=bits, softmax_scale=0.1)  # compiled and warm
+        nf.vq_decode_attention(**a, bits=bits, softmax_scale=0.1)  # compiled and warm
         tracemalloc.start()
-        nf.pq_decode_attention(**a, bits=bits, softmax_scale=0.1)
+        nf.vq_decode_attention(**a, bits=bits, softmax_scale=0.1)
         _, top = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         return top
@@ -260,7 +259,7 @@ def test_step_memory_does_not_grow_with_context(rng, threaded, monkeypatch):
 
 @needs_numba
 def test_kernel_is_registered_for_numpy():
-    assert lookup("pq_decode_attention", arraykv._compat.namespace(np.zeros(1))) is nf.pq_decode_attention
+    assert lookup("vq_decode_attention", arraykv._compat.namespace(np.zeros(1))) is nf.vq_decode_attention
 
 
 @pytest.mark.parametrize("change, match", [
@@ -273,7 +272,7 @@ def test_kernel_is_registered_for_numpy():
 def test_bad_inputs_are_rejected(rng, change, match):
     args, bits = _case(rng, b=1, h=2, g=1, d=32, K=16, s=2, T=7)
     args.update(change)
-    fns = [pq_decode_attention_reference] + ([nf.pq_decode_attention] if nf is not None else [])
+    fns = [vq_decode_attention_reference] + ([nf.vq_decode_attention] if nf is not None else [])
     for fn in fns:
         with pytest.raises(ValueError, match=match):
             fn(**args, bits=bits, softmax_scale=0.1)

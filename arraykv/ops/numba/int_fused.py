@@ -16,11 +16,12 @@ then exact window values):
    voffset_{t,j}`` (exact window values enter the tile with scale 1 and offset 0);
 3. a log-sum-exp merge of the token splits and the division by the softmax denominator.
 
-Small steps run on the calling thread (:data:`PARALLEL_MIN_WORK`); larger ones split each
+Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`: below
+``PARALLEL_MIN_WORK`` values, ``batch · heads · tokens · head_dim``); larger ones split each
 head's tokens, at key-group boundaries, over Numba's threads (only step 2 is parallel). Work
 buffers are ``O(heads · G_q · head_dim)`` plus ``O(TILE · head_dim + head_dim · G)`` per task:
 nothing grows with the context. float16 scales and offsets are read through ``uint16`` views
-and :data:`arraykv.backends._numba_fused.HALF_TO_FLOAT`. Functions are compiled once per
+and :data:`arraykv.ops.numba.polar_rows.HALF_TO_FLOAT`. Functions are compiled once per
 parameter dtype (float16 or float32), for read-only arguments of any layout, and cached on disk."""
 
 from __future__ import annotations
@@ -36,20 +37,14 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from ._numba_fused import HALF_TO_FLOAT
+from ...attention.int_fused import check_query
+from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, plan, prepare_queries,
+                           ro, run_step)
+from .polar_rows import HALF_TO_FLOAT
 
-__all__ = ["int_decode_attention", "TILE", "PARALLEL_MIN_WORK"]
+__all__ = ["int_decode_attention", "TILE"]
 
-#: Tokens per tile, rounded to whole key groups (at least one group).
-TILE = 64
-#: Below this many (batch · KV head · token) units a step runs on the calling thread alone
-#: (the rule of :mod:`arraykv.backends._numba_fused`: waking worker threads costs more than the
-#: work of a small step).
-PARALLEL_MIN_WORK = 16384
 
-# Value-changing fast-math flags are left out ("nnan", "ninf"): the online softmax starts
-# from -inf and compares against it.
-_FASTMATH = {"nsz", "arcp", "contract", "reassoc", "afn"}
 
 #: Byte -> its two 4-bit codes as float32 (low nibble first), as one 8-byte word.
 _NIBBLES = np.ascontiguousarray(
@@ -71,23 +66,21 @@ def _f32_impl(x, half):
     return lambda x, half: np.float32(x)
 
 
-def _ro(dtype, ndim, layout="A"):
-    return nbt.Array(dtype, ndim, layout, readonly=True)
-
-
 def _signature(param):
-    """``(q, scale, n, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset,
-    v_win, table, half, splits, out)`` with float16 (``uint16``) or float32 scales and offsets."""
-    return nbt.void(_ro(nbt.float32, 3, "C"), nbt.float64, nbt.int64, nbt.int64, nbt.int64,
-                    _ro(nbt.uint8, 5), _ro(param, 4), _ro(param, 4), _ro(nbt.float32, 4, "C"),
-                    _ro(nbt.uint8, 4), _ro(param, 4), _ro(param, 4), _ro(nbt.float32, 4, "C"),
-                    _ro(nbt.uint64, 1, "C"), _ro(nbt.float32, 1, "C"), nbt.int64, nbt.Array(nbt.float32, 3, "C"))
+    """``(q, scale, n, h_n, args, splits, out)`` with ``args`` = ``(G, bits, k_codes, k_scale, k_offset,
+    k_res, v_codes, v_scale, v_offset, v_win, table, half)``, float16 (``uint16``) or float32
+    scales and offsets."""
+    args = nbt.Tuple((nbt.int64, nbt.int64, ro(nbt.uint8, 5), ro(param, 4), ro(param, 4), ro(nbt.float32, 4, "C"),
+                      ro(nbt.uint8, 4), ro(param, 4), ro(param, 4), ro(nbt.float32, 4, "C"),
+                      ro(nbt.uint64, 1, "C"), ro(nbt.float32, 1, "C")))
+    return nbt.void(ro(nbt.float32, 3, "C"), nbt.float64, nbt.int64, nbt.int64, args, nbt.int64,
+                    nbt.Array(nbt.float32, 3, "C"))
 
 
 _SIGS = [_signature(nbt.uint16), _signature(nbt.float32)]
 
 
-@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset,
                  v_win, tab, half, m, l, acc):
     """Online softmax over tokens ``[t_lo, t_hi)`` of head ``(b, h)`` for every query head of its group.
@@ -264,117 +257,51 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
                         arow[c] += w0 * v0[c]
 
 
-@nb.njit(inline="always")
-def _scaled_queries(q, b, h, scale, qs):
-    """``qs[g] = scale · q[b, h·G_q + g]`` for the query heads of KV head ``h``."""
-    g_n, d = qs.shape
-    sc = np.float32(scale)
-    for g in range(g_n):
-        for c in range(d):
-            qs[g, c] = q[b, h * g_n + g, c] * sc
-
-
-@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _finish_head(b, h, m_sp, l_sp, acc_sp, out):
     """Merge the token splits of head ``(b, h)`` (log-sum-exp) and write ``out[b, qh]``."""
-    splits, g_n, d = acc_sp.shape
+    g_n, d = acc_sp.shape[1], acc_sp.shape[2]
     for g in range(g_n):
-        top = -np.inf
-        for sp in range(splits):
-            if m_sp[sp, g] > top:
-                top = m_sp[sp, g]
-        den = np.float32(0.0)
+        top = merge_top(m_sp, g)
         qi = h * g_n + g
         for j in range(d):
             out[b, qi, j] = np.float32(0.0)
-        for sp in range(splits):
-            if m_sp[sp, g] > -np.inf:
-                c = np.float32(math.exp(m_sp[sp, g] - top))
-                den += c * l_sp[sp, g]
-                for j in range(d):
-                    out[b, qi, j] += c * acc_sp[sp, g, j]
-        inv = np.float32(1.0) / den
+        inv = np.float32(1.0) / merge_splits(m_sp, l_sp, acc_sp, g, top, out[b, qi])
         for j in range(d):
             out[b, qi, j] *= inv
 
 
-@nb.njit(_SIGS, cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _step_serial(q, scale, n, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, v_win, tab,
-                 half, splits, out):
-    """The whole step on the calling thread (``splits`` is ignored: one span per head)."""
-    b_n, qh, d = q.shape
-    h_n = v_codes.shape[1]
-    g_n = qh // h_n
-    qs = np.empty((g_n, d), np.float32)
-    m = np.empty((1, g_n), np.float32)
-    l = np.empty((1, g_n), np.float32)
-    acc = np.empty((1, g_n, d), np.float32)
-    for b in range(b_n):
-        for h in range(h_n):
-            _scaled_queries(q, b, h, scale, qs)
-            m[:] = -np.inf
-            l[:] = 0.0
-            acc[:] = 0.0
-            _attend_span(b, h, 0, n, qs, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset,
-                         v_win, tab, half, m[0], l[0], acc[0])
-            _finish_head(b, h, m, l, acc, out)
+# ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
+# args = (G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, v_win, tab, half)
+
+alloc_state, prepare = alloc_queries, prepare_queries  # the state: scaled queries per slot
 
 
-#: Only the explicit ``prange`` runs on worker threads: array expressions (``np.zeros``, ...)
-#: would each become a parallel region of their own, and every region wakes the threads.
-_PRANGE_ONLY = {"prange": True, "comprehension": False, "setitem": False, "reduction": False, "numpy": False,
-                "stencil": False, "fusion": False, "inplace_binop": False}
+@nb.njit
+def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
+    G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, v_win, tab, half = args
+    _attend_span(b, h, t_lo, t_hi, state[0][sb, sh], G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale,
+                 v_offset, v_win, tab, half, m, l, acc)
 
 
-@nb.njit(_SIGS, cache=True, nogil=True, parallel=_PRANGE_ONLY, fastmath=_FASTMATH, error_model="numpy")
-def _step_parallel(q, scale, n, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, v_win,
-                   tab, half, splits, out):
-    """The step with each head's tokens cut, at key-group boundaries, into ``splits`` spans run on Numba's threads."""
-    b_n, qh, d = q.shape
-    h_n = v_codes.shape[1]
-    g_n = qh // h_n
-    qs = np.empty((b_n, h_n, g_n, d), np.float32)
-    for b in range(b_n):
-        for h in range(h_n):
-            _scaled_queries(q, b, h, scale, qs[b, h])
-    m = np.empty((b_n, h_n, splits, g_n), np.float32)
-    l = np.empty((b_n, h_n, splits, g_n), np.float32)
-    acc = np.empty((b_n, h_n, splits, g_n, d), np.float32)
-    per = ((n + G - 1) // G + splits - 1) // splits * G
-    for task in nb.prange(b_n * h_n * splits):
-        sp = task % splits
-        bh = task // splits
-        b = bh // h_n
-        h = bh % h_n
-        t_lo = min(n, sp * per)
-        t_hi = min(n, t_lo + per)
-        # the task's own state (no cache line shared with another task while it runs)
-        m_t = np.full(g_n, -np.inf, np.float32)
-        l_t = np.zeros(g_n, np.float32)
-        acc_t = np.zeros((g_n, d), np.float32)
-        _attend_span(b, h, t_lo, t_hi, qs[b, h], G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale,
-                     v_offset, v_win, tab, half, m_t, l_t, acc_t)
-        m[b, h, sp] = m_t
-        l[b, h, sp] = l_t
-        acc[b, h, sp] = acc_t
-    for b in range(b_n):
-        for h in range(h_n):
-            _finish_head(b, h, m[b, h], l[b, h], acc[b, h], out)
+@nb.njit
+def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
+    _finish_head(b, h, m_sp, l_sp, acc_sp, out)
 
 
-def _plan(bh: int, n: int, group_size: int) -> tuple:
-    """``(threads, token splits per head)`` for ``bh`` (batch, KV head) pairs of ``n`` tokens.
+@nb.njit
+def span_unit(args):
+    """Spans start at key-group boundaries."""
+    return args[0]
 
-    ``(1, 1)`` (the serial kernel, on the calling thread) below :data:`PARALLEL_MIN_WORK`;
-    otherwise enough spans for two tasks per thread, each of at least ``4 · TILE`` tokens
-    (and one key group).
-    """
-    if bh * n < PARALLEL_MIN_WORK:
-        return 1, 1
-    threads = max(1, nb.get_num_threads())
-    want = max(1, -(-2 * threads // bh))
-    span = max(4 * TILE, group_size)
-    return threads, max(1, min(want, n // span or 1))
+
+_step_serial, _step_parallel = build_steps(globals(), _SIGS)
+
+
+def _plan(bh: int, n: int, d: int, group_size: int) -> tuple:
+    """``(threads, token splits per head)``: :func:`arraykv.ops.numba.fused_driver.plan` of ``bh · n · d``
+    values, spans of at least ``4 · TILE`` tokens and one key group."""
+    return plan(bh, n, bh * n * d, max(4 * TILE, group_size))
 
 
 def _params(a):
@@ -403,9 +330,7 @@ def int_decode_attention(codec, q, scale):
     -------
     ndarray, shape (batch, q_heads, 1, head_dim), dtype of ``q``
     """
-    from ..attention.int_fused import _check_query
-
-    b, h, _, d = _check_query(codec, q)
+    b, h, _, d = check_query(codec, q)
     bits = int(codec.bits)
     if bits not in (2, 4, 8):
         raise ValueError(f"codec.bits must be 2, 4 or 8 for this kernel, received {bits}")
@@ -417,21 +342,13 @@ def int_decode_attention(codec, q, scale):
     if k_scale.dtype != v_scale.dtype:  # the cache stores both in one dtype; a mixed codec reads float32
         k_scale, k_offset, v_scale, v_offset = (np.asarray(a, np.float32) for a in (
             codec.k_scale, codec.k_offset, codec.v_scale, codec.v_offset))
-    threads, splits = _plan(b * h, n, G)
+    threads, splits = _plan(b * h, n, d, G)
     out = np.empty((b, qh, d), np.float32)
     n_window = int(getattr(codec, "n_window", 0) or 0)
     v_win = np.ascontiguousarray(codec.v_window, np.float32) if n_window else np.zeros((b, h, 0, d), np.float32)
-    args = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, G, bits,
-            codec.k_codes, k_scale, k_offset, np.ascontiguousarray(codec.k_residual, dtype=np.float32),
+    args = (G, bits, codec.k_codes, k_scale, k_offset, np.ascontiguousarray(codec.k_residual, dtype=np.float32),
             codec.v_codes, v_scale, v_offset, v_win, _QUADS if bits == 2 else _NIBBLES, HALF_TO_FLOAT)
-    if threads == 1 and splits == 1:
-        _step_serial(*args, 1, out)
-    else:
-        saved = nb.get_num_threads()
-        nb.set_num_threads(threads)  # thread-local in Numba: other threads keep their setting
-        try:
-            _step_parallel(*args, splits, out)
-        finally:
-            nb.set_num_threads(saved)
+    step = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, h, args)
+    run_step(_step_serial, _step_parallel, threads, splits, b * h * n * d, step, out)
     out = out.reshape(b, qh, 1, d)
     return out if q.dtype == np.float32 else out.astype(q.dtype)

@@ -1,4 +1,4 @@
-"""Numba kernels for product-quantization k-means (see :mod:`arraykv.quant.pq`).
+"""Numba kernels for vector-quantization (product-quantization) k-means and coding (see :mod:`arraykv.quant.vq`).
 
 ``assign`` computes exact squared distances point by point (no ``‖x‖² - 2x·c + ‖c‖²``
 expansion and no (n, K) temporary), so it is both faster and slightly more accurate than the
@@ -14,7 +14,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from ._numba_threads import threads_for
+from .threads import launch
 
 __all__ = ["assign", "update", "encode", "decode"]
 
@@ -65,14 +65,14 @@ def assign(xg, c):
     c = np.ascontiguousarray(c, np.float32)
     idx = np.empty(xg.shape[:2], np.int64)
     err = np.empty(xg.shape[:2], np.float32)
-    with threads_for(xg.size * c.shape[1]):  # one decode step's token: no worker threads
+    with launch(xg.size * c.shape[1]):  # one decode step's token: no worker threads
         _assign(xg, c, idx, err)
     return idx, float(err.sum(dtype=np.float64))
 
 
 def update(xg, c, idx):
     out = np.empty(c.shape, np.float32)
-    with threads_for(xg.size):
+    with launch(xg.size):
         _update(np.ascontiguousarray(xg, np.float32), np.ascontiguousarray(c, np.float32),
                 np.ascontiguousarray(idx, np.int64), out)
     return out
@@ -131,7 +131,7 @@ def _encode_wide(x, c, out):
 
 
 def encode(x, centroids, bits):
-    """PQ codes of ``x`` (rows, h, t, d) in one pass: the codes of :func:`arraykv.quant.pq.pq_encode`.
+    """VQ codes of ``x`` (rows, h, t, d) in one pass: the codes of :func:`arraykv.quant.vq.vq_encode_reference`.
 
     Parameters
     ----------
@@ -158,11 +158,11 @@ def encode(x, centroids, bits):
     m = c.shape[1]
     if bits > 8:
         out = np.empty((rows, h, t, m), np.uint16)
-        with threads_for(x.size * c.shape[2]):
+        with launch(x.size * c.shape[2]):
             _encode_wide(x, c, out)
         return out
     out = np.empty((rows, h, t, (m * bits + 7) // 8), np.uint8)
-    with threads_for(x.size * c.shape[2]):
+    with launch(x.size * c.shape[2]):
         _encode_packed(x, c, int(bits), out)
     return out
 
@@ -207,7 +207,7 @@ def _decode_wide(codes, c, out):
 
 
 def decode(codes, centroids, bits):
-    """Vectors that PQ codes name, in one pass: the result of :func:`arraykv.quant.pq.pq_decode`.
+    """Vectors that VQ codes name, in one pass: the result of :func:`arraykv.quant.vq.vq_decode_reference`.
 
     Parameters
     ----------
@@ -228,7 +228,7 @@ def decode(codes, centroids, bits):
     rows, h, t = codes.shape[:3]
     m, s = c.shape[1], c.shape[3]
     out = np.empty((rows, h, t, m * s), np.float32)
-    with threads_for(out.size):
+    with launch(out.size):
         if bits > 8:
             _decode_wide(codes, c, out)
         else:

@@ -1,14 +1,21 @@
-"""The one-pass Numba PQ encoder against assignment + packing, and the array-API reference."""
+"""The one-pass Numba VQ encoder against assignment + packing, and the array-API reference."""
 
 import numpy as np
 import pytest
 
-from arraykv.backends.registry import lookup, set_kernels_enabled
-from arraykv.quant.bitpack import pack_bits
-from arraykv.quant.pq import PQCodebook, code_bits, pq_decode, pq_encode
+from functools import partial
 
-encode = lookup("pq_encode", np)
-assign = lookup("pq_assign", np)
+from arraykv import ops
+from arraykv.ops import lookup, set_kernels_enabled
+from arraykv.quant import vq
+from arraykv.quant.bitpack import pack_bits
+from arraykv.quant.vq import VQCodebook, code_bits
+
+vq_encode = partial(vq.vq_encode, encode=ops.vq_encode)
+vq_decode = partial(vq.vq_decode, decode=ops.vq_decode)
+
+encode = lookup("vq_encode", np)
+assign = lookup("vq_assign", np)
 pytestmark = pytest.mark.skipif(encode is None, reason="numba is not installed")
 
 
@@ -28,15 +35,15 @@ def test_codes_equal_assignment_then_packing(rng, k, s, d, lead, t):
     idx = np.transpose(idx.reshape(h, d // s, rows, t), (2, 0, 3, 1))  # (rows, h, t, m)
     want = pack_bits(idx.astype(np.uint8), bits) if bits <= 8 else idx.astype(np.uint16)
     np.testing.assert_array_equal(got, want)
-    # through pq_encode, and against the array-API reference (distances by matmul: a near-tie
+    # through vq_encode, and against the array-API reference (distances by matmul: a near-tie
     # may pick the other centroid, at the same distance to float32 rounding)
-    cb = PQCodebook(centroids=cent)
-    fast = pq_encode(x, cb)
+    cb = VQCodebook(centroids=cent)
+    fast = vq_encode(x, cb)
     with set_kernels_enabled(False):
-        ref = pq_encode(x, cb)
+        ref = vq_encode(x, cb)
     assert fast.codes.shape == ref.codes.shape and fast.codes.dtype == ref.codes.dtype
-    dec_f = pq_decode(fast, cb).reshape(-1, s)
-    dec_r = pq_decode(ref, cb).reshape(-1, s)
+    dec_f = vq_decode(fast, cb).reshape(-1, s)
+    dec_r = vq_decode(ref, cb).reshape(-1, s)
     err_f = ((dec_f - x.reshape(-1, s)) ** 2).sum(-1)
     err_r = ((dec_r - x.reshape(-1, s)) ** 2).sum(-1)
     np.testing.assert_allclose(err_f, err_r, rtol=1e-4, atol=1e-5)
@@ -52,7 +59,7 @@ def test_float16_and_strided_input(rng):
     np.testing.assert_array_equal(a, encode(x.astype(np.float32), cent, 4))
 
 
-decode = lookup("pq_decode", np)
+decode = lookup("vq_decode", np)
 
 
 @pytest.mark.parametrize("k,s,d,lead,t", [(2, 1, 8, (1,), 5), (5, 2, 32, (2,), 17), (16, 2, 64, (1,), 1),
@@ -62,11 +69,11 @@ def test_decode_kernel_equals_the_reference(rng, k, s, d, lead, t):
     h = 2
     cent = rng.standard_normal((h, d // s, k, s)).astype(np.float32)
     x = rng.standard_normal(lead + (h, t, d)).astype(np.float32)
-    cb = PQCodebook(centroids=cent)
-    codes = pq_encode(x, cb)
-    got = pq_decode(codes, cb)
+    cb = VQCodebook(centroids=cent)
+    codes = vq_encode(x, cb)
+    got = vq_decode(codes, cb)
     with set_kernels_enabled(False):
-        want = pq_decode(codes, cb)
+        want = vq_decode(codes, cb)
     assert got.shape == want.shape == x.shape and got.dtype == np.float32
     np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(pq_decode(codes, cb, dtype=np.float16), want.astype(np.float16))
+    np.testing.assert_array_equal(vq_decode(codes, cb, dtype=np.float16), want.astype(np.float16))

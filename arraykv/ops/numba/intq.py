@@ -2,7 +2,7 @@
 
 Each kernel does in one pass what the array-API reference does in several (pad, reshape,
 round, clip, pack), with identical float32 arithmetic so results match bit for bit. Calls on
-fewer than :data:`PARALLEL_MIN_VALUES` values run on the calling thread: a decode step of a
+fewer than :data:`~arraykv.ops.numba.threads.PARALLEL_MIN_WORK` values run on the calling thread: a decode step of a
 small model touches a few hundred thousand values, and waking Numba's worker threads costs
 more than that work (on a busy machine, milliseconds).
 
@@ -20,16 +20,10 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from ._numba_threads import threads_for
+from .threads import launch
 
-__all__ = ["group_minmax", "quantize_pack", "dequantize", "PARALLEL_MIN_VALUES"]
+__all__ = ["group_minmax", "quantize_pack", "dequantize"]
 
-#: Below this many values a kernel runs on the calling thread only.
-PARALLEL_MIN_VALUES = 1 << 20
-
-
-def _threads_for(values: int):
-    return threads_for(values, PARALLEL_MIN_VALUES)
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
@@ -111,7 +105,7 @@ def group_minmax(x32, group_size):
     groups = -(-n // group_size)
     mn = np.empty(lead + (groups,), np.float32)
     mx = np.empty(lead + (groups,), np.float32)
-    with _threads_for(x32.size):
+    with launch(x32.size):
         _minmax(_rows(x32), int(group_size), mn.reshape(-1, groups), mx.reshape(-1, groups))
     return mn, mx
 
@@ -121,7 +115,7 @@ def quantize_pack(x32, group_size, bits, off32, inv):
     nbytes = (n * bits + 7) // 8
     out = np.empty(lead + (nbytes,), np.uint8)
     groups = off32.shape[-1]
-    with _threads_for(x32.size):
+    with launch(x32.size):
         _quant_pack(_rows(x32), int(group_size), int(bits), _rows(np.asarray(off32, np.float32)).reshape(-1, groups),
                     _rows(np.asarray(inv, np.float32)).reshape(-1, groups), out.reshape(-1, nbytes))
     return out
@@ -131,7 +125,7 @@ def dequantize(codes, bits, group_size, n, s32, o32):
     lead = codes.shape[:-1]
     out = np.empty(lead + (int(n),), np.float32)
     groups = s32.shape[-1]
-    with _threads_for(out.size):
+    with launch(out.size):
         _dequant(_rows(codes), int(bits), int(group_size), int(n), _rows(s32).reshape(-1, groups),
                  _rows(o32).reshape(-1, groups), out.reshape(-1, int(n)))
     return out

@@ -1,6 +1,6 @@
-"""Numba kernel: one decode step of attention straight from product-quantization codes.
+"""Numba kernel: one decode step of attention straight from vector-quantization (product-quantization) codes.
 
-Layout read (the :class:`~arraykv.caches.lowrank_vq.VQCache` state, :mod:`arraykv.quant.pq`):
+Layout read (the :class:`~arraykv.caches.lowrank_vq.VQCache` state, :mod:`arraykv.quant.vq`):
 ``head_dim = m · s``; a key or value vector is ``m`` codes, code ``j`` naming a row of the
 per-(KV head, sub-space) codebook ``centroids[h, j]`` of shape ``(K, s)``. A token's codes are
 one row of ``ceil(m · β / 8)`` uint8 bytes packed LSB-first by
@@ -27,7 +27,8 @@ A call is one compiled function that does the whole step for every (batch, KV he
 3. a log-sum-exp merge of the token splits, the dense extra tokens (sinks and window, exact
    float32) in the same softmax, and the division by the denominator.
 
-Small steps run on the calling thread (:func:`arraykv.backends._numba_threads.threads_for`);
+Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`, work counted as the
+``2 · batch · heads · tokens · m`` codes read);
 larger ones cut each head's tokens into spans run on Numba's threads. Work buffers are
 ``O(G · m · K)`` (tables; ``O(G · m · 128)`` more for 4-bit pair tables) plus ``O(TILE · (m + G))`` per task: nothing grows with the context.
 Functions are compiled once per code dtype (uint8 packed, uint16), for read-only arguments,
@@ -46,13 +47,13 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from ..quant.pq import check_decode_attention_args
-from ._numba_threads import threads_for
+from ...quant.vq import check_decode_attention_args
+from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, prepare_queries, ro,
+                           run_step, split_count)
+from .threads import threads_for
 
-__all__ = ["pq_decode_attention", "TILE", "TABLE_MAX_K", "RESCALE_SLACK"]
+__all__ = ["vq_decode_attention", "decode_attention_mode", "TILE", "TABLE_MAX_K", "RESCALE_SLACK"]
 
-#: Tokens per tile.
-TILE = 64
 #: Entries per byte position of the 4-bit pair tables (one per byte value).
 PAIR_TABLE = 256
 #: Largest codebook served by the tables (LUT and histograms, 2 · G · m · K floats per task).
@@ -62,26 +63,16 @@ TABLE_MAX_K = 1024
 #: float32 overflow, and the ``G · m · K`` histograms are rarely rescaled.
 RESCALE_SLACK = 16.0
 
-#: Below this many codes read a step runs on the calling thread
-#: (:data:`arraykv.backends._numba_threads.PARALLEL_MIN_VALUES` unless set).
-PARALLEL_MIN_VALUES = None
-#: Tests set this to ``"tables"`` or ``"direct"`` to force a path; None picks by cost.
-_FORCE_MODE = None
 
-# Value-changing fast-math flags are left out ("nnan", "ninf"): the online softmax starts
-# from -inf and compares against it.
-_FASTMATH = {"nsz", "arcp", "contract", "reassoc", "afn"}
-
-
-def _ro(dtype, ndim, layout="A"):
-    return nbt.Array(dtype, ndim, layout, readonly=True)
 
 
 def _signature(code):
-    """``(q, scale, bits, tables, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra, splits, out)``."""
-    return nbt.void(_ro(nbt.float32, 3, "C"), nbt.float64, nbt.int64, nbt.boolean,
-                    _ro(code, 4), _ro(nbt.float32, 4, "C"), _ro(code, 4), _ro(nbt.float32, 4, "C"),
-                    _ro(nbt.float32, 4, "C"), _ro(nbt.float32, 4, "C"), nbt.int64, nbt.Array(nbt.float32, 3, "C"))
+    """``(q, scale, n, h_n, args, splits, out)``, ``args`` = ``(bits, tables, k_codes, k_cent, v_codes, v_cent,
+    k_extra, v_extra)`` with uint8 (packed) or uint16 codes."""
+    args = nbt.Tuple((nbt.int64, nbt.boolean, ro(code, 4), ro(nbt.float32, 4, "C"), ro(code, 4),
+                      ro(nbt.float32, 4, "C"), ro(nbt.float32, 4, "C"), ro(nbt.float32, 4, "C")))
+    return nbt.void(ro(nbt.float32, 3, "C"), nbt.float64, nbt.int64, nbt.int64, args, nbt.int64,
+                    nbt.Array(nbt.float32, 3, "C"))
 
 
 _SIGS = [_signature(nbt.uint8), _signature(nbt.uint16)]
@@ -128,7 +119,7 @@ def _unpack_tile(codes, b, h, t0, nt, bits, kn, out):
                     o[j0 + i] = min(np.int32((w >> (np.uint64(i) * ub)) & mask), top) + (j0 + i) * kn
 
 
-@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v_cent, mref, l, acc):
     """Online softmax over coded tokens ``[t_lo, t_hi)`` of head ``(b, h)`` for every query head of its group.
 
@@ -284,27 +275,14 @@ def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v
                             ag[j * sd + c] += w * cj[k, c]
 
 
-@nb.njit(inline="always")
-def _scaled_queries(q, b, h, scale, qs):
-    """``qs[g] = scale · q[b, h·G + g]`` for the query heads of KV head ``h``."""
-    g_n, d = qs.shape
-    sc = np.float32(scale)
-    for g in range(g_n):
-        for c in range(d):
-            qs[g, c] = q[b, h * g_n + g, c] * sc
-
-
-@nb.njit(fastmath=_FASTMATH, error_model="numpy")
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _finish_head(b, h, qs, m_sp, l_sp, acc_sp, k_extra, v_extra, out):
     """Merge the token splits of head ``(b, h)`` with its dense tokens (log-sum-exp); write ``out[b, qi]``."""
     splits, g_n, d = acc_sp.shape
     e_n = k_extra.shape[2]
     for g in range(g_n):
         qg = qs[g]
-        top = -np.inf
-        for sp in range(splits):
-            if m_sp[sp, g] > top:
-                top = m_sp[sp, g]
+        top = merge_top(m_sp, g)
         for t in range(e_n):
             x = np.float32(0.0)
             for c in range(d):
@@ -315,13 +293,7 @@ def _finish_head(b, h, qs, m_sp, l_sp, acc_sp, k_extra, v_extra, out):
         o = out[b, qi]
         for c in range(d):
             o[c] = np.float32(0.0)
-        den = np.float32(0.0)
-        for sp in range(splits):
-            if m_sp[sp, g] > -np.inf:
-                f = np.float32(math.exp(m_sp[sp, g] - top))
-                den += f * l_sp[sp, g]
-                for c in range(d):
-                    o[c] += f * acc_sp[sp, g, c]
+        den = merge_splits(m_sp, l_sp, acc_sp, g, top, o)
         for t in range(e_n):
             x = np.float32(0.0)
             for c in range(d):
@@ -335,67 +307,29 @@ def _finish_head(b, h, qs, m_sp, l_sp, acc_sp, k_extra, v_extra, out):
             o[c] *= inv
 
 
-@nb.njit(_SIGS, cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _step_serial(q, scale, bits, tables, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra, splits, out):
-    """The whole step on the calling thread (``splits`` is ignored: one span per head)."""
-    b_n, qh, d = q.shape
-    h_n = k_cent.shape[0]
-    n = k_codes.shape[2]
-    g_n = qh // h_n
-    qs = np.empty((g_n, d), np.float32)
-    m = np.empty((1, g_n), np.float32)
-    l = np.empty((1, g_n), np.float32)
-    acc = np.empty((1, g_n, d), np.float32)
-    for b in range(b_n):
-        for h in range(h_n):
-            _scaled_queries(q, b, h, scale, qs)
-            m[:] = -np.inf
-            l[:] = 0.0
-            acc[:] = 0.0
-            if n > 0:
-                _attend_span(b, h, 0, n, qs, bits, tables, k_codes, k_cent, v_codes, v_cent, m[0], l[0], acc[0])
-            _finish_head(b, h, qs, m, l, acc, k_extra, v_extra, out)
+# ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
+# args = (bits, tables, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra)
+
+alloc_state, prepare = alloc_queries, prepare_queries  # the state: scaled queries per slot
 
 
-#: Only the explicit ``prange`` runs on worker threads (see :mod:`arraykv.backends._numba_int_fused`).
-_PRANGE_ONLY = {"prange": True, "comprehension": False, "setitem": False, "reduction": False, "numpy": False,
-                "stencil": False, "fusion": False, "inplace_binop": False}
+@nb.njit
+def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
+    bits, tables, k_codes, k_cent, v_codes, v_cent, _, _ = args
+    _attend_span(b, h, t_lo, t_hi, state[0][sb, sh], bits, tables, k_codes, k_cent, v_codes, v_cent, m, l, acc)
 
 
-@nb.njit(_SIGS, cache=True, nogil=True, parallel=_PRANGE_ONLY, fastmath=_FASTMATH, error_model="numpy")
-def _step_parallel(q, scale, bits, tables, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra, splits, out):
-    """The step with each (batch, KV head)'s tokens cut into ``splits`` spans run on Numba's threads."""
-    b_n, qh, d = q.shape
-    h_n = k_cent.shape[0]
-    n = k_codes.shape[2]
-    g_n = qh // h_n
-    qs = np.empty((b_n, h_n, g_n, d), np.float32)
-    for b in range(b_n):
-        for h in range(h_n):
-            _scaled_queries(q, b, h, scale, qs[b, h])
-    m = np.empty((b_n, h_n, splits, g_n), np.float32)
-    l = np.empty((b_n, h_n, splits, g_n), np.float32)
-    acc = np.empty((b_n, h_n, splits, g_n, d), np.float32)
-    per = (n + splits - 1) // splits
-    for task in nb.prange(b_n * h_n * splits):
-        sp = task % splits
-        bh = task // splits
-        b = bh // h_n
-        h = bh % h_n
-        t_lo = min(n, sp * per)
-        t_hi = min(n, t_lo + per)
-        # the task's own state (no cache line shared with another task while it runs)
-        m_t = np.full(g_n, -np.inf, np.float32)
-        l_t = np.zeros(g_n, np.float32)
-        acc_t = np.zeros((g_n, d), np.float32)
-        if t_hi > t_lo:
-            _attend_span(b, h, t_lo, t_hi, qs[b, h], bits, tables, k_codes, k_cent, v_codes, v_cent, m_t, l_t, acc_t)
-        m[b, h, sp] = m_t
-        l[b, h, sp] = l_t
-        acc[b, h, sp] = acc_t
-    for b in range(b_n):
-        for h in range(h_n):
-            _finish_head(b, h, qs[b, h], m[b, h], l[b, h], acc[b, h], k_extra, v_extra, out)
+@nb.njit
+def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
+    _finish_head(b, h, state[0][sb, sh], m_sp, l_sp, acc_sp, args[6], args[7], out)
+
+
+@nb.njit
+def span_unit(args):
+    return 1
+
+
+_step_serial, _step_parallel = build_steps(globals(), _SIGS)
 
 
 def _use_tables(kk: int, kv: int, sub_dim: int, span: int) -> bool:
@@ -406,23 +340,25 @@ def _use_tables(kk: int, kv: int, sub_dim: int, span: int) -> bool:
     ``(K_k + K_v) · d`` once. Measured (3 KV heads, G = 3, d = 64): the tables win from about
     ``K ≈ span / 2`` on, for every ``s`` (even ``s = 1``, where the direct path's gathers are slower).
     """
-    if _FORCE_MODE is not None:
-        return _FORCE_MODE == "tables"
     if max(kk, kv) > TABLE_MAX_K:
         return False
     return kk + kv <= span
 
 
-def _splits(bh: int, n: int, threads: int, min_span: int) -> int:
-    """Token splits per (batch, head): two tasks per thread, each of at least ``min_span`` tokens."""
-    want = max(1, -(-2 * threads // bh))
-    return max(1, min(want, n // max(min_span, 1) or 1))
+_splits = split_count
 
 
-def pq_decode_attention(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale):
-    """Fused decode attention over PQ codes (NumPy): ADC scores and histogram value sums.
+def vq_decode_attention(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale):
+    """Fused decode attention over VQ codes (NumPy); see :func:`decode_attention_mode`."""
+    return decode_attention_mode(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits=bits,
+                                 softmax_scale=softmax_scale)
 
-    Same contract as :func:`arraykv.quant.pq.pq_decode_attention_reference`.
+
+def decode_attention_mode(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale,
+                          mode=None):
+    """Fused decode attention over VQ codes (NumPy): ADC scores and histogram value sums.
+
+    Same contract as :func:`arraykv.attention.vq_fused.vq_decode_attention_reference`.
 
     Parameters
     ----------
@@ -433,12 +369,14 @@ def pq_decode_attention(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, 
         uint16 per code (``bits > 8``); read in place, any strides.
     k_centroids, v_centroids : ndarray of float, shape (h, m, K, s)
         Codebooks; ``K`` may differ between keys and values. Codes ``>= K`` (never written by
-        :func:`~arraykv.quant.pq.pq_encode`) are read as ``K - 1``.
+        :func:`~arraykv.quant.vq.vq_encode`) are read as ``K - 1``.
     k_extra, v_extra : ndarray of float, shape (batch, h, E, head_dim)
         Dense tokens (float16 sinks and window); ``E`` may be 0.
     bits : int
         Bits per code, 1 to 16.
     softmax_scale : float
+    mode : {None, "tables", "direct"}
+        Force a path (tests); None picks by cost (:func:`_use_tables`).
 
     Returns
     -------
@@ -476,13 +414,10 @@ def pq_decode_attention(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, 
     ve = np.ascontiguousarray(v_extra, dtype=np.float32)
     kk, kv, sd = int(kc.shape[2]), int(vc.shape[2]), int(kc.shape[3])
     out = np.empty((b, hq, d), np.float32)
-    with threads_for(2 * b * h * t * m, PARALLEL_MIN_VALUES):
-        threads = nb.get_num_threads()
-        splits = 1 if threads == 1 else _splits(b * h, t, threads, max(4 * TILE, kk + kv))
-        tables = _use_tables(kk, kv, sd, -(-t // splits))
-        args = (q32, float(softmax_scale), bits, tables, k_codes, kc, v_codes, vc, ke, ve)
-        if threads == 1 or b * h * splits == 1:
-            _step_serial(*args, 1, out)
-        else:
-            _step_parallel(*args, splits, out)
+    work = 2 * b * h * t * m
+    threads = threads_for(work)
+    splits = 1 if threads == 1 else _splits(b * h, t, threads, max(4 * TILE, kk + kv))
+    tables = _use_tables(kk, kv, sd, -(-t // splits)) if mode is None else mode == "tables"
+    args = (q32, float(softmax_scale), t, h, (bits, tables, k_codes, kc, v_codes, vc, ke, ve))
+    run_step(_step_serial, _step_parallel, threads, splits, work, args, out)
     return out

@@ -14,10 +14,12 @@ import math
 import threading
 from typing import NamedTuple
 
-from ._cuda import get_kernel, require_cupy
+from ...attention.polar_fused import polar_decode_attention_reference
+from ...quant.qjl import QJL_SCALE
+from .loader import get_kernel, require_cupy
 
 __all__ = ["plan_codec_launch", "plan_decode_attn", "polar_encode", "polar_decode", "polar_decode_attention",
-           "scratch_buffers", "unsupported_reason"]
+           "polar_encode_into", "polar_decode_into", "polar_decode_attention_into", "scratch_buffers", "unsupported_reason"]
 
 _SOURCE = "polar.cu"
 MAX_GROUP = 8        # query heads served by one attention launch (the mma N dimension)
@@ -213,7 +215,17 @@ def _check_out(cp, out, shape, dtype, name):
     return out
 
 
-def polar_encode(x, rotation, codebook, *, unbiased=False, codes_out=None, norms_out=None):
+def polar_encode(x, codebook, rotation, *, unbiased=False):
+    """GPU :func:`arraykv.quant.polar.polar_encode_reference`: CuPy ``(..., dim)`` -> (codes uint8, gains float16)."""
+    return polar_encode_into(x, codebook, rotation, unbiased=unbiased)
+
+
+def polar_decode(codes, norms, codebook, rotation):
+    """GPU :func:`arraykv.quant.polar.polar_decode_reference`: packed codes + gains -> float32 ``(..., dim)``."""
+    return polar_decode_into(codes, norms, codebook, rotation)
+
+
+def polar_encode_into(x, codebook, rotation, *, unbiased=False, codes_out=None, norms_out=None):
     """GPU ``polar_encode``: CuPy ``(..., dim)`` float16/float32 -> (codes uint8, gains float16).
 
     ``unbiased`` stores ``‖x‖ / ⟨y, ŷ⟩`` instead of the least-squares length.
@@ -236,7 +248,7 @@ def polar_encode(x, rotation, codebook, *, unbiased=False, codes_out=None, norms
     return codes, gains
 
 
-def polar_decode(codes, norms, rotation, codebook, *, out=None):
+def polar_decode_into(codes, norms, codebook, rotation, *, out=None):
     """GPU ``polar_decode``: packed codes + float16 gains -> float32 ``(..., dim)`` (into ``out`` if given)."""
     cp = require_cupy()
     dim = rotation.dim
@@ -330,7 +342,12 @@ def _half_or_dummy(cp, arr, dummy):
     return dummy if arr is None else cp.ascontiguousarray(arr)
 
 
-def polar_decode_attention(codec, q, scale, *, out=None):
+def polar_decode_attention(codec, q, scale):
+    """GPU :func:`arraykv.attention.polar_fused.polar_decode_attention_reference` (see :func:`polar_decode_attention_into`)."""
+    return polar_decode_attention_into(codec, q, scale)
+
+
+def polar_decode_attention_into(codec, q, scale, *, out=None):
     """Fused decode attention on the GPU over a :class:`~arraykv.caches.polar.PolarLayerCodec`.
 
     Parameters
@@ -357,11 +374,7 @@ def polar_decode_attention(codec, q, scale, *, out=None):
     """
     cp = require_cupy()
     if unsupported_reason(codec, q) is not None:
-        from ..attention.polar_fused import polar_decode_attention_reference
-
         return polar_decode_attention_reference(codec, q, scale)
-    from ..quant.qjl import QJL_SCALE
-
     b, qh, _, d = (int(s) for s in q.shape)
     h = int(codec.k_window.shape[1]) if codec.k_window is not None else int(codec.k_codes.shape[1])
     g = qh // h

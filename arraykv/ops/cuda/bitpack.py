@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._cuda import get_kernel, require_cupy
+from .loader import get_kernel, require_cupy
 
-__all__ = ["pack_bits", "unpack_bits", "plan_bitpack"]
+__all__ = ["pack_bits", "unpack_bits", "pack_bits_into", "unpack_bits_into", "plan_bitpack"]
 
 _SOURCE = "bitpack.cu"
 _FAMILY = [f"{kind}<{b}>" for kind in ("pack_bits", "unpack_bits") for b in range(1, 9)]
@@ -43,7 +43,17 @@ def _output(cp, shape, out):
     return out
 
 
-def pack_bits(codes, bits: int, out=None):
+def pack_bits(codes, bits):
+    """GPU :func:`arraykv.quant.bitpack.pack_bits_reference` (see :func:`pack_bits_into`)."""
+    return pack_bits_into(codes, bits)
+
+
+def unpack_bits(packed, bits, n):
+    """GPU :func:`arraykv.quant.bitpack.unpack_bits_reference` (see :func:`unpack_bits_into`)."""
+    return unpack_bits_into(packed, bits, n)
+
+
+def pack_bits_into(codes, bits: int, out=None):
     """Pack CuPy uint8 codes (..., n) into (..., ceil(n*bits/8)) bytes on the GPU (into ``out`` if given)."""
     cp = require_cupy()
     codes = cp.ascontiguousarray(codes)
@@ -59,8 +69,8 @@ def pack_bits(codes, bits: int, out=None):
     return out
 
 
-def unpack_bits(packed, bits: int, n: int, out=None):
-    """Inverse of :func:`pack_bits`: CuPy uint8 (..., row_bytes) -> (..., n)."""
+def unpack_bits_into(packed, bits: int, n: int, out=None):
+    """Inverse of :func:`pack_bits_into`: CuPy uint8 (..., row_bytes) -> (..., n)."""
     cp = require_cupy()
     packed = cp.ascontiguousarray(packed)
     lead = packed.shape[:-1]

@@ -19,6 +19,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
+from .threads import launch, threads_for
+
 __all__ = ["polar_encode", "polar_decode"]
 
 
@@ -159,7 +161,6 @@ _encode_par = nb.njit(cache=True, nogil=True, parallel=True)(_encode_py)
 _decode_par = nb.njit(cache=True, nogil=True, parallel=True)(_decode_py)
 _encode_ser = nb.njit(cache=True, nogil=True)(_encode_py)
 _decode_ser = nb.njit(cache=True, nogil=True)(_decode_py)
-_PARALLEL_MIN_VALUES = 1 << 18
 
 
 def _host(a, dtype=np.float32):
@@ -173,10 +174,21 @@ def _matrix(rotation):
     return _NO_MATRIX if rotation.matrix is None else _host(rotation.matrix)
 
 
-def polar_encode(x, rotation, codebook, *, unbiased=False):
-    """Kernel behind :func:`arraykv.quant.polar.polar_encode`: ``(codes uint8, lengths float16)``.
+def polar_encode(x, codebook, rotation, *, unbiased=False):
+    """Kernel of :func:`arraykv.quant.polar.polar_encode_reference`: ``(codes uint8, lengths float16)``.
 
-    ``unbiased`` stores ``‖x‖ / ⟨y, ŷ⟩`` instead of the least-squares length.
+    Parameters
+    ----------
+    x : ndarray of float, shape (..., dim)
+    codebook : Codebook
+    rotation : Rotation
+    unbiased : bool, default False
+        Store ``‖x‖ / ⟨y, ŷ⟩`` instead of the least-squares length.
+
+    Returns
+    -------
+    codes : ndarray of uint8, shape (..., ceil(dim · bits / 8))
+    lengths : ndarray of float16, shape (...)
     """
     x = np.asarray(x)
     lead, d = x.shape[:-1], int(x.shape[-1])
@@ -184,20 +196,36 @@ def polar_encode(x, rotation, codebook, *, unbiased=False):
     bits = int(codebook.bits)
     codes = np.empty((flat.shape[0], (d * bits + 7) // 8), dtype=np.uint8)
     lengths = np.empty(flat.shape[0], dtype=np.float32)
-    kernel = _encode_par if flat.size >= _PARALLEL_MIN_VALUES else _encode_ser
-    kernel(flat, _host(rotation.signs), _matrix(rotation), rotation.kind == "hadamard",
+    args = (flat, _host(rotation.signs), _matrix(rotation), rotation.kind == "hadamard",
             _host(codebook.thresholds), _host(codebook.centroids), bits, bool(unbiased), codes, lengths)
+    if threads_for(flat.size) == 1:
+        _encode_ser(*args)
+    else:
+        with launch(flat.size):
+            _encode_par(*args)
     return codes.reshape(lead + (codes.shape[1],)), lengths.astype(np.float16).reshape(lead)
 
 
-def polar_decode(codes, lengths, rotation, codebook):
-    """Kernel behind :func:`arraykv.quant.polar.polar_decode`: float32 ``(..., dim)``."""
+def polar_decode(codes, norms, codebook, rotation):
+    """Kernel of :func:`arraykv.quant.polar.polar_decode_reference`: float32 ``(..., dim)``.
+
+    Parameters
+    ----------
+    codes : ndarray of uint8, shape (..., ceil(dim · bits / 8))
+    norms : ndarray of float16/float32, shape (...)
+    codebook, rotation
+        The ones used to encode.
+    """
     codes = np.asarray(codes)
     lead = codes.shape[:-1]
     d = int(rotation.dim)
     flat = np.ascontiguousarray(codes.reshape(-1, codes.shape[-1]))
     out = np.empty((flat.shape[0], d), dtype=np.float32)
-    kernel = _decode_par if out.size >= _PARALLEL_MIN_VALUES else _decode_ser
-    kernel(flat, _host(np.asarray(lengths).reshape(-1)), _host(rotation.signs), _matrix(rotation),
+    args = (flat, _host(np.asarray(norms).reshape(-1)), _host(rotation.signs), _matrix(rotation),
             rotation.kind == "hadamard", _host(codebook.centroids), int(codebook.bits), out)
+    if threads_for(out.size) == 1:
+        _decode_ser(*args)
+    else:
+        with launch(out.size):
+            _decode_par(*args)
     return out.reshape(lead + (d,))

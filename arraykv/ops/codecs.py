@@ -1,0 +1,101 @@
+"""Accelerated quantizer ops: each takes exactly the arguments of its array-API reference.
+
+Every function here runs the kernel registered for the namespace of its array arguments
+(:mod:`arraykv.ops.registry`: Numba on NumPy, CUDA on CuPy) or, where there is none, the
+reference named in its docstring, and returns what the reference returns. The quantizers of
+:mod:`arraykv.quant` take these as their step functions, for example
+``polar_encode(x, codebook, rotation, encode=ops.polar_encode)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _compat
+from ..quant.bitpack import check_pack_args, check_unpack_args
+from .registry import implementation, reference
+
+__all__ = ["pack_bits", "unpack_bits", "polar_encode", "polar_decode", "intq_group_minmax", "intq_quantize_pack",
+           "intq_dequantize", "split_outliers", "vq_assign", "vq_update", "vq_encode", "vq_decode"]
+
+#: Code widths of the integer quantize/dequantize kernels (others run the reference).
+INTQ_KERNEL_BITS = (2, 4, 8)
+
+
+def _impl(name: str, x: Any):
+    return implementation(name, _compat.namespace(x))
+
+
+def pack_bits(codes: Any, bits: int):
+    """:func:`arraykv.quant.bitpack.pack_bits` with a kernel: uint8 (..., n) -> uint8 (..., ceil(n·bits/8))."""
+    bits = check_pack_args(codes, bits)
+    return _impl("pack_bits", codes)(codes, bits)
+
+
+def unpack_bits(packed: Any, bits: int, n: int):
+    """:func:`arraykv.quant.bitpack.unpack_bits` with a kernel: uint8 (..., ceil(n·bits/8)) -> uint8 (..., n)."""
+    bits, n = check_unpack_args(packed, bits, n)
+    return _impl("unpack_bits", packed)(packed, bits, n)
+
+
+def polar_encode(x: Any, codebook: Any, rotation: Any, *, unbiased: bool = False) -> tuple:
+    """:func:`arraykv.quant.polar.polar_encode_reference`: float (..., dim) -> (uint8 codes, float16 norms (...)).
+
+    The kernels agree with the reference except where float rounding puts a rotated coordinate
+    on the other side of a threshold.
+    """
+    return _impl("polar_encode", x)(x, codebook, rotation, unbiased=unbiased)
+
+
+def polar_decode(codes: Any, norms: Any, codebook: Any, rotation: Any):
+    """:func:`arraykv.quant.polar.polar_decode_reference`: packed codes + norms (...) -> float32 (..., dim)."""
+    return _impl("polar_decode", codes)(codes, norms, codebook, rotation)
+
+
+def intq_group_minmax(x32: Any, group_size: int) -> tuple:
+    """:func:`arraykv.quant.intq.group_minmax_reference`: float32 (..., n) -> (min, max), float32 (..., groups)."""
+    return _impl("intq_group_minmax", x32)(x32, group_size)
+
+
+def intq_quantize_pack(x32: Any, group_size: int, bits: int, off32: Any, inv: Any):
+    """:func:`arraykv.quant.intq.quantize_pack_reference`: float32 (..., n) -> packed uint8 codes.
+
+    Kernels serve 2-, 4- and 8-bit codes (:data:`INTQ_KERNEL_BITS`); other widths run the reference.
+    """
+    fn = _impl("intq_quantize_pack", x32) if bits in INTQ_KERNEL_BITS else reference("intq_quantize_pack")
+    return fn(x32, group_size, bits, off32, inv)
+
+
+def intq_dequantize(codes: Any, bits: int, group_size: int, n: int, s32: Any, o32: Any):
+    """:func:`arraykv.quant.intq.dequantize_reference`: packed codes -> float32 (..., n) (kernels: 2, 4, 8 bits)."""
+    fn = _impl("intq_dequantize", codes) if bits in INTQ_KERNEL_BITS else reference("intq_dequantize")
+    return fn(codes, bits, group_size, n, s32, o32)
+
+
+def split_outliers(x: Any, threshold: float) -> tuple:
+    """:func:`arraykv.quant.outliers.split_outliers_reference`: (dense float32, SparseOutliers).
+
+    The kernel accumulates the statistics in float64, so a value within one float32 ulp of the
+    boundary may fall on the other side than in the reference; both splits are exact.
+    """
+    return _impl("split_outliers", x)(x, threshold)
+
+
+def vq_assign(xg: Any, c: Any) -> tuple:
+    """:func:`arraykv.quant.vq.assign_reference`: nearest centroid (groups, n) int64 and the summed error."""
+    return _impl("vq_assign", xg)(xg, c)
+
+
+def vq_update(xg: Any, c: Any, idx: Any):
+    """:func:`arraykv.quant.vq.update_reference`: cluster means, float32 (groups, K, sub_dim)."""
+    return _impl("vq_update", xg)(xg, c, idx)
+
+
+def vq_encode(x: Any, centroids: Any, bits: int):
+    """:func:`arraykv.quant.vq.vq_encode_reference`: codes of ``x`` (rows, h, t, d), packed below 9 bits."""
+    return _impl("vq_encode", x)(x, centroids, bits)
+
+
+def vq_decode(codes: Any, centroids: Any, bits: int):
+    """:func:`arraykv.quant.vq.vq_decode_reference`: the vectors codes (rows, h, t, ·) name, float32 (rows, h, t, d)."""
+    return _impl("vq_decode", codes)(codes, centroids, bits)

@@ -1,0 +1,93 @@
+"""Fused decode attention ops: one decode step straight from a layer's codes.
+
+Each function takes exactly the arguments of its array-API reference in
+:mod:`arraykv.attention` and runs the kernel registered for the namespace of ``q``
+(:mod:`arraykv.ops.registry`) or that reference. :func:`has_kernel` tells a cache whether a
+fused kernel would serve a call, so it can decide between a fused decode and returning
+dequantized K/V.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _compat
+from .._validation import check_softmax_scale
+from ..attention.int_fused import layer_exponents
+from .registry import implementation, lookup, reference
+
+__all__ = ["polar_decode_attention", "int_decode_attention", "vq_decode_attention", "has_kernel",
+           "INT_KERNEL_BITS"]
+
+#: Code widths of the integer fused kernel (others run the reference).
+INT_KERNEL_BITS = (2, 4, 8)
+
+
+def has_kernel(name: str, xp: Any) -> bool:
+    """Whether op ``name`` has a usable kernel for namespace ``xp`` (kernels enabled and importable)."""
+    return lookup(name, xp) is not None
+
+
+def polar_decode_attention(codec: Any, q: Any, scale: float):
+    """Attention of one query per head over a PolarQuant layer, from its packed codes.
+
+    Parameters
+    ----------
+    codec : PolarLayerCodec
+        The layer's state (``PolarCache.layer_codec_state``).
+    q : array, shape (batch, q_heads, 1, head_dim)
+    scale : float
+        Softmax scale.
+
+    Returns
+    -------
+    array, shape (batch, q_heads, 1, head_dim), dtype of ``q``
+        Equal (to float32 rounding) to ``attention(q, K, V, logit_bias=B)`` over the layer's
+        dequantized keys/values and QJL bias
+        (:func:`arraykv.attention.polar_fused.polar_decode_attention_reference`).
+    """
+    scale = check_softmax_scale(scale, "scale")
+    return implementation("polar_decode_attention", _compat.namespace(q))(codec, q, scale)
+
+
+def int_decode_attention(codec: Any, q: Any, scale: float):
+    """Attention of one query per head over an integer-cache layer, from its packed codes.
+
+    Parameters
+    ----------
+    codec : IntLayerCodec
+        The layer's state (``IntQuantCache.layer_codec_state``); at least one token.
+    q : array, shape (batch, q_heads, 1, head_dim)
+        ``q_heads`` a multiple of the layer's KV heads; query head ``i`` reads KV head
+        ``i // (q_heads // kv_heads)``.
+    scale : float
+        Softmax scale.
+
+    Returns
+    -------
+    array, shape (batch, q_heads, 1, head_dim), dtype of ``q``
+        Equal (to float32 rounding) to ``attention(q, K, V)`` over the layer's dequantized keys
+        and values (:func:`arraykv.attention.int_fused.int_decode_attention_reference`);
+        computed in float32. The kernel covers 2-, 4- and 8-bit codes; other widths run the
+        reference.
+    """
+    scale = check_softmax_scale(scale, "scale")
+    fast = lookup("int_decode_attention", _compat.namespace(q)) if int(codec.bits) in INT_KERNEL_BITS else None
+    if fast is None:
+        return reference("int_decode_attention")(codec, q, scale)
+    k_exp, v_exp = layer_exponents(codec)
+    out = fast(codec, q, scale * 2.0 ** k_exp)  # the kernels read keys and values in their stored units
+    return out * 2.0 ** v_exp if v_exp else out
+
+
+def vq_decode_attention(q: Any, k_codes: Any, k_centroids: Any, v_codes: Any, v_centroids: Any, k_extra: Any,
+                        v_extra: Any, *, bits: int, softmax_scale: float):
+    """One decode step of attention over VQ-coded keys and values plus a few dense tokens.
+
+    Arguments and result of :func:`arraykv.attention.vq_fused.vq_decode_attention_reference`:
+    ``q`` (batch, q_heads, head_dim), codes (batch, h, T, ·), codebooks (h, m, K, s), dense
+    tokens (batch, h, E, head_dim); returns float32 (batch, q_heads, head_dim).
+    """
+    softmax_scale = check_softmax_scale(softmax_scale)
+    fn = implementation("vq_decode_attention", _compat.namespace(q))
+    return fn(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits=bits, softmax_scale=softmax_scale)

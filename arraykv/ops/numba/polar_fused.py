@@ -1,0 +1,426 @@
+"""Numba kernel: one decode step of attention straight from PolarQuant/TurboQuant packed codes.
+
+A call is one compiled function that does the whole step for every (batch, KV head):
+
+1. *queries*: divide by the key channel weights ``k_scale``, split out the outlier channels,
+   rotate (fast Walsh–Hadamard with the rotation's signs, or the dense matrix), ``q·k_mean``
+   and the QJL sketch ``S q̃`` (:func:`arraykv.attention.polar_fused.prepare_queries`); with a
+   rotating key mean, the two coefficients per turning channel pair of ``q·m_p`` and the
+   phase tables of one tile;
+2. *quantized tokens*, in tiles of ``TILE``: the tile's key codes are unpacked once into
+   centroid values (byte-chunk tables: one 8-byte load and store per two codes) and scored
+   against every query head of the GQA group (plus, for a rotating key mean,
+   ``Σ_j A_j cos ω_j p + B_j sin ω_j p``, phases carried from tile to tile by one complex
+   multiplication per pair), an online softmax per query head is rescaled
+   once per tile, then the value codes are unpacked and accumulated, weighted, in the rotated
+   domain;
+3. *finish* (:func:`arraykv.attention.polar_fused.merge_window`): a log-sum-exp merge of the
+   token splits, the float16 window (sinks and recent tokens, one exact block), the inverse
+   rotation of the value sum, ``v_mean``, and the division by the softmax denominator.
+
+Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`: below
+``PARALLEL_MIN_WORK`` values, ``batch · heads · tokens · head_dim``); larger ones split each
+head's tokens over Numba's threads (only step 2 is parallel: steps 1 and 3 cost
+``O(heads · head_dim · (log head_dim + m + window))``). Work buffers are
+``O(heads · G · head_dim)`` plus ``O(G · TILE)`` per task: nothing grows with the context.
+float16 state is read through ``uint16`` views and :data:`HALF_TO_FLOAT` (Numba has no
+float16). Functions are compiled once, for fixed argument types (read-only, any layout), and
+cached on disk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:
+    import numba as nb
+    from numba import types as nbt
+except ImportError as exc:  # pragma: no cover - exercised only without numba
+    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+
+from .fused_driver import FASTMATH, TILE, build_steps, merge_splits, merge_top, plan, ro, run_step
+from .polar_query import _prepare_head, _prepare_rotating
+from .polar_rows import _SIGN_TABLE, _SIGNS, HALF_TO_FLOAT, _chunk_table, _fwht, _unpack_rows
+
+__all__ = ["polar_decode_attention", "TILE", "HALF_TO_FLOAT"]
+
+_U8_4, _U16_3, _U16_4, _I32_3 = ro(nbt.uint8, 4), ro(nbt.uint16, 3), ro(nbt.uint16, 4), ro(nbt.int32, 3)
+_F32_1C, _F32_2C = ro(nbt.float32, 1, "C"), ro(nbt.float32, 2, "C")
+_Q = ro(nbt.float32, 3, "C")
+_OUT = nbt.Array(nbt.float32, 3, "C")
+_TAB = ro(nbt.uint64, 1, "C")
+#: (q, scale, n, h_n, args, splits, out), args as in the kernel's part of the step below
+_ARGS = nbt.Tuple((_U8_4, _U16_3, _F32_1C, _TAB, nbt.int64, _U8_4, _U16_3, _F32_1C, _TAB, nbt.int64,
+                   _U16_3, _U16_3, _U16_3, _I32_3, _U16_4, _F32_1C, _F32_2C, _F32_2C, _TAB, _U8_4, _U16_3,
+                   ro(nbt.float32, 3), ro(nbt.int32, 2), nbt.int64, nbt.int64, _U16_4, _U16_4, _F32_1C))
+_SIG = nbt.void(_Q, nbt.float64, nbt.int64, nbt.int64, _ARGS, nbt.int64, _OUT)
+
+
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
+def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_table, k_bits,
+                 v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms, sign_table, half,
+                 n_j, ra, rb, rw, ct, st, step, pos0, m, l, acc):
+    """Online softmax over quantized tokens ``[t_lo, t_hi)`` of head ``(b, h)``, every query head.
+
+    ``m``, ``l`` (G,) and ``acc`` (G, d) hold the running maximum logit, the sum of
+    ``exp(logit − m)`` and ``Σ exp(logit − m) · ℓ_t c[codes_t]`` (rotated value domain);
+    they are updated in place, so a caller starts them at ``-inf``, ``0``, ``0``.
+    ``k_table``, ``v_table``, ``sign_table`` are :func:`_chunk_table` of the key and value
+    centroids and of ``(-1, 1)`` (the QJL bits). Per tile of ``TILE`` tokens: the key codes are
+    unpacked once for the whole GQA group, scored, the softmax state rescaled once, then the
+    value codes unpacked and accumulated. ``n_j`` turning pairs of a rotating key mean
+    (:func:`_prepare_rotating`; token ``t`` sits at position ``pos0 + t``) add their share of
+    ``q·m_p`` to each logit.
+    """
+    g_n, d = qr.shape
+    n_out = qout.shape[1]
+    m_rows = sq.shape[1]
+    buf64 = np.empty((TILE, (d + 1) // 2), np.uint64)
+    buf = buf64.view(np.float32)
+    pbuf64 = np.empty((TILE, (m_rows + 1) // 2), np.uint64)
+    pbuf = pbuf64.view(np.float32)
+    s = np.empty((g_n, TILE), np.float32)
+    # rotating key mean: the phase (cos, sin of ω p) at the current tile's first token
+    ph = np.empty((n_j, 2), np.float64)
+    for j in range(n_j):
+        ang = rw[j] * np.float64(pos0 + t_lo)
+        ph[j, 0] = math.cos(ang)
+        ph[j, 1] = math.sin(ang)
+    ra_t = np.empty((g_n, n_j), np.float32)
+    rb_t = np.empty((g_n, n_j), np.float32)
+    rterm = np.zeros((g_n, TILE), np.float32)
+    for t0 in range(t_lo, t_hi, TILE):
+        t1 = min(t_hi, t0 + TILE)
+        # 1. scores of the tile
+        _unpack_rows(k_codes, b, h, t0, t1, k_bits, k_table, k_cent, d, buf, buf64)
+        if m_rows:
+            _unpack_rows(k_qjl, b, h, t0, t1, 1, sign_table, _SIGNS, m_rows, pbuf, pbuf64)
+        nt = t1 - t0
+        r4 = nt - nt % 4
+        for g in range(g_n):  # four keys per pass: four independent sums, one read of the query
+            for r in range(0, r4, 4):
+                d0 = np.float32(0.0)
+                d1 = np.float32(0.0)
+                d2 = np.float32(0.0)
+                d3 = np.float32(0.0)
+                for j in range(d):
+                    qj = qr[g, j]
+                    d0 += qj * buf[r, j]
+                    d1 += qj * buf[r + 1, j]
+                    d2 += qj * buf[r + 2, j]
+                    d3 += qj * buf[r + 3, j]
+                s[g, r] = d0
+                s[g, r + 1] = d1
+                s[g, r + 2] = d2
+                s[g, r + 3] = d3
+            for r in range(r4, nt):
+                dot = np.float32(0.0)
+                for j in range(d):
+                    dot += qr[g, j] * buf[r, j]
+                s[g, r] = dot
+        if n_j:  # coefficients turned to this tile's start: A cos ω(p0+r) + B sin ω(p0+r)
+            for j in range(n_j):
+                cp = ph[j, 0]
+                sp = ph[j, 1]
+                for g in range(g_n):
+                    ra_t[g, j] = np.float32(ra[g, j] * cp + rb[g, j] * sp)
+                    rb_t[g, j] = np.float32(rb[g, j] * cp - ra[g, j] * sp)
+                ph[j, 0] = cp * step[j, 0] - sp * step[j, 1]
+                ph[j, 1] = sp * step[j, 0] + cp * step[j, 1]
+            for g in range(g_n):
+                for r in range(nt):
+                    x = np.float32(0.0)
+                    for j in range(n_j):
+                        x += ra_t[g, j] * ct[r, j] + rb_t[g, j] * st[r, j]
+                    rterm[g, r] = x
+        for t in range(t0, t1):
+            r = t - t0
+            kn = half[k_norms[b, h, t]]
+            qn = half[k_qjl_norms[b, h, t]] if m_rows else np.float32(0.0)
+            for g in range(g_n):
+                x = s[g, r] * kn + qconst[g] + rterm[g, r]
+                for o in range(n_out):
+                    x += qout[g, o] * half[k_outliers[b, h, t, o]]
+                if m_rows:
+                    sdot = np.float32(0.0)
+                    for i in range(m_rows):
+                        sdot += sq[g, i] * pbuf[r, i]
+                    x += sdot * qn
+                s[g, r] = x
+        # 2. online softmax: rescale once per tile, then the tile's weights
+        for g in range(g_n):
+            mt = m[g]
+            for r in range(t1 - t0):
+                if s[g, r] > mt:
+                    mt = s[g, r]
+            if mt > m[g]:
+                c = np.float32(math.exp(m[g] - mt)) if m[g] > -np.inf else np.float32(0.0)
+                l[g] *= c
+                for j in range(d):
+                    acc[g, j] *= c
+                m[g] = mt
+            lg = np.float32(0.0)
+            for r in range(t1 - t0):
+                p = np.float32(math.exp(s[g, r] - mt))
+                s[g, r] = p
+                lg += p
+            l[g] += lg
+        # 3. weighted values in the rotated domain
+        _unpack_rows(v_codes, b, h, t0, t1, v_bits, v_table, v_cent, d, buf, buf64)
+        for r in range(nt):
+            vn = half[v_norms[b, h, t0 + r]]
+            for g in range(g_n):
+                s[g, r] *= vn
+        for g in range(g_n):  # four values per pass: one load and store of the accumulator
+            for r in range(0, r4, 4):
+                w0 = s[g, r]
+                w1 = s[g, r + 1]
+                w2 = s[g, r + 2]
+                w3 = s[g, r + 3]
+                for j in range(d):
+                    acc[g, j] += w0 * buf[r, j] + w1 * buf[r + 1, j] + w2 * buf[r + 2, j] + w3 * buf[r + 3, j]
+            for r in range(r4, nt):
+                w = s[g, r]
+                for j in range(d):
+                    acc[g, j] += w * buf[r, j]
+
+
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
+def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot,
+                 half, out):
+    """Merge the token splits of head ``(b, h)`` with its float16 window; write ``out[b, qh]``.
+
+    ``m_sp``, ``l_sp`` (splits, G) and ``acc_sp`` (splits, G, d) are :func:`_attend_span`'s
+    state per split. The window block (sinks and recent tokens, any order) is attended with the
+    unweighted queries; the value sum of the quantized tokens is rotated back (``Mᵀ y``) and
+    gains ``l · v_mean`` (see :func:`arraykv.attention.polar_fused.merge_window`).
+    """
+    splits, g_n, d = acc_sp.shape
+    has_vmean = v_mean.shape[2] > 0
+    dense = rot.shape[0] > 0
+    sc = np.float32(scale)
+    c_rot = np.float32(1.0 / math.sqrt(d))
+    top = np.empty(g_n, np.float32)
+    den = np.empty(g_n, np.float32)
+    num = np.zeros((g_n, d), np.float32)
+    y = np.empty(d, np.float32)
+    row = np.empty(d, np.float32)
+    sw = np.empty((g_n, n_window), np.float32)
+    for g in range(g_n):
+        top[g] = merge_top(m_sp, g)
+    # window scores, each key row converted once for the group
+    for w in range(n_window):
+        for j in range(d):
+            row[j] = half[k_window[b, h, w, j]]
+        for g in range(g_n):
+            qi = h * g_n + g
+            dot = np.float32(0.0)
+            for j in range(d):
+                dot += q[b, qi, j] * row[j]
+            dot *= sc
+            sw[g, w] = dot
+            if dot > top[g]:
+                top[g] = dot
+    # quantized tokens: rescaled split sums, back from the rotated domain
+    for g in range(g_n):
+        for j in range(d):
+            y[j] = np.float32(0.0)
+        lq = merge_splits(m_sp, l_sp, acc_sp, g, top[g], y)
+        if lq > 0:
+            if dense:
+                for i in range(d):
+                    yi = y[i]
+                    for j in range(d):
+                        num[g, j] += yi * rot[i, j]
+            else:
+                _fwht(y)
+                for j in range(d):
+                    num[g, j] = y[j] * signs[j] * c_rot
+            if has_vmean:
+                for j in range(d):
+                    num[g, j] += lq * half[v_mean[b, h, j]]
+        den[g] = lq
+    # window values, each row converted once for the group
+    for w in range(n_window):
+        for j in range(d):
+            row[j] = half[v_window[b, h, w, j]]
+        for g in range(g_n):
+            p = np.float32(math.exp(sw[g, w] - top[g]))
+            den[g] += p
+            for j in range(d):
+                num[g, j] += p * row[j]
+    for g in range(g_n):
+        inv = np.float32(1.0) / den[g]
+        qi = h * g_n + g
+        for j in range(d):
+            out[b, qi, j] = num[g, j] * inv
+
+
+# ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
+# args = (k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits, k_scale, k_mean,
+#         v_mean, k_idx, k_outliers, signs, rot, sketch, sign_table, k_qjl, k_qjl_norms, rm_freq, rm_pairs, pos0,
+#         n_window, k_window, v_window, half)
+
+@nb.njit
+def alloc_state(b_n, h_n, g_n, d, args):
+    """Per (batch, KV head) slot: ``qr, qout, qconst, sq`` (:func:`_prepare_head`), the rotating
+    mean's ``ra, rb, rw, ct, st, step`` and pair count (:func:`_prepare_rotating`), and a scratch row."""
+    n_out = args[13].shape[2]
+    m_rows = args[17].shape[0]
+    n_p = args[22].shape[0]
+    return (np.empty((b_n, h_n, g_n, d), np.float32), np.empty((b_n, h_n, g_n, n_out), np.float32),
+            np.empty((b_n, h_n, g_n), np.float32), np.empty((b_n, h_n, g_n, m_rows), np.float32),
+            np.empty((b_n, h_n, g_n, n_p), np.float32), np.empty((b_n, h_n, g_n, n_p), np.float32),
+            np.empty((b_n, h_n, n_p), np.float64), np.empty((b_n, h_n, TILE, n_p), np.float32),
+            np.empty((b_n, h_n, TILE, n_p), np.float32), np.empty((b_n, h_n, n_p, 2), np.float64),
+            np.zeros((b_n, h_n), np.int64), np.empty(d, np.float32))
+
+
+@nb.njit
+def prepare(q, b, h, scale, args, state, sb, sh):
+    k_scale, k_mean, k_idx, signs, rot, sketch = args[10], args[11], args[13], args[15], args[16], args[17]
+    rm_freq, rm_pairs, half = args[21], args[22], args[27]
+    qr, qout, qconst, sq, ra, rb, rw, ct, st, step, n_js, x = state
+    _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x, qr[sb, sh], qout[sb, sh],
+                  qconst[sb, sh], sq[sb, sh])
+    n_js[sb, sh] = _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst[sb, sh], ra[sb, sh],
+                                     rb[sb, sh], rw[sb, sh], ct[sb, sh], st[sb, sh], step[sb, sh])
+
+
+@nb.njit
+def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
+    (k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits, _, _, _, _, k_outliers,
+     _, _, _, sign_table, k_qjl, k_qjl_norms, _, _, pos0, _, _, _, half) = args
+    qr, qout, qconst, sq, ra, rb, rw, ct, st, step, n_js, _ = state
+    _attend_span(b, h, t_lo, t_hi, qr[sb, sh], qout[sb, sh], qconst[sb, sh], sq[sb, sh], k_codes, k_norms, k_cent,
+                 k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms,
+                 sign_table, half, n_js[sb, sh], ra[sb, sh], rb[sb, sh], rw[sb, sh], ct[sb, sh], st[sb, sh],
+                 step[sb, sh], pos0, m, l, acc)
+
+
+@nb.njit
+def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
+    v_mean, signs, rot, n_window, k_window, v_window, half = (args[12], args[15], args[16], args[24], args[25],
+                                                              args[26], args[27])
+    _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot, half, out)
+
+
+@nb.njit
+def span_unit(args):
+    return 1
+
+
+_step_serial, _step_parallel = build_steps(globals(), [_SIG])
+
+
+def _plan(bh: int, n: int, d: int) -> tuple:
+    """``(threads, token splits per head)``: :func:`arraykv.ops.numba.fused_driver.plan` of ``bh · n · d``
+    values, spans of at least ``4 · TILE`` tokens."""
+    return plan(bh, n, bh * n * d, 4 * TILE)
+
+
+def _absent(ndim: int, dtype) -> np.ndarray:
+    a = np.zeros((0,) * ndim, dtype)
+    a.setflags(write=False)
+    return a
+
+
+_NO_U16_3, _NO_U16_4, _NO_U8_4 = _absent(3, np.uint16), _absent(4, np.uint16), _absent(4, np.uint8)
+_NO_I32_3, _NO_F32_2 = _absent(3, np.int32), _absent(2, np.float32)
+_NO_F32_3, _NO_I32_2 = _absent(3, np.float32), _absent(2, np.int32)
+
+
+def _bits16(a, absent=_NO_U16_3):
+    """A float16 array as its uint16 bit patterns (a view); ``absent`` for None."""
+    if a is None:
+        return absent
+    if a.dtype != np.float16:
+        raise TypeError(f"expected float16 state, received {a.dtype}")
+    return a.view(np.uint16)
+
+
+#: Arguments derived from a cache's fixed objects (rotation, codebooks, sketch), by their ids.
+#: The entry holds the objects themselves, so an id is not reused while it is cached.
+_FIXED: dict = {}
+_FIXED_MAX = 64
+
+
+def _fixed_args(codec) -> tuple:
+    """``(k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch)`` of ``codec``."""
+    objs = (codec.rotation, codec.k_codebook, codec.v_codebook, codec.qjl)
+    key = tuple(id(o) for o in objs)
+    hit = _FIXED.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], objs)):
+        return hit[1]
+    rotation, kc, vc, sketch = objs
+    k_cent = np.ascontiguousarray(kc.centroids, np.float32)
+    v_cent = np.ascontiguousarray(vc.centroids, np.float32)
+    args = (k_cent, _chunk_table(k_cent, int(kc.bits)), int(kc.bits),
+            v_cent, _chunk_table(v_cent, int(vc.bits)), int(vc.bits),
+            np.ascontiguousarray(rotation.signs, np.float32),
+            _NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32),
+            _NO_F32_2 if sketch is None else np.ascontiguousarray(sketch.matrix, np.float32))
+    if len(_FIXED) >= _FIXED_MAX:
+        try:  # layers decode from several threads: another may have evicted it first
+            _FIXED.pop(next(iter(_FIXED)), None)
+        except (StopIteration, RuntimeError):
+            pass
+    _FIXED[key] = (objs, args)
+    return args
+
+
+def polar_decode_attention(codec, q, scale):
+    """Fused decode attention over a :class:`~arraykv.caches.polar.PolarLayerCodec` (NumPy).
+
+    Same contract as :func:`arraykv.attention.polar_fused.polar_decode_attention_reference`.
+
+    Parameters
+    ----------
+    codec : PolarLayerCodec
+        NumPy state (float16 side arrays, uint8 codes, int32 outlier indices).
+    q : ndarray, shape (batch, q_heads, 1, head_dim)
+        Any float dtype; computed in float32.
+    scale : float
+        Softmax scale.
+
+    Returns
+    -------
+    ndarray, shape (batch, q_heads, 1, head_dim), dtype of ``q``
+    """
+    b, qh, t, d = q.shape
+    if t != 1:
+        raise ValueError(f"q must hold one new token per head (batch, q_heads, 1, head_dim), received {q.shape}")
+    k_codes = codec.k_codes
+    h = k_codes.shape[1]
+    n = int(codec.n_quantized)
+    k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch = _fixed_args(codec)
+    idx = codec.k_outlier_idx
+    if idx is None or idx.shape[-1] == 0:
+        idx, k_out = _NO_I32_3, _NO_U16_4
+    else:
+        idx = np.asarray(idx, np.int32)
+        k_out = _NO_U16_4 if n == 0 else _bits16(codec.k_outliers)
+    if codec.qjl is None:
+        k_qjl, k_qjl_norms = _NO_U8_4, _NO_U16_3
+    else:
+        k_qjl, k_qjl_norms = codec.k_qjl, _bits16(codec.k_qjl_norms)
+    freq = getattr(codec, "k_mean_freq", None)
+    if freq is None or n == 0:
+        rm_freq, rm_pairs = _NO_F32_3, _NO_I32_2
+    else:
+        rm_freq = np.asarray(freq, np.float32)
+        rm_pairs = np.ascontiguousarray(codec.k_mean_pairs, np.int32)
+    threads, splits = _plan(b * h, n, d)
+    out = np.empty((b, qh, d), np.float32)
+    args = (k_codes, _bits16(codec.k_norms), k_cent, k_table, k_bits,
+            codec.v_codes, _bits16(codec.v_norms), v_cent, v_table, v_bits,
+            _bits16(getattr(codec, "k_scale", None)), _bits16(codec.k_mean), _bits16(codec.v_mean), idx, k_out,
+            signs, rot, sketch, _SIGN_TABLE, k_qjl, k_qjl_norms, rm_freq, rm_pairs, int(codec.n_sink),
+            int(codec.n_window), _bits16(codec.k_window, _NO_U16_4), _bits16(codec.v_window, _NO_U16_4),
+            HALF_TO_FLOAT)
+    step = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, h, args)
+    run_step(_step_serial, _step_parallel, threads, splits, b * h * n * d, step, out)
+    out = out.reshape(b, qh, 1, d)
+    return out if q.dtype == np.float32 else out.astype(q.dtype)

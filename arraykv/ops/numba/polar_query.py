@@ -1,0 +1,117 @@
+"""Query-side preparation of the fused PolarQuant kernel (Numba): one KV head's GQA group.
+
+:func:`_prepare_head` gives the scaled, rotated queries, their outlier channels, the key-mean
+constant and the QJL sketch of the queries; :func:`_prepare_rotating` the coefficients and
+phase tables of a rotating (RoPE-aware) key mean. See
+:func:`arraykv.attention.polar_fused.prepare_queries` for the math.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:
+    import numba as nb
+except ImportError as exc:  # pragma: no cover - exercised only without numba
+    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+
+from ...quant.qjl import QJL_SCALE
+from .fused_driver import FASTMATH, TILE
+from .polar_rows import _fwht
+
+__all__ = ["_prepare_head", "_prepare_rotating"]
+
+
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
+def _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst, ra, rb, rw, ct, st, step):
+    """The turning pairs of a rotating key mean of KV head ``(b, h)``; returns their count ``J``.
+
+    For pair ``j`` (channels ``a, c``) with ``ω ≠ 0``: ``ra[g, j] = scale (q_a μ_a + q_c μ_c)``
+    and ``rb[g, j] = scale (q_c μ_a − q_a μ_c)``, so that its share of ``scale · q·m_p`` is
+    ``ra cos ωp + rb sin ωp``; that share is taken out of ``qconst``. ``rw[j] = ω``,
+    ``ct[r, j], st[r, j] = cos, sin(ω r)`` for ``r < TILE`` and ``step[j] = (cos, sin)(ω TILE)``.
+    """
+    g_n = ra.shape[0]
+    sc = np.float32(scale)
+    n_j = 0
+    for j in range(rm_pairs.shape[0]):
+        w = np.float64(rm_freq[b, h, j])
+        if w == 0.0:
+            continue
+        a = rm_pairs[j, 0]
+        c = rm_pairs[j, 1]
+        mua = half[k_mean[b, h, a]]
+        muc = half[k_mean[b, h, c]]
+        for g in range(g_n):
+            qa = q[b, h * g_n + g, a]
+            qc = q[b, h * g_n + g, c]
+            cos_part = (qa * mua + qc * muc) * sc
+            ra[g, n_j] = cos_part
+            rb[g, n_j] = (qc * mua - qa * muc) * sc
+            qconst[g] -= cos_part
+        rw[n_j] = w
+        c1 = math.cos(w)
+        s1 = math.sin(w)
+        cr = 1.0
+        sr = 0.0
+        for r in range(TILE):
+            ct[r, n_j] = np.float32(cr)
+            st[r, n_j] = np.float32(sr)
+            cr, sr = cr * c1 - sr * s1, sr * c1 + cr * s1
+        step[n_j, 0] = math.cos(w * TILE)
+        step[n_j, 1] = math.sin(w * TILE)
+        n_j += 1
+    return n_j
+
+
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
+def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x, qr, qout, qconst, sq):
+    """Query-side quantities of the ``G`` query heads of KV head ``(b, h)``.
+
+    Writes ``qr`` (G, d) ``scale · M q̃``, ``qout`` (G, n_out) ``scale · (q/s)`` at the outlier
+    channels, ``qconst`` (G,) ``scale · q·k_mean`` and ``sq`` (G, m)
+    ``scale · √(π/2)/m · S q̃``, where ``q̃`` is ``q / s`` with the outlier channels zeroed
+    (see :func:`arraykv.attention.polar_fused.prepare_queries`). ``x`` (d,) is scratch.
+    A rotating key mean adjusts ``qconst`` afterwards (:func:`_prepare_rotating`).
+    """
+    g_n, d = qr.shape
+    n_out = k_idx.shape[2]
+    m_rows = sketch.shape[0]
+    has_scale = k_scale.shape[2] > 0
+    has_mean = k_mean.shape[2] > 0
+    dense = rot.shape[0] > 0
+    c_rot = np.float32(scale / math.sqrt(d))
+    c_qjl = np.float32(scale * QJL_SCALE / m_rows) if m_rows else np.float32(0.0)
+    sc = np.float32(scale)
+    for g in range(g_n):
+        qi = h * g_n + g
+        acc = np.float32(0.0)
+        for j in range(d):
+            v = q[b, qi, j]
+            if has_mean:
+                acc += v * half[k_mean[b, h, j]]
+            x[j] = v / half[k_scale[b, h, j]] if has_scale else v
+        qconst[g] = acc * sc
+        for o in range(n_out):
+            qout[g, o] = x[k_idx[b, h, o]] * sc
+        for o in range(n_out):
+            x[k_idx[b, h, o]] = np.float32(0.0)
+        for r in range(m_rows):
+            acc = np.float32(0.0)
+            for j in range(d):
+                acc += sketch[r, j] * x[j]
+            sq[g, r] = acc * c_qjl
+        if dense:
+            for i in range(d):
+                acc = np.float32(0.0)
+                for j in range(d):
+                    acc += rot[i, j] * x[j]
+                qr[g, i] = acc * sc
+        else:
+            for j in range(d):
+                x[j] *= signs[j]
+            _fwht(x)
+            for j in range(d):
+                qr[g, j] = x[j] * c_rot

@@ -1,0 +1,152 @@
+"""Packed-code rows as centroid values, for the fused PolarQuant kernel (Numba).
+
+Layout of :mod:`arraykv.quant.bitpack`. :func:`_chunk_table` turns a codebook into 8-byte words
+of the centroid values of every chunk of consecutive codes, so :func:`_unpack_rows` unpacks two
+codes per load and store; float16 state is read through ``uint16`` views and
+:data:`HALF_TO_FLOAT` (Numba has no float16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import numba as nb
+except ImportError as exc:  # pragma: no cover - exercised only without numba
+    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+
+from .fused_driver import FASTMATH
+
+__all__ = ["HALF_TO_FLOAT", "_SIGNS", "_SIGN_TABLE", "_chunk_table", "_unpack_rows", "_fwht"]
+
+#: float16 bit pattern -> float32 value. Numba has no float16 arrays, so float16 state is
+#: read through ``uint16`` views (no copy) and this 256 KiB table.
+HALF_TO_FLOAT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+#: QJL bit values: bit 0 -> -1, bit 1 -> +1.
+_SIGNS = np.array([-1.0, 1.0], np.float32)
+#: Codes per chunk of :func:`_chunk_table`, by bits.
+_CHUNK = (1, 8, 4, 2, 2, 2, 1, 1, 1)
+
+
+def _chunk_table(cent, bits):
+    """Centroid values of every chunk of ``_CHUNK[bits]`` consecutive codes, as 8-byte words.
+
+    Parameters
+    ----------
+    cent : ndarray of float32, shape (2**bits,)
+    bits : int
+
+    Returns
+    -------
+    ndarray of uint64, shape (2**(c·bits) · c / 2,), ``c = _CHUNK[bits]``
+        Entry ``e`` (``c / 2`` words) holds ``cent[e & mask], cent[(e >> bits) & mask], ...``
+        (the bitpack order), so one 8-byte load and store unpacks two codes. Chunks: 8 one-bit
+        codes (a byte), 4 two-bit codes (a byte), 2 three-, four- or five-bit codes; empty for
+        6–8 bits (those read ``cent``).
+    """
+    c = _CHUNK[bits]
+    if c == 1:
+        return np.zeros(0, np.uint64)
+    e = np.arange(1 << (c * bits))
+    idx = (e[:, None] >> (np.arange(c) * bits)[None, :]) & ((1 << bits) - 1)
+    return np.ascontiguousarray(np.asarray(cent, np.float32)[idx]).view(np.uint64).reshape(-1)
+
+
+_SIGN_TABLE = _chunk_table(_SIGNS, 1)
+
+
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
+def _unpack_rows(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
+    """Centroid values of rows ``t0 .. t1`` of ``codes[b, h]`` into ``out[:t1 - t0, :d]``.
+
+    Layout of :mod:`arraykv.quant.bitpack`. ``out`` (float32, (rows, even width >= d)) and
+    ``out64`` are views of one buffer; ``table`` is :func:`_chunk_table` of ``cent``. The
+    branch on ``bits`` is taken once per call, so every loop below is specialised.
+    """
+    if bits == 4:
+        for t in range(t0, t1):
+            row = codes[b, h, t]
+            r = t - t0
+            for j in range(d // 2):
+                out64[r, j] = table[row[j]]
+            if d % 2:
+                out[r, d - 1] = cent[row[d // 2] & 15]
+    elif bits == 2:
+        for t in range(t0, t1):
+            row = codes[b, h, t]
+            r = t - t0
+            for j in range(d // 4):
+                e = 2 * np.int64(row[j])
+                out64[r, 2 * j] = table[e]
+                out64[r, 2 * j + 1] = table[e + 1]
+            for i in range(d - d % 4, d):
+                out[r, i] = cent[(row[i // 4] >> (2 * (i % 4))) & 3]
+    elif bits == 1:
+        for t in range(t0, t1):
+            row = codes[b, h, t]
+            r = t - t0
+            for j in range(d // 8):
+                e = 4 * np.int64(row[j])
+                out64[r, 4 * j] = table[e]
+                out64[r, 4 * j + 1] = table[e + 1]
+                out64[r, 4 * j + 2] = table[e + 2]
+                out64[r, 4 * j + 3] = table[e + 3]
+            for i in range(d - d % 8, d):
+                out[r, i] = cent[(row[i // 8] >> (i % 8)) & 1]
+    elif bits == 8:
+        for t in range(t0, t1):
+            row = codes[b, h, t]
+            r = t - t0
+            for j in range(d):
+                out[r, j] = cent[row[j]]
+    elif bits == 3:
+        for t in range(t0, t1):
+            row = codes[b, h, t]
+            r = t - t0
+            for grp in range(d // 8):  # eight codes in three bytes: four pairs of six bits
+                word = np.int64(row[3 * grp]) | (np.int64(row[3 * grp + 1]) << 8) | (np.int64(row[3 * grp + 2]) << 16)
+                out64[r, 4 * grp] = table[word & 63]
+                out64[r, 4 * grp + 1] = table[(word >> 6) & 63]
+                out64[r, 4 * grp + 2] = table[(word >> 12) & 63]
+                out64[r, 4 * grp + 3] = table[word >> 18]
+            for i in range(d - d % 8, d):
+                bit = 3 * i
+                pair = np.int64(row[bit >> 3])
+                if (bit >> 3) + 1 < codes.shape[3]:
+                    pair |= np.int64(row[(bit >> 3) + 1]) << 8
+                out[r, i] = cent[(pair >> (bit & 7)) & 7]
+    else:
+        mask = np.uint64((1 << bits) - 1)
+        pmask = np.uint64((1 << (2 * bits)) - 1)
+        nbytes = codes.shape[3]
+        full = d // 8 if bits <= 5 else 0  # 3 or 5 bits: four pairs of codes per group of eight
+        for t in range(t0, t1):
+            row = codes[b, h, t]
+            r = t - t0
+            for grp in range((d + 7) // 8):
+                word = np.uint64(0)
+                start = grp * bits
+                for k in range(min(bits, nbytes - start)):
+                    word |= np.uint64(row[start + k]) << np.uint64(8 * k)
+                if grp < full:
+                    for i in range(4):
+                        out64[r, 4 * grp + i] = table[np.int64((word >> np.uint64(2 * bits * i)) & pmask)]
+                else:
+                    base = grp * 8
+                    for i in range(min(8, d - base)):
+                        out[r, base + i] = cent[np.int64((word >> np.uint64(i * bits)) & mask)]
+
+
+@nb.njit(inline="always")
+def _fwht(x):
+    """In place: ``x <- H x``, unnormalized Walsh–Hadamard (Sylvester order, power-of-two length)."""
+    d = x.shape[0]
+    h = 1
+    while h < d:
+        for i in range(0, d, 2 * h):
+            for j in range(i, i + h):
+                a = x[j]
+                c = x[j + h]
+                x[j] = a + c
+                x[j + h] = a - c
+        h *= 2

@@ -1,0 +1,121 @@
+"""The layers of the package import only downwards, and the array-API layers never import NumPy.
+
+Every module of ``arraykv`` is parsed with :mod:`ast` (imports inside functions included) and
+mapped to a layer:
+
+0. base: ``_compat``, ``_validation``, ``protocol``
+1. ``quant``, ``attention`` (attention may import quant, not the reverse)
+2. ``ops``, and ``backends`` (its deprecated alias)
+3. ``storage``, ``compressor``
+4. ``caches``
+5. ``persist``
+6. ``integrations``
+7. tools: ``eval``, ``inspect*``, ``cli*``, ``__main__``, ``data``
+
+``arraykv/__init__.py`` may import anything; importing a name from it counts as layer 7. Modules of layers 0 and 1 other than ``_compat``
+never import NumPy (host-side tables come through ``_compat.host_numpy``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "arraykv"
+
+LAYERS = {
+    "_compat": 0, "_validation": 0, "protocol": 0,
+    "quant": 1, "attention": 1,
+    "ops": 2, "backends": 2,
+    "storage": 3, "compressor": 3,
+    "caches": 4,
+    "persist": 5,
+    "integrations": 6,
+    "eval": 7, "data": 7, "__main__": 7,
+}
+
+#: Known violations in other layers' modules, each to be removed by that module's owner.
+#: Entries are (importing module, imported module) as dotted names.
+KNOWN_EXCEPTIONS: set = {
+}
+
+
+def _layer(parts: tuple) -> int | None:
+    top = parts[0]
+    if top in LAYERS:
+        return LAYERS[top]
+    if top.startswith(("inspect", "cli")):
+        return 7
+    return None
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).with_suffix("")
+        parts = tuple(p for p in rel.parts if p != "__init__")
+        yield path, parts
+
+
+def _imports(path: Path, parts: tuple):
+    """``(imported dotted name, line)`` of every import in the module, relative ones resolved."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ["arraykv", *parts] if is_pkg else ["arraykv", *parts[:-1]]
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if node.module is None or mod == "arraykv":  # from . import x: x may be a module
+                for alias in node.names:
+                    yield f"{mod}.{alias.name}", node.lineno
+            else:
+                yield mod, node.lineno
+
+
+MODULES = list(_modules())
+
+
+def test_every_module_has_a_layer():
+    missing = [".".join(p) for _, p in MODULES if p and _layer(p) is None]
+    assert not missing, f"modules without a layer in tests/test_layering.py: {missing}"
+
+
+@pytest.mark.parametrize("path,parts", [(p, m) for p, m in MODULES if m], ids=lambda v: ".".join(v) if isinstance(v, tuple) else "")
+def test_imports_go_to_the_same_or_a_lower_layer(path, parts):
+    mine = _layer(parts)
+    bad = []
+    for name, line in _imports(path, parts):
+        if not name.startswith("arraykv.") or name.startswith("arraykv.kernels"):
+            continue
+        target = tuple(name.split(".")[1:])
+        theirs = _layer(target)
+        if theirs is None:  # a name from the package root (the public API): as high as the tools
+            theirs = 7
+        pair = (".".join(("arraykv", *parts)), name)
+        if pair in KNOWN_EXCEPTIONS:
+            continue
+        if theirs > mine or (mine == 1 and parts[0] == "quant" and target[0] == "attention"):
+            bad.append(f"line {line}: {name} (layer {theirs})")
+    assert not bad, f"{'.'.join(parts)} (layer {mine}) imports upwards: {bad}"
+
+
+@pytest.mark.parametrize("path,parts", [(p, m) for p, m in MODULES if m and _layer(m) in (0, 1) and m[0] != "_compat"],
+                         ids=lambda v: ".".join(v) if isinstance(v, tuple) else "")
+def test_array_api_layers_never_import_numpy(path, parts):
+    bad = [line for name, line in _imports(path, parts) if name == "numpy" or name.startswith("numpy.")]
+    assert not bad, f"{'.'.join(parts)} imports numpy at lines {bad}"
+
+
+def test_the_checker_sees_imports_inside_functions(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    import numpy as np\n    from ..ops import lookup\n")
+    names = [n for n, _ in _imports(src, ("quant", "m"))]
+    assert "numpy" in names and "arraykv.ops" in names
