@@ -1,6 +1,6 @@
 """Decode attention straight from a low-rank cache layer, in coefficient space.
 
-A ``lowrank`` layer (:class:`~arraykv.caches.lowrank_vq.LowRankCache`) holds each encoded key
+A ``lowrank`` layer (:class:`~arraykv.caches.lowrank.LowRankCache`) holds each encoded key
 and value as coefficients on a per-head basis, ``k ≈ μ_K + B_K c``, ``v ≈ μ_V + B_V e``, plus a
 few float16 tokens (attention sinks and the recent window). For one new query per head,
 :func:`lowrank_decode_attention` computes ``softmax(scale · q Kᵀ) V`` over all of them without

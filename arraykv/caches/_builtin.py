@@ -3,4 +3,5 @@
 from . import dense  # noqa: F401
 from . import polar  # noqa: F401
 from . import intq  # noqa: F401
-from . import lowrank_vq  # noqa: F401
+from . import lowrank  # noqa: F401
+from . import vq  # noqa: F401

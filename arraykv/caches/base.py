@@ -20,78 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
 from .._validation import check_bool, check_finite, check_int, check_kv, check_query, dtype_name
 from ..protocol import AttendConfig, DecodeOutput, DequantResult
-from ..storage.cache_file import LAYER_DTYPES, LayerRecord, write_cache_file
+from .layer import DECODE_PATHS, LayerState, check_decode_path, refuse_overflow
+from .snapshots import LayerSnapshots
 
-__all__ = ["LayeredCache", "LayerState", "refuse_overflow"]
-
-
-@dataclass
-class LayerState:
-    """What every layer remembers about its inputs; each cache subclasses it with its own arrays.
-
-    Attributes
-    ----------
-    xp : namespace
-        The array namespace of the stored arrays.
-    device : device
-        Their device.
-    batch : int
-        Batch size of the stored tokens.
-    dtype : dtype
-        The callers' dtype (results are returned in it).
-    length : int
-        Tokens stored.
-    """
-
-    xp: Any
-    device: Any
-    batch: int
-    dtype: Any
-    length: int = 0
-
-    def buffers(self) -> tuple:
-        """The growable token buffers of the layer (for :meth:`LayeredCache.reallocations`)."""
-        return ()
+__all__ = ["LayeredCache", "LayerState", "refuse_overflow", "check_decode_path", "DECODE_PATHS"]
 
 
-#: ``decode_path`` values of the caches with a fused decode: attend from the stored form where
-#: a kernel makes it pay ("auto"), always ("fused"; the array-API version where no kernel
-#: exists), or never: reconstruct the layer for the caller ("dequantized").
-DECODE_PATHS = ("auto", "fused", "dequantized")
-
-
-def check_decode_path(value: Any) -> str:
-    """``value`` if it is one of :data:`DECODE_PATHS`, else a ``ValueError`` naming them."""
-    if not isinstance(value, str) or value not in DECODE_PATHS:
-        raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, received {value!r}")
-    return value
-
-
-def refuse_overflow(xp: Any, method: str, arrays: dict) -> None:
-    """Raise ``ValueError`` when an array about to be stored holds infinity (float16 overflow).
-
-    The float16 parts of a compressed cache (windows, sinks, lengths, outlier channels, means,
-    coefficients) hold magnitudes up to 65504; a finite float32 input beyond that would be
-    stored as inf and poison every later decode. Called on what a store computed, before it
-    commits anything, so the refused call leaves the layer as it was.
-    """
-    for name, a in arrays.items():
-        if a is None or not xp.isdtype(a.dtype, "real floating"):
-            continue
-        if not bool(xp.all(xp.isfinite(a))):
-            raise ValueError(
-                f"these keys/values overflow the float16 {name!r} of method {method!r} (magnitudes above 65504, "
-                f"after centering and channel weights); scale them down, or use method 'dense' or an int method "
-                f"('int8', 'int4', 'int2', which hold any magnitude)")
-
-
-class LayeredCache:
+class LayeredCache(LayerSnapshots):
     """Base class of the caches: a lock and a state per layer.
 
     Parameters
@@ -215,76 +155,6 @@ class LayeredCache:
         with self._all_layers_locked():
             self._states = [None] * self.num_layers
             self._on_reset()
-
-    def save(self, path) -> int:
-        """Write the cache to ``path``; return the file size in bytes.
-
-        The format is :mod:`arraykv.storage.cache_file`; :func:`arraykv.load` reads it back.
-        Every layer's lock is held while the state is copied to the host, so the file is one
-        consistent snapshot even while other threads decode.
-        """
-        config = self.get_config()
-        with self._all_layers_locked():
-            records = [None if st is None else self._record(st, host=True) for st in self._states]
-        return write_cache_file(path, config, records)
-
-    def snapshot(self) -> list:
-        """Copies of every layer's state: per layer None (empty) or a
-        :class:`~arraykv.storage.cache_file.LayerRecord` whose arrays are copies in the cache's
-        namespace. Taken under every layer's lock: one consistent state. :meth:`restore` takes it back.
-        """
-        with self._all_layers_locked():
-            return [None if st is None else self._record(st, host=False) for st in self._states]
-
-    def restore(self, layers: list, *, xp: Any = None) -> None:
-        """Replace the state of every layer by ``layers`` (from :meth:`snapshot` or a cache file).
-
-        Parameters
-        ----------
-        layers : list
-            ``num_layers`` entries, each None or a ``LayerRecord`` (``length``, ``batch``,
-            ``dtype`` name, ``arrays`` by name as :meth:`layer_arrays` names them).
-        xp : namespace, optional
-            Namespace of the restored arrays; default: that of the arrays given.
-
-        Raises
-        ------
-        ValueError
-            When the entries do not describe a state of this cache (wrong count, missing or
-            misshapen arrays, lengths that disagree). Every layer is rebuilt and checked before
-            any is replaced: on an error the cache is unchanged.
-        """
-        if not isinstance(layers, (list, tuple)) or len(layers) != self.num_layers:
-            raise ValueError(f"layers must be a list of num_layers={self.num_layers} entries")
-        states = []
-        for i, rec in enumerate(layers):
-            if rec is None:
-                states.append(None)
-                continue
-            arrays = dict(rec.arrays)
-            ns = xp if xp is not None else (_compat.namespace(*arrays.values()) if arrays else None)
-            if ns is None:
-                raise ValueError(f"layer {i} holds no arrays; pass xp")
-            arrays = {n: ns.asarray(a) for n, a in arrays.items()}
-            if not hasattr(ns, rec.dtype) or rec.dtype not in LAYER_DTYPES:
-                raise ValueError(f"layer {i} has dtype {rec.dtype!r}, which this namespace does not offer")
-            first = next(iter(arrays.values()), None)
-            dev = _compat.device(first) if first is not None else None
-            try:
-                st = self._restore_layer(ns, dev, int(rec.batch), getattr(ns, rec.dtype), int(rec.length), arrays)
-            except (KeyError, IndexError, TypeError) as exc:
-                raise ValueError(f"layer {i} does not describe a {self.method!r} layer: {exc!r}") from None
-            states.append(st)
-        with self._all_layers_locked():
-            self._states = states
-
-    def _record(self, st: LayerState, *, host: bool) -> LayerRecord:
-        arrays = self._layer_arrays(st)
-        if host:
-            arrays = {n: _compat.to_numpy(a) for n, a in arrays.items()}
-        else:
-            arrays = {n: st.xp.asarray(a, copy=True) for n, a in arrays.items()}
-        return LayerRecord(length=st.length, batch=st.batch, dtype=dtype_name(st.dtype), arrays=arrays)
 
     def reallocations(self) -> int:
         """Times any layer's token buffers were reallocated to grow (amortized growth check)."""

@@ -9,7 +9,6 @@ the most recent values; with a window both are held in float16.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
@@ -19,7 +18,8 @@ from ..quant.bitpack import packed_nbytes
 from ..quant.intq import HALF_MAX, IntQuantized, dequantize_groups, half_exponent, quantize_groups
 from ..storage import TokenBuffers
 from .._validation import check_int
-from .base import LayeredCache, LayerState, check_decode_path
+from .base import LayeredCache, check_decode_path
+from .int_codec import IntLayer, IntLayerCodec
 from .registry import register_method
 
 _INTQ_OPS = {"group_minmax": ops.intq_group_minmax, "quantize_pack": ops.intq_quantize_pack}
@@ -30,94 +30,6 @@ _SCALE_DTYPES = ("float16", "float32")
 #: Saved in place of an exponent not fixed yet (the layer has held only zeros).
 _NO_EXP = -(1 << 20)
 _BITS = (2, 4, 8)
-
-
-@dataclass
-class IntLayer(LayerState):
-    """One layer of an :class:`IntQuantCache` (array names as in its Notes).
-
-    Attributes
-    ----------
-    kq : TokenBuffers
-        ``k_codes``, ``k_scale``, ``k_offset`` of the full key groups (axis 2: groups).
-    vq : TokenBuffers
-        ``v_codes``, ``v_scale``, ``v_offset`` of the quantized values (axis 2: tokens).
-    k_residual, v_window : array (b, h, n, d)
-        The exact keys of the unfilled groups and the exact recent values.
-    exp : tuple of (int or None)
-        Powers of two of the units of keys and values; None until the layer held non-zero data.
-    """
-
-    kq: TokenBuffers = None
-    vq: TokenBuffers = None
-    k_residual: Any = None
-    v_window: Any = None
-    exp: tuple = (None, None)
-
-    def buffers(self) -> tuple:
-        return (self.kq, self.vq)
-
-
-@dataclass(frozen=True)
-class IntLayerCodec:
-    """Everything a kernel needs to read one layer of an :class:`IntQuantCache` (views, no copies).
-
-    The layer holds ``n_tokens`` tokens. Keys: the first ``n_groups · G`` are quantized, the
-    last ``n_residual`` exact. Values: the first ``n_tokens − n_window`` are quantized, the last
-    ``n_window`` exact (the two boundaries are independent). With ``G = group_size``, token
-    ``t = grp · G + i`` of head ``(b, h)`` has key channel ``c``::
-
-        k[c] = k_scale[b,h,grp,c] · unpack(k_codes[b,h,grp,c])[i] + k_offset[b,h,grp,c]   (t < n_groups·G)
-        k[c] = k_residual[b,h,t - n_groups·G,c]                                             (otherwise)
-
-    and value channel ``c``, in channel group ``j = c // G``, with ``n_q = n_tokens − n_window``::
-
-        v[c] = v_scale[b,h,t,j] · unpack(v_codes[b,h,t])[c] + v_offset[b,h,t,j]             (t < n_q)
-        v[c] = v_window[b,h,t - n_q,c]                                                      (otherwise)
-
-    ``unpack`` is :func:`arraykv.quant.bitpack.unpack_bits` (INT2: four codes per byte, the
-    first in the lowest two bits; INT4: low nibble first).
-
-    Attributes
-    ----------
-    bits : int
-        Bits per code (2, 4 or 8 for the registered caches).
-    group_size : int
-        ``G``: tokens per key group, channels per value group.
-    n_tokens, n_groups, n_residual : int
-        Tokens held, full key groups, exact keys (``n_tokens = n_groups · G + n_residual``).
-    k_codes : uint8 (batch, kv_heads, n_groups, head_dim, ceil(G·bits/8))
-    k_scale, k_offset : float16 or float32 (batch, kv_heads, n_groups, head_dim)
-    k_residual : (batch, kv_heads, n_residual, head_dim)
-        float16 when the cache has a window (``residual_window > 0``), else the input dtype.
-    v_codes : uint8 (batch, kv_heads, n_tokens − n_window, ceil(head_dim·bits/8))
-    v_scale, v_offset : float16 or float32 (batch, kv_heads, n_tokens − n_window, ceil(head_dim/G))
-    n_window : int, default 0
-        Exact values (the most recent tokens); 0 without a window (``int4``/``int8`` by default).
-    v_window : float16 (batch, kv_heads, n_window, head_dim) or None
-        The exact values (float32 on namespaces without float16); None when ``n_window == 0``.
-    k_exp, v_exp : int, default 0
-        Every key (quantized or exact) is ``2**k_exp`` times what the formulas above give,
-        every value ``2**v_exp`` times (see :func:`arraykv.quant.intq.half_exponent`); 0
-        unless the layer's data is very small or very large.
-    """
-
-    bits: int
-    group_size: int
-    n_tokens: int
-    n_groups: int
-    n_residual: int
-    k_codes: Any
-    k_scale: Any
-    k_offset: Any
-    k_residual: Any
-    v_codes: Any
-    v_scale: Any
-    v_offset: Any
-    n_window: int = 0
-    v_window: Any = None
-    k_exp: int = 0
-    v_exp: int = 0
 
 
 @register_method("int", generic=True)

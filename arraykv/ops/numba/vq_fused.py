@@ -1,6 +1,6 @@
 """Numba kernel: one decode step of attention straight from vector-quantization (product-quantization) codes.
 
-Layout read (the :class:`~arraykv.caches.lowrank_vq.VQCache` state, :mod:`arraykv.quant.vq`):
+Layout read (the :class:`~arraykv.caches.vq.VQCache` state, :mod:`arraykv.quant.vq`):
 ``head_dim = m · s``; a key or value vector is ``m`` codes, code ``j`` naming a row of the
 per-(KV head, sub-space) codebook ``centroids[h, j]`` of shape ``(K, s)``. A token's codes are
 one row of ``ceil(m · β / 8)`` uint8 bytes packed LSB-first by

@@ -1,0 +1,299 @@
+"""What the streaming ``lowrank`` and ``vq`` caches share: the fit, the sinks and the window.
+
+Streaming caches built on the whole-tensor codecs of :mod:`arraykv.compressor`.
+
+``lowrank``
+    Every key and value is stored as its coefficients on a per-(layer, KV head) PCA basis:
+    ``x ≈ mean + basis @ coef`` (:mod:`arraykv.quant.lowrank`).
+``vq``
+    Product quantization: every vector is split into sub-vectors of ``sub_dim`` channels, each
+    stored as the index of its nearest centroid in a per-(layer, KV head, sub-space) k-means
+    codebook (:mod:`arraykv.quant.vq`).
+
+Both need a fitted model (basis or codebooks) per layer. It is either given (``calibration``:
+a fitted :class:`~arraykv.KVCacheCompressor` or the fitted arrays) or fitted by the cache on
+the tokens a layer holds the first time it holds enough of them (normally its first
+prefill); until then the layer keeps its tokens in float16. After the fit, the latest
+``residual_window`` tokens stay in float16 and older ones are encoded as they leave the
+window. The arrays a layer holds, and the fitting rule, are in the class docstrings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _compat
+from .._validation import check_int
+from ..compressor import KVCacheCompressor
+from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
+from ..storage import TokenBuffers
+from .base import LayeredCache, LayerState, check_decode_path, refuse_overflow
+from .window import ExactTokens
+
+__all__ = ["FittedCache", "FittedLayer", "DEFAULT_WINDOW", "DEFAULT_SINKS"]
+
+#: Default float16 recent-token window and attention sinks of both caches. Measured on
+#: SmolLM2-135M (512 tokens, prefill 64, rank 32 of 64): mean KL 2.17 with neither, 2.00 with
+#: 4 sinks, 0.41 with a 20-token window, 0.26 with both, for +0.3 bits per value.
+DEFAULT_WINDOW = 20
+DEFAULT_SINKS = 4
+
+
+def _to(xp: Any, dev: Any, a: Any):
+    """A copy of array ``a`` (any namespace) in namespace ``xp`` on device ``dev``."""
+    if _compat.namespace(a) is xp:
+        return xp.asarray(a, copy=True)
+    return xp.asarray(_compat.to_numpy(a), device=dev)
+
+
+def _f32(xp: Any, x: Any):
+    return x if x.dtype == xp.float32 else xp.astype(x, xp.float32)
+
+
+@dataclass
+class FittedLayer(LayerState):
+    """One layer of a ``lowrank`` or ``vq`` cache.
+
+    Attributes
+    ----------
+    codes : TokenBuffers
+        The encoded tokens' arrays (the cache's ``_per_token`` names), token axis 2.
+    exact : ExactTokens
+        The sink tokens, then the recent window (all tokens until the layer is fitted), float16.
+    calib : dict or None
+        The fitted arrays by name (``_calib_names``): given, fitted, or loaded.
+    layer : int or None
+        The layer index, set on the first call (-1 for a restored layer).
+    """
+
+    codes: TokenBuffers = None
+    exact: ExactTokens = None
+    calib: dict | None = None
+    layer: int | None = None
+
+    def buffers(self) -> tuple:
+        return (self.codes,)
+
+
+class FittedCache(LayeredCache):
+    """What ``lowrank`` and ``vq`` share: the float16 window and the per-layer fit.
+
+    Subclasses set ``_per_token`` (names of the per-token arrays), ``_calib_names`` and
+    implement ``_convert(item)`` (a user calibration → arrays by name), ``_fit(xp, k, v)``,
+    ``_encode(xp, calib, k, v)`` and ``_decode_tokens(xp, calib, buf, start)``.
+    """
+
+    _per_token: tuple = ()
+    _calib_names: tuple = ()
+    _item_kinds: tuple = ()
+    #: Vectors per head the fit may use at most (None: all); see the ``vq`` option.
+    max_calibration: int | None = None
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, calibration: Any = None,
+                 residual_window: int = DEFAULT_WINDOW, sink_tokens: int = DEFAULT_SINKS,
+                 decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
+        super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         check_finite=check_finite, max_tokens=max_tokens)
+        self.residual_window = check_int("residual_window", residual_window, low=0)
+        self.sink_tokens = check_int("sink_tokens", sink_tokens, low=0)
+        self.decode_path = check_decode_path(decode_path)
+        self._given = self._check_calibration(calibration)
+
+    # -- the user's calibration ---------------------------------------------------------
+    def _check_calibration(self, calibration: Any) -> list:
+        """One entry per layer: None (fit on the layer's tokens) or a dict of arrays."""
+        if calibration is None:
+            return [None] * self.num_layers
+        if self._is_item(calibration):
+            arrays = self._convert(calibration)
+            return [arrays] * self.num_layers
+        if isinstance(calibration, (list, tuple)):
+            if len(calibration) != self.num_layers:
+                raise ValueError(
+                    f"calibration must be one fitted item for every layer or a sequence of num_layers="
+                    f"{self.num_layers} items (None for a layer that fits its own), received a sequence of "
+                    f"{len(calibration)}"
+                )
+            out = []
+            for i, item in enumerate(calibration):
+                if item is not None and not self._is_item(item):
+                    raise TypeError(f"calibration[{i}] must be {self._item_help()} or None, "
+                                    f"received {type(item).__name__}")
+                out.append(None if item is None else self._convert(item, where=f"calibration[{i}]"))
+            return out
+        raise TypeError(f"calibration must be None, {self._item_help()}, or a sequence of num_layers of them, "
+                        f"received {type(calibration).__name__}")
+
+    def _is_item(self, x: Any) -> bool:
+        if isinstance(x, KVCacheCompressor):
+            return True
+        return isinstance(x, (list, tuple)) and len(x) == 2 and all(isinstance(e, self._item_kinds) for e in x)
+
+    def _pair(self, item: Any, method_type: type, where: str) -> tuple:
+        """(k model, v model) of a fitted compressor or a pair."""
+        if isinstance(item, KVCacheCompressor):
+            if not isinstance(item.method, method_type):
+                raise TypeError(f"{where} must be a KVCacheCompressor with a {method_type.__name__} method, "
+                                f"received one with {type(item.method).__name__}")
+            if not item.fitted:
+                raise ValueError(f"{where} must be a fitted KVCacheCompressor (call fit(k, v) first)")
+            return item.fitted_models()
+        return item[0], item[1]
+
+    def _check_heads(self, where: str, a: Any, what: str) -> None:
+        """``a`` must be (num_kv_heads, head_dim, ...)."""
+        shape = tuple(int(s) for s in a.shape)
+        if shape[:2] != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"{where}: {what} must be for num_kv_heads={self.num_kv_heads} and "
+                             f"head_dim={self.head_dim}, received shape {shape}")
+
+    def _extra_config(self) -> dict:
+        return {"min_calibration": self.min_calibration, "residual_window": self.residual_window,
+                "sink_tokens": self.sink_tokens, "decode_path": self.decode_path}
+
+    # -- layer state ----------------------------------------------------------------------
+    def _new_layer(self, xp, dev, batch, dtype) -> FittedLayer:
+        return FittedLayer(xp=xp, device=dev, batch=batch, dtype=dtype, codes=TokenBuffers(max_tokens=self.max_tokens),
+                           exact=ExactTokens.empty(xp, dev, batch, self.num_kv_heads, self.head_dim))
+
+    def _admit(self, layer, xp, k, v, tokens):
+        st = super()._admit(layer, xp, k, v, tokens)
+        if st.layer is None:  # a fresh layer: take the given calibration, if any
+            st.layer = layer
+            given = self._given[layer]
+            if given is not None:
+                st.calib = {n: _to(xp, st.device, a) for n, a in given.items()}
+        return st
+
+    def _store(self, st: FittedLayer, k: Any, v: Any) -> None:
+        """Append new tokens (everything computed first, then committed)."""
+        xp = st.xp
+        step = st.exact.step(xp, k, v, sink_tokens=self.sink_tokens)  # the first tokens stay exact, unfitted
+        n = step.n_recent + step.n_new
+        calib = st.calib
+        if calib is None and st.batch * n >= self.min_calibration:
+            # the first fit: on every token held so far (window, then the new ones)
+            calib = self._fit(xp, *self._fit_sample(xp, *step.first(n)))
+        spill = step.spill(self.residual_window) if calib is not None else 0
+        arrays = None
+        if spill:  # the oldest tokens of window + new leave the window: encode them
+            arrays = self._encode(xp, calib, *step.first(spill))
+        exact = step.block(spill)
+        refuse_overflow(xp, self.method, {"window": exact.k, "value window": exact.v, **(arrays or {}),
+                                          **({} if calib is st.calib else calib)})
+        # Commit.
+        if arrays is not None:
+            st.codes.append(arrays)
+        st.calib = calib
+        st.exact = exact
+
+    def _fit_sample(self, xp: Any, k: Any, v: Any) -> tuple:
+        """The tokens the fit sees: all of them, or ``max_calibration // batch`` evenly spaced ones."""
+        cap = self.max_calibration
+        b, n = int(k.shape[0]), int(k.shape[2])
+        if cap is None or b * n <= cap:
+            return k, v
+        n_fit = max(1, cap // b)
+        idx = xp.astype(xp.round(xp.linspace(0.0, float(n - 1), n_fit, device=_compat.device(k))), xp.int64)
+        return xp.take(k, idx, axis=2), xp.take(v, idx, axis=2)
+
+    def _decoded(self, st: FittedLayer, start: int = 0) -> DequantResult:
+        """K/V of the stored tokens ``start ..`` in the layer's dtype: sinks, encoded tokens, window."""
+        xp = st.xp
+        buf = st.codes
+        n_s = st.exact.n_sink
+        c0 = min(max(0, start - n_s), buf.length)
+        w0 = max(0, start - n_s - buf.length)
+        (ks, vs), (kw, vw) = st.exact.sinks(), st.exact.recent()
+        ks, vs = ks[:, :, min(start, n_s):, :], vs[:, :, min(start, n_s):, :]
+        kw, vw = kw[:, :, w0:, :], vw[:, :, w0:, :]
+        if buf.length > c0:
+            kd, vd = self._decode_tokens(xp, st.calib, buf, c0)
+            pk = [_f32(xp, ks), kd, _f32(xp, kw)]
+            pv = [_f32(xp, vs), vd, _f32(xp, vw)]
+        else:
+            pk, pv = [ks, kw], [vs, vw]
+        pk = [a for a in pk if int(a.shape[2])] or pk[:1]
+        pv = [a for a in pv if int(a.shape[2])] or pv[:1]
+        kd = pk[0] if len(pk) == 1 else xp.concat(pk, axis=2)
+        vd = pv[0] if len(pv) == 1 else xp.concat(pv, axis=2)
+        return DequantResult(k=xp.astype(kd, st.dtype), v=xp.astype(vd, st.dtype))
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _prefill(self, st, k, v, q):
+        first = st.length == 0
+        self._store(st, k, v)
+        if first:
+            return DequantResult(k=k, v=v)
+        return self._decoded(st)
+
+    def _decode(self, st, k, v, q, config: AttendConfig):
+        self._store(st, k, v)
+        if self._fused(st.xp):
+            return Fused(self._attend(st, q, config.softmax_scale))
+        return Dequantized(self._decoded(st))
+
+    def _extras(self, st: FittedLayer) -> tuple:
+        """The tokens kept as float16 vectors (sinks, then window): (b, h, E, d) each."""
+        return st.exact.k, st.exact.v
+
+    def _dequantize(self, st) -> DequantResult:
+        return self._decoded(st)
+
+    def _dequantize_from(self, st, start: int) -> DequantResult:
+        return self._decoded(st, start)
+
+    def _append_tokens(self, st, k, v, q) -> None:
+        self._store(st, k, v)
+
+    def _stable_length(self, st) -> int:
+        # sinks and encoded tokens never change; window tokens (all tokens before the fit) will be encoded
+        return st.exact.n_sink + st.codes.length
+
+    # -- persistence view: sinks and window saved apart (k_sink, k_window, ...), codes, fit ------
+    def _layer_arrays(self, st) -> dict:
+        out = dict(st.codes.arrays())
+        (out["k_sink"], out["v_sink"]), (out["k_window"], out["v_window"]) = st.exact.sinks(), st.exact.recent()
+        if st.calib is not None:
+            out.update(st.calib)
+        return out
+
+    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> FittedLayer:
+        st = self._new_layer(xp, dev, batch, dtype)
+        per_token = {n: arrays[n] for n in self._per_token if n in arrays}
+        if per_token and int(next(iter(per_token.values())).shape[2]):
+            st.codes.append(per_token)
+        parts = [xp.asarray(arrays[n], copy=True) for n in ("k_sink", "v_sink", "k_window", "v_window")]
+        st.exact = ExactTokens.from_parts(xp, *parts)
+        if all(n in arrays for n in self._calib_names):
+            st.calib = {n: xp.asarray(arrays[n], copy=True) for n in self._calib_names}
+        elif st.codes.length:
+            raise ValueError("stored arrays hold encoded tokens but no fitted basis/codebooks")
+        st.layer = -1  # restored: the file's calibration, not the constructor's
+        held = st.codes.length + st.exact.count
+        if held != length:
+            raise ValueError(f"stored arrays hold {held} tokens, expected {length}")
+        st.length = length
+        return st
+
+    def _side_nbytes(self, st) -> int:
+        total = st.exact.nbytes()
+        if st.calib is not None:
+            total += sum(_compat.array_nbytes(a) for a in st.calib.values())
+        return total
+
+    def _layer_nbytes(self, st) -> int:
+        return st.codes.used_nbytes() + self._side_nbytes(st)
+
+    def _layer_reserved_nbytes(self, st) -> int:
+        return st.codes.reserved_nbytes() + self._side_nbytes(st)
+
+    def is_fitted(self, layer: int) -> bool:
+        """Whether ``layer`` holds its basis/codebooks (given, fitted, or loaded)."""
+        layer = self._check_layer(layer)
+        with self._locks[layer]:
+            st = self._states[layer]
+            return st is not None and st.calib is not None
+
+

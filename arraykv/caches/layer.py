@@ -1,0 +1,68 @@
+"""What every cache layer remembers, and the checks shared by the caches' stores and options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LayerState", "DECODE_PATHS", "check_decode_path", "refuse_overflow"]
+
+
+@dataclass
+class LayerState:
+    """What every layer remembers about its inputs; each cache subclasses it with its own arrays.
+
+    Attributes
+    ----------
+    xp : namespace
+        The array namespace of the stored arrays.
+    device : device
+        Their device.
+    batch : int
+        Batch size of the stored tokens.
+    dtype : dtype
+        The callers' dtype (results are returned in it).
+    length : int
+        Tokens stored.
+    """
+
+    xp: Any
+    device: Any
+    batch: int
+    dtype: Any
+    length: int = 0
+
+    def buffers(self) -> tuple:
+        """The growable token buffers of the layer (for :meth:`LayeredCache.reallocations`)."""
+        return ()
+
+
+#: ``decode_path`` values of the caches with a fused decode: attend from the stored form where
+#: a kernel makes it pay ("auto"), always ("fused"; the array-API version where no kernel
+#: exists), or never: reconstruct the layer for the caller ("dequantized").
+DECODE_PATHS = ("auto", "fused", "dequantized")
+
+
+def check_decode_path(value: Any) -> str:
+    """``value`` if it is one of :data:`DECODE_PATHS`, else a ``ValueError`` naming them."""
+    if not isinstance(value, str) or value not in DECODE_PATHS:
+        raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, received {value!r}")
+    return value
+
+
+def refuse_overflow(xp: Any, method: str, arrays: dict) -> None:
+    """Raise ``ValueError`` when an array about to be stored holds infinity (float16 overflow).
+
+    The float16 parts of a compressed cache (windows, sinks, lengths, outlier channels, means,
+    coefficients) hold magnitudes up to 65504; a finite float32 input beyond that would be
+    stored as inf and poison every later decode. Called on what a store computed, before it
+    commits anything, so the refused call leaves the layer as it was.
+    """
+    for name, a in arrays.items():
+        if a is None or not xp.isdtype(a.dtype, "real floating"):
+            continue
+        if not bool(xp.all(xp.isfinite(a))):
+            raise ValueError(
+                f"these keys/values overflow the float16 {name!r} of method {method!r} (magnitudes above 65504, "
+                f"after centering and channel weights); scale them down, or use method 'dense' or an int method "
+                f"('int8', 'int4', 'int2', which hold any magnitude)")

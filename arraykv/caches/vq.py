@@ -1,0 +1,191 @@
+"""The ``vq`` cache: keys and values as product-quantization codes on per-(layer, KV head) codebooks.
+
+Every vector is split into sub-vectors of ``sub_dim`` channels, each stored as the index of its
+nearest centroid in a per-(layer, KV head, sub-space) k-means codebook
+(:mod:`arraykv.quant.vq`); the fit, the sinks and the window are those of every fitted cache
+(:mod:`arraykv.caches.fitted`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _compat, ops
+from .._validation import check_int
+from ..attention.reference import attention
+from ..compressor import VectorQuantization, samples_by_head
+from ..quant.vq import VQCodebook, VQCodes, check_vq_options, code_bits, train_vq, vq_decode, vq_encode
+from ..storage import TokenBuffers
+from .fitted import DEFAULT_SINKS, DEFAULT_WINDOW, FittedCache, FittedLayer, _f32
+from .registry import register_method
+
+__all__ = ["VQCache"]
+
+#: ``vq`` fits its codebooks once it holds this many vectors per centroid (per head).
+VQ_VECTORS_PER_CENTROID = 4
+#: ... and on at most this many per centroid (an evenly spaced subsample of a long prefill):
+#: k-means costs O(vectors · K · iterations), 22 s per side for 8 heads × 32k tokens × d 128 at
+#: K = 16 on this 2-core machine if every vector is used, 0.7 s with 64 per centroid.
+VQ_FIT_VECTORS_PER_CENTROID = 64
+
+
+@register_method("vq")
+class VQCache(FittedCache):
+    """Keys and values stored as product-quantization codes on per-(layer, KV head) codebooks.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim, check_finite, max_tokens
+        As for every cache (:class:`~arraykv.caches.LayeredCache`).
+    codebook_size : int, default 16
+        Centroids per (head, sub-space), 2 to 65536; a code takes ``ceil(log2(codebook_size))``
+        bits (codes of up to 8 bits are packed into uint8, two per byte at 4 bits; uint16 above).
+    sub_dim : int, default 2
+        Channels per sub-vector; must divide ``head_dim``. Bits per value of the codes:
+        ``ceil(log2(codebook_size)) / sub_dim`` (2 at the defaults).
+    max_iter, tol, seed
+        Lloyd iterations at most, relative objective decrease that stops them, seed of the
+        k-means++ draws (as :class:`~arraykv.VectorQuantization`).
+    calibration : optional
+        Codebooks given by the user instead of trained by the cache: a fitted
+        :class:`~arraykv.KVCacheCompressor` with a :class:`~arraykv.VectorQuantization`
+        method, or a pair ``(k_codebook, v_codebook)`` of :class:`~arraykv.quant.vq.VQCodebook`
+        (heads = ``num_kv_heads``, sub-spaces × sub_dim = ``head_dim``), used for every layer;
+        or a sequence of ``num_layers`` such items, ``None`` for a layer that trains its own.
+        Its codebook size and sub_dim win over the options.
+    min_calibration : int, optional
+        Vectors per head (``batch × tokens``) a layer must hold before it trains its codebooks;
+        until then its tokens are kept in float16. Default ``4 × codebook_size``; at least
+        ``codebook_size`` (k-means with more centroids than training vectors is degenerate, the
+        rule of :class:`~arraykv.KVCacheCompressor`).
+    max_calibration : int, optional
+        Vectors per head the k-means fit uses at most: a longer first prefill is subsampled
+        (evenly spaced tokens, every batch row). Default ``max(64 × codebook_size,
+        min_calibration)``; at least ``min_calibration``.
+    residual_window : int, default 20
+        Latest tokens kept in float16 after the fit; older tokens are encoded as they leave
+        the window.
+    sink_tokens : int, default 4
+        The first tokens of the sequence, kept in float16 for good and left out of the fit.
+    decode_path : {"auto", "fused", "dequantized"}, default "auto"
+        ``"auto"``: ``decode`` attends straight from the codes and returns
+        :class:`~arraykv.Fused` where a kernel exists for the namespace (Numba on NumPy), else
+        it returns :class:`~arraykv.Dequantized`; ``"fused"`` always attends itself (the
+        array-API :func:`~arraykv.attention.vq_fused.vq_decode_attention_reference` where no kernel
+        exists); ``"dequantized"`` always reconstructs the layer.
+
+    Notes
+    -----
+    State of a layer (``b`` batch, ``h`` heads, ``d`` head_dim, ``m = d / sub_dim`` sub-spaces,
+    ``K`` codebook size, ``β = ceil(log2 K)``):
+
+    ``k_codes``, ``v_codes`` (b, h, tokens, ceil(m β / 8)) uint8, or (b, h, tokens, m) uint16 when ``β > 8``
+        The centroid index of every sub-vector, packed by :func:`arraykv.quant.bitpack.pack_bits`.
+    ``k_centroids``, ``v_centroids`` (h, m, K, sub_dim) float32
+        The codebooks.
+    ``k_window``, ``v_window`` (b, h, n, d) float16
+        The tokens not encoded: all of them before the fit, the latest ``≤ residual_window`` after.
+    ``k_sink``, ``v_sink`` (b, h, ≤ sink_tokens, d) float16
+        The first tokens of the sequence.
+
+    Product quantization (Jégou, Douze & Schmid, 2011) stores ``x`` as the indices
+    ``a_j = argmin_c ‖x_j − c‖`` of its sub-vectors ``x_j`` and decodes
+    ``x̂ = [c_{a_1}, …, c_{a_m}]``; each codebook minimises ``Σ ‖x_j − c_{a(j)}‖²`` over the
+    calibration vectors by Lloyd's algorithm from a k-means++ start
+    (:func:`arraykv.quant.vq.train_vq`). A value costs ``β / sub_dim`` bits of codes plus the
+    codebooks, ``32 K d`` bits per head for keys and again for values. The fit runs when a
+    layer first holds ``min_calibration`` vectors per head (its first prefill, normally) on all
+    of them (up to ``max_calibration``), exactly as
+    ``KVCacheCompressor(VectorQuantization(...)).fit(k, v)`` on the same tokens; the first
+    prefill returns its exact K/V. ``decode`` (fused) scores a query by
+    asymmetric distance computation: a table ``T[j, k] = q_j · c_{jk}`` per query head, then
+    ``q·x̂_t = Σ_j T[j, a_tj]``, and sums the values as per-sub-space histograms of the
+    softmax weights over the centroids; nothing of the size of K or V is formed.
+
+    :meth:`get_config` leaves ``calibration`` out; a saved cache stores each non-empty layer's
+    codebooks with the layer (see :class:`LowRankCache`).
+    """
+
+    method = "vq"
+    _per_token = ("k_codes", "v_codes")
+    _calib_names = ("k_centroids", "v_centroids")
+    _item_kinds = (VQCodebook,)
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, codebook_size: int = 16,
+                 sub_dim: int = 2, max_iter: int = 25, tol: float = 1e-4, seed: int = 0, calibration: Any = None,
+                 min_calibration: int | None = None, max_calibration: int | None = None,
+                 residual_window: int = DEFAULT_WINDOW, sink_tokens: int = DEFAULT_SINKS, decode_path: str = "auto",
+                 check_finite: bool = True, max_tokens: int | None = None):
+        d = check_int("head_dim", head_dim, low=1)
+        self.codebook_size, self.sub_dim, self.max_iter, self.tol = check_vq_options(
+            codebook_size, sub_dim, d, max_iter, tol)
+        self.seed = check_int("seed", seed, low=0)
+        if min_calibration is None:
+            min_calibration = VQ_VECTORS_PER_CENTROID * self.codebook_size
+        self.min_calibration = check_int("min_calibration", min_calibration, low=self.codebook_size)
+        if max_calibration is None:
+            max_calibration = max(VQ_FIT_VECTORS_PER_CENTROID * self.codebook_size, self.min_calibration)
+        self.max_calibration = check_int("max_calibration", max_calibration, low=self.min_calibration)
+        super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         calibration=calibration, residual_window=residual_window, sink_tokens=sink_tokens,
+                         decode_path=decode_path, check_finite=check_finite, max_tokens=max_tokens)
+
+    def _item_help(self) -> str:
+        return "a fitted KVCacheCompressor(VectorQuantization(...)) or a pair (k_codebook, v_codebook) of VQCodebook"
+
+    def _convert(self, item: Any, where: str = "calibration") -> dict:
+        out = {}
+        for name, cb in zip(("k", "v"), self._pair(item, VectorQuantization, where)):
+            if not isinstance(cb, VQCodebook):
+                raise TypeError(f"{where} must hold VQCodebook, received {type(cb).__name__}")
+            c = cb.centroids
+            if c.ndim != 4 or int(c.shape[0]) != self.num_kv_heads or cb.subspaces * cb.sub_dim != self.head_dim:
+                raise ValueError(f"{where}: the {name} codebook must be (num_kv_heads={self.num_kv_heads}, "
+                                 f"subspaces, codebook_size, sub_dim) with subspaces × sub_dim = head_dim="
+                                 f"{self.head_dim}, received shape {tuple(int(s) for s in c.shape)}")
+            xp = _compat.namespace(c)
+            out[f"{name}_centroids"] = xp.asarray(_f32(xp, c), copy=True)
+        return out
+
+    def _extra_config(self) -> dict:
+        return super()._extra_config() | {"codebook_size": self.codebook_size, "sub_dim": self.sub_dim,
+                                          "max_iter": self.max_iter, "tol": self.tol, "seed": self.seed,
+                                          "max_calibration": self.max_calibration}
+
+    def _fit(self, xp, k, v) -> dict:
+        return {f"{name}_centroids": train_vq(samples_by_head(xp, x), codebook_size=self.codebook_size,
+                                              sub_dim=self.sub_dim, max_iter=self.max_iter, tol=self.tol,
+                                              seed=self.seed, assign=ops.vq_assign, update=ops.vq_update).centroids
+                for name, x in (("k", k), ("v", v))}
+
+    def _encode(self, xp, calib, k, v) -> dict:
+        return {f"{name}_codes": vq_encode(x, VQCodebook(centroids=calib[f"{name}_centroids"]), encode=ops.vq_encode).codes
+                for name, x in (("k", k), ("v", v))}
+
+    def _fused_auto(self, xp: Any) -> bool:
+        return ops.has_kernel("vq_decode_attention", xp)
+
+    def _attend(self, st: FittedLayer, q: Any, scale: float):
+        xp, buf, calib = st.xp, st.codes, st.calib
+        ke, ve = self._extras(st)
+        if calib is None or not buf.length:
+            return attention(q, ke, ve, softmax_scale=scale, causal=False)
+        kc, vc = calib["k_centroids"], calib["v_centroids"]
+        bits = code_bits(int(kc.shape[2]))
+        if bits != code_bits(int(vc.shape[2])):  # given codebooks of different sizes: one code width per call
+            r = self._decoded(st)
+            return attention(q, r.k, r.v, softmax_scale=scale, causal=False)
+        b, hq, _, d = (int(s) for s in q.shape)
+        out = ops.vq_decode_attention(xp.reshape(q, (b, hq, d)), buf.view("k_codes"), kc, buf.view("v_codes"), vc, ke, ve,
+                   bits=bits, softmax_scale=scale)
+        out = xp.reshape(out, (b, hq, 1, d))
+        return out if out.dtype == q.dtype else xp.astype(out, q.dtype)
+
+    def _decode_tokens(self, xp, calib, buf: TokenBuffers, start: int = 0) -> tuple:
+        out = []
+        for name in ("k", "v"):
+            cb = VQCodebook(centroids=calib[f"{name}_centroids"])
+            codes = VQCodes(codes=buf.view(f"{name}_codes")[:, :, start:, :], bits=code_bits(cb.codebook_size),
+                            subspaces=cb.subspaces)
+            out.append(vq_decode(codes, cb, decode=ops.vq_decode))
+        return out[0], out[1]
