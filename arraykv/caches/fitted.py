@@ -28,8 +28,8 @@ from .._validation import check_int
 from ..compressor import KVCacheCompressor
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..storage import TokenBuffers
-from .base import LayeredCache, LayerState, check_decode_path, refuse_overflow
-from .window import ExactTokens
+from .base import LayeredCache, LayerState, check_decode_path
+from .window import ExactTokens, commit_store
 
 __all__ = ["FittedCache", "FittedLayer", "DEFAULT_WINDOW", "DEFAULT_SINKS"]
 
@@ -180,13 +180,7 @@ class FittedCache(LayeredCache):
         if spill:  # the oldest tokens of window + new leave the window: encode them
             arrays = self._encode(xp, calib, *step.first(spill))
         exact = step.block(spill)
-        refuse_overflow(xp, self.method, {"window": exact.k, "value window": exact.v, **(arrays or {}),
-                                          **({} if calib is st.calib else calib)})
-        # Commit.
-        if arrays is not None:
-            st.codes.append(arrays)
-        st.calib = calib
-        st.exact = exact
+        commit_store(xp, self.method, st, arrays, calib, {} if calib is st.calib else calib, exact)
 
     def _fit_sample(self, xp: Any, k: Any, v: Any) -> tuple:
         """The tokens the fit sees: all of them, or ``max_calibration // batch`` evenly spaced ones."""

@@ -21,14 +21,14 @@ from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype, polar_decode, polar_encode
 from ..quant.qjl import qjl_encode
 from ..storage import TokenBuffers
-from .base import LayeredCache, LayerState, refuse_overflow
+from .base import LayeredCache, LayerState
 from .polar_calibration import PolarCalibration, calibrate, outlier_selector
 from .polar_codec import PolarFixed, PolarLayerCodec
 from .polar_decode import decode_layer, qjl_logit_bias
 from .polar_options import (DEFAULT_OUTLIER_THRESHOLD, DEFAULT_RESIDUAL_WINDOW, DEFAULT_SINK_TOKENS, PolarOptions,
                             check_polar_options, default_residual_window)
 from .registry import register_method
-from .window import ExactTokens
+from .window import ExactTokens, commit_store
 
 __all__ = ["PolarCache", "PolarLayerCodec", "PolarLayer", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window",
            "Pqo2Cache", "Pqo3Cache", "Pqo4Cache", "Pq2Cache", "Pq3Cache", "Pq4Cache", "Tq2Cache", "Tq3Cache",
@@ -237,13 +237,7 @@ class PolarCache(LayeredCache):
                 ek, ev = step.first(spill)
             arrays = self._encode(xp, self._codec(xp, st.device), calib, ek, ev, first)
         exact = step.block(spill)
-        refuse_overflow(xp, self.method, {"window": exact.k, "value window": exact.v, **(arrays or {}),
-                                          **({} if calib is st.calib else calib.arrays())})
-        # Commit.
-        if arrays is not None:
-            st.codes.append(arrays)
-        st.calib = calib
-        st.exact = exact
+        commit_store(xp, self.method, st, arrays, calib, {} if calib is st.calib else calib.arrays(), exact)
 
     def _decoded(self, st: PolarLayer, start: int = 0) -> tuple:
         """float32 K/V of the stored tokens ``start ..`` (:func:`~arraykv.caches.polar_decode.decode_layer`)."""

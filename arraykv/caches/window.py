@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..quant.polar import half_dtype
+from .layer import refuse_overflow
 
-__all__ = ["ExactTokens", "WindowStep"]
+__all__ = ["ExactTokens", "WindowStep", "commit_store"]
 
 
 def _f32(xp: Any, x: Any):
@@ -169,3 +170,20 @@ class WindowStep:
         v = xp.concat([self.v_sink, self.v_recent[:, :, drop:, :], xp.astype(self.v[:, :, t - keep_new:, :], half)],
                       axis=2)
         return ExactTokens(k=k, v=v, n_sink=self.n_sink)
+
+
+def commit_store(xp: Any, method: str, st: Any, arrays: dict | None, calib: Any, new_calib: dict,
+                 exact: ExactTokens) -> None:
+    """Commit a planned store to layer ``st`` (fields ``codes``, ``calib``, ``exact``).
+
+    ``arrays`` are the encoded tokens to append (None: none left the window), ``calib`` the
+    layer's calibration afterwards, ``new_calib`` its arrays by name when this store made it
+    (else empty), ``exact`` the block from :meth:`WindowStep.block`. Everything float is checked
+    for float16 overflow first (:func:`~arraykv.caches.layer.refuse_overflow`): a refused store
+    changes nothing.
+    """
+    refuse_overflow(xp, method, {"window": exact.k, "value window": exact.v, **(arrays or {}), **new_calib})
+    if arrays is not None:
+        st.codes.append(arrays)
+    st.calib = calib
+    st.exact = exact
