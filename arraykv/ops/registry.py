@@ -2,7 +2,7 @@
 
 An op is registered with the ``"module:attr"`` path of its reference and of a kernel per
 backend (``"numpy"``: Numba, ``"cupy"``: CUDA through CuPy). Kernels take exactly the
-arguments of the reference (``tests/test_kernel_signatures.py`` checks it) and are imported
+arguments of the reference (``tests/ops/test_kernel_signatures.py`` checks it) and are imported
 the first time they are asked for, so importing :mod:`arraykv` never imports Numba or CuPy.
 
 ImportError policy

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import arraykv
+from conftest import BUILTIN_METHODS
 from arraykv.storage.cache_file import MAGIC, CacheFileError, read_cache_file
 
 
@@ -90,7 +91,7 @@ def test_a_good_file_still_loads(tmp_path):
     assert back.seq_len(0) == 40 and back.seq_len(1) == 0
 
 
-@pytest.mark.parametrize("method", arraykv.available_methods())
+@pytest.mark.parametrize("method", BUILTIN_METHODS)
 def test_snapshot_and_restore_round_trip_and_a_bad_restore_changes_nothing(method):
     cache = arraykv.make_cache(method, num_layers=2, num_kv_heads=2, head_dim=16)
     r = np.random.default_rng(1)

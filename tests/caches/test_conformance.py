@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 import arraykv
+from conftest import BUILTIN_METHODS
 from arraykv import _compat
 from arraykv.persist import CacheFileError
 from cache_contract import assert_same_snapshot, attend, random_kvq, snapshot
 from conftest import asarray, to_np
 
-METHODS = arraykv.available_methods()
+METHODS = list(BUILTIN_METHODS)
 HKV, G, D = 2, 2, 64
 SCALE = D**-0.5
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import arraykv
+from conftest import BUILTIN_METHODS
 from arraykv.storage import TokenBuffers
 from cache_contract import assert_same_snapshot, snapshot
 
@@ -17,7 +18,7 @@ def _kvq(r, tokens):
     return k, v, q
 
 
-@pytest.mark.parametrize("method", arraykv.available_methods())
+@pytest.mark.parametrize("method", BUILTIN_METHODS)
 def test_a_failed_allocation_leaves_the_layer_as_it_was(method, monkeypatch):
     r = np.random.default_rng(0)
     cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=2, head_dim=16)

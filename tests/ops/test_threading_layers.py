@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("numba")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
     import threading

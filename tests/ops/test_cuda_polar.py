@@ -6,7 +6,7 @@ to write fails the comparison.
 
 Sanitizer run on a GPU machine (a few cases of each kernel)::
 
-    compute-sanitizer --tool memcheck --error-exitcode 9 python -m pytest -q tests/test_cuda_polar.py \\
+    compute-sanitizer --tool memcheck --error-exitcode 9 python -m pytest -q tests/ops/test_cuda_polar.py \\
         -k "1-4-64-pqo4 or 4-8-128-tq3 or 1-1-256-pq2 or poisoned and 96-3 or window_only"
 """
 

@@ -10,7 +10,7 @@ import pytest
 
 from arraykv.__main__ import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_lists_and_runs_scripts_of_a_folder(tmp_path, capsys):

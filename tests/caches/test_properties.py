@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import arraykv
+from conftest import BUILTIN_METHODS
 from arraykv.quant.bitpack import pack_bits, unpack_bits
 from arraykv.storage import TokenBuffers
 from naive import attention_loops
@@ -52,7 +53,7 @@ def test_token_buffers_equal_concatenation(chunks, tail):
     assert buf.used_nbytes() == whole.nbytes + whole.nbytes // tail
 
 
-@pytest.mark.parametrize("method", arraykv.available_methods())
+@pytest.mark.parametrize("method", BUILTIN_METHODS)
 @SETTINGS
 @given(head_dim=st.sampled_from([8, 16, 24, 32, 40, 48, 64, 96, 128]), kv_heads=st.integers(1, 3), groups=st.integers(1, 3),
        batch=st.integers(1, 3), dtype=st.sampled_from(["float16", "float32"]),

@@ -14,7 +14,7 @@ from arraykv.ops.cuda.polar import kernel_names, plan_codec_launch
 from gpu import requires_gpu
 from nvrtc import compile_source, find_nvrtc
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = sorted((ROOT / "kernels").glob("*.cu"))
 
 
