@@ -94,12 +94,15 @@ def _itemsize(dtype: Any) -> int:
     raise TypeError(f"cannot determine the item size of dtype {dtype!r}")
 
 
-def to_numpy(x: Any):
-    """Copy ``x`` to a NumPy array on the host (used for inspection, I/O and tests)."""
+def to_numpy(x: Any, *, copy: bool = False):
+    """``x`` as a NumPy array on the host (used for inspection, I/O and tests).
+
+    A NumPy input is returned as it is unless ``copy``; other arrays are always copied.
+    """
     import numpy as np  # only the host-side helpers need NumPy itself
 
     if isinstance(x, np.ndarray):
-        return x
+        return np.array(x, copy=True) if copy else x
     if _aac.is_cupy_array(x):
         return x.get()
     return np.asarray(x)

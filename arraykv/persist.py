@@ -75,14 +75,8 @@ def load_cache(path: str | os.PathLike, *, xp: Any = None):
     if not isinstance(cache, LayeredCache):
         raise CacheFileError(f"{path}: method {method!r} does not build a cache that can be restored")
     try:
-        cache.restore([None if r is None else _on(xp, r) for r in layers], xp=xp)
+        cache.restore(layers, xp=xp)  # restore moves the host arrays to xp
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise CacheFileError(f"{path} does not describe a valid {method!r} cache: {exc}") from None
     return cache
 
-
-def _on(xp: Any, rec: Any):
-    """``rec`` with its host arrays moved to namespace ``xp``."""
-    from dataclasses import replace
-
-    return replace(rec, arrays={n: xp.asarray(a) for n, a in rec.arrays.items()})

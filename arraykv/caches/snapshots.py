@@ -84,8 +84,8 @@ class LayerSnapshots:
 
     def _record(self, st: LayerState, *, host: bool) -> LayerRecord:
         arrays = self._layer_arrays(st)
-        if host:
-            arrays = {n: _compat.to_numpy(a) for n, a in arrays.items()}
+        if host:  # copies taken under the lock: the file is this state whatever happens after
+            arrays = {n: _compat.to_numpy(a, copy=True) for n, a in arrays.items()}
         else:
             arrays = {n: st.xp.asarray(a, copy=True) for n, a in arrays.items()}
         return LayerRecord(length=st.length, batch=st.batch, dtype=dtype_name(st.dtype), arrays=arrays)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .._compat import array_nbytes
 from ..quant.polar import half_dtype
 from .layer import refuse_overflow
 
@@ -81,8 +82,6 @@ class ExactTokens:
 
     def nbytes(self) -> int:
         """Bytes of the two blocks."""
-        from .._compat import array_nbytes
-
         return array_nbytes(self.k) + array_nbytes(self.v)
 
     def step(self, xp: Any, k: Any, v: Any, q: Any = None, *, sink_tokens: int) -> "WindowStep":
