@@ -1,4 +1,4 @@
-"""Command line: ``python -m arraykv {demo,bench,inspect,longctx}``.
+"""Command line: ``python -m arraykv {demo,bench,inspect,longctx,speculative}``.
 
 ``demo``
     Fetch SmolLM2-135M if needed, generate text through a compressed cache, and print a quality
@@ -11,6 +11,9 @@
 ``longctx``
     Needle retrieval over 2k-8k tokens and the KL after long prefixes, per cache method, as
     Markdown tables (``--plot`` saves a PNG).
+``speculative``
+    Speculative decoding through a compressed cache beside plain greedy decoding: the text,
+    the draft's acceptance and both speeds.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ __all__ = ["main"]
 
 def main(argv: list | None = None) -> int:
     """Entry point of ``python -m arraykv`` (and the ``arraykv`` console script)."""
-    from . import cli_bench, cli_demo, cli_longctx, inspect_pqo
+    from . import cli_bench, cli_demo, cli_longctx, cli_speculative, inspect_pqo
 
     parser = argparse.ArgumentParser(prog="arraykv", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for mod in (cli_demo, cli_bench, inspect_pqo, cli_longctx):
+    for mod in (cli_demo, cli_bench, inspect_pqo, cli_longctx, cli_speculative):
         mod.add_parser(sub)
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,271 @@
+"""Speculative decoding over a compressed cache: a cheap draft proposes, the model verifies.
+
+A draft (:mod:`arraykv.integrations.drafts`) proposes up to ``k`` tokens; the model (the
+*target*) runs them in one multi-token pass, keeps the longest prefix of proposals that equal
+its own greedy choices, adds its own token after it, and takes the rejected tokens back out of
+its cache with ``truncate_all``. Every emitted token is the target's argmax, so the output is
+the target's greedy decoding; what the draft buys is that the weights are read once for up to
+``k`` tokens instead of once per token.
+
+With ``concurrent=True`` the draft proposes the next block in one thread while the target
+verifies the current one in another, assuming that every proposal is accepted (the block is
+kept when that turns out true, truncated away otherwise). With a
+:class:`~arraykv.integrations.drafts.LayerDraft` the two threads write different layers of one
+cache object, which the contract's per-layer locks allow.
+
+The verification pass stores each token with one ``cache.decode`` per layer, in order
+(``verify="decode"``), rather than one ``cache.prefill`` of the block: a cache with a recent-token
+window or pending key groups answers a decode with its state after that one token, and a
+prefill of ``k`` tokens would show earlier queries up to ``k - 1`` tokens more of quantization
+than plain decoding does. For the exact cache (``dense``) the two are the same attention, and
+"auto" takes the prefill, which reads the cache once for the block. Matrix products run over
+the block at once either way, so the only difference from plain greedy decoding is float
+rounding between a one-row and a ``k``-row product.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .drafts import Block, CacheDraft, LayerDraft, NgramDraft, argmax_rows, require_truncate, run_layers
+
+__all__ = ["speculative_generate", "SpeculativeResult", "greedy_agreement", "LayerDraft", "CacheDraft",
+           "NgramDraft", "run_layers"]
+
+#: ``verify`` values: one decode per token and layer, one prefill per layer, or by cache method.
+VERIFY_MODES = ("auto", "decode", "prefill")
+
+
+@dataclass(frozen=True)
+class SpeculativeResult:
+    """What :func:`speculative_generate` produced and how.
+
+    Attributes
+    ----------
+    tokens : list of int
+        New token ids (the prompt excluded), the target's greedy choices.
+    drafted : int
+        Proposals the draft made that the target checked.
+    accepted : int
+        Proposals equal to the target's choice.
+    rounds : int
+        Verification passes of the target.
+    wasted : int
+        Tokens drafted ahead in concurrent mode and thrown away.
+    seconds : float
+        Wall time after the prompt's prefill (the decoding itself).
+    prefill_seconds : float
+        Wall time of the prompt's prefill (target and draft).
+    """
+
+    tokens: list
+    drafted: int
+    accepted: int
+    rounds: int
+    wasted: int
+    seconds: float
+    prefill_seconds: float
+
+    @property
+    def acceptance_rate(self) -> float:
+        """``accepted / drafted`` (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens after the first one, per second of decoding."""
+        return (len(self.tokens) - 1) / self.seconds if self.seconds > 0 and len(self.tokens) > 1 else 0.0
+
+
+def speculative_generate(model: Any, prompt: Any, max_new_tokens: int = 32, *, cache: Any, draft: Any,
+                         k: int = 4, stop_at_eos: bool = True, concurrent: bool = False, verify: str = "auto",
+                         on_token: Callable[[int], None] | None = None,
+                         prefill_chunk: int | None = 512) -> SpeculativeResult:
+    """Greedy generation of ``model`` through ``cache``, accelerated by a ``draft``.
+
+    Parameters
+    ----------
+    model : LlamaModel
+        The target.
+    prompt : str or sequence of int
+    max_new_tokens : int, default 32
+    cache : cache
+        An empty cache of the target (any method: it needs ``truncate_all``). Afterwards it
+        holds the prompt and every new token but the last, as after :meth:`LlamaModel.generate`.
+    draft : LayerDraft, CacheDraft or NgramDraft
+    k : int, default 4
+        Tokens per verification pass (the newest token and the proposals after it).
+    stop_at_eos : bool, default True
+        Stop after the tokenizer's end-of-sequence token.
+    concurrent : bool, default False
+        Draft the next block in a second thread while the target verifies the current one
+        (drafts that run a model).
+    verify : {"auto", "decode", "prefill"}, default "auto"
+        How the target stores a block (see the module notes); "auto" is "prefill" for the
+        ``dense`` cache and "decode" otherwise.
+    on_token : callable, optional
+        Called with each new token id as it is produced.
+    prefill_chunk : int or None, default 512
+        Prompt chunking, as in :meth:`LlamaModel.generate`.
+
+    Returns
+    -------
+    SpeculativeResult
+
+    Notes
+    -----
+    With greedy verification the output is the target's greedy decoding (Leviathan et al.,
+    2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023) up
+    to float rounding between one-row and ``k``-row matrix products: a position where the
+    target's two best logits are closer than that rounding may resolve differently.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive integer, received {k!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, received {max_new_tokens!r}")
+    if not isinstance(verify, str) or verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, received {verify!r}")
+    if not all(hasattr(draft, a) for a in ("bind", "propose", "verify_input", "rollback")):
+        raise TypeError(f"draft must be a LayerDraft, CacheDraft or NgramDraft, received {type(draft).__name__}")
+    require_truncate(cache, "cache")
+    ids = _prompt_ids(model, prompt)
+    if len(ids) + max_new_tokens + 2 * k > model.config.context_length:
+        raise ValueError(f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) and 2k drafted "
+                         f"tokens exceed the context length of {model.config.context_length}")
+    if cache.seq_len(0) != 0:
+        raise ValueError("cache must be empty; call cache.reset() first")
+    draft.bind(model, cache)
+    if verify == "auto":
+        verify = "prefill" if getattr(cache, "method", None) == "dense" else "decode"
+    model._check_room(0, len(ids) + max_new_tokens + 2 * k)  # RoPE tables once, before any thread
+    eos = None if (model.tokenizer is None or not stop_at_eos) else model.tokenizer.eos_id
+    out: list = []
+    if max_new_tokens == 0:
+        return SpeculativeResult(out, 0, 0, 0, 0, 0.0, 0.0)
+    t0 = time.perf_counter()
+    logits = model.prefill(ids, draft.prompt_cache(cache), chunk_size=prefill_chunk, logits="last")
+    draft.begin(ids)
+    t1 = time.perf_counter()
+
+    def emit(tok: int) -> bool:
+        out.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        return len(out) >= max_new_tokens or tok == eos
+
+    drafted = accepted = rounds = wasted = 0
+    done = emit(argmax_rows(logits[None, :])[0])
+    block = None
+    while not done:
+        pos = len(ids) + len(out) - 1  # position of the newest token, not stored yet
+        n = min(k, max_new_tokens - len(out))
+        if block is None:
+            block = draft.propose(out[-1], pos, n, ids + out)
+        n = len(block.tokens)
+        n_ahead = min(k, max_new_tokens - len(out) - n)
+        if concurrent and n_ahead > 0 and len(block.proposals) == n:
+            target, ahead = _verify_beside_draft(model, cache, draft, block, n_ahead, verify, ids + out)
+        else:
+            target, ahead = _verify(model, cache, draft, block, verify), None
+        rounds += 1
+        m = min(len(block.proposals), n)
+        drafted += m
+        a = 0
+        while a < m and block.proposals[a] == target[a]:
+            a += 1
+        accepted += a
+        for tok in target[:min(a + 1, n)]:
+            if emit(tok):
+                done = True
+                break
+        if a + 1 < n or (ahead is not None and a < n):  # stored tokens after the first rejection are void
+            wasted += 0 if ahead is None else len(ahead.tokens)
+            ahead = None
+            if not done:
+                cache.truncate_all(pos + a + 1)
+                draft.rollback(pos + a + 1)
+        block = ahead  # every proposal accepted: the block drafted meanwhile continues them
+    # leave the caches as plain greedy decoding does: every new token but the last one stored
+    final = len(ids) + len(out) - 1
+    if cache.seq_len(0) > final:
+        cache.truncate_all(final)
+    draft.rollback(final)
+    t2 = time.perf_counter()
+    return SpeculativeResult(out, drafted, accepted, rounds, wasted, t2 - t1, t1 - t0)
+
+
+def _verify(model: Any, cache: Any, draft: Any, block: Block, mode: str) -> list:
+    """The target's greedy token after each of the block's tokens (one multi-token pass)."""
+    x, layers = draft.verify_input(block)
+    h = run_layers(model, x, cache, block.position, layers, mode=mode)
+    return argmax_rows(model._logits(h)[0])
+
+
+def _verify_beside_draft(model: Any, cache: Any, draft: Any, block: Block, n_ahead: int, mode: str,
+                         history: list) -> tuple:
+    """Verify ``block`` in a thread while drafting, here, the block after it (assuming all is accepted)."""
+    box: dict = {}
+
+    def work():
+        try:
+            box["target"] = _verify(model, cache, draft, block, mode)
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    th = threading.Thread(target=work, name="arraykv-verify")
+    th.start()
+    try:
+        nxt = block.proposals[-1]
+        ahead = draft.propose(nxt, block.position + len(block.tokens), n_ahead,
+                              history + block.proposals)
+    finally:
+        th.join()
+    if "error" in box:
+        raise box["error"]
+    return box["target"], ahead
+
+
+def _prompt_ids(model: Any, prompt: Any) -> list:
+    if isinstance(prompt, str):
+        if model.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass token ids instead of text")
+        ids = model.tokenizer.encode(prompt)
+    else:
+        ids = [int(i) for i in prompt]
+    if not ids:
+        raise ValueError("prompt must hold at least one token")
+    return ids
+
+
+def greedy_agreement(reference: list, margins: list, candidate: list, *, tolerance: float = 1e-4) -> dict:
+    """Compare a greedy output with a reference, forgiving a first difference at a near-tie.
+
+    Parameters
+    ----------
+    reference : list of int
+        Plain greedy tokens.
+    margins : list of float
+        For each reference token, the gap between the best and second-best logit that chose it.
+    candidate : list of int
+        Tokens to compare (e.g. a speculative run's).
+    tolerance : float, default 1e-4
+        Gaps below this count as float-rounding ties.
+
+    Returns
+    -------
+    dict
+        ``equal`` (identical), ``first_difference`` (index or None), ``margin`` (the
+        reference's gap there), ``tie`` (the difference is at a gap below ``tolerance``) and
+        ``ok`` (equal, or the first difference is a tie).
+    """
+    n = min(len(reference), len(candidate))
+    first = next((i for i in range(n) if reference[i] != candidate[i]), None)
+    if first is None and len(reference) != len(candidate):
+        first = n
+    margin = None if first is None or first >= len(margins) else float(margins[first])
+    tie = margin is not None and margin < tolerance
+    return {"equal": first is None, "first_difference": first, "margin": margin, "tie": tie,
+            "ok": first is None or tie}
