@@ -29,7 +29,7 @@ from ..compressor import KVCacheCompressor
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState, check_decode_path
-from .window import ExactTokens, commit_store
+from .window import ExactTokens, commit_store, restore_tokens
 
 __all__ = ["FittedCache", "FittedLayer", "DEFAULT_WINDOW", "DEFAULT_SINKS"]
 
@@ -166,7 +166,7 @@ class FittedCache(LayeredCache):
                 st.calib = {n: _to(xp, st.device, a) for n, a in given.items()}
         return st
 
-    def _store(self, st: FittedLayer, k: Any, v: Any) -> None:
+    def _store(self, st: FittedLayer, k: Any, v: Any, q: Any = None) -> None:
         """Append new tokens (everything computed first, then committed)."""
         xp = st.xp
         step = st.exact.step(xp, k, v, sink_tokens=self.sink_tokens)  # the first tokens stay exact, unfitted
@@ -179,8 +179,7 @@ class FittedCache(LayeredCache):
         arrays = None
         if spill:  # the oldest tokens of window + new leave the window: encode them
             arrays = self._encode(xp, calib, *step.first(spill))
-        exact = step.block(spill)
-        commit_store(xp, self.method, st, arrays, calib, {} if calib is st.calib else calib, exact)
+        commit_store(xp, self.method, st, step, spill, arrays, calib, {} if calib is st.calib else calib)
 
     def _fit_sample(self, xp: Any, k: Any, v: Any) -> tuple:
         """The tokens the fit sees: all of them, or ``max_calibration // batch`` evenly spaced ones."""
@@ -217,13 +216,13 @@ class FittedCache(LayeredCache):
     # -- hooks ----------------------------------------------------------------------------
     def _prefill(self, st, k, v, q):
         first = st.length == 0
-        self._store(st, k, v)
+        self._store(st, k, v, q)
         if first:
             return DequantResult(k=k, v=v)
         return self._decoded(st)
 
     def _decode(self, st, k, v, q, config: AttendConfig):
-        self._store(st, k, v)
+        self._store(st, k, v, q)
         if self._fused(st.xp):
             return Fused(self._attend(st, q, config.softmax_scale))
         return Dequantized(self._decoded(st))
@@ -231,15 +230,6 @@ class FittedCache(LayeredCache):
     def _extras(self, st: FittedLayer) -> tuple:
         """The tokens kept as float16 vectors (sinks, then window): (b, h, E, d) each."""
         return st.exact.k, st.exact.v
-
-    def _dequantize(self, st) -> DequantResult:
-        return self._decoded(st)
-
-    def _dequantize_from(self, st, start: int) -> DequantResult:
-        return self._decoded(st, start)
-
-    def _append_tokens(self, st, k, v, q) -> None:
-        self._store(st, k, v)
 
     def _stable_length(self, st) -> int:
         # sinks and encoded tokens never change; window tokens (all tokens before the fit) will be encoded
@@ -255,20 +245,13 @@ class FittedCache(LayeredCache):
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> FittedLayer:
         st = self._new_layer(xp, dev, batch, dtype)
-        per_token = {n: arrays[n] for n in self._per_token if n in arrays}
-        if per_token and int(next(iter(per_token.values())).shape[2]):
-            st.codes.append(per_token)
         parts = [xp.asarray(arrays[n], copy=True) for n in ("k_sink", "v_sink", "k_window", "v_window")]
-        st.exact = ExactTokens.from_parts(xp, *parts)
+        restore_tokens(st, arrays, self._per_token, ExactTokens.from_parts(xp, *parts), length)
         if all(n in arrays for n in self._calib_names):
             st.calib = {n: xp.asarray(arrays[n], copy=True) for n in self._calib_names}
         elif st.codes.length:
             raise ValueError("stored arrays hold encoded tokens but no fitted basis/codebooks")
         st.layer = -1  # restored: the file's calibration, not the constructor's
-        held = st.codes.length + st.exact.count
-        if held != length:
-            raise ValueError(f"stored arrays hold {held} tokens, expected {length}")
-        st.length = length
         return st
 
     def _side_nbytes(self, st) -> int:
@@ -277,17 +260,8 @@ class FittedCache(LayeredCache):
             total += sum(_compat.array_nbytes(a) for a in st.calib.values())
         return total
 
-    def _layer_nbytes(self, st) -> int:
-        return st.codes.used_nbytes() + self._side_nbytes(st)
-
-    def _layer_reserved_nbytes(self, st) -> int:
-        return st.codes.reserved_nbytes() + self._side_nbytes(st)
-
     def is_fitted(self, layer: int) -> bool:
         """Whether ``layer`` holds its basis/codebooks (given, fitted, or loaded)."""
-        layer = self._check_layer(layer)
-        with self._locks[layer]:
-            st = self._states[layer]
-            return st is not None and st.calib is not None
+        return bool(self._with_layer(layer, lambda st: st.calib is not None))
 
 

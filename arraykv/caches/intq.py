@@ -14,12 +14,13 @@ from typing import Any
 from .. import _compat
 from .. import ops
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
-from ..quant.bitpack import packed_nbytes
-from ..quant.intq import HALF_MAX, IntQuantized, dequantize_groups, half_exponent, quantize_groups
+from ..quant.intq import HALF_MAX, half_exponent, quantize_groups
 from ..storage import TokenBuffers
 from .._validation import check_int
 from .base import LayeredCache, check_decode_path
-from .int_codec import IntLayer, IntLayerCodec
+from .int_codec import IntLayer, IntLayerCodec, codec_state
+from .int_decode import decode_int_layer
+from .int_state import layer_arrays, restore_layer
 from .registry import register_method
 
 _INTQ_OPS = {"group_minmax": ops.intq_group_minmax, "quantize_pack": ops.intq_quantize_pack}
@@ -27,8 +28,6 @@ _INTQ_OPS = {"group_minmax": ops.intq_group_minmax, "quantize_pack": ops.intq_qu
 __all__ = ["IntQuantCache", "Int2Cache", "Int4Cache", "Int8Cache", "IntLayerCodec", "IntLayer"]
 
 _SCALE_DTYPES = ("float16", "float32")
-#: Saved in place of an exponent not fixed yet (the layer has held only zeros).
-_NO_EXP = -(1 << 20)
 _BITS = (2, 4, 8)
 
 
@@ -225,7 +224,7 @@ class IntQuantCache(LayeredCache):
         """Whether a layer keeps anything in float16 (its scales, or its exact window)."""
         return hasattr(xp, "float16") and (self._pdt(xp) == "float16" or bool(self.residual_window))
 
-    def _store(self, st: IntLayer, k: Any, v: Any) -> None:
+    def _store(self, st: IntLayer, k: Any, v: Any, q: Any = None) -> None:
         kq, vq, residual, window, exps = self._encode(st, k, v)
         # Room in both buffers first: an allocation that fails leaves both as they were.
         if kq is not None:
@@ -242,57 +241,16 @@ class IntQuantCache(LayeredCache):
         st.exp = exps
 
     def _decoded(self, st: IntLayer, start: int = 0) -> DequantResult:
-        """K/V of the stored tokens ``start ..``; only the key groups and value rows from there are decoded."""
-        xp = st.xp
-        g, d = self.group_size, self.head_dim
-        kq, vq = st.kq, st.vq
-        ek, ev = (e or 0 for e in st.exp)
-        parts = []
-        g0 = min(start // g, kq.length)  # first key group holding a token from ``start`` on
-        if kq.length > g0:
-            def kview(name):
-                a = kq.view(name)
-                return a if g0 == 0 else a[:, :, g0:, ...]
-
-            q = IntQuantized(codes=kview("k_codes"), scale=kview("k_scale")[..., None],
-                             offset=kview("k_offset")[..., None], bits=self.bits, group_size=g, n=g, exponent=ek)
-            blk = dequantize_groups(q, st.dtype, dequantize=ops.intq_dequantize)  # (b, h, groups, d, G)
-            b, h, ng = (int(s) for s in blk.shape[:3])
-            kd = xp.reshape(xp.permute_dims(blk, (0, 1, 2, 4, 3)), (b, h, ng * g, d))
-            skip = start - g0 * g
-            parts.append(kd if skip == 0 else kd[:, :, skip:, :])
-        r0 = max(0, start - kq.length * g)
-        parts.append(self._exact(st, "k_residual", r0, ek))
-        k = parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
-        parts = []
-        if vq.length > start:
-            def vview(name):
-                a = vq.view(name)
-                return a if start == 0 else a[:, :, start:, ...]
-
-            qv = IntQuantized(codes=vview("v_codes"), scale=vview("v_scale"), offset=vview("v_offset"),
-                              bits=self.bits, group_size=g, n=d, exponent=ev)
-            parts.append(dequantize_groups(qv, st.dtype, dequantize=ops.intq_dequantize))
-        if self.residual_window or not parts:
-            parts.append(self._exact(st, "v_window", max(0, start - vq.length), ev))
-        v = parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
-        return DequantResult(k=k, v=v)
-
-    @staticmethod
-    def _exact(st: IntLayer, name: str, skip: int, exp: int = 0):
-        """Exact tokens ``skip ..`` of ``k_residual`` or ``v_window`` times ``2**exp``, in the layer's dtype (a copy)."""
-        a = getattr(st, name)[:, :, skip:, :]
-        if exp:
-            return st.xp.astype(st.xp.astype(a, st.xp.float32) * 2.0 ** exp, st.dtype)
-        return st.xp.asarray(a, copy=True) if a.dtype == st.dtype else st.xp.astype(a, st.dtype)
+        """K/V of the stored tokens ``start ..`` (:func:`~arraykv.caches.int_decode.decode_int_layer`)."""
+        return decode_int_layer(st, self.bits, self.group_size, bool(self.residual_window), start)
 
     # -- hooks ----------------------------------------------------------------------
     def _prefill(self, st, k, v, q):
-        self._store(st, k, v)
+        self._store(st, k, v, q)
         return self._decoded(st)
 
     def _decode(self, st, k, v, q, config: AttendConfig):
-        self._store(st, k, v)
+        self._store(st, k, v, q)
         if self._fused(st.xp):
             return Fused(ops.int_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._decoded(st))
@@ -300,61 +258,18 @@ class IntQuantCache(LayeredCache):
     def _fused_auto(self, xp: Any) -> bool:
         return self.bits in (2, 4, 8) and ops.has_kernel("int_decode_attention", xp)
 
-    def _dequantize(self, st) -> DequantResult:
-        return self._decoded(st)
-
-    def _dequantize_from(self, st, start: int) -> DequantResult:
-        return self._decoded(st, start)
-
-    def _append_tokens(self, st, k, v, q) -> None:
-        self._store(st, k, v)
-
     def _stable_length(self, st) -> int:
         # a key is final once its group is quantized, a value once it left the window
         return min(st.kq.length * self.group_size, st.vq.length)
 
     def _layer_arrays(self, st) -> dict:
-        out = dict(st.kq.arrays())
-        out.update(st.vq.arrays())
-        out["k_residual"] = st.k_residual
-        if self.residual_window:
-            out["v_window"] = st.v_window
-        if st.exp != (0, 0):  # typical data keeps the arrays it always had
-            out["exp"] = st.xp.asarray([_NO_EXP if e is None else e for e in st.exp], dtype=st.xp.int32,
-                                       device=st.device)
-        return out
+        return layer_arrays(st, bool(self.residual_window))
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> IntLayer:
-        st = self._new_layer(xp, dev, batch, dtype)
-        kq = {n: arrays[n] for n in ("k_codes", "k_scale", "k_offset") if n in arrays}
-        if kq and int(kq["k_codes"].shape[2]):
-            st.kq.append(kq)
-        vq = {n: arrays[n] for n in ("v_codes", "v_scale", "v_offset") if n in arrays}
-        if vq and int(vq["v_codes"].shape[2]):
-            st.vq.append(vq)
-        st.k_residual = xp.asarray(arrays["k_residual"], copy=True)
-        if "v_window" in arrays:
-            st.v_window = xp.asarray(arrays["v_window"], copy=True)
-        if "exp" in arrays:
-            exps = (int(arrays["exp"][0]), int(arrays["exp"][1]))
-            st.exp = tuple(None if e == _NO_EXP else e for e in exps)
-        else:
-            st.exp = (0, 0)
-        keys = st.kq.length * self.group_size + int(st.k_residual.shape[2])
-        values = st.vq.length + int(st.v_window.shape[2])
-        if keys != length or values != length:
-            raise ValueError(f"stored arrays hold {keys} keys and {values} values, expected {length} of each")
-        st.length = length
-        return st
+        return restore_layer(self._new_layer(xp, dev, batch, dtype), arrays, length, self.group_size)
 
-    def _exact_nbytes(self, st) -> int:
+    def _side_nbytes(self, st) -> int:
         return _compat.array_nbytes(st.k_residual) + _compat.array_nbytes(st.v_window)
-
-    def _layer_nbytes(self, st) -> int:
-        return st.kq.used_nbytes() + st.vq.used_nbytes() + self._exact_nbytes(st)
-
-    def _layer_reserved_nbytes(self, st) -> int:
-        return st.kq.reserved_nbytes() + st.vq.reserved_nbytes() + self._exact_nbytes(st)
 
     # -- inspection for kernels ------------------------------------------------------
     def layer_codec_state(self, layer: int) -> IntLayerCodec | None:
@@ -362,39 +277,10 @@ class IntQuantCache(LayeredCache):
 
         Valid until the next call that changes the layer; read, never write.
         """
-        layer = self._check_layer(layer)
-        with self._locks[layer]:
-            st = self._states[layer]
-            return None if st is None else self._codec_state(st)
+        return self._with_layer(layer, self._codec_state)
 
     def _codec_state(self, st: IntLayer) -> IntLayerCodec:
-        """:meth:`layer_codec_state` of a layer whose lock the caller holds."""
-        xp = st.xp
-        g, d = self.group_size, self.head_dim
-        kq, vq = st.kq, st.vq
-        pdt = getattr(xp, self._pdt(xp))
-        if kq.length:
-            k_codes, k_scale, k_offset = kq.view("k_codes"), kq.view("k_scale"), kq.view("k_offset")
-        else:
-            lead = (st.batch, self.num_kv_heads, 0, d)
-            k_codes = xp.zeros(lead + (packed_nbytes(g, self.bits),), dtype=xp.uint8, device=st.device)
-            k_scale = xp.zeros(lead, dtype=pdt, device=st.device)
-            k_offset = k_scale
-        if vq.length:
-            v_codes, v_scale, v_offset = vq.view("v_codes"), vq.view("v_scale"), vq.view("v_offset")
-        else:  # every value is in the window, or the layer was created by an empty prefill
-            lead = (st.batch, self.num_kv_heads, 0)
-            v_codes = xp.zeros(lead + (packed_nbytes(d, self.bits),), dtype=xp.uint8, device=st.device)
-            v_scale = xp.zeros(lead + (-(-d // g),), dtype=pdt, device=st.device)
-            v_offset = v_scale
-        residual, window = st.k_residual, st.v_window
-        n_window = int(window.shape[2])
-        ek, ev = (e or 0 for e in st.exp)
-        return IntLayerCodec(bits=self.bits, group_size=g, n_tokens=vq.length + n_window, n_groups=kq.length,
-                             n_residual=int(residual.shape[2]), k_codes=k_codes, k_scale=k_scale,
-                             k_offset=k_offset, k_residual=residual, v_codes=v_codes, v_scale=v_scale,
-                             v_offset=v_offset, n_window=n_window, v_window=window if n_window else None,
-                             k_exp=ek, v_exp=ev)
+        return codec_state(st, self.bits, self.group_size, getattr(st.xp, self._pdt(st.xp)))
 
 
 @register_method("int2")

@@ -28,7 +28,7 @@ from .polar_decode import decode_layer, qjl_logit_bias
 from .polar_options import (DEFAULT_OUTLIER_THRESHOLD, DEFAULT_RESIDUAL_WINDOW, DEFAULT_SINK_TOKENS, PolarOptions,
                             check_polar_options, default_residual_window)
 from .registry import register_method
-from .window import ExactTokens, commit_store
+from .window import ExactTokens, commit_store, restore_tokens
 
 __all__ = ["PolarCache", "PolarLayerCodec", "PolarLayer", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window",
            "Pqo2Cache", "Pqo3Cache", "Pqo4Cache", "Pq2Cache", "Pq3Cache", "Pq4Cache", "Tq2Cache", "Tq3Cache",
@@ -163,8 +163,6 @@ class PolarCache(LayeredCache):
             residual_window=residual_window, center=center, outliers=outliers, outlier_threshold=outlier_threshold,
             max_outliers=max_outliers, key_scale=key_scale, sink_tokens=sink_tokens, key_length=key_length,
             value_length=value_length, rope=rope, softmax_scale=softmax_scale, decode_path=decode_path)
-        for f in fields(self.options):  # read-only mirrors: cache.key_bits, cache.residual_window, ...
-            setattr(self, f.name, getattr(self.options, f.name))
         self._fixed: dict = {}
 
     # -- fixed state (rotation, codebooks, sketch), one set per namespace and device ------
@@ -236,16 +234,17 @@ class PolarCache(LayeredCache):
             else:  # only the tokens that leave the window are converted
                 ek, ev = step.first(spill)
             arrays = self._encode(xp, self._codec(xp, st.device), calib, ek, ev, first)
-        exact = step.block(spill)
-        commit_store(xp, self.method, st, arrays, calib, {} if calib is st.calib else calib.arrays(), exact)
+        commit_store(xp, self.method, st, step, spill, arrays, calib, {} if calib is st.calib else calib.arrays())
 
-    def _decoded(self, st: PolarLayer, start: int = 0) -> tuple:
-        """float32 K/V of the stored tokens ``start ..`` (:func:`~arraykv.caches.polar_decode.decode_layer`)."""
-        return decode_layer(st, self._codec(st.xp, st.device), self.options, start)
+    def _decoded(self, st: PolarLayer, start: int = 0) -> DequantResult:
+        """K/V of the stored tokens ``start ..`` in the layer's dtype (:func:`~arraykv.caches.polar_decode.decode_layer`)."""
+        xp = st.xp
+        k, v = decode_layer(st, self._codec(xp, st.device), self.options, start)
+        return DequantResult(k=xp.astype(k, st.dtype), v=xp.astype(v, st.dtype))
 
     def _result(self, st: PolarLayer, q: Any, scale: float) -> DequantResult:
         xp = st.xp
-        k, v = self._decoded(st)
+        k, v = decode_layer(st, self._codec(xp, st.device), self.options)
         bias = qjl_logit_bias(st, self._codec(st.xp, st.device), q, scale) if self.qjl and st.codes.length else None
         return DequantResult(k=xp.astype(k, st.dtype), v=xp.astype(v, st.dtype),
                              logit_bias=None if bias is None else xp.astype(bias, q.dtype))
@@ -268,17 +267,6 @@ class PolarCache(LayeredCache):
     def _fused_auto(self, xp: Any) -> bool:
         return ops.has_kernel("polar_decode_attention", xp)
 
-    def _dequantize(self, st) -> DequantResult:
-        return self._dequantize_from(st, 0)
-
-    def _dequantize_from(self, st, start: int) -> DequantResult:
-        xp = st.xp
-        k, v = self._decoded(st, start)
-        return DequantResult(k=xp.astype(k, st.dtype), v=xp.astype(v, st.dtype))
-
-    def _append_tokens(self, st, k, v, q) -> None:
-        self._store(st, k, v, q)
-
     def _stable_length(self, st) -> int:
         return st.exact.n_sink + st.codes.length  # sinks and codes never change; the window does
 
@@ -293,26 +281,14 @@ class PolarCache(LayeredCache):
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> PolarLayer:
         st = self._new_layer(xp, dev, batch, dtype)
-        per_token = {n: arrays[n] for n in _PER_TOKEN if n in arrays}
-        if per_token and int(per_token["k_codes"].shape[2]):
-            st.codes.append(per_token)
-        st.exact = ExactTokens(k=xp.asarray(arrays["k_window"], copy=True), v=xp.asarray(arrays["v_window"], copy=True),
-                               n_sink=min(self.sink_tokens, length))
+        exact = ExactTokens(k=xp.asarray(arrays["k_window"], copy=True), v=xp.asarray(arrays["v_window"], copy=True),
+                            n_sink=min(self.sink_tokens, length))
+        restore_tokens(st, arrays, _PER_TOKEN, exact, length)
         st.calib = PolarCalibration.from_arrays(xp, arrays)
-        held = st.codes.length + st.exact.count
-        if held != length:
-            raise ValueError(f"stored arrays hold {held} tokens, expected {length}")
-        st.length = length
         return st
 
     def _side_nbytes(self, st) -> int:
         return st.exact.nbytes() + (0 if st.calib is None else st.calib.nbytes())
-
-    def _layer_nbytes(self, st) -> int:
-        return st.codes.used_nbytes() + self._side_nbytes(st)
-
-    def _layer_reserved_nbytes(self, st) -> int:
-        return st.codes.reserved_nbytes() + self._side_nbytes(st)
 
     # -- inspection for kernels ------------------------------------------------------
     def layer_codec_state(self, layer: int) -> PolarLayerCodec | None:
@@ -320,10 +296,7 @@ class PolarCache(LayeredCache):
 
         Valid until the next call that changes the layer; read, never write.
         """
-        layer = self._check_layer(layer)
-        with self._locks[layer]:
-            st = self._states[layer]
-            return None if st is None else self._codec_state(st)
+        return self._with_layer(layer, self._codec_state)
 
     def _codec_state(self, st: PolarLayer) -> PolarLayerCodec:
         """:meth:`layer_codec_state` of a layer whose lock the caller holds."""
@@ -355,6 +328,15 @@ class PolarCache(LayeredCache):
             qjl=fixed.qjl,
             k_qjl=view("k_qjl", (packed_nbytes(d, 1),)) if self.qjl else None,
             k_qjl_norms=view("k_qjl_norms", ()) if self.qjl else None)
+
+
+def _option(name: str) -> property:
+    return property(lambda self: getattr(self.options, name), doc=f"``options.{name}`` (read-only).")
+
+
+for _f in fields(PolarOptions):  # cache.key_bits, cache.residual_window, ...: read from ``options``, the one copy
+    setattr(PolarCache, _f.name, _option(_f.name))
+del _f
 
 
 def _preset(name: str, key_bits: int, value_bits: int, qjl: bool) -> type:

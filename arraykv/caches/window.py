@@ -22,7 +22,7 @@ from .._compat import array_nbytes
 from ..quant.polar import half_dtype
 from .layer import refuse_overflow
 
-__all__ = ["ExactTokens", "WindowStep", "commit_store"]
+__all__ = ["ExactTokens", "WindowStep", "commit_store", "restore_tokens"]
 
 
 def _f32(xp: Any, x: Any):
@@ -170,19 +170,48 @@ class WindowStep:
                       axis=2)
         return ExactTokens(k=k, v=v, n_sink=self.n_sink)
 
+    def added_rows(self, exact: ExactTokens, spill: int) -> tuple:
+        """``(k, v)``: the rows of ``exact`` (from :meth:`block`) that this store converted, as
+        lists of views (the sinks it took, the new tokens it keeps in the window)."""
+        keep_new = self.n_new - max(0, spill - self.n_recent)
+        ks, vs = [], []
+        if self.taken:
+            ks.append(exact.k[:, :, self.n_sink - self.taken: self.n_sink, :])
+            vs.append(exact.v[:, :, self.n_sink - self.taken: self.n_sink, :])
+        if keep_new:
+            ks.append(exact.k[:, :, exact.count - keep_new:, :])
+            vs.append(exact.v[:, :, exact.count - keep_new:, :])
+        return ks, vs
 
-def commit_store(xp: Any, method: str, st: Any, arrays: dict | None, calib: Any, new_calib: dict,
-                 exact: ExactTokens) -> None:
+
+def commit_store(xp: Any, method: str, st: Any, step: WindowStep, spill: int, arrays: dict | None, calib: Any,
+                 new_calib: dict) -> None:
     """Commit a planned store to layer ``st`` (fields ``codes``, ``calib``, ``exact``).
 
-    ``arrays`` are the encoded tokens to append (None: none left the window), ``calib`` the
-    layer's calibration afterwards, ``new_calib`` its arrays by name when this store made it
-    (else empty), ``exact`` the block from :meth:`WindowStep.block`. Everything float is checked
-    for float16 overflow first (:func:`~arraykv.caches.layer.refuse_overflow`): a refused store
-    changes nothing.
+    ``step`` is the plan (:meth:`ExactTokens.step`) and ``spill`` the tokens of ``recent ++
+    new`` that leave the window, ``arrays`` those tokens encoded (None: none left), ``calib``
+    the layer's calibration afterwards, ``new_calib`` its arrays by name when this store made it
+    (else empty). What this store adds in float is checked for float16 overflow first
+    (:func:`~arraykv.caches.layer.refuse_overflow`; the rows already held were checked when
+    they were stored): a refused store changes nothing.
     """
-    refuse_overflow(xp, method, {"window": exact.k, "value window": exact.v, **(arrays or {}), **new_calib})
+    exact = step.block(spill)
+    k_new, v_new = step.added_rows(exact, spill)
+    refuse_overflow(xp, method, {"window": k_new, "value window": v_new, **(arrays or {}), **new_calib})
     if arrays is not None:
         st.codes.append(arrays)
     st.calib = calib
     st.exact = exact
+
+
+def restore_tokens(st: Any, arrays: dict, per_token: tuple, exact: ExactTokens, length: int) -> None:
+    """Put a saved layer's encoded tokens (the ``per_token`` names in ``arrays``) and exact block
+    into the fresh layer ``st``; ``ValueError`` unless they hold ``length`` tokens together."""
+    codes = {n: arrays[n] for n in per_token if n in arrays}
+    if codes and int(next(iter(codes.values())).shape[2]):
+        st.codes.append(codes)
+    st.exact = exact
+    held = st.codes.length + exact.count
+    if held != length:
+        raise ValueError(f"stored arrays hold {held} tokens, expected {length}")
+    st.length = length

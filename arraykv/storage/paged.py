@@ -6,7 +6,8 @@ import threading
 from typing import Any
 
 from .. import _compat
-from .._validation import check_bool, check_finite, check_int, dtype_name, is_floating
+from .._validation import array_namespace, check_bool, check_finite, check_int, dtype_name, is_floating
+from .sequences import SequenceIds
 
 __all__ = ["PagedKVCache"]
 
@@ -65,43 +66,26 @@ class PagedKVCache:
         for lay in self._layers:
             lay.free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self._locks = [threading.Lock() for _ in range(self.num_layers)]
-        self._ids_lock = threading.Lock()
-        self._live: set = set()
-        self._next_id = 0
+        self._ids = SequenceIds()
 
     # -- sequences ------------------------------------------------------------------
     def allocate_sequence(self) -> int:
         """Register a new, empty sequence and return its id (ids are never reused)."""
-        with self._ids_lock:
-            sid = self._next_id
-            self._next_id += 1
-            self._live.add(sid)
-            return sid
+        return self._ids.allocate()
 
     def sequences(self) -> list:
         """Ids of the live sequences, ascending."""
-        with self._ids_lock:
-            return sorted(self._live)
+        return self._ids.live()
 
     def _check_seq(self, seq_id: Any) -> int:
-        sid = check_int("seq_id", seq_id, low=0)
-        with self._ids_lock:
-            if sid not in self._live:
-                state = "was freed" if sid < self._next_id else "was never allocated"
-                raise ValueError(f"seq_id {sid} {state}; allocate_sequence() gives a valid id")
-        return sid
+        return self._ids.check(seq_id)
 
     def _check_layer(self, layer: Any) -> int:
         return check_int("layer", layer, low=0, high=self.num_layers - 1)
 
     def free(self, seq_id: int) -> None:
         """Return every block of ``seq_id`` to the pools; freeing twice is an error."""
-        sid = check_int("seq_id", seq_id, low=0)
-        with self._ids_lock:
-            if sid not in self._live:
-                state = "was already freed" if sid < self._next_id else "was never allocated"
-                raise ValueError(f"cannot free seq_id {sid}: it {state}")
-            self._live.discard(sid)
+        sid = self._ids.release(seq_id)
         for i, lay in enumerate(self._layers):
             with self._locks[i]:
                 blocks = lay.tables.pop(sid, [])
@@ -168,12 +152,7 @@ class PagedKVCache:
             lay.lengths[sid] = length + t
 
     def _check_tokens(self, k: Any, v: Any):
-        for name, x in (("k", k), ("v", v)):
-            try:
-                _compat.namespace(x)
-            except TypeError:
-                raise TypeError(f"{name} must be an array, received {type(x).__name__}") from None
-        xp = _compat.namespace(k, v)
+        xp = array_namespace(k=k, v=v)
         for name, x, d in (("k", k, self.head_dim), ("v", v, self.v_head_dim)):
             if x.ndim != 3:
                 raise ValueError(f"{name} must have shape (num_kv_heads, new_tokens, head_dim), "

@@ -1,0 +1,54 @@
+"""The sequence ids of a multi-sequence cache (paged, MLA): handed out once, checked, freed once."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .._validation import check_int
+
+__all__ = ["SequenceIds"]
+
+
+class SequenceIds:
+    """Live sequence ids under their own lock; ids are never reused, so a stale id is caught.
+
+    A cache takes this lock after a layer lock, never before (it guards only the id set).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set = set()
+        self._next = 0
+
+    def allocate(self) -> int:
+        """Register a new id and return it."""
+        with self._lock:
+            sid = self._next
+            self._next += 1
+            self._live.add(sid)
+            return sid
+
+    def live(self) -> list:
+        """The live ids, ascending."""
+        with self._lock:
+            return sorted(self._live)
+
+    def check(self, seq_id: Any) -> int:
+        """``seq_id`` as an int if it is live, else ``ValueError`` saying why not."""
+        sid = check_int("seq_id", seq_id, low=0)
+        with self._lock:
+            if sid not in self._live:
+                state = "was freed" if sid < self._next else "was never allocated"
+                raise ValueError(f"seq_id {sid} {state}; allocate_sequence() gives a valid id")
+        return sid
+
+    def release(self, seq_id: Any) -> int:
+        """Retire a live id and return it; ``ValueError`` when it was already freed or never allocated."""
+        sid = check_int("seq_id", seq_id, low=0)
+        with self._lock:
+            if sid not in self._live:
+                state = "was already freed" if sid < self._next else "was never allocated"
+                raise ValueError(f"cannot free seq_id {sid}: it {state}")
+            self._live.discard(sid)
+        return sid
