@@ -30,12 +30,13 @@ from .. import _compat
 from .._validation import check_bool, check_finite, check_int, check_kv, check_query, dtype_name
 from ..protocol import AttendConfig, DecodeOutput, DequantResult
 from .layer import DECODE_PATHS, LayerState, check_decode_path, refuse_overflow
+from .rollback import LayerRollback
 from .snapshots import LayerSnapshots
 
 __all__ = ["LayeredCache", "LayerState", "refuse_overflow", "check_decode_path", "DECODE_PATHS"]
 
 
-class LayeredCache(LayerSnapshots):
+class LayeredCache(LayerSnapshots, LayerRollback):
     """Base class of the caches: a lock and a state per layer.
 
     Parameters

@@ -63,6 +63,13 @@ class DenseCache(LayeredCache):
     def _stable_length(self, st) -> int:
         return st.length  # stored as given
 
+    def _truncate_floor(self, st) -> int:
+        return 0  # every length: the tokens are held as given
+
+    def _truncate_plan(self, st, length: int):
+        plan = st.buf.truncate_plan(length)
+        return lambda: st.buf.commit_truncate(plan)
+
     def _layer_arrays(self, st) -> dict:
         return st.buf.arrays()
 

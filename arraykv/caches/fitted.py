@@ -29,7 +29,8 @@ from ..compressor import KVCacheCompressor
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState, check_decode_path
-from .window import ExactTokens, commit_store, restore_tokens
+from .rollback import DEFAULT_ROLLBACK_TOKENS, check_rollback_tokens
+from .window import ExactTokens, WindowRollback, commit_store, restore_rollback, restore_tokens, rollback_arrays
 
 __all__ = ["FittedCache", "FittedLayer", "DEFAULT_WINDOW", "DEFAULT_SINKS"]
 
@@ -65,18 +66,21 @@ class FittedLayer(LayerState):
         The fitted arrays by name (``_calib_names``): given, fitted, or loaded.
     layer : int or None
         The layer index, set on the first call (-1 for a restored layer).
+    rollback : ExactTokens
+        float16 copies of the last ``rollback_tokens`` encoded tokens (for ``truncate``).
     """
 
     codes: TokenBuffers = None
     exact: ExactTokens = None
     calib: dict | None = None
     layer: int | None = None
+    rollback: ExactTokens = None
 
     def buffers(self) -> tuple:
         return (self.codes,)
 
 
-class FittedCache(LayeredCache):
+class FittedCache(WindowRollback, LayeredCache):
     """What ``lowrank`` and ``vq`` share: the float16 window and the per-layer fit.
 
     Subclasses set ``_per_token`` (names of the per-token arrays), ``_calib_names`` and
@@ -92,11 +96,13 @@ class FittedCache(LayeredCache):
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, calibration: Any = None,
                  residual_window: int = DEFAULT_WINDOW, sink_tokens: int = DEFAULT_SINKS,
-                 decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
+                 rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, decode_path: str = "auto", check_finite: bool = True,
+                 max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
         self.residual_window = check_int("residual_window", residual_window, low=0)
         self.sink_tokens = check_int("sink_tokens", sink_tokens, low=0)
+        self.rollback_tokens = check_rollback_tokens(rollback_tokens)
         self.decode_path = check_decode_path(decode_path)
         self._given = self._check_calibration(calibration)
 
@@ -150,12 +156,14 @@ class FittedCache(LayeredCache):
 
     def _extra_config(self) -> dict:
         return {"min_calibration": self.min_calibration, "residual_window": self.residual_window,
-                "sink_tokens": self.sink_tokens, "decode_path": self.decode_path}
+                "sink_tokens": self.sink_tokens, "rollback_tokens": self.rollback_tokens,
+                "decode_path": self.decode_path}
 
     # -- layer state ----------------------------------------------------------------------
     def _new_layer(self, xp, dev, batch, dtype) -> FittedLayer:
+        empty = ExactTokens.empty(xp, dev, batch, self.num_kv_heads, self.head_dim)
         return FittedLayer(xp=xp, device=dev, batch=batch, dtype=dtype, codes=TokenBuffers(max_tokens=self.max_tokens),
-                           exact=ExactTokens.empty(xp, dev, batch, self.num_kv_heads, self.head_dim))
+                           exact=empty, rollback=empty)
 
     def _admit(self, layer, xp, k, v, tokens):
         st = super()._admit(layer, xp, k, v, tokens)
@@ -179,7 +187,8 @@ class FittedCache(LayeredCache):
         arrays = None
         if spill:  # the oldest tokens of window + new leave the window: encode them
             arrays = self._encode(xp, calib, *step.first(spill))
-        commit_store(xp, self.method, st, step, spill, arrays, calib, {} if calib is st.calib else calib)
+        commit_store(xp, self.method, st, step, spill, arrays, calib, {} if calib is st.calib else calib,
+                     self.rollback_tokens)
 
     def _fit_sample(self, xp: Any, k: Any, v: Any) -> tuple:
         """The tokens the fit sees: all of them, or ``max_calibration // batch`` evenly spaced ones."""
@@ -241,6 +250,7 @@ class FittedCache(LayeredCache):
         (out["k_sink"], out["v_sink"]), (out["k_window"], out["v_window"]) = st.exact.sinks(), st.exact.recent()
         if st.calib is not None:
             out.update(st.calib)
+        out.update(rollback_arrays(st))
         return out
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> FittedLayer:
@@ -252,10 +262,11 @@ class FittedCache(LayeredCache):
         elif st.codes.length:
             raise ValueError("stored arrays hold encoded tokens but no fitted basis/codebooks")
         st.layer = -1  # restored: the file's calibration, not the constructor's
+        restore_rollback(st, arrays)
         return st
 
     def _side_nbytes(self, st) -> int:
-        total = st.exact.nbytes()
+        total = st.exact.nbytes() + self._rollback_nbytes(st)
         if st.calib is not None:
             total += sum(_compat.array_nbytes(a) for a in st.calib.values())
         return total

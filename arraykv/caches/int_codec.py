@@ -26,6 +26,9 @@ class IntLayer(LayerState):
         The exact keys of the unfilled groups and the exact recent values.
     exp : tuple of (int or None)
         Powers of two of the units of keys and values; None until the layer held non-zero data.
+    k_rollback, v_rollback : array (b, h, n, d)
+        Rollback copies (:mod:`arraykv.caches.rollback`): the exact keys of the last quantized
+        key chunks and the exact values that last left the window, in the exact tokens' dtype.
     """
 
     kq: TokenBuffers = None
@@ -33,6 +36,8 @@ class IntLayer(LayerState):
     k_residual: Any = None
     v_window: Any = None
     exp: tuple = (None, None)
+    k_rollback: Any = None
+    v_rollback: Any = None
 
     def buffers(self) -> tuple:
         return (self.kq, self.vq)

@@ -20,8 +20,9 @@ from .._validation import check_int
 from .base import LayeredCache, check_decode_path
 from .int_codec import IntLayer, IntLayerCodec, codec_state
 from .int_decode import decode_int_layer
-from .int_state import layer_arrays, restore_layer
+from .int_state import key_copies, layer_arrays, restore_layer, truncate_floor, truncate_plan
 from .registry import register_method
+from .rollback import DEFAULT_ROLLBACK_TOKENS, RECORD_NBYTES, check_rollback_tokens, keep_last
 
 _INTQ_OPS = {"group_minmax": ops.intq_group_minmax, "quantize_pack": ops.intq_quantize_pack}
 
@@ -54,6 +55,11 @@ class IntQuantCache(LayeredCache):
         None: the class default (:attr:`default_residual_window`: 32 for ``int2``, 0 for
         ``int4``/``int8``). With 0, values are quantized on arrival and the keys of an unfilled
         group are held exactly, in the input dtype.
+    rollback_tokens : int, default 16
+        Tokens a layer can always be truncated by (:meth:`truncate`) after the call that fixed
+        its units: the exact keys of the last ``ceil(rollback_tokens / chunk)`` quantized key
+        chunks (``chunk``: ``residual_window``, else ``group_size``) and, with a window, the
+        last ``rollback_tokens`` values that left it are kept (counted in ``memory_usage``).
     decode_path : {"auto", "fused", "dequantized"}, default "auto"
         How ``decode`` attends: ``"auto"`` from the packed codes (:class:`~arraykv.Fused`)
         when a fused kernel exists for the namespace (Numba on NumPy), else it returns
@@ -113,7 +119,8 @@ class IntQuantCache(LayeredCache):
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, bits: int | None = None,
                  group_size: int = 32, scale_dtype: str = "float16", residual_window: int | None = None,
-                 decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
+                 rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, decode_path: str = "auto", check_finite: bool = True,
+                 max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
         if bits is not None:
@@ -134,12 +141,14 @@ class IntQuantCache(LayeredCache):
         if self.residual_window % self.group_size:
             raise ValueError(f"residual_window must be 0 or a multiple of group_size={self.group_size}, "
                              f"received {self.residual_window}")
+        self.rollback_tokens = check_rollback_tokens(rollback_tokens)
         self.decode_path = check_decode_path(decode_path)
 
     def _extra_config(self) -> dict:
         cfg = {"bits": self.bits} if type(self).method == "int" else {}
         cfg.update(group_size=self.group_size, scale_dtype=self.scale_dtype,
-                   residual_window=self.residual_window, decode_path=self.decode_path)
+                   residual_window=self.residual_window, rollback_tokens=self.rollback_tokens,
+                   decode_path=self.decode_path)
         return cfg
 
     def _pdt(self, xp: Any) -> str:
@@ -155,13 +164,17 @@ class IntQuantCache(LayeredCache):
         empty = xp.zeros((batch, self.num_kv_heads, 0, self.head_dim), dtype=self._exact_dtype(xp, dtype), device=dev)
         return IntLayer(xp=xp, device=dev, batch=batch, dtype=dtype,
                         kq=TokenBuffers(max_tokens=None if mt is None else -(-mt // self.group_size), min_capacity=4),
-                        vq=TokenBuffers(max_tokens=mt), k_residual=empty, v_window=empty)
+                        vq=TokenBuffers(max_tokens=mt), k_residual=empty, v_window=empty, k_rollback=empty,
+                        v_rollback=empty)
 
     def _encode(self, st: IntLayer, k: Any, v: Any) -> tuple:
         """Everything a store writes, computed before anything changes.
 
-        Returns ``(kq, vq, k_residual, v_window)``: the arrays to append to the key groups
-        and to the value rows (None when nothing is quantized) and the new exact tokens.
+        Returns ``(kq, vq, k_residual, v_window, exps, k_rollback, v_rollback)``: the arrays
+        to append to the key groups and to the value rows (None when nothing is quantized), the
+        new exact tokens, the exponents, and the rollback copies: the exact keys of the last
+        ``ceil(rollback_tokens / chunk)`` quantized chunks and the last ``rollback_tokens``
+        values that left the window (with a window; without one values need none).
         """
         xp = st.xp
         g, w = self.group_size, self.residual_window
@@ -181,6 +194,7 @@ class IntQuantCache(LayeredCache):
             q = quantize_groups(blk, self.bits, g, param_dtype=pdt, exponent=0, **_INTQ_OPS)
             kq = {"k_codes": q.codes, "k_scale": q.scale[..., 0], "k_offset": q.offset[..., 0]}
         residual = xp.asarray(allk[:, :, full * g :, :], copy=True)
+        k_copies = keep_last(xp, st.k_rollback, allk[:, :, : full * g, :], key_copies(self)) if full else st.k_rollback
         window = st.v_window
         if w == 0:
             spill, allv, new_window = int(v.shape[2]), v, window
@@ -188,11 +202,13 @@ class IntQuantCache(LayeredCache):
             allv = xp.concat([window, v], axis=2)
             spill = max(0, int(allv.shape[2]) - w)
             new_window = xp.asarray(allv[:, :, spill:, :], copy=True)
-        vq = None
+        vq, v_copies = None, st.v_rollback
         if spill:
             qv = quantize_groups(allv[:, :, :spill, :], self.bits, g, param_dtype=pdt, exponent=0, **_INTQ_OPS)
             vq = {"v_codes": qv.codes, "v_scale": qv.scale, "v_offset": qv.offset}
-        return kq, vq, residual, new_window, exps
+            if w:
+                v_copies = keep_last(xp, st.v_rollback, allv[:, :, :spill, :], self.rollback_tokens)
+        return kq, vq, residual, new_window, exps, k_copies, v_copies
 
     def _normalized(self, st: IntLayer, k: Any, v: Any) -> tuple:
         """``(k / 2**k_exp, v / 2**v_exp)`` and the layer's exponents after this store.
@@ -225,7 +241,7 @@ class IntQuantCache(LayeredCache):
         return hasattr(xp, "float16") and (self._pdt(xp) == "float16" or bool(self.residual_window))
 
     def _store(self, st: IntLayer, k: Any, v: Any, q: Any = None) -> None:
-        kq, vq, residual, window, exps = self._encode(st, k, v)
+        kq, vq, residual, window, exps, k_copies, v_copies = self._encode(st, k, v)
         # Room in both buffers first: an allocation that fails leaves both as they were.
         if kq is not None:
             st.kq.reserve(kq)
@@ -238,7 +254,10 @@ class IntQuantCache(LayeredCache):
             st.vq.append(vq)
         st.k_residual = residual
         st.v_window = window
+        if exps != st.exp:  # this store fixed the layer's units: a cut inside it is refused
+            st.fixed_end = st.length + int(k.shape[2])
         st.exp = exps
+        st.k_rollback, st.v_rollback = k_copies, v_copies
 
     def _decoded(self, st: IntLayer, start: int = 0) -> DequantResult:
         """K/V of the stored tokens ``start ..`` (:func:`~arraykv.caches.int_decode.decode_int_layer`)."""
@@ -269,7 +288,16 @@ class IntQuantCache(LayeredCache):
         return restore_layer(self._new_layer(xp, dev, batch, dtype), arrays, length, self.group_size)
 
     def _side_nbytes(self, st) -> int:
-        return _compat.array_nbytes(st.k_residual) + _compat.array_nbytes(st.v_window)
+        return _compat.array_nbytes(st.k_residual) + _compat.array_nbytes(st.v_window) + self._rollback_nbytes(st)
+
+    def _rollback_nbytes(self, st) -> int:
+        return _compat.array_nbytes(st.k_rollback) + _compat.array_nbytes(st.v_rollback) + RECORD_NBYTES
+
+    def _truncate_floor(self, st) -> int:
+        return truncate_floor(self, st)
+
+    def _truncate_plan(self, st, length: int):
+        return truncate_plan(self, st, length)
 
     # -- inspection for kernels ------------------------------------------------------
     def layer_codec_state(self, layer: int) -> IntLayerCodec | None:

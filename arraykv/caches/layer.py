@@ -24,6 +24,9 @@ class LayerState:
         The callers' dtype (results are returned in it).
     length : int
         Tokens stored.
+    fixed_end : int
+        ``length`` after the call that fixed the layer's data-dependent parameters (its
+        calibration); 0 when none did. A truncation inside that call is refused.
     """
 
     xp: Any
@@ -31,6 +34,7 @@ class LayerState:
     batch: int
     dtype: Any
     length: int = 0
+    fixed_end: int = 0
 
     def buffers(self) -> tuple:
         """The growable token buffers of the layer (for :meth:`LayeredCache.reallocations`)."""

@@ -27,8 +27,9 @@ from .polar_codec import PolarFixed, PolarLayerCodec
 from .polar_decode import decode_layer, qjl_logit_bias
 from .polar_options import (DEFAULT_OUTLIER_THRESHOLD, DEFAULT_RESIDUAL_WINDOW, DEFAULT_SINK_TOKENS, PolarOptions,
                             check_polar_options, default_residual_window)
+from .rollback import DEFAULT_ROLLBACK_TOKENS
 from .registry import register_method
-from .window import ExactTokens, commit_store, restore_tokens
+from .window import ExactTokens, WindowRollback, commit_store, restore_rollback, restore_tokens, rollback_arrays
 
 __all__ = ["PolarCache", "PolarLayerCodec", "PolarLayer", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window",
            "Pqo2Cache", "Pqo3Cache", "Pqo4Cache", "Pq2Cache", "Pq3Cache", "Pq4Cache", "Tq2Cache", "Tq3Cache",
@@ -50,18 +51,21 @@ class PolarLayer(LayerState):
         The sink tokens, then the recent window, in float16.
     calib : PolarCalibration or None
         Set when the layer's first token is encoded.
+    rollback : ExactTokens
+        float16 copies of the last ``rollback_tokens`` encoded tokens (for :meth:`~PolarCache.truncate`).
     """
 
     codes: TokenBuffers = None
     exact: ExactTokens = None
     calib: PolarCalibration | None = None
+    rollback: ExactTokens = None
 
     def buffers(self) -> tuple:
         return (self.codes,)
 
 
 @register_method("polar", generic=True)
-class PolarCache(LayeredCache):
+class PolarCache(WindowRollback, LayeredCache):
     """Rotated Lloyd-Max (TurboQuant-MSE) key/value cache with a float16 recent-token window.
 
     Use through the factory: ``make_cache("pqo4", ...)`` (4 bits everywhere), ``"pq4"``
@@ -116,6 +120,11 @@ class PolarCache(LayeredCache):
         and centered keys of the calibration call (the prefill), normalized per head. For an
         isotropic quantizer this minimizes the expected ``q · k`` error (see Notes); heads whose
         calibration queries are all zero get ``s = 1``.
+    rollback_tokens : int, default 16
+        Tokens every layer can be truncated by (:meth:`truncate`) once calibrated: float16
+        copies of the last ``rollback_tokens`` encoded tokens are kept (counted in
+        ``memory_usage``; ``4 · rollback_tokens · head_dim`` bytes per layer, batch and head).
+        0 keeps none (a truncation can then reach only into the window).
     decode_path : {"auto", "fused", "dequantized"}, default "auto"
         How ``decode`` attends (see Notes).
     softmax_scale : float or None
@@ -154,7 +163,7 @@ class PolarCache(LayeredCache):
                  center: Any = "auto", outliers: Any = "auto", outlier_threshold: float = DEFAULT_OUTLIER_THRESHOLD,
                  max_outliers: int | None = None, key_scale: bool = True, sink_tokens: int = DEFAULT_SINK_TOKENS,
                  key_length: str = "unbiased", value_length: str = "unbiased", rope: Any = "auto",
-                 softmax_scale: float | None = None,
+                 softmax_scale: float | None = None, rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
                  decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
@@ -162,7 +171,8 @@ class PolarCache(LayeredCache):
             self.head_dim, key_bits=key_bits, value_bits=value_bits, qjl=qjl, seed=seed,
             residual_window=residual_window, center=center, outliers=outliers, outlier_threshold=outlier_threshold,
             max_outliers=max_outliers, key_scale=key_scale, sink_tokens=sink_tokens, key_length=key_length,
-            value_length=value_length, rope=rope, softmax_scale=softmax_scale, decode_path=decode_path)
+            value_length=value_length, rope=rope, softmax_scale=softmax_scale, decode_path=decode_path,
+            rollback_tokens=rollback_tokens)
         self._fixed: dict = {}
 
     # -- fixed state (rotation, codebooks, sketch), one set per namespace and device ------
@@ -181,6 +191,9 @@ class PolarCache(LayeredCache):
     def _on_reset(self) -> None:
         self._fixed = {}
 
+    def _fork_fixed(self, source) -> None:
+        self._fixed = dict(source._fixed)
+
     def _extra_config(self) -> dict:
         cfg = self.options.config()
         for name in self._fixed_options:  # said by the method name
@@ -190,8 +203,9 @@ class PolarCache(LayeredCache):
     # -- layer state -------------------------------------------------------------------
     def _new_layer(self, xp, dev, batch, dtype) -> PolarLayer:
         self._codec(xp, dev)  # the rotation/codebooks are held from a layer's first token on
+        empty = ExactTokens.empty(xp, dev, batch, self.num_kv_heads, self.head_dim)
         return PolarLayer(xp=xp, device=dev, batch=batch, dtype=dtype, codes=TokenBuffers(max_tokens=self.max_tokens),
-                          exact=ExactTokens.empty(xp, dev, batch, self.num_kv_heads, self.head_dim))
+                          exact=empty, rollback=empty)
 
     def _encode(self, xp: Any, fixed: PolarFixed, calib: PolarCalibration, k: Any, v: Any, start: int) -> dict:
         """Quantize float32 tokens (b, h, t, d) at positions ``start ..`` -> the per-token arrays to append."""
@@ -234,7 +248,8 @@ class PolarCache(LayeredCache):
             else:  # only the tokens that leave the window are converted
                 ek, ev = step.first(spill)
             arrays = self._encode(xp, self._codec(xp, st.device), calib, ek, ev, first)
-        commit_store(xp, self.method, st, step, spill, arrays, calib, {} if calib is st.calib else calib.arrays())
+        commit_store(xp, self.method, st, step, spill, arrays, calib, {} if calib is st.calib else calib.arrays(),
+                     self.rollback_tokens)
 
     def _decoded(self, st: PolarLayer, start: int = 0) -> DequantResult:
         """K/V of the stored tokens ``start ..`` in the layer's dtype (:func:`~arraykv.caches.polar_decode.decode_layer`)."""
@@ -277,6 +292,7 @@ class PolarCache(LayeredCache):
         out["v_window"] = st.exact.v
         if st.calib is not None:
             out.update(st.calib.arrays())
+        out.update(rollback_arrays(st))
         return out
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> PolarLayer:
@@ -285,10 +301,11 @@ class PolarCache(LayeredCache):
                             n_sink=min(self.sink_tokens, length))
         restore_tokens(st, arrays, _PER_TOKEN, exact, length)
         st.calib = PolarCalibration.from_arrays(xp, arrays)
+        restore_rollback(st, arrays)
         return st
 
     def _side_nbytes(self, st) -> int:
-        return st.exact.nbytes() + (0 if st.calib is None else st.calib.nbytes())
+        return st.exact.nbytes() + self._rollback_nbytes(st) + (0 if st.calib is None else st.calib.nbytes())
 
     # -- inspection for kernels ------------------------------------------------------
     def layer_codec_state(self, layer: int) -> PolarLayerCodec | None:

@@ -321,6 +321,34 @@ class MlaCache:
                 k = k_nope
             return k, v
 
+    def truncate(self, layer: int, seq_id: int, length: int) -> None:
+        """Keep the first ``length`` latents (and RoPE keys) of ``seq_id`` in ``layer``.
+
+        Afterwards the sequence is as if the later tokens had never been appended: same
+        ``seq_len``, ``get_kv``, ``get_compressed_kv`` and ``memory_usage``; spare room beyond
+        the buffers' growth bound is released (:meth:`TokenBuffers.truncate`).
+
+        Raises
+        ------
+        TypeError
+            ``layer``, ``seq_id`` or ``length`` not an int.
+        ValueError
+            Out of range (``0 <= length <= seq_len``), or ``seq_id`` not live; nothing changes.
+        """
+        layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
+        length = check_int("length", length, low=0)
+        with self._locks[layer]:
+            sid = self._check_seq(seq_id)
+            buf = self._data[layer].get(sid)
+            held = 0 if buf is None else buf.length
+            if length > held:
+                raise ValueError(f"length must be in [0, {held}] (seq_len of seq_id {sid} in layer {layer}), "
+                                 f"received {length}")
+            if length == 0:
+                self._data[layer].pop(sid, None)
+            elif length < held:
+                buf.truncate(length)
+
     def seq_len(self, layer: int, seq_id: int) -> int:
         layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
         with self._locks[layer]:

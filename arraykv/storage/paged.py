@@ -151,6 +151,39 @@ class PagedKVCache:
             lay.tables[sid] = table
             lay.lengths[sid] = length + t
 
+    def truncate(self, layer: int, seq_id: int, length: int) -> None:
+        """Keep the first ``length`` tokens of ``seq_id`` in ``layer``; blocks no longer used go back to the pool.
+
+        Afterwards the sequence is as if the later tokens had never been appended: same
+        ``seq_len``, ``get_kv`` and ``memory_usage`` (the blocks past ``ceil(length /
+        block_size)`` are freed; the next append reuses the first of them first). ``length``
+        may be 0 (the sequence stays allocated, holding nothing in this layer).
+
+        Raises
+        ------
+        TypeError
+            ``layer``, ``seq_id`` or ``length`` not an int.
+        ValueError
+            Out of range (``0 <= length <= seq_len``), or ``seq_id`` not live; nothing changes.
+        """
+        layer = self._check_layer(layer)
+        length = check_int("length", length, low=0)
+        with self._locks[layer]:
+            sid = self._check_seq(seq_id)
+            lay = self._layers[layer]
+            held = lay.lengths.get(sid, 0)
+            if length > held:
+                raise ValueError(f"length must be in [0, {held}] (seq_len of seq_id {sid} in layer {layer}), "
+                                 f"received {length}")
+            table = lay.tables.get(sid, [])
+            keep = -(-length // self.block_size)
+            lay.free.extend(reversed(table[keep:]))
+            if length:
+                lay.tables[sid], lay.lengths[sid] = table[:keep], length
+            else:
+                lay.tables.pop(sid, None)
+                lay.lengths.pop(sid, None)
+
     def _check_tokens(self, k: Any, v: Any):
         xp = array_namespace(k=k, v=v)
         for name, x, d in (("k", k, self.head_dim), ("v", v, self.v_head_dim)):
