@@ -87,10 +87,20 @@ class LayerRollback:
         buffer's spare room would exceed its growth bound (:meth:`TokenBuffers.truncate`). The
         rollback copies themselves are the one part that is not the direct build's: the copies
         of the dropped encoded tokens are gone, so the layer holds fewer of them (and fewer
-        bytes, :meth:`rollback_bytes`) until new tokens are encoded.
+        bytes, :meth:`rollback_bytes`) until new tokens are encoded. ``length == 0`` takes
+        every layer lock (in index order), and drops the cache's fixed state (rotations,
+        codebooks) when no layer holds a token any more, as :meth:`reset` does.
         """
         layer = self._check_layer(layer)
         length = check_int("length", length, low=0)
+        if length == 0:  # every lock: when the cache ends up empty, its fixed state goes too (like reset)
+            with self._all_layers_locked():
+                commit = self._plan_truncate(layer, 0)
+                if commit is not None:
+                    commit()
+                    if all(st is None for st in self._states):
+                        self._on_reset()
+            return
         with self._locks[layer]:
             commit = self._plan_truncate(layer, length)
             if commit is not None:
