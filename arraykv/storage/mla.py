@@ -8,7 +8,7 @@ from typing import Any
 from .. import _compat
 from .._validation import array_namespace, check_bool, check_finite, check_int, dtype_name, is_floating
 from .growable import TokenBuffers
-from .sequences import SequenceIds
+from .sequences import SequenceIds, check_truncate_length
 
 __all__ = ["MlaCache"]
 
@@ -326,14 +326,8 @@ class MlaCache:
 
         Afterwards the sequence is as if the later tokens had never been appended: same
         ``seq_len``, ``get_kv``, ``get_compressed_kv`` and ``memory_usage``; spare room beyond
-        the buffers' growth bound is released (:meth:`TokenBuffers.truncate`).
-
-        Raises
-        ------
-        TypeError
-            ``layer``, ``seq_id`` or ``length`` not an int.
-        ValueError
-            Out of range (``0 <= length <= seq_len``), or ``seq_id`` not live; nothing changes.
+        the buffers' growth bound is released (:meth:`TokenBuffers.truncate`). Raises like
+        :meth:`PagedKVCache.truncate`, changing nothing.
         """
         layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
         length = check_int("length", length, low=0)
@@ -341,9 +335,7 @@ class MlaCache:
             sid = self._check_seq(seq_id)
             buf = self._data[layer].get(sid)
             held = 0 if buf is None else buf.length
-            if length > held:
-                raise ValueError(f"length must be in [0, {held}] (seq_len of seq_id {sid} in layer {layer}), "
-                                 f"received {length}")
+            check_truncate_length(length, held, sid, layer)
             if length == 0:
                 self._data[layer].pop(sid, None)
             elif length < held:

@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import _compat
 from .._validation import array_namespace, check_bool, check_finite, check_int, dtype_name, is_floating
-from .sequences import SequenceIds
+from .sequences import SequenceIds, check_truncate_length
 
 __all__ = ["PagedKVCache"]
 
@@ -172,9 +172,7 @@ class PagedKVCache:
             sid = self._check_seq(seq_id)
             lay = self._layers[layer]
             held = lay.lengths.get(sid, 0)
-            if length > held:
-                raise ValueError(f"length must be in [0, {held}] (seq_len of seq_id {sid} in layer {layer}), "
-                                 f"received {length}")
+            check_truncate_length(length, held, sid, layer)
             table = lay.tables.get(sid, [])
             keep = -(-length // self.block_size)
             lay.free.extend(reversed(table[keep:]))

@@ -7,7 +7,7 @@ from typing import Any
 
 from .._validation import check_int
 
-__all__ = ["SequenceIds"]
+__all__ = ["SequenceIds", "check_truncate_length"]
 
 
 class SequenceIds:
@@ -52,3 +52,9 @@ class SequenceIds:
                 raise ValueError(f"cannot free seq_id {sid}: it {state}")
             self._live.discard(sid)
         return sid
+
+
+def check_truncate_length(length: int, held: int, sid: int, layer: int) -> None:
+    """``ValueError`` unless ``length`` (an int >= 0) is at most ``held``, the tokens of ``sid`` in ``layer``."""
+    if length > held:
+        raise ValueError(f"length must be in [0, {held}] (seq_len of seq_id {sid} in layer {layer}), received {length}")
