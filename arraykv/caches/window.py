@@ -272,7 +272,9 @@ class WindowRollback:
         if st.calib is None:
             return 0  # every token is held exactly
         low = max(1, st.fixed_end)
-        for length in range(st.length - 1, low - 1, -1):
+        if not self.residual_window:
+            return low  # no window to refill: every length after the calibrating call is exact
+        for length in range(st.length - 1, low - 1, -1):  # fails within rollback_tokens + window steps
             ns2, w2, c2, lo = self._cut(st, length)
             if w2 and ns2 + c2 < lo:
                 return length + 1
