@@ -109,7 +109,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         group to fill, is reconstructed differently once it is encoded; tokens before this
         index are encoded for good (or never will be). ``dequantize(layer)[..., :s, :]`` with
         ``s = stable_length(layer)`` stays the same, bit for bit, whatever is stored later,
-        until :meth:`reset`. 0 for an empty layer.
+        until :meth:`reset` or a :meth:`truncate` below it. 0 for an empty layer.
         """
         layer = self._check_layer(layer)
         with self._locks[layer]:

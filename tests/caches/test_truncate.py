@@ -359,3 +359,32 @@ def test_files_from_before_rollback_copies_still_load():
         np.testing.assert_array_equal(back.dequantize(0).k, cache.dequantize(0).k)
         assert back.min_truncate_length(0) == 50
         back.truncate(0, 0)
+
+
+@pytest.mark.parametrize("method", ["dense", "pqo4/small", "int2/small", "int4", "lowrank/small"])
+def test_truncate_and_fork_in_every_namespace(xp, method):
+    """The same on array_api_strict (float32 windows) and CuPy where present: truncate, then
+    equal to the direct build; a fork is equal and independent."""
+    from conftest import asarray, to_np
+
+    rng = np.random.default_rng(7)
+    calls = [tokens(rng, 1, 20)] + [tokens(rng, 1, 1) for _ in range(12)]
+    calls = [tuple(asarray(xp, a) for a in c) for c in calls]
+    cache = make(method)
+    cache.prefill(0, *calls[0])
+    for c in calls[1:]:
+        cache.decode(0, *c, CFG)
+    length = max(cache.min_truncate_length(0), 25)
+    twin = cache.fork()
+    cache.truncate(0, length)
+    direct = make(method)
+    direct.prefill(0, *calls[0])
+    for c in calls[1:length - 19]:
+        direct.decode(0, *c, CFG)
+    a, b = cache.layer_arrays(0), direct.layer_arrays(0)
+    assert sorted(a) == sorted(b)
+    for name in b:
+        if name not in ROLLBACK:
+            np.testing.assert_array_equal(to_np(a[name]), to_np(b[name]), err_msg=name)
+    np.testing.assert_array_equal(to_np(cache.dequantize(0).k), to_np(direct.dequantize(0).k))
+    assert twin.seq_len(0) == 32 and cache.seq_len(0) == length
