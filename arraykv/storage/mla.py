@@ -8,7 +8,7 @@ from typing import Any
 from .. import _compat
 from .._validation import array_namespace, check_bool, check_finite, check_int, dtype_name, is_floating
 from .growable import TokenBuffers
-from .sequences import SequenceIds, check_truncate_length
+from .sequences import SequenceIds, check_truncate_length, fork_store
 
 __all__ = ["MlaCache"]
 
@@ -320,6 +320,17 @@ class MlaCache:
             else:
                 k = k_nope
             return k, v
+
+    def fork(self) -> "MlaCache":
+        """An independent copy: the same sequences (same ids), latents and projections.
+
+        The latents are copied (O(``memory_usage()``), under every layer lock); the projection
+        arrays are shared, as they are replaced, never written in place (a
+        :meth:`set_projection` or :meth:`fit` on either affects only that one).
+        """
+        twin = fork_store(self, "_data", lambda seqs: {s: b.copy() for s, b in seqs.items()})
+        twin._proj = list(self._proj)
+        return twin
 
     def truncate(self, layer: int, seq_id: int, length: int) -> None:
         """Keep the first ``length`` latents (and RoPE keys) of ``seq_id`` in ``layer``.

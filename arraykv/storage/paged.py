@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import _compat
 from .._validation import array_namespace, check_bool, check_finite, check_int, dtype_name, is_floating
-from .sequences import SequenceIds, check_truncate_length
+from .sequences import SequenceIds, check_truncate_length, fork_store
 
 __all__ = ["PagedKVCache"]
 
@@ -22,6 +22,17 @@ class _Layer:
         self.free: list = []
         self.tables: dict = {}  # seq_id -> list of block ids
         self.lengths: dict = {}  # seq_id -> tokens
+
+    def copy(self) -> "_Layer":
+        out = _Layer()
+        if self.k_pool is not None:
+            out.k_pool = self.xp.asarray(self.k_pool, copy=True)
+            out.v_pool = self.xp.asarray(self.v_pool, copy=True)
+        out.xp = self.xp
+        out.free = list(self.free)
+        out.tables = {s: list(t) for s, t in self.tables.items()}
+        out.lengths = dict(self.lengths)
+        return out
 
 
 class PagedKVCache:
@@ -150,6 +161,14 @@ class PagedKVCache:
                 src += n
             lay.tables[sid] = table
             lay.lengths[sid] = length + t
+
+    def fork(self) -> "PagedKVCache":
+        """An independent copy: the same sequences (same ids), blocks and free lists.
+
+        A full copy of every layer's pools (O(``reserved_bytes()``), under every layer lock);
+        writes to either never affect the other.
+        """
+        return fork_store(self, "_layers", _Layer.copy)
 
     def truncate(self, layer: int, seq_id: int, length: int) -> None:
         """Keep the first ``length`` tokens of ``seq_id`` in ``layer``; blocks no longer used go back to the pool.

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any
 
 from .._validation import check_int
 
-__all__ = ["SequenceIds", "check_truncate_length"]
+__all__ = ["SequenceIds", "check_truncate_length", "fork_store"]
 
 
 class SequenceIds:
@@ -43,6 +44,13 @@ class SequenceIds:
                 raise ValueError(f"seq_id {sid} {state}; allocate_sequence() gives a valid id")
         return sid
 
+    def copy(self) -> "SequenceIds":
+        """An independent copy: the same live ids, the same next id."""
+        twin = SequenceIds()
+        with self._lock:
+            twin._live, twin._next = set(self._live), self._next
+        return twin
+
     def release(self, seq_id: Any) -> int:
         """Retire a live id and return it; ``ValueError`` when it was already freed or never allocated."""
         sid = check_int("seq_id", seq_id, low=0)
@@ -58,3 +66,21 @@ def check_truncate_length(length: int, held: int, sid: int, layer: int) -> None:
     """``ValueError`` unless ``length`` (an int >= 0) is at most ``held``, the tokens of ``sid`` in ``layer``."""
     if length > held:
         raise ValueError(f"length must be in [0, {held}] (seq_len of seq_id {sid} in layer {layer}), received {length}")
+
+
+def fork_store(source: Any, attr: str, copy_entry) -> Any:
+    """A copy of a multi-sequence cache ``source``: its own locks and sequence ids, and
+    ``copy_entry`` of each entry of its per-layer list ``attr``, taken under every layer lock
+    (in index order); everything else is shared (options, and state that is replaced, never
+    written in place)."""
+    twin = copy.copy(source)
+    twin._locks = [threading.Lock() for _ in source._locks]
+    for lock in source._locks:
+        lock.acquire()
+    try:
+        setattr(twin, attr, [copy_entry(e) for e in getattr(source, attr)])
+        twin._ids = source._ids.copy()
+    finally:
+        for lock in reversed(source._locks):
+            lock.release()
+    return twin

@@ -190,3 +190,36 @@ def test_token_buffers_truncate_keeps_room_within_the_growth_bound():
     twin = copy.copy()
     twin.truncate(3)
     assert copy.length == 200 and twin.length == 3
+
+
+def test_paged_fork_is_independent():
+    rng = np.random.default_rng(8)
+    cache = paged()
+    a = cache.allocate_sequence()
+    cache.append(0, a, *tok(rng, 6))
+    twin = cache.fork()
+    np.testing.assert_array_equal(twin.get_kv(0, a)[0], cache.get_kv(0, a)[0])
+    twin.append(0, a, *tok(rng, 3))
+    twin.truncate(0, a, 2)
+    b = twin.allocate_sequence()
+    assert cache.seq_len(0, a) == 6 and twin.seq_len(0, a) == 2 and cache.sequences() == [a]
+    assert twin.sequences() == [a, b] and cache.allocate_sequence() == b  # the same next id, apart
+    k0 = cache.get_kv(0, a)[0]
+    twin.free(a)
+    np.testing.assert_array_equal(cache.get_kv(0, a)[0], k0)
+    assert cache.memory_usage() == 2 * 4 * H * D * 4 * 2
+
+
+def test_mla_fork_is_independent():
+    rng = np.random.default_rng(9)
+    cache = mla()
+    sid = cache.allocate_sequence()
+    cache.append(0, sid, *tok(rng, 5))
+    twin = cache.fork()
+    assert twin.memory_usage() == cache.memory_usage()
+    twin.truncate(0, sid, 2)
+    twin.reset_layer(1)
+    twin.fit(1, *tok(rng, 16))
+    assert cache.seq_len(0, sid) == 5 and twin.seq_len(0, sid) == 2
+    assert cache.projection(1)[0] is not twin.projection(1)[0]
+    np.testing.assert_array_equal(cache.get_kv(0, sid)[0][:, :2], twin.get_kv(0, sid)[0])
