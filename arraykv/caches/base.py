@@ -51,6 +51,14 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         Reject keys and values that hold NaN or infinity (one pass over the new tokens).
     max_tokens : int or None, default None
         Tokens a layer may hold; a call that would exceed it raises ``ValueError``.
+
+    Notes
+    -----
+    Besides the contract: incremental reading (:meth:`append`, :meth:`stable_length`,
+    :meth:`dequantize`), persistence (:class:`~arraykv.caches.snapshots.LayerSnapshots`:
+    ``snapshot``, ``restore``, ``save``) and taking tokens back or copying the cache
+    (:class:`~arraykv.caches.rollback.LayerRollback`: ``truncate``, ``truncate_all``,
+    ``min_truncate_length``, ``rollback_bytes``, ``fork``).
     """
 
     method: str = "base"

@@ -114,14 +114,25 @@ def assert_same(got, want, *, rollback_suffix=True):
             np.testing.assert_array_equal(ra.v, rb.v)
     assert got.used_bytes() - got.rollback_bytes() == want.used_bytes() - want.rollback_bytes()
     assert got.memory_usage() >= got.used_bytes()
+    for state in got._states:  # spare room stays within the buffers' growth bound after a truncation
+        for buf in () if state is None else state.buffers():
+            assert buf.capacity <= buf.growth * buf.length + buf.min_capacity
 
 
-def assert_next_decode_same(got, want, rng, batch):
+def assert_next_calls_same(got, want, rng, batch):
+    """The next decode, and the next prefill (K/V and the QJL logit bias), answer the same."""
     k, v, q = tokens(rng, batch, 1)
+    k3, v3, q3 = tokens(rng, batch, 3)
     for i in range(LAYERS):
         g, w = got.fork(), want.fork()
         np.testing.assert_array_equal(attend(g.decode(i, k, v, q, CFG), q, CFG.softmax_scale),
                                       attend(w.decode(i, k, v, q, CFG), q, CFG.softmax_scale))
+        rg, rw = got.fork().prefill(i, k3, v3, q3), want.fork().prefill(i, k3, v3, q3)
+        np.testing.assert_array_equal(rg.k, rw.k)
+        np.testing.assert_array_equal(rg.v, rw.v)
+        assert (rg.logit_bias is None) == (rw.logit_bias is None)
+        if rg.logit_bias is not None:
+            np.testing.assert_array_equal(rg.logit_bias, rw.logit_bias)
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["prefill", "append", "decode", "truncate", "truncate_all", "fork"]),
@@ -185,7 +196,7 @@ def test_random_interleavings_match_the_direct_build(method, ops, prompt, batch,
         assert_same(cache, direct)
     direct = replay(method, histories)
     assert_same(cache, direct)
-    assert_next_decode_same(cache, direct, rng, batch)
+    assert_next_calls_same(cache, direct, rng, batch)
     path = tmp_path_factory.mktemp("files") / "c.akv"
     cache.save(path)
     back = arraykv.load(path)
