@@ -20,8 +20,12 @@ from typing import Any
 from .. import _compat
 from ..protocol import Fused
 
-__all__ = ["Block", "LayerDraft", "CacheDraft", "NgramDraft", "draft_from_spec", "run_layers", "argmax_rows",
+__all__ = ["Block", "LayerDraft", "CacheDraft", "NgramDraft", "draft_from_spec", "run_layers", "RUN_MODES", "argmax_rows",
            "require_truncate"]
+
+
+#: How :func:`run_layers` stores a block (see there).
+RUN_MODES = ("decode", "batched", "prefill")
 
 
 def run_layers(model: Any, x: Any, cache: Any, start: int, layers: range, *, mode: str = "decode") -> Any:
@@ -38,40 +42,61 @@ def run_layers(model: Any, x: Any, cache: Any, start: int, layers: range, *, mod
         Position of the first token.
     layers : range
         Consecutive layer indices.
-    mode : {"decode", "prefill"}, default "decode"
-        "decode" stores the tokens one ``cache.decode`` at a time, in order, so each attends to
-        the cache exactly as in one-token decoding (a recent-token window included);
-        "prefill" stores them with one ``cache.prefill`` and attends causally over what it
-        returns, which reads the cache once for all ``t`` tokens and is the same attention for
-        a cache without a window or pending groups (``dense``).
+    mode : {"decode", "batched", "prefill"}, default "decode"
+        "decode": layer by layer, each token alone through the layer (the products of
+        one-token decoding, bit for bit) and into the cache with one ``cache.decode``, in
+        order; the block's tokens share the layer's weights while they are in the CPU's
+        caches. "batched": the same cache calls, with the layer's products over all ``t``
+        tokens at once (one weight read, but other float rounding than one-token decoding:
+        a quantizing cache can then store a different code where a value sits on a level
+        boundary, and the difference grows through the layers). "prefill": products over
+        the block and one ``cache.prefill`` per layer, attending causally over what it
+        returns: the same attention as one-token decoding only for a cache without a window
+        or pending groups (``dense``).
 
     Returns
     -------
     array, shape (batch, t, hidden), float32
         Hidden states leaving ``layers[-1]``.
     """
+    if mode not in RUN_MODES:
+        raise ValueError(f"mode must be one of {', '.join(RUN_MODES)}, received {mode!r}")
     xp = model._ops
     t = int(x.shape[1])
+    if mode == "decode" and t > 1:
+        rows = [x[:, j:j + 1, :] for j in range(t)]
+        for i in layers:
+            rows = [_layer_step(model, i, r, cache, start + j) for j, r in enumerate(rows)]
+        return xp.concat(rows, axis=1)
     for i in layers:
-        lw = model.layers[i]
-        q, k, v = model._qkv(lw, model._rmsnorm(x, lw.attn_norm), start)
         if mode == "prefill":
+            lw = model.layers[i]
+            q, k, v = model._qkv(lw, model._rmsnorm(x, lw.attn_norm), start)
             r = cache.prefill(i, k, v, q)
-            o = model._attend_chunk(q, r.k, r.v, r.logit_bias)
+            x = x + model._out_proj(lw, model._attend_chunk(q, r.k, r.v, r.logit_bias))
+            x = x + model._mlp(lw, x)
         else:
-            outs = []
-            for j in range(t):
-                qj, kj, vj = q[:, :, j:j + 1, :], k[:, :, j:j + 1, :], v[:, :, j:j + 1, :]
-                res = cache.decode(i, kj, vj, qj, model._attend)
-                if isinstance(res, Fused):
-                    outs.append(res.output)
-                else:
-                    r = res.result
-                    outs.append(model._attend_one(qj, r.k, r.v, r.logit_bias))
-            o = outs[0] if t == 1 else xp.concat(outs, axis=2)
-        x = x + model._out_proj(lw, o)
-        x = x + model._mlp(lw, x)
+            x = _layer_step(model, i, x, cache, start)
     return x
+
+
+def _layer_step(model: Any, i: int, x: Any, cache: Any, start: int) -> Any:
+    """Layer ``i`` for hidden states ``x`` (batch, t, hidden), each token stored with one ``cache.decode``."""
+    xp = model._ops
+    lw = model.layers[i]
+    q, k, v = model._qkv(lw, model._rmsnorm(x, lw.attn_norm), start)
+    outs = []
+    for j in range(int(x.shape[1])):
+        qj, kj, vj = q[:, :, j:j + 1, :], k[:, :, j:j + 1, :], v[:, :, j:j + 1, :]
+        res = cache.decode(i, kj, vj, qj, model._attend)
+        if isinstance(res, Fused):
+            outs.append(res.output)
+        else:
+            r = res.result
+            outs.append(model._attend_one(qj, r.k, r.v, r.logit_bias))
+    o = outs[0] if len(outs) == 1 else xp.concat(outs, axis=2)
+    x = x + model._out_proj(lw, o)
+    return x + model._mlp(lw, x)
 
 
 def argmax_rows(logits: Any) -> list:

@@ -13,14 +13,16 @@ kept when that turns out true, truncated away otherwise). With a
 :class:`~arraykv.integrations.drafts.LayerDraft` the two threads write different layers of one
 cache object, which the contract's per-layer locks allow.
 
-The verification pass stores each token with one ``cache.decode`` per layer, in order
-(``verify="decode"``), rather than one ``cache.prefill`` of the block: a cache with a recent-token
-window or pending key groups answers a decode with its state after that one token, and a
-prefill of ``k`` tokens would show earlier queries up to ``k - 1`` tokens more of quantization
-than plain decoding does. For the exact cache (``dense``) the two are the same attention, and
-"auto" takes the prefill, which reads the cache once for the block. Matrix products run over
-the block at once either way, so the only difference from plain greedy decoding is float
-rounding between a one-row and a ``k``-row product.
+The verification pass (``verify="decode"``) runs the block layer by layer, each token alone
+through the layer with the products of one-token decoding and stored with one
+``cache.decode``: the target's hidden states, and so what it stores, are bit for bit those of
+plain decoding, and only the output head (one product over the block) rounds differently.
+Batching the layers' products too (``verify="batched"``) reads each weight once for the block
+but rounds differently from one-token decoding, and a quantizing cache turns a rounding
+difference into a different code wherever a value sits on a level boundary: on SmolLM2 with
+``int4`` that moved logits by up to 0.9 within 40 tokens. A ``cache.prefill`` of the block
+(``verify="prefill"``) reads the cache once for all its tokens but shows a windowed cache's
+queries a different window than one-token decoding; "auto" takes it for ``dense`` only.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from .drafts import Block, CacheDraft, LayerDraft, NgramDraft, argmax_rows, requ
 __all__ = ["speculative_generate", "SpeculativeResult", "greedy_agreement", "LayerDraft", "CacheDraft",
            "NgramDraft", "run_layers"]
 
-#: ``verify`` values: one decode per token and layer, one prefill per layer, or by cache method.
-VERIFY_MODES = ("auto", "decode", "prefill")
+#: ``verify`` values: see :func:`arraykv.integrations.drafts.run_layers`; "auto" is "prefill" for
+#: the ``dense`` cache and "decode" for every other.
+VERIFY_MODES = ("auto", "decode", "batched", "prefill")
 
 
 @dataclass(frozen=True)
@@ -103,9 +106,10 @@ def speculative_generate(model: Any, prompt: Any, max_new_tokens: int = 32, *, c
     concurrent : bool, default False
         Draft the next block in a second thread while the target verifies the current one
         (drafts that run a model).
-    verify : {"auto", "decode", "prefill"}, default "auto"
-        How the target stores a block (see the module notes); "auto" is "prefill" for the
-        ``dense`` cache and "decode" otherwise.
+    verify : {"auto", "decode", "batched", "prefill"}, default "auto"
+        How the target runs and stores a block (module notes,
+        :func:`~arraykv.integrations.drafts.run_layers`); "auto" is "prefill" for the ``dense``
+        cache and "decode" otherwise.
     on_token : callable, optional
         Called with each new token id as it is produced.
     prefill_chunk : int or None, default 512
@@ -119,7 +123,8 @@ def speculative_generate(model: Any, prompt: Any, max_new_tokens: int = 32, *, c
     -----
     With greedy verification the output is the target's greedy decoding (Leviathan et al.,
     2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023) up
-    to float rounding between one-row and ``k``-row matrix products: a position where the
+    to float rounding between a one-row and a ``k``-row product in the output head (with
+    ``verify="decode"``; every product with "batched"/"prefill"): a position where the
     target's two best logits are closer than that rounding may resolve differently.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
