@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--drafts", nargs="+", default=["layers:10", "layers:20", "cache:pqo2", "ngram:3"])
     ap.add_argument("--k", nargs="+", type=int, default=[4])
     ap.add_argument("--prompt-tokens", type=int, default=256, help="prompt: this many tokens of the shipped novel")
-    ap.add_argument("--prompt", default=None, help="a text prompt instead")
+    ap.add_argument("--prompt", default=None, help="a user message for the chat model instead")
     ap.add_argument("--new", type=int, default=64, help="tokens generated per run")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-concurrent", action="store_true", help="skip the two-thread runs")
@@ -62,9 +62,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     model = load_model(args.model, quiet=True)
-    ids = model.tokenizer.encode(args.prompt) if args.prompt else ev.builtin_token_ids(model, args.prompt_tokens)
+    ids = model.tokenizer.encode(model.tokenizer.chat_prompt(args.prompt)) if args.prompt else ev.builtin_token_ids(model, args.prompt_tokens)
     modes = [False] if args.no_concurrent else [False, True]
-    configs = [(d, k, c) for d in args.drafts for k in args.k for c in modes]
+    # a prompt-lookup draft runs no model, so it has nothing to run beside the target
+    configs = [(d, k, c) for d in args.drafts for k in args.k for c in modes if not (c and d.startswith("ngram"))]
     print(f"# speculative decoding, SmolLM2-135M, {len(ids)}-token prompt, {args.new} new tokens, "
           f"{args.rounds} rounds; {platform.processor() or platform.machine()}, {os.cpu_count()} cpus")
     print()
