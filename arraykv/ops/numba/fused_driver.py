@@ -48,8 +48,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from .threads import launch, threads_for
 
-__all__ = ["TILE", "FASTMATH", "ro", "scaled_queries", "alloc_queries", "prepare_queries", "merge_top", "merge_splits", "build_steps", "plan",
-           "split_count", "run_step"]
+__all__ = ["TILE", "FASTMATH", "ro", "scaled_queries", "alloc_queries", "prepare_queries", "softmax_tile", "merge_top",
+           "merge_splits", "build_steps", "plan", "split_count", "run_step"]
 
 #: Tokens per tile of the online softmax.
 TILE = 64
@@ -75,6 +75,33 @@ def scaled_queries(q, b, h, scale, qs):
     for g in range(g_n):
         for c in range(d):
             qs[g, c] = q[b, h * g_n + g, c] * sc
+
+
+@nb.njit(inline="always")
+def softmax_tile(srow, nt, m, l, acc, g):
+    """One tile of query head ``g``'s online softmax: logits ``srow[:nt]`` become weights in place.
+
+    ``m[g]``, ``l[g]``, ``acc[g]`` are the running maximum, ``Σ exp(logit − m)`` and weighted value
+    sum; when the tile raises the maximum, ``l[g]`` and ``acc[g]`` are rescaled by
+    ``exp(m_old − m_new)`` once, then ``srow[r] = exp(srow[r] − m)`` and ``l[g] += Σ_r srow[r]``.
+    """
+    mt = m[g]
+    for r in range(nt):
+        if srow[r] > mt:
+            mt = srow[r]
+    if mt > m[g]:
+        c = np.float32(math.exp(m[g] - mt)) if m[g] > -np.inf else np.float32(0.0)
+        l[g] *= c
+        ag = acc[g]
+        for j in range(ag.shape[0]):
+            ag[j] *= c
+        m[g] = mt
+    lg = np.float32(0.0)
+    for r in range(nt):
+        p = np.float32(math.exp(srow[r] - mt))
+        srow[r] = p
+        lg += p
+    l[g] += lg
 
 
 @nb.njit(inline="always")

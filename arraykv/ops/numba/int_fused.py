@@ -26,8 +26,6 @@ parameter dtype (float16 or float32), for read-only arguments of any layout, and
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 try:
@@ -39,12 +37,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from ...attention.int_fused import check_query
 from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, plan, prepare_queries,
-                           ro, run_step)
+                           ro, run_step, softmax_tile)
 from .polar_rows import HALF_TO_FLOAT
 
 __all__ = ["int_decode_attention", "TILE"]
-
-
 
 #: Byte -> its two 4-bit codes as float32 (low nibble first), as one 8-byte word.
 _NIBBLES = np.ascontiguousarray(
@@ -206,23 +202,8 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
         r4 = nt - nt % 4
         for g in range(g_n):
             # 3. online softmax: rescale once per tile, then the tile's weights
-            mt = m[g]
-            for r in range(nt):
-                if s[g, r] > mt:
-                    mt = s[g, r]
-            if mt > m[g]:
-                c = np.float32(math.exp(m[g] - mt)) if m[g] > -np.inf else np.float32(0.0)
-                l[g] *= c
-                for j in range(d):
-                    acc[g, j] *= c
-                m[g] = mt
             srow = s[g]
-            lg = np.float32(0.0)
-            for r in range(nt):
-                p = np.float32(math.exp(srow[r] - mt))
-                srow[r] = p
-                lg += p
-            l[g] += lg
+            softmax_tile(srow, nt, m, l, acc, g)
             # 4. per value group j: Σ_t (p_t vscale_tj) code_t, four tokens per accumulator
             #    pass, plus Σ_t p_t voffset_tj on each of the group's channels
             for j in range(nvg):

@@ -40,9 +40,10 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .fused_driver import FASTMATH, TILE, build_steps, merge_splits, merge_top, plan, ro, run_step
+from .fused_driver import FASTMATH, TILE, build_steps, merge_splits, merge_top, plan, ro, run_step, softmax_tile
 from .polar_query import _prepare_head, _prepare_rotating
-from .polar_rows import _SIGN_TABLE, _SIGNS, HALF_TO_FLOAT, _chunk_table, _fwht, _unpack_rows
+from .polar_rows import (_NO_F32_2, _NO_F32_3, _NO_I32_2, _NO_I32_3, _NO_U8_4, _NO_U16_3, _NO_U16_4, _SIGN_TABLE,
+                         _SIGNS, HALF_TO_FLOAT, _bits16, _fixed_args, _fwht, _unpack_rows)
 
 __all__ = ["polar_decode_attention", "TILE", "HALF_TO_FLOAT"]
 
@@ -151,22 +152,7 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                 s[g, r] = x
         # 2. online softmax: rescale once per tile, then the tile's weights
         for g in range(g_n):
-            mt = m[g]
-            for r in range(t1 - t0):
-                if s[g, r] > mt:
-                    mt = s[g, r]
-            if mt > m[g]:
-                c = np.float32(math.exp(m[g] - mt)) if m[g] > -np.inf else np.float32(0.0)
-                l[g] *= c
-                for j in range(d):
-                    acc[g, j] *= c
-                m[g] = mt
-            lg = np.float32(0.0)
-            for r in range(t1 - t0):
-                p = np.float32(math.exp(s[g, r] - mt))
-                s[g, r] = p
-                lg += p
-            l[g] += lg
+            softmax_tile(s[g], nt, m, l, acc, g)
         # 3. weighted values in the rotated domain
         _unpack_rows(v_codes, b, h, t0, t1, v_bits, v_table, v_cent, d, buf, buf64)
         for r in range(nt):
@@ -319,56 +305,6 @@ def _plan(bh: int, n: int, d: int) -> tuple:
     """``(threads, token splits per head)``: :func:`arraykv.ops.numba.fused_driver.plan` of ``bh · n · d``
     values, spans of at least ``4 · TILE`` tokens."""
     return plan(bh, n, bh * n * d, 4 * TILE)
-
-
-def _absent(ndim: int, dtype) -> np.ndarray:
-    a = np.zeros((0,) * ndim, dtype)
-    a.setflags(write=False)
-    return a
-
-
-_NO_U16_3, _NO_U16_4, _NO_U8_4 = _absent(3, np.uint16), _absent(4, np.uint16), _absent(4, np.uint8)
-_NO_I32_3, _NO_F32_2 = _absent(3, np.int32), _absent(2, np.float32)
-_NO_F32_3, _NO_I32_2 = _absent(3, np.float32), _absent(2, np.int32)
-
-
-def _bits16(a, absent=_NO_U16_3):
-    """A float16 array as its uint16 bit patterns (a view); ``absent`` for None."""
-    if a is None:
-        return absent
-    if a.dtype != np.float16:
-        raise TypeError(f"expected float16 state, received {a.dtype}")
-    return a.view(np.uint16)
-
-
-#: Arguments derived from a cache's fixed objects (rotation, codebooks, sketch), by their ids.
-#: The entry holds the objects themselves, so an id is not reused while it is cached.
-_FIXED: dict = {}
-_FIXED_MAX = 64
-
-
-def _fixed_args(codec) -> tuple:
-    """``(k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch)`` of ``codec``."""
-    objs = (codec.rotation, codec.k_codebook, codec.v_codebook, codec.qjl)
-    key = tuple(id(o) for o in objs)
-    hit = _FIXED.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], objs)):
-        return hit[1]
-    rotation, kc, vc, sketch = objs
-    k_cent = np.ascontiguousarray(kc.centroids, np.float32)
-    v_cent = np.ascontiguousarray(vc.centroids, np.float32)
-    args = (k_cent, _chunk_table(k_cent, int(kc.bits)), int(kc.bits),
-            v_cent, _chunk_table(v_cent, int(vc.bits)), int(vc.bits),
-            np.ascontiguousarray(rotation.signs, np.float32),
-            _NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32),
-            _NO_F32_2 if sketch is None else np.ascontiguousarray(sketch.matrix, np.float32))
-    if len(_FIXED) >= _FIXED_MAX:
-        try:  # layers decode from several threads: another may have evicted it first
-            _FIXED.pop(next(iter(_FIXED)), None)
-        except (StopIteration, RuntimeError):
-            pass
-    _FIXED[key] = (objs, args)
-    return args
 
 
 def polar_decode_attention(codec, q, scale):
