@@ -31,6 +31,7 @@ cached on disk.
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 
@@ -40,10 +41,10 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .fused_driver import FASTMATH, TILE, build_steps, merge_splits, merge_top, plan, ro, run_step, softmax_tile
-from .polar_query import _prepare_head, _prepare_rotating
+from .fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softmax_tile
+from .polar_query import _finish_head, _prepare_head, _prepare_rotating
 from .polar_rows import (_NO_F32_2, _NO_F32_3, _NO_I32_2, _NO_I32_3, _NO_U8_4, _NO_U16_3, _NO_U16_4, _SIGN_TABLE,
-                         _SIGNS, HALF_TO_FLOAT, _bits16, _fixed_args, _fwht, _unpack_rows)
+                         _SIGNS, HALF_TO_FLOAT, _bits16, _fixed_args, _unpack_rows)
 
 __all__ = ["polar_decode_attention", "TILE", "HALF_TO_FLOAT"]
 
@@ -59,10 +60,13 @@ _ARGS = nbt.Tuple((_U8_4, _U16_3, _F32_1C, _TAB, nbt.int64, _U8_4, _U16_3, _F32_
 _SIG = nbt.void(_Q, nbt.float64, nbt.int64, nbt.int64, _ARGS, nbt.int64, _OUT)
 
 
-@nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_table, k_bits,
-                 v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms, sign_table, half,
-                 n_j, ra, rb, rw, ct, st, step, pos0, m, l, acc):
+#: head_dim as a compile-time constant in the copies of :func:`_span` made below (0: read from the query)
+_D = 0
+
+
+def _span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms,
+          v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms, sign_table, half, n_j, ra, rb, rw, ct, st, step,
+          pos0, m, l, acc):  # pragma: no cover - compiled below
     """Online softmax over quantized tokens ``[t_lo, t_hi)`` of head ``(b, h)``, every query head.
 
     ``m``, ``l`` (G,) and ``acc`` (G, d) hold the running maximum logit, the sum of
@@ -75,7 +79,8 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
     (:func:`_prepare_rotating`; token ``t`` sits at position ``pos0 + t``) add their share of
     ``q·m_p`` to each logit.
     """
-    g_n, d = qr.shape
+    g_n = qr.shape[0]
+    d = _D if _D else qr.shape[1]
     n_out = qout.shape[1]
     m_rows = sq.shape[1]
     buf64 = np.empty((TILE, (d + 1) // 2), np.uint64)
@@ -92,6 +97,9 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
     ra_t = np.empty((g_n, n_j), np.float32)
     rb_t = np.empty((g_n, n_j), np.float32)
     rterm = np.zeros((g_n, TILE), np.float32)
+    kn = np.empty(TILE, np.float32)
+    vn = np.empty(TILE, np.float32)
+    al = acc.copy()  # the task's own accumulator: the compiler knows it aliases no other array
     for t0 in range(t_lo, t_hi, TILE):
         t1 = min(t_hi, t0 + TILE)
         # 1. scores of the tile
@@ -136,29 +144,38 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                     for j in range(n_j):
                         x += ra_t[g, j] * ct[r, j] + rb_t[g, j] * st[r, j]
                     rterm[g, r] = x
-        for t in range(t0, t1):
-            r = t - t0
-            kn = half[k_norms[b, h, t]]
-            qn = half[k_qjl_norms[b, h, t]] if m_rows else np.float32(0.0)
-            for g in range(g_n):
-                x = s[g, r] * kn + qconst[g] + rterm[g, r]
-                for o in range(n_out):
-                    x += qout[g, o] * half[k_outliers[b, h, t, o]]
-                if m_rows:
-                    sdot = np.float32(0.0)
-                    for i in range(m_rows):
-                        sdot += sq[g, i] * pbuf[r, i]
-                    x += sdot * qn
-                s[g, r] = x
+        for r in range(nt):  # float16 lengths once per tile, then loops the compiler vectorizes
+            kn[r] = half[k_norms[b, h, t0 + r]]
+            vn[r] = half[v_norms[b, h, t0 + r]]
+        for g in range(g_n):
+            sg = s[g]
+            rg = rterm[g]
+            cg = qconst[g]
+            for r in range(nt):
+                sg[r] = sg[r] * kn[r] + cg + rg[r]
+        if n_out or m_rows:  # exact outlier channels and the QJL correction, per token
+            for t in range(t0, t1):
+                r = t - t0
+                qn = half[k_qjl_norms[b, h, t]] if m_rows else np.float32(0.0)
+                for g in range(g_n):
+                    x = s[g, r]
+                    for o in range(n_out):
+                        x += qout[g, o] * half[k_outliers[b, h, t, o]]
+                    if m_rows:
+                        sdot = np.float32(0.0)
+                        for i in range(m_rows):
+                            sdot += sq[g, i] * pbuf[r, i]
+                        x += sdot * qn
+                    s[g, r] = x
         # 2. online softmax: rescale once per tile, then the tile's weights
         for g in range(g_n):
-            softmax_tile(s[g], nt, m, l, acc, g)
+            softmax_tile(s[g], nt, m, l, al, g)
         # 3. weighted values in the rotated domain
         _unpack_rows(v_codes, b, h, t0, t1, v_bits, v_table, v_cent, d, buf, buf64)
-        for r in range(nt):
-            vn = half[v_norms[b, h, t0 + r]]
-            for g in range(g_n):
-                s[g, r] *= vn
+        for g in range(g_n):
+            sg = s[g]
+            for r in range(nt):
+                sg[r] *= vn[r]
         for g in range(g_n):  # four values per pass: one load and store of the accumulator
             for r in range(0, r4, 4):
                 w0 = s[g, r]
@@ -166,82 +183,34 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                 w2 = s[g, r + 2]
                 w3 = s[g, r + 3]
                 for j in range(d):
-                    acc[g, j] += w0 * buf[r, j] + w1 * buf[r + 1, j] + w2 * buf[r + 2, j] + w3 * buf[r + 3, j]
+                    al[g, j] += w0 * buf[r, j] + w1 * buf[r + 1, j] + w2 * buf[r + 2, j] + w3 * buf[r + 3, j]
             for r in range(r4, nt):
                 w = s[g, r]
                 for j in range(d):
-                    acc[g, j] += w * buf[r, j]
+                    al[g, j] += w * buf[r, j]
+    acc[:, :] = al
 
 
-@nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot,
-                 half, out):
-    """Merge the token splits of head ``(b, h)`` with its float16 window; write ``out[b, qh]``.
+def _specialised(dim: int):
+    """:func:`_span` with ``head_dim`` fixed to ``dim`` (a global of its copy: a compile-time constant), 0: any."""
+    fn = types.FunctionType(_span.__code__, {**globals(), "_D": dim}, f"_span_d{dim}")
+    fn.__qualname__ = fn.__name__
+    return nb.njit(fastmath=FASTMATH, error_model="numpy")(fn)
 
-    ``m_sp``, ``l_sp`` (splits, G) and ``acc_sp`` (splits, G, d) are :func:`_attend_span`'s
-    state per split. The window block (sinks and recent tokens, any order) is attended with the
-    unweighted queries; the value sum of the quantized tokens is rotated back (``Mᵀ y``) and
-    gains ``l · v_mean`` (see :func:`arraykv.attention.polar_fused.merge_window`).
-    """
-    splits, g_n, d = acc_sp.shape
-    has_vmean = v_mean.shape[2] > 0
-    dense = rot.shape[0] > 0
-    sc = np.float32(scale)
-    c_rot = np.float32(1.0 / math.sqrt(d))
-    top = np.empty(g_n, np.float32)
-    den = np.empty(g_n, np.float32)
-    num = np.zeros((g_n, d), np.float32)
-    y = np.empty(d, np.float32)
-    row = np.empty(d, np.float32)
-    sw = np.empty((g_n, n_window), np.float32)
-    for g in range(g_n):
-        top[g] = merge_top(m_sp, g)
-    # window scores, each key row converted once for the group
-    for w in range(n_window):
-        for j in range(d):
-            row[j] = half[k_window[b, h, w, j]]
-        for g in range(g_n):
-            qi = h * g_n + g
-            dot = np.float32(0.0)
-            for j in range(d):
-                dot += q[b, qi, j] * row[j]
-            dot *= sc
-            sw[g, w] = dot
-            if dot > top[g]:
-                top[g] = dot
-    # quantized tokens: rescaled split sums, back from the rotated domain
-    for g in range(g_n):
-        for j in range(d):
-            y[j] = np.float32(0.0)
-        lq = merge_splits(m_sp, l_sp, acc_sp, g, top[g], y)
-        if lq > 0:
-            if dense:
-                for i in range(d):
-                    yi = y[i]
-                    for j in range(d):
-                        num[g, j] += yi * rot[i, j]
-            else:
-                _fwht(y)
-                for j in range(d):
-                    num[g, j] = y[j] * signs[j] * c_rot
-            if has_vmean:
-                for j in range(d):
-                    num[g, j] += lq * half[v_mean[b, h, j]]
-        den[g] = lq
-    # window values, each row converted once for the group
-    for w in range(n_window):
-        for j in range(d):
-            row[j] = half[v_window[b, h, w, j]]
-        for g in range(g_n):
-            p = np.float32(math.exp(sw[g, w] - top[g]))
-            den[g] += p
-            for j in range(d):
-                num[g, j] += p * row[j]
-    for g in range(g_n):
-        inv = np.float32(1.0) / den[g]
-        qi = h * g_n + g
-        for j in range(d):
-            out[b, qi, j] = num[g, j] * inv
+
+_span_d64, _span_d128, _span_any = _specialised(64), _specialised(128), _specialised(0)
+
+
+@nb.njit
+def _attend_span(b, h, t_lo, t_hi, qr, *args):
+    """:func:`_span`; for ``head_dim`` 64 and 128 a copy whose channel loops unroll into whole vectors."""
+    d = qr.shape[1]
+    if d == 128:
+        _span_d128(b, h, t_lo, t_hi, qr, *args)
+    elif d == 64:
+        _span_d64(b, h, t_lo, t_hi, qr, *args)
+    else:
+        _span_any(b, h, t_lo, t_hi, qr, *args)
 
 
 # ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
