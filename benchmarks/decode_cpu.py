@@ -300,12 +300,13 @@ def long(args, baseline):
 FLOOR_SHAPES = {"32q/8kv/d128": (8, 4, 128), "SmolLM2 9q/3kv/d64": (3, 3, 64)}
 
 
-def _steps(method, k, v, q, scale, rng):
-    """``(step, bytes read)``: one fused decode-attention call of ``method`` over ``k, v`` (b, h, n, d)."""
+def _steps(method, k, v, q, scale, rng, baseline=None):
+    """``(step, bytes read)``: one fused decode-attention call of ``method`` over ``k, v`` (b, h, n, d);
+    ``"pqo4 before"``: the same codec through the ``--baseline-rev`` kernel module."""
     b, h, n, d = k.shape
     if method in ("dense", "dense blas"):
         if method == "dense":
-            return (lambda: arraykv.attention(q, k, v, softmax_scale=scale)), k.nbytes + v.nbytes
+            return (lambda: arraykv.attention(q, k, v, softmax_scale=scale)), k.nbytes + v.nbytes, None
         g = q.shape[1] // h
         q4 = q.reshape(b, h, g, d) * np.float32(scale)
 
@@ -314,7 +315,7 @@ def _steps(method, k, v, q, scale, rng):
             s -= s.max(axis=-1, keepdims=True)
             np.exp(s, out=s)
             return (s @ v) / s.sum(axis=-1, keepdims=True)
-        return blas, k.nbytes + v.nbytes
+        return blas, k.nbytes + v.nbytes, None
     if method == "vq":  # codes of the vq cache's defaults (16 centroids of 2 channels: 4-bit codes), random
         m, kk = d // 2, 16
         kc, vc = (np.ascontiguousarray(rng.integers(0, 256, (b, h, n, m // 2), dtype=np.uint8)) for _ in "kv")
@@ -322,16 +323,17 @@ def _steps(method, k, v, q, scale, rng):
         e = np.zeros((b, h, 0, d), np.float32)
         q3 = q[:, :, 0]
         return (lambda: arraykv.ops.vq_decode_attention(q3, kc, cent, vc, cent, e, e, bits=4, softmax_scale=scale),
-                kc.nbytes + vc.nbytes + 2 * cent.nbytes)
+                kc.nbytes + vc.nbytes + 2 * cent.nbytes, None)
     opts = dict(residual_window=0, sink_tokens=0) if method.startswith("pq") else dict(residual_window=0)
     cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=h, head_dim=d, **opts)
     cache.prefill(0, k, v, rng.standard_normal((b, q.shape[1], n, d), dtype=np.float32))
     codec = cache.layer_codec_state(0)
     fn = polar_decode_attention if method.startswith("pq") else arraykv.ops.int_decode_attention
-    return (lambda: fn(codec, q, scale)), cache.memory_usage()
+    before = None if baseline is None else (lambda: baseline.polar_decode_attention(codec, q, scale))
+    return (lambda: fn(codec, q, scale)), cache.memory_usage(), before
 
 
-def floor_table(args):
+def floor_table(args, baseline=None):
     """Every method's fused step beside its floor and the fastest dense float32 attention, two shapes."""
     import numba
 
@@ -352,7 +354,11 @@ def floor_table(args):
         q = rng.standard_normal((1, h * g, 1, d), dtype=np.float32)
         fns, floors = {}, {}
         for method in args.floor_methods:
-            fns[method], nbytes = _steps(method, k, v, q, d**-0.5, rng)
+            fns[method], nbytes, before = _steps(method, k, v, q, d**-0.5, rng,
+                                                 baseline if method.startswith("pq") else None)
+            if before is not None:
+                fns[f"{method} before"] = before
+                floors[f"{method} before"] = cpu_floor.floor_seconds(nbytes, fmas=n * h * g * 2 * d, threads=threads)
             ops = n * h * g * 2 * (d // 2 if method == "vq" else d)  # per (token, query head): score + value
             floors[method] = cpu_floor.floor_seconds(nbytes, fmas=0 if method == "vq" else ops,
                                                      lookups=ops if method == "vq" else 0, threads=threads)
@@ -393,10 +399,10 @@ def main(argv=None):
           f"{blas_get() if blas_get else '?'}, load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, numpy {np.__version__}, numba {numba.__version__} "
           f"({numba.get_num_threads()} threads)")
-    if args.floor:
-        floor_table(args)
-        return
     baseline = load_baseline(args.baseline_rev) if args.baseline_rev else None
+    if args.floor:
+        floor_table(args, baseline)
+        return
     if not args.skip_small:
         small(args, baseline)
     if args.model_steps:

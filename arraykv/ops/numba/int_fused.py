@@ -74,6 +74,8 @@ def _signature(param):
 
 
 _SIGS = [_signature(nbt.uint16), _signature(nbt.float32)]
+#: head_dim as a compile-time constant in the steps built for it (``build_steps(dims=...)``); 0: any
+_D = 0
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
@@ -88,7 +90,8 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
     the others are rows of ``k_res``; values likewise below ``v_codes.shape[2]``, then ``v_win``.
     ``tab`` is :data:`_NIBBLES` (4 bits) or :data:`_QUADS` (2 bits; 8 bits do not use it).
     """
-    g_n, d = qs.shape
+    g_n = qs.shape[0]
+    d = _D if _D else qs.shape[1]
     n_groups = k_codes.shape[2]
     nq = n_groups * G
     nvq = v_codes.shape[2]
@@ -106,6 +109,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
     vsf = np.empty((nvg, tile), np.float32)
     vof = np.empty((nvg, tile), np.float32)
     wt = np.empty(tile, np.float32)
+    ebits = np.empty(tile, np.int32)
     d4 = d - d % 4
     nbk = (G * bits + 7) // 8  # bytes per packed key row / value row
     nbv = (d * bits + 7) // 8
@@ -203,7 +207,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
         for g in range(g_n):
             # 3. online softmax: rescale once per tile, then the tile's weights
             srow = s[g]
-            softmax_tile(srow, nt, m, l, acc, g)
+            softmax_tile(srow, nt, m, l, acc, g, ebits)
             # 4. per value group j: Σ_t (p_t vscale_tj) code_t, four tokens per accumulator
             #    pass, plus Σ_t p_t voffset_tj on each of the group's channels
             for j in range(nvg):
@@ -276,7 +280,9 @@ def span_unit(args):
     return args[0]
 
 
-_step_serial, _step_parallel = build_steps(globals(), _SIGS)
+# signature 0: float16 scales and offsets (uint16 bit patterns), 1: float32
+_step_serial, _step_parallel = build_steps(globals(), _SIGS, lambda step: int(step[4][3].dtype != np.uint16),
+                                           dims=(64, 128))
 
 
 def _plan(bh: int, n: int, d: int, group_size: int) -> tuple:

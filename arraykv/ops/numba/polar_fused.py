@@ -31,7 +31,6 @@ cached on disk.
 from __future__ import annotations
 
 import math
-import types
 
 import numpy as np
 
@@ -60,13 +59,14 @@ _ARGS = nbt.Tuple((_U8_4, _U16_3, _F32_1C, _TAB, nbt.int64, _U8_4, _U16_3, _F32_
 _SIG = nbt.void(_Q, nbt.float64, nbt.int64, nbt.int64, _ARGS, nbt.int64, _OUT)
 
 
-#: head_dim as a compile-time constant in the copies of :func:`_span` made below (0: read from the query)
+#: head_dim as a compile-time constant in the steps built for it (``build_steps(dims=...)``); 0: any
 _D = 0
 
 
-def _span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms,
-          v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms, sign_table, half, n_j, ra, rb, rw, ct, st, step,
-          pos0, m, l, acc):  # pragma: no cover - compiled below
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
+def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_table, k_bits, v_codes,
+                 v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms, sign_table, half, n_j, ra, rb, rw,
+                 ct, st, step, pos0, m, l, acc):
     """Online softmax over quantized tokens ``[t_lo, t_hi)`` of head ``(b, h)``, every query head.
 
     ``m``, ``l`` (G,) and ``acc`` (G, d) hold the running maximum logit, the sum of
@@ -99,6 +99,7 @@ def _span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_ta
     rterm = np.zeros((g_n, TILE), np.float32)
     kn = np.empty(TILE, np.float32)
     vn = np.empty(TILE, np.float32)
+    ebits = np.empty(TILE, np.int32)
     al = acc.copy()  # the task's own accumulator: the compiler knows it aliases no other array
     for t0 in range(t_lo, t_hi, TILE):
         t1 = min(t_hi, t0 + TILE)
@@ -169,7 +170,7 @@ def _span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_ta
                     s[g, r] = x
         # 2. online softmax: rescale once per tile, then the tile's weights
         for g in range(g_n):
-            softmax_tile(s[g], nt, m, l, al, g)
+            softmax_tile(s[g], nt, m, l, al, g, ebits)
         # 3. weighted values in the rotated domain
         _unpack_rows(v_codes, b, h, t0, t1, v_bits, v_table, v_cent, d, buf, buf64)
         for g in range(g_n):
@@ -189,28 +190,6 @@ def _span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_ta
                 for j in range(d):
                     al[g, j] += w * buf[r, j]
     acc[:, :] = al
-
-
-def _specialised(dim: int):
-    """:func:`_span` with ``head_dim`` fixed to ``dim`` (a global of its copy: a compile-time constant), 0: any."""
-    fn = types.FunctionType(_span.__code__, {**globals(), "_D": dim}, f"_span_d{dim}")
-    fn.__qualname__ = fn.__name__
-    return nb.njit(fastmath=FASTMATH, error_model="numpy")(fn)
-
-
-_span_d64, _span_d128, _span_any = _specialised(64), _specialised(128), _specialised(0)
-
-
-@nb.njit
-def _attend_span(b, h, t_lo, t_hi, qr, *args):
-    """:func:`_span`; for ``head_dim`` 64 and 128 a copy whose channel loops unroll into whole vectors."""
-    d = qr.shape[1]
-    if d == 128:
-        _span_d128(b, h, t_lo, t_hi, qr, *args)
-    elif d == 64:
-        _span_d64(b, h, t_lo, t_hi, qr, *args)
-    else:
-        _span_any(b, h, t_lo, t_hi, qr, *args)
 
 
 # ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
@@ -267,7 +246,7 @@ def span_unit(args):
     return 1
 
 
-_step_serial, _step_parallel = build_steps(globals(), [_SIG])
+_step_serial, _step_parallel = build_steps(globals(), [_SIG], dims=(64, 128))
 
 
 def _plan(bh: int, n: int, d: int) -> tuple:

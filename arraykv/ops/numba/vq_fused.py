@@ -287,7 +287,8 @@ def span_unit(args):
     return 1
 
 
-_step_serial, _step_parallel = build_steps(globals(), _SIGS)
+# signature 0: packed uint8 codes, 1: uint16 codes
+_step_serial, _step_parallel = build_steps(globals(), _SIGS, lambda step: int(step[4][2].dtype != np.uint8))
 
 
 def _use_tables(kk: int, kv: int, sub_dim: int, span: int) -> bool:
