@@ -223,8 +223,9 @@ class LayerRollback:
         return apply
 
     def _refusal(self, layer: int, st: LayerState, length: int) -> str:
-        spans = [f"{a}" if a == b else f"{a} .. {b}" for a, b in self._reach_ranges(st) if a < st.length]
-        reach = "0, " + ", ".join(spans) + f" or {st.length}" if spans else f"only 0 (or {st.length})"
+        ranges = self._reach_ranges(st)
+        items = ["0"] + [f"{a}" if a == b else f"{a} .. {b}" for a, b in ranges]
+        reach = "only 0" if ranges == [(st.length, st.length)] else ", ".join(items[:-1]) + " or " + items[-1]
         copies = f"rollback_tokens={self.rollback_tokens}; a larger value reaches deeper"
         if length >= st.fixed_end:
             why = f"deeper than its rollback copies reach ({copies})"
