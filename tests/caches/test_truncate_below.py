@@ -183,3 +183,24 @@ def test_int_caches_still_refuse_below_the_call_that_fixed_their_units():
     assert low >= 6 and all(length == 0 or length >= low for length in ok)
     with pytest.raises(ValueError, match="calibrated it"):
         cache.truncate(0, 5)
+
+
+def test_a_given_calibration_stays_and_reaches_the_sinks():
+    """A given basis calibrates a layer from its first token (no calibrating call): cuts above
+    reach as deep as the copies, and the sinks-only lengths keep the basis, as the direct build."""
+    rng = np.random.default_rng(15)
+    k, v, _ = tokens(rng, 2, 200)
+    comp = arraykv.KVCacheCompressor(arraykv.LowRank(rank=4)).fit(k, v)
+    calls = [("prefill", *tokens(rng, 1, 30))] + [("decode", *tokens(rng, 1, 1)) for _ in range(10)]
+    cache = make("lowrank", calibration=comp, rollback_tokens=4)
+    for call in calls:
+        run(cache, 0, call)
+    assert cache.layer_arrays(0)["fixed_end"][0] == 0
+    ok, low = _check_reach(cache, 0)
+    assert ok == [0, 1, 2, 3, 4] + list(range(36, 41)) and low == 36  # 16 encoded, the last 4 copied
+    cache.truncate(0, 3)
+    assert cache.is_fitted(0)
+    direct = make("lowrank", calibration=comp, rollback_tokens=4)
+    for call in cut(calls, 3):
+        run(direct, 0, call)
+    assert_same(cache, direct, rollback_suffix=False)
