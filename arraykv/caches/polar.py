@@ -155,6 +155,7 @@ class PolarCache(WindowRollback, LayeredCache):
 
 
     method = "polar"
+    _calibration_given = False  # only a spilling window calibrates a layer
     #: Options a subclass fixes (its method name says them); not constructor arguments there.
     _fixed_options: dict = {}
 

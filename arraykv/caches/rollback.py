@@ -231,7 +231,7 @@ class LayerRollback:
             why = f"deeper than its rollback copies reach ({copies})"
         else:
             why = f"below {st.fixed_end}, the end of the call that calibrated it, and "
-            if not st.fixed_known:
+            if not st.fixed_known and getattr(self, "_calibration_given", True):
                 why += "the file it was loaded from does not record that call (it may have been given)"
             elif getattr(self, "_uncalibrated_at", lambda s, n: False)(st, length):
                 why += (f"the uncalibrated layer a direct build holds there needs tokens deeper than its rollback "

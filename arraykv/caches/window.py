@@ -266,12 +266,18 @@ class WindowRollback:
     not calibrated yet (``_uncalibrated_at``; for polar ``L − n_s' <= residual_window``: its
     window never spilled), it holds all ``L`` tokens exactly (sinks, then window), no code, no
     calibration, no copies. That state is rebuilt when the layer's calibration was made by one
-    of its calls (not given, and recorded: ``fixed_known``) and every window token of it is
+    of its calls (not given: ``fixed_end > 0``; where a calibration may be given, also
+    recorded: ``fixed_known``; polar layers calibrate only when their window spills, so any
+    of theirs was) and every window token of it is
     held exactly (``n_s' >= lo``: the copies reach back to the first encoded token, or there is
     no window token). So the lengths reachable are 0, ``1 .. U`` (those uncalibrated ones, and
     the sinks-only ones) and ``F .. n`` (above the calibrating call), two intervals that may
     meet.
     """
+
+    #: Whether a calibration may be given rather than made by a call (``lowrank``/``vq``): a
+    #: layer whose file did not record its calibrating call is then never uncalibrated.
+    _calibration_given: bool = True
 
     def _cut(self, st: Any, length: int, calibrated: bool = True) -> tuple:
         """``(n_s', w', c', lo)`` of a truncation of ``st`` to ``length`` (see Notes);
@@ -292,8 +298,8 @@ class WindowRollback:
         if length >= st.fixed_end:
             ns2, w2, c2, lo = self._cut(st, length)
             return not (w2 and ns2 + c2 < lo)
-        if not (st.fixed_known and self._uncalibrated_at(st, length)):
-            return False  # a direct build calibrates on other tokens (or the record was not saved)
+        if not ((st.fixed_known or not self._calibration_given) and self._uncalibrated_at(st, length)):
+            return False  # a direct build calibrates on other tokens (or it may have been given)
         ns2, w2, _, lo = self._cut(st, length, calibrated=False)
         return not w2 or ns2 >= lo
 
@@ -345,7 +351,7 @@ class WindowRollback:
             st.codes.commit_truncate(plan)
             st.exact, st.rollback = exact, margin
             if uncal:  # the direct build has not calibrated: a later spill calibrates as it would
-                st.calib, st.fixed_end = None, 0
+                st.calib, st.fixed_end, st.fixed_known = None, 0, True
         return commit
 
     def _rollback_nbytes(self, st: Any) -> int:
@@ -366,8 +372,9 @@ def restore_rollback(st: Any, arrays: dict) -> None:
     """Put saved rollback state into layer ``st`` (after its calibration is restored). A file
     written before rollback copies existed has none: the layer can then only be truncated to 0
     until tokens are encoded, and not below its length at all if it is calibrated (its
-    ``fixed_end`` is taken to be that length, and marked unknown: ``fixed_known`` False, so it
-    is never uncalibrated by a truncation, since it may have been given)."""
+    ``fixed_end`` is taken to be that length, and marked unknown: ``fixed_known`` False, so a
+    ``lowrank``/``vq`` layer, whose calibration may have been given, is never uncalibrated by a
+    truncation)."""
     xp = st.xp
     if "k_rollback" in arrays:
         st.rollback = ExactTokens(k=xp.asarray(arrays["k_rollback"], copy=True),

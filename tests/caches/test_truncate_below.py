@@ -171,6 +171,17 @@ def test_a_fit_by_a_call_is_undone_but_a_given_or_unrecorded_one_is_not():
         with pytest.raises(ValueError, match="does not record"):
             twin.truncate(0, 19)
         assert "fixed_end" not in twin.layer_arrays(0)
+    # polar: only a spill calibrates, so the record is not needed; an old file has no copies
+    # either, so its prompt's uncalibrated layer is gone past the sinks
+    polar, calls = _short_prompt("pqo4", rng, prompt=10, decodes=20)
+    back = make("pqo4")
+    back.restore([None if r is None else type(r)(length=r.length, batch=r.batch, dtype=r.dtype,
+                                                 arrays={n: a for n, a in r.arrays.items()
+                                                         if n not in ROLLBACK + ("fixed_end",)})
+                  for r in polar.snapshot()])
+    assert _lengths(back, 0) == [0, 1, 2, 3, 4, 30]
+    back.truncate(0, 4)
+    assert_same(back, replay("pqo4", [cut(calls, 4), []]), rollback_suffix=False)
 
 
 def test_int_caches_still_refuse_below_the_call_that_fixed_their_units():
