@@ -141,6 +141,13 @@ def _check_array(name: str, x: Any) -> None:
         raise TypeError(f"{name} must be an array, received {type(x).__name__}") from None
 
 
+def array_namespace(**arrays: Any) -> Any:
+    """The one namespace of the named arrays; ``TypeError`` naming the first that is not an array."""
+    for name, x in arrays.items():
+        _check_array(name, x)
+    return _compat.namespace(*arrays.values())
+
+
 def check_kv(k: Any, v: Any, *, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None):
     """Check a ``(batch, kv_heads, new_tokens, head_dim)`` key/value pair.
 

@@ -1,16 +1,20 @@
 """The machinery every cache shares: per-layer locks, validation and bookkeeping.
 
-A concrete cache subclasses :class:`LayeredCache` and implements four hooks that run with the
+A concrete cache subclasses :class:`LayeredCache` and implements hooks that run with the
 layer's lock held and only after every input check passed:
 
 ``_new_layer(xp, dev, batch, dtype)``
     Create the state of a layer on its first call.
-``_prefill(state, k, v, q)``
-    Store ``new_tokens`` and return a :class:`~arraykv.DequantResult` for all tokens.
-``_decode(state, k, v, q, config)``
-    Store one token and return :class:`~arraykv.Fused` or :class:`~arraykv.Dequantized`.
-``_layer_nbytes(state)``
-    Bytes held by the layer.
+``_store(state, k, v, q)``, ``_decoded(state, start)``
+    Store new tokens; K/V of the stored tokens from ``start`` on. ``append`` and
+    ``dequantize`` use them as they are; ``_prefill`` and ``_decode`` build on them.
+``_prefill(state, k, v, q)``, ``_decode(state, k, v, q, config)``
+    Store and return a :class:`~arraykv.DequantResult` / :class:`~arraykv.Fused` or
+    :class:`~arraykv.Dequantized`.
+``_side_nbytes(state)``
+    Bytes held besides the token buffers of ``state.buffers()``.
+``_truncate_plan(state, length)``, ``_truncate_floor(state)``, ``_reachable(state, length)``, ``_reach_ranges(state)``
+    Drop tokens from the end, and which lengths can be reached (:mod:`arraykv.caches.rollback`).
 
 Hooks must compute everything that can fail before they mutate ``state`` so that a rejected
 call leaves the layer as it was.
@@ -26,12 +30,13 @@ from .. import _compat
 from .._validation import check_bool, check_finite, check_int, check_kv, check_query, dtype_name
 from ..protocol import AttendConfig, DecodeOutput, DequantResult
 from .layer import DECODE_PATHS, LayerState, check_decode_path, refuse_overflow
+from .rollback import LayerRollback
 from .snapshots import LayerSnapshots
 
 __all__ = ["LayeredCache", "LayerState", "refuse_overflow", "check_decode_path", "DECODE_PATHS"]
 
 
-class LayeredCache(LayerSnapshots):
+class LayeredCache(LayerSnapshots, LayerRollback):
     """Base class of the caches: a lock and a state per layer.
 
     Parameters
@@ -46,6 +51,14 @@ class LayeredCache(LayerSnapshots):
         Reject keys and values that hold NaN or infinity (one pass over the new tokens).
     max_tokens : int or None, default None
         Tokens a layer may hold; a call that would exceed it raises ``ValueError``.
+
+    Notes
+    -----
+    Besides the contract: incremental reading (:meth:`append`, :meth:`stable_length`,
+    :meth:`dequantize`), persistence (:class:`~arraykv.caches.snapshots.LayerSnapshots`:
+    ``snapshot``, ``restore``, ``save``) and taking tokens back or copying the cache
+    (:class:`~arraykv.caches.rollback.LayerRollback`: ``truncate``, ``truncate_all``,
+    ``min_truncate_length``, ``can_truncate``, ``rollback_bytes``, ``fork``).
     """
 
     method: str = "base"
@@ -104,7 +117,7 @@ class LayeredCache(LayerSnapshots):
         group to fill, is reconstructed differently once it is encoded; tokens before this
         index are encoded for good (or never will be). ``dequantize(layer)[..., :s, :]`` with
         ``s = stable_length(layer)`` stays the same, bit for bit, whatever is stored later,
-        until :meth:`reset`. 0 for an empty layer.
+        until :meth:`reset` or a :meth:`truncate` below it. 0 for an empty layer.
         """
         layer = self._check_layer(layer)
         with self._locks[layer]:
@@ -229,6 +242,13 @@ class LayeredCache(LayerSnapshots):
                 return {}
             return {name: st.xp.asarray(a, copy=True) for name, a in self._layer_arrays(st).items()}
 
+    def _with_layer(self, layer: Any, read) -> Any:
+        """``read(state)`` under ``layer``'s lock, or None for an empty layer (for inspection methods)."""
+        layer = self._check_layer(layer)
+        with self._locks[layer]:
+            st = self._states[layer]
+            return None if st is None else read(st)
+
     def reserved_bytes(self) -> int:
         """Bytes allocated, spare capacity included: the same as :meth:`memory_usage`."""
         return self.memory_usage()
@@ -292,20 +312,33 @@ class LayeredCache(LayerSnapshots):
     def _decode(self, state: LayerState, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
         raise NotImplementedError
 
-    def _layer_nbytes(self, state: LayerState) -> int:
+    def _store(self, state: LayerState, k: Any, v: Any, q: Any) -> None:
+        """Store new tokens (everything that can fail computed before anything changes)."""
+        raise NotImplementedError
+
+    def _decoded(self, state: LayerState, start: int = 0) -> DequantResult:
+        """K/V of the stored tokens ``start ..`` in the layer's dtype (``0 <= start <= length``)."""
         raise NotImplementedError
 
     def _dequantize(self, state: LayerState) -> DequantResult:
-        raise NotImplementedError
+        return self._decoded(state)
 
     def _dequantize_from(self, state: LayerState, start: int) -> DequantResult:
-        """Tokens ``start ..`` (``0 < start <= length``); by default the whole layer, sliced."""
-        r = self._dequantize(state)
-        return DequantResult(k=r.k[:, :, start:, :], v=r.v[:, :, start:, :])
+        return self._decoded(state, start)
 
     def _append_tokens(self, state: LayerState, k: Any, v: Any, q: Any) -> None:
-        """Store tokens without building a result; by default :meth:`_prefill`, result dropped."""
-        self._prefill(state, k, v, q)
+        """Store tokens without building a result."""
+        self._store(state, k, v, q)
+
+    def _side_nbytes(self, state: LayerState) -> int:
+        """Bytes a layer holds besides its token buffers (windows, calibration, rollback copies)."""
+        return 0
+
+    def _layer_nbytes(self, state: LayerState) -> int:
+        return sum(b.used_nbytes() for b in state.buffers()) + self._side_nbytes(state)
+
+    def _layer_reserved_nbytes(self, state: LayerState) -> int:
+        return sum(b.reserved_nbytes() for b in state.buffers()) + self._side_nbytes(state)
 
     def _stable_length(self, state: LayerState) -> int:
         """See :meth:`stable_length`; 0 (nothing promised) unless a cache knows better."""
@@ -334,9 +367,6 @@ class LayeredCache(LayerSnapshots):
     def _restore_layer(self, xp: Any, dev: Any, batch: int, dtype: Any, length: int, arrays: dict) -> LayerState:
         """Rebuild a layer's state from :meth:`_layer_arrays` output (used by persistence)."""
         raise NotImplementedError
-
-    def _layer_reserved_nbytes(self, state: LayerState) -> int:
-        return self._layer_nbytes(state)
 
     def _fixed_nbytes(self) -> int:
         return 0

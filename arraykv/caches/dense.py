@@ -41,9 +41,18 @@ class DenseCache(LayeredCache):
         return DenseLayer(xp=xp, device=dev, batch=batch, dtype=dtype, buf=TokenBuffers(max_tokens=self.max_tokens))
 
     def _append(self, st: DenseLayer, k: Any, v: Any) -> DequantResult:
-        buf = st.buf
-        buf.append({"k": k, "v": v})
-        return DequantResult(k=buf.view("k"), v=buf.view("v"))
+        """Store ``k``, ``v``; return views of every stored token (what subclasses change to store otherwise)."""
+        st.buf.append({"k": k, "v": v})
+        return self._decoded(st)
+
+    def _store(self, st, k, v, q) -> None:
+        self._append(st, k, v)
+
+    def _decoded(self, st, start: int = 0) -> DequantResult:
+        k, v = st.buf.view("k"), st.buf.view("v")
+        if start:
+            k, v = k[:, :, start:, :], v[:, :, start:, :]
+        return DequantResult(k=k, v=v)
 
     def _prefill(self, st, k, v, q):
         return self._append(st, k, v)
@@ -51,15 +60,15 @@ class DenseCache(LayeredCache):
     def _decode(self, st, k, v, q, config: AttendConfig):
         return Dequantized(self._append(st, k, v))
 
-    def _dequantize(self, st) -> DequantResult:
-        buf = st.buf
-        return DequantResult(k=buf.view("k"), v=buf.view("v"))
-
-    def _append_tokens(self, st, k, v, q) -> None:
-        self._append(st, k, v)  # (the views it returns cost nothing; subclasses may change what is stored)
-
     def _stable_length(self, st) -> int:
         return st.length  # stored as given
+
+    def _truncate_floor(self, st) -> int:
+        return 0  # every length: the tokens are held as given
+
+    def _truncate_plan(self, st, length: int):
+        plan = st.buf.truncate_plan(length)
+        return lambda: st.buf.commit_truncate(plan)
 
     def _layer_arrays(self, st) -> dict:
         return st.buf.arrays()
@@ -72,9 +81,3 @@ class DenseCache(LayeredCache):
         st.buf.append({"k": arrays["k"], "v": arrays["v"]})
         st.length = length
         return st
-
-    def _layer_nbytes(self, st) -> int:
-        return st.buf.used_nbytes()
-
-    def _layer_reserved_nbytes(self, st) -> int:
-        return st.buf.reserved_nbytes()

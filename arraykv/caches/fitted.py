@@ -29,7 +29,8 @@ from ..compressor import KVCacheCompressor
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState, check_decode_path
-from .window import ExactTokens, commit_store
+from .rollback import DEFAULT_ROLLBACK_TOKENS, check_rollback_tokens
+from .window import ExactTokens, WindowRollback, commit_store, restore_rollback, restore_tokens, rollback_arrays
 
 __all__ = ["FittedCache", "FittedLayer", "DEFAULT_WINDOW", "DEFAULT_SINKS"]
 
@@ -65,18 +66,21 @@ class FittedLayer(LayerState):
         The fitted arrays by name (``_calib_names``): given, fitted, or loaded.
     layer : int or None
         The layer index, set on the first call (-1 for a restored layer).
+    rollback : ExactTokens
+        float16 copies of the last ``rollback_tokens`` encoded tokens (for ``truncate``).
     """
 
     codes: TokenBuffers = None
     exact: ExactTokens = None
     calib: dict | None = None
     layer: int | None = None
+    rollback: ExactTokens = None
 
     def buffers(self) -> tuple:
         return (self.codes,)
 
 
-class FittedCache(LayeredCache):
+class FittedCache(WindowRollback, LayeredCache):
     """What ``lowrank`` and ``vq`` share: the float16 window and the per-layer fit.
 
     Subclasses set ``_per_token`` (names of the per-token arrays), ``_calib_names`` and
@@ -92,11 +96,13 @@ class FittedCache(LayeredCache):
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, calibration: Any = None,
                  residual_window: int = DEFAULT_WINDOW, sink_tokens: int = DEFAULT_SINKS,
-                 decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
+                 rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, decode_path: str = "auto", check_finite: bool = True,
+                 max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
         self.residual_window = check_int("residual_window", residual_window, low=0)
         self.sink_tokens = check_int("sink_tokens", sink_tokens, low=0)
+        self.rollback_tokens = check_rollback_tokens(rollback_tokens)
         self.decode_path = check_decode_path(decode_path)
         self._given = self._check_calibration(calibration)
 
@@ -150,12 +156,14 @@ class FittedCache(LayeredCache):
 
     def _extra_config(self) -> dict:
         return {"min_calibration": self.min_calibration, "residual_window": self.residual_window,
-                "sink_tokens": self.sink_tokens, "decode_path": self.decode_path}
+                "sink_tokens": self.sink_tokens, "rollback_tokens": self.rollback_tokens,
+                "decode_path": self.decode_path}
 
     # -- layer state ----------------------------------------------------------------------
     def _new_layer(self, xp, dev, batch, dtype) -> FittedLayer:
+        empty = ExactTokens.empty(xp, dev, batch, self.num_kv_heads, self.head_dim)
         return FittedLayer(xp=xp, device=dev, batch=batch, dtype=dtype, codes=TokenBuffers(max_tokens=self.max_tokens),
-                           exact=ExactTokens.empty(xp, dev, batch, self.num_kv_heads, self.head_dim))
+                           exact=empty, rollback=empty)
 
     def _admit(self, layer, xp, k, v, tokens):
         st = super()._admit(layer, xp, k, v, tokens)
@@ -166,7 +174,7 @@ class FittedCache(LayeredCache):
                 st.calib = {n: _to(xp, st.device, a) for n, a in given.items()}
         return st
 
-    def _store(self, st: FittedLayer, k: Any, v: Any) -> None:
+    def _store(self, st: FittedLayer, k: Any, v: Any, q: Any = None) -> None:
         """Append new tokens (everything computed first, then committed)."""
         xp = st.xp
         step = st.exact.step(xp, k, v, sink_tokens=self.sink_tokens)  # the first tokens stay exact, unfitted
@@ -179,8 +187,8 @@ class FittedCache(LayeredCache):
         arrays = None
         if spill:  # the oldest tokens of window + new leave the window: encode them
             arrays = self._encode(xp, calib, *step.first(spill))
-        exact = step.block(spill)
-        commit_store(xp, self.method, st, arrays, calib, {} if calib is st.calib else calib, exact)
+        commit_store(xp, self.method, st, step, spill, arrays, calib, {} if calib is st.calib else calib,
+                     self.rollback_tokens)
 
     def _fit_sample(self, xp: Any, k: Any, v: Any) -> tuple:
         """The tokens the fit sees: all of them, or ``max_calibration // batch`` evenly spaced ones."""
@@ -217,13 +225,13 @@ class FittedCache(LayeredCache):
     # -- hooks ----------------------------------------------------------------------------
     def _prefill(self, st, k, v, q):
         first = st.length == 0
-        self._store(st, k, v)
+        self._store(st, k, v, q)
         if first:
             return DequantResult(k=k, v=v)
         return self._decoded(st)
 
     def _decode(self, st, k, v, q, config: AttendConfig):
-        self._store(st, k, v)
+        self._store(st, k, v, q)
         if self._fused(st.xp):
             return Fused(self._attend(st, q, config.softmax_scale))
         return Dequantized(self._decoded(st))
@@ -232,14 +240,9 @@ class FittedCache(LayeredCache):
         """The tokens kept as float16 vectors (sinks, then window): (b, h, E, d) each."""
         return st.exact.k, st.exact.v
 
-    def _dequantize(self, st) -> DequantResult:
-        return self._decoded(st)
-
-    def _dequantize_from(self, st, start: int) -> DequantResult:
-        return self._decoded(st, start)
-
-    def _append_tokens(self, st, k, v, q) -> None:
-        self._store(st, k, v)
+    def _uncalibrated_at(self, st, length: int) -> bool:
+        # a layer fits once it holds min_calibration vectors per head besides its sinks (none if given)
+        return st.batch * (length - min(self.sink_tokens, length)) < self.min_calibration
 
     def _stable_length(self, st) -> int:
         # sinks and encoded tokens never change; window tokens (all tokens before the fit) will be encoded
@@ -251,43 +254,29 @@ class FittedCache(LayeredCache):
         (out["k_sink"], out["v_sink"]), (out["k_window"], out["v_window"]) = st.exact.sinks(), st.exact.recent()
         if st.calib is not None:
             out.update(st.calib)
+        out.update(rollback_arrays(st))
         return out
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> FittedLayer:
         st = self._new_layer(xp, dev, batch, dtype)
-        per_token = {n: arrays[n] for n in self._per_token if n in arrays}
-        if per_token and int(next(iter(per_token.values())).shape[2]):
-            st.codes.append(per_token)
         parts = [xp.asarray(arrays[n], copy=True) for n in ("k_sink", "v_sink", "k_window", "v_window")]
-        st.exact = ExactTokens.from_parts(xp, *parts)
+        restore_tokens(st, arrays, self._per_token, ExactTokens.from_parts(xp, *parts), length)
         if all(n in arrays for n in self._calib_names):
             st.calib = {n: xp.asarray(arrays[n], copy=True) for n in self._calib_names}
         elif st.codes.length:
             raise ValueError("stored arrays hold encoded tokens but no fitted basis/codebooks")
         st.layer = -1  # restored: the file's calibration, not the constructor's
-        held = st.codes.length + st.exact.count
-        if held != length:
-            raise ValueError(f"stored arrays hold {held} tokens, expected {length}")
-        st.length = length
+        restore_rollback(st, arrays)
         return st
 
     def _side_nbytes(self, st) -> int:
-        total = st.exact.nbytes()
+        total = st.exact.nbytes() + self._rollback_nbytes(st)
         if st.calib is not None:
             total += sum(_compat.array_nbytes(a) for a in st.calib.values())
         return total
 
-    def _layer_nbytes(self, st) -> int:
-        return st.codes.used_nbytes() + self._side_nbytes(st)
-
-    def _layer_reserved_nbytes(self, st) -> int:
-        return st.codes.reserved_nbytes() + self._side_nbytes(st)
-
     def is_fitted(self, layer: int) -> bool:
         """Whether ``layer`` holds its basis/codebooks (given, fitted, or loaded)."""
-        layer = self._check_layer(layer)
-        with self._locks[layer]:
-            st = self._states[layer]
-            return st is not None and st.calib is not None
+        return bool(self._with_layer(layer, lambda st: st.calib is not None))
 
 

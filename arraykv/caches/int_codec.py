@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..quant.bitpack import packed_nbytes
 from ..storage import TokenBuffers
 from .base import LayerState
 
-__all__ = ["IntLayer", "IntLayerCodec"]
+__all__ = ["IntLayer", "IntLayerCodec", "codec_state"]
 
 
 @dataclass
@@ -25,6 +26,9 @@ class IntLayer(LayerState):
         The exact keys of the unfilled groups and the exact recent values.
     exp : tuple of (int or None)
         Powers of two of the units of keys and values; None until the layer held non-zero data.
+    k_rollback, v_rollback : array (b, h, n, d)
+        Rollback copies (:mod:`arraykv.caches.rollback`): the exact keys of the last quantized
+        key chunks and the exact values that last left the window, in the exact tokens' dtype.
     """
 
     kq: TokenBuffers = None
@@ -32,6 +36,8 @@ class IntLayer(LayerState):
     k_residual: Any = None
     v_window: Any = None
     exp: tuple = (None, None)
+    k_rollback: Any = None
+    v_rollback: Any = None
 
     def buffers(self) -> tuple:
         return (self.kq, self.vq)
@@ -97,3 +103,36 @@ class IntLayerCodec:
     v_window: Any = None
     k_exp: int = 0
     v_exp: int = 0
+
+
+def codec_state(st: IntLayer, bits: int, group_size: int, param_dtype: Any) -> IntLayerCodec:
+    """The :class:`IntLayerCodec` of layer ``st`` (views; empty arrays where nothing is quantized yet).
+
+    ``param_dtype`` is the dtype of the scales and offsets (for the empty ones).
+    """
+    xp = st.xp
+    g = group_size
+    _, h, _, d = (int(s) for s in st.k_residual.shape)
+    kq, vq = st.kq, st.vq
+    if kq.length:
+        k_codes, k_scale, k_offset = kq.view("k_codes"), kq.view("k_scale"), kq.view("k_offset")
+    else:
+        lead = (st.batch, h, 0, d)
+        k_codes = xp.zeros(lead + (packed_nbytes(g, bits),), dtype=xp.uint8, device=st.device)
+        k_scale = xp.zeros(lead, dtype=param_dtype, device=st.device)
+        k_offset = k_scale
+    if vq.length:
+        v_codes, v_scale, v_offset = vq.view("v_codes"), vq.view("v_scale"), vq.view("v_offset")
+    else:  # every value is in the window, or the layer was created by an empty prefill
+        lead = (st.batch, h, 0)
+        v_codes = xp.zeros(lead + (packed_nbytes(d, bits),), dtype=xp.uint8, device=st.device)
+        v_scale = xp.zeros(lead + (-(-d // g),), dtype=param_dtype, device=st.device)
+        v_offset = v_scale
+    residual, window = st.k_residual, st.v_window
+    n_window = int(window.shape[2])
+    ek, ev = (e or 0 for e in st.exp)
+    return IntLayerCodec(bits=bits, group_size=g, n_tokens=vq.length + n_window, n_groups=kq.length,
+                         n_residual=int(residual.shape[2]), k_codes=k_codes, k_scale=k_scale,
+                         k_offset=k_offset, k_residual=residual, v_codes=v_codes, v_scale=v_scale,
+                         v_offset=v_offset, n_window=n_window, v_window=window if n_window else None,
+                         k_exp=ek, v_exp=ev)

@@ -14,21 +14,21 @@ from typing import Any
 from .. import _compat
 from .. import ops
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
-from ..quant.bitpack import packed_nbytes
-from ..quant.intq import HALF_MAX, IntQuantized, dequantize_groups, half_exponent, quantize_groups
+from ..quant.intq import HALF_MAX, half_exponent, quantize_groups
 from ..storage import TokenBuffers
 from .._validation import check_int
 from .base import LayeredCache, check_decode_path
-from .int_codec import IntLayer, IntLayerCodec
+from .int_codec import IntLayer, IntLayerCodec, codec_state
+from .int_decode import decode_int_layer
+from .int_state import key_copies, layer_arrays, restore_layer, truncate_floor, truncate_plan
 from .registry import register_method
+from .rollback import DEFAULT_ROLLBACK_TOKENS, RECORD_NBYTES, check_rollback_tokens, keep_last
 
 _INTQ_OPS = {"group_minmax": ops.intq_group_minmax, "quantize_pack": ops.intq_quantize_pack}
 
 __all__ = ["IntQuantCache", "Int2Cache", "Int4Cache", "Int8Cache", "IntLayerCodec", "IntLayer"]
 
 _SCALE_DTYPES = ("float16", "float32")
-#: Saved in place of an exponent not fixed yet (the layer has held only zeros).
-_NO_EXP = -(1 << 20)
 _BITS = (2, 4, 8)
 
 
@@ -55,6 +55,11 @@ class IntQuantCache(LayeredCache):
         None: the class default (:attr:`default_residual_window`: 32 for ``int2``, 0 for
         ``int4``/``int8``). With 0, values are quantized on arrival and the keys of an unfilled
         group are held exactly, in the input dtype.
+    rollback_tokens : int, default 16
+        Tokens a layer can always be truncated by (:meth:`truncate`) after the call that fixed
+        its units: the exact keys of the last ``ceil(rollback_tokens / chunk)`` quantized key
+        chunks (``chunk``: ``residual_window``, else ``group_size``) and, with a window, the
+        last ``rollback_tokens`` values that left it are kept (counted in ``memory_usage``).
     decode_path : {"auto", "fused", "dequantized"}, default "auto"
         How ``decode`` attends: ``"auto"`` from the packed codes (:class:`~arraykv.Fused`)
         when a fused kernel exists for the namespace (Numba on NumPy), else it returns
@@ -114,7 +119,8 @@ class IntQuantCache(LayeredCache):
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, bits: int | None = None,
                  group_size: int = 32, scale_dtype: str = "float16", residual_window: int | None = None,
-                 decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
+                 rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, decode_path: str = "auto", check_finite: bool = True,
+                 max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
         if bits is not None:
@@ -135,12 +141,14 @@ class IntQuantCache(LayeredCache):
         if self.residual_window % self.group_size:
             raise ValueError(f"residual_window must be 0 or a multiple of group_size={self.group_size}, "
                              f"received {self.residual_window}")
+        self.rollback_tokens = check_rollback_tokens(rollback_tokens)
         self.decode_path = check_decode_path(decode_path)
 
     def _extra_config(self) -> dict:
         cfg = {"bits": self.bits} if type(self).method == "int" else {}
         cfg.update(group_size=self.group_size, scale_dtype=self.scale_dtype,
-                   residual_window=self.residual_window, decode_path=self.decode_path)
+                   residual_window=self.residual_window, rollback_tokens=self.rollback_tokens,
+                   decode_path=self.decode_path)
         return cfg
 
     def _pdt(self, xp: Any) -> str:
@@ -156,13 +164,17 @@ class IntQuantCache(LayeredCache):
         empty = xp.zeros((batch, self.num_kv_heads, 0, self.head_dim), dtype=self._exact_dtype(xp, dtype), device=dev)
         return IntLayer(xp=xp, device=dev, batch=batch, dtype=dtype,
                         kq=TokenBuffers(max_tokens=None if mt is None else -(-mt // self.group_size), min_capacity=4),
-                        vq=TokenBuffers(max_tokens=mt), k_residual=empty, v_window=empty)
+                        vq=TokenBuffers(max_tokens=mt), k_residual=empty, v_window=empty, k_rollback=empty,
+                        v_rollback=empty)
 
     def _encode(self, st: IntLayer, k: Any, v: Any) -> tuple:
         """Everything a store writes, computed before anything changes.
 
-        Returns ``(kq, vq, k_residual, v_window)``: the arrays to append to the key groups
-        and to the value rows (None when nothing is quantized) and the new exact tokens.
+        Returns ``(kq, vq, k_residual, v_window, exps, k_rollback, v_rollback)``: the arrays
+        to append to the key groups and to the value rows (None when nothing is quantized), the
+        new exact tokens, the exponents, and the rollback copies: the exact keys of the last
+        ``ceil(rollback_tokens / chunk)`` quantized chunks and the last ``rollback_tokens``
+        values that left the window (with a window; without one values need none).
         """
         xp = st.xp
         g, w = self.group_size, self.residual_window
@@ -182,6 +194,7 @@ class IntQuantCache(LayeredCache):
             q = quantize_groups(blk, self.bits, g, param_dtype=pdt, exponent=0, **_INTQ_OPS)
             kq = {"k_codes": q.codes, "k_scale": q.scale[..., 0], "k_offset": q.offset[..., 0]}
         residual = xp.asarray(allk[:, :, full * g :, :], copy=True)
+        k_copies = keep_last(xp, st.k_rollback, allk[:, :, : full * g, :], key_copies(self)) if full else st.k_rollback
         window = st.v_window
         if w == 0:
             spill, allv, new_window = int(v.shape[2]), v, window
@@ -189,11 +202,13 @@ class IntQuantCache(LayeredCache):
             allv = xp.concat([window, v], axis=2)
             spill = max(0, int(allv.shape[2]) - w)
             new_window = xp.asarray(allv[:, :, spill:, :], copy=True)
-        vq = None
+        vq, v_copies = None, st.v_rollback
         if spill:
             qv = quantize_groups(allv[:, :, :spill, :], self.bits, g, param_dtype=pdt, exponent=0, **_INTQ_OPS)
             vq = {"v_codes": qv.codes, "v_scale": qv.scale, "v_offset": qv.offset}
-        return kq, vq, residual, new_window, exps
+            if w:
+                v_copies = keep_last(xp, st.v_rollback, allv[:, :, :spill, :], self.rollback_tokens)
+        return kq, vq, residual, new_window, exps, k_copies, v_copies
 
     def _normalized(self, st: IntLayer, k: Any, v: Any) -> tuple:
         """``(k / 2**k_exp, v / 2**v_exp)`` and the layer's exponents after this store.
@@ -225,8 +240,8 @@ class IntQuantCache(LayeredCache):
         """Whether a layer keeps anything in float16 (its scales, or its exact window)."""
         return hasattr(xp, "float16") and (self._pdt(xp) == "float16" or bool(self.residual_window))
 
-    def _store(self, st: IntLayer, k: Any, v: Any) -> None:
-        kq, vq, residual, window, exps = self._encode(st, k, v)
+    def _store(self, st: IntLayer, k: Any, v: Any, q: Any = None) -> None:
+        kq, vq, residual, window, exps, k_copies, v_copies = self._encode(st, k, v)
         # Room in both buffers first: an allocation that fails leaves both as they were.
         if kq is not None:
             st.kq.reserve(kq)
@@ -239,60 +254,22 @@ class IntQuantCache(LayeredCache):
             st.vq.append(vq)
         st.k_residual = residual
         st.v_window = window
+        if exps != st.exp:  # this store fixed the layer's units: a cut inside it is refused
+            st.fixed_end = st.length + int(k.shape[2])
         st.exp = exps
+        st.k_rollback, st.v_rollback = k_copies, v_copies
 
     def _decoded(self, st: IntLayer, start: int = 0) -> DequantResult:
-        """K/V of the stored tokens ``start ..``; only the key groups and value rows from there are decoded."""
-        xp = st.xp
-        g, d = self.group_size, self.head_dim
-        kq, vq = st.kq, st.vq
-        ek, ev = (e or 0 for e in st.exp)
-        parts = []
-        g0 = min(start // g, kq.length)  # first key group holding a token from ``start`` on
-        if kq.length > g0:
-            def kview(name):
-                a = kq.view(name)
-                return a if g0 == 0 else a[:, :, g0:, ...]
-
-            q = IntQuantized(codes=kview("k_codes"), scale=kview("k_scale")[..., None],
-                             offset=kview("k_offset")[..., None], bits=self.bits, group_size=g, n=g, exponent=ek)
-            blk = dequantize_groups(q, st.dtype, dequantize=ops.intq_dequantize)  # (b, h, groups, d, G)
-            b, h, ng = (int(s) for s in blk.shape[:3])
-            kd = xp.reshape(xp.permute_dims(blk, (0, 1, 2, 4, 3)), (b, h, ng * g, d))
-            skip = start - g0 * g
-            parts.append(kd if skip == 0 else kd[:, :, skip:, :])
-        r0 = max(0, start - kq.length * g)
-        parts.append(self._exact(st, "k_residual", r0, ek))
-        k = parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
-        parts = []
-        if vq.length > start:
-            def vview(name):
-                a = vq.view(name)
-                return a if start == 0 else a[:, :, start:, ...]
-
-            qv = IntQuantized(codes=vview("v_codes"), scale=vview("v_scale"), offset=vview("v_offset"),
-                              bits=self.bits, group_size=g, n=d, exponent=ev)
-            parts.append(dequantize_groups(qv, st.dtype, dequantize=ops.intq_dequantize))
-        if self.residual_window or not parts:
-            parts.append(self._exact(st, "v_window", max(0, start - vq.length), ev))
-        v = parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
-        return DequantResult(k=k, v=v)
-
-    @staticmethod
-    def _exact(st: IntLayer, name: str, skip: int, exp: int = 0):
-        """Exact tokens ``skip ..`` of ``k_residual`` or ``v_window`` times ``2**exp``, in the layer's dtype (a copy)."""
-        a = getattr(st, name)[:, :, skip:, :]
-        if exp:
-            return st.xp.astype(st.xp.astype(a, st.xp.float32) * 2.0 ** exp, st.dtype)
-        return st.xp.asarray(a, copy=True) if a.dtype == st.dtype else st.xp.astype(a, st.dtype)
+        """K/V of the stored tokens ``start ..`` (:func:`~arraykv.caches.int_decode.decode_int_layer`)."""
+        return decode_int_layer(st, self.bits, self.group_size, bool(self.residual_window), start)
 
     # -- hooks ----------------------------------------------------------------------
     def _prefill(self, st, k, v, q):
-        self._store(st, k, v)
+        self._store(st, k, v, q)
         return self._decoded(st)
 
     def _decode(self, st, k, v, q, config: AttendConfig):
-        self._store(st, k, v)
+        self._store(st, k, v, q)
         if self._fused(st.xp):
             return Fused(ops.int_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._decoded(st))
@@ -300,61 +277,27 @@ class IntQuantCache(LayeredCache):
     def _fused_auto(self, xp: Any) -> bool:
         return self.bits in (2, 4, 8) and ops.has_kernel("int_decode_attention", xp)
 
-    def _dequantize(self, st) -> DequantResult:
-        return self._decoded(st)
-
-    def _dequantize_from(self, st, start: int) -> DequantResult:
-        return self._decoded(st, start)
-
-    def _append_tokens(self, st, k, v, q) -> None:
-        self._store(st, k, v)
-
     def _stable_length(self, st) -> int:
         # a key is final once its group is quantized, a value once it left the window
         return min(st.kq.length * self.group_size, st.vq.length)
 
     def _layer_arrays(self, st) -> dict:
-        out = dict(st.kq.arrays())
-        out.update(st.vq.arrays())
-        out["k_residual"] = st.k_residual
-        if self.residual_window:
-            out["v_window"] = st.v_window
-        if st.exp != (0, 0):  # typical data keeps the arrays it always had
-            out["exp"] = st.xp.asarray([_NO_EXP if e is None else e for e in st.exp], dtype=st.xp.int32,
-                                       device=st.device)
-        return out
+        return layer_arrays(st, bool(self.residual_window))
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> IntLayer:
-        st = self._new_layer(xp, dev, batch, dtype)
-        kq = {n: arrays[n] for n in ("k_codes", "k_scale", "k_offset") if n in arrays}
-        if kq and int(kq["k_codes"].shape[2]):
-            st.kq.append(kq)
-        vq = {n: arrays[n] for n in ("v_codes", "v_scale", "v_offset") if n in arrays}
-        if vq and int(vq["v_codes"].shape[2]):
-            st.vq.append(vq)
-        st.k_residual = xp.asarray(arrays["k_residual"], copy=True)
-        if "v_window" in arrays:
-            st.v_window = xp.asarray(arrays["v_window"], copy=True)
-        if "exp" in arrays:
-            exps = (int(arrays["exp"][0]), int(arrays["exp"][1]))
-            st.exp = tuple(None if e == _NO_EXP else e for e in exps)
-        else:
-            st.exp = (0, 0)
-        keys = st.kq.length * self.group_size + int(st.k_residual.shape[2])
-        values = st.vq.length + int(st.v_window.shape[2])
-        if keys != length or values != length:
-            raise ValueError(f"stored arrays hold {keys} keys and {values} values, expected {length} of each")
-        st.length = length
-        return st
+        return restore_layer(self._new_layer(xp, dev, batch, dtype), arrays, length, self.group_size)
 
-    def _exact_nbytes(self, st) -> int:
-        return _compat.array_nbytes(st.k_residual) + _compat.array_nbytes(st.v_window)
+    def _side_nbytes(self, st) -> int:
+        return _compat.array_nbytes(st.k_residual) + _compat.array_nbytes(st.v_window) + self._rollback_nbytes(st)
 
-    def _layer_nbytes(self, st) -> int:
-        return st.kq.used_nbytes() + st.vq.used_nbytes() + self._exact_nbytes(st)
+    def _rollback_nbytes(self, st) -> int:
+        return _compat.array_nbytes(st.k_rollback) + _compat.array_nbytes(st.v_rollback) + RECORD_NBYTES
 
-    def _layer_reserved_nbytes(self, st) -> int:
-        return st.kq.reserved_nbytes() + st.vq.reserved_nbytes() + self._exact_nbytes(st)
+    def _truncate_floor(self, st) -> int:
+        return truncate_floor(self, st)
+
+    def _truncate_plan(self, st, length: int):
+        return truncate_plan(self, st, length)
 
     # -- inspection for kernels ------------------------------------------------------
     def layer_codec_state(self, layer: int) -> IntLayerCodec | None:
@@ -362,39 +305,10 @@ class IntQuantCache(LayeredCache):
 
         Valid until the next call that changes the layer; read, never write.
         """
-        layer = self._check_layer(layer)
-        with self._locks[layer]:
-            st = self._states[layer]
-            return None if st is None else self._codec_state(st)
+        return self._with_layer(layer, self._codec_state)
 
     def _codec_state(self, st: IntLayer) -> IntLayerCodec:
-        """:meth:`layer_codec_state` of a layer whose lock the caller holds."""
-        xp = st.xp
-        g, d = self.group_size, self.head_dim
-        kq, vq = st.kq, st.vq
-        pdt = getattr(xp, self._pdt(xp))
-        if kq.length:
-            k_codes, k_scale, k_offset = kq.view("k_codes"), kq.view("k_scale"), kq.view("k_offset")
-        else:
-            lead = (st.batch, self.num_kv_heads, 0, d)
-            k_codes = xp.zeros(lead + (packed_nbytes(g, self.bits),), dtype=xp.uint8, device=st.device)
-            k_scale = xp.zeros(lead, dtype=pdt, device=st.device)
-            k_offset = k_scale
-        if vq.length:
-            v_codes, v_scale, v_offset = vq.view("v_codes"), vq.view("v_scale"), vq.view("v_offset")
-        else:  # every value is in the window, or the layer was created by an empty prefill
-            lead = (st.batch, self.num_kv_heads, 0)
-            v_codes = xp.zeros(lead + (packed_nbytes(d, self.bits),), dtype=xp.uint8, device=st.device)
-            v_scale = xp.zeros(lead + (-(-d // g),), dtype=pdt, device=st.device)
-            v_offset = v_scale
-        residual, window = st.k_residual, st.v_window
-        n_window = int(window.shape[2])
-        ek, ev = (e or 0 for e in st.exp)
-        return IntLayerCodec(bits=self.bits, group_size=g, n_tokens=vq.length + n_window, n_groups=kq.length,
-                             n_residual=int(residual.shape[2]), k_codes=k_codes, k_scale=k_scale,
-                             k_offset=k_offset, k_residual=residual, v_codes=v_codes, v_scale=v_scale,
-                             v_offset=v_offset, n_window=n_window, v_window=window if n_window else None,
-                             k_exp=ek, v_exp=ev)
+        return codec_state(st, self.bits, self.group_size, getattr(st.xp, self._pdt(st.xp)))
 
 
 @register_method("int2")

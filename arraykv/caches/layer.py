@@ -24,6 +24,15 @@ class LayerState:
         The callers' dtype (results are returned in it).
     length : int
         Tokens stored.
+    fixed_end : int
+        ``length`` after the call that fixed the layer's data-dependent parameters (its
+        calibration); 0 when none did (or it was given). A truncation inside that call is
+        refused; one below it may return the layer to its uncalibrated state
+        (:mod:`arraykv.caches.rollback`).
+    fixed_known : bool
+        False when ``fixed_end`` was not recorded (a layer loaded from a file written before
+        the record existed): it is then the layer's length at loading, and whether a call
+        made the calibration is unknown.
     """
 
     xp: Any
@@ -31,6 +40,8 @@ class LayerState:
     batch: int
     dtype: Any
     length: int = 0
+    fixed_end: int = 0
+    fixed_known: bool = True
 
     def buffers(self) -> tuple:
         """The growable token buffers of the layer (for :meth:`LayeredCache.reallocations`)."""
@@ -55,14 +66,14 @@ def refuse_overflow(xp: Any, method: str, arrays: dict) -> None:
 
     The float16 parts of a compressed cache (windows, sinks, lengths, outlier channels, means,
     coefficients) hold magnitudes up to 65504; a finite float32 input beyond that would be
-    stored as inf and poison every later decode. Called on what a store computed, before it
+    stored as inf and poison every later decode. Called on what a store computed (``arrays``:
+    by name, an array, None, or a list of arrays that are the parts of one store), before it
     commits anything, so the refused call leaves the layer as it was.
     """
-    for name, a in arrays.items():
-        if a is None or not xp.isdtype(a.dtype, "real floating"):
-            continue
-        if not bool(xp.all(xp.isfinite(a))):
-            raise ValueError(
-                f"these keys/values overflow the float16 {name!r} of method {method!r} (magnitudes above 65504, "
-                f"after centering and channel weights); scale them down, or use method 'dense' or an int method "
-                f"('int8', 'int4', 'int2', which hold any magnitude)")
+    for name, value in arrays.items():
+        for a in value if isinstance(value, list) else [value]:
+            if a is not None and xp.isdtype(a.dtype, "real floating") and not bool(xp.all(xp.isfinite(a))):
+                raise ValueError(
+                    f"these keys/values overflow the float16 {name!r} of method {method!r} (magnitudes above 65504, "
+                    f"after centering and channel weights); scale them down, or use method 'dense' or an int method "
+                    f"('int8', 'int4', 'int2', which hold any magnitude)")

@@ -17,6 +17,7 @@ from ..quant.polar import half_dtype
 from ..storage import TokenBuffers
 from .fitted import DEFAULT_SINKS, DEFAULT_WINDOW, FittedCache, FittedLayer, _f32
 from .registry import register_method
+from .rollback import DEFAULT_ROLLBACK_TOKENS
 
 __all__ = ["LowRankCache"]
 
@@ -62,6 +63,9 @@ class LowRankCache(FittedCache):
     sink_tokens : int, default 4
         The first tokens of the sequence, kept in float16 for good and left out of the fit
         (attention sinks).
+    rollback_tokens : int, default 16
+        Tokens a layer can always be truncated by once fitted (float16 copies of the last
+        ``rollback_tokens`` encoded tokens; see :meth:`~arraykv.caches.LayeredCache.truncate`).
     decode_path : {"auto", "fused", "dequantized"}, default "auto"
         ``"auto"`` and ``"fused"``: ``decode`` attends in coefficient space and returns
         :class:`~arraykv.Fused` (:func:`arraykv.attention.lowrank_fused.lowrank_decode_attention`,
@@ -110,8 +114,8 @@ class LowRankCache(FittedCache):
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, rank: int | None = None,
                  energy: float | None = None, center: bool = True, coeff_dtype: str = "float16",
                  calibration: Any = None, min_calibration: int | None = None, residual_window: int = DEFAULT_WINDOW,
-                 sink_tokens: int = DEFAULT_SINKS, decode_path: str = "auto", check_finite: bool = True,
-                 max_tokens: int | None = None):
+                 sink_tokens: int = DEFAULT_SINKS, rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
+                 decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
         d = check_int("head_dim", head_dim, low=1)
         if rank is None and energy is None:
             rank = max(1, d // 2)
@@ -124,7 +128,7 @@ class LowRankCache(FittedCache):
                                                                            low=2)
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          calibration=calibration, residual_window=residual_window, sink_tokens=sink_tokens,
-                         decode_path=decode_path, check_finite=check_finite, max_tokens=max_tokens)
+                         rollback_tokens=rollback_tokens, decode_path=decode_path, check_finite=check_finite, max_tokens=max_tokens)
 
     def _extra_config(self) -> dict:
         return super()._extra_config() | {"rank": self.rank, "energy": self.energy, "center": self.center,

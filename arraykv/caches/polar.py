@@ -27,8 +27,9 @@ from .polar_codec import PolarFixed, PolarLayerCodec
 from .polar_decode import decode_layer, qjl_logit_bias
 from .polar_options import (DEFAULT_OUTLIER_THRESHOLD, DEFAULT_RESIDUAL_WINDOW, DEFAULT_SINK_TOKENS, PolarOptions,
                             check_polar_options, default_residual_window)
+from .rollback import DEFAULT_ROLLBACK_TOKENS
 from .registry import register_method
-from .window import ExactTokens, commit_store
+from .window import ExactTokens, WindowRollback, commit_store, restore_rollback, restore_tokens, rollback_arrays
 
 __all__ = ["PolarCache", "PolarLayerCodec", "PolarLayer", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window",
            "Pqo2Cache", "Pqo3Cache", "Pqo4Cache", "Pq2Cache", "Pq3Cache", "Pq4Cache", "Tq2Cache", "Tq3Cache",
@@ -50,18 +51,21 @@ class PolarLayer(LayerState):
         The sink tokens, then the recent window, in float16.
     calib : PolarCalibration or None
         Set when the layer's first token is encoded.
+    rollback : ExactTokens
+        float16 copies of the last ``rollback_tokens`` encoded tokens (for :meth:`~PolarCache.truncate`).
     """
 
     codes: TokenBuffers = None
     exact: ExactTokens = None
     calib: PolarCalibration | None = None
+    rollback: ExactTokens = None
 
     def buffers(self) -> tuple:
         return (self.codes,)
 
 
 @register_method("polar", generic=True)
-class PolarCache(LayeredCache):
+class PolarCache(WindowRollback, LayeredCache):
     """Rotated Lloyd-Max (TurboQuant-MSE) key/value cache with a float16 recent-token window.
 
     Use through the factory: ``make_cache("pqo4", ...)`` (4 bits everywhere), ``"pq4"``
@@ -116,6 +120,11 @@ class PolarCache(LayeredCache):
         and centered keys of the calibration call (the prefill), normalized per head. For an
         isotropic quantizer this minimizes the expected ``q · k`` error (see Notes); heads whose
         calibration queries are all zero get ``s = 1``.
+    rollback_tokens : int, default 16
+        Tokens every layer can be truncated by (:meth:`truncate`) once calibrated: float16
+        copies of the last ``rollback_tokens`` encoded tokens are kept (counted in
+        ``memory_usage``; ``4 · rollback_tokens · head_dim`` bytes per layer, batch and head).
+        0 keeps none (a truncation can then reach only into the window).
     decode_path : {"auto", "fused", "dequantized"}, default "auto"
         How ``decode`` attends (see Notes).
     softmax_scale : float or None
@@ -146,6 +155,7 @@ class PolarCache(LayeredCache):
 
 
     method = "polar"
+    _calibration_given = False  # only a spilling window calibrates a layer
     #: Options a subclass fixes (its method name says them); not constructor arguments there.
     _fixed_options: dict = {}
 
@@ -154,7 +164,7 @@ class PolarCache(LayeredCache):
                  center: Any = "auto", outliers: Any = "auto", outlier_threshold: float = DEFAULT_OUTLIER_THRESHOLD,
                  max_outliers: int | None = None, key_scale: bool = True, sink_tokens: int = DEFAULT_SINK_TOKENS,
                  key_length: str = "unbiased", value_length: str = "unbiased", rope: Any = "auto",
-                 softmax_scale: float | None = None,
+                 softmax_scale: float | None = None, rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
                  decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
@@ -162,9 +172,8 @@ class PolarCache(LayeredCache):
             self.head_dim, key_bits=key_bits, value_bits=value_bits, qjl=qjl, seed=seed,
             residual_window=residual_window, center=center, outliers=outliers, outlier_threshold=outlier_threshold,
             max_outliers=max_outliers, key_scale=key_scale, sink_tokens=sink_tokens, key_length=key_length,
-            value_length=value_length, rope=rope, softmax_scale=softmax_scale, decode_path=decode_path)
-        for f in fields(self.options):  # read-only mirrors: cache.key_bits, cache.residual_window, ...
-            setattr(self, f.name, getattr(self.options, f.name))
+            value_length=value_length, rope=rope, softmax_scale=softmax_scale, decode_path=decode_path,
+            rollback_tokens=rollback_tokens)
         self._fixed: dict = {}
 
     # -- fixed state (rotation, codebooks, sketch), one set per namespace and device ------
@@ -183,6 +192,9 @@ class PolarCache(LayeredCache):
     def _on_reset(self) -> None:
         self._fixed = {}
 
+    def _fork_fixed(self, source) -> None:
+        self._fixed = dict(source._fixed)
+
     def _extra_config(self) -> dict:
         cfg = self.options.config()
         for name in self._fixed_options:  # said by the method name
@@ -192,8 +204,9 @@ class PolarCache(LayeredCache):
     # -- layer state -------------------------------------------------------------------
     def _new_layer(self, xp, dev, batch, dtype) -> PolarLayer:
         self._codec(xp, dev)  # the rotation/codebooks are held from a layer's first token on
+        empty = ExactTokens.empty(xp, dev, batch, self.num_kv_heads, self.head_dim)
         return PolarLayer(xp=xp, device=dev, batch=batch, dtype=dtype, codes=TokenBuffers(max_tokens=self.max_tokens),
-                          exact=ExactTokens.empty(xp, dev, batch, self.num_kv_heads, self.head_dim))
+                          exact=empty, rollback=empty)
 
     def _encode(self, xp: Any, fixed: PolarFixed, calib: PolarCalibration, k: Any, v: Any, start: int) -> dict:
         """Quantize float32 tokens (b, h, t, d) at positions ``start ..`` -> the per-token arrays to append."""
@@ -236,16 +249,18 @@ class PolarCache(LayeredCache):
             else:  # only the tokens that leave the window are converted
                 ek, ev = step.first(spill)
             arrays = self._encode(xp, self._codec(xp, st.device), calib, ek, ev, first)
-        exact = step.block(spill)
-        commit_store(xp, self.method, st, arrays, calib, {} if calib is st.calib else calib.arrays(), exact)
+        commit_store(xp, self.method, st, step, spill, arrays, calib, {} if calib is st.calib else calib.arrays(),
+                     self.rollback_tokens)
 
-    def _decoded(self, st: PolarLayer, start: int = 0) -> tuple:
-        """float32 K/V of the stored tokens ``start ..`` (:func:`~arraykv.caches.polar_decode.decode_layer`)."""
-        return decode_layer(st, self._codec(st.xp, st.device), self.options, start)
+    def _decoded(self, st: PolarLayer, start: int = 0) -> DequantResult:
+        """K/V of the stored tokens ``start ..`` in the layer's dtype (:func:`~arraykv.caches.polar_decode.decode_layer`)."""
+        xp = st.xp
+        k, v = decode_layer(st, self._codec(xp, st.device), self.options, start)
+        return DequantResult(k=xp.astype(k, st.dtype), v=xp.astype(v, st.dtype))
 
     def _result(self, st: PolarLayer, q: Any, scale: float) -> DequantResult:
         xp = st.xp
-        k, v = self._decoded(st)
+        k, v = decode_layer(st, self._codec(xp, st.device), self.options)
         bias = qjl_logit_bias(st, self._codec(st.xp, st.device), q, scale) if self.qjl and st.codes.length else None
         return DequantResult(k=xp.astype(k, st.dtype), v=xp.astype(v, st.dtype),
                              logit_bias=None if bias is None else xp.astype(bias, q.dtype))
@@ -268,19 +283,12 @@ class PolarCache(LayeredCache):
     def _fused_auto(self, xp: Any) -> bool:
         return ops.has_kernel("polar_decode_attention", xp)
 
-    def _dequantize(self, st) -> DequantResult:
-        return self._dequantize_from(st, 0)
-
-    def _dequantize_from(self, st, start: int) -> DequantResult:
-        xp = st.xp
-        k, v = self._decoded(st, start)
-        return DequantResult(k=xp.astype(k, st.dtype), v=xp.astype(v, st.dtype))
-
-    def _append_tokens(self, st, k, v, q) -> None:
-        self._store(st, k, v, q)
-
     def _stable_length(self, st) -> int:
         return st.exact.n_sink + st.codes.length  # sinks and codes never change; the window does
+
+    def _uncalibrated_at(self, st, length: int) -> bool:
+        # a layer calibrates when its window first spills
+        return length - min(self.sink_tokens, length) <= self.residual_window
 
     # -- persistence view: the saved names are k_window (sinks, then recent), codes, calibration
     def _layer_arrays(self, st) -> dict:
@@ -289,30 +297,20 @@ class PolarCache(LayeredCache):
         out["v_window"] = st.exact.v
         if st.calib is not None:
             out.update(st.calib.arrays())
+        out.update(rollback_arrays(st))
         return out
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> PolarLayer:
         st = self._new_layer(xp, dev, batch, dtype)
-        per_token = {n: arrays[n] for n in _PER_TOKEN if n in arrays}
-        if per_token and int(per_token["k_codes"].shape[2]):
-            st.codes.append(per_token)
-        st.exact = ExactTokens(k=xp.asarray(arrays["k_window"], copy=True), v=xp.asarray(arrays["v_window"], copy=True),
-                               n_sink=min(self.sink_tokens, length))
+        exact = ExactTokens(k=xp.asarray(arrays["k_window"], copy=True), v=xp.asarray(arrays["v_window"], copy=True),
+                            n_sink=min(self.sink_tokens, length))
+        restore_tokens(st, arrays, _PER_TOKEN, exact, length)
         st.calib = PolarCalibration.from_arrays(xp, arrays)
-        held = st.codes.length + st.exact.count
-        if held != length:
-            raise ValueError(f"stored arrays hold {held} tokens, expected {length}")
-        st.length = length
+        restore_rollback(st, arrays)
         return st
 
     def _side_nbytes(self, st) -> int:
-        return st.exact.nbytes() + (0 if st.calib is None else st.calib.nbytes())
-
-    def _layer_nbytes(self, st) -> int:
-        return st.codes.used_nbytes() + self._side_nbytes(st)
-
-    def _layer_reserved_nbytes(self, st) -> int:
-        return st.codes.reserved_nbytes() + self._side_nbytes(st)
+        return st.exact.nbytes() + self._rollback_nbytes(st) + (0 if st.calib is None else st.calib.nbytes())
 
     # -- inspection for kernels ------------------------------------------------------
     def layer_codec_state(self, layer: int) -> PolarLayerCodec | None:
@@ -320,10 +318,7 @@ class PolarCache(LayeredCache):
 
         Valid until the next call that changes the layer; read, never write.
         """
-        layer = self._check_layer(layer)
-        with self._locks[layer]:
-            st = self._states[layer]
-            return None if st is None else self._codec_state(st)
+        return self._with_layer(layer, self._codec_state)
 
     def _codec_state(self, st: PolarLayer) -> PolarLayerCodec:
         """:meth:`layer_codec_state` of a layer whose lock the caller holds."""
@@ -355,6 +350,15 @@ class PolarCache(LayeredCache):
             qjl=fixed.qjl,
             k_qjl=view("k_qjl", (packed_nbytes(d, 1),)) if self.qjl else None,
             k_qjl_norms=view("k_qjl_norms", ()) if self.qjl else None)
+
+
+def _option(name: str) -> property:
+    return property(lambda self: getattr(self.options, name), doc=f"``options.{name}`` (read-only).")
+
+
+for _f in fields(PolarOptions):  # cache.key_bits, cache.residual_window, ...: read from ``options``, the one copy
+    setattr(PolarCache, _f.name, _option(_f.name))
+del _f
 
 
 def _preset(name: str, key_bits: int, value_bits: int, qjl: bool) -> type:

@@ -13,7 +13,8 @@ from .._validation import check_auto_bool, check_bool, check_int, check_real, ch
 from ..quant.polar import LENGTHS
 from ..quant.rotary_mean import check_rope
 from ..quant.rotation import is_power_of_two
-from .base import check_decode_path
+from .layer import check_decode_path
+from .rollback import DEFAULT_ROLLBACK_TOKENS, check_rollback_tokens
 
 __all__ = ["PolarOptions", "check_polar_options", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window",
            "DEFAULT_SINK_TOKENS", "DEFAULT_OUTLIER_THRESHOLD", "MAX_DENSE_HEAD_DIM"]
@@ -55,6 +56,7 @@ class PolarOptions:
     rope: Any
     softmax_scale: float | None
     decode_path: str
+    rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS
 
     def config(self) -> dict:
         """The options as plain JSON values, by name (``qjl`` included)."""
@@ -66,7 +68,7 @@ def check_polar_options(head_dim: int, *, key_bits: Any, value_bits: Any, qjl: A
                         outlier_threshold: Any = DEFAULT_OUTLIER_THRESHOLD, max_outliers: Any = None,
                         key_scale: Any = True, sink_tokens: Any = DEFAULT_SINK_TOKENS, key_length: Any = "unbiased",
                         value_length: Any = "unbiased", rope: Any = "auto", softmax_scale: Any = None,
-                        decode_path: Any = "auto") -> PolarOptions:
+                        decode_path: Any = "auto", rollback_tokens: Any = DEFAULT_ROLLBACK_TOKENS) -> PolarOptions:
     """Check every option of a polar cache with ``head_dim`` channels per head.
 
     Returns
@@ -110,4 +112,4 @@ def check_polar_options(head_dim: int, *, key_bits: Any, value_bits: Any, qjl: A
         center=center, outliers=outliers, outlier_threshold=float(outlier_threshold), max_outliers=max_outliers,
         key_scale=key_scale, sink_tokens=check_int("sink_tokens", sink_tokens, low=0), key_length=key_length,
         value_length=value_length, rope=check_rope(rope), softmax_scale=softmax_scale,
-        decode_path=check_decode_path(decode_path))
+        decode_path=check_decode_path(decode_path), rollback_tokens=check_rollback_tokens(rollback_tokens))

@@ -18,6 +18,7 @@ from ..quant.vq import VQCodebook, VQCodes, check_vq_options, code_bits, train_v
 from ..storage import TokenBuffers
 from .fitted import DEFAULT_SINKS, DEFAULT_WINDOW, FittedCache, FittedLayer, _f32
 from .registry import register_method
+from .rollback import DEFAULT_ROLLBACK_TOKENS
 
 __all__ = ["VQCache"]
 
@@ -67,6 +68,9 @@ class VQCache(FittedCache):
         the window.
     sink_tokens : int, default 4
         The first tokens of the sequence, kept in float16 for good and left out of the fit.
+    rollback_tokens : int, default 16
+        Tokens a layer can always be truncated by once fitted (float16 copies of the last
+        ``rollback_tokens`` encoded tokens; see :meth:`~arraykv.caches.LayeredCache.truncate`).
     decode_path : {"auto", "fused", "dequantized"}, default "auto"
         ``"auto"``: ``decode`` attends straight from the codes and returns
         :class:`~arraykv.Fused` where a kernel exists for the namespace (Numba on NumPy), else
@@ -114,7 +118,8 @@ class VQCache(FittedCache):
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, codebook_size: int = 16,
                  sub_dim: int = 2, max_iter: int = 25, tol: float = 1e-4, seed: int = 0, calibration: Any = None,
                  min_calibration: int | None = None, max_calibration: int | None = None,
-                 residual_window: int = DEFAULT_WINDOW, sink_tokens: int = DEFAULT_SINKS, decode_path: str = "auto",
+                 residual_window: int = DEFAULT_WINDOW, sink_tokens: int = DEFAULT_SINKS,
+                 rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, decode_path: str = "auto",
                  check_finite: bool = True, max_tokens: int | None = None):
         d = check_int("head_dim", head_dim, low=1)
         self.codebook_size, self.sub_dim, self.max_iter, self.tol = check_vq_options(
@@ -128,7 +133,7 @@ class VQCache(FittedCache):
         self.max_calibration = check_int("max_calibration", max_calibration, low=self.min_calibration)
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          calibration=calibration, residual_window=residual_window, sink_tokens=sink_tokens,
-                         decode_path=decode_path, check_finite=check_finite, max_tokens=max_tokens)
+                         rollback_tokens=rollback_tokens, decode_path=decode_path, check_finite=check_finite, max_tokens=max_tokens)
 
     def _item_help(self) -> str:
         return "a fitted KVCacheCompressor(VectorQuantization(...)) or a pair (k_codebook, v_codebook) of VQCodebook"

@@ -21,8 +21,10 @@ from typing import Any
 from .._compat import array_nbytes
 from ..quant.polar import half_dtype
 from .layer import refuse_overflow
+from .rollback import RECORD_NBYTES, keep_last
 
-__all__ = ["ExactTokens", "WindowStep", "commit_store"]
+__all__ = ["ExactTokens", "WindowStep", "WindowRollback", "commit_store", "restore_tokens", "rollback_arrays",
+           "restore_rollback"]
 
 
 def _f32(xp: Any, x: Any):
@@ -170,19 +172,214 @@ class WindowStep:
                       axis=2)
         return ExactTokens(k=k, v=v, n_sink=self.n_sink)
 
+    def half_rows(self, lo: int, hi: int) -> tuple:
+        """``(k, v)``: tokens ``lo .. hi - 1`` of ``recent ++ new`` in the half dtype (the window's form of them)."""
+        xp = self.xp
+        half = half_dtype(xp)
+        n_w = self.n_recent
+        ks = [self.k_recent[:, :, min(lo, n_w):min(hi, n_w), :]]
+        vs = [self.v_recent[:, :, min(lo, n_w):min(hi, n_w), :]]
+        if hi > n_w:
+            a = max(0, lo - n_w)
+            ks.append(xp.astype(self.k[:, :, a:hi - n_w, :], half))
+            vs.append(xp.astype(self.v[:, :, a:hi - n_w, :], half))
+        if len(ks) == 1:
+            return ks[0], vs[0]
+        return xp.concat(ks, axis=2), xp.concat(vs, axis=2)
 
-def commit_store(xp: Any, method: str, st: Any, arrays: dict | None, calib: Any, new_calib: dict,
-                 exact: ExactTokens) -> None:
-    """Commit a planned store to layer ``st`` (fields ``codes``, ``calib``, ``exact``).
+    def added_rows(self, exact: ExactTokens, spill: int) -> tuple:
+        """``(k, v)``: the rows of ``exact`` (from :meth:`block`) that this store converted, as
+        lists of views (the sinks it took, the new tokens it keeps in the window)."""
+        keep_new = self.n_new - max(0, spill - self.n_recent)
+        ks, vs = [], []
+        if self.taken:
+            ks.append(exact.k[:, :, self.n_sink - self.taken: self.n_sink, :])
+            vs.append(exact.v[:, :, self.n_sink - self.taken: self.n_sink, :])
+        if keep_new:
+            ks.append(exact.k[:, :, exact.count - keep_new:, :])
+            vs.append(exact.v[:, :, exact.count - keep_new:, :])
+        return ks, vs
 
-    ``arrays`` are the encoded tokens to append (None: none left the window), ``calib`` the
-    layer's calibration afterwards, ``new_calib`` its arrays by name when this store made it
-    (else empty), ``exact`` the block from :meth:`WindowStep.block`. Everything float is checked
-    for float16 overflow first (:func:`~arraykv.caches.layer.refuse_overflow`): a refused store
-    changes nothing.
+
+def commit_store(xp: Any, method: str, st: Any, step: WindowStep, spill: int, arrays: dict | None, calib: Any,
+                 new_calib: dict, rollback: int = 0) -> None:
+    """Commit a planned store to layer ``st`` (fields ``codes``, ``calib``, ``exact``, ``rollback``).
+
+    ``step`` is the plan (:meth:`ExactTokens.step`) and ``spill`` the tokens of ``recent ++
+    new`` that leave the window, ``arrays`` those tokens encoded (None: none left), ``calib``
+    the layer's calibration afterwards, ``new_calib`` its arrays by name when this store made it
+    (else empty; the layer's ``fixed_end`` becomes the end of this store), ``rollback`` the
+    rollback copies kept: the half-precision form of the last ``rollback`` tokens encoded
+    (:mod:`arraykv.caches.rollback`). What this store adds in float is checked for float16
+    overflow first (:func:`~arraykv.caches.layer.refuse_overflow`; the rows already held were
+    checked when they were stored): a refused store changes nothing.
     """
-    refuse_overflow(xp, method, {"window": exact.k, "value window": exact.v, **(arrays or {}), **new_calib})
+    exact = step.block(spill)
+    k_new, v_new = step.added_rows(exact, spill)
+    margin = st.rollback
+    if spill and rollback:
+        kr, vr = step.half_rows(max(0, spill - rollback), spill)
+        k_new, v_new = k_new + [kr], v_new + [vr]
+        margin = ExactTokens(k=keep_last(xp, margin.k, kr, rollback), v=keep_last(xp, margin.v, vr, rollback))
+    refuse_overflow(xp, method, {"window": k_new, "value window": v_new, **(arrays or {}), **new_calib})
     if arrays is not None:
         st.codes.append(arrays)
+    if new_calib:
+        st.fixed_end = st.length + step.taken + step.n_new
     st.calib = calib
     st.exact = exact
+    st.rollback = margin
+
+
+def restore_tokens(st: Any, arrays: dict, per_token: tuple, exact: ExactTokens, length: int) -> None:
+    """Put a saved layer's encoded tokens (the ``per_token`` names in ``arrays``) and exact block
+    into the fresh layer ``st``; ``ValueError`` unless they hold ``length`` tokens together."""
+    codes = {n: arrays[n] for n in per_token if n in arrays}
+    if codes and int(next(iter(codes.values())).shape[2]):
+        st.codes.append(codes)
+    st.exact = exact
+    held = st.codes.length + exact.count
+    if held != length:
+        raise ValueError(f"stored arrays hold {held} tokens, expected {length}")
+    st.length = length
+
+
+class WindowRollback:
+    """Truncation of a layer with sinks, codes, a recent window and rollback copies (polar,
+    ``lowrank``, ``vq``): a mixin before :class:`~arraykv.caches.LayeredCache`, for caches with
+    ``sink_tokens``, ``residual_window``, ``rollback_tokens`` and the hook
+    ``_uncalibrated_at(state, length)`` (whether a direct build of ``length`` tokens has made
+    no calibration yet).
+
+    Notes
+    -----
+    A layer of ``n`` tokens holds ``n_s = min(sink_tokens, n)`` sinks, then ``c`` encoded
+    tokens, then ``w = min(n − n_s, residual_window)`` window tokens (all ``n − n_s`` before the
+    layer is calibrated), and float16 copies of its last ``M`` encoded tokens: positions
+    ``lo = n_s + c − M .. n − 1`` are held exactly. At length ``L`` a direct build holds
+    ``n_s' = min(n_s, L)`` sinks, ``w'`` window tokens by the same rule and ``c' = L − n_s' − w'``
+    codes, the same codes as the first ``c'`` here (same calibration, same positions). So ``L``
+    is reachable when its window ``n_s' + c' .. L − 1`` starts at ``lo`` or later (or is empty),
+    and when ``L`` is not inside the calibrating call (``L >= fixed_end``).
+
+    Below ``fixed_end`` a direct build calibrates on other tokens, or not at all: when it has
+    not calibrated yet (``_uncalibrated_at``; for polar ``L − n_s' <= residual_window``: its
+    window never spilled), it holds all ``L`` tokens exactly (sinks, then window), no code, no
+    calibration, no copies. That state is rebuilt when the layer's calibration was made by one
+    of its calls (not given: ``fixed_end > 0``; where a calibration may be given, also
+    recorded: ``fixed_known``; polar layers calibrate only when their window spills, so any
+    of theirs was) and every window token of it is
+    held exactly (``n_s' >= lo``: the copies reach back to the first encoded token, or there is
+    no window token). So the lengths reachable are 0, ``1 .. U`` (those uncalibrated ones, and
+    the sinks-only ones) and ``F .. n`` (above the calibrating call), two intervals that may
+    meet.
+    """
+
+    #: Whether a calibration may be given rather than made by a call (``lowrank``/``vq``): a
+    #: layer whose file did not record its calibrating call is then never uncalibrated.
+    _calibration_given: bool = True
+
+    def _cut(self, st: Any, length: int, calibrated: bool = True) -> tuple:
+        """``(n_s', w', c', lo)`` of a truncation of ``st`` to ``length`` (see Notes);
+        ``calibrated=False``: into the uncalibrated state (every token in the window)."""
+        ns = st.exact.n_sink
+        ns2 = min(ns, length)
+        w2 = length - ns2 if st.calib is None or not calibrated else min(length - ns2, self.residual_window)
+        return ns2, w2, length - ns2 - w2, ns + st.codes.length - st.rollback.count
+
+    def _uncalibrating(self, st: Any, length: int) -> bool:
+        """Whether a truncation of calibrated ``st`` to ``length`` must drop the calibration."""
+        return 0 < length < st.fixed_end and st.calib is not None
+
+    def _reachable(self, st: Any, length: int) -> bool:
+        """Whether a truncation of ``st`` to ``0 < length < st.length`` is exact (see Notes)."""
+        if st.calib is None:
+            return True  # every token is held exactly
+        if length >= st.fixed_end:
+            ns2, w2, c2, lo = self._cut(st, length)
+            return not (w2 and ns2 + c2 < lo)
+        if not ((st.fixed_known or not self._calibration_given) and self._uncalibrated_at(st, length)):
+            return False  # a direct build calibrates on other tokens (or it may have been given)
+        ns2, w2, _, lo = self._cut(st, length, calibrated=False)
+        return not w2 or ns2 >= lo
+
+    def _reach(self, st: Any) -> tuple:
+        """``(U, F)``: lengths ``1 .. U`` and ``F .. n`` are reachable, no other above 0 (U may be 0)."""
+        n = st.length
+        if st.calib is None:
+            return n, n
+        top = max(1, st.fixed_end)
+        if self.residual_window:  # the scan fails within rollback_tokens + window steps
+            for length in range(n - 1, top - 1, -1):
+                if not self._reachable(st, length):
+                    top = length + 1
+                    break
+        low = 0
+        while low + 1 < top and self._reachable(st, low + 1):  # sinks and the uncalibrated lengths
+            low += 1
+        return low, min(top, n)
+
+    def _truncate_floor(self, st: Any) -> int:
+        low, top = self._reach(st)
+        return 1 if low + 1 >= top else top
+
+    def _reach_ranges(self, st: Any) -> list:
+        low, top = self._reach(st)
+        if low + 1 >= top:
+            return [(1, st.length)]
+        return ([(1, low)] if low else []) + [(top, st.length)]
+
+    def _truncate_plan(self, st: Any, length: int):
+        xp = st.xp
+        uncal = self._uncalibrating(st, length)
+        ns2, w2, c2, lo = self._cut(st, length, calibrated=not uncal)
+        ks, vs = st.exact.sinks()
+        kw, vw = st.exact.recent()
+        if w2:
+            held = st.rollback.count
+            kw = xp.concat([st.rollback.k, kw], axis=2) if held else kw
+            vw = xp.concat([st.rollback.v, vw], axis=2) if held else vw
+            kw, vw = kw[:, :, ns2 + c2 - lo: length - lo, :], vw[:, :, ns2 + c2 - lo: length - lo, :]
+        else:
+            kw, vw = kw[:, :, :0, :], vw[:, :, :0, :]
+        exact = ExactTokens.from_parts(xp, ks[:, :, :ns2, :], vs[:, :, :ns2, :], kw, vw)
+        keep = 0 if uncal else max(0, st.rollback.count - (st.codes.length - c2))
+        margin = ExactTokens(k=st.rollback.k[:, :, :keep, :], v=st.rollback.v[:, :, :keep, :])
+        plan = st.codes.truncate_plan(c2)
+
+        def commit():
+            st.codes.commit_truncate(plan)
+            st.exact, st.rollback = exact, margin
+            if uncal:  # the direct build has not calibrated: a later spill calibrates as it would
+                st.calib, st.fixed_end, st.fixed_known = None, 0, True
+        return commit
+
+    def _rollback_nbytes(self, st: Any) -> int:
+        return st.rollback.nbytes() + RECORD_NBYTES
+
+
+def rollback_arrays(st: Any) -> dict:
+    """The saved arrays of a window layer's rollback state: ``k_rollback``, ``v_rollback`` and
+    ``fixed_end`` (int64, shape (1,); left out when the layer does not know it, having been
+    loaded from a file without it: the file then loads as such a file again)."""
+    out = {"k_rollback": st.rollback.k, "v_rollback": st.rollback.v}
+    if st.fixed_known:
+        out["fixed_end"] = st.xp.asarray([st.fixed_end], dtype=st.xp.int64, device=st.device)
+    return out
+
+
+def restore_rollback(st: Any, arrays: dict) -> None:
+    """Put saved rollback state into layer ``st`` (after its calibration is restored). A file
+    written before rollback copies existed has none: the layer can then only be truncated to 0
+    until tokens are encoded, and not below its length at all if it is calibrated (its
+    ``fixed_end`` is taken to be that length, and marked unknown: ``fixed_known`` False, so a
+    ``lowrank``/``vq`` layer, whose calibration may have been given, is never uncalibrated by a
+    truncation)."""
+    xp = st.xp
+    if "k_rollback" in arrays:
+        st.rollback = ExactTokens(k=xp.asarray(arrays["k_rollback"], copy=True),
+                                  v=xp.asarray(arrays["v_rollback"], copy=True))
+    if "fixed_end" in arrays:
+        st.fixed_end = int(arrays["fixed_end"][0])
+    elif st.calib is not None:
+        st.fixed_end, st.fixed_known = st.length, False

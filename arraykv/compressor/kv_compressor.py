@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
-from .._validation import check_finite, dtype_name, is_floating
+from .._validation import array_namespace, check_finite, dtype_name, is_floating
 from .. import ops
 from ..quant.intq import IntQuantized, dequantize_groups, quantize_groups
 from ..quant.lowrank import LowRankBasis, fit_basis
@@ -80,12 +80,7 @@ class KVCacheCompressor:
 
     # -- validation ---------------------------------------------------------------
     def _check_pair(self, k: Any, v: Any, ndim: int):
-        for name, x in (("k", k), ("v", v)):
-            try:
-                _compat.namespace(x)
-            except TypeError:
-                raise TypeError(f"{name} must be an array, received {type(x).__name__}") from None
-        xp = _compat.namespace(k, v)
+        xp = array_namespace(k=k, v=v)
         what = "(batch, heads, seq, head_dim)" if ndim == 4 else "(heads, seq, head_dim)"
         for name, x in (("k", k), ("v", v)):
             if x.ndim != ndim:

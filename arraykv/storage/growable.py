@@ -139,11 +139,45 @@ class TokenBuffers:
         self.capacity = new_cap
         self.reallocations += 1
 
-    def truncate(self, length: int) -> None:
-        """Forget tokens past ``length`` (the memory stays reserved)."""
+    def truncate_plan(self, length: int):
+        """What :meth:`truncate` to ``length`` will do, with every allocation already made.
+
+        Returns an opaque plan for :meth:`commit_truncate` (which cannot fail). A cache that
+        truncates several buffers plans all of them first, so a failed allocation changes none.
+        """
         if not 0 <= length <= self.length:
             raise ValueError(f"length must be in [0, {self.length}], received {length}")
+        if length == 0:
+            return (0, {}, 0)
+        if self.max_tokens is not None or self.capacity <= self.growth * length + self.min_capacity:
+            return (length, None, self.capacity)  # spare room within the growth bound: kept for the next appends
+        fresh = {n: _compat.namespace(a).asarray(a[:, :, :length, ...], copy=True) for n, a in self._arrays.items()}
+        return (length, fresh, length)
+
+    def commit_truncate(self, plan) -> None:
+        """Apply a plan of :meth:`truncate_plan` (nothing allocates; cannot fail)."""
+        length, fresh, capacity = plan
+        if fresh is not None:
+            self._arrays = fresh
         self.length = length
+        self.capacity = capacity
+
+    def truncate(self, length: int) -> None:
+        """Forget tokens past ``length`` (``0 <= length <= self.length``).
+
+        The capacity obeys the growth bound afterwards: spare room up to ``growth × length +
+        min_capacity`` tokens is kept (the next appends need no reallocation), more is released
+        by copying the kept tokens into an exact-size allocation; at 0 every array is dropped.
+        With ``max_tokens`` the buffers keep their one allocation.
+        """
+        self.commit_truncate(self.truncate_plan(length))
+
+    def copy(self) -> "TokenBuffers":
+        """An independent copy: the in-use tokens in exact-size arrays, same options."""
+        out = TokenBuffers(growth=self.growth, min_capacity=self.min_capacity, max_tokens=self.max_tokens)
+        if self.length:
+            out.append({n: _compat.namespace(a).asarray(a, copy=True) for n, a in self.arrays().items()})
+        return out
 
     def clear(self) -> None:
         """Drop every array and its memory."""

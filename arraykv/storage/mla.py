@@ -6,8 +6,9 @@ import threading
 from typing import Any
 
 from .. import _compat
-from .._validation import check_bool, check_finite, check_int, dtype_name, is_floating
+from .._validation import array_namespace, check_bool, check_finite, check_int, dtype_name, is_floating
 from .growable import TokenBuffers
+from .sequences import SequenceIds, check_truncate_length, fork_store
 
 __all__ = ["MlaCache"]
 
@@ -74,9 +75,7 @@ class MlaCache:
         self._proj: list = [None] * self.num_layers
         self._data: list = [dict() for _ in range(self.num_layers)]  # seq_id -> TokenBuffers
         self._locks = [threading.Lock() for _ in range(self.num_layers)]
-        self._ids_lock = threading.Lock()
-        self._live: set = set()
-        self._next_id = 0
+        self._ids = SequenceIds()
 
     # -- projections ----------------------------------------------------------------
     def set_projection(self, layer: int, up_k: Any, up_v: Any, down: Any = None) -> None:
@@ -182,40 +181,21 @@ class MlaCache:
 
     # -- sequences ------------------------------------------------------------------
     def allocate_sequence(self) -> int:
-        """Register a new, empty sequence and return its id."""
-        with self._ids_lock:
-            sid = self._next_id
-            self._next_id += 1
-            self._live.add(sid)
-            return sid
+        """Register a new, empty sequence and return its id (ids are never reused)."""
+        return self._ids.allocate()
 
     def free(self, seq_id: int) -> None:
         """Forget ``seq_id`` in every layer; freeing twice is an error."""
-        sid = check_int("seq_id", seq_id, low=0)
-        with self._ids_lock:
-            if sid not in self._live:
-                state = "was already freed" if sid < self._next_id else "was never allocated"
-                raise ValueError(f"cannot free seq_id {sid}: it {state}")
-            self._live.discard(sid)
+        sid = self._ids.release(seq_id)
         for i in range(self.num_layers):
             with self._locks[i]:
                 self._data[i].pop(sid, None)
 
     def _check_seq(self, seq_id: Any) -> int:
-        sid = check_int("seq_id", seq_id, low=0)
-        with self._ids_lock:
-            if sid not in self._live:
-                state = "was freed" if sid < self._next_id else "was never allocated"
-                raise ValueError(f"seq_id {sid} {state}; allocate_sequence() gives a valid id")
-        return sid
+        return self._ids.check(seq_id)
 
     def _check_kv(self, k: Any, v: Any):
-        for name, x in (("k", k), ("v", v)):
-            try:
-                _compat.namespace(x)
-            except TypeError:
-                raise TypeError(f"{name} must be an array, received {type(x).__name__}") from None
-        xp = _compat.namespace(k, v)
+        xp = array_namespace(k=k, v=v)
         for name, x, d in (("k", k, self.head_dim), ("v", v, self.v_head_dim)):
             if x.ndim != 3 or int(x.shape[0]) != self.num_heads or int(x.shape[2]) != d:
                 raise ValueError(f"{name} must have shape ({self.num_heads}, tokens, {d}), received {tuple(x.shape)}")
@@ -340,6 +320,37 @@ class MlaCache:
             else:
                 k = k_nope
             return k, v
+
+    def fork(self) -> "MlaCache":
+        """An independent copy: the same sequences (same ids), latents and projections.
+
+        The latents are copied (O(``memory_usage()``), under every layer lock); the projection
+        arrays are shared, as they are replaced, never written in place (a
+        :meth:`set_projection` or :meth:`fit` on either affects only that one).
+        """
+        twin = fork_store(self, "_data", lambda seqs: {s: b.copy() for s, b in seqs.items()})
+        twin._proj = list(self._proj)
+        return twin
+
+    def truncate(self, layer: int, seq_id: int, length: int) -> None:
+        """Keep the first ``length`` latents (and RoPE keys) of ``seq_id`` in ``layer``.
+
+        Afterwards the sequence is as if the later tokens had never been appended: same
+        ``seq_len``, ``get_kv``, ``get_compressed_kv`` and ``memory_usage``; spare room beyond
+        the buffers' growth bound is released (:meth:`TokenBuffers.truncate`). Raises like
+        :meth:`PagedKVCache.truncate`, changing nothing.
+        """
+        layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
+        length = check_int("length", length, low=0)
+        with self._locks[layer]:
+            sid = self._check_seq(seq_id)
+            buf = self._data[layer].get(sid)
+            held = 0 if buf is None else buf.length
+            check_truncate_length(length, held, sid, layer)
+            if length == 0:
+                self._data[layer].pop(sid, None)
+            elif length < held:
+                buf.truncate(length)
 
     def seq_len(self, layer: int, seq_id: int) -> int:
         layer = check_int("layer", layer, low=0, high=self.num_layers - 1)

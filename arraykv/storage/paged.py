@@ -6,7 +6,8 @@ import threading
 from typing import Any
 
 from .. import _compat
-from .._validation import check_bool, check_finite, check_int, dtype_name, is_floating
+from .._validation import array_namespace, check_bool, check_finite, check_int, dtype_name, is_floating
+from .sequences import SequenceIds, check_truncate_length, fork_store
 
 __all__ = ["PagedKVCache"]
 
@@ -21,6 +22,17 @@ class _Layer:
         self.free: list = []
         self.tables: dict = {}  # seq_id -> list of block ids
         self.lengths: dict = {}  # seq_id -> tokens
+
+    def copy(self) -> "_Layer":
+        out = _Layer()
+        if self.k_pool is not None:
+            out.k_pool = self.xp.asarray(self.k_pool, copy=True)
+            out.v_pool = self.xp.asarray(self.v_pool, copy=True)
+        out.xp = self.xp
+        out.free = list(self.free)
+        out.tables = {s: list(t) for s, t in self.tables.items()}
+        out.lengths = dict(self.lengths)
+        return out
 
 
 class PagedKVCache:
@@ -65,43 +77,26 @@ class PagedKVCache:
         for lay in self._layers:
             lay.free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self._locks = [threading.Lock() for _ in range(self.num_layers)]
-        self._ids_lock = threading.Lock()
-        self._live: set = set()
-        self._next_id = 0
+        self._ids = SequenceIds()
 
     # -- sequences ------------------------------------------------------------------
     def allocate_sequence(self) -> int:
         """Register a new, empty sequence and return its id (ids are never reused)."""
-        with self._ids_lock:
-            sid = self._next_id
-            self._next_id += 1
-            self._live.add(sid)
-            return sid
+        return self._ids.allocate()
 
     def sequences(self) -> list:
         """Ids of the live sequences, ascending."""
-        with self._ids_lock:
-            return sorted(self._live)
+        return self._ids.live()
 
     def _check_seq(self, seq_id: Any) -> int:
-        sid = check_int("seq_id", seq_id, low=0)
-        with self._ids_lock:
-            if sid not in self._live:
-                state = "was freed" if sid < self._next_id else "was never allocated"
-                raise ValueError(f"seq_id {sid} {state}; allocate_sequence() gives a valid id")
-        return sid
+        return self._ids.check(seq_id)
 
     def _check_layer(self, layer: Any) -> int:
         return check_int("layer", layer, low=0, high=self.num_layers - 1)
 
     def free(self, seq_id: int) -> None:
         """Return every block of ``seq_id`` to the pools; freeing twice is an error."""
-        sid = check_int("seq_id", seq_id, low=0)
-        with self._ids_lock:
-            if sid not in self._live:
-                state = "was already freed" if sid < self._next_id else "was never allocated"
-                raise ValueError(f"cannot free seq_id {sid}: it {state}")
-            self._live.discard(sid)
+        sid = self._ids.release(seq_id)
         for i, lay in enumerate(self._layers):
             with self._locks[i]:
                 blocks = lay.tables.pop(sid, [])
@@ -167,13 +162,47 @@ class PagedKVCache:
             lay.tables[sid] = table
             lay.lengths[sid] = length + t
 
+    def fork(self) -> "PagedKVCache":
+        """An independent copy: the same sequences (same ids), blocks and free lists.
+
+        A full copy of every layer's pools (O(``reserved_bytes()``), under every layer lock);
+        writes to either never affect the other.
+        """
+        return fork_store(self, "_layers", _Layer.copy)
+
+    def truncate(self, layer: int, seq_id: int, length: int) -> None:
+        """Keep the first ``length`` tokens of ``seq_id`` in ``layer``; blocks no longer used go back to the pool.
+
+        Afterwards the sequence is as if the later tokens had never been appended: same
+        ``seq_len``, ``get_kv`` and ``memory_usage`` (the blocks past ``ceil(length /
+        block_size)`` are freed; the next append reuses the first of them first). ``length``
+        may be 0 (the sequence stays allocated, holding nothing in this layer).
+
+        Raises
+        ------
+        TypeError
+            ``layer``, ``seq_id`` or ``length`` not an int.
+        ValueError
+            Out of range (``0 <= length <= seq_len``), or ``seq_id`` not live; nothing changes.
+        """
+        layer = self._check_layer(layer)
+        length = check_int("length", length, low=0)
+        with self._locks[layer]:
+            sid = self._check_seq(seq_id)
+            lay = self._layers[layer]
+            held = lay.lengths.get(sid, 0)
+            check_truncate_length(length, held, sid, layer)
+            table = lay.tables.get(sid, [])
+            keep = -(-length // self.block_size)
+            lay.free.extend(reversed(table[keep:]))
+            if length:
+                lay.tables[sid], lay.lengths[sid] = table[:keep], length
+            else:
+                lay.tables.pop(sid, None)
+                lay.lengths.pop(sid, None)
+
     def _check_tokens(self, k: Any, v: Any):
-        for name, x in (("k", k), ("v", v)):
-            try:
-                _compat.namespace(x)
-            except TypeError:
-                raise TypeError(f"{name} must be an array, received {type(x).__name__}") from None
-        xp = _compat.namespace(k, v)
+        xp = array_namespace(k=k, v=v)
         for name, x, d in (("k", k, self.head_dim), ("v", v, self.v_head_dim)):
             if x.ndim != 3:
                 raise ValueError(f"{name} must have shape (num_kv_heads, new_tokens, head_dim), "

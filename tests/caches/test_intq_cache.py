@@ -82,7 +82,9 @@ def test_int4_packing_and_memory(rng):
     held = sum(x.nbytes for x in a.values())
     assert cache.memory_usage() == held
     # 96 quantized key tokens and 100 value tokens at 4 + 32/32 bits, 4 float32 residual keys
-    assert held == (96 + 100) * H * D * 5 // 8 + 4 * H * D * 4
+    # (and the rollback copies: the 32 float32 keys of the last group, the 8-byte record)
+    assert held == (96 + 100) * H * D * 5 // 8 + 4 * H * D * 4 + 32 * H * D * 4 + 8 == \
+        (96 + 100) * H * D * 5 // 8 + 4 * H * D * 4 + cache.rollback_bytes()
 
 
 def test_config_round_trip_and_options():
@@ -146,7 +148,8 @@ def test_int2_layout_schedule_and_memory(rng):
         assert cache.used_bytes() == sum(x.nbytes for x in a.values())
     n = 85
     # 64 quantized keys and 53 quantized values at 2 + 32/32 bits; 21 keys and 32 values in float16
-    assert cache.used_bytes() == (64 + 53) * H * D * 3 // 8 + (21 + 32) * H * D * 2
+    # (and the rollback copies: the 32 keys of the last chunk, the last 16 values, the 8-byte record)
+    assert cache.used_bytes() == (64 + 53) * H * D * 3 // 8 + (21 + 32) * H * D * 2 + (32 + 16) * H * D * 2 + 8
     k, v = np.concatenate(ks, 2), np.concatenate(vs, 2)
     r = cache.dequantize(0)
     assert r.k.dtype == np.float32 and r.k.shape == (1, H, n, D)
@@ -168,7 +171,7 @@ def test_int2_what_is_stored_does_not_depend_on_the_calls(rng):
     for other in (pieces, tokens):
         a, b = whole.layer_arrays(0), other.layer_arrays(0)
         assert a.keys() == b.keys()
-        for name in a:
+        for name in set(a) - {"fixed_end"}:  # (the end of the first call, which a truncation may not cut)
             np.testing.assert_array_equal(a[name], b[name])
 
 

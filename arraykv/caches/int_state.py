@@ -1,0 +1,130 @@
+"""An integer-cache layer as named arrays (what snapshots and files hold), and back; its truncation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .int_codec import IntLayer
+
+__all__ = ["layer_arrays", "restore_layer", "NO_EXP", "key_copies", "truncate_floor", "truncate_plan"]
+
+#: Saved in place of an exponent not fixed yet (the layer has held only zeros).
+NO_EXP = -(1 << 20)
+
+
+def layer_arrays(st: IntLayer, windowed: bool) -> dict:
+    """The arrays of layer ``st`` by their saved names (views).
+
+    ``k_codes``, ``k_scale``, ``k_offset``, ``v_codes``, ``v_scale``, ``v_offset``,
+    ``k_residual``, ``v_window`` (only with a window, ``windowed``) and ``exp`` (int32 ``[k_exp,
+    v_exp]``, only when not both 0, so typical data keeps the arrays it always had), the
+    rollback copies ``k_rollback``, ``v_rollback`` and ``fixed_end`` (int64, shape (1,)).
+    """
+    out = dict(st.kq.arrays())
+    out.update(st.vq.arrays())
+    out["k_residual"] = st.k_residual
+    if windowed:
+        out["v_window"] = st.v_window
+    if st.exp != (0, 0):
+        out["exp"] = st.xp.asarray([NO_EXP if e is None else e for e in st.exp], dtype=st.xp.int32, device=st.device)
+    out["k_rollback"], out["v_rollback"] = st.k_rollback, st.v_rollback
+    out["fixed_end"] = st.xp.asarray([st.fixed_end], dtype=st.xp.int64, device=st.device)
+    return out
+
+
+def restore_layer(st: IntLayer, arrays: dict, length: int, group_size: int) -> IntLayer:
+    """Fill the fresh layer ``st`` from :func:`layer_arrays` output (copies), checking the token counts."""
+    xp: Any = st.xp
+    kq = {n: arrays[n] for n in ("k_codes", "k_scale", "k_offset") if n in arrays}
+    if kq and int(kq["k_codes"].shape[2]):
+        st.kq.append(kq)
+    vq = {n: arrays[n] for n in ("v_codes", "v_scale", "v_offset") if n in arrays}
+    if vq and int(vq["v_codes"].shape[2]):
+        st.vq.append(vq)
+    st.k_residual = xp.asarray(arrays["k_residual"], copy=True)
+    if "v_window" in arrays:
+        st.v_window = xp.asarray(arrays["v_window"], copy=True)
+    if "exp" in arrays:
+        exps = (int(arrays["exp"][0]), int(arrays["exp"][1]))
+        st.exp = tuple(None if e == NO_EXP else e for e in exps)
+    else:
+        st.exp = (0, 0)
+    for name in ("k_rollback", "v_rollback"):  # files written before rollback copies existed have none
+        if name in arrays:
+            setattr(st, name, xp.asarray(arrays[name], copy=True))
+    # without the record, the units may have been fixed by the latest store: no cut is known safe
+    st.fixed_end = int(arrays["fixed_end"][0]) if "fixed_end" in arrays else length
+    keys = st.kq.length * group_size + int(st.k_residual.shape[2])
+    values = st.vq.length + int(st.v_window.shape[2])
+    if keys != length or values != length:
+        raise ValueError(f"stored arrays hold {keys} keys and {values} values, expected {length} of each")
+    st.length = length
+    return st
+
+
+def key_copies(cache: Any) -> int:
+    """Exact keys an int layer keeps for rollback: whole chunks covering ``rollback_tokens``.
+
+    Keys are quantized ``chunk`` at a time (``residual_window``, else ``group_size``), so
+    taking back ``D`` tokens can reopen ``ceil(D / chunk)`` chunks.
+    """
+    chunk = cache.residual_window or cache.group_size
+    return -(-cache.rollback_tokens // chunk) * chunk
+
+
+def _cut(cache: Any, st: IntLayer, length: int) -> tuple:
+    """``(kt', k_lo, vt', v_lo, ok)`` of a truncation to ``length``: keys quantized afterwards
+    and the first key held exactly (copies, then residual); the same for values; reachable."""
+    g, r = cache.group_size, cache.residual_window
+    chunk = r or g
+    kt, vt = st.kq.length * g, st.vq.length
+    kt2 = length // chunk * chunk
+    k_lo = kt - int(st.k_rollback.shape[2])
+    vt2 = length - min(length, r)
+    v_lo = vt - int(st.v_rollback.shape[2])
+    ok = (kt2 == length or kt2 >= k_lo) and (vt2 == length or vt2 >= v_lo or not r)
+    return kt2, k_lo, vt2, v_lo, ok
+
+
+def truncate_floor(cache: Any, st: IntLayer) -> int:
+    """Smallest length above 0 that layer ``st`` of ``cache`` can be truncated to exactly.
+
+    Notes
+    -----
+    A layer of ``n`` tokens has quantized its first ``kt = ⌊n / chunk⌋ · chunk`` keys and its
+    first ``vt = n − min(n, R)`` values (every value when ``R = 0``); a direct build of ``L``
+    tokens the first ``kt' = ⌊L / chunk⌋ · chunk`` keys and ``vt'`` values by the same rules,
+    with the same codes (a group's codes depend on its tokens only, in units fixed by the
+    layer's first non-zero store). Its exact keys ``kt' .. L − 1`` must be among the key copies
+    and the residual, its exact values among the value copies and the window; and ``L`` must
+    not be inside the store that fixed the units (``fixed_end``).
+    """
+    low = max(1, st.fixed_end)
+    for length in range(st.length - 1, low - 1, -1):
+        if not _cut(cache, st, length)[-1]:
+            return length + 1
+    return low
+
+
+def truncate_plan(cache: Any, st: IntLayer, length: int):
+    """Everything of a truncation of ``st`` to a reachable ``length``, computed; returns the commit."""
+    xp = st.xp
+    g = cache.group_size
+    kt2, k_lo, vt2, v_lo, _ = _cut(cache, st, length)
+    kr, vr = st.k_rollback, st.v_rollback
+    ek = xp.concat([kr, st.k_residual], axis=2) if int(kr.shape[2]) else st.k_residual
+    residual = ek[:, :, kt2 - k_lo: length - k_lo, :] if length > kt2 else st.k_residual[:, :, :0, :]
+    k_keep = kr[:, :, : max(0, int(kr.shape[2]) - (st.kq.length * g - kt2)), :]
+    window, v_keep = st.v_window, vr
+    if cache.residual_window:
+        ev = xp.concat([vr, st.v_window], axis=2) if int(vr.shape[2]) else st.v_window
+        window = ev[:, :, vt2 - v_lo: length - v_lo, :] if length > vt2 else st.v_window[:, :, :0, :]
+        v_keep = vr[:, :, : max(0, int(vr.shape[2]) - (st.vq.length - vt2)), :]
+    kplan = st.kq.truncate_plan(kt2 // g)
+    vplan = st.vq.truncate_plan(vt2)
+
+    def commit():
+        st.kq.commit_truncate(kplan)
+        st.vq.commit_truncate(vplan)
+        st.k_residual, st.v_window, st.k_rollback, st.v_rollback = residual, window, k_keep, v_keep
+    return commit
