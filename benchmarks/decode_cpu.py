@@ -297,6 +297,82 @@ def long(args, baseline):
     print(f"# first fused call (Numba compile or cache load): {compile_ms:.0f} ms")
 
 
+FLOOR_SHAPES = {"32q/8kv/d128": (8, 4, 128), "SmolLM2 9q/3kv/d64": (3, 3, 64)}
+
+
+def _steps(method, k, v, q, scale, rng, baseline=None):
+    """``(step, bytes read)``: one fused decode-attention call of ``method`` over ``k, v`` (b, h, n, d);
+    ``"pqo4 before"``: the same codec through the ``--baseline-rev`` kernel module."""
+    b, h, n, d = k.shape
+    if method in ("dense", "dense blas"):
+        if method == "dense":
+            return (lambda: arraykv.attention(q, k, v, softmax_scale=scale)), k.nbytes + v.nbytes, None
+        g = q.shape[1] // h
+        q4 = q.reshape(b, h, g, d) * np.float32(scale)
+
+        def blas():  # q K^T by matmul, softmax, @ V: one (g, d) x (d, n) and one (g, n) x (n, d) per head
+            s = q4 @ k.transpose(0, 1, 3, 2)
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            return (s @ v) / s.sum(axis=-1, keepdims=True)
+        return blas, k.nbytes + v.nbytes, None
+    if method == "vq":  # codes of the vq cache's defaults (16 centroids of 2 channels: 4-bit codes), random
+        m, kk = d // 2, 16
+        kc, vc = (np.ascontiguousarray(rng.integers(0, 256, (b, h, n, m // 2), dtype=np.uint8)) for _ in "kv")
+        cent = rng.standard_normal((h, m, kk, 2)).astype(np.float32)
+        e = np.zeros((b, h, 0, d), np.float32)
+        q3 = q[:, :, 0]
+        return (lambda: arraykv.ops.vq_decode_attention(q3, kc, cent, vc, cent, e, e, bits=4, softmax_scale=scale),
+                kc.nbytes + vc.nbytes + 2 * cent.nbytes, None)
+    opts = dict(residual_window=0, sink_tokens=0) if method.startswith("pq") else dict(residual_window=0)
+    cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=h, head_dim=d, **opts)
+    cache.prefill(0, k, v, rng.standard_normal((b, q.shape[1], n, d), dtype=np.float32))
+    codec = cache.layer_codec_state(0)
+    fn = polar_decode_attention if method.startswith("pq") else arraykv.ops.int_decode_attention
+    before = None if baseline is None else (lambda: baseline.polar_decode_attention(codec, q, scale))
+    return (lambda: fn(codec, q, scale)), cache.memory_usage(), before
+
+
+def floor_table(args, baseline=None):
+    """Every method's fused step beside its floor and the fastest dense float32 attention, two shapes."""
+    import numba
+
+    import cpu_floor
+
+    threads = numba.get_num_threads()
+    get_blas, _ = blas_threads()
+    n = args.floor_context
+    print(f"\n## Decode attention vs the floor: batch 1, {n} tokens, no window, Numba threads {threads}, "
+          f"OpenBLAS threads {get_blas() if get_blas else '?'}; ms, median (min-max) of {args.repeat}")
+    print(cpu_floor.describe(threads))
+    print("| shape | method | ms | floor ms (memory / compute) | time / floor | best dense / time |")
+    print("|---|---|---|---|---|---|")
+    for label, (h, g, d) in FLOOR_SHAPES.items():
+        rng = np.random.default_rng(args.seed)
+        k = rng.standard_normal((1, h, n, d), dtype=np.float32)
+        v = rng.standard_normal((1, h, n, d), dtype=np.float32)
+        q = rng.standard_normal((1, h * g, 1, d), dtype=np.float32)
+        fns, floors = {}, {}
+        for method in args.floor_methods:
+            fns[method], nbytes, before = _steps(method, k, v, q, d**-0.5, rng,
+                                                 baseline if method.startswith("pq") else None)
+            if before is not None:
+                fns[f"{method} before"] = before
+                floors[f"{method} before"] = cpu_floor.floor_seconds(nbytes, fmas=n * h * g * 2 * d, threads=threads)
+            ops = n * h * g * 2 * (d // 2 if method == "vq" else d)  # per (token, query head): score + value
+            floors[method] = cpu_floor.floor_seconds(nbytes, fmas=0 if method == "vq" else ops,
+                                                     lookups=ops if method == "vq" else 0, threads=threads)
+        t = interleaved(fns, args.repeat)
+        med = {name: np.median(ts) for name, ts in t.items()}
+        dense = min(med[m] for m in med if m.startswith("dense")) if any(m.startswith("dense") for m in med) else None
+        for method, ts in t.items():
+            f = floors[method]
+            vs_dense = f"{dense / med[method]:.2f}" if dense else "-"
+            print(f"| {label} | {method} | {np.median(ts) * 1e3:.2f} ({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f}) "
+                  f"| {f['floor'] * 1e3:.2f} ({f['memory'] * 1e3:.2f} / {f['compute'] * 1e3:.2f}) "
+                  f"| {med[method] / f['floor']:.1f} | {vs_dense} |", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 65536])
@@ -308,6 +384,10 @@ def main(argv=None):
     ap.add_argument("--model-steps", type=int, default=0,
                     help="decode steps of SmolLM2-135M per cache (0: skip; needs the GGUF, see docs/quality.md)")
     ap.add_argument("--model-context", type=int, default=512)
+    ap.add_argument("--floor", action="store_true",
+                    help="only the table of every method beside its floor (see benchmarks/cpu_floor.py)")
+    ap.add_argument("--floor-context", type=int, default=32768)
+    ap.add_argument("--floor-methods", nargs="+", default=["pqo4", "pqo2", "int4", "int8", "vq", "dense", "dense blas"])
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--skip-long", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
@@ -320,6 +400,9 @@ def main(argv=None):
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, numpy {np.__version__}, numba {numba.__version__} "
           f"({numba.get_num_threads()} threads)")
     baseline = load_baseline(args.baseline_rev) if args.baseline_rev else None
+    if args.floor:
+        floor_table(args, baseline)
+        return
     if not args.skip_small:
         small(args, baseline)
     if args.model_steps:

@@ -13,8 +13,8 @@ layer's lock held and only after every input check passed:
     :class:`~arraykv.Dequantized`.
 ``_side_nbytes(state)``
     Bytes held besides the token buffers of ``state.buffers()``.
-``_truncate(state, length)``, ``_truncate_floor(state)``
-    Drop tokens from the end (:mod:`arraykv.caches.rollback`).
+``_truncate_plan(state, length)``, ``_truncate_floor(state)``, ``_reachable(state, length)``, ``_reach_ranges(state)``
+    Drop tokens from the end, and which lengths can be reached (:mod:`arraykv.caches.rollback`).
 
 Hooks must compute everything that can fail before they mutate ``state`` so that a rejected
 call leaves the layer as it was.
@@ -58,7 +58,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
     :meth:`dequantize`), persistence (:class:`~arraykv.caches.snapshots.LayerSnapshots`:
     ``snapshot``, ``restore``, ``save``) and taking tokens back or copying the cache
     (:class:`~arraykv.caches.rollback.LayerRollback`: ``truncate``, ``truncate_all``,
-    ``min_truncate_length``, ``rollback_bytes``, ``fork``).
+    ``min_truncate_length``, ``can_truncate``, ``rollback_bytes``, ``fork``).
     """
 
     method: str = "base"

@@ -240,6 +240,10 @@ class FittedCache(WindowRollback, LayeredCache):
         """The tokens kept as float16 vectors (sinks, then window): (b, h, E, d) each."""
         return st.exact.k, st.exact.v
 
+    def _uncalibrated_at(self, st, length: int) -> bool:
+        # a layer fits once it holds min_calibration vectors per head besides its sinks (none if given)
+        return st.batch * (length - min(self.sink_tokens, length)) < self.min_calibration
+
     def _stable_length(self, st) -> int:
         # sinks and encoded tokens never change; window tokens (all tokens before the fit) will be encoded
         return st.exact.n_sink + st.codes.length

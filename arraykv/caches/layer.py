@@ -26,7 +26,13 @@ class LayerState:
         Tokens stored.
     fixed_end : int
         ``length`` after the call that fixed the layer's data-dependent parameters (its
-        calibration); 0 when none did. A truncation inside that call is refused.
+        calibration); 0 when none did (or it was given). A truncation inside that call is
+        refused; one below it may return the layer to its uncalibrated state
+        (:mod:`arraykv.caches.rollback`).
+    fixed_known : bool
+        False when ``fixed_end`` was not recorded (a layer loaded from a file written before
+        the record existed): it is then the layer's length at loading, and whether a call
+        made the calibration is unknown.
     """
 
     xp: Any
@@ -35,6 +41,7 @@ class LayerState:
     dtype: Any
     length: int = 0
     fixed_end: int = 0
+    fixed_known: bool = True
 
     def buffers(self) -> tuple:
         """The growable token buffers of the layer (for :meth:`LayeredCache.reallocations`)."""

@@ -155,6 +155,7 @@ class PolarCache(WindowRollback, LayeredCache):
 
 
     method = "polar"
+    _calibration_given = False  # only a spilling window calibrates a layer
     #: Options a subclass fixes (its method name says them); not constructor arguments there.
     _fixed_options: dict = {}
 
@@ -284,6 +285,10 @@ class PolarCache(WindowRollback, LayeredCache):
 
     def _stable_length(self, st) -> int:
         return st.exact.n_sink + st.codes.length  # sinks and codes never change; the window does
+
+    def _uncalibrated_at(self, st, length: int) -> bool:
+        # a layer calibrates when its window first spills
+        return length - min(self.sink_tokens, length) <= self.residual_window
 
     # -- persistence view: the saved names are k_window (sinks, then recent), codes, calibration
     def _layer_arrays(self, st) -> dict:

@@ -9,11 +9,18 @@ tokens it encoded (for the int caches: the exact keys of the last key groups it 
 enough to refill a partial group ``rollback_tokens`` deep, and the last values that left the
 window), exactly what the direct build holds for them. Two things cannot be rebuilt, so a
 truncation that needs them is refused before anything changes: tokens deeper than the copies
-reach, and a cut inside the call that calibrated the layer (the polar calibration, the
-``lowrank``/``vq`` fit, the int caches' power-of-two units: a direct build would have computed
-them from fewer tokens). The hooks of a cache are ``_truncate_floor(state)`` (the smallest
-length above 0 it can reach) and ``_truncate_plan(state, length)`` (everything that can fail,
-computed; returns a function that commits without failing).
+reach, and a calibration other than the layer's (the polar calibration, the ``lowrank``/``vq``
+fit, the int caches' power-of-two units) that a direct build would compute from fewer tokens:
+a cut inside the call that calibrated the layer, or below it where the direct build still
+calibrates. Below that call a direct build may not have calibrated at all (a short prompt
+whose window first spilled in a later decode): the window caches then rebuild that
+uncalibrated state when the layer still holds every token of it exactly (sinks, window and
+copies), so the reachable lengths are 0 and up to two intervals, ``1 .. U`` and ``F ..
+seq_len`` (:meth:`LayerRollback.can_truncate`). The hooks of a cache are
+``_truncate_floor(state)`` (the smallest ``L`` above 0 with every length from ``L`` to the
+layer's length reachable), ``_reachable(state, length)`` and ``_reach_ranges(state)`` (by
+default: the lengths from the floor on), and ``_truncate_plan(state, length)`` (everything
+that can fail, computed; returns a function that commits without failing).
 """
 
 from __future__ import annotations
@@ -70,7 +77,8 @@ class LayerRollback:
         ----------
         layer : int
         length : int
-            ``0`` or ``min_truncate_length(layer) <= length <= seq_len(layer)``.
+            ``0``, ``min_truncate_length(layer) <= length <= seq_len(layer)``, or a shorter
+            length :meth:`can_truncate` accepts.
 
         Raises
         ------
@@ -78,8 +86,8 @@ class LayerRollback:
             ``layer`` or ``length`` not an int.
         ValueError
             Out of range, or not reachable exactly (deeper than the rollback copies reach, or
-            inside the call that calibrated the layer); the message names the smallest length
-            reachable and ``rollback_tokens``. Nothing changes.
+            where a direct build would calibrate on other tokens); the message names the
+            lengths reachable and ``rollback_tokens``. Nothing changes.
 
         Notes
         -----
@@ -136,14 +144,38 @@ class LayerRollback:
                     commit()
 
     def min_truncate_length(self, layer: int) -> int:
-        """The smallest length above 0 that :meth:`truncate` can reach in ``layer`` now.
+        """The smallest length ``L`` above 0 such that :meth:`truncate` can reach every length
+        from ``L`` to ``seq_len(layer)`` in ``layer`` now.
 
-        Every length from it to ``seq_len(layer)`` is reachable, and 0. ``seq_len`` when only
-        0 is (the copies reach no deeper, or the layer was calibrated by its latest call); 0
-        for an empty layer. A speculative decoding loop checks it before it appends a draft.
+        0 is always reachable too. ``seq_len`` when no shorter length is reachable from the
+        top (the copies reach no deeper, or the layer was calibrated by its latest call); 0
+        for an empty layer. Some lengths below it may be reachable as well (a window cache
+        calibrated by a call after a short prompt can go back to the uncalibrated layer of
+        its first tokens): :meth:`can_truncate` answers for one length. A speculative decoding
+        loop checks it before it appends a draft.
         """
         got = self._with_layer(layer, lambda st: min(st.length, max(1, self._truncate_floor(st))))
         return 0 if got is None else got
+
+    def can_truncate(self, layer: int, length: int) -> bool:
+        """Whether :meth:`truncate` of ``layer`` to ``length`` would succeed now (exactly).
+
+        True for 0, for ``seq_len(layer)`` and every length from :meth:`min_truncate_length`
+        up, and for the shorter lengths that are reachable; False above ``seq_len``.
+
+        Raises
+        ------
+        TypeError
+            ``layer`` or ``length`` not an int.
+        ValueError
+            ``layer`` out of range or ``length`` negative.
+        """
+        layer = self._check_layer(layer)
+        length = check_int("length", length, low=0)
+        with self._locks[layer]:
+            st = self._states[layer]
+            n = 0 if st is None else st.length
+            return length in (0, n) or (length < n and self._reachable(st, length))
 
     def rollback_bytes(self) -> int:
         """Bytes held for :meth:`truncate` by every layer: the rollback copies, and 8 bytes per
@@ -181,9 +213,8 @@ class LayerRollback:
             return None
         if length == 0:
             return lambda: self._states.__setitem__(layer, None)
-        floor = max(1, self._truncate_floor(st))
-        if length < floor:
-            raise ValueError(self._refusal(layer, st, length, floor))
+        if not self._reachable(st, length):
+            raise ValueError(self._refusal(layer, st, length))
         commit = self._truncate_plan(st, length)
 
         def apply():
@@ -191,24 +222,46 @@ class LayerRollback:
             st.length = length
         return apply
 
-    def _refusal(self, layer: int, st: LayerState, length: int, floor: int) -> str:
-        reach = f"0 or {floor} .. {st.length}" if floor < st.length else "only 0"
-        why = (f"below {st.fixed_end}, the end of the call that calibrated it (a direct build would calibrate on "
-               f"other tokens)" if length < st.fixed_end else
-               f"deeper than its rollback copies reach (rollback_tokens={self.rollback_tokens}; a larger value "
-               f"reaches deeper)")
+    def _refusal(self, layer: int, st: LayerState, length: int) -> str:
+        ranges = self._reach_ranges(st)
+        items = ["0"] + [f"{a}" if a == b else f"{a} .. {b}" for a, b in ranges]
+        reach = "only 0" if ranges == [(st.length, st.length)] else ", ".join(items[:-1]) + " or " + items[-1]
+        copies = f"rollback_tokens={self.rollback_tokens}; a larger value reaches deeper"
+        if length >= st.fixed_end:
+            why = f"deeper than its rollback copies reach ({copies})"
+        else:
+            why = f"below {st.fixed_end}, the end of the call that calibrated it, and "
+            if not st.fixed_known and getattr(self, "_calibration_given", True):
+                why += "the file it was loaded from does not record that call (it may have been given)"
+            elif getattr(self, "_uncalibrated_at", lambda s, n: False)(st, length):
+                why += (f"the uncalibrated layer a direct build holds there needs tokens deeper than its rollback "
+                        f"copies reach ({copies})")
+            else:
+                why += "a direct build would calibrate on other tokens"
         return f"cannot truncate layer {layer} to {length} exactly: it can reach {reach}; {length} is {why}"
 
     def _copy_layer(self, st: LayerState) -> LayerState:
         arrays = {n: st.xp.asarray(a, copy=True) for n, a in self._layer_arrays(st).items()}
-        return self._restore_layer(st.xp, st.device, st.batch, st.dtype, st.length, arrays)
+        twin = self._restore_layer(st.xp, st.device, st.batch, st.dtype, st.length, arrays)
+        twin.fixed_end, twin.fixed_known = st.fixed_end, st.fixed_known  # also where no file records it
+        return twin
 
     def _fork_fixed(self, source) -> None:
         """Give a fork its own copies of the cache-wide mutable state (hook; nothing by default)."""
 
     def _truncate_floor(self, state: LayerState) -> int:
-        """Smallest length above 0 reachable (hook); by default none but the current one."""
+        """Smallest ``L`` above 0 with every length ``L .. state.length`` reachable (hook); by
+        default none but the current one."""
         return state.length
+
+    def _reachable(self, state: LayerState, length: int) -> bool:
+        """Whether ``0 < length < state.length`` is reachable exactly (hook); by default the
+        lengths from the floor on."""
+        return length >= max(1, self._truncate_floor(state))
+
+    def _reach_ranges(self, state: LayerState) -> list:
+        """The reachable lengths above 0 as ``[(first, last), ...]``, ascending (hook)."""
+        return [(min(state.length, max(1, self._truncate_floor(state))), state.length)]
 
     def _truncate_plan(self, state: LayerState, length: int):
         raise NotImplementedError

@@ -247,7 +247,9 @@ def restore_tokens(st: Any, arrays: dict, per_token: tuple, exact: ExactTokens, 
 class WindowRollback:
     """Truncation of a layer with sinks, codes, a recent window and rollback copies (polar,
     ``lowrank``, ``vq``): a mixin before :class:`~arraykv.caches.LayeredCache`, for caches with
-    ``sink_tokens``, ``residual_window`` and ``rollback_tokens``.
+    ``sink_tokens``, ``residual_window``, ``rollback_tokens`` and the hook
+    ``_uncalibrated_at(state, length)`` (whether a direct build of ``length`` tokens has made
+    no calibration yet).
 
     Notes
     -----
@@ -259,30 +261,78 @@ class WindowRollback:
     codes, the same codes as the first ``c'`` here (same calibration, same positions). So ``L``
     is reachable when its window ``n_s' + c' .. L − 1`` starts at ``lo`` or later (or is empty),
     and when ``L`` is not inside the calibrating call (``L >= fixed_end``).
+
+    Below ``fixed_end`` a direct build calibrates on other tokens, or not at all: when it has
+    not calibrated yet (``_uncalibrated_at``; for polar ``L − n_s' <= residual_window``: its
+    window never spilled), it holds all ``L`` tokens exactly (sinks, then window), no code, no
+    calibration, no copies. That state is rebuilt when the layer's calibration was made by one
+    of its calls (not given: ``fixed_end > 0``; where a calibration may be given, also
+    recorded: ``fixed_known``; polar layers calibrate only when their window spills, so any
+    of theirs was) and every window token of it is
+    held exactly (``n_s' >= lo``: the copies reach back to the first encoded token, or there is
+    no window token). So the lengths reachable are 0, ``1 .. U`` (those uncalibrated ones, and
+    the sinks-only ones) and ``F .. n`` (above the calibrating call), two intervals that may
+    meet.
     """
 
-    def _cut(self, st: Any, length: int) -> tuple:
-        """``(n_s', w', c', lo)`` of a truncation of ``st`` to ``length`` (see Notes)."""
+    #: Whether a calibration may be given rather than made by a call (``lowrank``/``vq``): a
+    #: layer whose file did not record its calibrating call is then never uncalibrated.
+    _calibration_given: bool = True
+
+    def _cut(self, st: Any, length: int, calibrated: bool = True) -> tuple:
+        """``(n_s', w', c', lo)`` of a truncation of ``st`` to ``length`` (see Notes);
+        ``calibrated=False``: into the uncalibrated state (every token in the window)."""
         ns = st.exact.n_sink
         ns2 = min(ns, length)
-        w2 = length - ns2 if st.calib is None else min(length - ns2, self.residual_window)
+        w2 = length - ns2 if st.calib is None or not calibrated else min(length - ns2, self.residual_window)
         return ns2, w2, length - ns2 - w2, ns + st.codes.length - st.rollback.count
 
-    def _truncate_floor(self, st: Any) -> int:
+    def _uncalibrating(self, st: Any, length: int) -> bool:
+        """Whether a truncation of calibrated ``st`` to ``length`` must drop the calibration."""
+        return 0 < length < st.fixed_end and st.calib is not None
+
+    def _reachable(self, st: Any, length: int) -> bool:
+        """Whether a truncation of ``st`` to ``0 < length < st.length`` is exact (see Notes)."""
         if st.calib is None:
-            return 0  # every token is held exactly
-        low = max(1, st.fixed_end)
-        if not self.residual_window:
-            return low  # no window to refill: every length after the calibrating call is exact
-        for length in range(st.length - 1, low - 1, -1):  # fails within rollback_tokens + window steps
+            return True  # every token is held exactly
+        if length >= st.fixed_end:
             ns2, w2, c2, lo = self._cut(st, length)
-            if w2 and ns2 + c2 < lo:
-                return length + 1
-        return low
+            return not (w2 and ns2 + c2 < lo)
+        if not ((st.fixed_known or not self._calibration_given) and self._uncalibrated_at(st, length)):
+            return False  # a direct build calibrates on other tokens (or it may have been given)
+        ns2, w2, _, lo = self._cut(st, length, calibrated=False)
+        return not w2 or ns2 >= lo
+
+    def _reach(self, st: Any) -> tuple:
+        """``(U, F)``: lengths ``1 .. U`` and ``F .. n`` are reachable, no other above 0 (U may be 0)."""
+        n = st.length
+        if st.calib is None:
+            return n, n
+        top = max(1, st.fixed_end)
+        if self.residual_window:  # the scan fails within rollback_tokens + window steps
+            for length in range(n - 1, top - 1, -1):
+                if not self._reachable(st, length):
+                    top = length + 1
+                    break
+        low = 0
+        while low + 1 < top and self._reachable(st, low + 1):  # sinks and the uncalibrated lengths
+            low += 1
+        return low, min(top, n)
+
+    def _truncate_floor(self, st: Any) -> int:
+        low, top = self._reach(st)
+        return 1 if low + 1 >= top else top
+
+    def _reach_ranges(self, st: Any) -> list:
+        low, top = self._reach(st)
+        if low + 1 >= top:
+            return [(1, st.length)]
+        return ([(1, low)] if low else []) + [(top, st.length)]
 
     def _truncate_plan(self, st: Any, length: int):
         xp = st.xp
-        ns2, w2, c2, lo = self._cut(st, length)
+        uncal = self._uncalibrating(st, length)
+        ns2, w2, c2, lo = self._cut(st, length, calibrated=not uncal)
         ks, vs = st.exact.sinks()
         kw, vw = st.exact.recent()
         if w2:
@@ -293,13 +343,15 @@ class WindowRollback:
         else:
             kw, vw = kw[:, :, :0, :], vw[:, :, :0, :]
         exact = ExactTokens.from_parts(xp, ks[:, :, :ns2, :], vs[:, :, :ns2, :], kw, vw)
-        keep = max(0, st.rollback.count - (st.codes.length - c2))
+        keep = 0 if uncal else max(0, st.rollback.count - (st.codes.length - c2))
         margin = ExactTokens(k=st.rollback.k[:, :, :keep, :], v=st.rollback.v[:, :, :keep, :])
         plan = st.codes.truncate_plan(c2)
 
         def commit():
             st.codes.commit_truncate(plan)
             st.exact, st.rollback = exact, margin
+            if uncal:  # the direct build has not calibrated: a later spill calibrates as it would
+                st.calib, st.fixed_end, st.fixed_known = None, 0, True
         return commit
 
     def _rollback_nbytes(self, st: Any) -> int:
@@ -308,15 +360,21 @@ class WindowRollback:
 
 def rollback_arrays(st: Any) -> dict:
     """The saved arrays of a window layer's rollback state: ``k_rollback``, ``v_rollback`` and
-    ``fixed_end`` (int64, shape (1,))."""
-    return {"k_rollback": st.rollback.k, "v_rollback": st.rollback.v,
-            "fixed_end": st.xp.asarray([st.fixed_end], dtype=st.xp.int64, device=st.device)}
+    ``fixed_end`` (int64, shape (1,); left out when the layer does not know it, having been
+    loaded from a file without it: the file then loads as such a file again)."""
+    out = {"k_rollback": st.rollback.k, "v_rollback": st.rollback.v}
+    if st.fixed_known:
+        out["fixed_end"] = st.xp.asarray([st.fixed_end], dtype=st.xp.int64, device=st.device)
+    return out
 
 
 def restore_rollback(st: Any, arrays: dict) -> None:
     """Put saved rollback state into layer ``st`` (after its calibration is restored). A file
     written before rollback copies existed has none: the layer can then only be truncated to 0
-    until tokens are encoded, and not below its length at all if it is calibrated."""
+    until tokens are encoded, and not below its length at all if it is calibrated (its
+    ``fixed_end`` is taken to be that length, and marked unknown: ``fixed_known`` False, so a
+    ``lowrank``/``vq`` layer, whose calibration may have been given, is never uncalibrated by a
+    truncation)."""
     xp = st.xp
     if "k_rollback" in arrays:
         st.rollback = ExactTokens(k=xp.asarray(arrays["k_rollback"], copy=True),
@@ -324,4 +382,4 @@ def restore_rollback(st: Any, arrays: dict) -> None:
     if "fixed_end" in arrays:
         st.fixed_end = int(arrays["fixed_end"][0])
     elif st.calib is not None:
-        st.fixed_end = st.length
+        st.fixed_end, st.fixed_known = st.length, False

@@ -268,6 +268,10 @@ POLAR_CASES = {
     "pqo4-d16-rotating-mean-batch": ("pqo4", dict(b=2, h=1, g=2, d=16), dict(keys="rope", rope=ROPE, outliers=1)),
     "tq3-d8-plain-mean": ("tq3", dict(b=1, h=2, g=1, d=8), dict(keys="plain", rope=None, outliers=1)),
     "tq3-d16-rotating-mean-gqa": ("tq3", dict(b=2, h=1, g=2, d=16), dict(keys="rope", rope=ROPE, outliers=2)),
+    # head dims with kernel steps of their own (fused_driver.build_steps(dims=...)); lengths past one tile
+    "pqo4-d128-rotating-mean-gqa8": ("pqo4", dict(b=1, h=1, g=8, d=128, n=150), dict(keys="rope", rope=ROPE, outliers=2)),
+    "pqo2-d64-plain-gqa4": ("pqo2", dict(b=1, h=2, g=4, d=64, n=97), dict(keys="plain", rope=None, outliers=1)),
+    "tq3-d64-rotating-mean-gqa3": ("tq3", dict(b=1, h=1, g=3, d=64, n=70), dict(keys="rope", rope=ROPE, outliers=1)),
 }
 
 
@@ -276,13 +280,14 @@ POLAR_CASES = {
 def test_polar_fused_decode(kernels, case, rng):
     """Sinks, codes and window; outlier channels, key weights, plain or rotating mean, QJL for ``tq``."""
     method, shape, opts = POLAR_CASES[case]
-    opts = dict(opts)
+    opts, shape = dict(opts), dict(shape)
     keys = opts.pop("keys")
+    n = shape.pop("n", 45)
     with set_kernels_enabled(kernels):
-        cache, q, got = _fill_and_decode(method, rng, n=45, keys=keys, sink_tokens=SINKS, residual_window=WINDOW,
+        cache, q, got = _fill_and_decode(method, rng, n=n, keys=keys, sink_tokens=SINKS, residual_window=WINDOW,
                                          **shape, **opts)
     codec = cache.layer_codec_state(0)
-    assert codec.n_sink == SINKS and codec.n_window == SINKS + WINDOW and codec.n_quantized == 45 - SINKS - WINDOW
+    assert codec.n_sink == SINKS and codec.n_window == SINKS + WINDOW and codec.n_quantized == n - SINKS - WINDOW
     assert codec.k_outlier_idx is not None and codec.k_outlier_idx.shape[-1] == opts["outliers"]
     assert np.any(np.asarray(codec.k_scale) != 1.0), "key weights are all one"
     assert np.any(np.asarray(codec.k_mean) != 0.0), "keys are not centered"
@@ -299,6 +304,8 @@ def test_polar_fused_decode(kernels, case, rng):
 INT_CASES = {
     "int4-d16-gqa-batch": ("int4", dict(b=2, h=2, g=2, d=16), dict(group_size=4)),
     "int2-d8-window": ("int2", dict(b=1, h=1, g=1, d=8), dict(group_size=4, residual_window=8)),
+    "int4-d64-gqa3": ("int4", dict(b=1, h=2, g=3, d=64, n=75), dict(group_size=8)),
+    "int8-d128-gqa8": ("int8", dict(b=1, h=1, g=8, d=128, n=70), dict(group_size=16)),
 }
 
 
@@ -306,8 +313,10 @@ INT_CASES = {
 @pytest.mark.parametrize("case", list(INT_CASES))
 def test_int_fused_decode(kernels, case, rng):
     method, shape, opts = INT_CASES[case]
+    shape = dict(shape)
+    n = shape.pop("n", 23)
     with set_kernels_enabled(kernels):
-        cache, q, got = _fill_and_decode(method, rng, n=23, **shape, **opts)
+        cache, q, got = _fill_and_decode(method, rng, n=n, **shape, **opts)
     codec = cache.layer_codec_state(0)
     assert codec.n_groups > 0 and codec.n_residual > 0 and codec.v_codes.shape[2] > 0
     if method == "int2":

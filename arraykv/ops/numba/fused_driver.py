@@ -27,7 +27,8 @@ Compilation: a jitted function that receives other jitted functions as arguments
 them, compiles per caller and is not cached on disk. :func:`build_steps` instead copies the
 step templates below into the kernel module (its globals, its file, a name of its own), so each
 kernel gets an ordinary module-level function that calls its ``prepare``/``span``/``finish`` as
-globals: compiled once for the kernel's explicit signatures and cached on disk like any other.
+globals: compiled for the kernel's explicit signatures and cached on disk like any other, each
+variant and signature only when a call first needs it (:class:`LazyStep`).
 The cache is keyed to the kernel module's file and the templates' bytecode; as everywhere with
 Numba's cache, an edit of a jitted helper in another file (the merge helpers here, the tile
 unpacking of ``polar_rows``) is not seen by it: clear ``__pycache__`` after such an edit.
@@ -36,6 +37,7 @@ unpacking of ``polar_rows``) is not seen by it: clear ``__pycache__`` after such
 from __future__ import annotations
 
 import math
+import threading
 import types
 
 import numpy as np
@@ -48,8 +50,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from .threads import launch, threads_for
 
-__all__ = ["TILE", "FASTMATH", "ro", "scaled_queries", "alloc_queries", "prepare_queries", "merge_top", "merge_splits", "build_steps", "plan",
-           "split_count", "run_step"]
+__all__ = ["TILE", "FASTMATH", "ro", "scaled_queries", "alloc_queries", "prepare_queries", "softmax_tile", "merge_top",
+           "merge_splits", "LazyStep", "build_steps", "plan", "split_count", "run_step"]
 
 #: Tokens per tile of the online softmax.
 TILE = 64
@@ -75,6 +77,58 @@ def scaled_queries(q, b, h, scale, qs):
     for g in range(g_n):
         for c in range(d):
             qs[g, c] = q[b, h * g_n + g, c] * sc
+
+
+#: 2**f = Σ_k c_k f**k on |f| <= 1/2 (Taylor: c_k = ln(2)**k / k!; relative error below 6e-9)
+_EXP2 = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.009618129107628477,
+         0.0013333558146428443, 0.00015403530393381606, 1.525273380405984e-05)
+
+
+@nb.njit(inline="always")
+def softmax_tile(srow, nt, m, l, acc, g, ebits):
+    """One tile of query head ``g``'s online softmax: logits ``srow[:nt]`` become weights in place.
+
+    ``m[g]``, ``l[g]``, ``acc[g]`` are the running maximum, ``Σ exp(logit − m)`` and weighted value
+    sum; when the tile raises the maximum, ``l[g]`` and ``acc[g]`` are rescaled by
+    ``exp(m_old − m_new)`` once, then ``srow[r] = exp(srow[r] − m)`` and ``l[g] += Σ_r srow[r]``.
+    ``ebits`` (int32, at least ``nt``) is scratch.
+
+    Notes
+    -----
+    ``exp(x) = 2**n · 2**f`` with ``n = round(x log2 e)``, ``|f| <= 1/2``: a degree-7 polynomial
+    for ``2**f`` and the float32 exponent field ``(n + 127) << 23`` for ``2**n``, written as
+    loops the compiler vectorizes (a call of ``math.exp`` per weight does not: without SVML it
+    is one scalar call each). ``x`` is clamped at ``-126 ln 2``, where a weight is ``1.2e-38``
+    instead of 0 (below the float32 resolution of ``l >= 1``).
+    """
+    mt = m[g]
+    for r in range(nt):
+        if srow[r] > mt:
+            mt = srow[r]
+    if mt > m[g]:
+        c = np.float32(math.exp(m[g] - mt)) if m[g] > -np.inf else np.float32(0.0)
+        l[g] *= c
+        ag = acc[g]
+        for j in range(ag.shape[0]):
+            ag[j] *= c
+        m[g] = mt
+    c1, c2, c3, c4, c5, c6, c7 = _EXP2
+    for r in range(nt):
+        y = (srow[r] - mt) * np.float32(1.4426950408889634)
+        if y < np.float32(-126.0):
+            y = np.float32(-126.0)
+        n = np.floor(y + np.float32(0.5))
+        f = y - n
+        ebits[r] = (np.int32(n) + 127) << 23
+        srow[r] = np.float32(1.0) + f * (np.float32(c1) + f * (np.float32(c2) + f * (np.float32(c3) + f * (
+            np.float32(c4) + f * (np.float32(c5) + f * (np.float32(c6) + f * np.float32(c7)))))))
+    scale2 = ebits.view(np.float32)
+    lg = np.float32(0.0)
+    for r in range(nt):
+        p = srow[r] * scale2[r]
+        srow[r] = p
+        lg += p
+    l[g] += lg
 
 
 @nb.njit(inline="always")
@@ -179,8 +233,60 @@ def _copy(template, namespace: dict, name: str):
     return fn
 
 
-def build_steps(namespace: dict, sigs) -> tuple:
-    """Compile ``(step_serial, step_parallel)`` for the kernel module whose globals are ``namespace``.
+class LazyStep:
+    """One step variant of a kernel, compiled per (head_dim variant, signature) on the first call that needs it.
+
+    Compiling every variant for every signature at import (as ``nb.njit(sigs)`` does) costs a
+    process the parallel step and the unused parameter dtypes and head dims too, each a full
+    compilation of the kernel's span loop; a first decode call needs one. ``pick(args)`` (a
+    Python function of the call's arguments, default: always 0) says which signature a call
+    takes; ``fns`` maps a head_dim (0: any other) to the step function compiled for it.
+    Compiled code is cached on disk as before.
+    """
+
+    def __init__(self, fns: dict, sigs, pick, opts):
+        self._fns, self._sigs, self._pick, self._opts = fns, list(sigs), pick, opts
+        self._disp: dict = {}
+
+    def __call__(self, *args):
+        d = args[0].shape[2]
+        key = (d if d in self._fns else 0, self._pick(args) if self._pick is not None else 0)
+        disp = self._disp.get(key)
+        if disp is None:
+            disp = self._compile(key)
+        return disp(*args)
+
+    def _compile(self, key):
+        with _COMPILE_LOCK:
+            if key not in self._disp:
+                self._disp[key] = nb.njit([self._sigs[key[1]]], **self._opts)(self._fns[key[0]])
+        return self._disp[key]
+
+    def compile_all(self) -> None:
+        """Compile (or load from the disk cache) every head_dim variant and signature now."""
+        for dim in self._fns:
+            for i in range(len(self._sigs)):
+                self._compile((dim, i))
+
+
+_COMPILE_LOCK = threading.Lock()
+
+
+def _specialised(namespace: dict, dim: int) -> dict:
+    """A copy of a kernel module's globals whose ``_D`` is ``dim`` and whose own jitted functions are
+    re-made over it, so that code reading ``d = _D if _D else ...`` sees a compile-time constant
+    (the loops over channels then unroll into whole vectors)."""
+    ns = dict(namespace, _D=dim)
+    for name, obj in namespace.items():
+        py = getattr(obj, "py_func", None)
+        if py is not None and py.__module__ == namespace["__name__"]:
+            fn = types.FunctionType(py.__code__, ns, py.__name__, py.__defaults__, py.__closure__)
+            ns[name] = nb.njit(**{k: v for k, v in obj.targetoptions.items() if k != "nopython"})(fn)
+    return ns
+
+
+def build_steps(namespace: dict, sigs, pick=None, dims=()) -> tuple:
+    """``(step_serial, step_parallel)`` for the kernel module whose globals are ``namespace``.
 
     Parameters
     ----------
@@ -189,14 +295,23 @@ def build_steps(namespace: dict, sigs) -> tuple:
         ``finish`` and ``span_unit`` (see the module notes).
     sigs : list of numba signatures
         ``void(q, scale, n, h_n, args, splits, out)`` for each argument type the kernel takes.
+    pick : callable or None
+        ``pick(step_args) -> int``: the index in ``sigs`` of a call's argument types (None: 0).
+    dims : tuple of int
+        Head dims that get steps of their own, compiled with the module global ``_D`` set to
+        the dim (:func:`_specialised`); other dims run the steps of the module as it is.
 
     Returns
     -------
-    tuple of two Numba dispatchers, compiled for ``sigs`` (and cached on disk).
+    tuple of two :class:`LazyStep`, each compiled per head_dim variant and signature on first use
+    (and cached on disk).
     """
     opts = dict(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
-    serial = nb.njit(sigs, **opts)(_copy(_step_serial, namespace, "_step_serial"))
-    parallel = nb.njit(sigs, parallel=_PRANGE_ONLY, **opts)(_copy(_step_parallel, namespace, "_step_parallel"))
+    spaces = {0: namespace, **{dim: _specialised(namespace, dim) for dim in dims}}
+    serial = LazyStep({dim: _copy(_step_serial, ns, f"_step_serial_d{dim}" if dim else "_step_serial")
+                       for dim, ns in spaces.items()}, sigs, pick, opts)
+    parallel = LazyStep({dim: _copy(_step_parallel, ns, f"_step_parallel_d{dim}" if dim else "_step_parallel")
+                         for dim, ns in spaces.items()}, sigs, pick, dict(opts, parallel=_PRANGE_ONLY))
     return serial, parallel
 
 

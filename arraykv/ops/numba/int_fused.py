@@ -21,12 +21,11 @@ Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`: below
 head's tokens, at key-group boundaries, over Numba's threads (only step 2 is parallel). Work
 buffers are ``O(heads · G_q · head_dim)`` plus ``O(TILE · head_dim + head_dim · G)`` per task:
 nothing grows with the context. float16 scales and offsets are read through ``uint16`` views
-and :data:`arraykv.ops.numba.polar_rows.HALF_TO_FLOAT`. Functions are compiled once per
-parameter dtype (float16 or float32), for read-only arguments of any layout, and cached on disk."""
+and :data:`arraykv.ops.numba.polar_rows.HALF_TO_FLOAT`. Functions are compiled per parameter
+dtype (float16 or float32) and head_dim (64 and 128 fixed at compile time, others read at run
+time), for read-only arguments of any layout, when a call first needs them, and cached on disk."""
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -39,12 +38,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from ...attention.int_fused import check_query
 from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, plan, prepare_queries,
-                           ro, run_step)
+                           ro, run_step, softmax_tile)
 from .polar_rows import HALF_TO_FLOAT
 
 __all__ = ["int_decode_attention", "TILE"]
-
-
 
 #: Byte -> its two 4-bit codes as float32 (low nibble first), as one 8-byte word.
 _NIBBLES = np.ascontiguousarray(
@@ -78,6 +75,8 @@ def _signature(param):
 
 
 _SIGS = [_signature(nbt.uint16), _signature(nbt.float32)]
+#: head_dim as a compile-time constant in the steps built for it (``build_steps(dims=...)``); 0: any
+_D = 0
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
@@ -92,7 +91,8 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
     the others are rows of ``k_res``; values likewise below ``v_codes.shape[2]``, then ``v_win``.
     ``tab`` is :data:`_NIBBLES` (4 bits) or :data:`_QUADS` (2 bits; 8 bits do not use it).
     """
-    g_n, d = qs.shape
+    g_n = qs.shape[0]
+    d = _D if _D else qs.shape[1]
     n_groups = k_codes.shape[2]
     nq = n_groups * G
     nvq = v_codes.shape[2]
@@ -110,6 +110,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
     vsf = np.empty((nvg, tile), np.float32)
     vof = np.empty((nvg, tile), np.float32)
     wt = np.empty(tile, np.float32)
+    ebits = np.empty(tile, np.int32)
     d4 = d - d % 4
     nbk = (G * bits + 7) // 8  # bytes per packed key row / value row
     nbv = (d * bits + 7) // 8
@@ -206,23 +207,8 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
         r4 = nt - nt % 4
         for g in range(g_n):
             # 3. online softmax: rescale once per tile, then the tile's weights
-            mt = m[g]
-            for r in range(nt):
-                if s[g, r] > mt:
-                    mt = s[g, r]
-            if mt > m[g]:
-                c = np.float32(math.exp(m[g] - mt)) if m[g] > -np.inf else np.float32(0.0)
-                l[g] *= c
-                for j in range(d):
-                    acc[g, j] *= c
-                m[g] = mt
             srow = s[g]
-            lg = np.float32(0.0)
-            for r in range(nt):
-                p = np.float32(math.exp(srow[r] - mt))
-                srow[r] = p
-                lg += p
-            l[g] += lg
+            softmax_tile(srow, nt, m, l, acc, g, ebits)
             # 4. per value group j: Σ_t (p_t vscale_tj) code_t, four tokens per accumulator
             #    pass, plus Σ_t p_t voffset_tj on each of the group's channels
             for j in range(nvg):
@@ -295,7 +281,9 @@ def span_unit(args):
     return args[0]
 
 
-_step_serial, _step_parallel = build_steps(globals(), _SIGS)
+# signature 0: float16 scales and offsets (uint16 bit patterns), 1: float32
+_step_serial, _step_parallel = build_steps(globals(), _SIGS, lambda step: int(step[4][3].dtype != np.uint16),
+                                           dims=(64, 128))
 
 
 def _plan(bh: int, n: int, d: int, group_size: int) -> tuple:

@@ -46,22 +46,25 @@ def _minmax(x, g, mn, mx):
             mx[r, j] = hi
 
 
+@nb.njit(inline="always")
+def _level(x, off, inv, levels):
+    """``clip(floor((x − off) · inv + 1/2), 0, levels)``: the integer level of one value (a float)."""
+    t = np.floor((x - off) * inv + np.float32(0.5))
+    if t < np.float32(0.0):
+        t = np.float32(0.0)
+    if t > levels:
+        t = levels
+    return t
+
+
 @nb.njit(cache=True, nogil=True, parallel=True)
 def _quant_pack(x, g, bits, off, inv, out):
     rows, n = x.shape
     levels = np.float32((1 << bits) - 1)
-    half = np.float32(0.5)
-    zero = np.float32(0.0)
     for r in nb.prange(rows):
         if bits == 8:
             for i in range(n):
-                j = i // g
-                t = np.floor((x[r, i] - off[r, j]) * inv[r, j] + half)
-                if t < zero:
-                    t = zero
-                if t > levels:
-                    t = levels
-                out[r, i] = np.uint8(t)
+                out[r, i] = np.uint8(_level(x[r, i], off[r, i // g], inv[r, i // g], levels))
         else:  # 4 or 2 bits: 8 // bits codes per byte, the first in the lowest bits
             per = 8 // bits
             nb_out = out.shape[1]
@@ -70,13 +73,7 @@ def _quant_pack(x, g, bits, off, inv, out):
                 for h in range(per):
                     i = per * p + h
                     if i < n:
-                        j = i // g
-                        t = np.floor((x[r, i] - off[r, j]) * inv[r, j] + half)
-                        if t < zero:
-                            t = zero
-                        if t > levels:
-                            t = levels
-                        byte |= int(t) << (bits * h)
+                        byte |= int(_level(x[r, i], off[r, i // g], inv[r, i // g], levels)) << (bits * h)
                 out[r, p] = np.uint8(byte)
 
 

@@ -24,8 +24,9 @@ head's tokens over Numba's threads (only step 2 is parallel: steps 1 and 3 cost
 ``O(heads · head_dim · (log head_dim + m + window))``). Work buffers are
 ``O(heads · G · head_dim)`` plus ``O(G · TILE)`` per task: nothing grows with the context.
 float16 state is read through ``uint16`` views and :data:`HALF_TO_FLOAT` (Numba has no
-float16). Functions are compiled once, for fixed argument types (read-only, any layout), and
-cached on disk.
+float16). Functions are compiled for fixed argument types (read-only, any layout) when a call
+first needs them, with head_dim fixed for 64 and 128 (its loops then unroll into whole vectors;
+:func:`arraykv.ops.numba.fused_driver.build_steps`), and cached on disk.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .fused_driver import FASTMATH, TILE, build_steps, merge_splits, merge_top, plan, ro, run_step
-from .polar_query import _prepare_head, _prepare_rotating
-from .polar_rows import _SIGN_TABLE, _SIGNS, HALF_TO_FLOAT, _chunk_table, _fwht, _unpack_rows
+from .fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softmax_tile
+from .polar_query import _finish_head, _prepare_head, _prepare_rotating
+from .polar_rows import (_NO_F32_2, _NO_F32_3, _NO_I32_2, _NO_I32_3, _NO_U8_4, _NO_U16_3, _NO_U16_4, _SIGN_TABLE,
+                         _SIGNS, HALF_TO_FLOAT, _bits16, _fixed_args, _unpack_rows)
 
 __all__ = ["polar_decode_attention", "TILE", "HALF_TO_FLOAT"]
 
@@ -58,10 +60,14 @@ _ARGS = nbt.Tuple((_U8_4, _U16_3, _F32_1C, _TAB, nbt.int64, _U8_4, _U16_3, _F32_
 _SIG = nbt.void(_Q, nbt.float64, nbt.int64, nbt.int64, _ARGS, nbt.int64, _OUT)
 
 
+#: head_dim as a compile-time constant in the steps built for it (``build_steps(dims=...)``); 0: any
+_D = 0
+
+
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_table, k_bits,
-                 v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms, sign_table, half,
-                 n_j, ra, rb, rw, ct, st, step, pos0, m, l, acc):
+def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_table, k_bits, v_codes,
+                 v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms, sign_table, half, n_j, ra, rb, rw,
+                 ct, st, step, pos0, m, l, acc):
     """Online softmax over quantized tokens ``[t_lo, t_hi)`` of head ``(b, h)``, every query head.
 
     ``m``, ``l`` (G,) and ``acc`` (G, d) hold the running maximum logit, the sum of
@@ -74,7 +80,8 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
     (:func:`_prepare_rotating`; token ``t`` sits at position ``pos0 + t``) add their share of
     ``q·m_p`` to each logit.
     """
-    g_n, d = qr.shape
+    g_n = qr.shape[0]
+    d = _D if _D else qr.shape[1]
     n_out = qout.shape[1]
     m_rows = sq.shape[1]
     buf64 = np.empty((TILE, (d + 1) // 2), np.uint64)
@@ -91,6 +98,10 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
     ra_t = np.empty((g_n, n_j), np.float32)
     rb_t = np.empty((g_n, n_j), np.float32)
     rterm = np.zeros((g_n, TILE), np.float32)
+    kn = np.empty(TILE, np.float32)
+    vn = np.empty(TILE, np.float32)
+    ebits = np.empty(TILE, np.int32)
+    al = acc.copy()  # the task's own accumulator: the compiler knows it aliases no other array
     for t0 in range(t_lo, t_hi, TILE):
         t1 = min(t_hi, t0 + TILE)
         # 1. scores of the tile
@@ -135,44 +146,38 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                     for j in range(n_j):
                         x += ra_t[g, j] * ct[r, j] + rb_t[g, j] * st[r, j]
                     rterm[g, r] = x
-        for t in range(t0, t1):
-            r = t - t0
-            kn = half[k_norms[b, h, t]]
-            qn = half[k_qjl_norms[b, h, t]] if m_rows else np.float32(0.0)
-            for g in range(g_n):
-                x = s[g, r] * kn + qconst[g] + rterm[g, r]
-                for o in range(n_out):
-                    x += qout[g, o] * half[k_outliers[b, h, t, o]]
-                if m_rows:
-                    sdot = np.float32(0.0)
-                    for i in range(m_rows):
-                        sdot += sq[g, i] * pbuf[r, i]
-                    x += sdot * qn
-                s[g, r] = x
+        for r in range(nt):  # float16 lengths once per tile, then loops the compiler vectorizes
+            kn[r] = half[k_norms[b, h, t0 + r]]
+            vn[r] = half[v_norms[b, h, t0 + r]]
+        for g in range(g_n):
+            sg = s[g]
+            rg = rterm[g]
+            cg = qconst[g]
+            for r in range(nt):
+                sg[r] = sg[r] * kn[r] + cg + rg[r]
+        if n_out or m_rows:  # exact outlier channels and the QJL correction, per token
+            for t in range(t0, t1):
+                r = t - t0
+                qn = half[k_qjl_norms[b, h, t]] if m_rows else np.float32(0.0)
+                for g in range(g_n):
+                    x = s[g, r]
+                    for o in range(n_out):
+                        x += qout[g, o] * half[k_outliers[b, h, t, o]]
+                    if m_rows:
+                        sdot = np.float32(0.0)
+                        for i in range(m_rows):
+                            sdot += sq[g, i] * pbuf[r, i]
+                        x += sdot * qn
+                    s[g, r] = x
         # 2. online softmax: rescale once per tile, then the tile's weights
         for g in range(g_n):
-            mt = m[g]
-            for r in range(t1 - t0):
-                if s[g, r] > mt:
-                    mt = s[g, r]
-            if mt > m[g]:
-                c = np.float32(math.exp(m[g] - mt)) if m[g] > -np.inf else np.float32(0.0)
-                l[g] *= c
-                for j in range(d):
-                    acc[g, j] *= c
-                m[g] = mt
-            lg = np.float32(0.0)
-            for r in range(t1 - t0):
-                p = np.float32(math.exp(s[g, r] - mt))
-                s[g, r] = p
-                lg += p
-            l[g] += lg
+            softmax_tile(s[g], nt, m, l, al, g, ebits)
         # 3. weighted values in the rotated domain
         _unpack_rows(v_codes, b, h, t0, t1, v_bits, v_table, v_cent, d, buf, buf64)
-        for r in range(nt):
-            vn = half[v_norms[b, h, t0 + r]]
-            for g in range(g_n):
-                s[g, r] *= vn
+        for g in range(g_n):
+            sg = s[g]
+            for r in range(nt):
+                sg[r] *= vn[r]
         for g in range(g_n):  # four values per pass: one load and store of the accumulator
             for r in range(0, r4, 4):
                 w0 = s[g, r]
@@ -180,82 +185,12 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                 w2 = s[g, r + 2]
                 w3 = s[g, r + 3]
                 for j in range(d):
-                    acc[g, j] += w0 * buf[r, j] + w1 * buf[r + 1, j] + w2 * buf[r + 2, j] + w3 * buf[r + 3, j]
+                    al[g, j] += w0 * buf[r, j] + w1 * buf[r + 1, j] + w2 * buf[r + 2, j] + w3 * buf[r + 3, j]
             for r in range(r4, nt):
                 w = s[g, r]
                 for j in range(d):
-                    acc[g, j] += w * buf[r, j]
-
-
-@nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot,
-                 half, out):
-    """Merge the token splits of head ``(b, h)`` with its float16 window; write ``out[b, qh]``.
-
-    ``m_sp``, ``l_sp`` (splits, G) and ``acc_sp`` (splits, G, d) are :func:`_attend_span`'s
-    state per split. The window block (sinks and recent tokens, any order) is attended with the
-    unweighted queries; the value sum of the quantized tokens is rotated back (``Mᵀ y``) and
-    gains ``l · v_mean`` (see :func:`arraykv.attention.polar_fused.merge_window`).
-    """
-    splits, g_n, d = acc_sp.shape
-    has_vmean = v_mean.shape[2] > 0
-    dense = rot.shape[0] > 0
-    sc = np.float32(scale)
-    c_rot = np.float32(1.0 / math.sqrt(d))
-    top = np.empty(g_n, np.float32)
-    den = np.empty(g_n, np.float32)
-    num = np.zeros((g_n, d), np.float32)
-    y = np.empty(d, np.float32)
-    row = np.empty(d, np.float32)
-    sw = np.empty((g_n, n_window), np.float32)
-    for g in range(g_n):
-        top[g] = merge_top(m_sp, g)
-    # window scores, each key row converted once for the group
-    for w in range(n_window):
-        for j in range(d):
-            row[j] = half[k_window[b, h, w, j]]
-        for g in range(g_n):
-            qi = h * g_n + g
-            dot = np.float32(0.0)
-            for j in range(d):
-                dot += q[b, qi, j] * row[j]
-            dot *= sc
-            sw[g, w] = dot
-            if dot > top[g]:
-                top[g] = dot
-    # quantized tokens: rescaled split sums, back from the rotated domain
-    for g in range(g_n):
-        for j in range(d):
-            y[j] = np.float32(0.0)
-        lq = merge_splits(m_sp, l_sp, acc_sp, g, top[g], y)
-        if lq > 0:
-            if dense:
-                for i in range(d):
-                    yi = y[i]
-                    for j in range(d):
-                        num[g, j] += yi * rot[i, j]
-            else:
-                _fwht(y)
-                for j in range(d):
-                    num[g, j] = y[j] * signs[j] * c_rot
-            if has_vmean:
-                for j in range(d):
-                    num[g, j] += lq * half[v_mean[b, h, j]]
-        den[g] = lq
-    # window values, each row converted once for the group
-    for w in range(n_window):
-        for j in range(d):
-            row[j] = half[v_window[b, h, w, j]]
-        for g in range(g_n):
-            p = np.float32(math.exp(sw[g, w] - top[g]))
-            den[g] += p
-            for j in range(d):
-                num[g, j] += p * row[j]
-    for g in range(g_n):
-        inv = np.float32(1.0) / den[g]
-        qi = h * g_n + g
-        for j in range(d):
-            out[b, qi, j] = num[g, j] * inv
+                    al[g, j] += w * buf[r, j]
+    acc[:, :] = al
 
 
 # ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
@@ -312,63 +247,13 @@ def span_unit(args):
     return 1
 
 
-_step_serial, _step_parallel = build_steps(globals(), [_SIG])
+_step_serial, _step_parallel = build_steps(globals(), [_SIG], dims=(64, 128))
 
 
 def _plan(bh: int, n: int, d: int) -> tuple:
     """``(threads, token splits per head)``: :func:`arraykv.ops.numba.fused_driver.plan` of ``bh · n · d``
     values, spans of at least ``4 · TILE`` tokens."""
     return plan(bh, n, bh * n * d, 4 * TILE)
-
-
-def _absent(ndim: int, dtype) -> np.ndarray:
-    a = np.zeros((0,) * ndim, dtype)
-    a.setflags(write=False)
-    return a
-
-
-_NO_U16_3, _NO_U16_4, _NO_U8_4 = _absent(3, np.uint16), _absent(4, np.uint16), _absent(4, np.uint8)
-_NO_I32_3, _NO_F32_2 = _absent(3, np.int32), _absent(2, np.float32)
-_NO_F32_3, _NO_I32_2 = _absent(3, np.float32), _absent(2, np.int32)
-
-
-def _bits16(a, absent=_NO_U16_3):
-    """A float16 array as its uint16 bit patterns (a view); ``absent`` for None."""
-    if a is None:
-        return absent
-    if a.dtype != np.float16:
-        raise TypeError(f"expected float16 state, received {a.dtype}")
-    return a.view(np.uint16)
-
-
-#: Arguments derived from a cache's fixed objects (rotation, codebooks, sketch), by their ids.
-#: The entry holds the objects themselves, so an id is not reused while it is cached.
-_FIXED: dict = {}
-_FIXED_MAX = 64
-
-
-def _fixed_args(codec) -> tuple:
-    """``(k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch)`` of ``codec``."""
-    objs = (codec.rotation, codec.k_codebook, codec.v_codebook, codec.qjl)
-    key = tuple(id(o) for o in objs)
-    hit = _FIXED.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], objs)):
-        return hit[1]
-    rotation, kc, vc, sketch = objs
-    k_cent = np.ascontiguousarray(kc.centroids, np.float32)
-    v_cent = np.ascontiguousarray(vc.centroids, np.float32)
-    args = (k_cent, _chunk_table(k_cent, int(kc.bits)), int(kc.bits),
-            v_cent, _chunk_table(v_cent, int(vc.bits)), int(vc.bits),
-            np.ascontiguousarray(rotation.signs, np.float32),
-            _NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32),
-            _NO_F32_2 if sketch is None else np.ascontiguousarray(sketch.matrix, np.float32))
-    if len(_FIXED) >= _FIXED_MAX:
-        try:  # layers decode from several threads: another may have evicted it first
-            _FIXED.pop(next(iter(_FIXED)), None)
-        except (StopIteration, RuntimeError):
-            pass
-    _FIXED[key] = (objs, args)
-    return args
 
 
 def polar_decode_attention(codec, q, scale):

@@ -1,9 +1,11 @@
-"""Query-side preparation of the fused PolarQuant kernel (Numba): one KV head's GQA group.
+"""The per-head parts of the fused PolarQuant kernel outside its token loop (Numba): one KV head's GQA group.
 
 :func:`_prepare_head` gives the scaled, rotated queries, their outlier channels, the key-mean
 constant and the QJL sketch of the queries; :func:`_prepare_rotating` the coefficients and
-phase tables of a rotating (RoPE-aware) key mean. See
-:func:`arraykv.attention.polar_fused.prepare_queries` for the math.
+phase tables of a rotating (RoPE-aware) key mean (see
+:func:`arraykv.attention.polar_fused.prepare_queries` for the math). :func:`_finish_head` merges
+the token splits with the float16 window and rotates the value sum back
+(:func:`arraykv.attention.polar_fused.merge_window`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ...quant.qjl import QJL_SCALE
-from .fused_driver import FASTMATH, TILE
+from .fused_driver import FASTMATH, TILE, merge_splits, merge_top
 from .polar_rows import _fwht
 
-__all__ = ["_prepare_head", "_prepare_rotating"]
+__all__ = ["_prepare_head", "_prepare_rotating", "_finish_head"]
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
@@ -115,3 +117,74 @@ def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, ha
             _fwht(x)
             for j in range(d):
                 qr[g, j] = x[j] * c_rot
+
+
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
+def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot,
+                 half, out):
+    """Merge the token splits of head ``(b, h)`` with its float16 window; write ``out[b, qh]``.
+
+    ``m_sp``, ``l_sp`` (splits, G) and ``acc_sp`` (splits, G, d) are :func:`_attend_span`'s
+    state per split. The window block (sinks and recent tokens, any order) is attended with the
+    unweighted queries; the value sum of the quantized tokens is rotated back (``Mᵀ y``) and
+    gains ``l · v_mean`` (see :func:`arraykv.attention.polar_fused.merge_window`).
+    """
+    splits, g_n, d = acc_sp.shape
+    has_vmean = v_mean.shape[2] > 0
+    dense = rot.shape[0] > 0
+    sc = np.float32(scale)
+    c_rot = np.float32(1.0 / math.sqrt(d))
+    top = np.empty(g_n, np.float32)
+    den = np.empty(g_n, np.float32)
+    num = np.zeros((g_n, d), np.float32)
+    y = np.empty(d, np.float32)
+    row = np.empty(d, np.float32)
+    sw = np.empty((g_n, n_window), np.float32)
+    for g in range(g_n):
+        top[g] = merge_top(m_sp, g)
+    # window scores, each key row converted once for the group
+    for w in range(n_window):
+        for j in range(d):
+            row[j] = half[k_window[b, h, w, j]]
+        for g in range(g_n):
+            qi = h * g_n + g
+            dot = np.float32(0.0)
+            for j in range(d):
+                dot += q[b, qi, j] * row[j]
+            dot *= sc
+            sw[g, w] = dot
+            if dot > top[g]:
+                top[g] = dot
+    # quantized tokens: rescaled split sums, back from the rotated domain
+    for g in range(g_n):
+        for j in range(d):
+            y[j] = np.float32(0.0)
+        lq = merge_splits(m_sp, l_sp, acc_sp, g, top[g], y)
+        if lq > 0:
+            if dense:
+                for i in range(d):
+                    yi = y[i]
+                    for j in range(d):
+                        num[g, j] += yi * rot[i, j]
+            else:
+                _fwht(y)
+                for j in range(d):
+                    num[g, j] = y[j] * signs[j] * c_rot
+            if has_vmean:
+                for j in range(d):
+                    num[g, j] += lq * half[v_mean[b, h, j]]
+        den[g] = lq
+    # window values, each row converted once for the group
+    for w in range(n_window):
+        for j in range(d):
+            row[j] = half[v_window[b, h, w, j]]
+        for g in range(g_n):
+            p = np.float32(math.exp(sw[g, w] - top[g]))
+            den[g] += p
+            for j in range(d):
+                num[g, j] += p * row[j]
+    for g in range(g_n):
+        inv = np.float32(1.0) / den[g]
+        qi = h * g_n + g
+        for j in range(d):
+            out[b, qi, j] = num[g, j] * inv

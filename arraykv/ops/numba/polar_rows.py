@@ -3,7 +3,8 @@
 Layout of :mod:`arraykv.quant.bitpack`. :func:`_chunk_table` turns a codebook into 8-byte words
 of the centroid values of every chunk of consecutive codes, so :func:`_unpack_rows` unpacks two
 codes per load and store; float16 state is read through ``uint16`` views and
-:data:`HALF_TO_FLOAT` (Numba has no float16).
+:data:`HALF_TO_FLOAT` (Numba has no float16). Host side: :func:`_fixed_args` (the arrays derived
+from a cache's rotation, codebooks and sketch, memoised) and :func:`_bits16`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from .fused_driver import FASTMATH
+from .polar import _fwht
 
-__all__ = ["HALF_TO_FLOAT", "_SIGNS", "_SIGN_TABLE", "_chunk_table", "_unpack_rows", "_fwht"]
+__all__ = ["HALF_TO_FLOAT", "_SIGNS", "_SIGN_TABLE", "_chunk_table", "_unpack_rows", "_fwht", "_bits16", "_fixed_args"]
 
 #: float16 bit pattern -> float32 value. Numba has no float16 arrays, so float16 state is
 #: read through ``uint16`` views (no copy) and this 256 KiB table.
@@ -55,6 +57,23 @@ def _chunk_table(cent, bits):
 _SIGN_TABLE = _chunk_table(_SIGNS, 1)
 
 
+@nb.njit(inline="always")
+def _unpack_small(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
+    """:func:`_unpack_rows` for 1 or 2 bits (a literal here): a byte of ``8 / bits`` codes is ``4 / bits`` table words."""
+    per = 8 // bits
+    words = 4 // bits
+    mask = (1 << bits) - 1
+    for t in range(t0, t1):
+        row = codes[b, h, t]
+        r = t - t0
+        for j in range(d // per):
+            e = words * np.int64(row[j])
+            for k in range(words):
+                out64[r, words * j + k] = table[e + k]
+        for i in range(d - d % per, d):
+            out[r, i] = cent[(row[i // per] >> (bits * (i % per))) & mask]
+
+
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _unpack_rows(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
     """Centroid values of rows ``t0 .. t1`` of ``codes[b, h]`` into ``out[:t1 - t0, :d]``.
@@ -72,27 +91,9 @@ def _unpack_rows(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
             if d % 2:
                 out[r, d - 1] = cent[row[d // 2] & 15]
     elif bits == 2:
-        for t in range(t0, t1):
-            row = codes[b, h, t]
-            r = t - t0
-            for j in range(d // 4):
-                e = 2 * np.int64(row[j])
-                out64[r, 2 * j] = table[e]
-                out64[r, 2 * j + 1] = table[e + 1]
-            for i in range(d - d % 4, d):
-                out[r, i] = cent[(row[i // 4] >> (2 * (i % 4))) & 3]
+        _unpack_small(codes, b, h, t0, t1, 2, table, cent, d, out, out64)
     elif bits == 1:
-        for t in range(t0, t1):
-            row = codes[b, h, t]
-            r = t - t0
-            for j in range(d // 8):
-                e = 4 * np.int64(row[j])
-                out64[r, 4 * j] = table[e]
-                out64[r, 4 * j + 1] = table[e + 1]
-                out64[r, 4 * j + 2] = table[e + 2]
-                out64[r, 4 * j + 3] = table[e + 3]
-            for i in range(d - d % 8, d):
-                out[r, i] = cent[(row[i // 8] >> (i % 8)) & 1]
+        _unpack_small(codes, b, h, t0, t1, 1, table, cent, d, out, out64)
     elif bits == 8:
         for t in range(t0, t1):
             row = codes[b, h, t]
@@ -137,16 +138,53 @@ def _unpack_rows(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
                         out[r, base + i] = cent[np.int64((word >> np.uint64(i * bits)) & mask)]
 
 
-@nb.njit(inline="always")
-def _fwht(x):
-    """In place: ``x <- H x``, unnormalized Walsh–Hadamard (Sylvester order, power-of-two length)."""
-    d = x.shape[0]
-    h = 1
-    while h < d:
-        for i in range(0, d, 2 * h):
-            for j in range(i, i + h):
-                a = x[j]
-                c = x[j + h]
-                x[j] = a + c
-                x[j + h] = a - c
-        h *= 2
+# ---- host side: the fused kernel's arguments from a codec ------------------------------------
+
+def _absent(ndim: int, dtype) -> np.ndarray:
+    a = np.zeros((0,) * ndim, dtype)
+    a.setflags(write=False)
+    return a
+
+
+_NO_U16_3, _NO_U16_4, _NO_U8_4 = _absent(3, np.uint16), _absent(4, np.uint16), _absent(4, np.uint8)
+_NO_I32_3, _NO_F32_2 = _absent(3, np.int32), _absent(2, np.float32)
+_NO_F32_3, _NO_I32_2 = _absent(3, np.float32), _absent(2, np.int32)
+
+
+def _bits16(a, absent=_NO_U16_3):
+    """A float16 array as its uint16 bit patterns (a view); ``absent`` for None."""
+    if a is None:
+        return absent
+    if a.dtype != np.float16:
+        raise TypeError(f"expected float16 state, received {a.dtype}")
+    return a.view(np.uint16)
+
+
+#: Arguments derived from a cache's fixed objects (rotation, codebooks, sketch), by their ids.
+#: The entry holds the objects themselves, so an id is not reused while it is cached.
+_FIXED: dict = {}
+_FIXED_MAX = 64
+
+
+def _fixed_args(codec) -> tuple:
+    """``(k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch)`` of ``codec``."""
+    objs = (codec.rotation, codec.k_codebook, codec.v_codebook, codec.qjl)
+    key = tuple(id(o) for o in objs)
+    hit = _FIXED.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], objs)):
+        return hit[1]
+    rotation, kc, vc, sketch = objs
+    k_cent = np.ascontiguousarray(kc.centroids, np.float32)
+    v_cent = np.ascontiguousarray(vc.centroids, np.float32)
+    args = (k_cent, _chunk_table(k_cent, int(kc.bits)), int(kc.bits),
+            v_cent, _chunk_table(v_cent, int(vc.bits)), int(vc.bits),
+            np.ascontiguousarray(rotation.signs, np.float32),
+            _NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32),
+            _NO_F32_2 if sketch is None else np.ascontiguousarray(sketch.matrix, np.float32))
+    if len(_FIXED) >= _FIXED_MAX:
+        try:  # layers decode from several threads: another may have evicted it first
+            _FIXED.pop(next(iter(_FIXED)), None)
+        except (StopIteration, RuntimeError):
+            pass
+    _FIXED[key] = (objs, args)
+    return args

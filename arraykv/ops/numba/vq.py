@@ -95,15 +95,19 @@ def _nearest(x, c, r, hh, tt, j):
     return arg
 
 
+@nb.njit(inline="always")
+def _cell(p, h, t):
+    """Task ``p`` of a ``prange`` over ``rows · h · t`` as ``(row, head, token)``."""
+    return p // (h * t), (p // t) % h, p % t
+
+
 @nb.njit(cache=True, nogil=True, parallel=True)
 def _encode_packed(x, c, bits, out):
     """Nearest centroid of every sub-vector, packed LSB-first into ``out`` (rows, h, t, nbytes) uint8."""
     rows, h, t, _ = x.shape
     m = c.shape[1]
     for p in nb.prange(rows * h * t):
-        r = p // (h * t)
-        hh = (p // t) % h
-        tt = p % t
+        r, hh, tt = _cell(p, h, t)
         o = out[r, hh, tt]
         for i in range(o.shape[0]):
             o[i] = 0
@@ -123,9 +127,7 @@ def _encode_wide(x, c, out):
     rows, h, t, _ = x.shape
     m = c.shape[1]
     for p in nb.prange(rows * h * t):
-        r = p // (h * t)
-        hh = (p // t) % h
-        tt = p % t
+        r, hh, tt = _cell(p, h, t)
         for j in range(m):
             out[r, hh, tt, j] = _nearest(x, c, r, hh, tt, j)
 
@@ -197,9 +199,7 @@ def _decode_wide(codes, c, out):
     rows, h, t, m = codes.shape
     k, s = c.shape[2], c.shape[3]
     for p in nb.prange(rows * h * t):
-        r = p // (h * t)
-        hh = (p // t) % h
-        tt = p % t
+        r, hh, tt = _cell(p, h, t)
         for j in range(m):
             a = min(np.int64(codes[r, hh, tt, j]), k - 1)
             for u in range(s):
@@ -234,3 +234,46 @@ def decode(codes, centroids, bits):
         else:
             _decode_packed(codes, c, int(bits), out)
     return out
+
+
+# ---- read side: codes as indices, for the fused kernel (arraykv.ops.numba.vq_fused) ------------
+
+@nb.njit(inline="always")
+def _unpack_tile(codes, b, h, t0, nt, bits, kn, out):
+    """Codes ``a_tj`` of tokens ``[t0, t0 + nt)`` of head ``(b, h)`` as flat indices ``j · kn + min(a_tj, kn − 1)``
+    into ``out[:nt]`` (nt, m): rows of a ``(m · kn, ...)`` view of one head's codebooks or tables."""
+    m = out.shape[1]
+    top = kn - 1
+    if bits > 8 or bits == 8:
+        for r in range(nt):
+            row = codes[b, h, t0 + r]
+            o = out[r]
+            for j in range(m):
+                o[j] = min(np.int32(row[j]), top) + j * kn
+    elif bits == 4:
+        half = m // 2
+        for r in range(nt):
+            row = codes[b, h, t0 + r]
+            o = out[r]
+            for i in range(half):
+                x = np.int32(row[i])
+                o[2 * i] = min(x & 15, top) + 2 * i * kn
+                o[2 * i + 1] = min(x >> 4, top) + (2 * i + 1) * kn
+            if m % 2 == 1:
+                o[m - 1] = min(np.int32(row[half]) & 15, top) + (m - 1) * kn
+    else:
+        mask = np.uint64((1 << bits) - 1)
+        ub = np.uint64(bits)
+        for r in range(nt):
+            row = codes[b, h, t0 + r]
+            nbytes = row.shape[0]
+            o = out[r]
+            for grp in range((m + 7) // 8):
+                base = grp * bits
+                w = np.uint64(0)
+                for k in range(bits):
+                    if base + k < nbytes:
+                        w |= np.uint64(row[base + k]) << np.uint64(8 * k)
+                j0 = grp * 8
+                for i in range(min(8, m - j0)):
+                    o[j0 + i] = min(np.int32((w >> (np.uint64(i) * ub)) & mask), top) + (j0 + i) * kn

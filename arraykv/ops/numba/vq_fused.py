@@ -51,6 +51,7 @@ from ...quant.vq import check_decode_attention_args
 from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, prepare_queries, ro,
                            run_step, split_count)
 from .threads import threads_for
+from .vq import _unpack_tile
 
 __all__ = ["vq_decode_attention", "decode_attention_mode", "TILE", "TABLE_MAX_K", "RESCALE_SLACK"]
 
@@ -64,8 +65,6 @@ TABLE_MAX_K = 1024
 RESCALE_SLACK = 16.0
 
 
-
-
 def _signature(code):
     """``(q, scale, n, h_n, args, splits, out)``, ``args`` = ``(bits, tables, k_codes, k_cent, v_codes, v_cent,
     k_extra, v_extra)`` with uint8 (packed) or uint16 codes."""
@@ -76,47 +75,6 @@ def _signature(code):
 
 
 _SIGS = [_signature(nbt.uint8), _signature(nbt.uint16)]
-
-
-@nb.njit(inline="always")
-def _unpack_tile(codes, b, h, t0, nt, bits, kn, out):
-    """Codes ``a_tj`` of tokens ``[t0, t0 + nt)`` of head ``(b, h)`` as flat indices ``j · kn + min(a_tj, kn − 1)``
-    into ``out[:nt]`` (nt, m): rows of a ``(m · kn, ...)`` view of one head's codebooks or tables."""
-    m = out.shape[1]
-    top = kn - 1
-    if bits > 8 or bits == 8:
-        for r in range(nt):
-            row = codes[b, h, t0 + r]
-            o = out[r]
-            for j in range(m):
-                o[j] = min(np.int32(row[j]), top) + j * kn
-    elif bits == 4:
-        half = m // 2
-        for r in range(nt):
-            row = codes[b, h, t0 + r]
-            o = out[r]
-            for i in range(half):
-                x = np.int32(row[i])
-                o[2 * i] = min(x & 15, top) + 2 * i * kn
-                o[2 * i + 1] = min(x >> 4, top) + (2 * i + 1) * kn
-            if m % 2 == 1:
-                o[m - 1] = min(np.int32(row[half]) & 15, top) + (m - 1) * kn
-    else:
-        mask = np.uint64((1 << bits) - 1)
-        ub = np.uint64(bits)
-        for r in range(nt):
-            row = codes[b, h, t0 + r]
-            nbytes = row.shape[0]
-            o = out[r]
-            for grp in range((m + 7) // 8):
-                base = grp * bits
-                w = np.uint64(0)
-                for k in range(bits):
-                    if base + k < nbytes:
-                        w |= np.uint64(row[base + k]) << np.uint64(8 * k)
-                j0 = grp * 8
-                for i in range(min(8, m - j0)):
-                    o[j0 + i] = min(np.int32((w >> (np.uint64(i) * ub)) & mask), top) + (j0 + i) * kn
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
@@ -329,7 +287,8 @@ def span_unit(args):
     return 1
 
 
-_step_serial, _step_parallel = build_steps(globals(), _SIGS)
+# signature 0: packed uint8 codes, 1: uint16 codes
+_step_serial, _step_parallel = build_steps(globals(), _SIGS, lambda step: int(step[4][2].dtype != np.uint8))
 
 
 def _use_tables(kk: int, kv: int, sub_dim: int, span: int) -> bool:
