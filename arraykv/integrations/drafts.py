@@ -104,11 +104,17 @@ def argmax_rows(logits: Any) -> list:
     return [int(i) for i in _compat.to_numpy(logits).argmax(axis=-1)]
 
 
-def require_truncate(cache: Any, what: str) -> None:
-    """A ``TypeError`` unless ``cache`` has ``truncate_all`` (rejected tokens must come back out)."""
+def require_truncate(cache: Any, what: str, depth: int = 0) -> None:
+    """Refuse a cache that cannot take back ``depth`` tokens: no ``truncate_all`` (``TypeError``),
+    or a ``rollback_tokens`` margin below ``depth`` (``ValueError`` naming the fix)."""
     if not callable(getattr(cache, "truncate_all", None)):
         raise TypeError(f"{what} must support truncate_all (every arraykv cache does), "
                         f"received {type(cache).__name__}")
+    get_config = getattr(cache, "get_config", None)
+    margin = get_config().get("rollback_tokens") if callable(get_config) else None
+    if isinstance(margin, int) and margin < depth:
+        raise ValueError(f"{what} keeps rollback copies of {margin} tokens, but this k may take back {depth}: "
+                         f"make it with rollback_tokens={depth} or more, or use a smaller k")
 
 
 @dataclass
@@ -178,7 +184,7 @@ class LayerDraft(_StepDraft):
         self.layers = layers
         self.model = self.cache = None
 
-    def bind(self, model: Any, cache: Any) -> None:
+    def bind(self, model: Any, cache: Any, depth: int = 0) -> None:
         """Attach to the target ``model`` and its ``cache``."""
         n = model.config.num_layers
         if self.layers >= n:
@@ -253,8 +259,8 @@ class CacheDraft(_StepDraft):
         self._model, self._cache = model, cache
         self.model = self.cache = self.target = None
 
-    def bind(self, model: Any, cache: Any) -> None:
-        """Attach to the target ``model``; build or check the draft's cache."""
+    def bind(self, model: Any, cache: Any, depth: int = 0) -> None:
+        """Attach to the target ``model``; build or check the draft's cache (``depth``: tokens it may have to take back)."""
         draft = self._model if self._model is not None else model
         if draft.config.vocab_size != model.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the "
@@ -262,7 +268,7 @@ class CacheDraft(_StepDraft):
         own = self._cache if self._cache is not None else draft.make_cache(self.method, **self.options)
         if own is cache:
             raise ValueError("a CacheDraft needs a cache of its own; use LayerDraft to share the target's cache")
-        require_truncate(own, "the draft's cache")
+        require_truncate(own, "the draft's cache", depth)
         if own.seq_len(0) != 0:
             raise ValueError("the draft's cache must be empty; call reset() first")
         self.model, self.cache, self.target = draft, own, model
@@ -324,7 +330,7 @@ class NgramDraft:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.target = None
 
-    def bind(self, model: Any, cache: Any) -> None:
+    def bind(self, model: Any, cache: Any, depth: int = 0) -> None:
         """Attach to the target ``model``."""
         self.target = model
 

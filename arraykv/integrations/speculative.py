@@ -135,14 +135,15 @@ def speculative_generate(model: Any, prompt: Any, max_new_tokens: int = 32, *, c
         raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, received {verify!r}")
     if not all(hasattr(draft, a) for a in ("bind", "propose", "verify_input", "rollback")):
         raise TypeError(f"draft must be a LayerDraft, CacheDraft or NgramDraft, received {type(draft).__name__}")
-    require_truncate(cache, "cache")
+    depth = 2 * k - 1 if concurrent else k - 1  # tokens stored past the shallowest cut
+    require_truncate(cache, "cache", depth)
     ids = _prompt_ids(model, prompt)
     if len(ids) + max_new_tokens + 2 * k > model.config.context_length:
         raise ValueError(f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) and 2k drafted "
                          f"tokens exceed the context length of {model.config.context_length}")
     if cache.seq_len(0) != 0:
         raise ValueError("cache must be empty; call cache.reset() first")
-    draft.bind(model, cache)
+    draft.bind(model, cache, depth)
     if verify == "auto":
         verify = "prefill" if getattr(cache, "method", None) == "dense" else "decode"
     model._check_room(0, len(ids) + max_new_tokens + 2 * k)  # RoPE tables once, before any thread

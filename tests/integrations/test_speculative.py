@@ -174,6 +174,14 @@ def test_bad_arguments(model, prompt):
         speculative_generate(model, prompt, 4, cache=cache, draft=CacheDraft(cache=cache))
     with pytest.raises(TypeError, match="truncate_all"):
         speculative_generate(model, prompt, 4, cache=object(), draft=LayerDraft(2))
+    with pytest.raises(ValueError, match="rollback_tokens=3 or more"):
+        speculative_generate(model, prompt, 4, cache=model.make_cache("pqo4", rollback_tokens=2), draft=LayerDraft(2))
+    with pytest.raises(ValueError, match="rollback_tokens=7 or more"):
+        speculative_generate(model, prompt, 4, cache=model.make_cache("int4", rollback_tokens=6),
+                             draft=LayerDraft(2), k=4, concurrent=True)
+    with pytest.raises(ValueError, match="draft's cache keeps"):
+        speculative_generate(model, prompt, 4, cache=model.make_cache("dense"),
+                             draft=CacheDraft("pqo2", rollback_tokens=1))
     model.prefill(prompt, cache)
     with pytest.raises(ValueError, match="must be empty"):
         speculative_generate(model, prompt, 4, cache=cache, draft=LayerDraft(2))
@@ -185,3 +193,14 @@ def test_greedy_agreement_forgives_only_ties():
     assert v["ok"] and v["tie"] and v["first_difference"] == 1
     assert not greedy_agreement([1, 2, 3], [1.0, 0.5, 1.0], [1, 4, 5])["ok"]
     assert not greedy_agreement([1, 2, 3], [1.0, 1.0, 1.0], [1, 2])["ok"]
+
+
+@pytest.mark.parametrize("method", ["pqo4", "tq3", "int4", "lowrank"])
+def test_short_prompt_calibrating_inside_a_block(model, method):
+    """A prompt shorter than the window: the layer calibrates in a verified block and is cut back before it."""
+    short = [int(i) for i in np.random.default_rng(11).integers(0, CFG.vocab_size, 10)]
+    ref, gaps = plain_greedy(model, short, 40, model.make_cache(method))
+    cache = model.make_cache(method)
+    r = speculative_generate(model, short, 40, cache=cache, draft=WrongDraft(2), k=6, stop_at_eos=False)
+    assert greedy_agreement(ref, gaps, r.tokens)["ok"]
+    assert r.accepted < r.drafted
