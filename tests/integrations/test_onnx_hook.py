@@ -253,4 +253,4 @@ def test_decode_before_prefill_and_bad_ids_are_refused(graph):
     dec.prefill([[1, 2]], cache)
     with pytest.raises(ValueError, match="empty cache"):
         dec.prefill([[1, 2]], cache)
-    assert dec.generate([1, 2, 3], 4, dec.make_cache("dense")) == dec.generate([1, 2, 3], 4, dec.make_cache("dense"))
+    assert dec.generate([1, 2, 3], 4, cache=dec.make_cache("dense")) == dec.generate([1, 2, 3], 4)
