@@ -11,6 +11,7 @@ from typing import Any
 
 from .. import _compat
 from .._validation import check_int, check_real, dtype_name, is_floating
+from ._dims import axis_length
 
 __all__ = ["LowRankBasis", "fit_basis", "project", "reconstruct", "eckart_young_error", "choose_rank"]
 
@@ -36,13 +37,8 @@ class LowRankBasis:
     variance: Any
     rank: int
 
-    @property
-    def heads(self) -> int:
-        return int(self.basis.shape[0])
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.basis.shape[1])
+    heads = axis_length("basis", 0)
+    head_dim = axis_length("basis", 1)
 
     @property
     def nbytes(self) -> int:
