@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .. import _compat
-from .._validation import check_int, dtype_name, is_floating
+from .._validation import check_float_array, check_int, dtype_name, is_floating
 from ._dims import axis_length
 from .bitpack import pack_bits_reference, unpack_bits_reference
 from .kmeans import assign_reference, gather_rows, kmeans_pp, split_subspaces, update_reference
@@ -148,10 +148,7 @@ def train_vq(x: Any, *, codebook_size: int = 256, sub_dim: int = 8, max_iter: in
     ``‖x‖² - 2 x·c + ‖c‖²`` (a batched matmul), computed in float32.
     """
     xp = _compat.namespace(x)
-    if not is_floating(xp, x.dtype):
-        raise TypeError(f"x must have a floating dtype, received {dtype_name(x.dtype)}")
-    if x.ndim != 3:
-        raise ValueError(f"x must have shape (heads, n, head_dim), received shape {tuple(x.shape)}")
+    check_float_array(xp, "x", x, "(heads, n, head_dim)")
     h, n, d = (int(s) for s in x.shape)
     codebook_size, sub_dim, max_iter, tol = check_vq_options(codebook_size, sub_dim, d, max_iter, tol)
     seed = check_int("seed", seed, low=0)
