@@ -305,14 +305,9 @@ class OrtKVDecoder:
             ``max_new_tokens``.
         stop_at_eos : bool, default True
             Stop right after producing ``eos_id`` (it ends the returned list).
-        temperature : float, default 0.0
-            0 is greedy (argmax); otherwise sample from ``softmax(logits / temperature)``.
-        top_k : int, optional
-            Sample only among the ``top_k`` most likely tokens.
-        seed : int, optional
-            Seed of the sampler.
-        on_token : callable, optional
-            Called with each new token id as it is produced.
+        temperature, top_k, seed, on_token
+            Sampling and streaming, as in :meth:`LlamaModel.generate
+            <arraykv.integrations.llama.LlamaModel.generate>` (temperature 0, the default, is greedy).
         prefill_chunk : int or None, default 512
             The prompt goes through :meth:`step` in chunks of this many tokens; None feeds it
             in one piece.
