@@ -27,7 +27,8 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
-__all__ = ["cache_length", "check_chunk", "prompt_ids", "check_sampling", "generate_tokens", "pick_token", "legacy_generate_args"]
+__all__ = ["cache_length", "check_chunk", "prompt_ids", "check_sampling", "generate_tokens", "pick_token",
+           "legacy_generate_args"]
 
 
 def cache_length(cache: Any, num_layers: int = 1) -> int:

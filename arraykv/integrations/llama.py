@@ -113,10 +113,6 @@ class LlamaModel:
         self._cos, self._sin = rope_tables(self.xp, self._dev, length, c.head_dim, c.rope_theta)
         self._rope_len = length
 
-    def _rope(self, x: Any, start: int) -> Any:
-        """Rotate ``x`` of shape (batch, heads, t, head_dim) for positions ``start .. start+t-1``."""
-        return apply_rope(self._ops, x, self._cos, self._sin, start)
-
     def _rmsnorm(self, x: Any, w: Any) -> Any:
         xp = self._ops
         ms = xp.mean(x * x, axis=-1, keepdims=True)
@@ -131,7 +127,7 @@ class LlamaModel:
         q = xp.permute_dims(xp.reshape(qkv[..., :qd], (b, t, c.num_heads, c.head_dim)), (0, 2, 1, 3))
         k = xp.permute_dims(xp.reshape(qkv[..., qd:qd + kd], (b, t, c.num_kv_heads, c.head_dim)), (0, 2, 1, 3))
         v = xp.permute_dims(xp.reshape(qkv[..., qd + kd:], (b, t, c.num_kv_heads, c.head_dim)), (0, 2, 1, 3))
-        return self._rope(q, start), self._rope(k, start), v
+        return (apply_rope(xp, q, self._cos, self._sin, start), apply_rope(xp, k, self._cos, self._sin, start), v)
 
     def _mlp(self, lw: LayerWeights, x: Any) -> Any:
         xp = self._ops
@@ -147,12 +143,8 @@ class LlamaModel:
         o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (b, t, h * d))
         return xp.matmul(o, lw.wo)
 
-    def _attend_one(self, q: Any, k: Any, v: Any, bias: Any) -> Any:
-        """Decode attention (:func:`~arraykv.integrations.llama_attention.attend_one`). Returns (b, H, 1, d)."""
-        return attend_one(self._ops, q, k, v, bias, self._scale)
-
     def _attend_chunk(self, q: Any, k: Any, v: Any, bias: Any) -> Any:
-        """Causal prefill attention (:func:`~arraykv.integrations.llama_attention.attend_chunk`). Returns (b, H, t, d)."""
+        """Causal prefill attention (:func:`.llama_attention.attend_chunk`), (b, H, t, d)."""
         return attend_chunk(self._ops, q, k, v, bias, self._scale, in_place=self._numpy,
                             mask=lambda t, total: causal_mask(self.xp, self._dev, t, total))
 
@@ -324,7 +316,7 @@ class LlamaModel:
                 o = res.output
             else:
                 r = res.result
-                o = self._attend_one(q, r.k, r.v, r.logit_bias)
+                o = attend_one(self._ops, q, r.k, r.v, r.logit_bias, self._scale)
             x = x + self._out_proj(lw, o)
             x = x + self._mlp(lw, x)
         out = self._logits(x)[:, 0, :]

@@ -4,11 +4,11 @@ Each ``head_dim`` vector is split into ``head_dim / sub_dim`` sub-vectors; every
 every head has its own codebook of ``codebook_size`` centroids, trained with k-means++
 seeding and Lloyd iterations until the objective stops decreasing.
 
-Everything here is array-API code (the references the CPU kernels are tested against). The
-k-means steps live in :mod:`.kmeans` (re-exported here). The steps that have kernels are parameters: :func:`train_vq` takes ``assign``/``update``,
-:func:`vq_encode` ``encode`` and :func:`vq_decode` ``decode``, defaulting to the references
-below; :mod:`arraykv.ops` has the accelerated ones (``ops.vq_assign``, ``ops.vq_update``,
-``ops.vq_encode``, ``ops.vq_decode``).
+Everything here is array-API code (the references the CPU kernels are tested against); the
+k-means steps live in :mod:`.kmeans` (re-exported here). The steps that have kernels are
+parameters: :func:`train_vq` takes ``assign``/``update``, :func:`vq_encode` ``encode`` and
+:func:`vq_decode` ``decode``, defaulting to the references; :mod:`arraykv.ops` has the
+accelerated ones (``ops.vq_assign``, ``ops.vq_update``, ``ops.vq_encode``, ``ops.vq_decode``).
 """
 
 from __future__ import annotations
