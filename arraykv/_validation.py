@@ -16,6 +16,7 @@ from . import _compat
 
 __all__ = [
     "check_auto_bool",
+    "check_float_array",
     "check_bool",
     "check_int",
     "check_real",
@@ -161,13 +162,7 @@ def check_kv(k: Any, v: Any, *, num_kv_heads: int, head_dim: int, v_head_dim: in
     _check_array("v", v)
     xp = _compat.namespace(k, v)
     for name, x in (("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(
-                f"{name} must have 4 dimensions (batch, kv_heads, new_tokens, head_dim), "
-                f"received shape {tuple(x.shape)}"
-            )
-        if not is_floating(xp, x.dtype):
-            raise TypeError(f"{name} must have a floating dtype, received {dtype_name(x.dtype)}")
+        check_float_array(xp, name, x, "(batch, kv_heads, new_tokens, head_dim)")
     if k.dtype != v.dtype:
         raise TypeError(f"k and v must share one dtype, received {dtype_name(k.dtype)} and {dtype_name(v.dtype)}")
     vd = head_dim if v_head_dim is None else v_head_dim
@@ -189,6 +184,23 @@ def check_kv(k: Any, v: Any, *, num_kv_heads: int, head_dim: int, v_head_dim: in
     return xp, (b, h, t, d)
 
 
+def check_float_array(xp: Any, name: str, x: Any, axes: str) -> None:
+    """Check that ``x`` has one dimension per name in ``axes`` (e.g. ``"(heads, n, head_dim)"``) and a floating dtype.
+
+    Raises
+    ------
+    ValueError
+        The number of dimensions differs (the message names ``name`` and ``axes``).
+    TypeError
+        The dtype is not floating.
+    """
+    ndim = axes.count(",") + 1
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {axes}, received shape {tuple(x.shape)}")
+    if not is_floating(xp, x.dtype):
+        raise TypeError(f"{name} must have a floating dtype, received {dtype_name(x.dtype)}")
+
+
 def check_query(q: Any, xp: Any, kv_shape: tuple, *, q_head_dim: int | None = None) -> int:
     """Check ``q`` against a checked K shape; return ``n_kv_groups`` (query heads per KV head)."""
     _check_array("q", q)
@@ -197,12 +209,7 @@ def check_query(q: Any, xp: Any, kv_shape: tuple, *, q_head_dim: int | None = No
             f"q must come from the same array library as k and v, received {type(q).__module__}.{type(q).__name__}"
         )
     b, h, t, d = kv_shape
-    if q.ndim != 4:
-        raise ValueError(
-            f"q must have 4 dimensions (batch, q_heads, new_tokens, head_dim), received shape {tuple(q.shape)}"
-        )
-    if not is_floating(xp, q.dtype):
-        raise TypeError(f"q must have a floating dtype, received {dtype_name(q.dtype)}")
+    check_float_array(xp, "q", q, "(batch, q_heads, new_tokens, head_dim)")
     qb, qh, qt, qd = (int(s) for s in q.shape)
     if qb != b:
         raise ValueError(f"q must have batch {b} like k, received {qb}")

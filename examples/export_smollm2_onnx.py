@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     for method in args.methods:
         cache = dec.make_cache(method)
         t0 = time.perf_counter()
-        new = dec.generate(ids, args.tokens, cache, eos_id=model.tokenizer.eos_id)
+        new = dec.generate(ids, args.tokens, cache=cache, eos_id=model.tokenizer.eos_id)
         dt = time.perf_counter() - t0
         bits = cache.used_bytes() * 8 / (2 * dec.num_layers * dec.num_kv_heads * cache.seq_len(0) * dec.head_dim)
         print(f"\n[{method}] {len(new) / dt:.1f} tokens/s, {bits:.2f} bits/value")

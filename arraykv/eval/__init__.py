@@ -3,6 +3,12 @@
 Teacher forcing on a short text (:mod:`.teacher_forced`)::
 
     evaluate(model, token_ids, methods, *, prefill=64, ...) -> list[EvalRow]
+    teacher_forced(model, token_ids, cache=None, *, prefill=64) -> TeacherForced   # .logits
+
+where ``model`` is a :class:`~arraykv.integrations.llama.LlamaModel` or an
+:class:`~arraykv.integrations.onnxruntime.OrtKVDecoder`, so two engines of one model compare in
+three lines: ``a = teacher_forced(model, ids).logits``, ``b = teacher_forced(decoder,
+ids).logits``, ``abs(a - b).max()``.
 
 Long context, where compression matters (:mod:`.needle`, :mod:`.long_text`), both starting every
 method from one exact chunked prefill of the prompt (:mod:`.exact_prefill`)::
@@ -22,30 +28,13 @@ from .long_text import LongTextResult, long_text_quality
 from .needle import FILLER, INTRO, NeedleTask, needle_grid
 from .needle_result import NeedlePrompt, NeedleResult, NeedleRow, NeedleSummary
 from .plot import plot_long_context
-from .teacher_forced import (
-    EvalRow,
-    TeacherForced,
-    builtin_text,
-    builtin_token_ids,
-    calibrate,
-    compare,
-    evaluate,
-    format_table,
-    teacher_forced,
-)
+from .teacher_forced import __all__ as _TEACHER_FORCED
+from .teacher_forced import *  # noqa: F403 - EvalRow, TeacherForced, teacher_forced, compare, evaluate, ...
 from .texts import builtin_long_text, builtin_long_token_ids
 
 __all__ = [
-    # teacher forcing on a short text
-    "EvalRow",
-    "TeacherForced",
-    "builtin_text",
-    "builtin_token_ids",
-    "teacher_forced",
-    "compare",
-    "evaluate",
-    "calibrate",
-    "format_table",
+    # teacher forcing on a short text: the names of .teacher_forced
+    *_TEACHER_FORCED,
     # long context
     "builtin_long_text",
     "builtin_long_token_ids",

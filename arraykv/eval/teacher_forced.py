@@ -39,8 +39,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 from .. import _compat
+from .engine import context_length, decode_logits, geometry
 from .exact_prefill import stored_bytes
-from .texts import text_token_ids
+from .texts import builtin_text, builtin_token_ids
 
 __all__ = [
     "EvalRow",
@@ -102,36 +103,13 @@ class EvalRow:
         return asdict(self)
 
 
-def builtin_text() -> str:
-    """The public-domain text shipped for evaluation (Pride and Prejudice, chapters 1-2)."""
-    from ..data import read_text
-
-    return read_text()
-
-
-def builtin_token_ids(tokenizer: Any, n_tokens: int = 512) -> list:
-    """The first ``n_tokens`` token ids of :func:`builtin_text`.
-
-    Parameters
-    ----------
-    tokenizer : object with ``encode(str) -> list[int]``, or a model with a ``tokenizer``
-    n_tokens : int, default 512
-        At most the length of the text (about 2,260 SmolLM2 tokens).
-
-    Returns
-    -------
-    list of int
-    """
-    return text_token_ids(tokenizer, n_tokens, builtin_text, "the built-in text")
-
-
 def _as_ids(model: Any, token_ids: Any, least: int, least_text: str | None = None) -> list:
     """``token_ids`` as a list of int, at least ``least`` and at most the model's context length."""
     ids = [int(i) for i in (_compat.to_numpy(token_ids).tolist() if hasattr(token_ids, "shape") else token_ids)]
     if len(ids) < least:
         raise ValueError(f"token_ids must hold at least {least_text or least} tokens, received {len(ids)}")
-    limit = model.config.context_length
-    if len(ids) > limit:
+    limit = context_length(model)
+    if limit is not None and len(ids) > limit:
         raise ValueError(f"token_ids has {len(ids)} tokens, more than the model's context length {limit}")
     return ids
 
@@ -142,17 +120,17 @@ def _check_ids(model: Any, token_ids: Any, prefill: int) -> list:
     return _as_ids(model, token_ids, prefill + 2, f"prefill + 2 = {prefill + 2}")
 
 
-def teacher_forced(model: Any, token_ids: Any, cache: Any, *, prefill: int = 64, method: str | None = None,
+def teacher_forced(model: Any, token_ids: Any, cache: Any = None, *, prefill: int = 64, method: str | None = None,
                    progress: Any = None) -> TeacherForced:
     """Run ``token_ids`` through ``model`` with ``cache``: prefill, then one decode per token.
 
     Parameters
     ----------
-    model : LlamaModel
-        Anything with ``prefill(ids, cache)``, ``decode(id, cache)`` and ``config``.
+    model : LlamaModel or OrtKVDecoder
+        Anything with ``prefill(ids, cache)``, ``decode(id, cache)`` and ``make_cache(method)``.
     token_ids : sequence of int, length N >= prefill + 2
-    cache : CompressedKVCache
-        Empty; it holds ``N - 1`` tokens afterwards.
+    cache : CompressedKVCache, optional
+        Empty; it holds ``N - 1`` tokens afterwards. By default ``model.make_cache("dense")``.
     prefill : int, default 64
     method : str, optional
         Label of the run (default: ``cache.method`` or the class name).
@@ -162,22 +140,36 @@ def teacher_forced(model: Any, token_ids: Any, cache: Any, *, prefill: int = 64,
     Returns
     -------
     TeacherForced
+        Its ``logits`` (N - prefill - 1, vocab) float32 are comparable between engines: two
+        engines of the same model give the same rows up to their arithmetic.
+
+    Examples
+    --------
+    Compare a GGUF model with its ONNX export on one text::
+
+        a = teacher_forced(model, ids).logits                   # doctest: +SKIP
+        b = teacher_forced(decoder, ids).logits                 # doctest: +SKIP
+        print(abs(a - b).max())                                 # doctest: +SKIP
     """
     import numpy as np
 
     ids = _check_ids(model, token_ids, prefill)
-    if cache.seq_len(0) != 0:
+    if cache is None:
+        cache = model.make_cache("dense")
+    elif cache.seq_len(0) != 0:
         raise ValueError("cache must be empty; call cache.reset() first")
     label = method or getattr(cache, "method", None) or type(cache).__name__
     model.prefill(ids[:prefill], cache)
     n = len(ids) - prefill - 1
-    out = np.empty((n, model.config.vocab_size), dtype=np.float32)
+    out = None
     seconds = 0.0
     for j in range(n):
         t0 = time.perf_counter()
-        lg = model.decode(ids[prefill + j], cache)
+        lg = decode_logits(model, ids[prefill + j], cache)
         seconds += time.perf_counter() - t0
-        out[j] = _compat.to_numpy(lg)
+        if out is None:
+            out = np.empty((n, lg.shape[0]), dtype=np.float32)
+        out[j] = lg
         if progress is not None:
             progress(j + 1)
     return TeacherForced(method=label, logits=out, seconds=seconds, kv_bytes=stored_bytes(cache),
@@ -193,8 +185,8 @@ def calibrate(model: Any, token_ids: Any, method: Any) -> list:
 
     Parameters
     ----------
-    model : LlamaModel
-        Anything with ``prefill(ids, cache)``, ``make_cache(method)`` and ``config``.
+    model : LlamaModel or OrtKVDecoder
+        Anything with ``prefill(ids, cache)`` and ``make_cache(method)``.
     token_ids : sequence of int
         The calibration text (at least 2 tokens, at most the context length). Use a text other
         than the one evaluated.
@@ -217,7 +209,7 @@ def calibrate(model: Any, token_ids: Any, method: Any) -> list:
     dense = model.make_cache("dense")
     model.prefill(ids, dense)
     out = []
-    for layer in range(model.config.num_layers):
+    for layer in range(geometry(model)["num_layers"]):
         kv = dense.dequantize(layer)
         out.append(KVCacheCompressor(method).fit(kv.k, kv.v))
     return out
@@ -296,8 +288,8 @@ def evaluate(model: Any, token_ids: Any, methods: Sequence[str], *, prefill: int
 
     Parameters
     ----------
-    model : LlamaModel
-        From :func:`arraykv.integrations.gguf_llama.load_model`.
+    model : LlamaModel or OrtKVDecoder
+        From :func:`arraykv.integrations.gguf_llama.load_model`, or an ONNX decoder.
     token_ids : sequence of int, length N >= prefill + 2
         For example ``builtin_token_ids(model, 512)``.
     methods : sequence of str
@@ -335,8 +327,7 @@ def evaluate(model: Any, token_ids: Any, methods: Sequence[str], *, prefill: int
     stray = [m for m in opts if m not in methods]
     if stray:
         raise ValueError(f"cache_options names methods that are not evaluated: {stray}")
-    c = model.config
-    geometry = dict(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+    shape = geometry(model)
     targets = ids[prefill + 1:]
     if exact is None:
         exact = _run(model, ids, "dense", {}, prefill, progress)
@@ -345,7 +336,7 @@ def evaluate(model: Any, token_ids: Any, methods: Sequence[str], *, prefill: int
     rows = []
     for m in methods:
         run = exact if (m == "dense" and not opts.get(m)) else _run(model, ids, m, opts.get(m, {}), prefill, progress)
-        rows.append(compare(run, exact, targets, **geometry))
+        rows.append(compare(run, exact, targets, **shape))
     return rows
 
 

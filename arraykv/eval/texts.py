@@ -1,6 +1,6 @@
 """The public-domain texts shipped for evaluation, as token ids.
 
-:func:`builtin_text` (in :mod:`.teacher_forced`) is *Pride and Prejudice*, chapters 1-2, about
+:func:`builtin_text` is *Pride and Prejudice*, chapters 1-2, about
 2,260 SmolLM2 tokens; :func:`builtin_long_text` is chapters 1-6 (the same two chapters first),
 about 10,050 tokens: enough for a 7,936-token prefix followed by 256 scored positions.
 """
@@ -9,7 +9,30 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["builtin_long_text", "builtin_long_token_ids", "text_token_ids"]
+__all__ = ["builtin_text", "builtin_token_ids", "builtin_long_text", "builtin_long_token_ids", "text_token_ids"]
+
+
+def builtin_text() -> str:
+    """The public-domain text shipped for evaluation (Pride and Prejudice, chapters 1-2)."""
+    from ..data import read_text
+
+    return read_text()
+
+
+def builtin_token_ids(tokenizer: Any, n_tokens: int = 512) -> list:
+    """The first ``n_tokens`` token ids of :func:`builtin_text`.
+
+    Parameters
+    ----------
+    tokenizer : object with ``encode(str) -> list[int]``, or a model with a ``tokenizer``
+    n_tokens : int, default 512
+        At most the length of the text (about 2,260 SmolLM2 tokens).
+
+    Returns
+    -------
+    list of int
+    """
+    return text_token_ids(tokenizer, n_tokens, builtin_text, "the built-in text")
 
 
 def builtin_long_text() -> str:

@@ -24,7 +24,10 @@ from .. import _compat
 from ..attention import attention
 from ..protocol import AttendConfig, Fused
 from .gguf import LlamaConfig
-from .llama_weights import LayerWeights, random_gguf_tensors, unpermute_qk
+from .generation import cache_length as _cache_len
+from .generation import check_chunk, check_sampling, generate_tokens, prompt_ids
+from .llama_attention import apply_rope, attend_chunk, attend_one, causal_mask, plain_numpy, rope_tables
+from .llama_weights import LayerWeights, layout_gguf_tensors, random_gguf_tensors, unpermute_qk
 
 __all__ = ["LlamaModel", "LayerWeights", "random_gguf_tensors", "unpermute_qk"]
 
@@ -63,7 +66,7 @@ class LlamaModel:
         # NumPy 2 offers the array-API names itself; calling it directly skips a wrapper per
         # operation (a few percent of a decode step at 135M parameters).
         self._numpy = _compat.is_numpy(self.xp)
-        self._ops = _plain_numpy() if self._numpy else self.xp
+        self._ops = plain_numpy() if self._numpy else self.xp
         self._dev = _compat.device(embedding)
         self._scale = 1.0 / math.sqrt(config.head_dim)
         self._attend = AttendConfig(softmax_scale=self._scale, n_kv_groups=config.n_kv_groups)
@@ -89,41 +92,11 @@ class LlamaModel:
         -------
         LlamaModel
         """
-        import numpy as np
-
         if xp is None:
             import array_api_compat.numpy as xp  # noqa: PLW0127 - the default namespace
 
-        def get(name):
-            a = tensors.get(name)
-            if a is None:
-                raise ValueError(f"the model lacks tensor {name!r}; the GGUF file is incomplete or not a Llama model")
-            return a
-
-        def put(a):
-            return xp.asarray(np.ascontiguousarray(a, dtype=np.float32))
-
-        c = config
-        qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        layers = []
-        for i in range(c.num_layers):
-            p = f"blk.{i}."
-            wq = unpermute_qk(get(p + "attn_q.weight"), c.num_heads)
-            wk = unpermute_qk(get(p + "attn_k.weight"), c.num_kv_heads)
-            wv = get(p + "attn_v.weight")
-            if wq.shape != (qd, c.hidden_size) or wk.shape != (kd, c.hidden_size) or wv.shape != (kd, c.hidden_size):
-                raise ValueError(f"layer {i}: Q/K/V shapes {wq.shape}, {wk.shape}, {wv.shape} do not match the metadata")
-            layers.append(LayerWeights(
-                attn_norm=put(get(p + "attn_norm.weight")),
-                wqkv=put(np.concatenate([wq, wk, wv], axis=0).T),
-                wo=put(get(p + "attn_output.weight").T),
-                ffn_norm=put(get(p + "ffn_norm.weight")),
-                wgu=put(np.concatenate([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")], axis=0).T),
-                wdown=put(get(p + "ffn_down.weight").T),
-            ))
-        head = tensors.get("output.weight")
-        return cls(c, layers, put(get("token_embd.weight")), put(get("output_norm.weight")),
-                   None if head is None else put(head), tokenizer=tokenizer)
+        layers, embedding, output_norm, lm_head = layout_gguf_tensors(config, tensors, xp)
+        return cls(config, layers, embedding, output_norm, lm_head, tokenizer=tokenizer)
 
     def make_cache(self, method: str = "dense", **options: Any):
         """A cache of this model's geometry: ``arraykv.make_cache(method, num_layers=..., ...)``."""
@@ -136,25 +109,9 @@ class LlamaModel:
     def _ensure_rope(self, length: int) -> None:
         if length <= self._rope_len:
             return
-        import numpy as np
-
         c = self.config
-        half = c.head_dim // 2
-        inv = 1.0 / (c.rope_theta ** (np.arange(half, dtype=np.float64) * 2.0 / c.head_dim))
-        ang = np.arange(length, dtype=np.float64)[:, None] * inv[None, :]
-        self._cos = self.xp.asarray(np.cos(ang).astype(np.float32), device=self._dev)
-        self._sin = self.xp.asarray(np.sin(ang).astype(np.float32), device=self._dev)
+        self._cos, self._sin = rope_tables(self.xp, self._dev, length, c.head_dim, c.rope_theta)
         self._rope_len = length
-
-    def _rope(self, x: Any, start: int) -> Any:
-        """Rotate ``x`` of shape (batch, heads, t, head_dim) for positions ``start .. start+t-1``."""
-        xp = self._ops
-        t = int(x.shape[2])
-        half = self.config.head_dim // 2
-        cos = self._cos[start:start + t, :]
-        sin = self._sin[start:start + t, :]
-        x1, x2 = x[..., :half], x[..., half:]
-        return xp.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
     def _rmsnorm(self, x: Any, w: Any) -> Any:
         xp = self._ops
@@ -170,7 +127,7 @@ class LlamaModel:
         q = xp.permute_dims(xp.reshape(qkv[..., :qd], (b, t, c.num_heads, c.head_dim)), (0, 2, 1, 3))
         k = xp.permute_dims(xp.reshape(qkv[..., qd:qd + kd], (b, t, c.num_kv_heads, c.head_dim)), (0, 2, 1, 3))
         v = xp.permute_dims(xp.reshape(qkv[..., qd + kd:], (b, t, c.num_kv_heads, c.head_dim)), (0, 2, 1, 3))
-        return self._rope(q, start), self._rope(k, start), v
+        return (apply_rope(xp, q, self._cos, self._sin, start), apply_rope(xp, k, self._cos, self._sin, start), v)
 
     def _mlp(self, lw: LayerWeights, x: Any) -> Any:
         xp = self._ops
@@ -186,74 +143,10 @@ class LlamaModel:
         o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (b, t, h * d))
         return xp.matmul(o, lw.wo)
 
-    def _attend_one(self, q: Any, k: Any, v: Any, bias: Any) -> Any:
-        """Attention of one new query token over ``total`` keys (the decode case).
-
-        The same math as :func:`arraykv.attention` for ``tokens == 1`` (no mask needed),
-        without its input checks: ``q`` (b, H, 1, d), ``k``/``v`` (b, Hkv, total, d), ``bias``
-        None or (b, H, 1, total). Returns (b, H, 1, d).
-        """
-        xp = self._ops
-        b, hq, _, d = (int(s) for s in q.shape)
-        hkv, total = int(k.shape[1]), int(k.shape[2])
-        g = hq // hkv
-        if k.dtype != q.dtype:
-            k = xp.astype(k, q.dtype)
-            v = xp.astype(v, q.dtype)
-        qg = xp.reshape(q, (b, hkv, g, d))
-        s = xp.matrix_transpose(xp.matmul(k, xp.matrix_transpose(qg))) * self._scale  # (b, hkv, g, total)
-        if bias is not None:
-            s = s + xp.reshape(xp.astype(bias, s.dtype), (b, hkv, g, total))
-        s = xp.exp(s - xp.max(s, axis=-1, keepdims=True))
-        p = s / xp.sum(s, axis=-1, keepdims=True)
-        return xp.reshape(xp.matmul(p, v), (b, hq, 1, int(v.shape[3])))
-
     def _attend_chunk(self, q: Any, k: Any, v: Any, bias: Any) -> Any:
-        """Causal attention of ``t`` new query tokens, the last ``t`` of ``total`` keys (the prefill case).
-
-        The same math as :func:`arraykv.attention` with ``causal=True``, in fewer passes over
-        the ``(b, kv_heads, groups * t, total)`` scores: the scale is folded into ``q``, the
-        mask touches only the last ``t`` key columns (earlier keys are visible to every new
-        query), the normalization divides the ``(t, d)`` output instead of the weights, and on
-        NumPy the softmax runs in place. Returns (b, H, t, d).
-        """
-        xp = self._ops
-        b, hq, t, d = (int(s) for s in q.shape)
-        hkv, total = int(k.shape[1]), int(k.shape[2])
-        g = hq // hkv
-        if k.dtype != q.dtype:
-            k = xp.astype(k, q.dtype)
-            v = xp.astype(v, q.dtype)
-        s = xp.matmul(xp.reshape(q * self._scale, (b, hkv, g * t, d)), xp.matrix_transpose(k))
-        if bias is not None:
-            s = s + xp.reshape(xp.astype(bias, s.dtype), (b, hkv, g * t, total))
-        if self._numpy:  # in place, on the fresh scores array
-            import numpy as np
-
-            if t > 1:
-                np.reshape(s, (b, hkv, g, t, total))[..., total - t:] += self._causal_block(t)
-            s -= np.max(s, axis=-1, keepdims=True)
-            np.exp(s, out=s)
-        else:
-            if t > 1:
-                s = xp.reshape(xp.reshape(s, (b, hkv, g, t, total)) + self._causal_mask(t, total),
-                               (b, hkv, g * t, total))
-            s = xp.exp(s - xp.max(s, axis=-1, keepdims=True))
-        o = xp.matmul(s, v) / xp.sum(s, axis=-1, keepdims=True)
-        return xp.reshape(o, (b, hq, t, int(v.shape[3])))
-
-    def _causal_block(self, t: int) -> Any:
-        """(t, t) float32 NumPy: 0 on and below the diagonal, -inf above (query i sees new keys <= i)."""
-        import numpy as np
-
-        return np.triu(np.full((t, t), -np.inf, dtype=np.float32), k=1)
-
-    def _causal_mask(self, t: int, total: int) -> Any:
-        """(t, total) additive mask of the last ``t`` queries over ``total`` keys, in the weights' namespace."""
-        import numpy as np
-
-        m = np.concatenate([np.zeros((t, total - t), dtype=np.float32), self._causal_block(t)], axis=1)
-        return self.xp.asarray(m, device=self._dev)
+        """Causal prefill attention (:func:`.llama_attention.attend_chunk`), (b, H, t, d)."""
+        return attend_chunk(self._ops, q, k, v, bias, self._scale, in_place=self._numpy,
+                            mask=lambda t, total: causal_mask(self.xp, self._dev, t, total))
 
     def _logits(self, x: Any) -> Any:
         xp = self._ops
@@ -355,7 +248,7 @@ class LlamaModel:
         With the exact cache (``dense``) a chunked prefill equals the one-shot one to float
         rounding; with a compressed cache later chunks attend to the stored form of earlier ones.
         """
-        _check_chunk("chunk_size", chunk_size)
+        check_chunk("chunk_size", chunk_size)
         if not isinstance(logits, str) or logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', received {logits!r}")
         ids, flat = self._ids(token_ids)
@@ -423,7 +316,7 @@ class LlamaModel:
                 o = res.output
             else:
                 r = res.result
-                o = self._attend_one(q, r.k, r.v, r.logit_bias)
+                o = attend_one(self._ops, q, r.k, r.v, r.logit_bias, self._scale)
             x = x + self._out_proj(lw, o)
             x = x + self._mlp(lw, x)
         out = self._logits(x)[:, 0, :]
@@ -431,10 +324,13 @@ class LlamaModel:
 
     # -- text generation ---------------------------------------------------------------
     def generate(self, prompt: Any, max_new_tokens: int = 32, *, cache: Any = None, method: str = "dense",
-                 temperature: float = 0.0, top_k: int | None = None, seed: int | None = None,
-                 stop_at_eos: bool = True, on_token: Callable[[int], None] | None = None,
-                 prefill_chunk: int | None = 512) -> list:
+                 eos_id: int | None = None, stop_at_eos: bool = True, temperature: float = 0.0,
+                 top_k: int | None = None, seed: int | None = None,
+                 on_token: Callable[[int], None] | None = None, prefill_chunk: int | None = 512) -> list:
         """Greedy or sampled generation for one sequence.
+
+        The convention every engine shares (:mod:`arraykv.integrations.generation`); an
+        :class:`~arraykv.integrations.onnxruntime.OrtKVDecoder` takes the same arguments.
 
         Parameters
         ----------
@@ -445,14 +341,16 @@ class LlamaModel:
             An empty cache to use; by default ``self.make_cache(method)``.
         method : str, default "dense"
             Cache method when ``cache`` is not given.
+        eos_id : int, optional
+            The end-of-sequence token; None uses the tokenizer's (none without a tokenizer).
+        stop_at_eos : bool, default True
+            Stop right after producing the end-of-sequence token (it ends the returned list).
         temperature : float, default 0.0
             0 is greedy (argmax); otherwise sample from ``softmax(logits / temperature)``.
         top_k : int, optional
             Sample only among the ``top_k`` most likely tokens.
         seed : int, optional
             Seed of the sampler.
-        stop_at_eos : bool, default True
-            Stop after the tokenizer's end-of-sequence token.
         on_token : callable, optional
             Called with each new token id as it is produced (for streaming output).
         prefill_chunk : int or None, default 512
@@ -464,24 +362,8 @@ class LlamaModel:
         list of int
             The new token ids (the prompt excluded).
         """
-        import numpy as np
-
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass token ids instead of text")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(i) for i in prompt]
-        if not ids:
-            raise ValueError("prompt must hold at least one token")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, received {max_new_tokens!r}")
-        temperature = float(temperature)
-        if not temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, received {temperature}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"top_k must be a positive integer or None, received {top_k!r}")
-        _check_chunk("prefill_chunk", prefill_chunk)
+        ids = prompt_ids(prompt, self.tokenizer)
+        temperature = check_sampling(max_new_tokens, temperature, top_k, prefill_chunk)
         limit = self.config.context_length
         if len(ids) + max_new_tokens > limit:
             raise ValueError(
@@ -492,55 +374,18 @@ class LlamaModel:
             cache = self.make_cache(method)
         elif _cache_len(cache, self.config.num_layers) != 0:
             raise ValueError("cache must be empty; call cache.reset() first")
-        rng = np.random.default_rng(seed)
-        eos = None if self.tokenizer is None else self.tokenizer.eos_id
-        out: list = []
-        if max_new_tokens == 0:
-            return out
-        logits = self.prefill(ids, cache, chunk_size=prefill_chunk, logits="last")
-        while True:
-            tok = _pick(_compat.to_numpy(logits), temperature, top_k, rng)
-            out.append(tok)
-            if on_token is not None:
-                on_token(tok)
-            if len(out) >= max_new_tokens or (stop_at_eos and tok == eos):
-                return out
-            logits = self.decode(tok, cache)
+        if eos_id is None and self.tokenizer is not None:
+            eos_id = self.tokenizer.eos_id
+        return generate_tokens(
+            lambda p: _compat.to_numpy(self.prefill(p, cache, chunk_size=prefill_chunk, logits="last")),
+            lambda tok: _compat.to_numpy(self.decode(tok, cache)),
+            ids, max_new_tokens, eos=eos_id, stop_at_eos=stop_at_eos, temperature=temperature,
+            top_k=top_k, seed=seed, on_token=on_token)
 
     def __repr__(self) -> str:
         c = self.config
         return (f"LlamaModel({c.name!r}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}, "
                 f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, vocab={c.vocab_size})")
-
-
-def _plain_numpy():
-    import numpy as np
-
-    if hasattr(np, "permute_dims") and hasattr(np, "concat") and hasattr(np, "matrix_transpose"):
-        return np
-    import array_api_compat.numpy as xnp
-
-    return xnp
-
-
-def _pick(logits: Any, temperature: float, top_k: int | None, rng: Any) -> int:
-    import numpy as np
-
-    z = np.asarray(logits, dtype=np.float64)
-    if temperature == 0.0:
-        return int(np.argmax(z))
-    z = z / temperature
-    if top_k is not None and top_k < z.size:
-        cut = np.partition(z, -top_k)[-top_k]
-        z = np.where(z >= cut, z, -np.inf)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    return int(rng.choice(z.size, p=p))
-
-
-def _check_chunk(name: str, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name} must be a positive integer or None, received {value!r}")
 
 
 def _is_array(x: Any) -> bool:
@@ -554,20 +399,3 @@ def _as_len(token_ids: Any) -> int:
     if shape is not None:
         return int(shape[-1]) if len(shape) else 1
     return len(token_ids)
-
-
-def _cache_len(cache: Any, num_layers: int = 1) -> int:
-    """Tokens ``cache`` holds; a ValueError when its first ``num_layers`` layers disagree.
-
-    Layers run in sequence, so a step refused by layer ``i > 0`` (for example non-finite keys)
-    has already stored its tokens in layers ``0 .. i-1``; such a cache is refused from then on
-    instead of being grown further apart.
-    """
-    if not hasattr(cache, "seq_len") or not hasattr(cache, "prefill"):
-        raise TypeError(f"cache must be a CompressedKVCache, received {type(cache).__name__}")
-    lengths = [int(cache.seq_len(i)) for i in range(num_layers)]
-    if any(n != lengths[0] for n in lengths):
-        raise ValueError(f"the cache's layers hold different numbers of tokens ({lengths}), left so by a step "
-                         "that a later layer refused; call cache.reset() and run the prompt again")
-    return lengths[0]
-

@@ -1,4 +1,4 @@
-"""Weight layout helpers of the Llama decoder: GGUF Q/K row order, per-block weights, a random model.
+"""Weight layout helpers of the Llama decoder: GGUF Q/K row order, per-block weights, the fast layout, a random model.
 
 Kept apart from :mod:`arraykv.integrations.llama` (which re-exports them) so that the decoder
 module holds the forward pass only.
@@ -12,7 +12,7 @@ from typing import Any
 
 from .gguf import LlamaConfig
 
-__all__ = ["LayerWeights", "random_gguf_tensors", "tensor_shapes", "unpermute_qk"]
+__all__ = ["LayerWeights", "layout_gguf_tensors", "random_gguf_tensors", "tensor_shapes", "unpermute_qk"]
 
 
 def unpermute_qk(w: Any, heads: int) -> Any:
@@ -58,6 +58,66 @@ class LayerWeights:
     ffn_norm: Any
     wgu: Any
     wdown: Any
+
+
+def layout_gguf_tensors(config: LlamaConfig, tensors: dict, xp: Any) -> tuple:
+    """Lay out dequantized GGUF tensors for fast decoding.
+
+    Every matrix is stored transposed and contiguous, ``(in_features, out_features)``; Q, K and
+    V become one fused matrix (Q and K rows unpermuted to the rotate-half layout), gate and up
+    another.
+
+    Parameters
+    ----------
+    config : LlamaConfig
+    tensors : dict of str to numpy.ndarray
+        GGUF tensor names (``blk.{i}.attn_q.weight`` ...) to float32 ``(out, in)`` arrays.
+    xp : array namespace
+        Where the weights go.
+
+    Returns
+    -------
+    layers : list of LayerWeights
+    embedding : array, shape (vocab, hidden), float32
+    output_norm : array, shape (hidden,), float32
+    lm_head : array of shape (vocab, hidden), or None for tied embeddings
+
+    Raises
+    ------
+    ValueError
+        A tensor is missing or the Q/K/V shapes disagree with ``config``.
+    """
+    import numpy as np
+
+    def get(name):
+        a = tensors.get(name)
+        if a is None:
+            raise ValueError(f"the model lacks tensor {name!r}; the GGUF file is incomplete or not a Llama model")
+        return a
+
+    def put(a):
+        return xp.asarray(np.ascontiguousarray(a, dtype=np.float32))
+
+    c = config
+    qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layers = []
+    for i in range(c.num_layers):
+        p = f"blk.{i}."
+        wq = unpermute_qk(get(p + "attn_q.weight"), c.num_heads)
+        wk = unpermute_qk(get(p + "attn_k.weight"), c.num_kv_heads)
+        wv = get(p + "attn_v.weight")
+        if wq.shape != (qd, c.hidden_size) or wk.shape != (kd, c.hidden_size) or wv.shape != (kd, c.hidden_size):
+            raise ValueError(f"layer {i}: Q/K/V shapes {wq.shape}, {wk.shape}, {wv.shape} do not match the metadata")
+        layers.append(LayerWeights(
+            attn_norm=put(get(p + "attn_norm.weight")),
+            wqkv=put(np.concatenate([wq, wk, wv], axis=0).T),
+            wo=put(get(p + "attn_output.weight").T),
+            ffn_norm=put(get(p + "ffn_norm.weight")),
+            wgu=put(np.concatenate([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")], axis=0).T),
+            wdown=put(get(p + "ffn_down.weight").T),
+        ))
+    head = tensors.get("output.weight")
+    return layers, put(get("token_embd.weight")), put(get("output_norm.weight")), None if head is None else put(head)
 
 
 def tensor_shapes(config: LlamaConfig) -> dict:

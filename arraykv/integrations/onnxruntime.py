@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import re
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+from .generation import cache_length, check_sampling, generate_tokens, legacy_generate_args, prompt_ids
 from .gguf import require
 
 __all__ = ["OrtKVDecoder", "discover_kv_names"]
@@ -212,11 +213,7 @@ class OrtKVDecoder:
         if ids.ndim != 2 or ids.shape[1] == 0 or ids.dtype.kind not in "iu":
             raise ValueError(f"input_ids must be integers of shape (batch, new_tokens), received {ids.shape} {ids.dtype}")
         batch, t = ids.shape
-        past_len = int(cache.seq_len(0))
-        lengths = [int(cache.seq_len(i)) for i in range(self.num_layers)]
-        if any(n != past_len for n in lengths):
-            raise ValueError(f"the cache's layers hold different numbers of tokens ({lengths}); every layer must "
-                             "hold the same tokens: call cache.reset() and prefill again")
+        past_len = cache_length(cache, self.num_layers)
         feeds = {"input_ids": ids.astype(self._int_type["input_ids"])}
         if "attention_mask" in self._int_type:
             feeds["attention_mask"] = np.ones((batch, past_len + t), dtype=self._int_type["attention_mask"])
@@ -284,23 +281,71 @@ class OrtKVDecoder:
             raise ValueError("decode needs a cache holding earlier tokens; call prefill first")
         return self.step(ids, cache)
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, cache: Any, *,
-                 eos_id: int | None = None) -> list:
-        """Greedy generation for one sequence; returns the new token ids."""
+    def generate(self, prompt: Any = None, max_new_tokens: int = 32, *args: Any, cache: Any = None,
+                 method: str = "dense", eos_id: int | None = None, stop_at_eos: bool = True,
+                 temperature: float = 0.0, top_k: int | None = None, seed: int | None = None,
+                 on_token: Callable[[int], None] | None = None, prefill_chunk: int | None = 512,
+                 **legacy: Any) -> list:
+        """Greedy or sampled generation for one sequence.
+
+        The convention every engine shares (:mod:`arraykv.integrations.generation`): the same
+        arguments as :meth:`arraykv.integrations.llama.LlamaModel.generate`.
+
+        Parameters
+        ----------
+        prompt : sequence of int
+            Token ids (a decoder has no tokenizer).
+        max_new_tokens : int, default 32
+        cache : CompressedKVCache, optional
+            An empty cache of this decoder's geometry; by default ``self.make_cache(method)``.
+        method : str, default "dense"
+            Cache method when ``cache`` is not given.
+        eos_id : int, optional
+            The end-of-sequence token; None means none is known, so generation runs for
+            ``max_new_tokens``.
+        stop_at_eos : bool, default True
+            Stop right after producing ``eos_id`` (it ends the returned list).
+        temperature, top_k, seed, on_token
+            Sampling and streaming, as in :meth:`LlamaModel.generate
+            <arraykv.integrations.llama.LlamaModel.generate>` (temperature 0, the default, is greedy).
+        prefill_chunk : int or None, default 512
+            The prompt goes through :meth:`step` in chunks of this many tokens; None feeds it
+            in one piece.
+
+        Returns
+        -------
+        list of int
+            The new token ids (the prompt excluded).
+
+        Notes
+        -----
+        Deprecated spellings, accepted with a DeprecationWarning until the next release:
+        ``generate(prompt_ids, n, cache)`` (the cache third and positional) and
+        ``prompt_ids=``.
+        """
         import numpy as np
 
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, received {max_new_tokens!r}")
-        out: list = []
-        if max_new_tokens == 0:
-            return out
-        logits = self.prefill(np.asarray([list(prompt_ids)], dtype=np.int64), cache)[0, -1]
-        while True:
-            tok = int(np.argmax(logits))
-            out.append(tok)
-            if len(out) >= max_new_tokens or tok == eos_id:
-                return out
-            logits = self.decode([tok], cache)[0, -1]
+        from .._compat import to_numpy
+
+        prompt, max_new_tokens, cache = legacy_generate_args("OrtKVDecoder", prompt, max_new_tokens, args,
+                                                             cache, legacy)
+        ids = prompt_ids(prompt, None)
+        temperature = check_sampling(max_new_tokens, temperature, top_k, prefill_chunk)
+        if cache is None:
+            cache = self.make_cache(method)
+        elif cache_length(cache, self.num_layers) != 0:
+            raise ValueError("cache must be empty; call cache.reset() first")
+
+        def prefill_last(p: list) -> Any:
+            a = np.asarray([p], dtype=np.int64)
+            step = a.shape[1] if prefill_chunk is None else prefill_chunk
+            for s in range(0, a.shape[1], step):
+                logits = self.step(a[:, s:s + step], cache)
+            return to_numpy(logits)[0, -1]
+
+        return generate_tokens(prefill_last, lambda tok: to_numpy(self.decode([tok], cache))[0, -1],
+                               ids, max_new_tokens, eos=eos_id, stop_at_eos=stop_at_eos,
+                               temperature=temperature, top_k=top_k, seed=seed, on_token=on_token)
 
 
 def _dim(declared: Any, given: int | None, name: str) -> int:

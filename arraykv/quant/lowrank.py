@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
-from .._validation import check_int, check_real, dtype_name, is_floating
+from .._validation import check_float_array, check_int, check_real
+from ._dims import axis_length
 
 __all__ = ["LowRankBasis", "fit_basis", "project", "reconstruct", "eckart_young_error", "choose_rank"]
 
@@ -36,13 +37,8 @@ class LowRankBasis:
     variance: Any
     rank: int
 
-    @property
-    def heads(self) -> int:
-        return int(self.basis.shape[0])
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.basis.shape[1])
+    heads = axis_length("basis", 0)
+    head_dim = axis_length("basis", 1)
 
     @property
     def nbytes(self) -> int:
@@ -116,10 +112,7 @@ def fit_basis(x: Any, *, rank: int | None = None, energy: float | None = None, c
     far below the 1% tolerance against the exact SVD truncation that the tests check.
     """
     xp = _compat.namespace(x)
-    if not is_floating(xp, x.dtype):
-        raise TypeError(f"x must have a floating dtype, received {dtype_name(x.dtype)}")
-    if x.ndim != 3:
-        raise ValueError(f"x must have shape (heads, n, head_dim), received shape {tuple(x.shape)}")
+    check_float_array(xp, "x", x, "(heads, n, head_dim)")
     h, n, d = (int(s) for s in x.shape)
     if n < 1:
         raise ValueError("x must hold at least one sample vector per head (axis 1), received 0")

@@ -4,11 +4,11 @@ Each ``head_dim`` vector is split into ``head_dim / sub_dim`` sub-vectors; every
 every head has its own codebook of ``codebook_size`` centroids, trained with k-means++
 seeding and Lloyd iterations until the objective stops decreasing.
 
-Everything here is array-API code (the references the CPU kernels are tested against). The
-steps that have kernels are parameters: :func:`train_vq` takes ``assign``/``update``,
-:func:`vq_encode` ``encode`` and :func:`vq_decode` ``decode``, defaulting to the references
-below; :mod:`arraykv.ops` has the accelerated ones (``ops.vq_assign``, ``ops.vq_update``,
-``ops.vq_encode``, ``ops.vq_decode``).
+Everything here is array-API code (the references the CPU kernels are tested against); the
+k-means steps live in :mod:`.kmeans` (re-exported here). The steps that have kernels are
+parameters: :func:`train_vq` takes ``assign``/``update``, :func:`vq_encode` ``encode`` and
+:func:`vq_decode` ``decode``, defaulting to the references; :mod:`arraykv.ops` has the
+accelerated ones (``ops.vq_assign``, ``ops.vq_update``, ``ops.vq_encode``, ``ops.vq_decode``).
 """
 
 from __future__ import annotations
@@ -18,16 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .. import _compat
-from .._validation import check_int, dtype_name, is_floating
+from .._validation import check_float_array, check_int, dtype_name, is_floating
+from ._dims import axis_length
 from .bitpack import pack_bits_reference, unpack_bits_reference
+from .kmeans import assign_reference, gather_rows, kmeans_pp, split_subspaces, update_reference
 
 __all__ = ["VQCodebook", "VQCodes", "check_vq_options", "train_vq", "vq_encode", "vq_decode", "code_bits",
            "assign_reference", "update_reference", "vq_encode_reference", "vq_decode_reference",
            "check_decode_attention_args"]
-
-# One-hot / distance blocks are processed in chunks of at most this many float32 elements.
-_CHUNK_ELEMENTS = 1 << 24
-
 
 @dataclass(frozen=True)
 class VQCodebook:
@@ -51,21 +49,10 @@ class VQCodebook:
     iterations: int = 0
     converged: bool = False
 
-    @property
-    def heads(self) -> int:
-        return int(self.centroids.shape[0])
-
-    @property
-    def subspaces(self) -> int:
-        return int(self.centroids.shape[1])
-
-    @property
-    def codebook_size(self) -> int:
-        return int(self.centroids.shape[2])
-
-    @property
-    def sub_dim(self) -> int:
-        return int(self.centroids.shape[3])
+    heads = axis_length("centroids", 0)
+    subspaces = axis_length("centroids", 1)
+    codebook_size = axis_length("centroids", 2)
+    sub_dim = axis_length("centroids", 3)
 
     @property
     def nbytes(self) -> int:
@@ -115,112 +102,6 @@ def check_vq_options(codebook_size: Any, sub_dim: Any, head_dim: int | None = No
     return codebook_size, sub_dim, max_iter, float(tol)
 
 
-def _split(x32: Any, sub_dim: int):
-    """(heads, n, d) → (heads * subspaces, n, sub_dim)."""
-    xp = _compat.namespace(x32)
-    h, n, d = (int(s) for s in x32.shape)
-    m = d // sub_dim
-    g = xp.permute_dims(xp.reshape(x32, (h, n, m, sub_dim)), (0, 2, 1, 3))
-    return xp.reshape(g, (h * m, n, sub_dim))
-
-
-def _sqdist(xg: Any, c: Any):
-    """Squared distances (G, n, K) between points (G, n, s) and centroids (G, K, s), clamped at 0."""
-    xp = _compat.namespace(xg)
-    xx = xp.sum(xg * xg, axis=-1)[:, :, None]
-    cc = xp.sum(c * c, axis=-1)[:, None, :]
-    d = xx - 2.0 * xp.matmul(xg, xp.matrix_transpose(c)) + cc
-    return xp.where(d > 0.0, d, 0.0)
-
-
-def _gather_rows(c: Any, idx: Any):
-    """``c[g, idx[g, i], :]`` for c (G, K, s) and idx (G, n): (G, n, s)."""
-    xp = _compat.namespace(c)
-    s = int(c.shape[-1])
-    full = xp.broadcast_to(idx[:, :, None], (int(idx.shape[0]), int(idx.shape[1]), s))
-    return xp.take_along_axis(c, full, axis=1)
-
-
-def _chunks(groups: int, n: int, k: int):
-    step = max(1, _CHUNK_ELEMENTS // max(n * k, 1))
-    return [(a, min(a + step, groups)) for a in range(0, groups, step)]
-
-
-def _kmeans_pp(xg: Any, k: int, seed: int):
-    """k-means++ seeding (Arthur & Vassilvitskii 2007), batched over groups: centroids (G, k, s)."""
-    xp = _compat.namespace(xg)
-    dev = _compat.device(xg)
-    groups, n, s = (int(v) for v in xg.shape)
-    u = _compat.host_uniform(xp, (k, groups), seed=seed, device=dev)
-    first = xp.astype(xp.floor(u[0, ...] * float(n)), xp.int64)
-    first = xp.clip(first, 0, n - 1)
-    chosen = [_gather_rows(xg, first[:, None])]  # each (G, 1, s)
-    dmin = xp.sum((xg - chosen[0]) ** 2, axis=-1)  # (G, n)
-    for j in range(1, k):
-        cs = xp.cumulative_sum(dmin, axis=1)
-        target = u[j, ...] * cs[:, -1]
-        idx = xp.sum(xp.astype(cs <= target[:, None], xp.int64), axis=1)
-        idx = xp.clip(idx, 0, n - 1)
-        cj = _gather_rows(xg, idx[:, None])
-        chosen.append(cj)
-        dmin = xp.minimum(dmin, xp.sum((xg - cj) ** 2, axis=-1))
-    return xp.concat(chosen, axis=1)
-
-
-def assign_reference(xg: Any, c: Any):
-    """Lloyd's assignment step: nearest centroid of every point (distances by a batched matmul).
-
-    Parameters
-    ----------
-    xg : array of float32, shape (groups, n, sub_dim)
-    c : array of float32, shape (groups, K, sub_dim)
-
-    Returns
-    -------
-    idx : array of int64, shape (groups, n)
-    err : float
-        The squared error of that assignment, summed.
-    """
-    xp = _compat.namespace(xg)
-    groups, n, _ = (int(v) for v in xg.shape)
-    k = int(c.shape[1])
-    parts, err = [], 0.0
-    for a, b in _chunks(groups, n, k):
-        idx = xp.argmin(_sqdist(xg[a:b, ...], c[a:b, ...]), axis=-1)
-        diff = xg[a:b, ...] - _gather_rows(c[a:b, ...], idx)
-        err += float(xp.sum(diff * diff))
-        parts.append(idx)
-    return (parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)), err
-
-
-def update_reference(xg: Any, c: Any, idx: Any):
-    """Lloyd's update step: each centroid moves to the mean of its points (cluster sums by a one-hot matmul).
-
-    Parameters
-    ----------
-    xg : array of float32, shape (groups, n, sub_dim)
-    c : array of float32, shape (groups, K, sub_dim)
-        Kept for empty clusters.
-    idx : array of int64, shape (groups, n)
-
-    Returns
-    -------
-    array of float32, shape (groups, K, sub_dim)
-    """
-    xp = _compat.namespace(xg)
-    dev = _compat.device(xg)
-    groups, n, _ = (int(v) for v in xg.shape)
-    k = int(c.shape[1])
-    ar = xp.arange(k, dtype=idx.dtype, device=dev)
-    out = []
-    for a, b in _chunks(groups, n, k):
-        onehot = xp.astype(idx[a:b, :, None] == ar, xp.float32)  # (g, n, k)
-        sums = xp.matmul(xp.matrix_transpose(onehot), xg[a:b, ...])  # (g, k, s)
-        counts = xp.sum(onehot, axis=1)[:, :, None]
-        out.append(xp.where(counts > 0.0, sums / xp.where(counts > 0.0, counts, 1.0), c[a:b, ...]))
-    return out[0] if len(out) == 1 else xp.concat(out, axis=0)
-
-
 def train_vq(x: Any, *, codebook_size: int = 256, sub_dim: int = 8, max_iter: int = 25, tol: float = 1e-4,
              seed: int = 0, assign: Callable = assign_reference, update: Callable = update_reference) -> VQCodebook:
     """Train one codebook per (head, sub-space) on ``x``.
@@ -267,10 +148,7 @@ def train_vq(x: Any, *, codebook_size: int = 256, sub_dim: int = 8, max_iter: in
     ``‖x‖² - 2 x·c + ‖c‖²`` (a batched matmul), computed in float32.
     """
     xp = _compat.namespace(x)
-    if not is_floating(xp, x.dtype):
-        raise TypeError(f"x must have a floating dtype, received {dtype_name(x.dtype)}")
-    if x.ndim != 3:
-        raise ValueError(f"x must have shape (heads, n, head_dim), received shape {tuple(x.shape)}")
+    check_float_array(xp, "x", x, "(heads, n, head_dim)")
     h, n, d = (int(s) for s in x.shape)
     codebook_size, sub_dim, max_iter, tol = check_vq_options(codebook_size, sub_dim, d, max_iter, tol)
     seed = check_int("seed", seed, low=0)
@@ -280,8 +158,8 @@ def train_vq(x: Any, *, codebook_size: int = 256, sub_dim: int = 8, max_iter: in
             f"received {n}; lower codebook_size or fit on more calibration data"
         )
     x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
-    xg = _split(x32, sub_dim)
-    c = _kmeans_pp(xg, codebook_size, seed)
+    xg = split_subspaces(x32, sub_dim)
+    c = kmeans_pp(xg, codebook_size, seed)
     history: list = []
     converged = False
     prev_idx = None
@@ -347,7 +225,7 @@ def vq_encode_reference(x: Any, centroids: Any, bits: int):
     x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
     # (rows, h, t, d) → (h, rows * t, d): every head's vectors together.
     xh = xp.reshape(xp.permute_dims(x32, (1, 0, 2, 3)), (h, rows * t, d))
-    xg = _split(xh, sub_dim)
+    xg = split_subspaces(xh, sub_dim)
     c = xp.reshape(centroids, (h * m, k, sub_dim))
     idx, _ = assign_reference(xg, c)  # (h*m, rows*t)
     idx = xp.permute_dims(xp.reshape(idx, (h, m, rows, t)), (2, 0, 3, 1))  # (rows, h, t, m)
@@ -390,7 +268,7 @@ def vq_decode_reference(codes: Any, centroids: Any, bits: int):
     idx = xp.astype(idx, xp.int64)
     idx = xp.reshape(xp.permute_dims(idx, (1, 3, 0, 2)), (h * m, rows * t))  # (h*m, rows*t)
     cent = xp.reshape(centroids, (h * m, k, sub_dim))
-    vec = _gather_rows(cent, idx)  # (h*m, rows*t, s)
+    vec = gather_rows(cent, idx)  # (h*m, rows*t, s)
     vec = xp.reshape(vec, (h, m, rows, t, sub_dim))
     vec = xp.permute_dims(vec, (2, 0, 3, 1, 4))
     return xp.reshape(vec, (rows, h, t, m * sub_dim))

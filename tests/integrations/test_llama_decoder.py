@@ -191,6 +191,22 @@ def test_sampling_is_seeded_and_respects_top_k(model, ids):
     assert model.generate(ids[:6], 8, temperature=0.7, top_k=1, seed=1) == model.generate(ids[:6], 8)
 
 
+def test_eos_id_stops_after_the_token_and_ends_the_list(model, ids):
+    greedy = model.generate(ids[:6], 5)
+    assert model.generate(ids[:6], 5, eos_id=greedy[0]) == [greedy[0]]
+    assert model.generate(ids[:6], 5, eos_id=greedy[0], stop_at_eos=False) == greedy
+
+
+def test_teacher_forced_logits_match_a_hand_written_loop(model, ids):
+    from arraykv.eval import teacher_forced
+
+    run = teacher_forced(model, ids[:20], prefill=8)
+    cache = model.make_cache("dense")
+    model.prefill(ids[:8], cache)
+    want = np.stack([np.asarray(model.decode(t, cache)) for t in ids[8:19]])
+    np.testing.assert_array_equal(run.logits, want)
+
+
 def test_streaming_callback_sees_every_token(model, ids):
     seen = []
     out = model.generate(ids[:4], 6, on_token=seen.append)

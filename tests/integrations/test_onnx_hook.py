@@ -253,4 +253,63 @@ def test_decode_before_prefill_and_bad_ids_are_refused(graph):
     dec.prefill([[1, 2]], cache)
     with pytest.raises(ValueError, match="empty cache"):
         dec.prefill([[1, 2]], cache)
-    assert dec.generate([1, 2, 3], 4, dec.make_cache("dense")) == dec.generate([1, 2, 3], 4, dec.make_cache("dense"))
+    assert dec.generate([1, 2, 3], 4, cache=dec.make_cache("dense")) == dec.generate([1, 2, 3], 4)
+
+
+def test_generate_follows_the_shared_convention(graph):
+    """The decoder's generate takes LlamaModel.generate's arguments and stops the same way at EOS."""
+    dec = OrtKVDecoder(graph)
+    prompt = [1, 2, 3]
+    greedy = dec.generate(prompt, 6)
+    cache = dec.make_cache("dense")
+    logits = dec.prefill([prompt], cache)[0, -1]
+    want = []
+    for _ in range(6):
+        want.append(int(np.argmax(logits)))
+        logits = dec.decode([want[-1]], cache)[0, -1]
+    assert greedy == want
+    # EOS: generation stops right after it, and it ends the list; stop_at_eos=False runs on
+    first = greedy[0]
+    assert dec.generate(prompt, 6, eos_id=first) == [first]
+    assert dec.generate(prompt, 6, eos_id=first, stop_at_eos=False) == greedy
+    # chunked prompt, sampling, streaming, a method name
+    assert dec.generate(prompt, 6, prefill_chunk=1) == greedy
+    assert dec.generate(prompt, 5, temperature=1.0, seed=3) == dec.generate(prompt, 5, temperature=1.0, seed=3)
+    assert dec.generate(prompt, 5, temperature=0.5, top_k=1, seed=3) == greedy[:5]
+    seen = []
+    assert dec.generate(np.asarray(prompt), 4, method="int8", on_token=seen.append) == seen
+    assert dec.generate(prompt, 0) == []
+    with pytest.raises(ValueError, match="cache must be empty"):
+        dec.generate(prompt, 2, cache=cache)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        dec.generate("text", 2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dec.generate(prompt, -1)
+
+
+def test_generate_old_spellings_warn_and_still_work(graph):
+    dec = OrtKVDecoder(graph)
+    want = dec.generate([1, 2, 3], 4)
+    with pytest.warns(DeprecationWarning, match="cache=cache"):
+        assert dec.generate([1, 2, 3], 4, dec.make_cache("dense"), eos_id=None) == want
+    with pytest.warns(DeprecationWarning, match="prompt_ids"):
+        assert dec.generate(prompt_ids=[1, 2, 3], max_new_tokens=4) == want
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        dec.generate([1, 2, 3], 4, stop=True)
+
+
+def test_teacher_forced_logits_of_the_decoder(graph):
+    """eval.teacher_forced runs an OrtKVDecoder as it runs a LlamaModel and returns its logits."""
+    from arraykv.eval import evaluate, teacher_forced
+
+    dec = OrtKVDecoder(graph)
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, VOCAB, 24)]
+    run = teacher_forced(dec, ids, prefill=8)
+    cache = dec.make_cache("dense")
+    dec.prefill([ids[:8]], cache)
+    want = np.stack([dec.decode([t], cache)[0, -1] for t in ids[8:-1]])
+    assert run.logits.shape == (len(ids) - 9, VOCAB) and run.tokens == len(ids) - 1
+    np.testing.assert_array_equal(run.logits, want)
+    rows = evaluate(dec, ids, ["dense", "int8"], prefill=8)
+    assert rows[0].mean_kl == 0.0 and rows[0].top1_agreement == 1.0
+    assert 0.0 <= rows[1].mean_kl < 0.05 and rows[1].bits_per_value > 0.0

@@ -1,0 +1,47 @@
+"""What the evaluations need from an engine, for :class:`~arraykv.integrations.llama.LlamaModel` and
+:class:`~arraykv.integrations.onnxruntime.OrtKVDecoder` alike.
+
+An engine has ``make_cache(method, **options)``, ``prefill(ids, cache)`` and
+``decode(token, cache)``; its geometry comes from ``config`` (a GGUF model) or from its own
+``num_layers`` / ``num_kv_heads`` / ``head_dim`` attributes (an ONNX decoder), and its context
+length from ``config.context_length`` when it has one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _compat
+
+__all__ = ["geometry", "context_length", "decode_logits"]
+
+
+def geometry(engine: Any) -> dict:
+    """``{"num_layers", "num_kv_heads", "head_dim"}`` of ``engine``, ints.
+
+    Raises
+    ------
+    TypeError
+        ``engine`` has neither a ``config`` nor those attributes.
+    """
+    src = getattr(engine, "config", engine)
+    try:
+        return {name: int(getattr(src, name)) for name in ("num_layers", "num_kv_heads", "head_dim")}
+    except AttributeError:
+        raise TypeError(f"model must be a LlamaModel or an OrtKVDecoder (num_layers, num_kv_heads, head_dim), "
+                        f"received {type(engine).__name__}") from None
+
+
+def context_length(engine: Any) -> int | None:
+    """The longest sequence ``engine`` declares, or None when it declares none (an ONNX decoder)."""
+    limit = getattr(getattr(engine, "config", None), "context_length", None)
+    return None if limit is None else int(limit)
+
+
+def decode_logits(engine: Any, token: int, cache: Any) -> Any:
+    """Logits after one decode step on ``token``, as NumPy of shape (vocab,).
+
+    ``LlamaModel.decode`` answers ``(vocab,)`` for an int and ``OrtKVDecoder.decode``
+    ``(1, 1, vocab)``; both become ``(vocab,)``.
+    """
+    return _compat.to_numpy(engine.decode(token, cache)).reshape(-1)

@@ -1,0 +1,175 @@
+"""One generation convention for every engine (:class:`~arraykv.integrations.llama.LlamaModel`,
+:class:`~arraykv.integrations.onnxruntime.OrtKVDecoder`).
+
+Both engines offer::
+
+    generate(prompt, max_new_tokens=32, *, cache=None, method="dense", eos_id=None,
+             stop_at_eos=True, temperature=0.0, top_k=None, seed=None, on_token=None,
+             prefill_chunk=512) -> list[int]
+
+with the same meaning everywhere:
+
+- ``prompt``: text (needs a tokenizer) or a sequence of token ids, for one sequence;
+- ``cache``: an empty cache to fill, by default ``engine.make_cache(method)``;
+- end of sequence: the token ``eos_id``, or the engine's own when ``eos_id`` is None (the
+  tokenizer's for a GGUF model; an ONNX decoder knows none). With ``stop_at_eos`` generation
+  stops right after producing it, and the returned list ends with it;
+- ``temperature`` 0 is greedy (arg-max), otherwise ``softmax(logits / temperature)`` sampled,
+  among the ``top_k`` most likely tokens when given, seeded by ``seed``;
+- the result is the list of new token ids (the prompt excluded).
+
+This module holds the checks and the loop; an engine supplies "logits of the prompt's last
+position" and "logits after one more token".
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+__all__ = ["cache_length", "check_chunk", "prompt_ids", "check_sampling", "generate_tokens", "pick_token",
+           "legacy_generate_args"]
+
+
+def cache_length(cache: Any, num_layers: int = 1) -> int:
+    """Tokens ``cache`` holds; a ValueError when its first ``num_layers`` layers disagree.
+
+    Layers run in sequence, so a step refused by layer ``i > 0`` (for example non-finite keys)
+    may have stored its tokens in layers ``0 .. i-1``; such a cache is refused from then on
+    instead of being grown further apart.
+
+    Raises
+    ------
+    TypeError
+        ``cache`` is not a CompressedKVCache.
+    ValueError
+        The layers hold different numbers of tokens.
+    """
+    if not hasattr(cache, "seq_len") or not hasattr(cache, "prefill"):
+        raise TypeError(f"cache must be a CompressedKVCache, received {type(cache).__name__}")
+    lengths = [int(cache.seq_len(i)) for i in range(num_layers)]
+    if any(n != lengths[0] for n in lengths):
+        raise ValueError(f"the cache's layers hold different numbers of tokens ({lengths}), left so by a step "
+                         "that a later layer refused; call cache.reset() and run the prompt again")
+    return lengths[0]
+
+
+def check_chunk(name: str, value: Any) -> None:
+    """A ValueError naming ``name`` unless ``value`` is None or an integer >= 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive integer or None, received {value!r}")
+
+
+def prompt_ids(prompt: Any, tokenizer: Any) -> list:
+    """``prompt`` (str or sequence of int) as a non-empty list of int; text needs ``tokenizer``."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this engine has no tokenizer; pass token ids as prompt instead of text")
+        ids = list(tokenizer.encode(prompt))
+    else:
+        if hasattr(prompt, "shape") and len(prompt.shape) != 1:
+            raise ValueError(f"prompt must be one sequence of token ids, received shape {tuple(prompt.shape)}")
+        ids = [int(i) for i in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+    if not ids:
+        raise ValueError("prompt must hold at least one token")
+    return ids
+
+
+def check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, prefill_chunk: Any) -> float:
+    """Check the generation options; return ``temperature`` as a float."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, received {max_new_tokens!r}")
+    temperature = float(temperature)
+    if not temperature >= 0.0:
+        raise ValueError(f"temperature must be >= 0, received {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer or None, received {top_k!r}")
+    check_chunk("prefill_chunk", prefill_chunk)
+    return temperature
+
+
+def pick_token(logits: Any, temperature: float, top_k: int | None, rng: Any) -> int:
+    """The next token from ``logits`` (NumPy, shape (vocab,)): arg-max at temperature 0, else sampled."""
+    import numpy as np
+
+    z = np.asarray(logits, dtype=np.float64)
+    if temperature == 0.0:
+        return int(np.argmax(z))
+    z = z / temperature
+    if top_k is not None and top_k < z.size:
+        cut = np.partition(z, -top_k)[-top_k]
+        z = np.where(z >= cut, z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    return int(rng.choice(z.size, p=p))
+
+
+def generate_tokens(prefill_last: Callable[[list], Any], decode_last: Callable[[int], Any], ids: list,
+                    max_new_tokens: int, *, eos: int | None, stop_at_eos: bool, temperature: float,
+                    top_k: int | None, seed: int | None, on_token: Callable[[int], None] | None) -> list:
+    """The generation loop shared by the engines.
+
+    Parameters
+    ----------
+    prefill_last : callable
+        ``prefill_last(ids)``: logits of the last prompt position, NumPy, shape (vocab,).
+    decode_last : callable
+        ``decode_last(token)``: logits after one more token, NumPy, shape (vocab,).
+    ids : list of int
+        The checked prompt.
+    max_new_tokens : int
+    eos : int or None
+        The end-of-sequence token (None: never stop early).
+    stop_at_eos : bool
+    temperature, top_k, seed, on_token
+        As in the module docstring.
+
+    Returns
+    -------
+    list of int
+        The new tokens, ending with ``eos`` when generation stopped there.
+    """
+    import numpy as np
+
+    out: list = []
+    if max_new_tokens == 0:
+        return out
+    rng = np.random.default_rng(seed)
+    logits = prefill_last(ids)
+    while True:
+        tok = pick_token(logits, temperature, top_k, rng)
+        out.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        if len(out) >= max_new_tokens or (stop_at_eos and eos is not None and tok == eos):
+            return out
+        logits = decode_last(tok)
+
+
+def legacy_generate_args(owner: str, prompt: Any, max_new_tokens: Any, args: tuple, cache: Any,
+                         legacy: dict) -> tuple:
+    """Map a call in an older spelling to ``(prompt, max_new_tokens, cache)``, with a DeprecationWarning.
+
+    Accepts ``cache`` as the third positional argument and ``prompt_ids=`` (the spellings of
+    ``OrtKVDecoder.generate`` before the engines shared one convention).
+    """
+    if len(args) > 1:
+        raise TypeError(f"{owner}.generate takes prompt and max_new_tokens positionally; pass cache= by keyword")
+    if args:
+        if cache is not None:
+            raise TypeError(f"{owner}.generate received cache both positionally and by keyword")
+        warnings.warn(f"{owner}.generate(prompt, max_new_tokens, cache) is deprecated; pass cache=cache by "
+                      "keyword (the positional form goes in the next release)", DeprecationWarning, stacklevel=3)
+        cache = args[0]
+    unknown = set(legacy) - {"prompt_ids"}
+    if unknown:
+        raise TypeError(f"{owner}.generate got unexpected keyword arguments {sorted(unknown)}")
+    if "prompt_ids" in legacy:
+        if prompt is not None:
+            raise TypeError(f"{owner}.generate received both prompt and prompt_ids")
+        warnings.warn(f"{owner}.generate(prompt_ids=...) is deprecated; the argument is called prompt",
+                      DeprecationWarning, stacklevel=3)
+        prompt = legacy["prompt_ids"]
+    if prompt is None:
+        raise TypeError(f"{owner}.generate needs a prompt")
+    return prompt, max_new_tokens, cache
