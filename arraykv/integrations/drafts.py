@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _compat
-from ..protocol import Fused
 
 __all__ = ["Block", "LayerDraft", "CacheDraft", "NgramDraft", "draft_from_spec", "run_layers", "RUN_MODES", "argmax_rows",
            "require_truncate"]
@@ -61,42 +60,16 @@ def run_layers(model: Any, x: Any, cache: Any, start: int, layers: range, *, mod
     """
     if mode not in RUN_MODES:
         raise ValueError(f"mode must be one of {', '.join(RUN_MODES)}, received {mode!r}")
-    xp = model._ops
     t = int(x.shape[1])
     if mode == "decode" and t > 1:
         rows = [x[:, j:j + 1, :] for j in range(t)]
         for i in layers:
-            rows = [_layer_step(model, i, r, cache, start + j) for j, r in enumerate(rows)]
-        return xp.concat(rows, axis=1)
+            rows = [model.decode_layer(i, r, cache, start + j) for j, r in enumerate(rows)]
+        return model._ops.concat(rows, axis=1)
+    step = model.prefill_layer if mode == "prefill" else model.decode_layer
     for i in layers:
-        if mode == "prefill":
-            lw = model.layers[i]
-            q, k, v = model._qkv(lw, model._rmsnorm(x, lw.attn_norm), start)
-            r = cache.prefill(i, k, v, q)
-            x = x + model._out_proj(lw, model._attend_chunk(q, r.k, r.v, r.logit_bias))
-            x = x + model._mlp(lw, x)
-        else:
-            x = _layer_step(model, i, x, cache, start)
+        x = step(i, x, cache, start)
     return x
-
-
-def _layer_step(model: Any, i: int, x: Any, cache: Any, start: int) -> Any:
-    """Layer ``i`` for hidden states ``x`` (batch, t, hidden), each token stored with one ``cache.decode``."""
-    xp = model._ops
-    lw = model.layers[i]
-    q, k, v = model._qkv(lw, model._rmsnorm(x, lw.attn_norm), start)
-    outs = []
-    for j in range(int(x.shape[1])):
-        qj, kj, vj = q[:, :, j:j + 1, :], k[:, :, j:j + 1, :], v[:, :, j:j + 1, :]
-        res = cache.decode(i, kj, vj, qj, model._attend)
-        if isinstance(res, Fused):
-            outs.append(res.output)
-        else:
-            r = res.result
-            outs.append(model._attend_one(qj, r.k, r.v, r.logit_bias))
-    o = outs[0] if len(outs) == 1 else xp.concat(outs, axis=2)
-    x = x + model._out_proj(lw, o)
-    return x + model._mlp(lw, x)
 
 
 def argmax_rows(logits: Any) -> list:

@@ -24,10 +24,11 @@ position" and "logits after one more token".
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Callable
 
-__all__ = ["cache_length", "check_chunk", "prompt_ids", "check_sampling", "generate_tokens", "pick_token",
+__all__ = ["cache_length", "undo_on_failure", "check_chunk", "prompt_ids", "check_sampling", "generate_tokens", "pick_token",
            "legacy_generate_args"]
 
 
@@ -52,6 +53,26 @@ def cache_length(cache: Any, num_layers: int = 1) -> int:
         raise ValueError(f"the cache's layers hold different numbers of tokens ({lengths}), left so by a step "
                          "that a later layer refused; call cache.reset() and run the prompt again")
     return lengths[0]
+
+
+@contextlib.contextmanager
+def undo_on_failure(cache: Any, length: int):
+    """Run a step that stores tokens after ``length``; if it raises, truncate ``cache`` back to ``length``.
+
+    Layers run in sequence, so a step refused by layer ``i`` (non-finite keys, a full cache)
+    has already stored its tokens in layers ``0 .. i-1``. With a cache that offers
+    ``truncate_all`` (every arraykv cache) those tokens are taken back, so the failed step
+    leaves every layer as it was; the original error is re-raised either way. A cache that
+    cannot take them back exactly keeps them, and :func:`cache_length` then refuses it.
+    """
+    try:
+        yield
+    except BaseException:
+        truncate_all = getattr(cache, "truncate_all", None)
+        if callable(truncate_all):
+            with contextlib.suppress(Exception):  # the step's own error is the one to report
+                truncate_all(length)
+        raise
 
 
 def check_chunk(name: str, value: Any) -> None:

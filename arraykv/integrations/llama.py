@@ -21,10 +21,10 @@ import math
 from typing import Any, Callable
 
 from .. import _compat
-from ..attention import attention
 from ..protocol import AttendConfig, Fused
 from .gguf import LlamaConfig
 from .generation import cache_length as _cache_len
+from .generation import undo_on_failure
 from .generation import check_chunk, check_sampling, generate_tokens, prompt_ids
 from .llama_attention import apply_rope, attend_chunk, attend_one, causal_mask, plain_numpy, rope_tables
 from .llama_weights import LayerWeights, layout_gguf_tensors, random_gguf_tensors, unpermute_qk
@@ -203,18 +203,8 @@ class LlamaModel:
         -------
         array, shape (tokens, vocab) or (batch, tokens, vocab), float32
         """
-        if cache is None:
-            ids, flat = self._ids(token_ids)
-            self._check_room(0, int(ids.shape[1]))
-            x = self._embed(ids)
-            for lw in self.layers:
-                h = self._rmsnorm(x, lw.attn_norm)
-                q, k, v = self._qkv(lw, h, 0)
-                o = attention(q, k, v, softmax_scale=self._scale, causal=True)
-                x = x + self._out_proj(lw, o)
-                x = x + self._mlp(lw, x)
-            out = self._logits(x)
-            return out[0] if flat else out
+        if cache is None:  # exact causal attention through a throwaway dense cache
+            return self.prefill(token_ids, self.make_cache("dense"))
         n = _as_len(token_ids)
         if n == 1 and cache.seq_len(0) > 0:
             return self.decode(token_ids, cache)
@@ -257,27 +247,46 @@ class LlamaModel:
         self._check_room(start, t)
         step = t if chunk_size is None else chunk_size
         parts = []
-        for s in range(0, t, step):
-            e = min(s + step, t)
-            x = self._prefill_chunk(ids[:, s:e], cache, start + s)
-            if logits == "all":
-                parts.append(self._logits(x))
-            elif e == t:
-                parts.append(self._logits(x[:, -1:, :])[:, 0, :])
+        with undo_on_failure(cache, start):
+            for s in range(0, t, step):
+                e = min(s + step, t)
+                x = self._embed(ids[:, s:e])
+                for i in range(len(self.layers)):
+                    x = self.prefill_layer(i, x, cache, start + s)
+                if logits == "all":
+                    parts.append(self._logits(x))
+                elif e == t:
+                    parts.append(self._logits(x[:, -1:, :])[:, 0, :])
         out = parts[0] if len(parts) == 1 else self._ops.concat(parts, axis=1)
         return out[0] if flat else out
 
-    def _prefill_chunk(self, ids: Any, cache: Any, start: int) -> Any:
-        """Hidden states (batch, t, hidden) of ``ids`` (batch, t) at positions ``start ..``, stored in ``cache``."""
-        x = self._embed(ids)
-        for i, lw in enumerate(self.layers):
-            h = self._rmsnorm(x, lw.attn_norm)
-            q, k, v = self._qkv(lw, h, start)
-            r = cache.prefill(i, k, v, q)
-            o = self._attend_chunk(q, r.k, r.v, r.logit_bias)
-            x = x + self._out_proj(lw, o)
-            x = x + self._mlp(lw, x)
-        return x
+    def prefill_layer(self, i: int, x: Any, cache: Any, start: int) -> Any:
+        """Layer ``i`` for hidden states ``x`` (batch, t, hidden) at positions ``start ..``, stored
+        with one ``cache.prefill`` and attending causally over what it returns; the hidden states after it."""
+        lw = self.layers[i]
+        q, k, v = self._qkv(lw, self._rmsnorm(x, lw.attn_norm), start)
+        r = cache.prefill(i, k, v, q)
+        x = x + self._out_proj(lw, self._attend_chunk(q, r.k, r.v, r.logit_bias))
+        return x + self._mlp(lw, x)
+
+    def decode_layer(self, i: int, x: Any, cache: Any, start: int) -> Any:
+        """Layer ``i`` for hidden states ``x`` (batch, t, hidden) at positions ``start ..``, each
+        token stored in order with one ``cache.decode`` (a :class:`~arraykv.Fused` answer used as
+        the attention output); the hidden states after it."""
+        xp = self._ops
+        lw = self.layers[i]
+        q, k, v = self._qkv(lw, self._rmsnorm(x, lw.attn_norm), start)
+        outs = []
+        for j in range(int(x.shape[1])):
+            qj, kj, vj = q[:, :, j:j + 1, :], k[:, :, j:j + 1, :], v[:, :, j:j + 1, :]
+            res = cache.decode(i, kj, vj, qj, self._attend)
+            if isinstance(res, Fused):
+                outs.append(res.output)
+            else:
+                r = res.result
+                outs.append(attend_one(xp, qj, r.k, r.v, r.logit_bias, self._scale))
+        x = x + self._out_proj(lw, outs[0] if len(outs) == 1 else xp.concat(outs, axis=2))
+        return x + self._mlp(lw, x)
 
     def decode(self, token_id: Any, cache: Any) -> Any:
         """One decode step: store the token's K/V with ``cache.decode`` and return its logits.
@@ -308,17 +317,9 @@ class LlamaModel:
             raise ValueError("decode needs a cache holding earlier tokens; call prefill with the prompt first")
         self._check_room(start, 1)
         x = self._embed(ids)
-        for i, lw in enumerate(self.layers):
-            h = self._rmsnorm(x, lw.attn_norm)
-            q, k, v = self._qkv(lw, h, start)
-            res = cache.decode(i, k, v, q, self._attend)
-            if isinstance(res, Fused):
-                o = res.output
-            else:
-                r = res.result
-                o = attend_one(self._ops, q, r.k, r.v, r.logit_bias, self._scale)
-            x = x + self._out_proj(lw, o)
-            x = x + self._mlp(lw, x)
+        with undo_on_failure(cache, start):
+            for i in range(len(self.layers)):
+                x = self.decode_layer(i, x, cache, start)
         out = self._logits(x)[:, 0, :]
         return out[0] if single else out
 

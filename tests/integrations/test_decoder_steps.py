@@ -119,19 +119,63 @@ CFG = LlamaConfig(num_layers=3, hidden_size=32, ffn_size=48, num_heads=4, num_kv
                   vocab_size=60, context_length=64, rope_theta=50000.0, rms_eps=1e-5)
 
 
-@pytest.mark.parametrize("method", ["dense", "int4"])
-def test_llama_refuses_a_cache_torn_by_a_refused_step(method):
-    tensors = random_gguf_tensors(CFG, seed=2)
-    model = LlamaModel.from_gguf_tensors(CFG, tensors)
-    cache = model.make_cache(method)
-    model.prefill([1, 2, 3], cache)
+def _arrays(cache, layers):
+    return [{n: np.array(a) for n, a in cache.layer_arrays(i).items()} for i in range(layers)]
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for la, lb in zip(a, b):
+        assert la.keys() == lb.keys()
+        for n in la:
+            np.testing.assert_array_equal(la[n], lb[n], err_msg=n)
+
+
+@pytest.mark.parametrize("method", ["dense", "int4", "pqo4", "tq3", "lowrank"])
+def test_llama_step_refused_by_a_later_layer_leaves_every_layer_as_it_was(method):
+    model = LlamaModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
+    cache, ref = model.make_cache(method), model.make_cache(method)
+    prompt = list(range(1, 31))
+    model.prefill(prompt, cache)
+    model.prefill(prompt, ref)
+    before = _arrays(cache, 3)
     wk = model.layers[1].wqkv
     saved = np.array(wk)
     wk[...] = np.nan  # layer 1 now computes non-finite K/V: the cache refuses its store
-    with pytest.raises(ValueError, match="non-finite"):
-        model.decode(4, cache)
-    wk[...] = saved
-    assert [cache.seq_len(i) for i in range(3)] == [4, 3, 3]  # layer 0 stored before layer 1 refused
+    try:
+        with pytest.raises(ValueError, match="non-finite"):
+            model.decode(4, cache)  # layer 0 stored the token before layer 1 refused: taken back
+        assert [cache.seq_len(i) for i in range(3)] == [30, 30, 30]
+        _assert_same(_arrays(cache, 3), before)
+        with pytest.raises(ValueError, match="non-finite"):
+            model.prefill([5, 6, 7, 8, 9], cache, chunk_size=2)  # three chunks, each refused at layer 1
+        _assert_same(_arrays(cache, 3), before)
+    finally:
+        wk[...] = saved
+    np.testing.assert_array_equal(model.decode(4, cache), model.decode(4, ref))
+    np.testing.assert_array_equal(model.prefill([5, 6], cache), model.prefill([5, 6], ref))
+
+
+@pytest.mark.parametrize("method", ["dense", "pqo4", "int8"])
+def test_llama_chunked_prefill_refused_in_a_later_chunk_is_taken_back_whole(method):
+    model = LlamaModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
+    cache = model.make_cache(method, max_tokens=30)
+    model.prefill(list(range(1, 21)), cache)
+    before = _arrays(cache, 3)
+    with pytest.raises(ValueError, match="max_tokens"):  # chunks of 4: two stored, the third refused
+        model.prefill(list(range(21, 41)), cache, chunk_size=4)
+    assert [cache.seq_len(i) for i in range(3)] == [20, 20, 20]
+    _assert_same(_arrays(cache, 3), before)
+
+
+@pytest.mark.parametrize("method", ["dense", "int4"])
+def test_llama_refuses_a_cache_torn_by_hand(method):
+    """A cache whose layers disagree (a step by hand that stopped part way) is refused, not grown apart."""
+    model = LlamaModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
+    cache = model.make_cache(method)
+    model.prefill([1, 2, 3], cache)
+    k = np.ones((1, CFG.num_kv_heads, 1, CFG.head_dim), np.float32)
+    cache.prefill(0, k, k, np.ones((1, CFG.num_heads, 1, CFG.head_dim), np.float32))
     for call in (lambda: model.decode(5, cache), lambda: model.prefill([5, 6], cache),
                  lambda: model.forward([5], cache)):
         with pytest.raises(ValueError, match=r"different numbers of tokens \(\[4, 3, 3\]\).*reset"):
@@ -139,10 +183,6 @@ def test_llama_refuses_a_cache_torn_by_a_refused_step(method):
     assert [cache.seq_len(i) for i in range(3)] == [4, 3, 3]  # refused calls store nothing
     with pytest.raises(ValueError, match="different numbers of tokens"):
         model.generate([1, 2], 2, cache=cache)
-    cache.reset()
-    ref = model.make_cache(method)
-    np.testing.assert_array_equal(model.prefill([1, 2, 3], cache), model.prefill([1, 2, 3], ref))
-    np.testing.assert_array_equal(model.decode(4, cache), model.decode(4, ref))
 
 
 def test_llama_refuses_a_cache_with_fewer_layers_before_storing():
