@@ -84,7 +84,8 @@ class SpeculativeResult:
 
 
 def speculative_generate(model: Any, prompt: Any, max_new_tokens: int = 32, *, cache: Any, draft: Any,
-                         k: int = 4, stop_at_eos: bool = True, concurrent: bool = False, verify: str = "auto",
+                         k: int = 4, eos_id: int | None = None, stop_at_eos: bool = True,
+                         concurrent: bool = False, verify: str = "auto",
                          on_token: Callable[[int], None] | None = None,
                          prefill_chunk: int | None = 512) -> SpeculativeResult:
     """Greedy generation of ``model`` through ``cache``, accelerated by a ``draft``.
@@ -101,8 +102,11 @@ def speculative_generate(model: Any, prompt: Any, max_new_tokens: int = 32, *, c
     draft : LayerDraft, CacheDraft or NgramDraft
     k : int, default 4
         Tokens per verification pass (the newest token and the proposals after it).
+    eos_id : int, optional
+        End-of-sequence token; None means the tokenizer's (the convention of
+        :mod:`arraykv.integrations.generation`).
     stop_at_eos : bool, default True
-        Stop after the tokenizer's end-of-sequence token.
+        Stop right after the end-of-sequence token (the last item returned).
     concurrent : bool, default False
         Draft the next block in a second thread while the target verifies the current one
         (drafts that run a model).
@@ -147,7 +151,9 @@ def speculative_generate(model: Any, prompt: Any, max_new_tokens: int = 32, *, c
     if verify == "auto":
         verify = "prefill" if getattr(cache, "method", None) == "dense" else "decode"
     model._check_room(0, len(ids) + max_new_tokens + 2 * k)  # RoPE tables once, before any thread
-    eos = None if (model.tokenizer is None or not stop_at_eos) else model.tokenizer.eos_id
+    if eos_id is None and model.tokenizer is not None:
+        eos_id = model.tokenizer.eos_id
+    eos = eos_id if stop_at_eos else None
     out: list = []
     if max_new_tokens == 0:
         return SpeculativeResult(out, 0, 0, 0, 0, 0.0, 0.0)
