@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .drafts import Block, CacheDraft, LayerDraft, NgramDraft, argmax_rows, require_truncate, run_layers
+from .generation import prompt_ids
 
 __all__ = ["speculative_generate", "SpeculativeResult", "greedy_agreement", "LayerDraft", "CacheDraft",
            "NgramDraft", "run_layers"]
@@ -141,7 +142,7 @@ def speculative_generate(model: Any, prompt: Any, max_new_tokens: int = 32, *, c
         raise TypeError(f"draft must be a LayerDraft, CacheDraft or NgramDraft, received {type(draft).__name__}")
     depth = 2 * k - 1 if concurrent else k - 1  # tokens stored past the shallowest cut
     require_truncate(cache, "cache", depth)
-    ids = _prompt_ids(model, prompt)
+    ids = prompt_ids(prompt, model.tokenizer)
     if len(ids) + max_new_tokens + 2 * k > model.config.context_length:
         raise ValueError(f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) and 2k drafted "
                          f"tokens exceed the context length of {model.config.context_length}")
@@ -238,18 +239,6 @@ def _verify_beside_draft(model: Any, cache: Any, draft: Any, block: Block, n_ahe
     if "error" in box:
         raise box["error"]
     return box["target"], ahead
-
-
-def _prompt_ids(model: Any, prompt: Any) -> list:
-    if isinstance(prompt, str):
-        if model.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass token ids instead of text")
-        ids = model.tokenizer.encode(prompt)
-    else:
-        ids = [int(i) for i in prompt]
-    if not ids:
-        raise ValueError("prompt must hold at least one token")
-    return ids
 
 
 def greedy_agreement(reference: list, margins: list, candidate: list, *, tolerance: float = 1e-4) -> dict:
