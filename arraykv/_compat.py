@@ -29,6 +29,12 @@ __all__ = [
 ]
 
 
+#: Namespaces already resolved, by the tuple of argument types: a namespace depends only on the
+#: arrays' types, and ``array_namespace`` costs microseconds a call where a decode step makes
+#: a dozen calls.
+_BY_TYPES: dict = {}
+
+
 def namespace(*arrays: Any):
     """Return the array-API namespace shared by ``arrays``.
 
@@ -48,16 +54,23 @@ def namespace(*arrays: Any):
         If an argument is not an array or the arrays come from different libraries.
     """
     arrays = tuple(a for a in arrays if a is not None)
+    key = tuple(type(a) for a in arrays)
+    xp = _BY_TYPES.get(key)
+    if xp is not None:
+        return xp
     for a in arrays:
         if not _aac.is_array_api_obj(a):
             raise TypeError(f"expected an array, received {type(a).__name__}")
     try:
-        return _aac.array_namespace(*arrays)
+        xp = _aac.array_namespace(*arrays)
     except TypeError as exc:
         kinds = sorted({type(a).__module__ + "." + type(a).__name__ for a in arrays})
         raise TypeError(
             "all arrays must come from the same array library; received " + ", ".join(kinds)
         ) from exc
+    if len(_BY_TYPES) < 256:
+        _BY_TYPES[key] = xp
+    return xp
 
 
 def device(x: Any):

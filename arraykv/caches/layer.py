@@ -61,6 +61,17 @@ def check_decode_path(value: Any) -> str:
     return value
 
 
+_FLOATS: dict = {}
+
+
+def _real_floats(xp: Any) -> tuple:
+    """The real floating dtypes of ``xp`` (looked up once per namespace: ``isdtype`` is slow per call)."""
+    floats = _FLOATS.get(id(xp))
+    if floats is None:
+        floats = _FLOATS[id(xp)] = tuple(getattr(xp, n) for n in ("float16", "float32", "float64") if hasattr(xp, n))
+    return floats
+
+
 def refuse_overflow(xp: Any, method: str, arrays: dict) -> None:
     """Raise ``ValueError`` when an array about to be stored holds infinity (float16 overflow).
 
@@ -70,9 +81,10 @@ def refuse_overflow(xp: Any, method: str, arrays: dict) -> None:
     by name, an array, None, or a list of arrays that are the parts of one store), before it
     commits anything, so the refused call leaves the layer as it was.
     """
+    floats = _real_floats(xp)
     for name, value in arrays.items():
         for a in value if isinstance(value, list) else [value]:
-            if a is not None and xp.isdtype(a.dtype, "real floating") and not bool(xp.all(xp.isfinite(a))):
+            if a is not None and a.dtype in floats and not bool(xp.all(xp.isfinite(a))):
                 raise ValueError(
                     f"these keys/values overflow the float16 {name!r} of method {method!r} (magnitudes above 65504, "
                     f"after centering and channel weights); scale them down, or use method 'dense' or an int method "
