@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64, help="tokens generated per run")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-concurrent", action="store_true", help="skip the two-thread runs")
+    ap.add_argument("--verify", default="auto", choices=["auto", "decode", "batched", "prefill"],
+                    help="how the target runs a block (speculative_generate's verify)")
     ap.add_argument("--model", default=None)
     args = ap.parse_args(argv)
 
@@ -67,7 +69,8 @@ def main(argv=None) -> int:
     # a prompt-lookup draft runs no model, so it has nothing to run beside the target
     configs = [(d, k, c) for d in args.drafts for k in args.k for c in modes if not (c and d.startswith("ngram"))]
     print(f"# speculative decoding, SmolLM2-135M, {len(ids)}-token prompt, {args.new} new tokens, "
-          f"{args.rounds} rounds; {platform.processor() or platform.machine()}, {os.cpu_count()} cpus")
+          f"{args.rounds} rounds, verify={args.verify}; {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cpus")
     print()
     print("| method | draft | k | threads | acceptance | tokens/s | vs plain | equals plain greedy |")
     print("|---|---|---|---|---|---|---|---|")
@@ -82,7 +85,7 @@ def main(argv=None) -> int:
             for cfg in configs:
                 d, k, conc = cfg
                 r = speculative_generate(model, ids, args.new, cache=model.make_cache(method), draft=draft_from_spec(d),
-                                         k=k, concurrent=conc, stop_at_eos=False)
+                                         k=k, concurrent=conc, verify=args.verify, stop_at_eos=False)
                 spec_t[cfg].append(r.seconds)
                 stats[cfg] = r
                 verdicts[cfg] = greedy_agreement(ref, gaps, r.tokens)
