@@ -198,11 +198,14 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         return self._sum_layers(self._layer_reserved_nbytes)
 
     def used_bytes(self) -> int:
-        """Bytes of the state of the stored tokens, plus fixed state (spare capacity not counted).
+        """Bytes of the state of the stored tokens, plus fixed state (spare capacity and the
+        rollback copies kept for :meth:`truncate`, :meth:`rollback_bytes`, not counted).
 
-        What bits per value are computed from: ``8 · used_bytes() / values stored``.
+        What bits per value are computed from: ``8 · used_bytes() / values stored``. The
+        rollback copies are a fixed margin of ``rollback_tokens`` tokens per layer, not part of
+        how the tokens are stored; :meth:`memory_usage` counts them.
         """
-        return self._sum_layers(self._layer_nbytes)
+        return self._sum_layers(lambda st: self._layer_nbytes(st) - self._rollback_nbytes(st))
 
     def _sum_layers(self, per_layer) -> int:
         total = self._fixed_nbytes()
