@@ -11,6 +11,7 @@ coordinate on the other side of a threshold (the reference multiplies by the den
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 
@@ -157,10 +158,20 @@ def _decode_py(codes, lengths, signs, matrix, hadamard, cents, bits, out):
 
 # Parallel variants for large inputs; serial ones for small calls (a decode step), where waking
 # the thread pool costs more than the work, especially on a busy machine.
-_encode_par = nb.njit(cache=True, nogil=True, parallel=True)(_encode_py)
-_decode_par = nb.njit(cache=True, nogil=True, parallel=True)(_decode_py)
-_encode_ser = nb.njit(cache=True, nogil=True)(_encode_py)
-_decode_ser = nb.njit(cache=True, nogil=True)(_decode_py)
+def _named(fn, name: str):
+    """``fn`` under another name. Numba keys its disk cache by a function's name and first line,
+    not by its options, so a serial and a parallel variant jitted from one function would load
+    whichever of the two was compiled first (both ran serially, or both in parallel, by chance)."""
+    out = types.FunctionType(fn.__code__.replace(co_name=name, co_qualname=name), fn.__globals__, name,
+                             fn.__defaults__, fn.__closure__)
+    out.__qualname__ = name
+    return out
+
+
+_encode_par = nb.njit(cache=True, nogil=True, parallel=True)(_named(_encode_py, "_encode_par"))
+_decode_par = nb.njit(cache=True, nogil=True, parallel=True)(_named(_decode_py, "_decode_par"))
+_encode_ser = nb.njit(cache=True, nogil=True)(_named(_encode_py, "_encode_ser"))
+_decode_ser = nb.njit(cache=True, nogil=True)(_named(_decode_py, "_decode_ser"))
 
 
 def _host(a, dtype=np.float32):
