@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 
 import numpy as np
 import pytest
@@ -66,6 +67,10 @@ def parallel_threshold():
     with contextlib.ExitStack() as stack:
         yield lambda n: stack.enter_context(serial_below(n))
 
+
+# The kernels' parallel paths are under test even where NumPy's OpenBLAS runs several threads
+# (where the library itself runs them serially: arraykv.ops.numba.threads, "beside a threaded BLAS").
+os.environ.setdefault("ARRAYKV_BESIDE_BLAS", "parallel")
 
 import arraykv  # noqa: E402
 

@@ -103,3 +103,32 @@ def test_serial_below_is_per_thread_and_restored():
         t.join()
     assert seen == [max(1, __import__("numba").get_num_threads())] or seen[0] >= 1
     assert threads.threads_for(threads.PARALLEL_MIN_WORK) >= 1
+
+
+def test_kernels_run_serially_beside_a_threaded_blas(monkeypatch):
+    """A parallel region launched between threaded OpenBLAS products waits for the cores its
+    spinning threads hold; the policy runs kernels serially while OpenBLAS has several threads."""
+    from arraykv.ops.numba import threads
+
+    nb = pytest.importorskip("numba")
+    if nb.get_num_threads() < 2:
+        pytest.skip("one Numba thread")
+    monkeypatch.setattr(threads, "blas_threads", lambda: 2)
+    with threads.beside_blas("serial"):
+        assert threads.threads_for(1 << 40) == 1
+    with threads.beside_blas("parallel"):
+        assert threads.threads_for(1 << 40) == nb.get_num_threads()
+    monkeypatch.setattr(threads, "blas_threads", lambda: 1)
+    with threads.beside_blas("serial"):
+        assert threads.threads_for(1 << 40) == nb.get_num_threads()
+        assert threads.threads_for(1) == 1
+    with pytest.raises(ValueError, match="mode must be"):
+        with threads.beside_blas("fast"):
+            pass
+
+
+def test_blas_threads_answers_for_numpys_openblas():
+    from arraykv.ops.numba.threads import blas_threads
+
+    n = blas_threads()
+    assert isinstance(n, int) and n >= 1

@@ -19,12 +19,25 @@ Thread safety under every threading layer
     ``omp`` and ``tbb`` launches do not wait for each other. Functions compiled without
     ``parallel`` (the serial variants) never take the lock.
 
+Serial beside a threaded BLAS
+    OpenBLAS's worker threads spin for a while after every product instead of sleeping, so a
+    ``parallel=True`` region launched between two of NumPy's matrix products (what a decoder
+    does in every layer) waits for cores the spinning threads hold: measured on 2 cores, a
+    SmolLM2-shape fused step at 8k tokens took 0.6 ms on two Numba threads alone, 7.6 ms with
+    a two-thread OpenBLAS product before each call, and 1.1 ms serially. So while the OpenBLAS
+    that NumPy uses runs more than one thread (:func:`blas_threads`), kernels run serially;
+    with ``OPENBLAS_NUM_THREADS=1`` they use every Numba thread. :func:`beside_blas` changes
+    the rule (``"parallel"`` for code that calls no BLAS between kernel calls).
+
 Numba's thread count is a per-thread setting, so a launch never changes another thread's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import glob
+import os
 import threading
 
 try:
@@ -32,7 +45,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-__all__ = ["PARALLEL_MIN_WORK", "threads_for", "serial_below", "launch", "launches_serialized"]
+__all__ = ["PARALLEL_MIN_WORK", "threads_for", "serial_below", "launch", "launches_serialized", "blas_threads",
+           "beside_blas"]
 
 #: Below this many values (elements read or written, codes read) a kernel runs on the calling
 #: thread alone (measured: 0.46 ms on one thread against 16 ms on two for a 3-head ×
@@ -50,10 +64,64 @@ def _min_work() -> int:
 
 
 def threads_for(work: int) -> int:
-    """Threads for a call of ``work`` values: 1 below the threshold, else this thread's Numba count."""
+    """Threads for a call of ``work`` values: 1 below the threshold or beside a threaded BLAS
+    (see the module notes), else this thread's Numba count."""
     if work < _min_work():
         return 1
-    return max(1, nb.get_num_threads())
+    n = max(1, nb.get_num_threads())
+    if n > 1 and getattr(_override, "beside_blas", _BESIDE_BLAS) == "serial" and blas_threads() > 1:
+        return 1
+    return n
+
+
+#: What kernels do while NumPy's OpenBLAS runs several threads: "serial" or "parallel".
+_BESIDE_BLAS = os.environ.get("ARRAYKV_BESIDE_BLAS", "serial")
+_BLAS_GET: list = []
+
+
+def blas_threads() -> int:
+    """Threads of the OpenBLAS that NumPy links, asked through its C API; 1 when it cannot be asked."""
+    if not _BLAS_GET:
+        _BLAS_GET.append(_find_blas_get())
+    get = _BLAS_GET[0]
+    return 1 if get is None else max(1, int(get()))
+
+
+def _find_blas_get():
+    import numpy as np
+
+    base = os.path.dirname(np.__file__)
+    for path in sorted(glob.glob(os.path.join(base, "..", "numpy.libs", "*openblas*"))
+                       + glob.glob(os.path.join(base, ".dylibs", "*openblas*"))):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
+                     "openblas_get_num_threads64_", "openblas_get_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.restype = ctypes.c_int
+                return fn
+    return None
+
+
+@contextlib.contextmanager
+def beside_blas(mode: str):
+    """Within the block, this Python thread's kernels run ``"serial"`` or ``"parallel"`` while
+    NumPy's OpenBLAS runs several threads (the default is ``"serial"``, or the environment
+    variable ``ARRAYKV_BESIDE_BLAS``)."""
+    if mode not in ("serial", "parallel"):
+        raise ValueError(f"mode must be 'serial' or 'parallel', received {mode!r}")
+    saved = getattr(_override, "beside_blas", None)
+    _override.beside_blas = mode
+    try:
+        yield
+    finally:
+        if saved is None:
+            del _override.beside_blas
+        else:
+            _override.beside_blas = saved
 
 
 @contextlib.contextmanager
