@@ -154,7 +154,8 @@ def speed(rng):
         best, med = best_of(lambda: comp.decompress_kv(c))
         rows.append([f"Hybrid INT{bits} decompress", f"{vals / best / 1e6:.0f}", f"{vals / med / 1e6:.0f}"])
     flat = x.reshape(-1, 128)
-    best, med = best_of(lambda: quantize_groups(flat, 8, 32))
+    best, med = best_of(lambda: quantize_groups(flat, 8, 32, group_minmax=ops.intq_group_minmax,
+                                                quantize_pack=ops.intq_quantize_pack))
     rows.append(["group-wise INT8 quantize + pack alone (Numba)", f"{x.size / best / 1e6:.0f}", f"{x.size / med / 1e6:.0f}"])
     table("Throughput on [8, 4096, 128] float32 K and V (M values/s; values = K + V)",
           ["operation", "best of 5", "median of 5"], rows)
