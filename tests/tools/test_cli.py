@@ -161,3 +161,19 @@ def test_longctx_rejects_bad_options(capsys):
     assert "unknown methods ['nope']" in capsys.readouterr().err
     assert main(["longctx", "--no-needle", "--no-kl"]) == 2
     assert "nothing to run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("draft", ["ngram:3", "layers:1", "cache:pqo2"])
+def test_speculative_prints_text_acceptance_speeds_and_agreement(tmp_path, capsys, draft):
+    model = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    args = ["speculative", "--model", str(model), "--method", "pqo4", "--draft", draft, "-k", "3",
+            "--max-new-tokens", "12", "--prompt", "The sea, the sea, the sea"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "acceptance" in out and "tokens/s" in out
+    assert "same tokens as plain greedy decoding" in out
+
+
+def test_speculative_rejects_a_bad_draft(capsys):
+    assert main(["speculative", "--draft", "oracle:1"]) == 2
+    assert "layers:N, cache:METHOD or ngram" in capsys.readouterr().err
