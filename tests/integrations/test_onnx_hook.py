@@ -313,3 +313,26 @@ def test_teacher_forced_logits_of_the_decoder(graph):
     rows = evaluate(dec, ids, ["dense", "int8"], prefill=8)
     assert rows[0].mean_kl == 0.0 and rows[0].top1_agreement == 1.0
     assert 0.0 <= rows[1].mean_kl < 0.05 and rows[1].bits_per_value > 0.0
+
+
+@pytest.mark.parametrize("method", ["pqo4", "int4", "dense"])
+def test_a_conversation_parked_as_a_file_resumes_where_it_stopped(graph, rng, tmp_path, method):
+    """Between calls only the compressed cache needs to live: save it, drop it (the hook's fed
+    past goes with it), load it, and the loop goes on with the logits of a loop never parked."""
+    import gc
+
+    prompt = rng.integers(0, VOCAB, (1, 11)).astype(np.int64)
+    follow = rng.integers(0, VOCAB, (30, 1))
+    dec = OrtKVDecoder(graph)
+    ref = dec.make_cache(method)
+    want = [dec.prefill(prompt, ref)] + [dec.decode(t, ref) for t in follow]
+    cache = dec.make_cache(method)
+    got = [dec.prefill(prompt, cache)] + [dec.decode(t, cache) for t in follow[:12]]
+    cache.save(tmp_path / "conversation.akv")
+    del cache
+    gc.collect()
+    assert len(dec._held) == 1  # only the reference loop's past is still held
+    cache = arraykv.load(tmp_path / "conversation.akv")
+    got += [dec.decode(t, cache) for t in follow[12:]]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
