@@ -24,30 +24,13 @@ import argparse
 import os
 import platform
 import statistics
-import time
-
-
-def plain_greedy(model, ids, n, cache):
-    """Plain greedy tokens, the logit gap of each choice, and the decoding time (prefill excluded)."""
-    import numpy as np
-
-    logits = model.prefill(ids, cache, chunk_size=512, logits="last")
-    t0 = time.perf_counter()
-    toks, gaps = [], []
-    while True:
-        top = np.sort(np.asarray(logits))[-2:]
-        toks.append(int(np.argmax(logits)))
-        gaps.append(float(top[1] - top[0]))
-        if len(toks) == n:
-            return toks, gaps, time.perf_counter() - t0
-        logits = model.decode(toks[-1], cache)
 
 
 def main(argv=None) -> int:
     from arraykv import eval as ev
     from arraykv.integrations.gguf_llama import load_model
     from arraykv.integrations.drafts import draft_from_spec
-    from arraykv.integrations.speculative import greedy_agreement, speculative_generate
+    from arraykv.integrations.speculative import greedy_agreement, greedy_with_gaps, speculative_generate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=["dense", "pqo4", "int4"])
@@ -79,7 +62,7 @@ def main(argv=None) -> int:
         stats, verdicts = {}, {}
         ref = gaps = None
         for _ in range(args.rounds):
-            toks, g, secs = plain_greedy(model, ids, args.new, model.make_cache(method))
+            toks, g, secs = greedy_with_gaps(model, ids, args.new, model.make_cache(method))
             ref, gaps = toks, g
             plain_t.append(secs)
             for cfg in configs:

