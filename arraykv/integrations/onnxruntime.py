@@ -24,10 +24,17 @@ Notes
 -----
 The graph computes attention itself, so a cache's :class:`~arraykv.Fused` output and its
 ``logit_bias`` (TurboQuant's QJL correction) cannot be used here; only the reconstructed K/V
-enter the model. ``q`` given to the cache is a zero array of shape ``(batch, kv_heads, new,
-head_dim)``: the graph does not expose its queries. So a ``pq``/``pqo``/``tq`` cache under this
-hook has no query statistics and keeps every key channel weight at 1: "pqo4" here is not the
-quantizer that the NumPy decoder's pqo4 is (mean KL 0.0038 between the two on SmolLM2).
+enter the model.
+
+Queries: a ``pq``/``pqo``/``tq`` cache weights its key channels by the queries' statistics,
+which an exported graph does not return. With ``queries="auto"`` (the default) the hook looks
+in the graph for each layer's queries (the left operand of the ``MatMul`` that takes the
+layer's keys: :mod:`arraykv.integrations.onnx_queries`), adds them to the graph's outputs and
+hands them to the cache, so "pqo4" here is the quantizer the NumPy decoder's pqo4 is. Where
+they cannot be found (a fused attention operator, or the model given as a ready session) the
+cache gets zero queries of shape ``(batch, kv_heads, new, head_dim)`` and keeps every key
+channel weight at 1 — a different quantizer (on SmolLM2 the two pqo4 differ by a mean KL of
+0.0038). :attr:`OrtKVDecoder.query_outputs` says which case a decoder is in.
 
 Memory: during a loop the hook holds the float32 past it feeds the graph (it must hand ONNX
 Runtime dense ``past_key_values``) *as well as* the compressed cache, so it holds more than a
@@ -48,6 +55,7 @@ from typing import Any, Callable, Sequence
 
 from .generation import cache_length, check_sampling, generate_tokens, legacy_generate_args, prompt_ids
 from .gguf import require
+from .onnx_queries import with_query_outputs
 
 __all__ = ["OrtKVDecoder", "discover_kv_names"]
 
@@ -100,10 +108,16 @@ class OrtKVDecoder:
         Read back only the tokens whose reconstruction may have changed (see the module
         notes) when the cache supports it; ``False`` reconstructs every layer's whole past
         each step (the same past, to float32 rounding).
+    queries : {"auto", True, False}, default "auto"
+        Hand the cache the graph's own attention queries (see the module notes): ``"auto"``
+        where they can be found, ``True`` to require it (a ValueError otherwise), ``False``
+        for zero queries.
 
     Attributes
     ----------
     num_layers, num_kv_heads, head_dim : int
+    query_outputs : list of str or None
+        The graph tensors read as each layer's queries, or None (zero queries).
     dtype : numpy.dtype
         Of the past/present tensors.
     input_names, logits_name : list of str, str
@@ -117,14 +131,22 @@ class OrtKVDecoder:
     """
 
     def __init__(self, model: Any, *, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 providers: Sequence[str] | None = None, incremental: bool = True):
+                 providers: Sequence[str] | None = None, incremental: bool = True, queries: Any = "auto"):
         ort = require("onnxruntime", "onnx")
         import numpy as np
 
+        if queries not in ("auto", True, False):
+            raise ValueError(f"queries must be 'auto', True or False, received {queries!r}")
+        self.query_outputs = None
         if isinstance(model, ort.InferenceSession):
+            if queries is True:
+                raise ValueError("queries=True needs the model as a file or bytes: a ready session's outputs "
+                                 "cannot be extended")
             sess = model
         else:
             src = model if isinstance(model, (bytes, bytearray)) else str(model)
+            if queries is not False:
+                src, self.query_outputs = with_query_outputs(src, queries is True)
             sess = ort.InferenceSession(src, providers=list(providers or ["CPUExecutionProvider"]))
         self.session = sess
         inputs = {i.name: i for i in sess.get_inputs()}
@@ -236,19 +258,37 @@ class OrtKVDecoder:
             feeds[f"past_key_values.{i}.key"] = k
             feeds[f"past_key_values.{i}.value"] = v
         names = [self.logits_name] + [_PRESENT.format(i=i, kind=kd) for i in range(self.num_layers)
-                                      for kd in ("key", "value")]
+                                      for kd in ("key", "value")] + list(self.query_outputs or ())
         res = self.session.run(names, feeds)
-        q = np.zeros((batch, self.num_kv_heads, t, self.head_dim), dtype=self.dtype)
         new = self._new_tokens(res, batch, past_len, t, bool(getattr(cache, "check_finite", True)))
+        queries = self._queries(res[1 + 2 * self.num_layers:], batch, t)
         before = self._held.get(cache, {})
         held = {}
         for i, (k_new, v_new) in enumerate(new):
             prev = before.get(i)
             if prev is not None and (past_len == 0 or prev[2] != past_len):
                 prev = None  # not the past this step ran on: read the layer back whole
-            held[i] = self._store(cache, i, k_new, v_new, q, prev)
+            held[i] = self._store(cache, i, k_new, v_new, queries[i], prev)
         self._held[cache] = held
         return res[0]
+
+    def _queries(self, found: list, batch: int, t: int) -> list:
+        """Each layer's queries for the cache: the graph's (checked), or zeros where it exposes none."""
+        import numpy as np
+
+        if not found:
+            zero = np.zeros((batch, self.num_kv_heads, t, self.head_dim), dtype=self.dtype)
+            return [zero] * self.num_layers
+        out = []
+        for i, q in enumerate(found):
+            q = np.asarray(q)
+            if (q.ndim != 4 or q.shape[0] != batch or q.shape[2] != t or q.shape[3] != self.head_dim
+                    or q.shape[1] % self.num_kv_heads):
+                raise ValueError(f"the graph's queries of layer {i} ({self.query_outputs[i]}) have shape {q.shape}, "
+                                 f"not (batch {batch}, a multiple of {self.num_kv_heads} heads, {t} tokens, "
+                                 f"{self.head_dim}); construct the decoder with queries=False; nothing was stored")
+            out.append(np.ascontiguousarray(q, dtype=self.dtype))
+        return out
 
     def _new_tokens(self, res: list, batch: int, past_len: int, t: int, finite: bool) -> list:
         """Every layer's new K/V out of the ``present.*`` outputs, all checked before any is stored.

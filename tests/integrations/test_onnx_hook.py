@@ -190,8 +190,11 @@ def test_incremental_readback_feeds_the_same_past(graph, rng, method):
         out = [dec.prefill(prompt, cache)] + [dec.decode(t, cache) for t in follow]
         runs[incremental] = out
     inc, full = runs[True], runs[False]
+    # the two pasts agree to float32 rounding (a few 1e-7 relative: a reconstruction matrix product
+    # over the tail rounds unlike one over every token), which this random graph can amplify in
+    # its logits to 9e-5 (lowrank, measured on an AVX-512 machine)
     for a, b in zip(inc, full):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-4)
     # the first decode reads each layer back whole, later ones only past the stable prefix
     assert starts[:LAYERS] == [0] * LAYERS and max(starts) > 9
     if method == "dense":
@@ -336,3 +339,88 @@ def test_a_conversation_parked_as_a_file_resumes_where_it_stopped(graph, rng, tm
     got += [dec.decode(t, cache) for t in follow[12:]]
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ---- the graph's own queries ------------------------------------------------------------------
+
+def _run_with_queries(graph_bytes, prompt):
+    """present.* and the queries of every layer, from a session whose outputs were extended by hand."""
+    from arraykv.integrations.onnx_queries import expose_outputs
+
+    proto = onnx.load_from_string(graph_bytes)
+    names = [f"l{i}_wq_t" for i in range(LAYERS)]
+    sess = ort.InferenceSession(expose_outputs(proto, names, TensorProto.FLOAT).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    b, t = prompt.shape
+    feeds = {"input_ids": prompt, "attention_mask": np.ones((b, t), np.int64),
+             "position_ids": np.broadcast_to(np.arange(t), (b, t)).astype(np.int64).copy()}
+    for i in range(LAYERS):
+        for kind in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kind}"] = np.zeros((b, KV_HEADS, 0, HEAD_DIM), np.float32)
+    outs = [f"present.{i}.{kd}" for i in range(LAYERS) for kd in ("key", "value")] + names
+    res = sess.run(outs, feeds)
+    return [(res[2 * i], res[2 * i + 1], res[2 * LAYERS + i]) for i in range(LAYERS)]
+
+
+def test_the_graph_queries_are_found_and_calibrate_the_cache(graph, rng):
+    """The hook finds each layer's Q of MatMul(Q, Kᵀ), and a pqo4 cache fed through it is
+    calibrated exactly as one given the graph's K/V and queries directly."""
+    dec = OrtKVDecoder(graph)
+    assert dec.query_outputs == [f"l{i}_wq_t" for i in range(LAYERS)]
+    prompt = rng.integers(0, VOCAB, (1, 120)).astype(np.int64)
+    cache = dec.make_cache("pqo4")
+    dec.prefill(prompt, cache)
+    direct = arraykv.make_cache("pqo4", num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    for i, (k, v, q) in enumerate(_run_with_queries(graph, prompt)):
+        direct.prefill(i, k, v, q)
+        got, want = cache.layer_arrays(i), direct.layer_arrays(i)
+        for name in ("k_scale", "k_mean", "v_mean", "k_outlier_idx"):
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
+        assert np.std(np.asarray(got["k_scale"], np.float32)) > 0.05  # real weights, not all ones
+
+
+def test_queries_false_keeps_every_key_channel_weight_at_one(graph, rng):
+    dec = OrtKVDecoder(graph, queries=False)
+    assert dec.query_outputs is None
+    cache = dec.make_cache("pqo4")
+    dec.prefill(rng.integers(0, VOCAB, (1, 120)).astype(np.int64), cache)
+    for i in range(LAYERS):
+        np.testing.assert_array_equal(np.asarray(cache.layer_arrays(i)["k_scale"], np.float32), 1.0)
+
+
+def test_queries_true_is_refused_where_they_cannot_be_had(graph):
+    sess = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
+    with pytest.raises(ValueError, match="ready session"):
+        OrtKVDecoder(sess, queries=True)
+    assert OrtKVDecoder(sess).query_outputs is None  # "auto": zero queries, as before
+    proto = onnx.load_from_string(graph)
+    for node in proto.graph.node:  # keys no longer the right operand of a MatMul
+        if node.op_type == "MatMul" and node.output[0] == "l1_qk":
+            node.op_type = "Einsum"
+            node.attribute.append(helper.make_attribute("equation", "bhqd,bhdk->bhqk"))
+    changed = proto.SerializeToString()
+    with pytest.raises(ValueError, match="no MatMul taking a layer's keys"):
+        OrtKVDecoder(changed, queries=True)
+    dec = OrtKVDecoder(changed)
+    assert dec.query_outputs is None
+    with pytest.raises(ValueError, match="queries must be"):
+        OrtKVDecoder(graph, queries="yes")
+
+
+def test_grouped_query_keys_are_followed_through_their_repeat():
+    """K repeated for its query heads (Unsqueeze, Expand, Reshape) and scaled on both sides, as
+    exports of grouped-query attention do: the search still reaches the score MatMul."""
+    from arraykv.integrations.onnx_queries import find_query_outputs
+
+    nodes = [helper.make_node("Concat", ["past_key_values.0.key", "k_new"], ["present.0.key"], axis=2),
+             helper.make_node("Shape", ["present.0.key"], ["kshape"]),  # a side branch, not followed
+             helper.make_node("Unsqueeze", ["present.0.key", "ax2"], ["k5"]),
+             helper.make_node("Expand", ["k5", "rep_shape"], ["k5r"]),
+             helper.make_node("Reshape", ["k5r", "flat_shape"], ["krep"]),
+             helper.make_node("Transpose", ["krep"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("Mul", ["kt", "sqrt_scale"], ["kts"]),
+             helper.make_node("Mul", ["q_rot", "sqrt_scale"], ["qs"]),
+             helper.make_node("MatMul", ["qs", "kts"], ["scores"])]
+    g = helper.make_graph(nodes, "gqa", [], [])
+    assert find_query_outputs(helper.make_model(g), 1) == ["qs"]
+    assert find_query_outputs(helper.make_model(g), 2) is None  # layer 1 has no keys here
