@@ -424,3 +424,23 @@ def test_grouped_query_keys_are_followed_through_their_repeat():
     g = helper.make_graph(nodes, "gqa", [], [])
     assert find_query_outputs(helper.make_model(g), 1) == ["qs"]
     assert find_query_outputs(helper.make_model(g), 2) is None  # layer 1 has no keys here
+
+
+@pytest.mark.parametrize("method", ["pqo4", "int4", "dense"])
+def test_release_drops_the_held_past_and_the_loop_goes_on(graph, rng, method):
+    """Many conversations per process: release() leaves only the compressed cache between calls,
+    and the next step rebuilds the past from it with the logits of a loop never released."""
+    prompt = rng.integers(0, VOCAB, (1, 40)).astype(np.int64)
+    follow = rng.integers(0, VOCAB, (20, 1))
+    dec = OrtKVDecoder(graph)
+    ref = dec.make_cache(method)
+    want = [dec.prefill(prompt, ref)] + [dec.decode(t, ref) for t in follow]
+    cache = dec.make_cache(method)
+    got = [dec.prefill(prompt, cache)] + [dec.decode(t, cache) for t in follow[:10]]
+    held = dec.held_bytes(cache)
+    assert held == 2 * LAYERS * 1 * KV_HEADS * 50 * HEAD_DIM * 4  # float32 K and V of 50 tokens
+    assert dec.release(cache) == held and dec.held_bytes(cache) == 0 and dec.release(cache) == 0
+    got += [dec.decode(t, cache) for t in follow[10:]]
+    assert dec.held_bytes(cache) > held
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-4)
