@@ -48,7 +48,9 @@ What compression saves an ONNX Runtime user is the memory *between* calls: the h
 the fed past as long as the cache object lives, unless :meth:`OrtKVDecoder.release` drops it
 (:meth:`OrtKVDecoder.held_bytes` says how much it holds), so a parked conversation holds only
 the compressed bytes, in memory or as a file (``cache.save(path)``, then
-``arraykv.load(path)``); the next step rebuilds the past from the cache.
+``arraykv.load(path)``); the next step rebuilds the past from the cache: one read-back of
+every layer, at the SmolLM2 geometry 17 / 51 / 238 ms for pqo4 at 512 / 2048 / 8192 tokens
+(int4: 12 / 44 / 178; one thread of a 2-core VM).
 """
 
 from __future__ import annotations
