@@ -71,6 +71,17 @@ def test_dense_generate_equals_dynamic_cache(tiny):
     assert cache.arraykv_cache.seq_len(1) == 24 + 15
 
 
+def test_dense_left_padded_batch_equals_dynamic_cache(tiny):
+    ids = _ids(2, 12, seed=8)
+    mask = torch.ones_like(ids)
+    ids[0, :4], mask[0, :4] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = tiny.generate(ids, cache=transformers.DynamicCache(config=tiny.config), **kw)
+        got = tiny.generate(ids, cache=ArraykvCache("dense", config=tiny.config), **kw)
+    assert torch.equal(got, want)
+
+
 def test_dense_logits_equal_dynamic_cache(tiny):
     ids = _ids(2, 48, seed=2)
     want = _stepped_logits(tiny, ids, transformers.DynamicCache(config=tiny.config), 32)
