@@ -42,7 +42,12 @@ from typing import Any
 
 from .gguf import require
 
-_torch = require("torch", "hf")
+try:
+    import torch as _torch
+except ImportError as _exc:
+    raise ImportError("torch is needed for ArraykvCache and is not installed by arraykv: install the torch build "
+                      "you want (e.g. the CPU wheel from https://pytorch.org), then "
+                      'python -m pip install "arraykv[hf]"') from _exc
 _transformers = require("transformers", "hf")
 
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402 - after the install hint
