@@ -1,0 +1,351 @@
+"""Hold a Hugging Face transformers model's KV cache in an arraykv cache.
+
+:class:`ArraykvCache` is a ``transformers.Cache`` whose layers store the keys and values that the
+model's attention hands to ``cache.update`` in one arraykv cache (any method of
+:func:`arraykv.available_methods`), and give back the K/V the cache reconstructs, so the model
+attends over what the cache actually kept::
+
+    from arraykv.integrations.transformers import ArraykvCache
+    cache = ArraykvCache("pqo4", config=model.config)
+    out = model.generate(input_ids, cache=cache, max_new_tokens=32)   # past_key_values= before 5.x
+
+Written against the layered cache API of transformers 5 (``Cache`` holding one
+``CacheLayerMixin`` per layer; tested with transformers 5.24.0 and torch 2.13 on CPU). Each
+layer's ``update(key_states, value_states)`` receives torch tensors ``(batch, kv_heads,
+new_tokens, head_dim)``, shares their memory with NumPy (``Tensor.numpy()``, no copy for float32
+CPU tensors), stores them with ``cache.prefill`` and returns the reconstructed K/V of every token
+held, ``(batch, kv_heads, total, head_dim)``, as torch tensors of the input dtype (sharing the
+NumPy result's memory when that dtype is float32).
+
+Notes
+-----
+No queries. ``update`` is called before attention and is given no queries, so the cache gets a
+zero ``q`` of shape ``(batch, kv_heads, new_tokens, head_dim)``. The ``pq``/``pqo``/``tq``
+caches weight key channels by query statistics (``key_scale``); with zero queries every weight
+is 1, so ``"pqo4"`` here is the quantizer that :class:`~arraykv.integrations.llama.LlamaModel`
+runs with ``key_scale=False``, not its default ``pqo4`` (see docs/transformers.md for the
+measured difference). Likewise the model computes attention itself: a cache's fused decode
+(attention straight from packed codes) and a ``logit_bias`` (the ``tq`` QJL correction) are not
+used; ``tq`` methods are refused for that reason.
+
+Memory. The compressed cache is what persists between steps. During a step the model attends
+over float K/V, so the reconstructed past of the layer being computed exists as float32 (plus
+the model's own copies, e.g. ``repeat_kv`` for grouped-query attention), and is freed when the
+layer is done. With ``incremental=True`` the reconstructed past of *every* layer is kept between
+steps as well (only the tokens whose reconstruction changed are decoded each step, which is
+faster): that holds more memory than transformers' ``DynamicCache``, not less.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .gguf import require
+
+try:
+    import torch as _torch
+except ImportError as _exc:
+    raise ImportError("torch is needed for ArraykvCache and is not installed by arraykv: install the torch build "
+                      "you want (e.g. the CPU wheel from https://pytorch.org), then "
+                      'python -m pip install "arraykv[hf]"') from _exc
+_transformers = require("transformers", "hf")
+
+from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402 - after the install hint
+
+__all__ = ["ArraykvCache", "ArraykvLayer"]
+
+#: The arraykv cache methods whose output the model cannot use (a logit bias needs our attention).
+_LOGIT_BIAS_PREFIXES = ("tq",)
+
+
+def _geometry(config: Any) -> tuple:
+    """``(num_layers, num_kv_heads, head_dim)`` of a transformers decoder config, checked."""
+    if config is None:
+        raise TypeError("config is required: pass the model's config (model.config)")
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        try:
+            config = get_text(decoder=True)
+        except TypeError:
+            config = get_text()
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError("ArraykvCache supports decoder-only models; this config is an encoder-decoder one")
+    name = type(config).__name__
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"config ({name}) must have a positive int num_hidden_layers, it has {layers!r}")
+    if not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"config ({name}) must have a positive int num_attention_heads, it has {heads!r}")
+    kv = getattr(config, "num_key_value_heads", None)
+    kv = heads if kv is None else kv
+    if not isinstance(kv, int) or kv < 1 or heads % kv:
+        raise ValueError(f"config ({name}) num_key_value_heads must divide num_attention_heads={heads}, "
+                         f"it is {kv!r}")
+    hd = getattr(config, "head_dim", None)
+    if hd is None:
+        hidden = getattr(config, "hidden_size", None)
+        if not isinstance(hidden, int) or hidden % heads:
+            raise ValueError(f"config ({name}) has no head_dim and hidden_size={hidden!r} is not a multiple of "
+                             f"num_attention_heads={heads}")
+        hd = hidden // heads
+    if not isinstance(hd, int) or hd < 1:
+        raise ValueError(f"config ({name}) head_dim must be a positive int, it is {hd!r}")
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        other = sorted(set(types) - {"full_attention"})
+        if other:
+            raise ValueError(f"config ({name}) has layer types {other}; ArraykvCache supports full attention "
+                             "layers only (no sliding-window, chunked or linear-attention layers)")
+    elif getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        raise ValueError(f"config ({name}) uses a sliding window of {config.sliding_window}; ArraykvCache "
+                         "supports full attention layers only")
+    return layers, kv, hd
+
+
+class ArraykvLayer(CacheLayerMixin):
+    """One model layer's view of an :class:`ArraykvCache` (what ``Cache.layers`` holds).
+
+    Stores nothing itself: every call goes to layer ``index`` of the owner's arraykv cache.
+    ``keys`` and ``values`` stay None (the K/V live compressed in the arraykv cache).
+    """
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, owner: "ArraykvCache", index: int):
+        super().__init__()
+        self._owner = owner
+        self.index = index
+        self.device = None
+        self.dtype = None
+
+    def lazy_initialization(self, key_states: Any, value_states: Any) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple:
+        """Store ``new_tokens`` K/V; return the K/V of every token of this layer.
+
+        Parameters
+        ----------
+        key_states, value_states : torch.Tensor, shape (batch, kv_heads, new_tokens, head_dim)
+            float32, float16 or bfloat16 on the CPU.
+
+        Returns
+        -------
+        tuple of torch.Tensor
+            Keys and values, shape ``(batch, kv_heads, total, head_dim)``, dtype of the input.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self._owner._update(self.index, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple:
+        """``(kv_length, kv_offset)`` for the attention mask: every stored token plus the new ones."""
+        return self.get_seq_length() + int(query_length), 0
+
+    def get_seq_length(self) -> int:
+        """Tokens stored in this layer."""
+        return int(self._owner.arraykv_cache.seq_len(self.index))
+
+    def get_max_length(self) -> int:
+        """The cache's ``max_tokens``, or -1 (no maximum)."""
+        m = getattr(self._owner.arraykv_cache, "max_tokens", None)
+        return -1 if m is None else int(m)
+
+    def reset(self) -> None:
+        self._owner._reset_layer(self.index)
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
+        self._owner._crop(self.index, tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: Any) -> None:
+        if self.get_seq_length() > 0:
+            raise NotImplementedError(
+                "ArraykvCache does not reorder its batch (beam search): an arraykv cache's batch rows "
+                "cannot be permuted in place; use greedy or sampled decoding (num_beams=1)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.get_seq_length() > 0 and repeats != 1:
+            raise NotImplementedError("ArraykvCache cannot repeat its batch rows once filled "
+                                      "(contrastive search, num_return_sequences after prefill)")
+
+    def batch_select_indices(self, indices: Any) -> None:
+        if self.get_seq_length() > 0:
+            raise NotImplementedError("ArraykvCache cannot select batch rows once filled")
+
+    def offload(self) -> None:  # nothing held in torch memory to move
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"ArraykvLayer({self.index}, tokens={self.get_seq_length()})"
+
+
+class ArraykvCache(Cache):
+    """A transformers ``Cache`` that keeps K/V in an arraykv cache.
+
+    Parameters
+    ----------
+    method : str
+        An arraykv cache method (``"dense"``, ``"pqo4"``, ``"int4"``, ...; see
+        :func:`arraykv.available_methods`). ``tq`` methods are refused: their QJL logit bias
+        cannot enter the model's attention.
+    config : transformers.PretrainedConfig
+        The model's config (``model.config``): ``num_hidden_layers``, ``num_attention_heads``,
+        ``num_key_value_heads`` (default: the attention heads), ``head_dim`` (default
+        ``hidden_size // num_attention_heads``). Full-attention decoders only.
+    incremental : bool, default False
+        False: each step reconstructs the layer's whole past from the compressed state and
+        nothing but the compressed state is kept between steps. True: keep every layer's
+        reconstructed past between steps and decode only the tokens whose reconstruction
+        changed (faster; holds a float32 copy of the whole past, more than ``DynamicCache``).
+    **cache_options
+        Passed to :func:`arraykv.make_cache` (e.g. ``bits``, ``window``, ``max_tokens``).
+
+    Attributes
+    ----------
+    arraykv_cache : CompressedKVCache
+        The arraykv cache holding the tokens (``memory_usage()``, ``save`` ...).
+    method : str
+    num_layers, num_kv_heads, head_dim : int
+
+    Examples
+    --------
+    >>> cache = ArraykvCache("pqo4", config=model.config)                  # doctest: +SKIP
+    >>> out = model.generate(ids, cache=cache, max_new_tokens=20)          # doctest: +SKIP
+    >>> cache.arraykv_cache.memory_usage()                                 # doctest: +SKIP
+
+    Notes
+    -----
+    Tensors must be on the CPU (arraykv's NumPy caches); float16 and bfloat16 K/V are stored
+    as float32 and returned in the input dtype. Beam search (``reorder_cache``) and batch
+    expansion after prefill raise NotImplementedError; ``crop`` (assisted decoding) works as
+    far as the arraykv cache can truncate exactly. Not compileable (``torch.compile``
+    of the model with this cache is not supported). See the module notes for what the missing
+    queries mean for the ``pqo`` methods and what is held in memory.
+    """
+
+    def __init__(self, method: str, *, config: Any, incremental: bool = False, **cache_options: Any):
+        from ..caches import make_cache
+
+        if not isinstance(method, str):
+            raise TypeError(f"method must be a string (an arraykv cache method), received {type(method).__name__}")
+        if method.startswith(_LOGIT_BIAS_PREFIXES):
+            raise ValueError(f"method {method!r} corrects attention logits with a logit_bias, which the model's "
+                             "own attention cannot apply; use a pq/pqo/int/dense method")
+        if not isinstance(incremental, bool):
+            raise TypeError(f"incremental must be a bool, received {type(incremental).__name__}")
+        self.num_layers, self.num_kv_heads, self.head_dim = _geometry(config)
+        self.arraykv_cache = make_cache(method, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                                        head_dim=self.head_dim, **cache_options)
+        self.method = method
+        self.incremental = incremental
+        # layer -> (k, v, tokens, stable): the float32 past returned last (incremental mode only)
+        self._held: dict = {}
+        super().__init__(layers=[ArraykvLayer(self, i) for i in range(self.num_layers)])
+
+    # -- the work of one update ----------------------------------------------------------
+    def _update(self, i: int, key_states: Any, value_states: Any) -> tuple:
+        torch = _torch
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, received {type(t).__name__}")
+            if t.device.type != "cpu":
+                raise NotImplementedError(f"{name} is on {t.device}; ArraykvCache holds NumPy caches and "
+                                          "accepts CPU tensors only")
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor, received {t.dtype}")
+        dtype = key_states.dtype
+        k, v = _to_numpy(key_states), _to_numpy(value_states)
+        import numpy as np
+
+        q = np.zeros(k.shape, dtype=np.float32)  # no queries reach a cache update (see module notes)
+        cache = self.arraykv_cache
+        prev = self._held.get(i) if self.incremental else None
+        if prev is not None and prev[2] != cache.seq_len(i):
+            prev = None  # the layer changed behind our back (reset, crop): read it back whole
+        if prev is None or not hasattr(cache, "append"):
+            r = cache.prefill(i, k, v, q)
+            kk, vv = r.k, r.v
+            if self.incremental:
+                self._held[i] = (kk.copy(), vv.copy(), int(cache.seq_len(i)), 0)
+        else:
+            k_prev, v_prev, _, stable = prev
+            cache.append(i, k, v, q)
+            tail = cache.dequantize(i, stable)
+            kk = np.concatenate([k_prev[:, :, :stable], tail.k], axis=2)
+            vv = np.concatenate([v_prev[:, :, :stable], tail.v], axis=2)
+            self._held[i] = (kk, vv, int(cache.seq_len(i)), int(cache.stable_length(i)))
+        return _to_torch(kk, dtype), _to_torch(vv, dtype)
+
+    def _reset_layer(self, i: int) -> None:
+        self._held.pop(i, None)
+        if self.arraykv_cache.seq_len(i):
+            if hasattr(self.arraykv_cache, "truncate"):
+                self.arraykv_cache.truncate(i, 0)
+            else:
+                self.arraykv_cache.reset()
+
+    def _crop(self, i: int, tokens_to_remove: int) -> None:
+        if not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove (transformers' convention), "
+                             f"received {tokens_to_remove!r}")
+        n = self.arraykv_cache.seq_len(i)
+        if tokens_to_remove == 0 or n == 0:
+            return
+        target = max(0, n + tokens_to_remove)
+        if not hasattr(self.arraykv_cache, "truncate"):
+            raise NotImplementedError(f"the {self.method!r} cache cannot drop tokens (no truncate)")
+        if not self.arraykv_cache.can_truncate(i, target):
+            raise NotImplementedError(
+                f"the {self.method!r} cache of layer {i} cannot go back exactly from {n} to {target} tokens "
+                f"(it can reach {self.arraykv_cache.min_truncate_length(i)} and up); nothing was removed")
+        self.arraykv_cache.truncate(i, target)
+        self._held.pop(i, None)
+
+    # -- the Cache interface ---------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every token of every layer."""
+        self.arraykv_cache.reset()
+        self._held.clear()
+        for layer in self.layers:
+            layer.is_initialized = False
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def memory_usage(self) -> int:
+        """Bytes held: the arraykv cache's ``memory_usage()`` plus the float pasts kept when ``incremental``."""
+        held = sum(h[0].nbytes + h[1].nbytes for h in self._held.values())
+        return int(self.arraykv_cache.memory_usage()) + held
+
+    def __repr__(self) -> str:
+        return (f"ArraykvCache({self.method!r}, layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, tokens={self.get_seq_length()})")
+
+
+def _to_numpy(t: Any) -> Any:
+    """A CPU tensor as float32 NumPy: shares memory when it is float32 already."""
+    t = t.detach()
+    if t.dtype != _torch.float32:
+        t = t.to(_torch.float32)
+    return t.numpy()
+
+
+def _to_torch(a: Any, dtype: Any) -> Any:
+    """A NumPy array as a torch tensor of ``dtype`` (no copy for float32 when the array is writable)."""
+    import numpy as np
+
+    if not a.flags.writeable:
+        a = np.array(a)
+    t = _torch.from_numpy(a)
+    return t if t.dtype == dtype else t.to(dtype)
