@@ -19,12 +19,19 @@ NumPy result's memory when that dtype is float32).
 
 Notes
 -----
-No queries. ``update`` is called before attention and is given no queries, so the cache gets a
-zero ``q`` of shape ``(batch, kv_heads, new_tokens, head_dim)``. The ``pq``/``pqo``/``tq``
-caches weight key channels by query statistics (``key_scale``); with zero queries every weight
-is 1, so ``"pqo4"`` here is the quantizer that :class:`~arraykv.integrations.llama.LlamaModel`
-runs with ``key_scale=False``, not its default ``pqo4`` (see docs/transformers.md for the
-measured difference). Likewise the model computes attention itself: a cache's fused decode
+Queries. ``update`` is called before attention and is given no queries. The ``pq``/``pqo``
+caches weight key channels by query statistics (``key_scale``), so given the model
+(``ArraykvCache(method, config=model.config, model=model)``) the cache hooks each attention
+module: a forward hook keeps the output of its ``q_proj`` (and ``q_norm`` where the module has
+one), a pre-hook its ``position_embeddings``, and ``update`` turns them into the layer's
+queries with the module's own ``apply_rotary_pos_emb``: the queries the model's attention
+uses, so ``"pqo4"`` is then the quantizer of the NumPy decoder's ``pqo4``. Without the model
+(or for attention modules without ``q_proj``/``position_embeddings``) the cache gets a zero
+``q`` of shape ``(batch, kv_heads, new_tokens, head_dim)``, every key channel weight is 1, and
+``"pqo4"`` is the quantizer :class:`~arraykv.integrations.llama.LlamaModel` runs with
+``key_scale=False`` (see docs/transformers.md for the measured difference).
+:attr:`ArraykvCache.hooked_layers` says how many layers hand their queries over;
+:meth:`ArraykvCache.detach` removes the hooks. Likewise the model computes attention itself: a cache's fused decode
 (attention straight from packed codes) and a ``logit_bias`` (the ``tq`` QJL correction) are not
 used; ``tq`` methods are refused for that reason.
 
@@ -207,6 +214,9 @@ class ArraykvCache(Cache):
         nothing but the compressed state is kept between steps. True: keep every layer's
         reconstructed past between steps and decode only the tokens whose reconstruction
         changed (faster; holds a float32 copy of the whole past, more than ``DynamicCache``).
+    model : transformers.PreTrainedModel, optional
+        The model the cache serves: its attention modules are hooked so that each update gets
+        the layer's queries (see the module notes). The hooks stay until :meth:`detach`.
     **cache_options
         Passed to :func:`arraykv.make_cache` (e.g. ``bits``, ``window``, ``max_tokens``).
 
@@ -216,6 +226,8 @@ class ArraykvCache(Cache):
         The arraykv cache holding the tokens (``memory_usage()``, ``save`` ...).
     method : str
     num_layers, num_kv_heads, head_dim : int
+    hooked_layers : int
+        Layers whose queries reach the cache (0 without ``model``).
 
     Examples
     --------
@@ -233,7 +245,8 @@ class ArraykvCache(Cache):
     queries mean for the ``pqo`` methods and what is held in memory.
     """
 
-    def __init__(self, method: str, *, config: Any, incremental: bool = False, **cache_options: Any):
+    def __init__(self, method: str, *, config: Any, incremental: bool = False, model: Any = None,
+                 **cache_options: Any):
         from ..caches import make_cache
 
         if not isinstance(method, str):
@@ -250,7 +263,76 @@ class ArraykvCache(Cache):
         self.incremental = incremental
         # layer -> (k, v, tokens, stable): the float32 past returned last (incremental mode only)
         self._held: dict = {}
+        self.hooked_layers = 0
         super().__init__(layers=[ArraykvLayer(self, i) for i in range(self.num_layers)])
+        # layer -> the attention module's captured q projection and (cos, sin) of its current call
+        self._q_parts: dict = {}
+        self._hooks: list = []
+        if model is not None:
+            self._hook_queries(model)
+
+    # -- the layers' queries ---------------------------------------------------------------
+    def _hook_queries(self, model: Any) -> None:
+        import sys
+        import weakref
+
+        me = weakref.ref(self)
+        found = 0
+        for module in model.modules():
+            i = getattr(module, "layer_idx", None)
+            q_proj = getattr(module, "q_proj", None)
+            if not isinstance(i, int) or not 0 <= i < self.num_layers or q_proj is None:
+                continue
+            rope = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
+            if rope is None:
+                continue
+            q_norm = getattr(module, "q_norm", None)
+            q_src = q_proj if q_norm is None else q_norm
+            head_dim = int(getattr(module, "head_dim", self.head_dim))
+
+            def keep_q(mod, args, out, i=i, head_dim=head_dim, rope=rope):
+                cache = me()
+                if cache is not None:
+                    cache._q_parts.setdefault(i, {}).update(q=out, head_dim=head_dim, rope=rope)
+
+            def keep_pos(mod, args, kwargs, i=i):
+                cache = me()
+                pos = kwargs.get("position_embeddings")
+                if pos is None and len(args) > 1:
+                    pos = args[1]
+                if cache is not None:
+                    cache._q_parts.setdefault(i, {})["pos"] = pos
+
+            self._hooks.append(q_src.register_forward_hook(keep_q))
+            self._hooks.append(module.register_forward_pre_hook(keep_pos, with_kwargs=True))
+            found += 1
+        self.hooked_layers = min(found, self.num_layers)
+
+    def detach(self) -> None:
+        """Remove the hooks that hand this cache the model's queries (later updates get zeros)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._q_parts.clear()
+        self.hooked_layers = 0
+
+    def _queries(self, i: int, k: Any) -> Any:
+        """Layer ``i``'s queries of this update as float32 NumPy (b, heads, t, d), or zeros like ``k``."""
+        import numpy as np
+
+        part = self._q_parts.pop(i, None)
+        zeros = np.zeros(k.shape, dtype=np.float32)
+        if not part or part.get("q") is None or part.get("pos") is None:
+            return zeros
+        q, (cos, sin) = part["q"], part["pos"]
+        b, t = int(k.shape[0]), int(k.shape[2])
+        d = part["head_dim"]
+        if q.shape[0] != b or q.shape[1] != t or q.numel() % (b * t * d):
+            return zeros  # not this update's tokens (a call the hooks did not see whole)
+        q = q.detach().reshape(b, t, -1, d).transpose(1, 2)
+        q, _ = part["rope"](q, q, cos, sin)
+        q = _to_numpy(q.contiguous())
+        return q if q.shape[1] % self.num_kv_heads == 0 else zeros
 
     # -- the work of one update ----------------------------------------------------------
     def _update(self, i: int, key_states: Any, value_states: Any) -> tuple:
@@ -267,7 +349,7 @@ class ArraykvCache(Cache):
         k, v = _to_numpy(key_states), _to_numpy(value_states)
         import numpy as np
 
-        q = np.zeros(k.shape, dtype=np.float32)  # no queries reach a cache update (see module notes)
+        q = self._queries(i, k)  # the hooked model's queries, or zeros (see module notes)
         cache = self.arraykv_cache
         prev = self._held.get(i) if self.incremental else None
         if prev is not None and prev[2] != cache.seq_len(i):

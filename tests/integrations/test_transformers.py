@@ -212,7 +212,9 @@ def test_smollm2_matches_arraykv_decoder():
     - pqo4: transformers gives no queries, so its pqo4 is the decoder's pqo4 with
       ``key_scale=False``; against that: logits within 0.022, mean KL 8e-7, same greedy tokens.
       Against the decoder's default pqo4 (query-weighted keys) mean KL 0.0056, top-1 95 %
-      (not asserted beyond a loose bound: a different quantizer).
+      (not asserted beyond a loose bound: a different quantizer). Given the model (hooked
+      queries) it is the decoder's default pqo4: mean KL 6.7e-7 (max 3.3e-6), and KL against
+      exact 0.00057 instead of 0.0029.
     - int4: mean KL 0.010 between the two. int4 quantizes the prompt's own K/V (no exact first
       prefill), which makes its output sensitive to float rounding: perturbing the decoder's
       embeddings by 1e-5 (relative) moves its own int4 logits by the same KL, 0.0115, while
@@ -250,6 +252,13 @@ def test_smollm2_matches_arraykv_decoder():
     assert kl(same_pqo, hf_pqo).max() < 1e-4  # measured 8.3e-6
     assert kl(ak_logits(ak.make_cache("pqo4")), hf_pqo).mean() < 0.02  # measured 0.0056
     assert 1e-4 < kl(exact, hf_pqo).mean() < 0.01  # measured 0.0029
+    # given the model, the cache gets its attention queries: the decoder's default pqo4
+    hooked = ArraykvCache("pqo4", config=hf.config, model=hf)
+    hf_pqo_q = hf_logits(hooked)
+    hooked.detach()
+    kl_q = kl(ak_logits(ak.make_cache("pqo4")), hf_pqo_q)
+    assert kl_q.max() < 1e-4  # measured: mean 6.7e-7, max 3.3e-6
+    assert kl(exact, hf_pqo_q).mean() < 0.5 * kl(exact, hf_pqo).mean()  # measured 0.00057 against 0.0029
 
     hf_int4 = hf_logits(ArraykvCache("int4", config=hf.config))
     assert kl(ak_logits(ak.make_cache("int4")), hf_int4).mean() < 0.03  # measured 0.010
@@ -260,3 +269,45 @@ def test_smollm2_matches_arraykv_decoder():
         want = ak.generate(ids[:prompt], 20, cache=ak.make_cache(method, **options), stop_at_eos=False)
         got = _generate(hf, torch.tensor([ids[:prompt]]), ArraykvCache(method, config=hf.config), 20)
         assert got[0, prompt:].tolist() == want, method
+
+
+def test_a_hooked_model_hands_the_cache_its_attention_queries(tiny):
+    """With model=, every update gets the queries the model's attention uses (post-RoPE),
+    checked against the queries an attention function of its own receives."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    seen = {}
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        seen.setdefault(module.layer_idx, []).append(query.detach().clone())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("arraykv_test_recording", recording)
+    before = tiny.config._attn_implementation
+    tiny.set_attn_implementation("arraykv_test_recording")
+    try:
+        cache = ArraykvCache("pqo4", config=tiny.config, model=tiny)
+        assert cache.hooked_layers == tiny.config.num_hidden_layers
+        handed = {}
+        store = cache.arraykv_cache.prefill
+
+        def spy(layer, k, v, q):
+            handed.setdefault(layer, []).append(np.array(q))
+            return store(layer, k, v, q)
+
+        cache.arraykv_cache.prefill = spy
+        _stepped_logits(tiny, _ids(1, 70), cache, 60)
+        for layer in range(tiny.config.num_hidden_layers):
+            assert len(handed[layer]) == len(seen[layer]) == 11
+            for got, want in zip(handed[layer], seen[layer]):
+                np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-6)
+        k_scale = np.asarray(cache.arraykv_cache.layer_arrays(0)["k_scale"], np.float32)
+        assert np.std(k_scale) > 0.05  # real channel weights, not all ones
+        cache.detach()
+        assert cache.hooked_layers == 0
+        plain = ArraykvCache("pqo4", config=tiny.config)
+        _stepped_logits(tiny, _ids(1, 70), plain, 60)
+        np.testing.assert_array_equal(np.asarray(plain.arraykv_cache.layer_arrays(0)["k_scale"], np.float32), 1.0)
+    finally:
+        tiny.set_attn_implementation(before)
