@@ -86,18 +86,6 @@ def main() -> None:
                                  eos_token_id=None, pad_token_id=0)
         return time.perf_counter() - t0, out, cache
 
-    def held(cache):
-        """(bytes held, spare capacity included; bytes of the stored tokens' state)."""
-        if isinstance(cache, ArraykvCache):
-            floats = cache.memory_usage() - cache.arraykv_cache.memory_usage()  # incremental float pasts
-            return cache.memory_usage(), cache.arraykv_cache.used_bytes() + floats
-        if isinstance(cache, transformers.QuantizedCache):
-            n = sum(_nbytes(t) for layer in cache.layers
-                    for t in (layer._quantized_keys, layer._quantized_values, layer.keys, layer.values))
-            return n, n
-        n = sum(_nbytes(layer.keys) + _nbytes(layer.values) for layer in cache.layers)
-        return n, n
-
     def stepped(make, seq):
         cache = make()
         with torch.no_grad():
@@ -116,7 +104,7 @@ def main() -> None:
         if reference is None:
             reference = out
         lp = stepped(make, reference)
-        reserved, used = held(cache)
+        reserved, used = _held(cache)
         bits = 8 * used / (values_per_token * prompt.shape[0] * cache.get_seq_length())
         rows.append((name, (args.new - 1) / (t_full - t_one), t_one, reserved, bits, lp,
                      bool(torch.equal(out, reference))))
@@ -155,6 +143,21 @@ def _quanto_rows(transformers, config, residual, configs) -> str:
     return (f"QuantizedCache: optimum-quanto {version('optimum-quanto')}, defaults axis_key={layer.axis_key} "
             f"axis_value={layer.axis_value} q_group_size={layer.q_group_size} "
             f"residual_length={layer.residual_length} (float residual in the model's dtype)")
+
+
+def _held(cache) -> tuple:
+    """(bytes held, spare capacity included; bytes of the stored tokens' state) of a transformers cache."""
+    import transformers
+
+    if hasattr(cache, "arraykv_cache"):  # ArraykvCache
+        floats = cache.memory_usage() - cache.arraykv_cache.memory_usage()  # incremental float pasts
+        return cache.memory_usage(), cache.arraykv_cache.used_bytes() + floats
+    if isinstance(cache, transformers.QuantizedCache):
+        n = sum(_nbytes(t) for layer in cache.layers
+                for t in (layer._quantized_keys, layer._quantized_values, layer.keys, layer.values))
+        return n, n
+    n = sum(_nbytes(layer.keys) + _nbytes(layer.values) for layer in cache.layers)
+    return n, n
 
 
 def _nbytes(t) -> int:
