@@ -68,6 +68,8 @@ def main() -> None:
         ("DynamicCache", lambda: transformers.DynamicCache(config=model.config)),
         ("arraykv dense", lambda: ArraykvCache("dense", config=model.config)),
         ("arraykv pqo4", lambda: ArraykvCache("pqo4", config=model.config)),
+        ("arraykv pqo4, model's queries", lambda: ArraykvCache("pqo4", config=model.config, model=model)),
+        ("arraykv pqo2, model's queries", lambda: ArraykvCache("pqo2", config=model.config, model=model)),
         ("arraykv pqo4, incremental", lambda: ArraykvCache("pqo4", config=model.config, incremental=True)),
         ("arraykv int4", lambda: ArraykvCache("int4", config=model.config)),
         ("arraykv int4, incremental", lambda: ArraykvCache("int4", config=model.config, incremental=True)),
@@ -84,7 +86,10 @@ def main() -> None:
         with torch.no_grad():
             out = model.generate(prompt, cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)
-        return time.perf_counter() - t0, out, cache
+        seconds = time.perf_counter() - t0
+        if hasattr(cache, "detach"):
+            cache.detach()  # the query hooks of this cache off the model before the next one
+        return seconds, out, cache
 
     def stepped(make, seq):
         cache = make()
@@ -92,6 +97,8 @@ def main() -> None:
             out = [model(seq[:, :args.prompt], cache=cache).logits[0, -1]]
             for j in range(args.prompt, seq.shape[1] - 1):
                 out.append(model(seq[:, j:j + 1], cache=cache).logits[0, -1])
+        if hasattr(cache, "detach"):
+            cache.detach()
         return torch.log_softmax(torch.stack(out).double(), -1)
 
     rows = []
