@@ -26,6 +26,7 @@ __all__ = [
     "float_dtypes",
     "host_numpy",
     "host_uniform",
+    "from_host",
 ]
 
 
@@ -136,6 +137,18 @@ def host_numpy():
     import numpy as np
 
     return np
+
+
+def from_host(xp: Any, table: Any, *, device: Any = None):
+    """A fixed host table (a NumPy array, often a shared read-only memo) in namespace ``xp``.
+
+    NumPy keeps the table as it is (read-only, shared). A namespace that would share the
+    memory but cannot mark it read-only (PyTorch's ``asarray`` of a NumPy array) gets a copy,
+    so no cache can write into a table that other caches share.
+    """
+    if _aac.is_torch_namespace(xp):
+        return xp.asarray(table, device=device, copy=True)
+    return xp.asarray(table, device=device)
 
 
 def host_uniform(xp: Any, shape: tuple, *, seed: int, device: Any = None):

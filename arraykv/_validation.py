@@ -30,9 +30,9 @@ __all__ = [
 
 
 def dtype_name(dtype: Any) -> str:
-    """A short printable name of ``dtype`` (``'float32'``)."""
+    """A short printable name of ``dtype`` (``'float32'``, also for ``torch.float32``)."""
     s = str(dtype)
-    for prefix in ("array_api_strict.", "dtype(", "<class 'numpy."):
+    for prefix in ("array_api_strict.", "dtype(", "<class 'numpy.", "torch."):
         s = s.replace(prefix, "")
     return s.strip("')>")
 
