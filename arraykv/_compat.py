@@ -21,6 +21,7 @@ __all__ = [
     "device",
     "is_numpy",
     "is_cupy",
+    "is_torch",
     "array_nbytes",
     "to_numpy",
     "float_dtypes",
@@ -87,6 +88,11 @@ def is_numpy(xp: Any) -> bool:
 def is_cupy(xp: Any) -> bool:
     """True when ``xp`` is the CuPy namespace (plain or wrapped)."""
     return _aac.is_cupy_namespace(xp)
+
+
+def is_torch(xp: Any) -> bool:
+    """True when ``xp`` is the PyTorch namespace (``array_api_compat.torch``, or ``torch`` itself)."""
+    return _aac.is_torch_namespace(xp)
 
 
 def array_nbytes(x: Any) -> int:
