@@ -21,11 +21,13 @@ __all__ = [
     "device",
     "is_numpy",
     "is_cupy",
+    "is_torch",
     "array_nbytes",
     "to_numpy",
     "float_dtypes",
     "host_numpy",
     "host_uniform",
+    "from_host",
 ]
 
 
@@ -88,6 +90,11 @@ def is_cupy(xp: Any) -> bool:
     return _aac.is_cupy_namespace(xp)
 
 
+def is_torch(xp: Any) -> bool:
+    """True when ``xp`` is the PyTorch namespace (``array_api_compat.torch``, or ``torch`` itself)."""
+    return _aac.is_torch_namespace(xp)
+
+
 def array_nbytes(x: Any) -> int:
     """Bytes held by the elements of ``x`` (``size * itemsize``), for any array-API array."""
     n = 1
@@ -136,6 +143,18 @@ def host_numpy():
     import numpy as np
 
     return np
+
+
+def from_host(xp: Any, table: Any, *, device: Any = None):
+    """A fixed host table (a NumPy array, often a shared read-only memo) in namespace ``xp``.
+
+    NumPy keeps the table as it is (read-only, shared). A namespace that would share the
+    memory but cannot mark it read-only (PyTorch's ``asarray`` of a NumPy array) gets a copy,
+    so no cache can write into a table that other caches share.
+    """
+    if _aac.is_torch_namespace(xp):
+        return xp.asarray(table, device=device, copy=True)
+    return xp.asarray(table, device=device)
 
 
 def host_uniform(xp: Any, shape: tuple, *, seed: int, device: Any = None):

@@ -30,9 +30,9 @@ __all__ = [
 
 
 def dtype_name(dtype: Any) -> str:
-    """A short printable name of ``dtype`` (``'float32'``)."""
+    """A short printable name of ``dtype`` (``'float32'``, also for ``torch.float32``)."""
     s = str(dtype)
-    for prefix in ("array_api_strict.", "dtype(", "<class 'numpy."):
+    for prefix in ("array_api_strict.", "dtype(", "<class 'numpy.", "torch."):
         s = s.replace(prefix, "")
     return s.strip("')>")
 
@@ -140,6 +140,9 @@ def _check_array(name: str, x: Any) -> None:
         _compat.namespace(x)
     except TypeError:
         raise TypeError(f"{name} must be an array, received {type(x).__name__}") from None
+    if getattr(x, "requires_grad", False) is True:  # a PyTorch tensor in an autograd graph
+        raise TypeError(f"{name} requires grad; a cache stores values and is not differentiable: pass "
+                        f"{name}.detach() or call it under torch.no_grad()")
 
 
 def array_namespace(**arrays: Any) -> Any:
@@ -198,7 +201,8 @@ def check_float_array(xp: Any, name: str, x: Any, axes: str) -> None:
     if x.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions {axes}, received shape {tuple(x.shape)}")
     if not is_floating(xp, x.dtype):
-        raise TypeError(f"{name} must have a floating dtype, received {dtype_name(x.dtype)}")
+        allowed = ", ".join(dtype_name(dt) for dt in _compat.float_dtypes(xp))
+        raise TypeError(f"{name} must have a floating dtype ({allowed}), received {dtype_name(x.dtype)}")
 
 
 def check_query(q: Any, xp: Any, kv_shape: tuple, *, q_head_dim: int | None = None) -> int:

@@ -23,7 +23,8 @@ INTQ_KERNEL_BITS = (2, 4, 8)
 
 
 def _impl(name: str, x: Any):
-    return implementation(name, _compat.namespace(x))
+    xp = _compat.namespace(x)
+    return implementation(name, xp, _compat.device(x) if _compat.is_torch(xp) else None)
 
 
 def pack_bits(codes: Any, bits: int):

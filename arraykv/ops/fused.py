@@ -23,9 +23,18 @@ __all__ = ["polar_decode_attention", "int_decode_attention", "vq_decode_attentio
 INT_KERNEL_BITS = (2, 4, 8)
 
 
-def has_kernel(name: str, xp: Any) -> bool:
-    """Whether op ``name`` has a usable kernel for namespace ``xp`` (kernels enabled and importable)."""
-    return lookup(name, xp) is not None
+def has_kernel(name: str, xp: Any, device: Any = None) -> bool:
+    """Whether op ``name`` has a usable kernel for namespace ``xp`` (kernels enabled and importable).
+
+    For PyTorch without a ``device``: whether it has one for CPU or CUDA tensors
+    (:func:`arraykv.ops.registry.lookup`).
+    """
+    return lookup(name, xp, device) is not None
+
+
+def _device(xp: Any, x: Any):
+    """``x``'s device where the namespace needs it to pick a kernel (PyTorch), else None."""
+    return _compat.device(x) if _compat.is_torch(xp) else None
 
 
 def polar_decode_attention(codec: Any, q: Any, scale: float):
@@ -47,7 +56,8 @@ def polar_decode_attention(codec: Any, q: Any, scale: float):
         (:func:`arraykv.attention.polar_fused.polar_decode_attention_reference`).
     """
     scale = check_softmax_scale(scale, "scale")
-    return implementation("polar_decode_attention", _compat.namespace(q))(codec, q, scale)
+    xp = _compat.namespace(q)
+    return implementation("polar_decode_attention", xp, _device(xp, q))(codec, q, scale)
 
 
 def int_decode_attention(codec: Any, q: Any, scale: float):
@@ -72,7 +82,8 @@ def int_decode_attention(codec: Any, q: Any, scale: float):
         reference.
     """
     scale = check_softmax_scale(scale, "scale")
-    fast = lookup("int_decode_attention", _compat.namespace(q)) if int(codec.bits) in INT_KERNEL_BITS else None
+    xp = _compat.namespace(q)
+    fast = lookup("int_decode_attention", xp, _device(xp, q)) if int(codec.bits) in INT_KERNEL_BITS else None
     if fast is None:
         return reference("int_decode_attention")(codec, q, scale)
     k_exp, v_exp = layer_exponents(codec)
@@ -89,5 +100,6 @@ def vq_decode_attention(q: Any, k_codes: Any, k_centroids: Any, v_codes: Any, v_
     tokens (batch, h, E, head_dim); returns float32 (batch, q_heads, head_dim).
     """
     softmax_scale = check_softmax_scale(softmax_scale)
-    fn = implementation("vq_decode_attention", _compat.namespace(q))
+    xp = _compat.namespace(q)
+    fn = implementation("vq_decode_attention", xp, _device(xp, q))
     return fn(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits=bits, softmax_scale=softmax_scale)

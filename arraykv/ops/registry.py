@@ -5,6 +5,13 @@ backend (``"numpy"``: Numba, ``"cupy"``: CUDA through CuPy). Kernels take exactl
 arguments of the reference (``tests/ops/test_kernel_signatures.py`` checks it) and are imported
 the first time they are asked for, so importing :mod:`arraykv` never imports Numba or CuPy.
 
+PyTorch
+-------
+``torch`` is not a backend of its own: for the torch namespace :func:`lookup` returns the
+NumPy kernel (CPU tensors) or the CuPy kernel (CUDA tensors) wrapped by
+:mod:`arraykv.ops.bridge`, which passes tensors to it and takes its results back through
+DLPack, without copies.
+
 ImportError policy
 ------------------
 A kernel module raises ImportError when Numba or CuPy is not installed; :func:`lookup` then
@@ -137,16 +144,13 @@ def _backend(xp: Any) -> str | None:
         return "numpy"
     if _compat.is_cupy(xp):
         return "cupy"
+    if _compat.is_torch(xp):
+        return "torch"
     return None
 
 
-def lookup(name: str, xp: Any) -> Callable | None:
-    """The kernel of op ``name`` for namespace ``xp``, or None (none registered or importable, or disabled)."""
-    if not kernels_enabled():
-        return None
-    backend = _backend(xp)
-    if backend is None:
-        return None
+def _resolve(name: str, backend: str) -> Callable | None:
+    """The kernel of op ``name`` for ``backend`` ("numpy" or "cupy"), imported once, or None."""
     key = (name, backend)
     if key in _RESOLVED:
         return _RESOLVED[key]
@@ -159,15 +163,69 @@ def lookup(name: str, xp: Any) -> Callable | None:
             if not _optional_missing(exc):
                 warnings.warn(f"arraykv kernel {name!r} ({target}) could not be imported and the array-API "
                               f"reference is used instead: {type(exc).__name__}: {exc}", RuntimeWarning,
-                              stacklevel=2)
+                              stacklevel=3)
     with _LOCK:
         _RESOLVED[key] = fn
     return fn
 
 
-def implementation(name: str, xp: Any) -> Callable:
-    """What op ``name`` runs for namespace ``xp``: its kernel (:func:`lookup`) or its reference."""
-    return lookup(name, xp) or reference(name)
+def _resolve_torch(name: str, device: Any) -> Callable | None:
+    """A kernel of op ``name`` that takes and returns torch tensors (:mod:`arraykv.ops.bridge`), or None.
+
+    With a ``device``, the kernel of that device's backend (NumPy's for CPU tensors, CuPy's for
+    CUDA tensors) behind DLPack, or None where that backend has none. Without one, a function
+    that picks the backend by the device of its first tensor at each call and runs the reference
+    where that backend has no kernel; None when the op has no kernel for any backend.
+    """
+    from . import bridge
+
+    backend = None if device is None else bridge.route(device)
+    if device is not None and backend is None:
+        return None  # a device no kernel serves (mps, meta, ...)
+    key = (name, "torch", backend)
+    if key in _RESOLVED:
+        return _RESOLVED[key]
+    if backend is None:
+        op = _op(name)
+        fn = (bridge.dispatching(lambda b: _resolve(name, b), reference(name))
+              if any(b in op.targets for b in BACKENDS) else None)
+    else:
+        kernel = _resolve(name, backend)
+        fn = None if kernel is None else bridge.bridged(kernel, backend)
+    with _LOCK:
+        _RESOLVED[key] = fn
+    return fn
+
+
+def lookup(name: str, xp: Any, device: Any = None) -> Callable | None:
+    """The kernel of op ``name`` for namespace ``xp``, or None (none registered or importable, or disabled).
+
+    Parameters
+    ----------
+    name : str
+        A registered op.
+    xp : namespace
+        NumPy gets the Numba kernel, CuPy the CUDA kernel. PyTorch gets one of those behind
+        DLPack (:mod:`arraykv.ops.bridge`): the Numba kernel for CPU tensors, the CUDA kernel
+        for CUDA tensors, chosen by ``device``.
+    device : optional
+        The arguments' device; only PyTorch needs it, since one torch namespace serves both
+        CPU and CUDA. Without it, a torch kernel picks its backend at each call and runs the
+        reference where the device has no kernel.
+    """
+    if not kernels_enabled():
+        return None
+    backend = _backend(xp)
+    if backend is None:
+        return None
+    if backend == "torch":
+        return _resolve_torch(name, device)
+    return _resolve(name, backend)
+
+
+def implementation(name: str, xp: Any, device: Any = None) -> Callable:
+    """What op ``name`` runs for namespace ``xp`` (and ``device``): its kernel (:func:`lookup`) or its reference."""
+    return lookup(name, xp, device) or reference(name)
 
 
 _Q, _A, _N, _C = "arraykv.quant", "arraykv.attention", "arraykv.ops.numba", "arraykv.ops.cuda"

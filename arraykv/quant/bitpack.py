@@ -102,7 +102,12 @@ def unpack_bits(packed: Any, bits: int, n: int):
 
 
 def pack_bits_reference(codes: Any, bits: int):
-    """Array-API version of :func:`pack_bits` (no checks)."""
+    """Array-API version of :func:`pack_bits` (no checks).
+
+    Byte ``b`` of a group of eight codes gathers the codes whose stream bits overlap
+    ``[8b, 8b + 8)``, each shifted into place, in int32: no 64-bit unsigned shifts, which not
+    every namespace implements (PyTorch has no ``<<`` on uint64).
+    """
     xp = _compat.namespace(codes)
     dev = _compat.device(codes)
     lead = tuple(int(s) for s in codes.shape[:-1])
@@ -111,19 +116,23 @@ def pack_bits_reference(codes: Any, bits: int):
     if groups * 8 != n:
         pad = xp.zeros(lead + (groups * 8 - n,), dtype=xp.uint8, device=dev)
         codes = xp.concat([codes, pad], axis=-1)
-    c = xp.astype(xp.reshape(codes, lead + (groups, 8)), xp.uint64)
-    mask = xp.asarray((1 << bits) - 1, dtype=xp.uint64, device=dev)
-    word = xp.zeros(lead + (groups,), dtype=xp.uint64, device=dev)
-    for i in range(8):
-        word = word | ((c[..., i] & mask) << xp.asarray(i * bits, dtype=xp.uint64, device=dev))
-    out = [xp.astype((word >> xp.asarray(8 * b, dtype=xp.uint64, device=dev)) & xp.asarray(255, dtype=xp.uint64, device=dev), xp.uint8)
-           for b in range(bits)]
+    c = xp.astype(xp.reshape(codes, lead + (groups, 8)), xp.int32) & ((1 << bits) - 1)
+    out = []
+    for b in range(bits):
+        byte = xp.zeros(lead + (groups,), dtype=xp.int32, device=dev)
+        for i in range(8):
+            shift = i * bits - 8 * b  # where code i's lowest bit lands in byte b
+            if shift >= 8 or shift + bits <= 0:
+                continue
+            part = (c[..., i] << shift) & 255 if shift >= 0 else c[..., i] >> -shift
+            byte = byte | part
+        out.append(xp.astype(byte, xp.uint8))
     packed = xp.reshape(xp.stack(out, axis=-1), lead + (groups * bits,))
     return packed[..., : packed_nbytes(n, bits)]
 
 
 def unpack_bits_reference(packed: Any, bits: int, n: int):
-    """Array-API version of :func:`unpack_bits` (no checks)."""
+    """Array-API version of :func:`unpack_bits` (no checks; int32 arithmetic, as :func:`pack_bits_reference`)."""
     xp = _compat.namespace(packed)
     dev = _compat.device(packed)
     lead = tuple(int(s) for s in packed.shape[:-1])
@@ -132,11 +141,16 @@ def unpack_bits_reference(packed: Any, bits: int, n: int):
     if groups * bits != have:
         pad = xp.zeros(lead + (groups * bits - have,), dtype=xp.uint8, device=dev)
         packed = xp.concat([packed, pad], axis=-1)
-    p = xp.astype(xp.reshape(packed, lead + (groups, bits)), xp.uint64)
-    word = xp.zeros(lead + (groups,), dtype=xp.uint64, device=dev)
-    for b in range(bits):
-        word = word | (p[..., b] << xp.asarray(8 * b, dtype=xp.uint64, device=dev))
-    mask = xp.asarray((1 << bits) - 1, dtype=xp.uint64, device=dev)
-    codes = [xp.astype((word >> xp.asarray(i * bits, dtype=xp.uint64, device=dev)) & mask, xp.uint8) for i in range(8)]
+    p = xp.astype(xp.reshape(packed, lead + (groups, bits)), xp.int32)
+    mask = (1 << bits) - 1
+    codes = []
+    for i in range(8):
+        code = xp.zeros(lead + (groups,), dtype=xp.int32, device=dev)
+        for b in range(bits):
+            shift = 8 * b - i * bits  # where byte b's lowest bit lands in code i
+            if shift >= bits or shift + 8 <= 0:
+                continue
+            code = code | (p[..., b] << shift if shift >= 0 else p[..., b] >> -shift)
+        codes.append(xp.astype(code & mask, xp.uint8))
     out = xp.reshape(xp.stack(codes, axis=-1), lead + (groups * 8,))
     return out[..., :n]

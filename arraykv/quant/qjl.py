@@ -131,7 +131,7 @@ def make_sketch(dim: int, seed: int = 0, *, rows: int | None = None, like: Any =
         device = _compat.device(like)
     elif xp is None:
         raise TypeError("make_sketch needs like= (an array) or xp= (an array namespace)")
-    return QJLSketch(matrix=xp.asarray(_host_sketch(rows, dim, seed), device=device), seed=seed)
+    return QJLSketch(matrix=_compat.from_host(xp, _host_sketch(rows, dim, seed), device=device), seed=seed)
 
 
 def qjl_encode(r: Any, sketch: QJLSketch) -> QJLCode:
