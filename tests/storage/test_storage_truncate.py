@@ -147,9 +147,11 @@ def test_mla_truncate_equals_appending_less():
     direct.append(0, sid, k[:, 8:9], v[:, 8:9])
     direct.append(0, sid, k[:, 9:10], v[:, 9:10])
     assert cache.seq_len(0, sid) == direct.seq_len(0, sid) == 10
+    # token 9 was projected inside a 5-row matrix product and, directly, in a one-row product:
+    # BLAS may round the two differently (one float32 ulp, seen on an AVX-512 machine)
     for a, b in zip(cache.get_kv(0, sid) + cache.get_compressed_kv(0, sid),
                     direct.get_kv(0, sid) + direct.get_compressed_kv(0, sid)):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert cache.memory_usage() == direct.memory_usage()
     cache.truncate(0, sid, 0)
     assert cache.seq_len(0, sid) == 0 and cache.memory_usage() == 0
