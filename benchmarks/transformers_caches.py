@@ -39,6 +39,8 @@ import time
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", nargs="+", default=None,
+                    help="only the rows whose name contains one of these words (DynamicCache always runs first)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
@@ -70,11 +72,16 @@ def main() -> None:
         ("arraykv pqo4", lambda: ArraykvCache("pqo4", config=model.config)),
         ("arraykv pqo4, model's queries", lambda: ArraykvCache("pqo4", config=model.config, model=model)),
         ("arraykv pqo2, model's queries", lambda: ArraykvCache("pqo2", config=model.config, model=model)),
+        ("arraykv pqo4, fused", lambda: ArraykvCache("pqo4", config=model.config, model=model, fused=True)),
+        ("arraykv pqo2, fused", lambda: ArraykvCache("pqo2", config=model.config, model=model, fused=True)),
+        ("arraykv int4, fused", lambda: ArraykvCache("int4", config=model.config, model=model, fused=True)),
         ("arraykv pqo4, incremental", lambda: ArraykvCache("pqo4", config=model.config, incremental=True)),
         ("arraykv int4", lambda: ArraykvCache("int4", config=model.config)),
         ("arraykv int4, incremental", lambda: ArraykvCache("int4", config=model.config, incremental=True)),
     ]
     quanto_note = _quanto_rows(transformers, model.config, args.residual, configs)
+    if args.rows:
+        configs = [c for j, c in enumerate(configs) if j == 0 or any(w in c[0] for w in args.rows)]
 
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -246,7 +246,7 @@ class ArraykvCache(Cache):
     """
 
     def __init__(self, method: str, *, config: Any, incremental: bool = False, model: Any = None,
-                 **cache_options: Any):
+                 fused: bool = False, **cache_options: Any):
         from ..caches import make_cache
 
         if not isinstance(method, str):
@@ -268,8 +268,55 @@ class ArraykvCache(Cache):
         # layer -> the attention module's captured q projection and (cos, sin) of its current call
         self._q_parts: dict = {}
         self._hooks: list = []
+        # layer -> the new token's (k, v) held for the fused attention of this step
+        self._pending: dict = {}
+        self.fused = False
+        self._model = None
+        if not isinstance(fused, bool):
+            raise TypeError(f"fused must be a bool, received {type(fused).__name__}")
+        if fused and model is None:
+            raise ValueError("fused=True needs the model (model=...): its attention is switched to the cache's")
         if model is not None:
             self._hook_queries(model)
+        if fused:
+            self._use_fused_attention(model)
+
+    # -- fused decode attention (arraykv.integrations.transformers_attention) ----------------
+    def _use_fused_attention(self, model: Any) -> None:
+        import weakref
+
+        from .transformers_attention import FUSED_NAME, register_fused_attention
+
+        if self.hooked_layers != self.num_layers:
+            self.detach()
+            raise ValueError(f"fused=True needs every layer's attention module hooked; found {self.hooked_layers} "
+                             f"of {self.num_layers} (modules with layer_idx, q_proj and apply_rotary_pos_emb)")
+        register_fused_attention()
+        current = getattr(model.config, "_attn_implementation", None)
+        self._base_attention = current if current != FUSED_NAME else "sdpa"
+        model.set_attn_implementation(FUSED_NAME)
+        self._model = weakref.ref(model)
+        self.fused = True
+
+    def _fused_step(self, module: Any, pending: tuple, query: Any, attention_mask: Any, scaling: Any, base: Any,
+                    kwargs: dict) -> tuple:
+        """Store the held token with the arraykv cache's ``decode`` and return the attention output."""
+        import numpy as np
+
+        from ..protocol import AttendConfig, Fused
+
+        k, v = pending
+        i = module.layer_idx
+        q = _to_numpy(query)
+        scale = float(scaling) if scaling is not None else self.head_dim ** -0.5
+        r = self.arraykv_cache.decode(i, k, v, q, AttendConfig(scale, int(q.shape[1]) // self.num_kv_heads))
+        if self.incremental:
+            self._held.pop(i, None)
+        if isinstance(r, Fused):
+            out = _torch.from_numpy(np.ascontiguousarray(r.output)).to(query.dtype)  # (1, heads, 1, d)
+            return out.transpose(1, 2).contiguous(), None
+        kk, vv = _to_torch(r.result.k, query.dtype), _to_torch(r.result.v, query.dtype)
+        return base(module, query, kk, vv, attention_mask, scaling=scaling, **kwargs)
 
     # -- the layers' queries ---------------------------------------------------------------
     def _hook_queries(self, model: Any) -> None:
@@ -302,6 +349,7 @@ class ArraykvCache(Cache):
                     pos = args[1]
                 if cache is not None:
                     cache._q_parts.setdefault(i, {})["pos"] = pos
+                    mod._arraykv_owner = me  # the fused attention function finds its cache here
 
             self._hooks.append(q_src.register_forward_hook(keep_q))
             self._hooks.append(module.register_forward_pre_hook(keep_pos, with_kwargs=True))
@@ -309,12 +357,22 @@ class ArraykvCache(Cache):
         self.hooked_layers = min(found, self.num_layers)
 
     def detach(self) -> None:
-        """Remove the hooks that hand this cache the model's queries (later updates get zeros)."""
+        """Remove the hooks that hand this cache the model's queries (later updates get zeros), and
+        give the model back its own attention if ``fused`` switched it."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         self._q_parts.clear()
+        self._pending.clear()
         self.hooked_layers = 0
+        model = self._model() if self._model is not None else None
+        if self.fused and model is not None:
+            model.set_attn_implementation(self._base_attention)
+            for module in model.modules():
+                if getattr(module, "_arraykv_owner", None) is not None and module._arraykv_owner() in (self, None):
+                    del module._arraykv_owner
+        self.fused = False
+        self._model = None
 
     def _queries(self, i: int, k: Any) -> Any:
         """Layer ``i``'s queries of this update as float32 NumPy (b, heads, t, d), or zeros like ``k``."""
@@ -348,6 +406,12 @@ class ArraykvCache(Cache):
         dtype = key_states.dtype
         k, v = _to_numpy(key_states), _to_numpy(value_states)
         import numpy as np
+
+        if self.fused and k.shape[0] == 1 and k.shape[2] == 1 and self.arraykv_cache.seq_len(i) > 0:
+            # one new token of one sequence: the attention function stores and attends (fused)
+            self._q_parts.pop(i, None)
+            self._pending[i] = (k.copy(), v.copy())
+            return key_states, value_states
 
         q = self._queries(i, k)  # the hooked model's queries, or zeros (see module notes)
         cache = self.arraykv_cache

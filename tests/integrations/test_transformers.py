@@ -311,3 +311,41 @@ def test_a_hooked_model_hands_the_cache_its_attention_queries(tiny):
         np.testing.assert_array_equal(np.asarray(plain.arraykv_cache.layer_arrays(0)["k_scale"], np.float32), 1.0)
     finally:
         tiny.set_attn_implementation(before)
+
+
+@pytest.mark.parametrize("method", ["dense", "pqo4", "int4"])
+def test_fused_decode_gives_the_outputs_of_rebuilding_the_past(tiny, method):
+    """fused=True: one-token decode steps attend from the cache (its fused kernel where it has one)
+    instead of over a rebuilt float past; the logits are those of the unfused cache to float
+    rounding, and detach() gives the model its own attention back."""
+    before = tiny.config._attn_implementation
+    ids = _ids(1, 90)
+    ref_cache = ArraykvCache(method, config=tiny.config, model=tiny)
+    want = _stepped_logits(tiny, ids, ref_cache, 60)
+    ref_cache.detach()
+    cache = ArraykvCache(method, config=tiny.config, model=tiny, fused=True)
+    assert cache.fused and tiny.config._attn_implementation == "arraykv_fused"
+    calls = []
+    decode = cache.arraykv_cache.decode
+    cache.arraykv_cache.decode = lambda *a: (calls.append(a[0]), decode(*a))[1]
+    got = _stepped_logits(tiny, ids, cache, 60)
+    assert len(calls) == 30 * tiny.config.num_hidden_layers  # every decode step went through decode
+    assert cache.get_seq_length() == 90
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=2e-4)
+    for a, b in zip(cache.arraykv_cache.layer_arrays(1).items(), ref_cache.arraykv_cache.layer_arrays(1).items()):
+        assert a[0] == b[0] and a[1].shape == b[1].shape
+    cache.detach()
+    assert tiny.config._attn_implementation == before and not cache.fused
+    with pytest.raises(ValueError, match="needs the model"):
+        ArraykvCache(method, config=tiny.config, fused=True)
+
+
+def test_fused_generate_matches_the_unfused_tokens(tiny):
+    ids = _ids(1, 40)
+    plain = ArraykvCache("pqo4", config=tiny.config, model=tiny)
+    want = _generate(tiny, ids, plain, 20)
+    plain.detach()
+    fused = ArraykvCache("pqo4", config=tiny.config, model=tiny, fused=True)
+    got = _generate(tiny, ids, fused, 20)
+    fused.detach()
+    assert torch.equal(got, want)
