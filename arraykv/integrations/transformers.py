@@ -31,9 +31,12 @@ uses, so ``"pqo4"`` is then the quantizer of the NumPy decoder's ``pqo4``. Witho
 ``"pqo4"`` is the quantizer :class:`~arraykv.integrations.llama.LlamaModel` runs with
 ``key_scale=False`` (see docs/transformers.md for the measured difference).
 :attr:`ArraykvCache.hooked_layers` says how many layers hand their queries over;
-:meth:`ArraykvCache.detach` removes the hooks. Likewise the model computes attention itself: a cache's fused decode
-(attention straight from packed codes) and a ``logit_bias`` (the ``tq`` QJL correction) are not
-used; ``tq`` methods are refused for that reason.
+:meth:`ArraykvCache.detach` removes the hooks.
+
+Attention. By default the model computes attention itself over the K/V ``update`` returns, so
+a ``logit_bias`` (the ``tq`` QJL correction) cannot be used and ``tq`` methods are refused.
+With ``fused=True`` (and ``model=``) one-token decode steps of one sequence attend from the
+cache instead: :mod:`arraykv.integrations.transformers_attention`.
 
 Memory. The compressed cache is what persists between steps. During a step the model attends
 over float K/V, so the reconstructed past of the layer being computed exists as float32 (plus
@@ -217,6 +220,11 @@ class ArraykvCache(Cache):
     model : transformers.PreTrainedModel, optional
         The model the cache serves: its attention modules are hooked so that each update gets
         the layer's queries (see the module notes). The hooks stay until :meth:`detach`.
+    fused : bool, default False
+        Needs ``model``: switch the model's attention to
+        :func:`~arraykv.integrations.transformers_attention.fused_attention`, so that one-token
+        decode steps of one sequence are attended from the cache (its fused kernels) instead
+        of over a rebuilt float past; :meth:`detach` switches it back.
     **cache_options
         Passed to :func:`arraykv.make_cache` (e.g. ``bits``, ``window``, ``max_tokens``).
 
