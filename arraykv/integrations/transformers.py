@@ -328,41 +328,9 @@ class ArraykvCache(Cache):
 
     # -- the layers' queries ---------------------------------------------------------------
     def _hook_queries(self, model: Any) -> None:
-        import sys
-        import weakref
+        from .transformers_attention import hook_queries
 
-        me = weakref.ref(self)
-        found = 0
-        for module in model.modules():
-            i = getattr(module, "layer_idx", None)
-            q_proj = getattr(module, "q_proj", None)
-            if not isinstance(i, int) or not 0 <= i < self.num_layers or q_proj is None:
-                continue
-            rope = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
-            if rope is None:
-                continue
-            q_norm = getattr(module, "q_norm", None)
-            q_src = q_proj if q_norm is None else q_norm
-            head_dim = int(getattr(module, "head_dim", self.head_dim))
-
-            def keep_q(mod, args, out, i=i, head_dim=head_dim, rope=rope):
-                cache = me()
-                if cache is not None:
-                    cache._q_parts.setdefault(i, {}).update(q=out, head_dim=head_dim, rope=rope)
-
-            def keep_pos(mod, args, kwargs, i=i):
-                cache = me()
-                pos = kwargs.get("position_embeddings")
-                if pos is None and len(args) > 1:
-                    pos = args[1]
-                if cache is not None:
-                    cache._q_parts.setdefault(i, {})["pos"] = pos
-                    mod._arraykv_owner = me  # the fused attention function finds its cache here
-
-            self._hooks.append(q_src.register_forward_hook(keep_q))
-            self._hooks.append(module.register_forward_pre_hook(keep_pos, with_kwargs=True))
-            found += 1
-        self.hooked_layers = min(found, self.num_layers)
+        self._hooks, self.hooked_layers = hook_queries(self, model)
 
     def detach(self) -> None:
         """Remove the hooks that hand this cache the model's queries (later updates get zeros), and
@@ -384,21 +352,9 @@ class ArraykvCache(Cache):
 
     def _queries(self, i: int, k: Any) -> Any:
         """Layer ``i``'s queries of this update as float32 NumPy (b, heads, t, d), or zeros like ``k``."""
-        import numpy as np
+        from .transformers_attention import layer_queries
 
-        part = self._q_parts.pop(i, None)
-        zeros = np.zeros(k.shape, dtype=np.float32)
-        if not part or part.get("q") is None or part.get("pos") is None:
-            return zeros
-        q, (cos, sin) = part["q"], part["pos"]
-        b, t = int(k.shape[0]), int(k.shape[2])
-        d = part["head_dim"]
-        if q.shape[0] != b or q.shape[1] != t or q.numel() % (b * t * d):
-            return zeros  # not this update's tokens (a call the hooks did not see whole)
-        q = q.detach().reshape(b, t, -1, d).transpose(1, 2)
-        q, _ = part["rope"](q, q, cos, sin)
-        q = _to_numpy(q.contiguous())
-        return q if q.shape[1] % self.num_kv_heads == 0 else zeros
+        return layer_queries(self._q_parts.pop(i, None), k, self.num_kv_heads)
 
     # -- the work of one update ----------------------------------------------------------
     def _update(self, i: int, key_states: Any, value_states: Any) -> tuple:

@@ -1,4 +1,11 @@
-"""Decode attention straight from an arraykv cache inside a transformers model.
+"""The hooks of an ArraykvCache in a transformers model: the layers' queries, and decode attention from the cache.
+
+Queries (:func:`hook_queries`, :func:`layer_queries`): a forward hook on each attention
+module's ``q_proj`` (``q_norm`` where there is one) keeps its output and a pre-hook its
+``position_embeddings``; the cache's ``update`` turns them into the layer's queries with the
+module's own ``apply_rotary_pos_emb``.
+
+Fused decode (:func:`fused_attention`):
 
 A transformers model calls ``cache.update(k, v)`` and then its attention function over the K/V
 that ``update`` returned, so an :class:`~arraykv.integrations.transformers.ArraykvCache`
@@ -17,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FUSED_NAME", "register_fused_attention", "fused_attention"]
+__all__ = ["FUSED_NAME", "register_fused_attention", "fused_attention", "hook_queries", "layer_queries"]
 
 #: The attention-implementation name the fused function is registered under.
 FUSED_NAME = "arraykv_fused"
@@ -70,3 +77,79 @@ def fused_attention(module: Any, query: Any, key: Any, value: Any, attention_mas
     if pending is None:
         return base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     return cache._fused_step(module, pending, query, attention_mask, scaling, base, kwargs)
+
+
+def hook_queries(cache: Any, model: Any) -> tuple:
+    """Hook every attention module of ``model`` whose queries ``cache`` can rebuild.
+
+    Parameters
+    ----------
+    cache : ArraykvCache
+        Receives each call's parts in ``cache._q_parts[layer]`` (held through a weak reference).
+    model : torch.nn.Module
+        Attention modules are those with an int ``layer_idx`` below ``cache.num_layers``, a
+        ``q_proj`` and an ``apply_rotary_pos_emb`` in their module.
+
+    Returns
+    -------
+    tuple
+        ``(hook handles, number of layers hooked)``.
+    """
+    import sys
+    import weakref
+
+    me = weakref.ref(cache)
+    hooks, found = [], 0
+    for module in model.modules():
+        i = getattr(module, "layer_idx", None)
+        q_proj = getattr(module, "q_proj", None)
+        if not isinstance(i, int) or not 0 <= i < cache.num_layers or q_proj is None:
+            continue
+        rope = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
+        if rope is None:
+            continue
+        q_norm = getattr(module, "q_norm", None)
+        q_src = q_proj if q_norm is None else q_norm
+        head_dim = int(getattr(module, "head_dim", cache.head_dim))
+
+        def keep_q(mod, args, out, i=i, head_dim=head_dim, rope=rope):
+            owner = me()
+            if owner is not None:
+                owner._q_parts.setdefault(i, {}).update(q=out, head_dim=head_dim, rope=rope)
+
+        def keep_pos(mod, args, kwargs, i=i):
+            owner = me()
+            pos = kwargs.get("position_embeddings")
+            if pos is None and len(args) > 1:
+                pos = args[1]
+            if owner is not None:
+                owner._q_parts.setdefault(i, {})["pos"] = pos
+                mod._arraykv_owner = me  # fused_attention finds its cache here
+
+        hooks.append(q_src.register_forward_hook(keep_q))
+        hooks.append(module.register_forward_pre_hook(keep_pos, with_kwargs=True))
+        found += 1
+    return hooks, min(found, cache.num_layers)
+
+
+def layer_queries(part: Any, k: Any, num_kv_heads: int) -> Any:
+    """One layer's queries from its hooked parts: float32 NumPy ``(b, heads, t, d)``, or zeros like ``k``.
+
+    Zeros where the hooks saw no call, or a call not of this update's tokens.
+    """
+    import numpy as np
+
+    from .transformers import _to_numpy
+
+    zeros = np.zeros(k.shape, dtype=np.float32)
+    if not part or part.get("q") is None or part.get("pos") is None:
+        return zeros
+    q, (cos, sin) = part["q"], part["pos"]
+    b, t = int(k.shape[0]), int(k.shape[2])
+    d = part["head_dim"]
+    if q.shape[0] != b or q.shape[1] != t or q.numel() % (b * t * d):
+        return zeros
+    q = q.detach().reshape(b, t, -1, d).transpose(1, 2)
+    q, _ = part["rope"](q, q, cos, sin)
+    q = _to_numpy(q.contiguous())
+    return q if q.shape[1] % num_kv_heads == 0 else zeros
