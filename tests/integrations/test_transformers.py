@@ -213,8 +213,9 @@ def test_smollm2_matches_arraykv_decoder():
       ``key_scale=False``; against that: logits within 0.022, mean KL 8e-7, same greedy tokens.
       Against the decoder's default pqo4 (query-weighted keys) mean KL 0.0056, top-1 95 %
       (not asserted beyond a loose bound: a different quantizer). Given the model (hooked
-      queries) it is the decoder's default pqo4: mean KL 6.7e-7 (max 3.3e-6), and KL against
-      exact 0.00057 instead of 0.0029.
+      queries) it is the decoder's default pqo4: mean KL 6.7e-7 (max 3.3e-6); KL against exact
+      0.00057 (unhooked: 0.0008-0.0029 in different runs; 20 positions say little about which
+      of the two quantizers is better, the 512-token tables do).
     - int4: mean KL 0.010 between the two. int4 quantizes the prompt's own K/V (no exact first
       prefill), which makes its output sensitive to float rounding: perturbing the decoder's
       embeddings by 1e-5 (relative) moves its own int4 logits by the same KL, 0.0115, while
@@ -258,7 +259,7 @@ def test_smollm2_matches_arraykv_decoder():
     hooked.detach()
     kl_q = kl(ak_logits(ak.make_cache("pqo4")), hf_pqo_q)
     assert kl_q.max() < 1e-4  # measured: mean 6.7e-7, max 3.3e-6
-    assert kl(exact, hf_pqo_q).mean() < 0.5 * kl(exact, hf_pqo).mean()  # measured 0.00057 against 0.0029
+    assert kl(exact, hf_pqo_q).mean() < 0.002  # measured 0.00057 (20 positions: a noisy estimate)
 
     hf_int4 = hf_logits(ArraykvCache("int4", config=hf.config))
     assert kl(ak_logits(ak.make_cache("int4")), hf_int4).mean() < 0.03  # measured 0.010
