@@ -125,8 +125,11 @@ def assert_next_calls_same(got, want, rng, batch):
     k3, v3, q3 = tokens(rng, batch, 3)
     for i in range(LAYERS):
         g, w = got.fork(), want.fork()
-        np.testing.assert_array_equal(attend(g.decode(i, k, v, q, CFG), q, CFG.softmax_scale),
-                                      attend(w.decode(i, k, v, q, CFG), q, CFG.softmax_scale))
+        # the stored arrays are equal (above); a fused kernel's answer over them may differ in the
+        # last bits, as its vectorized or scalar loops are picked by where its buffers sit in memory
+        a_g = attend(g.decode(i, k, v, q, CFG), q, CFG.softmax_scale)
+        a_w = attend(w.decode(i, k, v, q, CFG), q, CFG.softmax_scale)
+        np.testing.assert_allclose(a_g, a_w, rtol=1e-5, atol=1e-6 * float(np.abs(a_w).max()))
         rg, rw = got.fork().prefill(i, k3, v3, q3), want.fork().prefill(i, k3, v3, q3)
         np.testing.assert_array_equal(rg.k, rw.k)
         np.testing.assert_array_equal(rg.v, rw.v)

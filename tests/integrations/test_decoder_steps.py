@@ -152,8 +152,10 @@ def test_llama_step_refused_by_a_later_layer_leaves_every_layer_as_it_was(method
         _assert_same(_arrays(cache, 3), before)
     finally:
         wk[...] = saved
-    np.testing.assert_array_equal(model.decode(4, cache), model.decode(4, ref))
-    np.testing.assert_array_equal(model.prefill([5, 6], cache), model.prefill([5, 6], ref))
+    # equal caches; the fused kernels' answers over them agree to their last bits (their loop
+    # versions depend on where buffers sit in memory)
+    for a, b in ((model.decode(4, cache), model.decode(4, ref)), (model.prefill([5, 6], cache), model.prefill([5, 6], ref))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
 
 
 @pytest.mark.parametrize("method", ["dense", "pqo4", "int8"])
