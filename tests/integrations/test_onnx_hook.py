@@ -120,6 +120,11 @@ def _plain_ort_loop(sess, prompt, steps):
     return out
 
 
+def _forced_loop(dec, cache, prompt, tokens):
+    """Logits of ``prompt`` (a prefill; None: none) and then of each of ``tokens`` (one decode each)."""
+    return ([] if prompt is None else [dec.prefill(prompt, cache)]) + [dec.decode(t, cache) for t in tokens]
+
+
 def _hook_loop(dec, cache, prompt, steps):
     out = [dec.prefill(prompt, cache)]
     for _ in range(steps):
@@ -328,15 +333,15 @@ def test_a_conversation_parked_as_a_file_resumes_where_it_stopped(graph, rng, tm
     follow = rng.integers(0, VOCAB, (30, 1))
     dec = OrtKVDecoder(graph)
     ref = dec.make_cache(method)
-    want = [dec.prefill(prompt, ref)] + [dec.decode(t, ref) for t in follow]
+    want = _forced_loop(dec, ref, prompt, follow)
     cache = dec.make_cache(method)
-    got = [dec.prefill(prompt, cache)] + [dec.decode(t, cache) for t in follow[:12]]
+    got = _forced_loop(dec, cache, prompt, follow[:12])
     cache.save(tmp_path / "conversation.akv")
     del cache
     gc.collect()
     assert len(dec._held) == 1  # only the reference loop's past is still held
     cache = arraykv.load(tmp_path / "conversation.akv")
-    got += [dec.decode(t, cache) for t in follow[12:]]
+    got += _forced_loop(dec, cache, None, follow[12:])
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
@@ -434,13 +439,13 @@ def test_release_drops_the_held_past_and_the_loop_goes_on(graph, rng, method):
     follow = rng.integers(0, VOCAB, (20, 1))
     dec = OrtKVDecoder(graph)
     ref = dec.make_cache(method)
-    want = [dec.prefill(prompt, ref)] + [dec.decode(t, ref) for t in follow]
+    want = _forced_loop(dec, ref, prompt, follow)
     cache = dec.make_cache(method)
-    got = [dec.prefill(prompt, cache)] + [dec.decode(t, cache) for t in follow[:10]]
+    got = _forced_loop(dec, cache, prompt, follow[:10])
     held = dec.held_bytes(cache)
     assert held == 2 * LAYERS * 1 * KV_HEADS * 50 * HEAD_DIM * 4  # float32 K and V of 50 tokens
     assert dec.release(cache) == held and dec.held_bytes(cache) == 0 and dec.release(cache) == 0
-    got += [dec.decode(t, cache) for t in follow[10:]]
+    got += _forced_loop(dec, cache, None, follow[10:])
     assert dec.held_bytes(cache) > held
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-4)

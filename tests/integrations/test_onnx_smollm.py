@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("onnx", reason="onnx (extra [onnx]) is not installed")
@@ -13,20 +12,10 @@ pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not ins
 
 from arraykv import eval as ev  # noqa: E402
 from arraykv.integrations.onnxruntime import OrtKVDecoder  # noqa: E402
-from smollm import smollm_or_skip  # noqa: E402
+from smollm import mean_kl, smollm_or_skip  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _mean_kl(p_logits, q_logits):
-    def logp(z):
-        z = z.astype(np.float64)
-        z = z - z.max(axis=-1, keepdims=True)
-        return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-
-    lp, lq = logp(p_logits), logp(q_logits)
-    return float((np.exp(lp) * (lp - lq)).sum(axis=-1).mean())
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +39,6 @@ def test_graph_queries_make_ort_pqo4_the_decoders_pqo4(engines):
     got = ev.teacher_forced(with_q, ids, with_q.make_cache("pqo4")).logits
     without = OrtKVDecoder(graph, queries=False)
     off = ev.teacher_forced(without, ids, without.make_cache("pqo4")).logits
-    kl_on, kl_off = _mean_kl(ref, got), _mean_kl(ref, off)
+    kl_on, kl_off = mean_kl(ref, got), mean_kl(ref, off)
     assert kl_on < 1e-3, kl_on
     assert kl_off > 3 * kl_on, (kl_on, kl_off)
