@@ -42,9 +42,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from .fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softmax_tile
-from .polar_query import _finish_head, _prepare_head, _prepare_rotating
+from .simd import (VECTOR_TILES, tile_scores, tile_scores_codes_2, tile_scores_codes_4, tile_values,
+                   tile_values_codes_2, tile_values_codes_4)
+from .polar_query import _finish_head, _prepare_head, _prepare_rotating, _rows_to_planar
 from .polar_rows import (_NO_F32_2, _NO_F32_3, _NO_I32_2, _NO_I32_3, _NO_U8_4, _NO_U16_3, _NO_U16_4, _SIGN_TABLE,
-                         _SIGNS, HALF_TO_FLOAT, _bits16, _fixed_args, _unpack_rows)
+                         _SIGNS, HALF_TO_FLOAT, _bits16, _fixed_args, _planar_per, _unpack_rows)
 
 __all__ = ["polar_decode_attention", "TILE", "HALF_TO_FLOAT"]
 
@@ -102,15 +104,26 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
     vn = np.empty(TILE, np.float32)
     ebits = np.empty(TILE, np.int32)
     al = acc.copy()  # the task's own accumulator: the compiler knows it aliases no other array
+    vec = VECTOR_TILES and d % 64 == 0  # scores and value sums in explicit 16-lane vectors
+    # 4- and 2-bit codes: scored and summed straight from the packed rows (planar order, no tile buffer)
+    k_direct = _planar_per(k_bits, d) if vec else 0
+    v_direct = _planar_per(v_bits, d) if vec else 0
     for t0 in range(t_lo, t_hi, TILE):
         t1 = min(t_hi, t0 + TILE)
         # 1. scores of the tile
-        _unpack_rows(k_codes, b, h, t0, t1, k_bits, k_table, k_cent, d, buf, buf64)
+        if k_direct == 2:
+            tile_scores_codes_4(k_codes[b, h], t0, t1 - t0, k_table, qr, s)
+        elif k_direct == 4:
+            tile_scores_codes_2(k_codes[b, h], t0, t1 - t0, k_table, qr, s)
+        else:
+            _unpack_rows(k_codes, b, h, t0, t1, k_bits, k_table, k_cent, d, buf, buf64)
         if m_rows:
             _unpack_rows(k_qjl, b, h, t0, t1, 1, sign_table, _SIGNS, m_rows, pbuf, pbuf64)
         nt = t1 - t0
         r4 = nt - nt % 4
-        for g in range(g_n):  # four keys per pass: four independent sums, one read of the query
+        if vec and not k_direct:
+            tile_scores(buf, nt, qr, s)
+        for g in range(g_n if not vec else 0):  # four keys per pass: four independent sums, one read of the query
             for r in range(0, r4, 4):
                 d0 = np.float32(0.0)
                 d1 = np.float32(0.0)
@@ -173,12 +186,19 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
         for g in range(g_n):
             softmax_tile(s[g], nt, m, l, al, g, ebits)
         # 3. weighted values in the rotated domain
-        _unpack_rows(v_codes, b, h, t0, t1, v_bits, v_table, v_cent, d, buf, buf64)
+        if not v_direct:
+            _unpack_rows(v_codes, b, h, t0, t1, v_bits, v_table, v_cent, d, buf, buf64)
         for g in range(g_n):
             sg = s[g]
             for r in range(nt):
                 sg[r] *= vn[r]
-        for g in range(g_n):  # four values per pass: one load and store of the accumulator
+        if v_direct == 2:
+            tile_values_codes_4(v_codes[b, h], t0, t1 - t0, v_table, s, al)
+        elif v_direct == 4:
+            tile_values_codes_2(v_codes[b, h], t0, t1 - t0, v_table, s, al)
+        elif vec:
+            tile_values(buf, nt, s, al)
+        for g in range(g_n if not vec else 0):  # four values per pass: one load and store of the accumulator
             for r in range(0, r4, 4):
                 w0 = s[g, r]
                 w1 = s[g, r + 1]
@@ -222,6 +242,9 @@ def prepare(q, b, h, scale, args, state, sb, sh):
                   qconst[sb, sh], sq[sb, sh])
     n_js[sb, sh] = _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst[sb, sh], ra[sb, sh],
                                      rb[sb, sh], rw[sb, sh], ct[sb, sh], st[sb, sh], step[sb, sh])
+    k_per = _planar_per(args[4], x.shape[0])
+    if k_per:  # key codes come out of the tile unpacking in planar order: the queries follow
+        _rows_to_planar(qr[sb, sh], k_per, x)
 
 
 @nb.njit
@@ -239,7 +262,8 @@ def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
 def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
     v_mean, signs, rot, n_window, k_window, v_window, half = (args[12], args[15], args[16], args[24], args[25],
                                                               args[26], args[27])
-    _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot, half, out)
+    _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot, half,
+                 _planar_per(args[9], acc_sp.shape[2]), out)
 
 
 @nb.njit
@@ -277,7 +301,11 @@ def polar_decode_attention(codec, q, scale):
     b, qh, t, d = q.shape
     if t != 1:
         raise ValueError(f"q must hold one new token per head (batch, q_heads, 1, head_dim), received {q.shape}")
-    k_codes = codec.k_codes
+    k_codes, v_codes = codec.k_codes, codec.v_codes
+    if k_codes.strides[-1] != 1:  # the tile unpacking reads rows as contiguous bytes
+        k_codes = np.ascontiguousarray(k_codes)
+    if v_codes.strides[-1] != 1:
+        v_codes = np.ascontiguousarray(v_codes)
     h = k_codes.shape[1]
     n = int(codec.n_quantized)
     k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch = _fixed_args(codec)
@@ -300,7 +328,7 @@ def polar_decode_attention(codec, q, scale):
     threads, splits = _plan(b * h, n, d)
     out = np.empty((b, qh, d), np.float32)
     args = (k_codes, _bits16(codec.k_norms), k_cent, k_table, k_bits,
-            codec.v_codes, _bits16(codec.v_norms), v_cent, v_table, v_bits,
+            v_codes, _bits16(codec.v_norms), v_cent, v_table, v_bits,
             _bits16(getattr(codec, "k_scale", None)), _bits16(codec.k_mean), _bits16(codec.v_mean), idx, k_out,
             signs, rot, sketch, _SIGN_TABLE, k_qjl, k_qjl_norms, rm_freq, rm_pairs, int(codec.n_sink),
             int(codec.n_window), _bits16(codec.k_window, _NO_U16_4), _bits16(codec.v_window, _NO_U16_4),

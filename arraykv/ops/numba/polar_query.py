@@ -23,7 +23,20 @@ from ...quant.qjl import QJL_SCALE
 from .fused_driver import FASTMATH, TILE, merge_splits, merge_top
 from .polar_rows import _fwht
 
-__all__ = ["_prepare_head", "_prepare_rotating", "_finish_head"]
+__all__ = ["_prepare_head", "_prepare_rotating", "_finish_head", "_rows_to_planar"]
+
+
+@nb.njit(inline="always")
+def _rows_to_planar(a, per, x):
+    """Each row of ``a`` (rows, d) in the planar order of :mod:`arraykv.ops.numba.simd`, in place (``x``: (d,) scratch)."""
+    d = a.shape[1]
+    nbytes = d // per
+    for g in range(a.shape[0]):
+        for j in range(nbytes):
+            for p in range(per):
+                x[p * nbytes + j] = a[g, per * j + p]
+        for j in range(d):
+            a[g, j] = x[j]
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
@@ -121,13 +134,14 @@ def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, ha
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot,
-                 half, out):
+                 half, v_per, out):
     """Merge the token splits of head ``(b, h)`` with its float16 window; write ``out[b, qh]``.
 
     ``m_sp``, ``l_sp`` (splits, G) and ``acc_sp`` (splits, G, d) are :func:`_attend_span`'s
     state per split. The window block (sinks and recent tokens, any order) is attended with the
     unweighted queries; the value sum of the quantized tokens is rotated back (``Mᵀ y``) and
-    gains ``l · v_mean`` (see :func:`arraykv.attention.polar_fused.merge_window`).
+    gains ``l · v_mean`` (see :func:`arraykv.attention.polar_fused.merge_window`). With
+    ``v_per`` not 0 the splits' value sums are in planar order (:mod:`arraykv.ops.numba.simd`).
     """
     splits, g_n, d = acc_sp.shape
     has_vmean = v_mean.shape[2] > 0
@@ -161,6 +175,13 @@ def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_windo
             y[j] = np.float32(0.0)
         lq = merge_splits(m_sp, l_sp, acc_sp, g, top[g], y)
         if lq > 0:
+            if v_per:  # back from planar order
+                nbytes = d // v_per
+                for j in range(nbytes):
+                    for p in range(v_per):
+                        row[v_per * j + p] = y[p * nbytes + j]
+                for j in range(d):
+                    y[j] = row[j]
             if dense:
                 for i in range(d):
                     yi = y[i]

@@ -18,8 +18,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from .fused_driver import FASTMATH
 from .polar import _fwht
+from .simd import HAVE_PERMPS, planar_per, table16, unpack_tile_2, unpack_tile_4
 
-__all__ = ["HALF_TO_FLOAT", "_SIGNS", "_SIGN_TABLE", "_chunk_table", "_unpack_rows", "_fwht", "_bits16", "_fixed_args"]
+__all__ = ["HALF_TO_FLOAT", "_SIGNS", "_SIGN_TABLE", "_chunk_table", "_unpack_rows", "_fwht", "_bits16", "_fixed_args",
+           "_planar_per"]
 
 #: float16 bit pattern -> float32 value. Numba has no float16 arrays, so float16 state is
 #: read through ``uint16`` views (no copy) and this 256 KiB table.
@@ -74,15 +76,35 @@ def _unpack_small(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
             out[r, i] = cent[(row[i // per] >> (bits * (i % per))) & mask]
 
 
+@nb.njit(inline="always")
+def _planar_per(bits, d):
+    """:func:`arraykv.ops.numba.simd.planar_per` inside compiled code (``HAVE_PERMPS`` is a compile-time constant)."""
+    if not HAVE_PERMPS:
+        return 0
+    if bits == 4 and d % 32 == 0:
+        return 2
+    if bits == 2 and d % 64 == 0:
+        return 4
+    return 0
+
+
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _unpack_rows(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
     """Centroid values of rows ``t0 .. t1`` of ``codes[b, h]`` into ``out[:t1 - t0, :d]``.
 
     Layout of :mod:`arraykv.quant.bitpack`. ``out`` (float32, (rows, even width >= d)) and
-    ``out64`` are views of one buffer; ``table`` is :func:`_chunk_table` of ``cent``. The
-    branch on ``bits`` is taken once per call, so every loop below is specialised.
+    ``out64`` are views of one buffer; ``table`` is :func:`_chunk_table` of ``cent``, or, when
+    :func:`_planar_per` of ``(bits, d)`` is not 0, :func:`arraykv.ops.numba.simd.table16` of it
+    (as 8 words) and the rows come out in planar order (:mod:`arraykv.ops.numba.simd`; the
+    rows of ``codes`` must then be contiguous). The branch on ``bits`` is taken once per
+    call, so every loop below is specialised.
     """
-    if bits == 4:
+    per = _planar_per(bits, d)
+    if per == 2:  # sixteen codes per instruction, one plane of codes per vector
+        unpack_tile_4(codes[b, h], t0, t1 - t0, table, out)
+    elif per == 4:
+        unpack_tile_2(codes[b, h], t0, t1 - t0, table, out)
+    elif bits == 4:
         for t in range(t0, t1):
             row = codes[b, h, t]
             r = t - t0
@@ -166,6 +188,13 @@ _FIXED: dict = {}
 _FIXED_MAX = 64
 
 
+def _row_table(cent, bits: int, d: int) -> np.ndarray:
+    """The ``table`` argument of :func:`_unpack_rows` for rows of ``d`` codes of ``bits`` bits (uint64 words)."""
+    if planar_per(bits, d):
+        return table16(cent).view(np.uint64)
+    return _chunk_table(cent, bits)
+
+
 def _fixed_args(codec) -> tuple:
     """``(k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch)`` of ``codec``."""
     objs = (codec.rotation, codec.k_codebook, codec.v_codebook, codec.qjl)
@@ -176,8 +205,9 @@ def _fixed_args(codec) -> tuple:
     rotation, kc, vc, sketch = objs
     k_cent = np.ascontiguousarray(kc.centroids, np.float32)
     v_cent = np.ascontiguousarray(vc.centroids, np.float32)
-    args = (k_cent, _chunk_table(k_cent, int(kc.bits)), int(kc.bits),
-            v_cent, _chunk_table(v_cent, int(vc.bits)), int(vc.bits),
+    d = int(rotation.dim)
+    args = (k_cent, _row_table(k_cent, int(kc.bits), d), int(kc.bits),
+            v_cent, _row_table(v_cent, int(vc.bits), d), int(vc.bits),
             np.ascontiguousarray(rotation.signs, np.float32),
             _NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32),
             _NO_F32_2 if sketch is None else np.ascontiguousarray(sketch.matrix, np.float32))

@@ -1,0 +1,640 @@
+"""Packed 4- and 2-bit codes to centroid values sixteen at a time (Numba, AVX-512 ``vpermps``).
+
+A fused kernel spends most of its time turning codes into floats unless one instruction does
+sixteen of them: with AVX-512, ``vpermps`` looks up sixteen 32-bit indices in a 16-entry
+float32 table held in one register, which is exactly a codebook of at most 16 centroids.
+:func:`unpack16_4` and :func:`unpack16_2` take 16 packed bytes (32 four-bit or 64 two-bit
+codes), split them into *bit planes* and write each plane's centroid values as 16
+consecutive floats.
+
+Plane order
+-----------
+Byte ``j`` of a row holds codes ``per·j + p`` for ``p < per`` (``per = 8 / bits``, the
+layout of :mod:`arraykv.quant.bitpack`). The planar order puts code ``per·j + p`` of a row of
+``nbytes`` bytes at position ``p·nbytes + j``: each plane is a contiguous run of the row's
+bytes, so no code crosses a vector. Dot products and weighted sums do not care about channel
+order as long as the other operand is permuted the same way (:func:`to_planar`,
+:func:`from_planar`).
+
+Without AVX-512 (or with ``NUMBA_CPU_NAME`` set, so compiled code may run on another CPU)
+:data:`HAVE_PERMPS` is False and the same functions are plain loops (used by the tests to
+check the instruction path against them; the kernels keep their byte-table unpacking there).
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+try:
+    import numba as nb
+    from numba import types as nbt
+    from numba.core import config as nb_config
+    from numba.core.extending import intrinsic
+except ImportError as exc:  # pragma: no cover - exercised only without numba
+    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+
+__all__ = ["HAVE_PERMPS", "planar_per", "table16", "unpack_tile_4", "unpack_tile_2", "unpack_tile_4_loop",
+           "unpack_tile_2_loop", "to_planar", "from_planar", "tile_scores", "tile_values",
+           "VECTOR_TILES", "tile_scores_codes_4", "tile_scores_codes_2", "tile_values_codes_4", "tile_values_codes_2",
+           "tile_scores_codes_4_loop", "tile_scores_codes_2_loop", "tile_values_codes_4_loop",
+           "tile_values_codes_2_loop", "PREFETCH_ROWS"]
+
+
+def _host_has_avx512f() -> bool:
+    if nb_config.CPU_NAME:  # compiled for a named CPU (portable caches): no host-only instructions
+        return False
+    try:
+        import llvmlite.binding as llb
+
+        return bool(llb.get_host_cpu_features().get("avx512f", False))
+    except Exception:  # pragma: no cover - llvmlite without the query
+        return False
+
+
+#: True when the kernels may use AVX-512's ``vpermps`` (the host CPU has it, Numba compiles for the host).
+HAVE_PERMPS = _host_has_avx512f()
+#: True when the fused kernels score and sum tiles with :func:`tile_scores` / :func:`tile_values`
+#: (head_dim a multiple of 64): on the CPUs where they were measured, those with AVX-512.
+VECTOR_TILES = HAVE_PERMPS
+
+
+def planar_per(bits: int, d: int) -> int:
+    """Codes per byte when rows of ``d`` codes of ``bits`` bits are read in planar order, else 0.
+
+    Planar reading needs :data:`HAVE_PERMPS`, 4- or 2-bit codes and rows of a whole number
+    of 16-byte blocks (``d`` a multiple of 32 for 4 bits, 64 for 2 bits).
+    """
+    if not HAVE_PERMPS or bits not in (2, 4):
+        return 0
+    per = 8 // bits
+    return per if d % (16 * per) == 0 else 0
+
+
+def table16(cent) -> np.ndarray:
+    """A codebook of at most 16 centroids as 16 float32 (zeros after the last), the register table."""
+    cent = np.asarray(cent, np.float32).reshape(-1)
+    if cent.size > 16:
+        raise ValueError(f"a register table holds at most 16 centroids, received {cent.size}")
+    out = np.zeros(16, np.float32)
+    out[: cent.size] = cent
+    return out
+
+
+#: Rows ahead of the current one whose codes are prefetched (one tile): the codes stream from
+#: memory while the previous tile is scored.
+PREFETCH_ROWS = 64
+
+
+def _planes_codegen(bits: int):
+    """LLVM code of ``unpack_tile_<bits>(codes, t0, nt, tab, out)``."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    per = 8 // bits
+    mask = (1 << bits) - 1
+
+    def codegen(context, builder, signature, args):
+        codes, t0, nt, tab, out = args
+        c_arr = context.make_array(signature.args[0])(context, builder, codes)
+        t_arr = context.make_array(signature.args[3])(context, builder, tab)
+        o_arr = context.make_array(signature.args[4])(context, builder, out)
+        c_stride = cgutils.unpack_tuple(builder, c_arr.strides)[0]
+        nbytes = cgutils.unpack_tuple(builder, c_arr.shape)[1]
+        width = cgutils.unpack_tuple(builder, o_arr.shape)[1]
+        i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+        v16i8, v16i32, v16f = ir.VectorType(i8, 16), ir.VectorType(i32, 16), ir.VectorType(f32, 16)
+        perm = builder.module.globals.get("llvm.x86.avx512.permvar.sf.512")
+        if perm is None:
+            perm = ir.Function(builder.module, ir.FunctionType(v16f, [v16f, v16i32]), "llvm.x86.avx512.permvar.sf.512")
+        pf = builder.module.globals.get("llvm.prefetch.p0")
+        if pf is None:
+            pf = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
+                             "llvm.prefetch.p0")
+        table = builder.load(builder.bitcast(t_arr.data, v16f.as_pointer()), align=4)
+        blocks = builder.udiv(nbytes, ir.Constant(i64, 16))
+        with cgutils.for_range(builder, nt) as lr:
+            row = builder.gep(c_arr.data, [builder.mul(builder.add(t0, lr.index), c_stride)])
+            ahead = builder.gep(row, [builder.mul(ir.Constant(i64, PREFETCH_ROWS), c_stride)])
+            builder.call(pf, [ahead, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            o_row = builder.mul(lr.index, width)
+            with cgutils.for_range(builder, blocks) as lb:
+                off = builder.mul(lb.index, ir.Constant(i64, 16))
+                raw = builder.load(builder.bitcast(builder.gep(row, [off]), v16i8.as_pointer()), align=1)
+                word = builder.zext(raw, v16i32)
+                for p in range(per):
+                    idx = builder.lshr(word, ir.Constant(v16i32, [bits * p] * 16)) if p else word
+                    if p < per - 1:
+                        idx = builder.and_(idx, ir.Constant(v16i32, [mask] * 16))
+                    at = builder.add(o_row, builder.add(off, builder.mul(nbytes, ir.Constant(i64, p))))
+                    builder.store(builder.call(perm, [table, idx]),
+                                  builder.bitcast(builder.gep(o_arr.data, [at]), v16f.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _make_intrinsic(bits: int):
+    def typer(typingctx, codes, t0, nt, tab, out):
+        # ``tab``: any array whose first 64 bytes are the 16 float32 of :func:`table16`
+        ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8
+              and isinstance(tab, nbt.Array) and isinstance(out, nbt.Array) and out.ndim == 2
+              and out.dtype == nbt.float32 and out.layout == "C"
+              and all(isinstance(x, nbt.Integer) for x in (t0, nt)))
+        if not ok:
+            return None
+        return nbt.void(codes, nbt.int64, nbt.int64, tab, out), _planes_codegen(bits)
+
+    typer.__name__ = f"unpack_tile_{bits}"
+    return intrinsic(typer)
+
+
+@nb.njit(inline="always")
+def _planes_loop(codes, t0, nt, tab, out, bits):
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    nbytes = codes.shape[1]
+    t = tab.reshape(-1).view(np.float32)
+    for i in range(nt):
+        for j in range(nbytes):
+            byte = np.int64(codes[t0 + i, j])
+            for p in range(per):
+                out[i, p * nbytes + j] = t[(byte >> (bits * p)) & mask]
+
+
+@nb.njit
+def unpack_tile_4_loop(codes, t0, nt, tab, out):
+    """Reference of :func:`unpack_tile_4`: rows ``t0 .. t0+nt`` of ``codes`` (n, nbytes) → ``out[:nt]``,
+    low nibbles' centroids at ``out[i, j]``, high nibbles' at ``out[i, nbytes + j]``."""
+    _planes_loop(codes, t0, nt, tab, out, 4)
+
+
+@nb.njit
+def unpack_tile_2_loop(codes, t0, nt, tab, out):
+    """Reference of :func:`unpack_tile_2`: plane ``p`` (bits ``2p, 2p+1`` of each byte) at ``out[i, p·nbytes + j]``."""
+    _planes_loop(codes, t0, nt, tab, out, 2)
+
+
+if HAVE_PERMPS:
+    unpack_tile_4 = _make_intrinsic(4)
+    unpack_tile_2 = _make_intrinsic(2)
+else:
+    unpack_tile_4 = unpack_tile_4_loop
+    unpack_tile_2 = unpack_tile_2_loop
+
+
+def to_planar(x, per: int):
+    """``x`` (..., d) with channel ``per·j + p`` moved to position ``p·(d / per) + j`` (a copy)."""
+    x = np.asarray(x)
+    d = x.shape[-1]
+    return np.ascontiguousarray(x.reshape(*x.shape[:-1], d // per, per).swapaxes(-1, -2).reshape(x.shape))
+
+
+def from_planar(x, per: int):
+    """The inverse of :func:`to_planar`."""
+    x = np.asarray(x)
+    d = x.shape[-1]
+    return np.ascontiguousarray(x.reshape(*x.shape[:-1], per, d // per).swapaxes(-1, -2).reshape(x.shape))
+
+
+# ---- scores and weighted sums of a tile of unpacked rows, in 16-lane vectors ----------------
+#
+# Both take C-contiguous float32 arrays and a head_dim ``d`` that is a multiple of 64 (four
+# vectors); they are generic LLVM vector code (``llvm.fma`` on <16 x float>), kept on the same
+# AVX-512 condition as the unpacking above because that is where they were measured. The
+# query heads of a KV group are taken four (then two, then one) at a time so that one load of
+# a row feeds four multiply-adds; accumulators stay in registers for a whole tile.
+
+def _vec_helpers():
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    v16 = ir.VectorType(f32, 16)
+
+    def const(x):
+        return ir.Constant(i64, x)
+
+    def shuf(builder, a, b, idx):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(idx)), idx))
+
+    def vload(builder, base, off):
+        return builder.load(builder.bitcast(builder.gep(base, [off]), v16.as_pointer()), align=4)
+
+    def vstore(builder, val, base, off):
+        builder.store(val, builder.bitcast(builder.gep(base, [off]), val.type.as_pointer()), align=4)
+
+    def fma_fn(builder):
+        fn = builder.module.globals.get("llvm.fma.v16f32")
+        if fn is None:
+            fn = ir.Function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
+        return fn
+
+    def hsum(builder, v):
+        n = 16
+        while n > 1:
+            v = builder.fadd(shuf(builder, v, v, list(range(n // 2))), shuf(builder, v, v, list(range(n // 2, n))))
+            n //= 2
+        return builder.extract_element(v, ir.Constant(i32, 0))
+
+    def reduce4(builder, a, b, c, d):
+        """<4 x float>: the lane sums of four <16 x float>."""
+        lo8, hi8 = list(range(0, 8)) + list(range(16, 24)), list(range(8, 16)) + list(range(24, 32))
+        ab = builder.fadd(shuf(builder, a, b, lo8), shuf(builder, a, b, hi8))
+        cd = builder.fadd(shuf(builder, c, d, lo8), shuf(builder, c, d, hi8))
+        lo4 = [i for blk in (0, 8, 16, 24) for i in range(blk, blk + 4)]
+        x = builder.fadd(shuf(builder, ab, cd, lo4), shuf(builder, ab, cd, [i + 4 for i in lo4]))
+        y = builder.fadd(shuf(builder, x, x, [0, 1, 4, 5, 8, 9, 12, 13]), shuf(builder, x, x, [2, 3, 6, 7, 10, 11, 14, 15]))
+        return builder.fadd(shuf(builder, y, y, [0, 2, 4, 6]), shuf(builder, y, y, [1, 3, 5, 7]))
+
+    def splat(builder, x):
+        v = builder.insert_element(ir.Constant(v16, ir.Undefined), x, ir.Constant(i32, 0))
+        return shuf(builder, v, v, [0] * 16)
+
+    def g_blocks(builder, g_n, emit):
+        """``emit(g0, gb)`` for query heads in blocks of four, then two, then one (``g0`` an IR value)."""
+        n4 = builder.udiv(g_n, const(4))
+        with cgutils.for_range(builder, n4) as lp:
+            emit(builder.mul(lp.index, const(4)), 4)
+        rest = builder.sub(g_n, builder.mul(n4, const(4)))
+        g2 = builder.mul(n4, const(4))
+        with cgutils.if_unlikely(builder, builder.icmp_unsigned(">=", rest, const(2))):
+            emit(g2, 2)
+        with cgutils.if_unlikely(builder, builder.icmp_unsigned("==", builder.urem(rest, const(2)), const(1))):
+            emit(builder.sub(g_n, const(1)), 1)
+
+    return types.SimpleNamespace(ir=ir, cgutils=cgutils, f32=f32, i64=i64, v16=v16, const=const, vload=vload,
+                                 vstore=vstore, fma_fn=fma_fn, hsum=hsum, reduce4=reduce4, splat=splat,
+                                 g_blocks=g_blocks)
+
+
+def _arrays(context, builder, sig, args, which):
+    from numba.core import cgutils
+
+    out = []
+    for i in which:
+        a = context.make_array(sig.args[i])(context, builder, args[i])
+        out.append((a.data, cgutils.unpack_tuple(builder, a.shape)))
+    return out
+
+
+def _c_f32(*tys) -> bool:
+    return all(isinstance(t, nbt.Array) and t.dtype == nbt.float32 and t.layout == "C" for t in tys)
+
+
+def _scores_codegen(context, builder, sig, args):
+    h = _vec_helpers()
+    (buf, (_, width)), (qr, (g_n, d)), (s, (_, s_w)) = _arrays(context, builder, sig, args, (0, 2, 3))
+    nt = args[1]
+    fma = h.fma_fn(builder)
+    nch = builder.udiv(d, h.const(16))
+    accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(16)]
+    qs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(4)]
+
+    def emit(g0, gb):
+        rows = 16 // gb if gb > 1 else 8  # accumulators: gb x rows <= 16
+        ngrp = builder.udiv(nt, h.const(rows))
+        with h.cgutils.for_range(builder, ngrp) as lp:
+            r0 = builder.mul(lp.index, h.const(rows))
+            for a in accs[: gb * rows]:
+                builder.store(h.ir.Constant(h.v16, None), a)
+            with h.cgutils.for_range(builder, nch) as lc:
+                off = builder.mul(lc.index, h.const(16))
+                for gi in range(gb):
+                    builder.store(h.vload(builder, qr, builder.add(builder.mul(builder.add(g0, h.const(gi)), d), off)),
+                                  qs[gi])
+                for i in range(rows):
+                    x = h.vload(builder, buf, builder.add(builder.mul(builder.add(r0, h.const(i)), width), off))
+                    for gi in range(gb):
+                        a = accs[gi * rows + i]
+                        builder.store(builder.call(fma, [x, builder.load(qs[gi]), builder.load(a)]), a)
+            for gi in range(gb):
+                srow = builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), r0)
+                for i in range(0, rows, 4):
+                    v = h.reduce4(builder, *[builder.load(accs[gi * rows + i + k]) for k in range(4)])
+                    h.vstore(builder, v, s, builder.add(srow, h.const(i)))
+        done = builder.mul(ngrp, h.const(rows))
+        with h.cgutils.for_range(builder, builder.sub(nt, done)) as lp:  # the last rows, one at a time
+            r = builder.add(done, lp.index)
+            for gi in range(gb):
+                builder.store(h.ir.Constant(h.v16, None), accs[gi])
+            with h.cgutils.for_range(builder, nch) as lc:
+                off = builder.mul(lc.index, h.const(16))
+                x = h.vload(builder, buf, builder.add(builder.mul(r, width), off))
+                for gi in range(gb):
+                    qv = h.vload(builder, qr, builder.add(builder.mul(builder.add(g0, h.const(gi)), d), off))
+                    builder.store(builder.call(fma, [x, qv, builder.load(accs[gi])]), accs[gi])
+            for gi in range(gb):
+                at = builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), r)
+                builder.store(h.hsum(builder, builder.load(accs[gi])), builder.gep(s, [at]))
+
+    h.g_blocks(builder, g_n, emit)
+    return context.get_dummy_value()
+
+
+def _values_codegen(context, builder, sig, args):
+    h = _vec_helpers()
+    (buf, (_, width)), (w, (_, w_w)), (acc, (g_n, d)) = _arrays(context, builder, sig, args, (0, 2, 3))
+    nt = args[1]
+    fma = h.fma_fn(builder)
+    accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(16)]
+
+    def emit(g0, gb):
+        with h.cgutils.for_range(builder, builder.udiv(d, h.const(64))) as lc:
+            c0 = builder.mul(lc.index, h.const(64))
+            rows = [builder.mul(builder.add(g0, h.const(gi)), d) for gi in range(gb)]
+            for gi in range(gb):
+                for k in range(4):
+                    builder.store(h.vload(builder, acc, builder.add(rows[gi], builder.add(c0, h.const(16 * k)))),
+                                  accs[4 * gi + k])
+            with h.cgutils.for_range(builder, nt) as lr:
+                r = lr.index
+                wv = [h.splat(builder, builder.load(builder.gep(w, [builder.add(
+                    builder.mul(builder.add(g0, h.const(gi)), w_w), r)]))) for gi in range(gb)]
+                base = builder.add(builder.mul(r, width), c0)
+                for k in range(4):
+                    x = h.vload(builder, buf, builder.add(base, h.const(16 * k)))
+                    for gi in range(gb):
+                        a = accs[4 * gi + k]
+                        builder.store(builder.call(fma, [wv[gi], x, builder.load(a)]), a)
+            for gi in range(gb):
+                for k in range(4):
+                    h.vstore(builder, builder.load(accs[4 * gi + k]), acc,
+                             builder.add(rows[gi], builder.add(c0, h.const(16 * k))))
+
+    h.g_blocks(builder, g_n, emit)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def tile_scores(typingctx, buf, nt, qr, s):
+    """``s[g, r] = Σ_j qr[g, j] · buf[r, j]`` for ``r < nt`` (every row of ``qr``).
+
+    ``buf`` (rows, width), ``qr`` (G, d), ``s`` (G, ≥ nt): C-contiguous float32, ``d`` a multiple
+    of 64, ``nt ≤ rows``, ``width ≥ d``. Nothing is checked at run time: the caller's tile
+    buffers have these shapes by construction.
+    """
+    if not (_c_f32(buf, qr, s) and isinstance(nt, nbt.Integer)):
+        return None
+    return nbt.void(buf, nbt.int64, qr, s), _scores_codegen
+
+
+@intrinsic
+def tile_values(typingctx, buf, nt, w, acc):
+    """``acc[g, j] += Σ_{r < nt} w[g, r] · buf[r, j]`` (every row of ``acc``).
+
+    ``buf`` (rows, width), ``w`` (G, ≥ nt), ``acc`` (G, d): C-contiguous float32, ``d`` a
+    multiple of 64, ``nt ≤ rows``, ``width ≥ d``; not checked at run time.
+    """
+    if not (_c_f32(buf, w, acc) and isinstance(nt, nbt.Integer)):
+        return None
+    return nbt.void(buf, nbt.int64, w, acc), _values_codegen
+
+
+# ---- the same, straight from packed codes (no tile buffer) ----------------------------------
+#
+# ``tile_scores_codes_<bits>`` / ``tile_values_codes_<bits>`` are :func:`tile_scores` /
+# :func:`tile_values` with the rows of ``buf`` computed in registers from packed codes (the
+# planar order of :func:`unpack_tile_4`), so a tile's centroid values are never stored and
+# read back. AVX-512 only (``vpermps``).
+
+def _code_source(builder, h, bits, c_arr, c_stride, nbytes, tab_arr):
+    """Helpers that read planar chunks of code rows: ``(row_ptr(t), word(row, blk), chunk(word, p))``."""
+    ir = h.ir
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    v16i8, v16i32 = ir.VectorType(i8, 16), ir.VectorType(i32, 16)
+    perm = builder.module.globals.get("llvm.x86.avx512.permvar.sf.512")
+    if perm is None:
+        perm = ir.Function(builder.module, ir.FunctionType(h.v16, [h.v16, v16i32]), "llvm.x86.avx512.permvar.sf.512")
+    pf = builder.module.globals.get("llvm.prefetch.p0")
+    if pf is None:
+        pf = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
+                         "llvm.prefetch.p0")
+    table = builder.load(builder.bitcast(tab_arr.data, h.v16.as_pointer()), align=4)
+    mask = ir.Constant(v16i32, [(1 << bits) - 1] * 16)
+
+    def row_ptr(t, prefetch=False):
+        row = builder.gep(c_arr.data, [builder.mul(t, c_stride)])
+        if prefetch:
+            ahead = builder.gep(row, [builder.mul(h.const(PREFETCH_ROWS), c_stride)])
+            builder.call(pf, [ahead, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return row
+
+    def word(row, blk):
+        raw = builder.load(builder.bitcast(builder.gep(row, [builder.mul(blk, h.const(16))]), v16i8.as_pointer()),
+                           align=1)
+        return builder.zext(raw, v16i32)
+
+    def chunk(w, shift):
+        """Centroids of plane ``shift / bits`` of a block word; ``shift`` an int or an i32 vector."""
+        idx = w
+        if not (isinstance(shift, int) and shift == 0):
+            sv = ir.Constant(v16i32, [shift] * 16) if isinstance(shift, int) else shift
+            idx = builder.lshr(w, sv)
+        if not (isinstance(shift, int) and shift == 8 - bits):
+            idx = builder.and_(idx, mask)
+        return builder.call(perm, [table, idx])
+
+    return row_ptr, word, chunk
+
+
+def _g_blocks_any(builder, h, g_n, emit):
+    """``emit(g0, gb)`` for query heads in blocks of four, then one block of the 1-3 left."""
+    n4 = builder.udiv(g_n, h.const(4))
+    with h.cgutils.for_range(builder, n4) as lp:
+        emit(builder.mul(lp.index, h.const(4)), 4)
+    g0 = builder.mul(n4, h.const(4))
+    rest = builder.sub(g_n, g0)
+    for gb in (1, 2, 3):
+        with h.cgutils.if_unlikely(builder, builder.icmp_unsigned("==", rest, h.const(gb))):
+            emit(g0, gb)
+
+
+def _scores_codes_codegen(bits):
+    per = 8 // bits
+
+    def codegen(context, builder, sig, args):
+        h = _vec_helpers()
+        c_arr = context.make_array(sig.args[0])(context, builder, args[0])
+        c_stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
+        nbytes = h.cgutils.unpack_tuple(builder, c_arr.shape)[1]
+        t0, nt = args[1], args[2]
+        tab_arr = context.make_array(sig.args[3])(context, builder, args[3])
+        (qr, (g_n, d)), (s, (_, s_w)) = _arrays(context, builder, sig, args, (4, 5))
+        row_ptr, word, chunk = _code_source(builder, h, bits, c_arr, c_stride, nbytes, tab_arr)
+        fma = h.fma_fn(builder)
+        blocks = builder.udiv(nbytes, h.const(16))
+        accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(16)]
+
+        def emit(g0, gb):
+            rows = 4 if gb >= 3 else 8
+            qrows = [builder.mul(builder.add(g0, h.const(gi)), d) for gi in range(gb)]
+            ngrp = builder.udiv(nt, h.const(rows))
+
+            def group(r0, n_rows):  # n_rows (python int) rows from row r0 (relative to t0)
+                ptrs = [row_ptr(builder.add(t0, builder.add(r0, h.const(i))), prefetch=True)
+                        for i in range(n_rows)]
+                for a in accs[: gb * n_rows]:
+                    builder.store(h.ir.Constant(h.v16, None), a)
+                with h.cgutils.for_range(builder, blocks) as lb:
+                    words = [word(p, lb.index) for p in ptrs]
+                    for p in range(per):
+                        off = builder.mul(builder.add(builder.mul(h.const(p), blocks), lb.index), h.const(16))
+                        qv = [h.vload(builder, qr, builder.add(qrows[gi], off)) for gi in range(gb)]
+                        for i in range(n_rows):
+                            x = chunk(words[i], bits * p)
+                            for gi in range(gb):
+                                a = accs[gi * n_rows + i]
+                                builder.store(builder.call(fma, [x, qv[gi], builder.load(a)]), a)
+
+            with h.cgutils.for_range(builder, ngrp) as lp:
+                r0 = builder.mul(lp.index, h.const(rows))
+                group(r0, rows)
+                for gi in range(gb):
+                    srow = builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), r0)
+                    for i in range(0, rows, 4):
+                        v = h.reduce4(builder, *[builder.load(accs[gi * rows + i + k]) for k in range(4)])
+                        h.vstore(builder, v, s, builder.add(srow, h.const(i)))
+            done = builder.mul(ngrp, h.const(rows))
+            with h.cgutils.for_range(builder, builder.sub(nt, done)) as lp:  # the last rows, one at a time
+                r = builder.add(done, lp.index)
+                group(r, 1)
+                for gi in range(gb):
+                    at = builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), r)
+                    builder.store(h.hsum(builder, builder.load(accs[gi])), builder.gep(s, [at]))
+
+        _g_blocks_any(builder, h, g_n, emit)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _values_codes_codegen(bits):
+    def codegen(context, builder, sig, args):
+        h = _vec_helpers()
+        ir = h.ir
+        c_arr = context.make_array(sig.args[0])(context, builder, args[0])
+        c_stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
+        nbytes = h.cgutils.unpack_tuple(builder, c_arr.shape)[1]
+        t0, nt = args[1], args[2]
+        tab_arr = context.make_array(sig.args[3])(context, builder, args[3])
+        (w, (_, w_w)), (acc, (g_n, d)) = _arrays(context, builder, sig, args, (4, 5))
+        row_ptr, word, chunk = _code_source(builder, h, bits, c_arr, c_stride, nbytes, tab_arr)
+        fma = h.fma_fn(builder)
+        blocks = builder.udiv(nbytes, h.const(16))
+        accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(16)]
+        v16i32 = ir.VectorType(ir.IntType(32), 16)
+
+        def emit(g0, gb):
+            with h.cgutils.for_range(builder, builder.udiv(d, h.const(64))) as lc:
+                c0 = builder.mul(lc.index, h.const(4))  # first chunk (of 16 channels) of the group
+                rows = [builder.mul(builder.add(g0, h.const(gi)), d) for gi in range(gb)]
+                src = []  # (block, shift vector) of each of the group's four chunks
+                for k in range(4):
+                    c = builder.add(c0, h.const(k))
+                    plane = builder.udiv(c, blocks)
+                    sh = builder.trunc(builder.mul(plane, h.const(bits)), ir.IntType(32))
+                    shv = builder.insert_element(ir.Constant(v16i32, ir.Undefined), sh, ir.Constant(ir.IntType(32), 0))
+                    shv = builder.shuffle_vector(shv, shv, ir.Constant(v16i32, [0] * 16))
+                    src.append((builder.urem(c, blocks), shv))
+                for gi in range(gb):
+                    for k in range(4):
+                        off = builder.add(rows[gi], builder.add(builder.mul(c0, h.const(16)), h.const(16 * k)))
+                        builder.store(h.vload(builder, acc, off), accs[4 * gi + k])
+                with h.cgutils.for_range(builder, nt) as lr:
+                    r = lr.index
+                    row = row_ptr(builder.add(t0, r), prefetch=True)
+                    wv = [h.splat(builder, builder.load(builder.gep(w, [builder.add(
+                        builder.mul(builder.add(g0, h.const(gi)), w_w), r)]))) for gi in range(gb)]
+                    for k in range(4):
+                        x = chunk(word(row, src[k][0]), src[k][1])
+                        for gi in range(gb):
+                            a = accs[4 * gi + k]
+                            builder.store(builder.call(fma, [wv[gi], x, builder.load(a)]), a)
+                for gi in range(gb):
+                    for k in range(4):
+                        off = builder.add(rows[gi], builder.add(builder.mul(c0, h.const(16)), h.const(16 * k)))
+                        h.vstore(builder, builder.load(accs[4 * gi + k]), acc, off)
+
+        _g_blocks_any(builder, h, g_n, emit)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _codes_intrinsic(bits, which):
+    gen = (_scores_codes_codegen if which == "scores" else _values_codes_codegen)(bits)
+
+    def typer(typingctx, codes, t0, nt, tab, x, out):
+        ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8
+              and isinstance(tab, nbt.Array) and _c_f32(x, out) and x.ndim == 2 and out.ndim == 2
+              and all(isinstance(v, nbt.Integer) for v in (t0, nt)))
+        if not ok:
+            return None
+        return nbt.void(codes, nbt.int64, nbt.int64, tab, x, out), gen
+
+    typer.__name__ = f"tile_{which}_codes_{bits}"
+    return intrinsic(typer)
+
+
+@nb.njit
+def _rows_loop(codes, t0, nt, tab, bits):
+    out = np.empty((nt, codes.shape[1] * (8 // bits)), np.float32)
+    _planes_loop(codes, t0, nt, tab, out, bits)
+    return out
+
+
+@nb.njit
+def _scores_codes_loop(codes, t0, nt, tab, qr, s, bits):
+    rows = _rows_loop(codes, t0, nt, tab, bits)
+    for g in range(qr.shape[0]):
+        for r in range(nt):
+            x = np.float32(0.0)
+            for j in range(qr.shape[1]):
+                x += qr[g, j] * rows[r, j]
+            s[g, r] = x
+
+
+@nb.njit
+def _values_codes_loop(codes, t0, nt, tab, w, acc, bits):
+    rows = _rows_loop(codes, t0, nt, tab, bits)
+    for g in range(acc.shape[0]):
+        for r in range(nt):
+            for j in range(acc.shape[1]):
+                acc[g, j] += w[g, r] * rows[r, j]
+
+
+@nb.njit
+def tile_scores_codes_4_loop(codes, t0, nt, tab, qr, s):
+    """Reference of ``tile_scores_codes_4``: ``s[g, r] = Σ_j qr[g, j] · c[codes[t0 + r]]_j`` for ``r < nt``,
+    the centroids of a row in the planar order of :func:`unpack_tile_4` (``qr`` (G, d) in that order too)."""
+    _scores_codes_loop(codes, t0, nt, tab, qr, s, 4)
+
+
+@nb.njit
+def tile_scores_codes_2_loop(codes, t0, nt, tab, qr, s):
+    """Reference of ``tile_scores_codes_2`` (planar order of :func:`unpack_tile_2`)."""
+    _scores_codes_loop(codes, t0, nt, tab, qr, s, 2)
+
+
+@nb.njit
+def tile_values_codes_4_loop(codes, t0, nt, tab, w, acc):
+    """Reference of ``tile_values_codes_4``: ``acc[g, j] += Σ_{r < nt} w[g, r] · c[codes[t0 + r]]_j`` (planar order)."""
+    _values_codes_loop(codes, t0, nt, tab, w, acc, 4)
+
+
+@nb.njit
+def tile_values_codes_2_loop(codes, t0, nt, tab, w, acc):
+    """Reference of ``tile_values_codes_2`` (planar order of :func:`unpack_tile_2`)."""
+    _values_codes_loop(codes, t0, nt, tab, w, acc, 2)
+
+
+if HAVE_PERMPS:
+    tile_scores_codes_4 = _codes_intrinsic(4, "scores")
+    tile_scores_codes_2 = _codes_intrinsic(2, "scores")
+    tile_values_codes_4 = _codes_intrinsic(4, "values")
+    tile_values_codes_2 = _codes_intrinsic(2, "values")
+else:
+    tile_scores_codes_4, tile_scores_codes_2 = tile_scores_codes_4_loop, tile_scores_codes_2_loop
+    tile_values_codes_4, tile_values_codes_2 = tile_values_codes_4_loop, tile_values_codes_2_loop

@@ -1,0 +1,165 @@
+"""The 16-lane tile helpers of the fused CPU kernels (``arraykv.ops.numba.simd``) against plain NumPy.
+
+Each helper is checked on fresh random inputs of several shapes: every query-head count that
+exercises another block split (blocks of four, then 1-3), head dims 64/128/256, tiles cut
+short, code rows that are not contiguous with each other. The instruction paths exist only
+with AVX-512 (``HAVE_PERMPS``); the loop references run everywhere.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+import pytest
+
+import arraykv
+from arraykv.ops import polar_decode_attention
+from arraykv.attention.polar_fused import polar_decode_attention_reference
+from arraykv.ops.numba import simd
+
+PERMPS = pytest.mark.skipif(not simd.HAVE_PERMPS, reason="no AVX-512 on this CPU (the loop references are tested)")
+
+
+def _planar_values(codes, cent, bits):
+    """NumPy: centroid values of each code row in planar order (``simd`` module notes)."""
+    per = 8 // bits
+    planes = [(codes.astype(np.int64) >> (bits * p)) & ((1 << bits) - 1) for p in range(per)]
+    return cent[np.concatenate(planes, axis=1)]
+
+
+@nb.njit
+def _unpack4(codes, t0, nt, tab, out):
+    simd.unpack_tile_4(codes, t0, nt, tab, out)
+
+
+@nb.njit
+def _unpack2(codes, t0, nt, tab, out):
+    simd.unpack_tile_2(codes, t0, nt, tab, out)
+
+
+@nb.njit
+def _scores(buf, nt, qr, s):
+    simd.tile_scores(buf, nt, qr, s)
+
+
+@nb.njit
+def _values(buf, nt, w, acc):
+    simd.tile_values(buf, nt, w, acc)
+
+
+@nb.njit
+def _scores_codes4(codes, t0, nt, tab, qr, s):
+    simd.tile_scores_codes_4(codes, t0, nt, tab, qr, s)
+
+
+@nb.njit
+def _scores_codes2(codes, t0, nt, tab, qr, s):
+    simd.tile_scores_codes_2(codes, t0, nt, tab, qr, s)
+
+
+@nb.njit
+def _values_codes4(codes, t0, nt, tab, w, acc):
+    simd.tile_values_codes_4(codes, t0, nt, tab, w, acc)
+
+
+@nb.njit
+def _values_codes2(codes, t0, nt, tab, w, acc):
+    simd.tile_values_codes_2(codes, t0, nt, tab, w, acc)
+
+
+FUNCS = {
+    4: dict(unpack=(_unpack4, simd.unpack_tile_4_loop), scores=(_scores_codes4, simd.tile_scores_codes_4_loop),
+            values=(_values_codes4, simd.tile_values_codes_4_loop)),
+    2: dict(unpack=(_unpack2, simd.unpack_tile_2_loop), scores=(_scores_codes2, simd.tile_scores_codes_2_loop),
+            values=(_values_codes2, simd.tile_values_codes_2_loop)),
+}
+
+
+def _codes(rng, n, d, bits):
+    """``n`` random code rows of ``d`` codes, each row followed by 8 bytes of other data (strided rows)."""
+    nbytes = d * bits // 8
+    return rng.integers(0, 256, (n, nbytes + 8), dtype=np.uint8)[:, :nbytes]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("impl", [0, 1], ids=["instructions", "loop"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("nt", [64, 61, 1, 0])
+def test_unpack_tile_is_planar_centroids(bits, impl, d, nt, rng):
+    if impl == 0 and not simd.HAVE_PERMPS:
+        pytest.skip("no AVX-512")
+    codes = _codes(rng, 150, d, bits)
+    cent = rng.standard_normal(1 << bits).astype(np.float32)
+    out = np.full((64, d), 7.0, np.float32)
+    FUNCS[bits]["unpack"][impl](codes, 40, nt, simd.table16(cent), out)
+    np.testing.assert_array_equal(out[:nt], _planar_values(codes[40:40 + nt], cent, bits))
+    assert (out[nt:] == 7.0).all()
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("impl", [0, 1], ids=["instructions", "loop"])
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("nt", [64, 37, 3])
+def test_scores_and_values_from_codes(bits, impl, g, d, nt, rng):
+    if impl == 0 and not simd.HAVE_PERMPS:
+        pytest.skip("no AVX-512")
+    codes = _codes(rng, 200, d, bits)
+    cent = rng.standard_normal(1 << bits).astype(np.float32)
+    vals = _planar_values(codes[17:17 + nt], cent, bits).astype(np.float64)
+    qr = rng.standard_normal((g, d)).astype(np.float32)
+    s = np.full((g, 64), 7.0, np.float32)
+    FUNCS[bits]["scores"][impl](codes, 17, nt, simd.table16(cent), qr, s)
+    np.testing.assert_allclose(s[:, :nt], qr @ vals.T, rtol=0, atol=2e-5 * d)
+    assert (s[:, nt:] == 7.0).all()
+    w = rng.random((g, 64)).astype(np.float32)
+    acc = rng.standard_normal((g, d)).astype(np.float32)
+    want = acc + w[:, :nt] @ vals
+    FUNCS[bits]["values"][impl](codes, 17, nt, simd.table16(cent), w, acc)
+    np.testing.assert_allclose(acc, want, rtol=0, atol=2e-5 * nt + 1e-6)
+
+
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("nt", [64, 13])
+def test_scores_and_values_of_a_buffer(g, d, nt, rng):
+    buf = rng.standard_normal((64, d)).astype(np.float32)
+    qr = rng.standard_normal((g, d)).astype(np.float32)
+    s = np.full((g, 64), 7.0, np.float32)
+    _scores(buf, nt, qr, s)
+    np.testing.assert_allclose(s[:, :nt], qr.astype(np.float64) @ buf[:nt].T, rtol=0, atol=1e-4)
+    assert (s[:, nt:] == 7.0).all()
+    w = rng.standard_normal((g, 64)).astype(np.float32)
+    acc = rng.standard_normal((g, d)).astype(np.float32)
+    want = acc + w[:, :nt].astype(np.float64) @ buf[:nt]
+    _values(buf, nt, w, acc)
+    np.testing.assert_allclose(acc, want, rtol=0, atol=1e-4)
+
+
+def test_planar_order_round_trip(rng):
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    for per in (2, 4):
+        y = simd.to_planar(x, per)
+        assert y[0, 1] == x[0, per] and y[0, 128 // per] == x[0, 1]
+        np.testing.assert_array_equal(simd.from_planar(y, per), x)
+
+
+@pytest.mark.parametrize("method", ["pqo4", "pqo2", "pqo3", "tq4"])
+@pytest.mark.parametrize("g", [2, 3, 5, 6, 7])
+def test_fused_kernel_with_every_group_split(method, g, rng):
+    """The kernel's scores/values paths for query-head counts the main tests skip (blocks of 1-3 left over)."""
+    h, d, n = 2, 128, 150
+    cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=h, head_dim=d, residual_window=8)
+    k = rng.standard_normal((1, h, n, d)).astype(np.float32) + 1.0
+    v = rng.standard_normal((1, h, n, d)).astype(np.float32)
+    cache.prefill(0, k, v, rng.standard_normal((1, h * g, n, d)).astype(np.float32))
+    codec = cache.layer_codec_state(0)
+    q = rng.standard_normal((1, h * g, 1, d)).astype(np.float32)
+    want = np.asarray(polar_decode_attention_reference(codec, q, d**-0.5), np.float64)
+    got = np.asarray(polar_decode_attention(codec, q, d**-0.5), np.float64)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_table16_refuses_big_codebooks():
+    with pytest.raises(ValueError, match="at most 16"):
+        simd.table16(np.zeros(17, np.float32))
