@@ -210,6 +210,11 @@ class PolarCache(WindowRollback, LayeredCache):
 
     def _encode(self, xp: Any, fixed: PolarFixed, calib: PolarCalibration, k: Any, v: Any, start: int) -> dict:
         """Quantize float32 tokens (b, h, t, d) at positions ``start ..`` -> the per-token arrays to append."""
+        if not self.qjl:  # centring, weights, outliers and both encodes in one op
+            return ops.polar_encode_tokens(k, v, calib.k_mean, calib.v_mean, calib.k_scale, calib.k_outlier_idx,
+                                           calib.k_mean_freq, calib.k_mean_pairs, start, fixed.k_codebook,
+                                           fixed.v_codebook, fixed.rotation, self.key_length == "unbiased",
+                                           self.value_length == "unbiased")
         d = self.head_dim
         half = half_dtype(xp)
         kc = (k - calib.key_mean(xp, start, int(k.shape[2]))) * xp.astype(calib.k_scale, xp.float32)[:, :, None, :]

@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import _compat
 from ..quant.polar import half_dtype
-from ..quant.rotary_mean import fit_rotary_mean, rotary_mean_at
+from ..quant.rotary_mean import RotaryMeanPlan, fit_rotary_mean
 from .polar_options import PolarOptions
 
 __all__ = ["PolarCalibration", "calibrate", "outlier_selector", "CENTER_MIN_SHARE", "MIN_CALIBRATION_TOKENS"]
@@ -83,7 +83,11 @@ class PolarCalibration:
         if self.k_mean_freq is None:
             return xp.astype(self.k_mean, xp.float32)[:, :, None, :]
         pos = xp.arange(start, start + n, dtype=xp.float64, device=_compat.device(self.k_mean))
-        return rotary_mean_at(self.k_mean, self.k_mean_freq, self.k_mean_pairs, pos)
+        plan = self.__dict__.get("_rotary_plan")
+        if plan is None:  # made once per layer (the arrays never change): not a field, not saved
+            plan = RotaryMeanPlan(self.k_mean, self.k_mean_freq, self.k_mean_pairs)
+            object.__setattr__(self, "_rotary_plan", plan)
+        return plan.at(pos)
 
 
 def outlier_selector(xp: Any, idx: Any, d: int):

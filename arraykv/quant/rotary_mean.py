@@ -41,7 +41,7 @@ from typing import Any, Mapping
 from .. import _compat
 from .._validation import check_real
 
-__all__ = ["ROPE_LAYOUTS", "RotaryMean", "rope_pairs", "rope_frequencies", "fit_rotary_mean", "rotary_mean_at",
+__all__ = ["RotaryMeanPlan", "ROPE_LAYOUTS", "RotaryMean", "rope_pairs", "rope_frequencies", "fit_rotary_mean", "rotary_mean_at",
            "check_rope"]
 
 #: Channel pairings of rotary embeddings: ``(j, j + d/2)`` or ``(2j, 2j + 1)``.
@@ -258,6 +258,52 @@ def _detect(x: Any, positions: Any, static: Any) -> tuple:
     return layout, float(base)
 
 
+class RotaryMeanPlan:
+    """The position-independent part of :func:`rotary_mean_at` for one layer, computed once.
+
+    ``at(positions)`` is ``R_t μ`` at those positions: the cos/sin of each pair's angle, the
+    two rotated components, and one gather that puts every channel in its place (channels
+    outside every pair keep ``μ``). A decode step asks for one position per layer, where the
+    set-up (dtype conversion, the frequency layout check, the channel map) costs more than
+    the rotation.
+    """
+
+    def __init__(self, rm_mean: Any, freq: Any, pairs: Any):
+        xp = _compat.namespace(rm_mean)
+        dev = _compat.device(rm_mean)
+        self.xp = xp
+        mu = xp.astype(rm_mean, xp.float32)
+        self.mu = mu[:, :, None, :]  # (b, h, 1, d)
+        d = int(mu.shape[-1])
+        n_j = int(pairs.shape[0])
+        top = xp.max(freq, axis=(0, 1))  # (J,): the layer's frequencies where heads share them
+        self.shared = bool(xp.all((freq == 0.0) | (freq == top)))
+        self.freq = top if self.shared else freq
+        self.turn = (freq != 0.0)[:, :, None, :] if self.shared else None
+        self.ma = xp.take(mu, pairs[:, 0], axis=2)[:, :, None, :]
+        self.mb = xp.take(mu, pairs[:, 1], axis=2)[:, :, None, :]
+        # output channel -> index into concat(ra, rb, μ): pair j's channels are j and J + j
+        hnp = _compat.host_numpy()
+        host_pairs = _compat.to_numpy(pairs).astype(hnp.int64)
+        where = 2 * n_j + hnp.arange(d, dtype=hnp.int64)
+        where[host_pairs[:, 0]] = hnp.arange(n_j)
+        where[host_pairs[:, 1]] = n_j + hnp.arange(n_j)
+        self.gather = _compat.from_host(xp, where, device=dev)
+
+    def at(self, positions: Any):
+        """``R_t μ`` at ``positions`` (n,): (b, h, n, d) float32."""
+        xp = self.xp
+        c, s = _phases(xp, self.freq, positions)  # (n, J) shared, else (b, h, n, J)
+        if self.turn is not None:
+            c = xp.where(self.turn, c, xp.ones_like(c))
+            s = xp.where(self.turn, s, xp.zeros_like(s))
+        ra = self.ma * c - self.mb * s
+        rb = self.mb * c + self.ma * s
+        n = int(ra.shape[2])
+        mu = xp.broadcast_to(self.mu, (*self.mu.shape[:2], n, int(self.mu.shape[3])))
+        return xp.take(xp.concat([ra, rb, mu], axis=-1), self.gather, axis=-1)
+
+
 def rotary_mean_at(rm_mean: Any, freq: Any, pairs: Any, positions: Any):
     """``R_t μ`` at ``positions``: shape (batch, heads, n, d), float32.
 
@@ -271,27 +317,9 @@ def rotary_mean_at(rm_mean: Any, freq: Any, pairs: Any, positions: Any):
         :attr:`RotaryMean.pairs`.
     positions : array (n,)
         Integer or float positions.
+
+    Notes
+    -----
+    One call of :class:`RotaryMeanPlan`; a caller asking again for the same layer keeps the plan.
     """
-    xp = _compat.namespace(rm_mean)
-    dev = _compat.device(rm_mean)
-    mu = xp.astype(rm_mean, xp.float32)
-    d = int(mu.shape[-1])
-    top = xp.max(freq, axis=(0, 1))  # (J,): the layer's frequencies where heads share them
-    if bool(xp.all((freq == 0.0) | (freq == top))):
-        c1, s1 = _phases(xp, top, positions)  # (n, J), once for every head
-        turn = (freq != 0.0)[:, :, None, :]
-        c = xp.where(turn, c1, xp.ones_like(c1))
-        s = xp.where(turn, s1, xp.zeros_like(s1))
-    else:
-        c, s = _phases(xp, freq, positions)  # (b, h, n, J)
-    ma = xp.take(mu, pairs[:, 0], axis=2)[:, :, None, :]
-    mb = xp.take(mu, pairs[:, 1], axis=2)[:, :, None, :]
-    ra = ma * c - mb * s
-    rb = mb * c + ma * s
-    onehot_a = xp.astype(xp.arange(d, dtype=xp.int32, device=dev)[None, :] == pairs[:, 0:1], xp.float32)
-    onehot_b = xp.astype(xp.arange(d, dtype=xp.int32, device=dev)[None, :] == pairs[:, 1:2], xp.float32)
-    out = xp.matmul(ra, onehot_a) + xp.matmul(rb, onehot_b)
-    if 2 * int(pairs.shape[0]) < d:  # a channel outside every pair (odd d) keeps its plain mean
-        free = 1.0 - xp.sum(onehot_a + onehot_b, axis=0)
-        out = out + (mu * free)[:, :, None, :]
-    return out
+    return RotaryMeanPlan(rm_mean, freq, pairs).at(positions)

@@ -1,0 +1,71 @@
+"""Encoding the tokens that leave a polar cache's exact window, in one op.
+
+A polar cache (``pqo``/``pq``) stores a token's key as ``s ⊙ (k − m_p)`` (``m_p`` the key mean
+at the token's position ``p``, plain or turning with it: :mod:`arraykv.quant.rotary_mean`;
+``s`` the key channel weights) with its outlier channels cut out and kept in float16, and its
+value as ``v − v_mean``; both then go through TurboQuant-MSE (:func:`arraykv.quant.polar.polar_encode`).
+:func:`polar_encode_tokens_reference` is that sequence in array-API code;
+``arraykv.ops.polar_encode_tokens`` runs it as one compiled call on NumPy, where a decode step
+(one token per layer) otherwise spends more time in the twenty-odd small array operations
+than in the arithmetic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _compat
+from .polar import half_dtype, polar_encode_reference
+from .rotary_mean import RotaryMeanPlan
+
+__all__ = ["polar_encode_tokens_reference"]
+
+
+def polar_encode_tokens_reference(k: Any, v: Any, k_mean: Any, v_mean: Any, k_scale: Any, k_outlier_idx: Any,
+                                  k_mean_freq: Any, k_mean_pairs: Any, start: int, k_codebook: Any, v_codebook: Any,
+                                  rotation: Any, key_unbiased: bool, value_unbiased: bool) -> dict:
+    """Quantize float32 tokens ``k``, ``v`` (b, h, t, d) at positions ``start .. start + t - 1``.
+
+    Parameters
+    ----------
+    k, v : float32 (b, h, t, d)
+    k_mean, v_mean, k_scale : float16 (b, h, d)
+        The layer's calibration (:class:`arraykv.caches.polar_calibration.PolarCalibration`).
+    k_outlier_idx : int32 (b, h, n_out)
+        Channels kept exactly (``n_out`` may be 0).
+    k_mean_freq : float32 (b, h, d // 2) or None
+        A rotating key mean's frequencies (None: ``k_mean`` is a plain mean).
+    k_mean_pairs : int32 (d // 2, 2) or None
+    start : int
+        Position of the first token.
+    k_codebook, v_codebook : Codebook
+    rotation : Rotation
+    key_unbiased, value_unbiased : bool
+        Stored lengths (:func:`arraykv.quant.polar.polar_encode_reference`).
+
+    Returns
+    -------
+    dict
+        ``k_codes``, ``v_codes`` uint8 (b, h, t, packed), ``k_norms``, ``v_norms`` float16
+        (b, h, t) and, when ``n_out > 0``, ``k_outliers`` float16 (b, h, t, n_out).
+    """
+    xp = _compat.namespace(k)
+    dev = _compat.device(k)
+    d = int(k.shape[-1])
+    half = half_dtype(xp)
+    if k_mean_freq is None:
+        mean = xp.astype(k_mean, xp.float32)[:, :, None, :]
+    else:
+        pos = xp.arange(start, start + int(k.shape[2]), dtype=xp.float64, device=dev)
+        mean = RotaryMeanPlan(k_mean, k_mean_freq, k_mean_pairs).at(pos)
+    kc = (k - mean) * xp.astype(k_scale, xp.float32)[:, :, None, :]
+    vc = v - xp.astype(v_mean, xp.float32)[:, :, None, :]
+    out = {}
+    if int(k_outlier_idx.shape[-1]):
+        ar = xp.arange(d, dtype=xp.int32, device=dev)
+        sel = xp.astype(ar[None, None, :, None] == k_outlier_idx[:, :, None, :], xp.float32)  # (b, h, d, n_out)
+        out["k_outliers"] = xp.astype(xp.matmul(kc, sel), half)
+        kc = kc * (1.0 - xp.sum(sel, axis=-1))[:, :, None, :]
+    out["k_codes"], out["k_norms"] = polar_encode_reference(kc, k_codebook, rotation, unbiased=key_unbiased)
+    out["v_codes"], out["v_norms"] = polar_encode_reference(vc, v_codebook, rotation, unbiased=value_unbiased)
+    return out
