@@ -219,7 +219,8 @@ def commit_store(xp: Any, method: str, st: Any, step: WindowStep, spill: int, ar
     margin = st.rollback
     if spill and rollback:
         kr, vr = step.half_rows(max(0, spill - rollback), spill)
-        k_new, v_new = k_new + [kr], v_new + [vr]
+        if spill > step.n_recent:  # rows of new tokens among them (rows of the held window were checked)
+            k_new, v_new = k_new + [kr], v_new + [vr]
         margin = ExactTokens(k=keep_last(xp, margin.k, kr, rollback), v=keep_last(xp, margin.v, vr, rollback))
     refuse_overflow(xp, method, {"window": k_new, "value window": v_new, **(arrays or {}), **new_calib})
     if arrays is not None:

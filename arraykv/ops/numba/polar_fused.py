@@ -100,11 +100,21 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
     ra_t = np.empty((g_n, n_j), np.float32)
     rb_t = np.empty((g_n, n_j), np.float32)
     rterm = np.zeros((g_n, TILE), np.float32)
+    vec = VECTOR_TILES and d % 64 == 0  # scores and value sums in explicit 16-lane vectors
+    # the rotating mean's share as one more small product per tile: rows [cos | sin] of each
+    # token offset, coefficients [A | B] turned to the tile's start, zero-padded to 64 lanes
+    w_cs = (2 * n_j + 63) // 64 * 64 if vec else 0
+    cs = np.zeros((TILE if w_cs else 0, w_cs), np.float32)
+    rab = np.zeros((g_n, w_cs), np.float32)
+    if w_cs:
+        for r in range(TILE):
+            for j in range(n_j):
+                cs[r, j] = ct[r, j]
+                cs[r, n_j + j] = st[r, j]
     kn = np.empty(TILE, np.float32)
     vn = np.empty(TILE, np.float32)
     ebits = np.empty(TILE, np.int32)
     al = acc.copy()  # the task's own accumulator: the compiler knows it aliases no other array
-    vec = VECTOR_TILES and d % 64 == 0  # scores and value sums in explicit 16-lane vectors
     # 4- and 2-bit codes: scored and summed straight from the packed rows (planar order, no tile buffer)
     k_direct = _planar_per(k_bits, d) if vec else 0
     v_direct = _planar_per(v_bits, d) if vec else 0
@@ -153,7 +163,13 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                     rb_t[g, j] = np.float32(rb[g, j] * cp - ra[g, j] * sp)
                 ph[j, 0] = cp * step[j, 0] - sp * step[j, 1]
                 ph[j, 1] = sp * step[j, 0] + cp * step[j, 1]
-            for g in range(g_n):
+            if w_cs:
+                for g in range(g_n):
+                    for j in range(n_j):
+                        rab[g, j] = ra_t[g, j]
+                        rab[g, n_j + j] = rb_t[g, j]
+                tile_scores(cs, nt, rab, rterm)
+            for g in range(g_n if not w_cs else 0):
                 for r in range(nt):
                     x = np.float32(0.0)
                     for j in range(n_j):

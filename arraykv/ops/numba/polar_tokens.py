@@ -64,6 +64,30 @@ def _center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc
                     kc[r, ch] = np.float32(0.0)
 
 
+#: Host tables of a cache's rotation and codebooks, by their ids (the entry holds the objects,
+#: so an id is not reused while it is cached).
+_FIXED: dict = {}
+_FIXED_MAX = 64
+
+
+def _fixed(rotation, k_codebook, v_codebook) -> tuple:
+    """``(signs, matrix, hadamard, (k_thr, k_cent, k_bits), (v_thr, v_cent, v_bits))`` as the encoder takes them."""
+    objs = (rotation, k_codebook, v_codebook)
+    key = tuple(id(o) for o in objs)
+    hit = _FIXED.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], objs)):
+        return hit[1]
+    tabs = (_host(rotation.signs), _matrix(rotation), rotation.kind == "hadamard",
+            *((_host(b.thresholds), _host(b.centroids), int(b.bits)) for b in (k_codebook, v_codebook)))
+    if len(_FIXED) >= _FIXED_MAX:
+        try:  # layers store from several threads: another may have evicted it first
+            _FIXED.pop(next(iter(_FIXED)), None)
+        except (StopIteration, RuntimeError):
+            pass
+    _FIXED[key] = (objs, tabs)
+    return tabs
+
+
 def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs, start, k_codebook,
                         v_codebook, rotation, key_unbiased, value_unbiased):
     """Kernel of :func:`arraykv.quant.polar_tokens.polar_encode_tokens_reference` (same arguments and result)."""
@@ -78,19 +102,17 @@ def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_fre
     else:
         freq = np.asarray(k_mean_freq, np.float32)
         pairs = np.ascontiguousarray(k_mean_pairs, np.int32)
+    signs, matrix, hadamard, k_tabs, v_tabs = _fixed(rotation, k_codebook, v_codebook)
     kc = np.empty((n, d), np.float32)
     vc = np.empty((n, d), np.float32)
     k_out = np.empty((n, n_out), np.float32)
     _center(k, v, int(start), _bits16(k_mean), _bits16(v_mean), _bits16(k_scale), idx, freq, pairs, HALF_TO_FLOAT,
             kc, vc, k_out)
-    signs, matrix, hadamard = _host(rotation.signs), _matrix(rotation), rotation.kind == "hadamard"
     out = {}
-    for name, x, book, unbiased in (("k", kc, k_codebook, key_unbiased), ("v", vc, v_codebook, value_unbiased)):
-        bits = int(book.bits)
+    for name, x, (thr, cent, bits), unbiased in (("k", kc, k_tabs, key_unbiased), ("v", vc, v_tabs, value_unbiased)):
         codes = np.empty((n, (d * bits + 7) // 8), np.uint8)
         lengths = np.empty(n, np.float32)
-        args = (x, signs, matrix, hadamard, _host(book.thresholds), _host(book.centroids), bits, bool(unbiased),
-                codes, lengths)
+        args = (x, signs, matrix, hadamard, thr, cent, bits, bool(unbiased), codes, lengths)
         if threads_for(x.size) == 1:
             _encode_ser(*args)
         else:  # a long prefill's spill
