@@ -163,3 +163,44 @@ def test_fused_kernel_with_every_group_split(method, g, rng):
 def test_table16_refuses_big_codebooks():
     with pytest.raises(ValueError, match="at most 16"):
         simd.table16(np.zeros(17, np.float32))
+
+
+@nb.njit
+def _int4_group(codes, qf, s, off):
+    simd.int4_group_scores(codes, qf, s, off)
+
+
+@nb.njit
+def _values4_scaled(codes, t0, nt, tab, w, cscale, acc):
+    simd.tile_values_codes_4_scaled(codes, t0, nt, tab, w, cscale, acc)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 5, 7, 9])
+@pytest.mark.parametrize("d", [64, 128])
+def test_int4_group_scores(group, g, d, rng):
+    codes = rng.integers(0, 256, (d, group // 2 + 8), dtype=np.uint8)[:, :group // 2]  # strided rows
+    tokens = np.stack([codes & 15, codes >> 4], axis=-1).reshape(d, group).astype(np.float64)  # (channel, token)
+    qf = rng.standard_normal((g, d)).astype(np.float32)
+    s = np.full((g, group + 40), 7.0, np.float32)
+    _int4_group(codes, qf, s, 5)
+    np.testing.assert_allclose(s[:, 5:5 + group], qf @ tokens, rtol=0, atol=1e-5 * 15 * d)
+    assert (s[:, :5] == 7.0).all() and (s[:, 5 + group:] == 7.0).all()
+
+
+@pytest.mark.parametrize("impl", [0, 1], ids=["instructions", "loop"])
+@pytest.mark.parametrize("g", [1, 3, 4, 6])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("nt", [64, 13])
+def test_scaled_values_from_int4_codes(impl, g, d, nt, rng):
+    if impl == 0 and not simd.HAVE_PERMPS:
+        pytest.skip("no AVX-512")
+    codes = _codes(rng, 100, d, 4)
+    vals = _planar_values(codes[9:9 + nt], np.arange(16, dtype=np.float32), 4).astype(np.float64)
+    w = rng.random((g, 64)).astype(np.float32)
+    cscale = rng.random((64, d // 16)).astype(np.float32)
+    acc = rng.standard_normal((g, d)).astype(np.float32)
+    want = acc + w[:, :nt] @ (vals * np.repeat(cscale[:nt], 16, axis=1))
+    fn = _values4_scaled if impl == 0 else simd.tile_values_codes_4_scaled_loop
+    fn(codes, 9, nt, simd.table16(np.arange(16, dtype=np.float32)), w, cscale, acc)
+    np.testing.assert_allclose(acc, want, rtol=0, atol=1e-4 * nt)

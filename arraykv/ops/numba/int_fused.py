@@ -40,6 +40,7 @@ from ...attention.int_fused import check_query
 from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, plan, prepare_queries,
                            ro, run_step, softmax_tile)
 from .polar_rows import HALF_TO_FLOAT
+from .simd import VECTOR_TILES, int4_group_scores, table16, tile_values_codes_4_scaled
 
 __all__ = ["int_decode_attention", "TILE"]
 
@@ -49,6 +50,10 @@ _NIBBLES = np.ascontiguousarray(
 #: Byte -> its four 2-bit codes as float32 (lowest bits first), as two 8-byte words (entries 2·byte, 2·byte + 1).
 _QUADS = np.ascontiguousarray(
     np.stack([(np.arange(256) >> s) & 3 for s in (0, 2, 4, 6)], axis=1).astype(np.float32)).view(np.uint64).reshape(-1)
+
+
+#: The codes 0..15 as float32: the register table that turns int4 codes into their values.
+_CODES16 = table16(np.arange(16, dtype=np.float32))
 
 
 def _f32(x, half):  # pragma: no cover - replaced in compiled code by the overload below
@@ -114,6 +119,23 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
     d4 = d - d % 4
     nbk = (G * bits + 7) // 8  # bytes per packed key row / value row
     nbv = (d * bits + 7) // 8
+    # int4 in 16-lane vectors: key groups scored with tokens along the lanes, values summed from
+    # the packed rows in planar order (even channels, then odd; :mod:`arraykv.ops.numba.simd`)
+    vec4 = VECTOR_TILES and bits == 4 and G % 32 == 0 and d % 64 == 0
+    half_d = d // 2
+    al = np.empty((g_n, d), np.float32)  # the value sums in planar order (vec4)
+    if vec4:
+        for g in range(g_n):
+            for c in range(half_d):
+                al[g, c] = acc[g, 2 * c]
+                al[g, half_d + c] = acc[g, 2 * c + 1]
+    qfs = np.empty((g_n, d), np.float32)
+    csts = np.empty(g_n, np.float32)
+    n_chunks = d // 16
+    cscale = np.empty((tile, n_chunks), np.float32)
+    chunk_group = np.empty(n_chunks, np.int64)  # value group of each planar chunk of 16 channels
+    for k in range(n_chunks):
+        chunk_group[k] = (32 * (k % (n_chunks // 2))) // G if vec4 else 0
     for t0 in range(t_lo, t_hi, tile):
         t1 = min(t_hi, t0 + tile)
         nt = t1 - t0
@@ -121,6 +143,23 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
         for g0 in range(t0, min(t1, nq), G):
             grp = g0 // G
             off = g0 - t0
+            if vec4:
+                for c in range(d):
+                    ksf[c] = _f32(k_scale[b, h, grp, c], half)
+                    kof[c] = _f32(k_offset[b, h, grp, c], half)
+                for g in range(g_n):
+                    cst = np.float32(0.0)
+                    for c in range(d):
+                        x = qs[g, c]
+                        qfs[g, c] = x * ksf[c]
+                        cst += x * kof[c]
+                    csts[g] = cst
+                int4_group_scores(k_codes[b, h, grp], qfs, s, off)
+                for g in range(g_n):
+                    srow = s[g, off:off + G]
+                    for i in range(G):
+                        srow[i] += csts[g]
+                continue
             if bits == 8:
                 for c in range(d):
                     row = k_codes[b, h, grp, c]
@@ -179,6 +218,35 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
         # 2. values of the tile, unpacked once for the group, and their scales and offsets;
         #    exact window values are copied with scale 1 and offset 0
         nqt = max(0, min(nt, nvq - t0))
+        if vec4:
+            for r in range(nqt):
+                for j in range(nvg):
+                    vsf[j, r] = _f32(v_scale[b, h, t0 + r, j], half)
+                    vof[j, r] = _f32(v_offset[b, h, t0 + r, j], half)
+                for k in range(n_chunks):
+                    cscale[r, k] = vsf[chunk_group[k], r]
+            for g in range(g_n):
+                srow = s[g]
+                softmax_tile(srow, nt, m, l, al, g, ebits)
+                # offsets: Σ_t p_t voffset_tj on the channels of value group j (two planar runs)
+                for j in range(nvg):
+                    o = np.float32(0.0)
+                    for r in range(nqt):
+                        o += srow[r] * vof[j, r]
+                    lo = j * (G // 2)
+                    hi = min(half_d, lo + G // 2)
+                    for c in range(lo, hi):
+                        al[g, c] += o
+                        al[g, half_d + c] += o
+                # exact window rows (the tile at the sequence's end)
+                for r in range(nqt, nt):
+                    p = srow[r]
+                    for c in range(half_d):
+                        al[g, c] += p * v_win[b, h, t0 + r - nvq, 2 * c]
+                        al[g, half_d + c] += p * v_win[b, h, t0 + r - nvq, 2 * c + 1]
+            if nqt:
+                tile_values_codes_4_scaled(v_codes[b, h], t0, nqt, _CODES16, s, cscale, al)
+            continue
         if bits == 8:
             for r in range(nqt):
                 row = v_codes[b, h, t0 + r]
@@ -241,6 +309,11 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
                     v0 = vb[r, c0:c1]
                     for c in range(w):
                         arow[c] += w0 * v0[c]
+    if vec4:  # back to channel order
+        for g in range(g_n):
+            for c in range(half_d):
+                acc[g, 2 * c] = al[g, c]
+                acc[g, 2 * c + 1] = al[g, half_d + c]
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")

@@ -39,7 +39,8 @@ __all__ = ["HAVE_PERMPS", "planar_per", "table16", "unpack_tile_4", "unpack_tile
            "unpack_tile_2_loop", "to_planar", "from_planar", "tile_scores", "tile_values",
            "VECTOR_TILES", "tile_scores_codes_4", "tile_scores_codes_2", "tile_values_codes_4", "tile_values_codes_2",
            "tile_scores_codes_4_loop", "tile_scores_codes_2_loop", "tile_values_codes_4_loop",
-           "tile_values_codes_2_loop", "PREFETCH_ROWS"]
+           "tile_values_codes_2_loop", "PREFETCH_ROWS", "int4_group_scores", "tile_values_codes_4_scaled",
+           "tile_values_codes_4_scaled_loop"]
 
 
 def _host_has_avx512f() -> bool:
@@ -510,7 +511,7 @@ def _scores_codes_codegen(bits):
     return codegen
 
 
-def _values_codes_codegen(bits):
+def _values_codes_codegen(bits, scaled=False):
     def codegen(context, builder, sig, args):
         h = _vec_helpers()
         ir = h.ir
@@ -519,7 +520,10 @@ def _values_codes_codegen(bits):
         nbytes = h.cgutils.unpack_tuple(builder, c_arr.shape)[1]
         t0, nt = args[1], args[2]
         tab_arr = context.make_array(sig.args[3])(context, builder, args[3])
-        (w, (_, w_w)), (acc, (g_n, d)) = _arrays(context, builder, sig, args, (4, 5))
+        if scaled:  # (w, cscale, acc): each row's chunk k times cscale[r, k] before the weights
+            (w, (_, w_w)), (csc, (_, cs_w)), (acc, (g_n, d)) = _arrays(context, builder, sig, args, (4, 5, 6))
+        else:
+            (w, (_, w_w)), (acc, (g_n, d)) = _arrays(context, builder, sig, args, (4, 5))
         row_ptr, word, chunk = _code_source(builder, h, bits, c_arr, c_stride, nbytes, tab_arr)
         fma = h.fma_fn(builder)
         blocks = builder.udiv(nbytes, h.const(16))
@@ -549,6 +553,9 @@ def _values_codes_codegen(bits):
                         builder.mul(builder.add(g0, h.const(gi)), w_w), r)]))) for gi in range(gb)]
                     for k in range(4):
                         x = chunk(word(row, src[k][0]), src[k][1])
+                        if scaled:
+                            at = builder.add(builder.mul(r, cs_w), builder.add(c0, h.const(k)))
+                            x = builder.fmul(x, h.splat(builder, builder.load(builder.gep(csc, [at]))))
                         for gi in range(gb):
                             a = accs[4 * gi + k]
                             builder.store(builder.call(fma, [wv[gi], x, builder.load(a)]), a)
@@ -561,6 +568,81 @@ def _values_codes_codegen(bits):
         return context.get_dummy_value()
 
     return codegen
+
+
+def _int4_group_codegen(context, builder, sig, args):
+    """``s[g, off + i] = Σ_c qf[g, c] · code[c, i]`` for the ``G`` tokens of one int4 key group."""
+    h = _vec_helpers()
+    ir = h.ir
+    c_arr = context.make_array(sig.args[0])(context, builder, args[0])
+    c_stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
+    nbk = h.cgutils.unpack_tuple(builder, c_arr.shape)[1]
+    (qf, (g_n, d)), (s, (_, s_w)) = _arrays(context, builder, sig, args, (1, 2))
+    off = args[3]
+    fma = h.fma_fn(builder)
+    i32 = ir.IntType(32)
+    v16i8, v16i32 = ir.VectorType(ir.IntType(8), 16), ir.VectorType(i32, 16)
+    accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(8)]
+    lo_idx = [i // 2 + (16 if i % 2 else 0) for i in range(16)]  # tokens 0..15 from (even, odd) planes
+    hi_idx = [8 + i // 2 + (16 if i % 2 else 0) for i in range(16)]
+
+    def emit(g0, gb):
+        with h.cgutils.for_range(builder, builder.udiv(nbk, h.const(16))) as lb:
+            blk = builder.mul(lb.index, h.const(16))
+            for a in accs[: 2 * gb]:
+                builder.store(ir.Constant(h.v16, None), a)
+            with h.cgutils.for_range(builder, d) as lc:
+                c = lc.index
+                ptr = builder.gep(c_arr.data, [builder.add(builder.mul(c, c_stride), blk)])
+                raw = builder.zext(builder.load(builder.bitcast(ptr, v16i8.as_pointer()), align=1), v16i32)
+                even = builder.uitofp(builder.and_(raw, ir.Constant(v16i32, [15] * 16)), h.v16)
+                odd = builder.uitofp(builder.lshr(raw, ir.Constant(v16i32, [4] * 16)), h.v16)
+                for gi in range(gb):
+                    qv = h.splat(builder, builder.load(builder.gep(qf, [builder.add(builder.mul(
+                        builder.add(g0, h.const(gi)), d), c)])))
+                    for p, x in enumerate((even, odd)):
+                        a = accs[2 * gi + p]
+                        builder.store(builder.call(fma, [qv, x, builder.load(a)]), a)
+            for gi in range(gb):
+                ev, od = builder.load(accs[2 * gi]), builder.load(accs[2 * gi + 1])
+                base = builder.add(builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), off),
+                                   builder.mul(blk, h.const(2)))
+                h.vstore(builder, builder.shuffle_vector(ev, od, ir.Constant(v16i32, lo_idx)), s, base)
+                h.vstore(builder, builder.shuffle_vector(ev, od, ir.Constant(v16i32, hi_idx)), s,
+                         builder.add(base, h.const(16)))
+
+    _g_blocks_any(builder, h, g_n, emit)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def int4_group_scores(typingctx, codes, qf, s, off):
+    """``s[g, off + i] = Σ_c qf[g, c] · codes_c[i]`` for one int4 key group (no scale or offset).
+
+    ``codes`` (d, G/2) uint8: channel ``c``'s ``G`` codes packed two per byte (low nibble first,
+    rows of whole 16-byte blocks: ``G`` a multiple of 32); ``qf`` (G_q, d) and ``s`` (G_q, ≥ off + G)
+    C-contiguous float32. Tokens run along the vector lanes, so no sum across lanes is needed.
+    """
+    ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8 and _c_f32(qf, s)
+          and qf.ndim == 2 and s.ndim == 2 and isinstance(off, nbt.Integer))
+    if not ok:
+        return None
+    return nbt.void(codes, qf, s, nbt.int64), _int4_group_codegen
+
+
+def _scaled_values_intrinsic(bits):
+    gen = _values_codes_codegen(bits, scaled=True)
+
+    def typer(typingctx, codes, t0, nt, tab, w, cscale, acc):
+        ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8
+              and isinstance(tab, nbt.Array) and _c_f32(w, cscale, acc) and w.ndim == 2 and cscale.ndim == 2
+              and acc.ndim == 2 and all(isinstance(v, nbt.Integer) for v in (t0, nt)))
+        if not ok:
+            return None
+        return nbt.void(codes, nbt.int64, nbt.int64, tab, w, cscale, acc), gen
+
+    typer.__name__ = f"tile_values_codes_{bits}_scaled"
+    return intrinsic(typer)
 
 
 def _codes_intrinsic(bits, which):
@@ -630,11 +712,25 @@ def tile_values_codes_2_loop(codes, t0, nt, tab, w, acc):
     _values_codes_loop(codes, t0, nt, tab, w, acc, 2)
 
 
+@nb.njit
+def tile_values_codes_4_scaled_loop(codes, t0, nt, tab, w, cscale, acc):
+    """Reference of ``tile_values_codes_4_scaled``: ``acc[g, j] += Σ_r w[g, r] · cscale[r, j // 16] · c[codes[t0 + r]]_j``
+    (planar order)."""
+    rows = _rows_loop(codes, t0, nt, tab, 4)
+    for g in range(acc.shape[0]):
+        for r in range(nt):
+            for j in range(acc.shape[1]):
+                acc[g, j] += w[g, r] * cscale[r, j // 16] * rows[r, j]
+
+
 if HAVE_PERMPS:
     tile_scores_codes_4 = _codes_intrinsic(4, "scores")
     tile_scores_codes_2 = _codes_intrinsic(2, "scores")
     tile_values_codes_4 = _codes_intrinsic(4, "values")
     tile_values_codes_2 = _codes_intrinsic(2, "values")
+    #: :func:`tile_values_codes_4` with row ``r``'s chunk ``k`` (16 planar lanes) times ``cscale[r, k]``
+    tile_values_codes_4_scaled = _scaled_values_intrinsic(4)
 else:
     tile_scores_codes_4, tile_scores_codes_2 = tile_scores_codes_4_loop, tile_scores_codes_2_loop
     tile_values_codes_4, tile_values_codes_2 = tile_values_codes_4_loop, tile_values_codes_2_loop
+    tile_values_codes_4_scaled = tile_values_codes_4_scaled_loop
