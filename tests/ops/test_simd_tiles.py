@@ -16,6 +16,7 @@ import arraykv
 from arraykv.ops import polar_decode_attention
 from arraykv.attention.polar_fused import polar_decode_attention_reference
 from arraykv.ops.numba import simd
+from arraykv.ops.numba.fused_driver import softmax_tile
 
 PERMPS = pytest.mark.skipif(not simd.HAVE_PERMPS, reason="no AVX-512 on this CPU (the loop references are tested)")
 
@@ -204,3 +205,33 @@ def test_scaled_values_from_int4_codes(impl, g, d, nt, rng):
     fn = _values4_scaled if impl == 0 else simd.tile_values_codes_4_scaled_loop
     fn(codes, 9, nt, simd.table16(np.arange(16, dtype=np.float32)), w, cscale, acc)
     np.testing.assert_allclose(acc, want, rtol=0, atol=1e-4 * nt)
+
+
+@nb.njit
+def _softmax_vec(s, nt, m, l, acc):
+    simd.softmax_rows(s, nt, m, l, acc)
+
+
+@nb.njit
+def _softmax_ref(s, nt, m, l, acc):
+    ebits = np.empty(s.shape[1], np.int32)
+    for g in range(s.shape[0]):
+        softmax_tile(s[g], nt, m, l, acc, g, ebits)
+
+
+@pytest.mark.parametrize("g", [1, 3, 4, 9])
+@pytest.mark.parametrize("nt", [64, 61, 17, 1])
+@pytest.mark.parametrize("first", [True, False], ids=["first-tile", "running"])
+def test_softmax_rows_equals_the_loop(g, nt, first, rng):
+    s = (rng.standard_normal((g, 64)) * 5).astype(np.float32)
+    m = np.full(g, -np.inf, np.float32) if first else (rng.standard_normal(g) * 3).astype(np.float32)
+    l = np.zeros(g, np.float32) if first else rng.random(g).astype(np.float32)
+    acc = rng.standard_normal((g, 128)).astype(np.float32)
+    got = [x.copy() for x in (s, m, l, acc)]
+    want = [x.copy() for x in (s, m, l, acc)]
+    _softmax_vec(got[0], nt, *got[1:])
+    _softmax_ref(want[0], nt, *want[1:])
+    np.testing.assert_allclose(got[0][:, :nt], want[0][:, :nt], rtol=1e-5, atol=0)
+    for a, b in zip(got[1:], want[1:]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=0)
+    assert (got[0][:, nt:(nt + 15) // 16 * 16] == 0).all()

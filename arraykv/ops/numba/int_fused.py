@@ -40,7 +40,7 @@ from ...attention.int_fused import check_query
 from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, plan, prepare_queries,
                            ro, run_step, softmax_tile)
 from .polar_rows import HALF_TO_FLOAT
-from .simd import VECTOR_TILES, int4_group_scores, table16, tile_values_codes_4_scaled
+from .simd import VECTOR_TILES, int4_group_scores, softmax_rows, table16, tile_values_codes_4_scaled
 
 __all__ = ["int_decode_attention", "TILE"]
 
@@ -121,7 +121,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
     nbv = (d * bits + 7) // 8
     # int4 in 16-lane vectors: key groups scored with tokens along the lanes, values summed from
     # the packed rows in planar order (even channels, then odd; :mod:`arraykv.ops.numba.simd`)
-    vec4 = VECTOR_TILES and bits == 4 and G % 32 == 0 and d % 64 == 0
+    vec4 = VECTOR_TILES and bits == 4 and G % 32 == 0 and d % 64 == 0 and tile % 16 == 0
     half_d = d // 2
     al = np.empty((g_n, d), np.float32)  # the value sums in planar order (vec4)
     if vec4:
@@ -225,9 +225,9 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
                     vof[j, r] = _f32(v_offset[b, h, t0 + r, j], half)
                 for k in range(n_chunks):
                     cscale[r, k] = vsf[chunk_group[k], r]
+            softmax_rows(s, nt, m, l, al)
             for g in range(g_n):
                 srow = s[g]
-                softmax_tile(srow, nt, m, l, al, g, ebits)
                 # offsets: Σ_t p_t voffset_tj on the channels of value group j (two planar runs)
                 for j in range(nvg):
                     o = np.float32(0.0)

@@ -42,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from .fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softmax_tile
-from .simd import (VECTOR_TILES, tile_scores, tile_scores_codes_2, tile_scores_codes_4, tile_values,
+from .simd import (VECTOR_TILES, softmax_rows, tile_scores, tile_scores_codes_2, tile_scores_codes_4, tile_values,
                    tile_values_codes_2, tile_values_codes_4)
 from .polar_query import _finish_head, _prepare_head, _prepare_rotating, _rows_to_planar
 from .polar_rows import (_NO_F32_2, _NO_F32_3, _NO_I32_2, _NO_I32_3, _NO_U8_4, _NO_U16_3, _NO_U16_4, _SIGN_TABLE,
@@ -199,7 +199,9 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                         x += sdot * qn
                     s[g, r] = x
         # 2. online softmax: rescale once per tile, then the tile's weights
-        for g in range(g_n):
+        if vec:
+            softmax_rows(s, nt, m, l, al)
+        for g in range(g_n if not vec else 0):
             softmax_tile(s[g], nt, m, l, al, g, ebits)
         # 3. weighted values in the rotated domain
         if not v_direct:

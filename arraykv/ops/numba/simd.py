@@ -40,7 +40,7 @@ __all__ = ["HAVE_PERMPS", "planar_per", "table16", "unpack_tile_4", "unpack_tile
            "VECTOR_TILES", "tile_scores_codes_4", "tile_scores_codes_2", "tile_values_codes_4", "tile_values_codes_2",
            "tile_scores_codes_4_loop", "tile_scores_codes_2_loop", "tile_values_codes_4_loop",
            "tile_values_codes_2_loop", "PREFETCH_ROWS", "int4_group_scores", "tile_values_codes_4_scaled",
-           "tile_values_codes_4_scaled_loop"]
+           "tile_values_codes_4_scaled_loop", "softmax_rows"]
 
 
 def _host_has_avx512f() -> bool:
@@ -734,3 +734,123 @@ else:
     tile_scores_codes_4, tile_scores_codes_2 = tile_scores_codes_4_loop, tile_scores_codes_2_loop
     tile_values_codes_4, tile_values_codes_2 = tile_values_codes_4_loop, tile_values_codes_2_loop
     tile_values_codes_4_scaled = tile_values_codes_4_scaled_loop
+
+
+# ---- the online softmax of a tile, every query head --------------------------------------
+
+#: 2**f on |f| <= 1/2, Taylor coefficients ln(2)**k / k! (as :func:`arraykv.ops.numba.fused_driver.softmax_tile`)
+_EXP2 = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.009618129107628477,
+         0.0013333558146428443, 0.00015403530393381606, 1.525273380405984e-05)
+
+
+def _softmax_codegen(context, builder, sig, args):
+    h = _vec_helpers()
+    ir = h.ir
+    (s, (g_n, s_w)), (m, _), (l, _), (acc, (_, d)) = _arrays(context, builder, sig, args, (0, 2, 3, 4))
+    nt = args[1]
+    f32, v16 = h.f32, h.v16
+    i32 = ir.IntType(32)
+    v16i32 = ir.VectorType(i32, 16)
+    mod = builder.module
+
+    def intrinsic_fn(name, ret, argtys):
+        fn = mod.globals.get(name)
+        return fn if fn is not None else ir.Function(mod, ir.FunctionType(ret, argtys), name)
+
+    vmax = intrinsic_fn("llvm.maxnum.v16f32", v16, [v16, v16])
+    vfloor = intrinsic_fn("llvm.floor.v16f32", v16, [v16])
+    sexp = intrinsic_fn("llvm.exp.f32", f32, [f32])
+    lanes = ir.Constant(v16i32, list(range(16)))
+    ninf = ir.Constant(v16, [float("-inf")] * 16)
+    zero = ir.Constant(v16, [0.0] * 16)
+    nvec = builder.udiv(builder.add(nt, h.const(15)), h.const(16))
+    nt32 = builder.trunc(nt, i32)
+    ntv = builder.shuffle_vector(builder.insert_element(ir.Constant(v16i32, ir.Undefined), nt32, ir.Constant(i32, 0)),
+                                 ir.Constant(v16i32, ir.Undefined), ir.Constant(v16i32, [0] * 16))
+    mx = h.cgutils.alloca_once(builder, v16)
+    sm = h.cgutils.alloca_once(builder, v16)
+
+    def live(k):  # lanes of vector k that hold one of the nt logits
+        base = builder.trunc(builder.mul(k, h.const(16)), i32)
+        bv = builder.shuffle_vector(builder.insert_element(ir.Constant(v16i32, ir.Undefined), base,
+                                                           ir.Constant(i32, 0)),
+                                    ir.Constant(v16i32, ir.Undefined), ir.Constant(v16i32, [0] * 16))
+        return builder.icmp_signed("<", builder.add(bv, lanes), ntv)
+
+    with h.cgutils.for_range(builder, g_n) as lg:
+        g = lg.index
+        row = builder.mul(g, s_w)
+        builder.store(ninf, mx)
+        with h.cgutils.for_range(builder, nvec) as lk:
+            x = h.vload(builder, s, builder.add(row, builder.mul(lk.index, h.const(16))))
+            x = builder.select(live(lk.index), x, ninf)
+            builder.store(builder.call(vmax, [builder.load(mx), x]), mx)
+        v = builder.load(mx)
+        n = 16
+        while n > 1:  # the tile's largest logit
+            idx = ir.Constant(ir.VectorType(i32, n // 2), list(range(n // 2)))
+            hi = ir.Constant(ir.VectorType(i32, n // 2), list(range(n // 2, n)))
+            v = builder.call(intrinsic_fn(f"llvm.maxnum.v{n // 2}f32", ir.VectorType(f32, n // 2),
+                                          [ir.VectorType(f32, n // 2)] * 2),
+                             [builder.shuffle_vector(v, v, idx), builder.shuffle_vector(v, v, hi)]) \
+                if n > 2 else builder.call(intrinsic_fn("llvm.maxnum.f32", f32, [f32, f32]),
+                                           [builder.extract_element(v, ir.Constant(i32, 0)),
+                                            builder.extract_element(v, ir.Constant(i32, 1))])
+            n //= 2
+        tmax = v
+        m_ptr = builder.gep(m, [g])
+        l_ptr = builder.gep(l, [g])
+        m_old = builder.load(m_ptr)
+        with h.cgutils.if_unlikely(builder, builder.fcmp_ordered(">", tmax, m_old)):
+            # a new maximum: rescale the running sum and value sum once (m_old = -inf gives 0)
+            c = builder.call(sexp, [builder.fsub(m_old, tmax)])
+            builder.store(builder.fmul(builder.load(l_ptr), c), l_ptr)
+            cv = h.splat(builder, c)
+            arow = builder.mul(g, d)
+            with h.cgutils.for_range(builder, builder.udiv(d, h.const(16))) as la:
+                at = builder.add(arow, builder.mul(la.index, h.const(16)))
+                h.vstore(builder, builder.fmul(h.vload(builder, acc, at), cv), acc, at)
+            builder.store(tmax, m_ptr)
+        mt = h.splat(builder, builder.load(m_ptr))
+        builder.store(zero, sm)
+        log2e = ir.Constant(v16, [1.4426950408889634] * 16)
+        lo = ir.Constant(v16, [-126.0] * 16)
+        half_c = ir.Constant(v16, [0.5] * 16)
+        coef = [ir.Constant(v16, [c] * 16) for c in _EXP2]
+        one = ir.Constant(v16, [1.0] * 16)
+        fma = h.fma_fn(builder)
+        with h.cgutils.for_range(builder, nvec) as lk:
+            at = builder.add(row, builder.mul(lk.index, h.const(16)))
+            x = h.vload(builder, s, at)
+            y = builder.fmul(builder.fsub(x, mt), log2e)
+            y = builder.call(vmax, [y, lo])
+            nf = builder.call(vfloor, [builder.fadd(y, half_c)])
+            f = builder.fsub(y, nf)
+            p = coef[-1]
+            for cf in reversed(coef[:-1]):
+                p = builder.call(fma, [p, f, cf])
+            p = builder.call(fma, [p, f, one])
+            e = builder.shl(builder.add(builder.fptosi(nf, v16i32), ir.Constant(v16i32, [127] * 16)),
+                            ir.Constant(v16i32, [23] * 16))
+            p = builder.fmul(p, builder.bitcast(e, v16))
+            p = builder.select(live(lk.index), p, zero)
+            h.vstore(builder, p, s, at)
+            builder.store(builder.fadd(builder.load(sm), p), sm)
+        builder.store(builder.fadd(builder.load(l_ptr), h.hsum(builder, builder.load(sm))), l_ptr)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def softmax_rows(typingctx, s, nt, m, l, acc):
+    """:func:`arraykv.ops.numba.fused_driver.softmax_tile` for every row ``g`` of ``s`` at once, in vectors.
+
+    ``s`` (G, width) logits in, weights out (``width`` a multiple of 16, ``nt ≤ width``; lanes
+    from ``nt`` to the end of their vector are written 0); ``m``, ``l`` (G,) and ``acc`` (G, d)
+    (``d`` a multiple of 16) the running maximum, sum and value sum, rescaled once when the
+    tile raises the maximum. Same polynomial and exponent-field construction as ``softmax_tile``.
+    """
+    ok = (_c_f32(s, m, l, acc) and s.ndim == 2 and m.ndim == 1 and l.ndim == 1 and acc.ndim == 2
+          and isinstance(nt, nbt.Integer))
+    if not ok:
+        return None
+    return nbt.void(s, nbt.int64, m, l, acc), _softmax_codegen
