@@ -235,3 +235,42 @@ def test_softmax_rows_equals_the_loop(g, nt, first, rng):
     for a, b in zip(got[1:], want[1:]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=0)
     assert (got[0][:, nt:(nt + 15) // 16 * 16] == 0).all()
+
+
+@nb.njit
+def _int8_group(codes, qf, s, off):
+    simd.int8_group_scores(codes, qf, s, off)
+
+
+@nb.njit
+def _values8_scaled(codes, t0, nt, tab, w, cscale, acc):
+    simd.tile_values_codes_8_scaled(codes, t0, nt, tab, w, cscale, acc)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("d", [64, 128])
+def test_int8_group_scores(group, g, d, rng):
+    codes = rng.integers(0, 256, (d, group + 8), dtype=np.uint8)[:, :group]
+    qf = rng.standard_normal((g, d)).astype(np.float32)
+    s = np.full((g, group + 40), 7.0, np.float32)
+    _int8_group(codes, qf, s, 5)
+    np.testing.assert_allclose(s[:, 5:5 + group], qf @ codes.astype(np.float64), rtol=0, atol=1e-5 * 255 * d)
+    assert (s[:, :5] == 7.0).all() and (s[:, 5 + group:] == 7.0).all()
+
+
+@pytest.mark.parametrize("impl", [0, 1], ids=["instructions", "loop"])
+@pytest.mark.parametrize("g", [1, 3, 4, 6])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("nt", [64, 13])
+def test_scaled_values_from_int8_codes(impl, g, d, nt, rng):
+    if impl == 0 and not simd.HAVE_PERMPS:
+        pytest.skip("no AVX-512")
+    codes = rng.integers(0, 256, (100, d + 8), dtype=np.uint8)[:, :d]
+    w = rng.random((g, 64)).astype(np.float32)
+    cscale = rng.random((64, d // 16)).astype(np.float32)
+    acc = rng.standard_normal((g, d)).astype(np.float32)
+    want = acc + w[:, :nt] @ (codes[9:9 + nt].astype(np.float64) * np.repeat(cscale[:nt], 16, axis=1))
+    fn = _values8_scaled if impl == 0 else simd.tile_values_codes_8_scaled_loop
+    fn(codes, 9, nt, simd.table16(np.zeros(16, np.float32)), w, cscale, acc)
+    np.testing.assert_allclose(acc, want, rtol=1e-5, atol=1e-3)

@@ -40,7 +40,8 @@ from ...attention.int_fused import check_query
 from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, plan, prepare_queries,
                            ro, run_step, softmax_tile)
 from .polar_rows import HALF_TO_FLOAT
-from .simd import VECTOR_TILES, int4_group_scores, softmax_rows, table16, tile_values_codes_4_scaled
+from .simd import (VECTOR_TILES, int4_group_scores, int8_group_scores, softmax_rows, table16,
+                   tile_values_codes_4_scaled, tile_values_codes_8_scaled)
 
 __all__ = ["int_decode_attention", "TILE"]
 
@@ -119,11 +120,12 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
     d4 = d - d % 4
     nbk = (G * bits + 7) // 8  # bytes per packed key row / value row
     nbv = (d * bits + 7) // 8
-    # int4 in 16-lane vectors: key groups scored with tokens along the lanes, values summed from
-    # the packed rows in planar order (even channels, then odd; :mod:`arraykv.ops.numba.simd`)
-    vec4 = VECTOR_TILES and bits == 4 and G % 32 == 0 and d % 64 == 0 and tile % 16 == 0
+    # int4/int8 in 16-lane vectors: key groups scored with tokens along the lanes, values summed
+    # from the packed rows (int4 in planar order: even channels, then odd; :mod:`arraykv.ops.numba.simd`)
+    vec = VECTOR_TILES and (bits == 4 or bits == 8) and G % 32 == 0 and d % 64 == 0 and tile % 16 == 0
+    vec4 = vec and bits == 4
     half_d = d // 2
-    al = np.empty((g_n, d), np.float32)  # the value sums in planar order (vec4)
+    al = acc.copy()  # the value sums (planar order for int4)
     if vec4:
         for g in range(g_n):
             for c in range(half_d):
@@ -135,7 +137,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
     cscale = np.empty((tile, n_chunks), np.float32)
     chunk_group = np.empty(n_chunks, np.int64)  # value group of each planar chunk of 16 channels
     for k in range(n_chunks):
-        chunk_group[k] = (32 * (k % (n_chunks // 2))) // G if vec4 else 0
+        chunk_group[k] = (32 * (k % (n_chunks // 2))) // G if vec4 else (16 * k) // G
     for t0 in range(t_lo, t_hi, tile):
         t1 = min(t_hi, t0 + tile)
         nt = t1 - t0
@@ -143,7 +145,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
         for g0 in range(t0, min(t1, nq), G):
             grp = g0 // G
             off = g0 - t0
-            if vec4:
+            if vec:
                 for c in range(d):
                     ksf[c] = _f32(k_scale[b, h, grp, c], half)
                     kof[c] = _f32(k_offset[b, h, grp, c], half)
@@ -154,7 +156,10 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
                         qfs[g, c] = x * ksf[c]
                         cst += x * kof[c]
                     csts[g] = cst
-                int4_group_scores(k_codes[b, h, grp], qfs, s, off)
+                if vec4:
+                    int4_group_scores(k_codes[b, h, grp], qfs, s, off)
+                else:
+                    int8_group_scores(k_codes[b, h, grp], qfs, s, off)
                 for g in range(g_n):
                     srow = s[g, off:off + G]
                     for i in range(G):
@@ -218,7 +223,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
         # 2. values of the tile, unpacked once for the group, and their scales and offsets;
         #    exact window values are copied with scale 1 and offset 0
         nqt = max(0, min(nt, nvq - t0))
-        if vec4:
+        if vec:
             for r in range(nqt):
                 for j in range(nvg):
                     vsf[j, r] = _f32(v_scale[b, h, t0 + r, j], half)
@@ -233,19 +238,30 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
                     o = np.float32(0.0)
                     for r in range(nqt):
                         o += srow[r] * vof[j, r]
-                    lo = j * (G // 2)
-                    hi = min(half_d, lo + G // 2)
-                    for c in range(lo, hi):
-                        al[g, c] += o
-                        al[g, half_d + c] += o
+                    if vec4:
+                        lo = j * (G // 2)
+                        hi = min(half_d, lo + G // 2)
+                        for c in range(lo, hi):
+                            al[g, c] += o
+                            al[g, half_d + c] += o
+                    else:
+                        for c in range(j * G, min(d, (j + 1) * G)):
+                            al[g, c] += o
                 # exact window rows (the tile at the sequence's end)
                 for r in range(nqt, nt):
                     p = srow[r]
-                    for c in range(half_d):
-                        al[g, c] += p * v_win[b, h, t0 + r - nvq, 2 * c]
-                        al[g, half_d + c] += p * v_win[b, h, t0 + r - nvq, 2 * c + 1]
+                    if vec4:
+                        for c in range(half_d):
+                            al[g, c] += p * v_win[b, h, t0 + r - nvq, 2 * c]
+                            al[g, half_d + c] += p * v_win[b, h, t0 + r - nvq, 2 * c + 1]
+                    else:
+                        for c in range(d):
+                            al[g, c] += p * v_win[b, h, t0 + r - nvq, c]
             if nqt:
-                tile_values_codes_4_scaled(v_codes[b, h], t0, nqt, _CODES16, s, cscale, al)
+                if vec4:
+                    tile_values_codes_4_scaled(v_codes[b, h], t0, nqt, _CODES16, s, cscale, al)
+                else:
+                    tile_values_codes_8_scaled(v_codes[b, h], t0, nqt, _CODES16, s, cscale, al)
             continue
         if bits == 8:
             for r in range(nqt):
@@ -314,6 +330,8 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
             for c in range(half_d):
                 acc[g, 2 * c] = al[g, c]
                 acc[g, 2 * c + 1] = al[g, half_d + c]
+    elif vec:
+        acc[:, :] = al
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")

@@ -40,7 +40,8 @@ __all__ = ["HAVE_PERMPS", "planar_per", "table16", "unpack_tile_4", "unpack_tile
            "VECTOR_TILES", "tile_scores_codes_4", "tile_scores_codes_2", "tile_values_codes_4", "tile_values_codes_2",
            "tile_scores_codes_4_loop", "tile_scores_codes_2_loop", "tile_values_codes_4_loop",
            "tile_values_codes_2_loop", "PREFETCH_ROWS", "int4_group_scores", "tile_values_codes_4_scaled",
-           "tile_values_codes_4_scaled_loop", "softmax_rows"]
+           "tile_values_codes_4_scaled_loop", "softmax_rows",
+           "int8_group_scores", "tile_values_codes_8_scaled", "tile_values_codes_8_scaled_loop"]
 
 
 def _host_has_avx512f() -> bool:
@@ -428,7 +429,10 @@ def _code_source(builder, h, bits, c_arr, c_stride, nbytes, tab_arr):
         return builder.zext(raw, v16i32)
 
     def chunk(w, shift):
-        """Centroids of plane ``shift / bits`` of a block word; ``shift`` an int or an i32 vector."""
+        """Centroids of plane ``shift / bits`` of a block word; ``shift`` an int or an i32 vector.
+        8-bit codes are their own values (the integer caches): no table."""
+        if bits == 8:
+            return builder.uitofp(w, h.v16)
         idx = w
         if not (isinstance(shift, int) and shift == 0):
             sv = ir.Constant(v16i32, [shift] * 16) if isinstance(shift, int) else shift
@@ -615,6 +619,57 @@ def _int4_group_codegen(context, builder, sig, args):
     return context.get_dummy_value()
 
 
+def _int8_group_codegen(context, builder, sig, args):
+    """``s[g, off + i] = Σ_c qf[g, c] · code[c, i]`` for the ``G`` tokens of one int8 key group."""
+    h = _vec_helpers()
+    ir = h.ir
+    c_arr = context.make_array(sig.args[0])(context, builder, args[0])
+    c_stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
+    nbk = h.cgutils.unpack_tuple(builder, c_arr.shape)[1]
+    (qf, (g_n, d)), (s, (_, s_w)) = _arrays(context, builder, sig, args, (1, 2))
+    off = args[3]
+    fma = h.fma_fn(builder)
+    v16i8, v16i32 = ir.VectorType(ir.IntType(8), 16), ir.VectorType(ir.IntType(32), 16)
+    accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(8)]
+
+    def emit(g0, gb):
+        with h.cgutils.for_range(builder, builder.udiv(nbk, h.const(32))) as lb:  # two blocks of 16 tokens
+            blk = builder.mul(lb.index, h.const(32))
+            for a in accs[: 2 * gb]:
+                builder.store(ir.Constant(h.v16, None), a)
+            with h.cgutils.for_range(builder, d) as lc:
+                c = lc.index
+                xs = []
+                for half_ in range(2):
+                    ptr = builder.gep(c_arr.data, [builder.add(builder.mul(c, c_stride),
+                                                               builder.add(blk, h.const(16 * half_)))])
+                    raw = builder.load(builder.bitcast(ptr, v16i8.as_pointer()), align=1)
+                    xs.append(builder.uitofp(builder.zext(raw, v16i32), h.v16))
+                for gi in range(gb):
+                    qv = h.splat(builder, builder.load(builder.gep(qf, [builder.add(builder.mul(
+                        builder.add(g0, h.const(gi)), d), c)])))
+                    for p, x in enumerate(xs):
+                        a = accs[2 * gi + p]
+                        builder.store(builder.call(fma, [qv, x, builder.load(a)]), a)
+            for gi in range(gb):
+                base = builder.add(builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), off), blk)
+                h.vstore(builder, builder.load(accs[2 * gi]), s, base)
+                h.vstore(builder, builder.load(accs[2 * gi + 1]), s, builder.add(base, h.const(16)))
+
+    _g_blocks_any(builder, h, g_n, emit)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def int8_group_scores(typingctx, codes, qf, s, off):
+    """:func:`int4_group_scores` for int8 codes: ``codes`` (d, G) uint8, ``G`` a multiple of 32."""
+    ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8 and _c_f32(qf, s)
+          and qf.ndim == 2 and s.ndim == 2 and isinstance(off, nbt.Integer))
+    if not ok:
+        return None
+    return nbt.void(codes, qf, s, nbt.int64), _int8_group_codegen
+
+
 @intrinsic
 def int4_group_scores(typingctx, codes, qf, s, off):
     """``s[g, off + i] = Σ_c qf[g, c] · codes_c[i]`` for one int4 key group (no scale or offset).
@@ -723,6 +778,15 @@ def tile_values_codes_4_scaled_loop(codes, t0, nt, tab, w, cscale, acc):
                 acc[g, j] += w[g, r] * cscale[r, j // 16] * rows[r, j]
 
 
+@nb.njit
+def tile_values_codes_8_scaled_loop(codes, t0, nt, tab, w, cscale, acc):
+    """Reference of ``tile_values_codes_8_scaled``: ``acc[g, j] += Σ_r w[g, r] · cscale[r, j // 16] · codes[t0 + r, j]``."""
+    for g in range(acc.shape[0]):
+        for r in range(nt):
+            for j in range(acc.shape[1]):
+                acc[g, j] += w[g, r] * cscale[r, j // 16] * np.float32(codes[t0 + r, j])
+
+
 if HAVE_PERMPS:
     tile_scores_codes_4 = _codes_intrinsic(4, "scores")
     tile_scores_codes_2 = _codes_intrinsic(2, "scores")
@@ -730,10 +794,13 @@ if HAVE_PERMPS:
     tile_values_codes_2 = _codes_intrinsic(2, "values")
     #: :func:`tile_values_codes_4` with row ``r``'s chunk ``k`` (16 planar lanes) times ``cscale[r, k]``
     tile_values_codes_4_scaled = _scaled_values_intrinsic(4)
+    #: the same for int8 codes, their own values, in channel order (no table is read)
+    tile_values_codes_8_scaled = _scaled_values_intrinsic(8)
 else:
     tile_scores_codes_4, tile_scores_codes_2 = tile_scores_codes_4_loop, tile_scores_codes_2_loop
     tile_values_codes_4, tile_values_codes_2 = tile_values_codes_4_loop, tile_values_codes_2_loop
     tile_values_codes_4_scaled = tile_values_codes_4_scaled_loop
+    tile_values_codes_8_scaled = tile_values_codes_8_scaled_loop
 
 
 # ---- the online softmax of a tile, every query head --------------------------------------
