@@ -16,6 +16,13 @@ then exact window values):
    voffset_{t,j}`` (exact window values enter the tile with scale 1 and offset 0);
 3. a log-sum-exp merge of the token splits and the division by the softmax denominator.
 
+With AVX-512, int4/int8 codes, ``G`` a multiple of 32 and ``head_dim`` a multiple of 64
+(:mod:`arraykv.ops.numba.simd`), step 2 runs in 16-lane vectors: a key group is scored with
+its tokens along the lanes (each channel's codes converted once for four query heads, no sum
+across lanes), the softmax of a tile for every query head at once, and the value codes are
+read as their own values (int4 in planar order, the value sums permuted back at the span's
+end), each 16-channel chunk times its value group's scale.
+
 Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`: below
 ``PARALLEL_MIN_WORK`` values, ``batch · heads · tokens · head_dim``); larger ones split each
 head's tokens, at key-group boundaries, over Numba's threads (only step 2 is parallel). Work

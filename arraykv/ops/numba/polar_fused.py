@@ -13,7 +13,11 @@ A call is one compiled function that does the whole step for every (batch, KV he
    ``Σ_j A_j cos ω_j p + B_j sin ω_j p``, phases carried from tile to tile by one complex
    multiplication per pair), an online softmax per query head is rescaled
    once per tile, then the value codes are unpacked and accumulated, weighted, in the rotated
-   domain;
+   domain. With AVX-512 and ``head_dim`` a multiple of 64 (:mod:`arraykv.ops.numba.simd`):
+   4- and 2-bit codes are scored and summed straight from the packed rows, sixteen codes per
+   ``vpermps`` in planar order (the queries of ``prepare`` and the value sums of ``finish`` are
+   permuted to match), other widths from the unpacked tile; scores, value sums, the rotating
+   mean's share and the softmax are 16-lane tile products;
 3. *finish* (:func:`arraykv.attention.polar_fused.merge_window`): a log-sum-exp merge of the
    token splits, the float16 window (sinks and recent tokens, one exact block), the inverse
    rotation of the value sum, ``v_mean``, and the division by the softmax denominator.
