@@ -21,7 +21,7 @@ from .polar import _fwht
 from .simd import HAVE_PERMPS, planar_per, table16, unpack_tile_2, unpack_tile_4
 
 __all__ = ["HALF_TO_FLOAT", "_SIGNS", "_SIGN_TABLE", "_chunk_table", "_unpack_rows", "_fwht", "_bits16", "_fixed_args",
-           "_planar_per"]
+           "_planar_per", "memo_by_objects"]
 
 #: float16 bit pattern -> float32 value. Numba has no float16 arrays, so float16 state is
 #: read through ``uint16`` views (no copy) and this 256 KiB table.
@@ -188,6 +188,23 @@ _FIXED: dict = {}
 _FIXED_MAX = 64
 
 
+def memo_by_objects(store: dict, objs: tuple, make, limit: int = 64):
+    """``make(*objs)``, memoised in ``store`` by the ids of ``objs`` (the entry keeps the objects,
+    so an id cannot be reused while cached; at most ``limit`` entries, oldest dropped first)."""
+    key = tuple(id(o) for o in objs)
+    hit = store.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], objs)):
+        return hit[1]
+    value = make(*objs)
+    if len(store) >= limit:
+        try:  # layers run from several threads: another may have evicted it first
+            store.pop(next(iter(store)), None)
+        except (StopIteration, RuntimeError):
+            pass
+    store[key] = (objs, value)
+    return value
+
+
 def _row_table(cent, bits: int, d: int) -> np.ndarray:
     """The ``table`` argument of :func:`_unpack_rows` for rows of ``d`` codes of ``bits`` bits (uint64 words)."""
     if planar_per(bits, d):
@@ -195,26 +212,18 @@ def _row_table(cent, bits: int, d: int) -> np.ndarray:
     return _chunk_table(cent, bits)
 
 
-def _fixed_args(codec) -> tuple:
-    """``(k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch)`` of ``codec``."""
-    objs = (codec.rotation, codec.k_codebook, codec.v_codebook, codec.qjl)
-    key = tuple(id(o) for o in objs)
-    hit = _FIXED.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], objs)):
-        return hit[1]
-    rotation, kc, vc, sketch = objs
+def _make_fixed_args(rotation, kc, vc, sketch) -> tuple:
     k_cent = np.ascontiguousarray(kc.centroids, np.float32)
     v_cent = np.ascontiguousarray(vc.centroids, np.float32)
     d = int(rotation.dim)
-    args = (k_cent, _row_table(k_cent, int(kc.bits), d), int(kc.bits),
+    return (k_cent, _row_table(k_cent, int(kc.bits), d), int(kc.bits),
             v_cent, _row_table(v_cent, int(vc.bits), d), int(vc.bits),
             np.ascontiguousarray(rotation.signs, np.float32),
             _NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32),
             _NO_F32_2 if sketch is None else np.ascontiguousarray(sketch.matrix, np.float32))
-    if len(_FIXED) >= _FIXED_MAX:
-        try:  # layers decode from several threads: another may have evicted it first
-            _FIXED.pop(next(iter(_FIXED)), None)
-        except (StopIteration, RuntimeError):
-            pass
-    _FIXED[key] = (objs, args)
-    return args
+
+
+def _fixed_args(codec) -> tuple:
+    """``(k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch)`` of ``codec``."""
+    return memo_by_objects(_FIXED, (codec.rotation, codec.k_codebook, codec.v_codebook, codec.qjl), _make_fixed_args,
+                           _FIXED_MAX)

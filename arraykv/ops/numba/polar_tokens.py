@@ -20,7 +20,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from .polar import _encode_par, _encode_ser, _host, _matrix
-from .polar_rows import HALF_TO_FLOAT, _bits16
+from .polar_rows import HALF_TO_FLOAT, _bits16, memo_by_objects
 from .threads import launch, threads_for
 
 __all__ = ["polar_encode_tokens"]
@@ -64,28 +64,18 @@ def _center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc
                     kc[r, ch] = np.float32(0.0)
 
 
-#: Host tables of a cache's rotation and codebooks, by their ids (the entry holds the objects,
-#: so an id is not reused while it is cached).
+#: Host tables of a cache's rotation and codebooks, by their ids (:func:`memo_by_objects`).
 _FIXED: dict = {}
-_FIXED_MAX = 64
+
+
+def _make_fixed(rotation, k_codebook, v_codebook) -> tuple:
+    return (_host(rotation.signs), _matrix(rotation), rotation.kind == "hadamard",
+            *((_host(b.thresholds), _host(b.centroids), int(b.bits)) for b in (k_codebook, v_codebook)))
 
 
 def _fixed(rotation, k_codebook, v_codebook) -> tuple:
     """``(signs, matrix, hadamard, (k_thr, k_cent, k_bits), (v_thr, v_cent, v_bits))`` as the encoder takes them."""
-    objs = (rotation, k_codebook, v_codebook)
-    key = tuple(id(o) for o in objs)
-    hit = _FIXED.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], objs)):
-        return hit[1]
-    tabs = (_host(rotation.signs), _matrix(rotation), rotation.kind == "hadamard",
-            *((_host(b.thresholds), _host(b.centroids), int(b.bits)) for b in (k_codebook, v_codebook)))
-    if len(_FIXED) >= _FIXED_MAX:
-        try:  # layers store from several threads: another may have evicted it first
-            _FIXED.pop(next(iter(_FIXED)), None)
-        except (StopIteration, RuntimeError):
-            pass
-    _FIXED[key] = (objs, tabs)
-    return tabs
+    return memo_by_objects(_FIXED, (rotation, k_codebook, v_codebook), _make_fixed)
 
 
 def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs, start, k_codebook,

@@ -574,115 +574,100 @@ def _values_codes_codegen(bits, scaled=False):
     return codegen
 
 
-def _int4_group_codegen(context, builder, sig, args):
-    """``s[g, off + i] = Σ_c qf[g, c] · code[c, i]`` for the ``G`` tokens of one int4 key group."""
-    h = _vec_helpers()
-    ir = h.ir
-    c_arr = context.make_array(sig.args[0])(context, builder, args[0])
-    c_stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
-    nbk = h.cgutils.unpack_tuple(builder, c_arr.shape)[1]
-    (qf, (g_n, d)), (s, (_, s_w)) = _arrays(context, builder, sig, args, (1, 2))
-    off = args[3]
-    fma = h.fma_fn(builder)
-    i32 = ir.IntType(32)
-    v16i8, v16i32 = ir.VectorType(ir.IntType(8), 16), ir.VectorType(i32, 16)
-    accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(8)]
-    lo_idx = [i // 2 + (16 if i % 2 else 0) for i in range(16)]  # tokens 0..15 from (even, odd) planes
-    hi_idx = [8 + i // 2 + (16 if i % 2 else 0) for i in range(16)]
+def _int_group_codegen(bits):
+    """LLVM code of ``int<bits>_group_scores``: ``s[g, off + i] = Σ_c qf[g, c] · code[c, i]`` for the
+    ``G`` tokens of one key group. Per 32 tokens and channel: two vectors of 16 codes (int4: the
+    even and the odd tokens of one 16-byte block, interleaved at the end; int8: two 16-byte
+    blocks), each multiplied into every query head of the block of heads."""
 
-    def emit(g0, gb):
-        with h.cgutils.for_range(builder, builder.udiv(nbk, h.const(16))) as lb:
-            blk = builder.mul(lb.index, h.const(16))
-            for a in accs[: 2 * gb]:
-                builder.store(ir.Constant(h.v16, None), a)
-            with h.cgutils.for_range(builder, d) as lc:
-                c = lc.index
-                ptr = builder.gep(c_arr.data, [builder.add(builder.mul(c, c_stride), blk)])
-                raw = builder.zext(builder.load(builder.bitcast(ptr, v16i8.as_pointer()), align=1), v16i32)
-                even = builder.uitofp(builder.and_(raw, ir.Constant(v16i32, [15] * 16)), h.v16)
-                odd = builder.uitofp(builder.lshr(raw, ir.Constant(v16i32, [4] * 16)), h.v16)
+    def codegen(context, builder, sig, args):
+        h = _vec_helpers()
+        ir = h.ir
+        c_arr = context.make_array(sig.args[0])(context, builder, args[0])
+        c_stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
+        nbk = h.cgutils.unpack_tuple(builder, c_arr.shape)[1]
+        (qf, (g_n, d)), (s, (_, s_w)) = _arrays(context, builder, sig, args, (1, 2))
+        off = args[3]
+        fma = h.fma_fn(builder)
+        v16i8, v16i32 = ir.VectorType(ir.IntType(8), 16), ir.VectorType(ir.IntType(32), 16)
+        accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(8)]
+        step = 16 if bits == 4 else 32  # bytes of codes per 32 tokens of a channel
+        lo_idx = [i // 2 + (16 if i % 2 else 0) for i in range(16)]  # tokens 0..15 from (even, odd)
+        hi_idx = [8 + i // 2 + (16 if i % 2 else 0) for i in range(16)]
+
+        def codes16(c, blk, k):
+            ptr = builder.gep(c_arr.data, [builder.add(builder.mul(c, c_stride), builder.add(blk, h.const(16 * k)))])
+            return builder.zext(builder.load(builder.bitcast(ptr, v16i8.as_pointer()), align=1), v16i32)
+
+        def emit(g0, gb):
+            with h.cgutils.for_range(builder, builder.udiv(nbk, h.const(step))) as lb:
+                blk = builder.mul(lb.index, h.const(step))
+                for a in accs[: 2 * gb]:
+                    builder.store(ir.Constant(h.v16, None), a)
+                with h.cgutils.for_range(builder, d) as lc:
+                    c = lc.index
+                    if bits == 4:
+                        raw = codes16(c, blk, 0)
+                        pair = (builder.and_(raw, ir.Constant(v16i32, [15] * 16)),
+                                builder.lshr(raw, ir.Constant(v16i32, [4] * 16)))
+                    else:
+                        pair = (codes16(c, blk, 0), codes16(c, blk, 1))
+                    xs = [builder.uitofp(x, h.v16) for x in pair]
+                    for gi in range(gb):
+                        qv = h.splat(builder, builder.load(builder.gep(qf, [builder.add(builder.mul(
+                            builder.add(g0, h.const(gi)), d), c)])))
+                        for p, x in enumerate(xs):
+                            a = accs[2 * gi + p]
+                            builder.store(builder.call(fma, [qv, x, builder.load(a)]), a)
                 for gi in range(gb):
-                    qv = h.splat(builder, builder.load(builder.gep(qf, [builder.add(builder.mul(
-                        builder.add(g0, h.const(gi)), d), c)])))
-                    for p, x in enumerate((even, odd)):
-                        a = accs[2 * gi + p]
-                        builder.store(builder.call(fma, [qv, x, builder.load(a)]), a)
-            for gi in range(gb):
-                ev, od = builder.load(accs[2 * gi]), builder.load(accs[2 * gi + 1])
-                base = builder.add(builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), off),
-                                   builder.mul(blk, h.const(2)))
-                h.vstore(builder, builder.shuffle_vector(ev, od, ir.Constant(v16i32, lo_idx)), s, base)
-                h.vstore(builder, builder.shuffle_vector(ev, od, ir.Constant(v16i32, hi_idx)), s,
-                         builder.add(base, h.const(16)))
+                    first, second = builder.load(accs[2 * gi]), builder.load(accs[2 * gi + 1])
+                    if bits == 4:  # (even, odd) tokens back to token order
+                        first, second = (builder.shuffle_vector(first, second, ir.Constant(v16i32, lo_idx)),
+                                         builder.shuffle_vector(first, second, ir.Constant(v16i32, hi_idx)))
+                    base = builder.add(builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), off),
+                                       builder.mul(lb.index, h.const(32)))
+                    h.vstore(builder, first, s, base)
+                    h.vstore(builder, second, s, builder.add(base, h.const(16)))
 
-    _g_blocks_any(builder, h, g_n, emit)
-    return context.get_dummy_value()
+        _g_blocks_any(builder, h, g_n, emit)
+        return context.get_dummy_value()
+
+    return codegen
 
 
-def _int8_group_codegen(context, builder, sig, args):
-    """``s[g, off + i] = Σ_c qf[g, c] · code[c, i]`` for the ``G`` tokens of one int8 key group."""
-    h = _vec_helpers()
-    ir = h.ir
-    c_arr = context.make_array(sig.args[0])(context, builder, args[0])
-    c_stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
-    nbk = h.cgutils.unpack_tuple(builder, c_arr.shape)[1]
-    (qf, (g_n, d)), (s, (_, s_w)) = _arrays(context, builder, sig, args, (1, 2))
-    off = args[3]
-    fma = h.fma_fn(builder)
-    v16i8, v16i32 = ir.VectorType(ir.IntType(8), 16), ir.VectorType(ir.IntType(32), 16)
-    accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(8)]
+def _group_typer(bits):
+    gen = _int_group_codegen(bits)
 
-    def emit(g0, gb):
-        with h.cgutils.for_range(builder, builder.udiv(nbk, h.const(32))) as lb:  # two blocks of 16 tokens
-            blk = builder.mul(lb.index, h.const(32))
-            for a in accs[: 2 * gb]:
-                builder.store(ir.Constant(h.v16, None), a)
-            with h.cgutils.for_range(builder, d) as lc:
-                c = lc.index
-                xs = []
-                for half_ in range(2):
-                    ptr = builder.gep(c_arr.data, [builder.add(builder.mul(c, c_stride),
-                                                               builder.add(blk, h.const(16 * half_)))])
-                    raw = builder.load(builder.bitcast(ptr, v16i8.as_pointer()), align=1)
-                    xs.append(builder.uitofp(builder.zext(raw, v16i32), h.v16))
-                for gi in range(gb):
-                    qv = h.splat(builder, builder.load(builder.gep(qf, [builder.add(builder.mul(
-                        builder.add(g0, h.const(gi)), d), c)])))
-                    for p, x in enumerate(xs):
-                        a = accs[2 * gi + p]
-                        builder.store(builder.call(fma, [qv, x, builder.load(a)]), a)
-            for gi in range(gb):
-                base = builder.add(builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), off), blk)
-                h.vstore(builder, builder.load(accs[2 * gi]), s, base)
-                h.vstore(builder, builder.load(accs[2 * gi + 1]), s, builder.add(base, h.const(16)))
+    def typer(typingctx, codes, qf, s, off):
+        ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8 and _c_f32(qf, s)
+              and qf.ndim == 2 and s.ndim == 2 and isinstance(off, nbt.Integer))
+        if not ok:
+            return None
+        return nbt.void(codes, qf, s, nbt.int64), gen
 
-    _g_blocks_any(builder, h, g_n, emit)
-    return context.get_dummy_value()
+    return typer
 
 
-@intrinsic
-def int8_group_scores(typingctx, codes, qf, s, off):
+_GROUP_TYPERS = {4: _group_typer(4), 8: _group_typer(8)}
+
+
+def _int8_group_scores(typingctx, codes, qf, s, off):
     """:func:`int4_group_scores` for int8 codes: ``codes`` (d, G) uint8, ``G`` a multiple of 32."""
-    ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8 and _c_f32(qf, s)
-          and qf.ndim == 2 and s.ndim == 2 and isinstance(off, nbt.Integer))
-    if not ok:
-        return None
-    return nbt.void(codes, qf, s, nbt.int64), _int8_group_codegen
+    return _GROUP_TYPERS[8](typingctx, codes, qf, s, off)
 
 
-@intrinsic
-def int4_group_scores(typingctx, codes, qf, s, off):
+def _int4_group_scores(typingctx, codes, qf, s, off):
     """``s[g, off + i] = Σ_c qf[g, c] · codes_c[i]`` for one int4 key group (no scale or offset).
 
     ``codes`` (d, G/2) uint8: channel ``c``'s ``G`` codes packed two per byte (low nibble first,
     rows of whole 16-byte blocks: ``G`` a multiple of 32); ``qf`` (G_q, d) and ``s`` (G_q, ≥ off + G)
     C-contiguous float32. Tokens run along the vector lanes, so no sum across lanes is needed.
     """
-    ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8 and _c_f32(qf, s)
-          and qf.ndim == 2 and s.ndim == 2 and isinstance(off, nbt.Integer))
-    if not ok:
-        return None
-    return nbt.void(codes, qf, s, nbt.int64), _int4_group_codegen
+    return _GROUP_TYPERS[4](typingctx, codes, qf, s, off)
+
+
+int4_group_scores = intrinsic(_int4_group_scores)
+int8_group_scores = intrinsic(_int8_group_scores)
 
 
 def _scaled_values_intrinsic(bits):
