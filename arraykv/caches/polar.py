@@ -19,10 +19,11 @@ from .. import ops
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype, polar_decode, polar_encode
+from ..quant.polar_tokens import center_tokens
 from ..quant.qjl import qjl_encode
 from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState
-from .polar_calibration import PolarCalibration, calibrate, outlier_selector
+from .polar_calibration import PolarCalibration, calibrate
 from .polar_codec import PolarFixed, PolarLayerCodec
 from .polar_decode import decode_layer, qjl_logit_bias
 from .polar_options import (DEFAULT_OUTLIER_THRESHOLD, DEFAULT_RESIDUAL_WINDOW, DEFAULT_SINK_TOKENS, PolarOptions,
@@ -215,27 +216,18 @@ class PolarCache(WindowRollback, LayeredCache):
                                            calib.k_mean_freq, calib.k_mean_pairs, start, fixed.k_codebook,
                                            fixed.v_codebook, fixed.rotation, self.key_length == "unbiased",
                                            self.value_length == "unbiased")
-        d = self.head_dim
-        half = half_dtype(xp)
-        kc = (k - calib.key_mean(xp, start, int(k.shape[2]))) * xp.astype(calib.k_scale, xp.float32)[:, :, None, :]
-        vc = v - xp.astype(calib.v_mean, xp.float32)[:, :, None, :]
-        arrays = {}
-        if calib.n_outliers > 0:
-            sel = outlier_selector(xp, calib.k_outlier_idx, d)
-            keep = 1.0 - xp.sum(sel, axis=-1)[:, :, None, :]  # (b, h, 1, d)
-            arrays["k_outliers"] = xp.astype(xp.matmul(kc, sel), half)
-            kc = kc * keep
-        else:
-            keep = None
+        # QJL keys also need the coded part itself (the residual of its encoding is sketched)
+        kc, vc, k_outliers, keep = center_tokens(k, v, calib.key_mean(xp, start, int(k.shape[2])), calib.v_mean,
+                                                 calib.k_scale, calib.k_outlier_idx)
+        arrays = {} if k_outliers is None else {"k_outliers": k_outliers}
         kq = polar_encode(kc, fixed.k_codebook, fixed.rotation, length=self.key_length, encode=ops.polar_encode)
         vq = polar_encode(vc, fixed.v_codebook, fixed.rotation, length=self.value_length, encode=ops.polar_encode)
         arrays.update(k_codes=kq.codes, k_norms=kq.norms, v_codes=vq.codes, v_norms=vq.norms)
-        if self.qjl:
-            resid = kc - polar_decode(kq, fixed.k_codebook, fixed.rotation, decode=ops.polar_decode)
-            if keep is not None:
-                resid = resid * keep
-            s = qjl_encode(resid, fixed.qjl)
-            arrays.update(k_qjl=s.signs, k_qjl_norms=s.norms)
+        resid = kc - polar_decode(kq, fixed.k_codebook, fixed.rotation, decode=ops.polar_decode)
+        if keep is not None:
+            resid = resid * keep
+        s = qjl_encode(resid, fixed.qjl)
+        arrays.update(k_qjl=s.signs, k_qjl_norms=s.norms)
         return arrays
 
     def _store(self, st: PolarLayer, k: Any, v: Any, q: Any) -> None:

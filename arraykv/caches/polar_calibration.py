@@ -18,7 +18,7 @@ from ..quant.polar import half_dtype
 from ..quant.rotary_mean import RotaryMeanPlan, fit_rotary_mean
 from .polar_options import PolarOptions
 
-__all__ = ["PolarCalibration", "calibrate", "outlier_selector", "CENTER_MIN_SHARE", "MIN_CALIBRATION_TOKENS"]
+__all__ = ["PolarCalibration", "calibrate", "CENTER_MIN_SHARE", "MIN_CALIBRATION_TOKENS"]
 
 #: Centering is used when the mean carries more than this share of the vectors' energy.
 CENTER_MIN_SHARE = 0.02
@@ -88,12 +88,6 @@ class PolarCalibration:
             plan = RotaryMeanPlan(self.k_mean, self.k_mean_freq, self.k_mean_pairs)
             object.__setattr__(self, "_rotary_plan", plan)
         return plan.at(pos)
-
-
-def outlier_selector(xp: Any, idx: Any, d: int):
-    """One-hot ``(b, h, d, n_out)`` float32 matrix selecting the channels ``idx`` (b, h, n_out)."""
-    ar = xp.arange(d, dtype=xp.int32, device=_compat.device(idx))
-    return xp.astype(ar[None, None, :, None] == idx[:, :, None, :], xp.float32)
 
 
 def calibrate(opts: PolarOptions, xp: Any, k: Any, v: Any, q: Any, start: int) -> PolarCalibration:

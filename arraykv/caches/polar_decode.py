@@ -11,8 +11,8 @@ from typing import Any
 
 from .. import ops
 from ..quant.polar import PolarCode, polar_decode
+from ..quant.polar_tokens import outlier_selector
 from ..quant.qjl import QJL_SCALE
-from .polar_calibration import outlier_selector
 from .polar_codec import PolarFixed
 from .polar_options import PolarOptions
 

@@ -18,7 +18,38 @@ from .. import _compat
 from .polar import half_dtype, polar_encode_reference
 from .rotary_mean import RotaryMeanPlan
 
-__all__ = ["polar_encode_tokens_reference"]
+__all__ = ["polar_encode_tokens_reference", "center_tokens", "outlier_selector"]
+
+
+def outlier_selector(xp: Any, idx: Any, d: int):
+    """One-hot ``(b, h, d, n_out)`` float32 matrix selecting the channels ``idx`` (b, h, n_out)."""
+    ar = xp.arange(d, dtype=xp.int32, device=_compat.device(idx))
+    return xp.astype(ar[None, None, :, None] == idx[:, :, None, :], xp.float32)
+
+
+def center_tokens(k: Any, v: Any, key_mean: Any, v_mean: Any, k_scale: Any, k_outlier_idx: Any) -> tuple:
+    """The parts of tokens ``k``, ``v`` (b, h, t, d) float32 that TurboQuant encodes.
+
+    ``key_mean`` is the key mean at the tokens' positions, (b, h, t, d) or (b, h, 1, d) float32;
+    ``v_mean``, ``k_scale`` float16 (b, h, d); ``k_outlier_idx`` int32 (b, h, n_out).
+
+    Returns
+    -------
+    kc, vc : float32 (b, h, t, d)
+        ``s ⊙ (k − m_p)`` with the outlier channels zeroed, and ``v − v_mean``.
+    k_outliers : float16 (b, h, t, n_out), or None when ``n_out == 0``
+        The outlier channels of ``s ⊙ (k − m_p)``.
+    keep : float32 (b, h, 1, d), or None when ``n_out == 0``
+        1 on the coded channels, 0 on the outlier ones.
+    """
+    xp = _compat.namespace(k)
+    kc = (k - key_mean) * xp.astype(k_scale, xp.float32)[:, :, None, :]
+    vc = v - xp.astype(v_mean, xp.float32)[:, :, None, :]
+    if not int(k_outlier_idx.shape[-1]):
+        return kc, vc, None, None
+    sel = outlier_selector(xp, k_outlier_idx, int(k.shape[-1]))
+    keep = 1.0 - xp.sum(sel, axis=-1)[:, :, None, :]
+    return kc * keep, vc, xp.astype(xp.matmul(kc, sel), half_dtype(xp)), keep
 
 
 def polar_encode_tokens_reference(k: Any, v: Any, k_mean: Any, v_mean: Any, k_scale: Any, k_outlier_idx: Any,
@@ -50,22 +81,13 @@ def polar_encode_tokens_reference(k: Any, v: Any, k_mean: Any, v_mean: Any, k_sc
         (b, h, t) and, when ``n_out > 0``, ``k_outliers`` float16 (b, h, t, n_out).
     """
     xp = _compat.namespace(k)
-    dev = _compat.device(k)
-    d = int(k.shape[-1])
-    half = half_dtype(xp)
     if k_mean_freq is None:
         mean = xp.astype(k_mean, xp.float32)[:, :, None, :]
     else:
-        pos = xp.arange(start, start + int(k.shape[2]), dtype=xp.float64, device=dev)
+        pos = xp.arange(start, start + int(k.shape[2]), dtype=xp.float64, device=_compat.device(k))
         mean = RotaryMeanPlan(k_mean, k_mean_freq, k_mean_pairs).at(pos)
-    kc = (k - mean) * xp.astype(k_scale, xp.float32)[:, :, None, :]
-    vc = v - xp.astype(v_mean, xp.float32)[:, :, None, :]
-    out = {}
-    if int(k_outlier_idx.shape[-1]):
-        ar = xp.arange(d, dtype=xp.int32, device=dev)
-        sel = xp.astype(ar[None, None, :, None] == k_outlier_idx[:, :, None, :], xp.float32)  # (b, h, d, n_out)
-        out["k_outliers"] = xp.astype(xp.matmul(kc, sel), half)
-        kc = kc * (1.0 - xp.sum(sel, axis=-1))[:, :, None, :]
+    kc, vc, k_outliers, _ = center_tokens(k, v, mean, v_mean, k_scale, k_outlier_idx)
+    out = {} if k_outliers is None else {"k_outliers": k_outliers}
     out["k_codes"], out["k_norms"] = polar_encode_reference(kc, k_codebook, rotation, unbiased=key_unbiased)
     out["v_codes"], out["v_norms"] = polar_encode_reference(vc, v_codebook, rotation, unbiased=value_unbiased)
     return out
