@@ -47,8 +47,8 @@ from ...attention.int_fused import check_query
 from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, plan, prepare_queries,
                            ro, run_step, softmax_tile)
 from .polar_rows import HALF_TO_FLOAT
-from .simd import (VECTOR_TILES, int4_group_scores, int8_group_scores, softmax_rows, table16,
-                   tile_values_codes_4_scaled, tile_values_codes_8_scaled)
+from .simd import (VECTOR_TILES, channels_to_planar, int4_group_scores, int8_group_scores, planar_to_channels,
+                   softmax_rows, table16, tile_values_codes_4_scaled, tile_values_codes_8_scaled)
 
 __all__ = ["int_decode_attention", "TILE"]
 
@@ -117,7 +117,6 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
     vb64 = np.empty((tile, 2 * ((d + 3) // 4)), np.uint64)  # the tile's values, tokens x channels
     vb = vb64.view(np.float32)
     s = np.empty((g_n, tile), np.float32)
-    qf = np.empty(d, np.float32)
     ksf = np.empty(d, np.float32)
     kof = np.empty(d, np.float32)
     vsf = np.empty((nvg, tile), np.float32)
@@ -135,9 +134,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
     al = acc.copy()  # the value sums (planar order for int4)
     if vec4:
         for g in range(g_n):
-            for c in range(half_d):
-                al[g, c] = acc[g, 2 * c]
-                al[g, half_d + c] = acc[g, 2 * c + 1]
+            channels_to_planar(acc[g], 2, al[g])
     qfs = np.empty((g_n, d), np.float32)
     csts = np.empty(g_n, np.float32)
     n_chunks = d // 16
@@ -152,17 +149,17 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
         for g0 in range(t0, min(t1, nq), G):
             grp = g0 // G
             off = g0 - t0
-            if vec:
+            for c in range(d):
+                ksf[c] = _f32(k_scale[b, h, grp, c], half)
+                kof[c] = _f32(k_offset[b, h, grp, c], half)
+            for g in range(g_n):  # each query head with the group's scales, its offsets as a constant
+                cst = np.float32(0.0)
                 for c in range(d):
-                    ksf[c] = _f32(k_scale[b, h, grp, c], half)
-                    kof[c] = _f32(k_offset[b, h, grp, c], half)
-                for g in range(g_n):
-                    cst = np.float32(0.0)
-                    for c in range(d):
-                        x = qs[g, c]
-                        qfs[g, c] = x * ksf[c]
-                        cst += x * kof[c]
-                    csts[g] = cst
+                    x = qs[g, c]
+                    qfs[g, c] = x * ksf[c]
+                    cst += x * kof[c]
+                csts[g] = cst
+            if vec:
                 if vec4:
                     int4_group_scores(k_codes[b, h, grp], qfs, s, off)
                 else:
@@ -189,19 +186,12 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
                         i2 = 2 * np.int64(row[j])  # the byte's two table words
                         kb64[c, 2 * j] = tab[i2]
                         kb64[c, 2 * j + 1] = tab[i2 + 1]
-            for c in range(d):
-                ksf[c] = _f32(k_scale[b, h, grp, c], half)
-                kof[c] = _f32(k_offset[b, h, grp, c], half)
             for g in range(g_n):
-                cst = np.float32(0.0)
-                for c in range(d):
-                    x = qs[g, c]
-                    qf[c] = x * ksf[c]
-                    cst += x * kof[c]
+                qf = qfs[g]
                 # a view: indices from 0 let the compiler drop negative-index handling and vectorize
                 srow = s[g, off:off + G]
                 for i in range(G):
-                    srow[i] = cst
+                    srow[i] = csts[g]
                 for c in range(0, d4, 4):  # four channels per pass over the group's scores
                     w0 = qf[c]
                     w1 = qf[c + 1]
@@ -334,9 +324,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
                         arow[c] += w0 * v0[c]
     if vec4:  # back to channel order
         for g in range(g_n):
-            for c in range(half_d):
-                acc[g, 2 * c] = al[g, c]
-                acc[g, 2 * c + 1] = al[g, half_d + c]
+            planar_to_channels(al[g], 2, acc[g])
     elif vec:
         acc[:, :] = al
 

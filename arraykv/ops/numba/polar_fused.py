@@ -46,9 +46,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from .fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softmax_tile
-from .simd import (VECTOR_TILES, softmax_rows, tile_scores, tile_scores_codes_2, tile_scores_codes_4, tile_values,
+from .simd import (VECTOR_TILES, channels_to_planar, softmax_rows, tile_scores, tile_scores_codes_2, tile_scores_codes_4, tile_values,
                    tile_values_codes_2, tile_values_codes_4)
-from .polar_query import _finish_head, _prepare_head, _prepare_rotating, _rows_to_planar
+from .polar_query import _finish_head, _prepare_head, _prepare_rotating
 from .polar_rows import (_NO_F32_2, _NO_F32_3, _NO_I32_2, _NO_I32_3, _NO_U8_4, _NO_U16_3, _NO_U16_4, _SIGN_TABLE,
                          _SIGNS, HALF_TO_FLOAT, _bits16, _fixed_args, _planar_per, _unpack_rows)
 
@@ -266,7 +266,10 @@ def prepare(q, b, h, scale, args, state, sb, sh):
                                      rb[sb, sh], rw[sb, sh], ct[sb, sh], st[sb, sh], step[sb, sh])
     k_per = _planar_per(args[4], x.shape[0])
     if k_per:  # key codes come out of the tile unpacking in planar order: the queries follow
-        _rows_to_planar(qr[sb, sh], k_per, x)
+        rows = qr[sb, sh]
+        for g in range(rows.shape[0]):
+            channels_to_planar(rows[g], k_per, x)
+            rows[g, :] = x
 
 
 @nb.njit

@@ -22,21 +22,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 from ...quant.qjl import QJL_SCALE
 from .fused_driver import FASTMATH, TILE, merge_splits, merge_top
 from .polar_rows import _fwht
+from .simd import planar_to_channels
 
-__all__ = ["_prepare_head", "_prepare_rotating", "_finish_head", "_rows_to_planar"]
-
-
-@nb.njit(inline="always")
-def _rows_to_planar(a, per, x):
-    """Each row of ``a`` (rows, d) in the planar order of :mod:`arraykv.ops.numba.simd`, in place (``x``: (d,) scratch)."""
-    d = a.shape[1]
-    nbytes = d // per
-    for g in range(a.shape[0]):
-        for j in range(nbytes):
-            for p in range(per):
-                x[p * nbytes + j] = a[g, per * j + p]
-        for j in range(d):
-            a[g, j] = x[j]
+__all__ = ["_prepare_head", "_prepare_rotating", "_finish_head"]
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
@@ -176,10 +164,7 @@ def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_windo
         lq = merge_splits(m_sp, l_sp, acc_sp, g, top[g], y)
         if lq > 0:
             if v_per:  # back from planar order
-                nbytes = d // v_per
-                for j in range(nbytes):
-                    for p in range(v_per):
-                        row[v_per * j + p] = y[p * nbytes + j]
+                planar_to_channels(y, v_per, row)
                 for j in range(d):
                     y[j] = row[j]
             if dense:

@@ -36,7 +36,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 __all__ = ["HAVE_PERMPS", "planar_per", "table16", "unpack_tile_4", "unpack_tile_2", "unpack_tile_4_loop",
-           "unpack_tile_2_loop", "to_planar", "from_planar", "tile_scores", "tile_values",
+           "unpack_tile_2_loop", "to_planar", "from_planar", "channels_to_planar", "planar_to_channels", "tile_scores", "tile_values",
            "VECTOR_TILES", "tile_scores_codes_4", "tile_scores_codes_2", "tile_values_codes_4", "tile_values_codes_2",
            "tile_scores_codes_4_loop", "tile_scores_codes_2_loop", "tile_values_codes_4_loop",
            "tile_values_codes_2_loop", "PREFETCH_ROWS", "int4_group_scores", "tile_values_codes_4_scaled",
@@ -184,6 +184,24 @@ if HAVE_PERMPS:
 else:
     unpack_tile_4 = unpack_tile_4_loop
     unpack_tile_2 = unpack_tile_2_loop
+
+
+@nb.njit(inline="always")
+def channels_to_planar(src, per, dst):
+    """``dst[p·(d/per) + j] = src[per·j + p]``: one row (d,) into planar order (compiled code)."""
+    nbytes = src.shape[0] // per
+    for j in range(nbytes):
+        for p in range(per):
+            dst[p * nbytes + j] = src[per * j + p]
+
+
+@nb.njit(inline="always")
+def planar_to_channels(src, per, dst):
+    """The inverse of :func:`channels_to_planar`: ``dst[per·j + p] = src[p·(d/per) + j]``."""
+    nbytes = src.shape[0] // per
+    for j in range(nbytes):
+        for p in range(per):
+            dst[per * j + p] = src[p * nbytes + j]
 
 
 def to_planar(x, per: int):
