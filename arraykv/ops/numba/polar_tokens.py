@@ -37,12 +37,17 @@ def _center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc
     n_j = pairs.shape[0]
     rotating = freq.shape[2] > 0
     mean = np.empty(d, np.float32)
+    weight = np.empty(d, np.float32)
+    v_mu = np.empty(d, np.float32)
     for b in range(b_n):
         for h in range(h_n):
+            # the head's calibration once; a rotating mean overwrites its pairs' channels per token
+            for j in range(d):
+                mean[j] = half[k_mean[b, h, j]]
+                weight[j] = half[k_scale[b, h, j]]
+                v_mu[j] = half[v_mean[b, h, j]]
             for t in range(t_n):
                 r = (b * h_n + h) * t_n + t
-                for j in range(d):
-                    mean[j] = half[k_mean[b, h, j]]
                 if rotating:
                     p = np.float64(start + t)
                     for j in range(n_j):
@@ -56,8 +61,8 @@ def _center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc
                         mean[a] = ma * cs - mb * sn
                         mean[c] = mb * cs + ma * sn
                 for j in range(d):
-                    kc[r, j] = (k[b, h, t, j] - mean[j]) * half[k_scale[b, h, j]]
-                    vc[r, j] = v[b, h, t, j] - half[v_mean[b, h, j]]
+                    kc[r, j] = (k[b, h, t, j] - mean[j]) * weight[j]
+                    vc[r, j] = v[b, h, t, j] - v_mu[j]
                 for o in range(n_out):
                     ch = idx[b, h, o]
                     k_out[r, o] = kc[r, ch]
