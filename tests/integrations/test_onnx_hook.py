@@ -125,6 +125,17 @@ def _forced_loop(dec, cache, prompt, tokens):
     return ([] if prompt is None else [dec.prefill(prompt, cache)]) + [dec.decode(t, cache) for t in tokens]
 
 
+def _interrupted_loop(graph, method, prompt, follow, split):
+    """A forced loop over ``prompt`` and ``follow`` on cache ``ref`` (``want``), and on a second
+    cache the same loop stopped after ``follow[:split]`` (``got``): ``(dec, ref, cache, got,
+    want)``; the caller interrupts ``cache`` and goes on with ``follow[split:]``."""
+    dec = OrtKVDecoder(graph)
+    ref = dec.make_cache(method)
+    want = _forced_loop(dec, ref, prompt, follow)
+    cache = dec.make_cache(method)
+    return dec, ref, cache, _forced_loop(dec, cache, prompt, follow[:split]), want
+
+
 def _hook_loop(dec, cache, prompt, steps):
     out = [dec.prefill(prompt, cache)]
     for _ in range(steps):
@@ -331,11 +342,7 @@ def test_a_conversation_parked_as_a_file_resumes_where_it_stopped(graph, rng, tm
 
     prompt = rng.integers(0, VOCAB, (1, 11)).astype(np.int64)
     follow = rng.integers(0, VOCAB, (30, 1))
-    dec = OrtKVDecoder(graph)
-    ref = dec.make_cache(method)
-    want = _forced_loop(dec, ref, prompt, follow)
-    cache = dec.make_cache(method)
-    got = _forced_loop(dec, cache, prompt, follow[:12])
+    dec, ref, cache, got, want = _interrupted_loop(graph, method, prompt, follow, 12)
     cache.save(tmp_path / "conversation.akv")
     del cache
     gc.collect()
@@ -437,11 +444,7 @@ def test_release_drops_the_held_past_and_the_loop_goes_on(graph, rng, method):
     and the next step rebuilds the past from it with the logits of a loop never released."""
     prompt = rng.integers(0, VOCAB, (1, 40)).astype(np.int64)
     follow = rng.integers(0, VOCAB, (20, 1))
-    dec = OrtKVDecoder(graph)
-    ref = dec.make_cache(method)
-    want = _forced_loop(dec, ref, prompt, follow)
-    cache = dec.make_cache(method)
-    got = _forced_loop(dec, cache, prompt, follow[:10])
+    dec, ref, cache, got, want = _interrupted_loop(graph, method, prompt, follow, 10)
     held = dec.held_bytes(cache)
     assert held == 2 * LAYERS * 1 * KV_HEADS * 50 * HEAD_DIM * 4  # float32 K and V of 50 tokens
     assert dec.release(cache) == held and dec.held_bytes(cache) == 0 and dec.release(cache) == 0

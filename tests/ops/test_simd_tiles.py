@@ -167,47 +167,6 @@ def test_table16_refuses_big_codebooks():
 
 
 @nb.njit
-def _int4_group(codes, qf, s, off):
-    simd.int4_group_scores(codes, qf, s, off)
-
-
-@nb.njit
-def _values4_scaled(codes, t0, nt, tab, w, cscale, acc):
-    simd.tile_values_codes_4_scaled(codes, t0, nt, tab, w, cscale, acc)
-
-
-@pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("g", [1, 2, 3, 4, 5, 7, 9])
-@pytest.mark.parametrize("d", [64, 128])
-def test_int4_group_scores(group, g, d, rng):
-    codes = rng.integers(0, 256, (d, group // 2 + 8), dtype=np.uint8)[:, :group // 2]  # strided rows
-    tokens = np.stack([codes & 15, codes >> 4], axis=-1).reshape(d, group).astype(np.float64)  # (channel, token)
-    qf = rng.standard_normal((g, d)).astype(np.float32)
-    s = np.full((g, group + 40), 7.0, np.float32)
-    _int4_group(codes, qf, s, 5)
-    np.testing.assert_allclose(s[:, 5:5 + group], qf @ tokens, rtol=0, atol=1e-5 * 15 * d)
-    assert (s[:, :5] == 7.0).all() and (s[:, 5 + group:] == 7.0).all()
-
-
-@pytest.mark.parametrize("impl", [0, 1], ids=["instructions", "loop"])
-@pytest.mark.parametrize("g", [1, 3, 4, 6])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("nt", [64, 13])
-def test_scaled_values_from_int4_codes(impl, g, d, nt, rng):
-    if impl == 0 and not simd.HAVE_PERMPS:
-        pytest.skip("no AVX-512")
-    codes = _codes(rng, 100, d, 4)
-    vals = _planar_values(codes[9:9 + nt], np.arange(16, dtype=np.float32), 4).astype(np.float64)
-    w = rng.random((g, 64)).astype(np.float32)
-    cscale = rng.random((64, d // 16)).astype(np.float32)
-    acc = rng.standard_normal((g, d)).astype(np.float32)
-    want = acc + w[:, :nt] @ (vals * np.repeat(cscale[:nt], 16, axis=1))
-    fn = _values4_scaled if impl == 0 else simd.tile_values_codes_4_scaled_loop
-    fn(codes, 9, nt, simd.table16(np.arange(16, dtype=np.float32)), w, cscale, acc)
-    np.testing.assert_allclose(acc, want, rtol=0, atol=1e-4 * nt)
-
-
-@nb.njit
 def _softmax_vec(s, nt, m, l, acc):
     simd.softmax_rows(s, nt, m, l, acc)
 
@@ -238,8 +197,18 @@ def test_softmax_rows_equals_the_loop(g, nt, first, rng):
 
 
 @nb.njit
+def _int4_group(codes, qf, s, off):
+    simd.int4_group_scores(codes, qf, s, off)
+
+
+@nb.njit
 def _int8_group(codes, qf, s, off):
     simd.int8_group_scores(codes, qf, s, off)
+
+
+@nb.njit
+def _values4_scaled(codes, t0, nt, tab, w, cscale, acc):
+    simd.tile_values_codes_4_scaled(codes, t0, nt, tab, w, cscale, acc)
 
 
 @nb.njit
@@ -247,30 +216,48 @@ def _values8_scaled(codes, t0, nt, tab, w, cscale, acc):
     simd.tile_values_codes_8_scaled(codes, t0, nt, tab, w, cscale, acc)
 
 
+def _int_codes(rng, rows, bits, n):
+    """``rows`` rows of ``n`` random int codes packed as the int caches hold them (strided rows),
+    and the codes as floats (n, in order)."""
+    nbytes = n * bits // 8
+    codes = rng.integers(0, 256, (rows, nbytes + 8), dtype=np.uint8)[:, :nbytes]
+    if bits == 8:
+        return codes, codes.astype(np.float64)
+    return codes, np.stack([codes & 15, codes >> 4], axis=-1).reshape(rows, n).astype(np.float64)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("g", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 5, 7, 9])
 @pytest.mark.parametrize("d", [64, 128])
-def test_int8_group_scores(group, g, d, rng):
-    codes = rng.integers(0, 256, (d, group + 8), dtype=np.uint8)[:, :group]
+def test_int_group_scores(bits, group, g, d, rng):
+    codes, tokens = _int_codes(rng, d, bits, group)  # (channel, token)
     qf = rng.standard_normal((g, d)).astype(np.float32)
     s = np.full((g, group + 40), 7.0, np.float32)
-    _int8_group(codes, qf, s, 5)
-    np.testing.assert_allclose(s[:, 5:5 + group], qf @ codes.astype(np.float64), rtol=0, atol=1e-5 * 255 * d)
+    (_int4_group if bits == 4 else _int8_group)(codes, qf, s, 5)
+    np.testing.assert_allclose(s[:, 5:5 + group], qf @ tokens, rtol=0, atol=1e-5 * ((1 << bits) - 1) * d)
     assert (s[:, :5] == 7.0).all() and (s[:, 5 + group:] == 7.0).all()
 
 
+#: (kernel, loop reference, values of the codes in the kernel's order, rtol, atol per token)
+SCALED = {4: (_values4_scaled, simd.tile_values_codes_4_scaled_loop, lambda c: _planar_values(
+              c, np.arange(16, dtype=np.float32), 4).astype(np.float64), 0.0, 1e-4),
+          8: (_values8_scaled, simd.tile_values_codes_8_scaled_loop, lambda c: c.astype(np.float64), 1e-5, None)}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("impl", [0, 1], ids=["instructions", "loop"])
 @pytest.mark.parametrize("g", [1, 3, 4, 6])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("nt", [64, 13])
-def test_scaled_values_from_int8_codes(impl, g, d, nt, rng):
+def test_scaled_values_from_int_codes(bits, impl, g, d, nt, rng):
     if impl == 0 and not simd.HAVE_PERMPS:
         pytest.skip("no AVX-512")
-    codes = rng.integers(0, 256, (100, d + 8), dtype=np.uint8)[:, :d]
+    kernel, loop, values, rtol, atol_per_token = SCALED[bits]
+    codes = rng.integers(0, 256, (100, d * bits // 8 + 8), dtype=np.uint8)[:, :d * bits // 8]
     w = rng.random((g, 64)).astype(np.float32)
     cscale = rng.random((64, d // 16)).astype(np.float32)
     acc = rng.standard_normal((g, d)).astype(np.float32)
-    want = acc + w[:, :nt] @ (codes[9:9 + nt].astype(np.float64) * np.repeat(cscale[:nt], 16, axis=1))
-    fn = _values8_scaled if impl == 0 else simd.tile_values_codes_8_scaled_loop
-    fn(codes, 9, nt, simd.table16(np.zeros(16, np.float32)), w, cscale, acc)
-    np.testing.assert_allclose(acc, want, rtol=1e-5, atol=1e-3)
+    want = acc + w[:, :nt] @ (values(codes[9:9 + nt]) * np.repeat(cscale[:nt], 16, axis=1))
+    (kernel if impl == 0 else loop)(codes, 9, nt, simd.table16(np.arange(16, dtype=np.float32)), w, cscale, acc)
+    np.testing.assert_allclose(acc, want, rtol=rtol, atol=1e-3 if atol_per_token is None else atol_per_token * nt)
