@@ -303,6 +303,38 @@ def _c_f32(*tys) -> bool:
     return all(isinstance(t, nbt.Array) and t.dtype == nbt.float32 and t.layout == "C" for t in tys)
 
 
+def _emit_scores(builder, h, nt, s, s_w, accs, rows_of, fill):
+    """Per block of ``gb`` query heads from ``g0`` (``emit(g0, gb)``, returned): rows of a tile
+    ``rows_of(gb)`` at a time, ``fill(g0, gb, r0, n)`` adding row ``r0 + i``'s products for head
+    ``g0 + gi`` into ``accs[gi · n + i]`` (zeroed here), four rows' lane sums stored at once;
+    the rows left over one at a time. ``s[g, r]`` gets the score of row ``r`` for head ``g``."""
+
+    def emit(g0, gb):
+        rows = rows_of(gb)  # accumulators: gb x rows <= 16
+        ngrp = builder.udiv(nt, h.const(rows))
+        with h.cgutils.for_range(builder, ngrp) as lp:
+            r0 = builder.mul(lp.index, h.const(rows))
+            for a in accs[: gb * rows]:
+                builder.store(h.ir.Constant(h.v16, None), a)
+            fill(g0, gb, r0, rows)
+            for gi in range(gb):
+                srow = builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), r0)
+                for i in range(0, rows, 4):
+                    v = h.reduce4(builder, *[builder.load(accs[gi * rows + i + k]) for k in range(4)])
+                    h.vstore(builder, v, s, builder.add(srow, h.const(i)))
+        done = builder.mul(ngrp, h.const(rows))
+        with h.cgutils.for_range(builder, builder.sub(nt, done)) as lp:  # the last rows, one at a time
+            r = builder.add(done, lp.index)
+            for a in accs[:gb]:
+                builder.store(h.ir.Constant(h.v16, None), a)
+            fill(g0, gb, r, 1)
+            for gi in range(gb):
+                at = builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), r)
+                builder.store(h.hsum(builder, builder.load(accs[gi])), builder.gep(s, [at]))
+
+    return emit
+
+
 def _scores_codegen(context, builder, sig, args):
     h = _vec_helpers()
     (buf, (_, width)), (qr, (g_n, d)), (s, (_, s_w)) = _arrays(context, builder, sig, args, (0, 2, 3))
@@ -312,44 +344,19 @@ def _scores_codegen(context, builder, sig, args):
     accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(16)]
     qs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(4)]
 
-    def emit(g0, gb):
-        rows = 16 // gb if gb > 1 else 8  # accumulators: gb x rows <= 16
-        ngrp = builder.udiv(nt, h.const(rows))
-        with h.cgutils.for_range(builder, ngrp) as lp:
-            r0 = builder.mul(lp.index, h.const(rows))
-            for a in accs[: gb * rows]:
-                builder.store(h.ir.Constant(h.v16, None), a)
-            with h.cgutils.for_range(builder, nch) as lc:
-                off = builder.mul(lc.index, h.const(16))
+    def fill(g0, gb, r0, n_rows):
+        with h.cgutils.for_range(builder, nch) as lc:
+            off = builder.mul(lc.index, h.const(16))
+            for gi in range(gb):
+                builder.store(h.vload(builder, qr, builder.add(builder.mul(builder.add(g0, h.const(gi)), d), off)),
+                              qs[gi])
+            for i in range(n_rows):
+                x = h.vload(builder, buf, builder.add(builder.mul(builder.add(r0, h.const(i)), width), off))
                 for gi in range(gb):
-                    builder.store(h.vload(builder, qr, builder.add(builder.mul(builder.add(g0, h.const(gi)), d), off)),
-                                  qs[gi])
-                for i in range(rows):
-                    x = h.vload(builder, buf, builder.add(builder.mul(builder.add(r0, h.const(i)), width), off))
-                    for gi in range(gb):
-                        a = accs[gi * rows + i]
-                        builder.store(builder.call(fma, [x, builder.load(qs[gi]), builder.load(a)]), a)
-            for gi in range(gb):
-                srow = builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), r0)
-                for i in range(0, rows, 4):
-                    v = h.reduce4(builder, *[builder.load(accs[gi * rows + i + k]) for k in range(4)])
-                    h.vstore(builder, v, s, builder.add(srow, h.const(i)))
-        done = builder.mul(ngrp, h.const(rows))
-        with h.cgutils.for_range(builder, builder.sub(nt, done)) as lp:  # the last rows, one at a time
-            r = builder.add(done, lp.index)
-            for gi in range(gb):
-                builder.store(h.ir.Constant(h.v16, None), accs[gi])
-            with h.cgutils.for_range(builder, nch) as lc:
-                off = builder.mul(lc.index, h.const(16))
-                x = h.vload(builder, buf, builder.add(builder.mul(r, width), off))
-                for gi in range(gb):
-                    qv = h.vload(builder, qr, builder.add(builder.mul(builder.add(g0, h.const(gi)), d), off))
-                    builder.store(builder.call(fma, [x, qv, builder.load(accs[gi])]), accs[gi])
-            for gi in range(gb):
-                at = builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), r)
-                builder.store(h.hsum(builder, builder.load(accs[gi])), builder.gep(s, [at]))
+                    a = accs[gi * n_rows + i]
+                    builder.store(builder.call(fma, [x, builder.load(qs[gi]), builder.load(a)]), a)
 
-    h.g_blocks(builder, g_n, emit)
+    h.g_blocks(builder, g_n, _emit_scores(builder, h, nt, s, s_w, accs, lambda gb: 16 // gb if gb > 1 else 8, fill))
     return context.get_dummy_value()
 
 
@@ -490,43 +497,21 @@ def _scores_codes_codegen(bits):
         blocks = builder.udiv(nbytes, h.const(16))
         accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(16)]
 
-        def emit(g0, gb):
-            rows = 4 if gb >= 3 else 8
+        def fill(g0, gb, r0, n_rows):  # n_rows (python int) rows from row r0 (relative to t0)
             qrows = [builder.mul(builder.add(g0, h.const(gi)), d) for gi in range(gb)]
-            ngrp = builder.udiv(nt, h.const(rows))
+            ptrs = [row_ptr(builder.add(t0, builder.add(r0, h.const(i))), prefetch=True) for i in range(n_rows)]
+            with h.cgutils.for_range(builder, blocks) as lb:
+                words = [word(p, lb.index) for p in ptrs]
+                for p in range(per):
+                    off = builder.mul(builder.add(builder.mul(h.const(p), blocks), lb.index), h.const(16))
+                    qv = [h.vload(builder, qr, builder.add(qrows[gi], off)) for gi in range(gb)]
+                    for i in range(n_rows):
+                        x = chunk(words[i], bits * p)
+                        for gi in range(gb):
+                            a = accs[gi * n_rows + i]
+                            builder.store(builder.call(fma, [x, qv[gi], builder.load(a)]), a)
 
-            def group(r0, n_rows):  # n_rows (python int) rows from row r0 (relative to t0)
-                ptrs = [row_ptr(builder.add(t0, builder.add(r0, h.const(i))), prefetch=True)
-                        for i in range(n_rows)]
-                for a in accs[: gb * n_rows]:
-                    builder.store(h.ir.Constant(h.v16, None), a)
-                with h.cgutils.for_range(builder, blocks) as lb:
-                    words = [word(p, lb.index) for p in ptrs]
-                    for p in range(per):
-                        off = builder.mul(builder.add(builder.mul(h.const(p), blocks), lb.index), h.const(16))
-                        qv = [h.vload(builder, qr, builder.add(qrows[gi], off)) for gi in range(gb)]
-                        for i in range(n_rows):
-                            x = chunk(words[i], bits * p)
-                            for gi in range(gb):
-                                a = accs[gi * n_rows + i]
-                                builder.store(builder.call(fma, [x, qv[gi], builder.load(a)]), a)
-
-            with h.cgutils.for_range(builder, ngrp) as lp:
-                r0 = builder.mul(lp.index, h.const(rows))
-                group(r0, rows)
-                for gi in range(gb):
-                    srow = builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), r0)
-                    for i in range(0, rows, 4):
-                        v = h.reduce4(builder, *[builder.load(accs[gi * rows + i + k]) for k in range(4)])
-                        h.vstore(builder, v, s, builder.add(srow, h.const(i)))
-            done = builder.mul(ngrp, h.const(rows))
-            with h.cgutils.for_range(builder, builder.sub(nt, done)) as lp:  # the last rows, one at a time
-                r = builder.add(done, lp.index)
-                group(r, 1)
-                for gi in range(gb):
-                    at = builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), r)
-                    builder.store(h.hsum(builder, builder.load(accs[gi])), builder.gep(s, [at]))
-
+        emit = _emit_scores(builder, h, nt, s, s_w, accs, lambda gb: 4 if gb >= 3 else 8, fill)
         _g_blocks_any(builder, h, g_n, emit)
         return context.get_dummy_value()
 
