@@ -4,7 +4,8 @@ Every agnostic module (``quant``, ``storage``, ``caches``, ``attention``) obtain
 namespace and device through these helpers, so the same code serves NumPy, CuPy and any other
 array-API-conforming library (``array_api_strict`` in the tests).
 
-It is also the one module below :mod:`arraykv.ops` that uses NumPy itself: fixed tables
+It is also the one module below :mod:`arraykv.ops` that uses NumPy itself (besides plain NumPy
+arrays taking a direct path through :func:`all_finite`, the finiteness check of every store): fixed tables
 computed once on the host (Lloyd-Max codebooks, seeded rotations and sketches, seeded
 k-means++ draws) come from :func:`host_numpy` and :func:`host_uniform`, and are moved into a
 namespace with ``xp.asarray``.
@@ -25,6 +26,7 @@ __all__ = [
     "array_nbytes",
     "to_numpy",
     "float_dtypes",
+    "all_finite",
     "host_numpy",
     "host_uniform",
     "from_host",
@@ -128,14 +130,44 @@ def to_numpy(x: Any, *, copy: bool = False):
     return np.asarray(x)
 
 
+_FLOATS: dict = {}
+
+
 def float_dtypes(xp: Any) -> tuple:
-    """The real floating dtypes that ``xp`` offers (float16 only where it exists)."""
-    out = []
-    for name in ("float16", "float32", "float64"):
-        dt = getattr(xp, name, None)
-        if dt is not None:
-            out.append(dt)
-    return tuple(out)
+    """The real floating dtypes that ``xp`` offers (float16 only where it exists); looked up once per namespace."""
+    out = _FLOATS.get(id(xp))
+    if out is None:
+        out = _FLOATS[id(xp)] = tuple(dt for dt in (getattr(xp, n, None) for n in ("float16", "float32", "float64"))
+                                      if dt is not None)
+    return out
+
+
+#: Total elements up to which :func:`all_finite` checks several arrays in one pass over a
+#: concatenation (a decode step's few small arrays); larger ones are checked one by one.
+_JOINT_CHECK_MAX = 1 << 15
+
+
+def all_finite(xp: Any, arrays: list) -> bool:
+    """Whether every array of ``arrays`` (floating dtypes, of namespace ``xp``) holds only finite values.
+
+    A store checks a handful of small arrays per call; each ``xp.all(xp.isfinite(a))`` costs
+    microseconds of call overhead, so small arrays are checked together (one concatenation,
+    one test; float16 infinities stay infinite when promoted), plain NumPy arrays without the
+    namespace's wrappers.
+    """
+    if not arrays:
+        return True
+    import numpy as np
+
+    if all(type(a) is np.ndarray for a in arrays):
+        if len(arrays) == 1:
+            return bool(np.isfinite(arrays[0]).all())
+        if sum(a.size for a in arrays) <= _JOINT_CHECK_MAX:
+            return bool(np.isfinite(np.concatenate([a.ravel() for a in arrays])).all())
+        return all(bool(np.isfinite(a).all()) for a in arrays)
+    if len(arrays) > 1 and sum(_aac.size(a) or 0 for a in arrays) <= _JOINT_CHECK_MAX:
+        return bool(xp.all(xp.isfinite(xp.concat([xp.reshape(a, (-1,)) for a in arrays]))))
+    return all(bool(xp.all(xp.isfinite(a))) for a in arrays)
 
 
 def host_numpy():

@@ -228,6 +228,8 @@ def check_query(q: Any, xp: Any, kv_shape: tuple, *, q_head_dim: int | None = No
 
 def check_finite(xp: Any, **arrays: Any) -> None:
     """Raise ``ValueError`` if any named array holds NaN or infinity."""
+    if _compat.all_finite(xp, list(arrays.values())):
+        return
     for name, x in arrays.items():
-        if not bool(xp.all(xp.isfinite(x))):
+        if not _compat.all_finite(xp, [x]):
             raise ValueError(f"{name} holds non-finite values (NaN or Inf); the cache accepts finite values only")

@@ -36,6 +36,10 @@ from .snapshots import LayerSnapshots
 __all__ = ["LayeredCache", "LayerState", "refuse_overflow", "check_decode_path", "DECODE_PATHS"]
 
 
+#: ``(xp, shape)`` of the NumPy input signatures that passed :meth:`LayeredCache._check_inputs`.
+_CHECKED_NUMPY: dict = {}
+
+
 class LayeredCache(LayerSnapshots, LayerRollback):
     """Base class of the caches: a lock and a state per layer.
 
@@ -268,8 +272,24 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         return check_int("layer", layer, low=0, high=self.num_layers - 1)
 
     def _check_inputs(self, k: Any, v: Any, q: Any):
+        """``(xp, shape)`` of checked ``k``, ``v``, ``q`` (:func:`check_kv`, :func:`check_query`).
+
+        For plain NumPy arrays the checks depend only on the shapes and dtypes, so a signature
+        that passed once is looked up instead of checked again (a decode step passes the same
+        one every call).
+        """
+        import numpy as np
+
+        numpy_key = None
+        if type(k) is np.ndarray and type(v) is np.ndarray and type(q) is np.ndarray:
+            numpy_key = (self.num_kv_heads, self.head_dim, k.shape, v.shape, q.shape, k.dtype, v.dtype, q.dtype)
+            hit = _CHECKED_NUMPY.get(numpy_key)
+            if hit is not None:
+                return hit
         xp, shape = check_kv(k, v, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
         check_query(q, xp, shape)
+        if numpy_key is not None and len(_CHECKED_NUMPY) < 1024:
+            _CHECKED_NUMPY[numpy_key] = (xp, shape)
         return xp, shape
 
     def _admit(self, layer: int, xp: Any, k: Any, v: Any, tokens: int) -> LayerState:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _compat
+
 __all__ = ["LayerState", "DECODE_PATHS", "check_decode_path", "refuse_overflow"]
 
 
@@ -61,17 +63,6 @@ def check_decode_path(value: Any) -> str:
     return value
 
 
-_FLOATS: dict = {}
-
-
-def _real_floats(xp: Any) -> tuple:
-    """The real floating dtypes of ``xp`` (looked up once per namespace: ``isdtype`` is slow per call)."""
-    floats = _FLOATS.get(id(xp))
-    if floats is None:
-        floats = _FLOATS[id(xp)] = tuple(getattr(xp, n) for n in ("float16", "float32", "float64") if hasattr(xp, n))
-    return floats
-
-
 def refuse_overflow(xp: Any, method: str, arrays: dict) -> None:
     """Raise ``ValueError`` when an array about to be stored holds infinity (float16 overflow).
 
@@ -79,13 +70,17 @@ def refuse_overflow(xp: Any, method: str, arrays: dict) -> None:
     coefficients) hold magnitudes up to 65504; a finite float32 input beyond that would be
     stored as inf and poison every later decode. Called on what a store computed (``arrays``:
     by name, an array, None, or a list of arrays that are the parts of one store), before it
-    commits anything, so the refused call leaves the layer as it was.
+    commits anything, so the refused call leaves the layer as it was. The floating arrays are
+    checked together (:func:`arraykv._compat.all_finite`); only a failing check looks for the
+    name to report.
     """
-    floats = _real_floats(xp)
-    for name, value in arrays.items():
-        for a in value if isinstance(value, list) else [value]:
-            if a is not None and a.dtype in floats and not bool(xp.all(xp.isfinite(a))):
-                raise ValueError(
-                    f"these keys/values overflow the float16 {name!r} of method {method!r} (magnitudes above 65504, "
-                    f"after centering and channel weights); scale them down, or use method 'dense' or an int method "
-                    f"('int8', 'int4', 'int2', which hold any magnitude)")
+    floats = _compat.float_dtypes(xp)
+    named = [(name, a) for name, value in arrays.items() for a in (value if isinstance(value, list) else [value])
+             if a is not None and a.dtype in floats]
+    if _compat.all_finite(xp, [a for _, a in named]):
+        return
+    name = next(name for name, a in named if not _compat.all_finite(xp, [a]))
+    raise ValueError(
+        f"these keys/values overflow the float16 {name!r} of method {method!r} (magnitudes above 65504, "
+        f"after centering and channel weights); scale them down, or use method 'dense' or an int method "
+        f"('int8', 'int4', 'int2', which hold any magnitude)")
