@@ -18,9 +18,7 @@ from typing import Any
 from .. import ops
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
-from ..quant.polar import half_dtype, polar_decode, polar_encode
-from ..quant.polar_tokens import center_tokens
-from ..quant.qjl import qjl_encode
+from ..quant.polar import half_dtype
 from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState
 from .polar_calibration import PolarCalibration, calibrate
@@ -210,25 +208,12 @@ class PolarCache(WindowRollback, LayeredCache):
                           exact=empty, rollback=empty)
 
     def _encode(self, xp: Any, fixed: PolarFixed, calib: PolarCalibration, k: Any, v: Any, start: int) -> dict:
-        """Quantize float32 tokens (b, h, t, d) at positions ``start ..`` -> the per-token arrays to append."""
-        if not self.qjl:  # centring, weights, outliers and both encodes in one op
-            return ops.polar_encode_tokens(k, v, calib.k_mean, calib.v_mean, calib.k_scale, calib.k_outlier_idx,
-                                           calib.k_mean_freq, calib.k_mean_pairs, start, fixed.k_codebook,
-                                           fixed.v_codebook, fixed.rotation, self.key_length == "unbiased",
-                                           self.value_length == "unbiased")
-        # QJL keys also need the coded part itself (the residual of its encoding is sketched)
-        kc, vc, k_outliers, keep = center_tokens(k, v, calib.key_mean(xp, start, int(k.shape[2])), calib.v_mean,
-                                                 calib.k_scale, calib.k_outlier_idx)
-        arrays = {} if k_outliers is None else {"k_outliers": k_outliers}
-        kq = polar_encode(kc, fixed.k_codebook, fixed.rotation, length=self.key_length, encode=ops.polar_encode)
-        vq = polar_encode(vc, fixed.v_codebook, fixed.rotation, length=self.value_length, encode=ops.polar_encode)
-        arrays.update(k_codes=kq.codes, k_norms=kq.norms, v_codes=vq.codes, v_norms=vq.norms)
-        resid = kc - polar_decode(kq, fixed.k_codebook, fixed.rotation, decode=ops.polar_decode)
-        if keep is not None:
-            resid = resid * keep
-        s = qjl_encode(resid, fixed.qjl)
-        arrays.update(k_qjl=s.signs, k_qjl_norms=s.norms)
-        return arrays
+        """Quantize float32 tokens (b, h, t, d) at positions ``start ..`` -> the per-token arrays to append
+        (centring, weights, outliers, both encodes and a ``tq`` key's QJL sketch in one op)."""
+        return ops.polar_encode_tokens(k, v, calib.k_mean, calib.v_mean, calib.k_scale, calib.k_outlier_idx,
+                                       calib.k_mean_freq, calib.k_mean_pairs, start, fixed.k_codebook, fixed.v_codebook,
+                                       fixed.rotation, self.key_length == "unbiased", self.value_length == "unbiased",
+                                       fixed.qjl if self.qjl else None)
 
     def _store(self, st: PolarLayer, k: Any, v: Any, q: Any) -> None:
         """Append new tokens: sinks, then the window, its overflow quantized (computed, then committed)."""

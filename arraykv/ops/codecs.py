@@ -50,10 +50,11 @@ def polar_encode(x: Any, codebook: Any, rotation: Any, *, unbiased: bool = False
 
 def polar_encode_tokens(k: Any, v: Any, k_mean: Any, v_mean: Any, k_scale: Any, k_outlier_idx: Any, k_mean_freq: Any,
                         k_mean_pairs: Any, start: int, k_codebook: Any, v_codebook: Any, rotation: Any,
-                        key_unbiased: bool, value_unbiased: bool) -> dict:
-    """:func:`arraykv.quant.polar_tokens.polar_encode_tokens_reference`: a polar cache's spilled tokens, encoded."""
+                        key_unbiased: bool, value_unbiased: bool, qjl: Any = None) -> dict:
+    """:func:`arraykv.quant.polar_tokens.polar_encode_tokens_reference`: a polar cache's spilled tokens, encoded
+    (with their keys' QJL residual sketch when ``qjl`` is given)."""
     return _impl("polar_encode_tokens", k)(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs,
-                                           start, k_codebook, v_codebook, rotation, key_unbiased, value_unbiased)
+                                           start, k_codebook, v_codebook, rotation, key_unbiased, value_unbiased, qjl)
 
 
 def polar_decode(codes: Any, norms: Any, codebook: Any, rotation: Any):

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
-from .polar import half_dtype, polar_encode_reference
+from .polar import half_dtype, polar_decode_reference, polar_encode_reference
+from .qjl import qjl_encode
 from .rotary_mean import RotaryMeanPlan
 
 __all__ = ["polar_encode_tokens_reference", "center_tokens", "outlier_selector"]
@@ -54,7 +55,7 @@ def center_tokens(k: Any, v: Any, key_mean: Any, v_mean: Any, k_scale: Any, k_ou
 
 def polar_encode_tokens_reference(k: Any, v: Any, k_mean: Any, v_mean: Any, k_scale: Any, k_outlier_idx: Any,
                                   k_mean_freq: Any, k_mean_pairs: Any, start: int, k_codebook: Any, v_codebook: Any,
-                                  rotation: Any, key_unbiased: bool, value_unbiased: bool) -> dict:
+                                  rotation: Any, key_unbiased: bool, value_unbiased: bool, qjl: Any = None) -> dict:
     """Quantize float32 tokens ``k``, ``v`` (b, h, t, d) at positions ``start .. start + t - 1``.
 
     Parameters
@@ -73,12 +74,17 @@ def polar_encode_tokens_reference(k: Any, v: Any, k_mean: Any, v_mean: Any, k_sc
     rotation : Rotation
     key_unbiased, value_unbiased : bool
         Stored lengths (:func:`arraykv.quant.polar.polar_encode_reference`).
+    qjl : QJLSketch, optional
+        Also sketch each key's residual ``r = k_c − k̂_c`` (the coded part minus its
+        reconstruction from the stored codes and float16 length, zero on the outlier channels).
 
     Returns
     -------
     dict
         ``k_codes``, ``v_codes`` uint8 (b, h, t, packed), ``k_norms``, ``v_norms`` float16
-        (b, h, t) and, when ``n_out > 0``, ``k_outliers`` float16 (b, h, t, n_out).
+        (b, h, t); when ``n_out > 0``, ``k_outliers`` float16 (b, h, t, n_out); with ``qjl``,
+        ``k_qjl`` uint8 (b, h, t, ceil(m / 8)) (the packed signs of ``S r``) and
+        ``k_qjl_norms`` float16 (b, h, t) (``‖r‖``).
     """
     xp = _compat.namespace(k)
     if k_mean_freq is None:
@@ -86,8 +92,12 @@ def polar_encode_tokens_reference(k: Any, v: Any, k_mean: Any, v_mean: Any, k_sc
     else:
         pos = xp.arange(start, start + int(k.shape[2]), dtype=xp.float64, device=_compat.device(k))
         mean = RotaryMeanPlan(k_mean, k_mean_freq, k_mean_pairs).at(pos)
-    kc, vc, k_outliers, _ = center_tokens(k, v, mean, v_mean, k_scale, k_outlier_idx)
+    kc, vc, k_outliers, keep = center_tokens(k, v, mean, v_mean, k_scale, k_outlier_idx)
     out = {} if k_outliers is None else {"k_outliers": k_outliers}
     out["k_codes"], out["k_norms"] = polar_encode_reference(kc, k_codebook, rotation, unbiased=key_unbiased)
     out["v_codes"], out["v_norms"] = polar_encode_reference(vc, v_codebook, rotation, unbiased=value_unbiased)
+    if qjl is not None:
+        resid = kc - polar_decode_reference(out["k_codes"], out["k_norms"], k_codebook, rotation)
+        sketch = qjl_encode(resid if keep is None else resid * keep, qjl)
+        out["k_qjl"], out["k_qjl_norms"] = sketch.signs, sketch.norms
     return out

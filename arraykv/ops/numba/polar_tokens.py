@@ -4,8 +4,10 @@ One compiled call centres and weights the keys (plain or rotating mean: the angl
 turning pair formed in float64 and its cosine and sine rounded to float32, as the reference
 does), cuts out the outlier channels, centres the values, and encodes both with the
 TurboQuant-MSE loop of :mod:`arraykv.ops.numba.polar` (on the calling thread for a decode
-step's one token, over Numba's threads for a long prefill's spill). Results equal the reference except where
-float rounding puts a rotated coordinate on the other side of a threshold.
+step's one token, over Numba's threads for a long prefill's spill). With a QJL sketch (``tq``
+caches) the keys are decoded back from their codes and the residual's signs under the sketch
+are packed in the same call. Results equal the reference except where float rounding puts a
+rotated coordinate on the other side of a threshold (or a sketched residual on the other side of 0).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .polar import _encode_par, _encode_ser, _host, _matrix
+from .polar import _decode_par, _decode_ser, _encode_par, _encode_ser, _host, _matrix
 from .polar_rows import HALF_TO_FLOAT, _bits16, memo_by_objects
 from .threads import launch, threads_for
 
@@ -69,22 +71,64 @@ def _center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc
                     kc[r, ch] = np.float32(0.0)
 
 
+@nb.njit(cache=True, nogil=True)
+def _sketch_residual(kc, kd, idx, heads, tokens, matrix, signs, norms):
+    """Packed signs (N, ceil(m / 8)) and float32 norms (N,) of the residuals ``kc − kd`` (N, d),
+    zero on each row's outlier channels ``idx[b, h]``, under the sketch ``matrix`` (m, d).
+
+    Sign ``i`` (``S r ≥ 0``) is bit ``i % 8`` of byte ``i // 8``, the layout of
+    :func:`arraykv.quant.bitpack.pack_bits` with one bit per code.
+    """
+    n, d = kc.shape
+    m = matrix.shape[0]
+    r = np.empty(d, np.float32)
+    for row in range(n):
+        bh = row // tokens
+        for j in range(d):
+            r[j] = kc[row, j] - kd[row, j]
+        for o in range(idx.shape[2]):
+            r[idx[bh // heads, bh % heads, o]] = np.float32(0.0)
+        ss = np.float32(0.0)
+        for j in range(d):
+            ss += r[j] * r[j]
+        norms[row] = np.float32(math.sqrt(ss))
+        for byte in range(signs.shape[1]):
+            signs[row, byte] = 0
+        for i in range(m):
+            x = np.float32(0.0)
+            for j in range(d):
+                x += matrix[i, j] * r[j]
+            if x >= 0.0:
+                signs[row, i >> 3] |= np.uint8(1 << (i & 7))
+
+
 #: Host tables of a cache's rotation and codebooks, by their ids (:func:`memo_by_objects`).
 _FIXED: dict = {}
 
 
-def _make_fixed(rotation, k_codebook, v_codebook) -> tuple:
+def _make_fixed(rotation, k_codebook, v_codebook, qjl) -> tuple:
     return (_host(rotation.signs), _matrix(rotation), rotation.kind == "hadamard",
-            *((_host(b.thresholds), _host(b.centroids), int(b.bits)) for b in (k_codebook, v_codebook)))
+            *((_host(b.thresholds), _host(b.centroids), int(b.bits)) for b in (k_codebook, v_codebook)),
+            None if qjl is None else np.ascontiguousarray(_host(qjl.matrix)))
 
 
-def _fixed(rotation, k_codebook, v_codebook) -> tuple:
-    """``(signs, matrix, hadamard, (k_thr, k_cent, k_bits), (v_thr, v_cent, v_bits))`` as the encoder takes them."""
-    return memo_by_objects(_FIXED, (rotation, k_codebook, v_codebook), _make_fixed)
+def _fixed(rotation, k_codebook, v_codebook, qjl) -> tuple:
+    """``(signs, matrix, hadamard, (k_thr, k_cent, k_bits), (v_thr, v_cent, v_bits), sketch)`` as the
+    encoder takes them (``sketch`` the QJL matrix (m, d) float32, or None)."""
+    return memo_by_objects(_FIXED, (rotation, k_codebook, v_codebook, qjl), _make_fixed)
+
+
+def _run(serial, parallel, x, *args):
+    """``serial(x, *args)`` on this thread for a decode step, ``parallel`` over Numba's threads for a long spill."""
+    if threads_for(x.size) == 1:
+        serial(x, *args)
+    else:
+        with launch(x.size):
+            parallel(x, *args)
 
 
 def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs, start, k_codebook,
-                        v_codebook, rotation, key_unbiased, value_unbiased):
+                        v_codebook, rotation, key_unbiased, value_unbiased, qjl=None):
     """Kernel of :func:`arraykv.quant.polar_tokens.polar_encode_tokens_reference` (same arguments and result)."""
     k = np.asarray(k, np.float32)
     v = np.asarray(v, np.float32)
@@ -97,7 +141,7 @@ def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_fre
     else:
         freq = np.asarray(k_mean_freq, np.float32)
         pairs = np.ascontiguousarray(k_mean_pairs, np.int32)
-    signs, matrix, hadamard, k_tabs, v_tabs = _fixed(rotation, k_codebook, v_codebook)
+    signs, matrix, hadamard, k_tabs, v_tabs, sketch = _fixed(rotation, k_codebook, v_codebook, qjl)
     kc = np.empty((n, d), np.float32)
     vc = np.empty((n, d), np.float32)
     k_out = np.empty((n, n_out), np.float32)
@@ -107,14 +151,18 @@ def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_fre
     for name, x, (thr, cent, bits), unbiased in (("k", kc, k_tabs, key_unbiased), ("v", vc, v_tabs, value_unbiased)):
         codes = np.empty((n, (d * bits + 7) // 8), np.uint8)
         lengths = np.empty(n, np.float32)
-        args = (x, signs, matrix, hadamard, thr, cent, bits, bool(unbiased), codes, lengths)
-        if threads_for(x.size) == 1:
-            _encode_ser(*args)
-        else:  # a long prefill's spill
-            with launch(x.size):
-                _encode_par(*args)
+        _run(_encode_ser, _encode_par, x, signs, matrix, hadamard, thr, cent, bits, bool(unbiased), codes, lengths)
         out[f"{name}_codes"] = codes.reshape(b, h, t, -1)
         out[f"{name}_norms"] = lengths.astype(np.float16).reshape(b, h, t)
+        if name == "k" and sketch is not None:  # the residual of the key as stored (float16 length)
+            kd = np.empty((n, d), np.float32)
+            _run(_decode_ser, _decode_par, codes, out["k_norms"].reshape(n).astype(np.float32), signs, matrix,
+                 hadamard, cent, bits, kd)
+            packed = np.empty((n, (sketch.shape[0] + 7) // 8), np.uint8)
+            norms = np.empty(n, np.float32)
+            _sketch_residual(kc, kd, idx, h, t, sketch, packed, norms)
+            out["k_qjl"] = packed.reshape(b, h, t, -1)
+            out["k_qjl_norms"] = norms.astype(np.float16).reshape(b, h, t)
     if n_out:
         out["k_outliers"] = k_out.astype(np.float16).reshape(b, h, t, n_out)
     return out
