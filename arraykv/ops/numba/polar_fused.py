@@ -49,6 +49,7 @@ from .fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softm
 from .simd import (VECTOR_TILES, channels_to_planar, softmax_rows, tile_scores, tile_scores_codes_2, tile_scores_codes_4, tile_values,
                    tile_values_codes_2, tile_values_codes_4)
 from .polar_query import _finish_head, _prepare_head, _prepare_rotating
+from .simd_signs import tile_sign_scores
 from .polar_rows import (_NO_F32_2, _NO_F32_3, _NO_I32_2, _NO_I32_3, _NO_U8_4, _NO_U16_3, _NO_U16_4, _SIGN_TABLE,
                          _SIGNS, HALF_TO_FLOAT, _bits16, _fixed_args, _planar_per, _unpack_rows)
 
@@ -115,6 +116,10 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
             for j in range(n_j):
                 cs[r, j] = ct[r, j]
                 cs[r, n_j + j] = st[r, j]
+    # the QJL correction's signed sums straight from the packed signs, sixteen per mask
+    qjl_vec = vec and m_rows > 0 and m_rows % 16 == 0
+    sq_c = np.ascontiguousarray(sq) if qjl_vec else np.empty((0, 0), np.float32)
+    sk = np.empty((g_n, TILE), np.float32)
     kn = np.empty(TILE, np.float32)
     vn = np.empty(TILE, np.float32)
     ebits = np.empty(TILE, np.int32)
@@ -131,9 +136,11 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
             tile_scores_codes_2(k_codes[b, h], t0, t1 - t0, k_table, qr, s)
         else:
             _unpack_rows(k_codes, b, h, t0, t1, k_bits, k_table, k_cent, d, buf, buf64)
-        if m_rows:
-            _unpack_rows(k_qjl, b, h, t0, t1, 1, sign_table, _SIGNS, m_rows, pbuf, pbuf64)
         nt = t1 - t0
+        if qjl_vec:
+            tile_sign_scores(k_qjl[b, h], t0, nt, sq_c, sk)
+        elif m_rows:
+            _unpack_rows(k_qjl, b, h, t0, t1, 1, sign_table, _SIGNS, m_rows, pbuf, pbuf64)
         r4 = nt - nt % 4
         if vec and not k_direct:
             tile_scores(buf, nt, qr, s)
@@ -196,7 +203,9 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                     x = s[g, r]
                     for o in range(n_out):
                         x += qout[g, o] * half[k_outliers[b, h, t, o]]
-                    if m_rows:
+                    if qjl_vec:
+                        x += sk[g, r] * qn
+                    elif m_rows:
                         sdot = np.float32(0.0)
                         for i in range(m_rows):
                             sdot += sq[g, i] * pbuf[r, i]
@@ -342,8 +351,10 @@ def polar_decode_attention(codec, q, scale):
         k_out = _NO_U16_4 if n == 0 else _bits16(codec.k_outliers)
     if codec.qjl is None:
         k_qjl, k_qjl_norms = _NO_U8_4, _NO_U16_3
-    else:
+    else:  # rows of contiguous bytes, as the sign masks are read
         k_qjl, k_qjl_norms = codec.k_qjl, _bits16(codec.k_qjl_norms)
+        if k_qjl.strides[-1] != 1:
+            k_qjl = np.ascontiguousarray(k_qjl)
     freq = getattr(codec, "k_mean_freq", None)
     if freq is None or n == 0:
         rm_freq, rm_pairs = _NO_F32_3, _NO_I32_2
