@@ -49,9 +49,10 @@ from .fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softm
 from .simd import (VECTOR_TILES, channels_to_planar, softmax_rows, tile_scores, tile_scores_codes_2, tile_scores_codes_4, tile_values,
                    tile_values_codes_2, tile_values_codes_4)
 from .polar_query import _finish_head, _prepare_head, _prepare_rotating
+from .simd3 import tile_scores_codes_3, tile_values_codes_3
 from .simd_signs import tile_sign_scores
 from .polar_rows import (_NO_F32_2, _NO_F32_3, _NO_I32_2, _NO_I32_3, _NO_U8_4, _NO_U16_3, _NO_U16_4, _SIGN_TABLE,
-                         _SIGNS, HALF_TO_FLOAT, _bits16, _fixed_args, _planar_per, _unpack_rows)
+                         _SIGNS, HALF_TO_FLOAT, _bits16, _direct3, _fixed_args, _planar_per, _unpack_rows)
 
 __all__ = ["polar_decode_attention", "TILE", "HALF_TO_FLOAT"]
 
@@ -127,6 +128,8 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
     # 4- and 2-bit codes: scored and summed straight from the packed rows (planar order, no tile buffer)
     k_direct = _planar_per(k_bits, d) if vec else 0
     v_direct = _planar_per(v_bits, d) if vec else 0
+    k3 = vec and _direct3(k_bits, d)  # 3-bit codes: sixteen per vpermps from six bytes, channel order
+    v3 = vec and _direct3(v_bits, d)
     for t0 in range(t_lo, t_hi, TILE):
         t1 = min(t_hi, t0 + TILE)
         # 1. scores of the tile
@@ -134,6 +137,8 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
             tile_scores_codes_4(k_codes[b, h], t0, t1 - t0, k_table, qr, s)
         elif k_direct == 4:
             tile_scores_codes_2(k_codes[b, h], t0, t1 - t0, k_table, qr, s)
+        elif k3:
+            tile_scores_codes_3(k_codes[b, h], t0, t1 - t0, k_table, qr, s)
         else:
             _unpack_rows(k_codes, b, h, t0, t1, k_bits, k_table, k_cent, d, buf, buf64)
         nt = t1 - t0
@@ -142,7 +147,7 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
         elif m_rows:
             _unpack_rows(k_qjl, b, h, t0, t1, 1, sign_table, _SIGNS, m_rows, pbuf, pbuf64)
         r4 = nt - nt % 4
-        if vec and not k_direct:
+        if vec and not k_direct and not k3:
             tile_scores(buf, nt, qr, s)
         for g in range(g_n if not vec else 0):  # four keys per pass: four independent sums, one read of the query
             for r in range(0, r4, 4):
@@ -217,7 +222,7 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
         for g in range(g_n if not vec else 0):
             softmax_tile(s[g], nt, m, l, al, g, ebits)
         # 3. weighted values in the rotated domain
-        if not v_direct:
+        if not v_direct and not v3:
             _unpack_rows(v_codes, b, h, t0, t1, v_bits, v_table, v_cent, d, buf, buf64)
         for g in range(g_n):
             sg = s[g]
@@ -227,6 +232,8 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
             tile_values_codes_4(v_codes[b, h], t0, t1 - t0, v_table, s, al)
         elif v_direct == 4:
             tile_values_codes_2(v_codes[b, h], t0, t1 - t0, v_table, s, al)
+        elif v3:
+            tile_values_codes_3(v_codes[b, h], t0, t1 - t0, v_table, s, al)
         elif vec:
             tile_values(buf, nt, s, al)
         for g in range(g_n if not vec else 0):  # four values per pass: one load and store of the accumulator

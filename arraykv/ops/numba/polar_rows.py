@@ -205,9 +205,17 @@ def memo_by_objects(store: dict, objs: tuple, make, limit: int = 64):
     return value
 
 
+@nb.njit(inline="always")
+def _direct3(bits, d):
+    """Whether rows of ``d`` 3-bit codes are read sixteen codes per ``vpermps``
+    (:mod:`arraykv.ops.numba.simd3`; ``HAVE_PERMPS`` is a compile-time constant)."""
+    return HAVE_PERMPS and bits == 3 and d % 64 == 0
+
+
 def _row_table(cent, bits: int, d: int) -> np.ndarray:
-    """The ``table`` argument of :func:`_unpack_rows` for rows of ``d`` codes of ``bits`` bits (uint64 words)."""
-    if planar_per(bits, d):
+    """The ``table`` argument of :func:`_unpack_rows` for rows of ``d`` codes of ``bits`` bits (uint64 words);
+    the 16-float register table where the rows are read with ``vpermps`` (planar, or 3-bit chunks)."""
+    if planar_per(bits, d) or (HAVE_PERMPS and bits == 3 and d % 64 == 0):
         return table16(cent).view(np.uint64)
     return _chunk_table(cent, bits)
 

@@ -1,0 +1,185 @@
+"""Packed 3-bit codes to centroid values sixteen at a time (Numba, AVX-512 ``vpermps``).
+
+Three-bit codes do not split into bit planes of whole bytes the way 4- and 2-bit codes do
+(:mod:`arraykv.ops.numba.simd`): eight codes share three bytes. Sixteen codes are six bytes,
+though, so chunk ``c`` of a row (channels ``16c .. 16c + 15``, in channel order) is the 48-bit
+word at byte ``6c``: spread over sixteen 64-bit lanes, each shifted right by ``3k`` and cut
+to three bits, it gives the sixteen indices ``vpermps`` looks up in the codebook register.
+:func:`tile_scores_codes_3` and :func:`tile_values_codes_3` are the tile products of
+:mod:`arraykv.ops.numba.simd` read this way (rows of ``d`` codes, ``d`` a multiple of 64, in
+channel order: the queries and value sums need no permutation); their ``*_loop`` versions are
+the plain loops they are checked against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import numba as nb
+    from numba import types as nbt
+    from numba.core.extending import intrinsic
+except ImportError as exc:  # pragma: no cover - exercised only without numba
+    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+
+from .simd import PREFETCH_ROWS, _arrays, _c_f32, _emit_scores, _g_blocks_any, _vec_helpers
+
+__all__ = ["tile_scores_codes_3", "tile_values_codes_3", "tile_scores_codes_3_loop", "tile_values_codes_3_loop",
+           "rows_3_loop"]
+
+
+def _source3(context, builder, h, sig, args):
+    """``(row_ptr(t, prefetch), chunk(row, c))``: the code rows of ``args[0]`` and the centroid
+    values of chunk ``c`` (an i64 IR value) of a row, from the 16-float table ``args[3]``."""
+    ir = h.ir
+    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+    v16i32, v16i64 = ir.VectorType(i32, 16), ir.VectorType(h.i64, 16)
+    c_arr = context.make_array(sig.args[0])(context, builder, args[0])
+    stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
+    tab_arr = context.make_array(sig.args[3])(context, builder, args[3])
+    table = builder.load(builder.bitcast(tab_arr.data, h.v16.as_pointer()), align=4)
+    mod = builder.module
+    perm = mod.globals.get("llvm.x86.avx512.permvar.sf.512") or ir.Function(
+        mod, ir.FunctionType(h.v16, [h.v16, v16i32]), "llvm.x86.avx512.permvar.sf.512")
+    pf = mod.globals.get("llvm.prefetch.p0") or ir.Function(
+        mod, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
+    shifts = ir.Constant(v16i64, [3 * k for k in range(16)])
+    seven = ir.Constant(v16i32, [7] * 16)
+
+    def row_ptr(t, prefetch=False):
+        row = builder.gep(c_arr.data, [builder.mul(t, stride)])
+        if prefetch:
+            ahead = builder.gep(row, [builder.mul(h.const(PREFETCH_ROWS), stride)])
+            builder.call(pf, [ahead, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return row
+
+    def chunk(row, c):
+        at = builder.gep(row, [builder.mul(c, h.const(6))])  # six bytes: no read past the row
+        lo = builder.zext(builder.load(builder.bitcast(at, i32.as_pointer()), align=1), h.i64)
+        hi = builder.zext(builder.load(builder.bitcast(builder.gep(at, [h.const(4)]), i16.as_pointer()), align=1),
+                          h.i64)
+        word = builder.or_(lo, builder.shl(hi, ir.Constant(h.i64, 32)))
+        spread = builder.insert_element(ir.Constant(v16i64, ir.Undefined), word, ir.Constant(i32, 0))
+        spread = builder.shuffle_vector(spread, spread, ir.Constant(v16i32, [0] * 16))
+        idx = builder.and_(builder.trunc(builder.lshr(spread, shifts), v16i32), seven)
+        return builder.call(perm, [table, idx])
+
+    return row_ptr, chunk
+
+
+def _scores3_codegen(context, builder, sig, args):
+    h = _vec_helpers()
+    t0, nt = args[1], args[2]
+    (qr, (g_n, d)), (s, (_, s_w)) = _arrays(context, builder, sig, args, (4, 5))
+    row_ptr, chunk = _source3(context, builder, h, sig, args)
+    fma = h.fma_fn(builder)
+    accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(16)]
+
+    def fill(g0, gb, r0, n_rows):  # n_rows (python int) rows from row r0 (relative to t0)
+        rows = [row_ptr(builder.add(t0, builder.add(r0, h.const(i))), prefetch=True) for i in range(n_rows)]
+        with h.cgutils.for_range(builder, builder.udiv(d, h.const(16))) as lc:
+            off = builder.mul(lc.index, h.const(16))
+            qv = [h.vload(builder, qr, builder.add(builder.mul(builder.add(g0, h.const(gi)), d), off))
+                  for gi in range(gb)]
+            for i in range(n_rows):
+                x = chunk(rows[i], lc.index)
+                for gi in range(gb):
+                    a = accs[gi * n_rows + i]
+                    builder.store(builder.call(fma, [x, qv[gi], builder.load(a)]), a)
+
+    _g_blocks_any(builder, h, g_n, _emit_scores(builder, h, nt, s, s_w, accs, lambda gb: 4 if gb >= 3 else 8, fill))
+    return context.get_dummy_value()
+
+
+def _values3_codegen(context, builder, sig, args):
+    h = _vec_helpers()
+    t0, nt = args[1], args[2]
+    (w, (_, w_w)), (acc, (g_n, d)) = _arrays(context, builder, sig, args, (4, 5))
+    row_ptr, chunk = _source3(context, builder, h, sig, args)
+    fma = h.fma_fn(builder)
+    accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(16)]
+
+    def emit(g0, gb):  # channels 64 at a time: 4 chunks x gb heads of accumulators in registers
+        with h.cgutils.for_range(builder, builder.udiv(d, h.const(64))) as lc:
+            c0 = builder.mul(lc.index, h.const(4))
+            rows = [builder.mul(builder.add(g0, h.const(gi)), d) for gi in range(gb)]
+            offs = [[builder.add(rows[gi], builder.mul(builder.add(c0, h.const(k)), h.const(16))) for k in range(4)]
+                    for gi in range(gb)]
+            for gi in range(gb):
+                for k in range(4):
+                    builder.store(h.vload(builder, acc, offs[gi][k]), accs[4 * gi + k])
+            with h.cgutils.for_range(builder, nt) as lr:
+                r = lr.index
+                row = row_ptr(builder.add(t0, r), prefetch=True)
+                wv = [h.splat(builder, builder.load(builder.gep(w, [builder.add(
+                    builder.mul(builder.add(g0, h.const(gi)), w_w), r)]))) for gi in range(gb)]
+                for k in range(4):
+                    x = chunk(row, builder.add(c0, h.const(k)))
+                    for gi in range(gb):
+                        a = accs[4 * gi + k]
+                        builder.store(builder.call(fma, [wv[gi], x, builder.load(a)]), a)
+            for gi in range(gb):
+                for k in range(4):
+                    h.vstore(builder, builder.load(accs[4 * gi + k]), acc, offs[gi][k])
+
+    _g_blocks_any(builder, h, g_n, emit)
+    return context.get_dummy_value()
+
+
+def _typer(gen, name):
+    def typer(typingctx, codes, t0, nt, tab, x, out):
+        ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8
+              and isinstance(tab, nbt.Array) and _c_f32(x, out) and x.ndim == 2 and out.ndim == 2
+              and all(isinstance(v, nbt.Integer) for v in (t0, nt)))
+        if not ok:
+            return None
+        return nbt.void(codes, nbt.int64, nbt.int64, tab, x, out), gen
+
+    typer.__name__ = name
+    return intrinsic(typer)
+
+
+#: ``tile_scores_codes_3(codes, t0, nt, tab, qr, s)``: ``s[g, r] = Σ_j qr[g, j] · tab[code_j(t0 + r)]``
+#: for ``r < nt``; ``codes`` uint8 (T, 3d / 8), rows of contiguous bytes (any row stride), ``tab``
+#: 16 float32 (:func:`arraykv.ops.numba.simd.table16`, any dtype view of its 64 bytes), ``qr`` (G, d), ``s`` (G, ≥ nt) C-contiguous
+#: float32, ``d`` a multiple of 16. Not checked at run time. AVX-512 only.
+tile_scores_codes_3 = _typer(_scores3_codegen, "tile_scores_codes_3")
+#: ``tile_values_codes_3(codes, t0, nt, tab, w, acc)``: ``acc[g, j] += Σ_{r < nt} w[g, r] · tab[code_j(t0 + r)]``;
+#: as above, ``w`` (G, ≥ nt), ``acc`` (G, d) with ``d`` a multiple of 64.
+tile_values_codes_3 = _typer(_values3_codegen, "tile_values_codes_3")
+
+
+@nb.njit
+def rows_3_loop(codes, t0, nt, tab, d):
+    """Centroid values (nt, d) of rows ``t0 ..`` of 3-bit codes (stream bits ``[3j, 3j + 3)`` for code ``j``)."""
+    out = np.empty((nt, d), np.float32)
+    for r in range(nt):
+        for j in range(d):
+            bit = 3 * j
+            pair = np.int64(codes[t0 + r, bit >> 3])
+            if (bit >> 3) + 1 < codes.shape[1]:
+                pair |= np.int64(codes[t0 + r, (bit >> 3) + 1]) << 8
+            out[r, j] = tab[(pair >> (bit & 7)) & 7]
+    return out
+
+
+@nb.njit
+def tile_scores_codes_3_loop(codes, t0, nt, tab, qr, s):
+    """Reference of :func:`tile_scores_codes_3`."""
+    rows = rows_3_loop(codes, t0, nt, tab, qr.shape[1])
+    for g in range(qr.shape[0]):
+        for r in range(nt):
+            x = np.float32(0.0)
+            for j in range(qr.shape[1]):
+                x += qr[g, j] * rows[r, j]
+            s[g, r] = x
+
+
+@nb.njit
+def tile_values_codes_3_loop(codes, t0, nt, tab, w, acc):
+    """Reference of :func:`tile_values_codes_3`."""
+    rows = rows_3_loop(codes, t0, nt, tab, acc.shape[1])
+    for g in range(acc.shape[0]):
+        for r in range(nt):
+            for j in range(acc.shape[1]):
+                acc[g, j] += w[g, r] * rows[r, j]
