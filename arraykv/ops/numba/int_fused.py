@@ -16,8 +16,9 @@ then exact window values):
    voffset_{t,j}`` (exact window values enter the tile with scale 1 and offset 0);
 3. a log-sum-exp merge of the token splits and the division by the softmax denominator.
 
-With AVX-512, int4/int8 codes, ``G`` a multiple of 32 and ``head_dim`` a multiple of 64
-(:mod:`arraykv.ops.numba.simd`), step 2 runs in 16-lane vectors: a key group is scored with
+With AVX-512, ``G`` a multiple of 32 and ``head_dim`` a multiple of 64
+(:mod:`arraykv.ops.numba.simd`; int2 through :mod:`arraykv.ops.numba.simd_int2`, in channel
+order), step 2 runs in 16-lane vectors: a key group is scored with
 its tokens along the lanes (each channel's codes converted once for four query heads, no sum
 across lanes), the softmax of a tile for every query head at once, and the value codes are
 read as their own values (int4 in planar order, the value sums permuted back at the span's
@@ -49,6 +50,7 @@ from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_spl
 from .polar_rows import HALF_TO_FLOAT
 from .simd import (VECTOR_TILES, channels_to_planar, int4_group_scores, int8_group_scores, planar_to_channels,
                    softmax_rows, table16, tile_values_codes_4_scaled, tile_values_codes_8_scaled)
+from .simd_int2 import int2_group_scores, tile_values_codes_2_scaled
 
 __all__ = ["int_decode_attention", "TILE"]
 
@@ -126,9 +128,9 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
     d4 = d - d % 4
     nbk = (G * bits + 7) // 8  # bytes per packed key row / value row
     nbv = (d * bits + 7) // 8
-    # int4/int8 in 16-lane vectors: key groups scored with tokens along the lanes, values summed
+    # int2/int4/int8 in 16-lane vectors: key groups scored with tokens along the lanes, values summed
     # from the packed rows (int4 in planar order: even channels, then odd; :mod:`arraykv.ops.numba.simd`)
-    vec = VECTOR_TILES and (bits == 4 or bits == 8) and G % 32 == 0 and d % 64 == 0 and tile % 16 == 0
+    vec = VECTOR_TILES and bits in (2, 4, 8) and G % 32 == 0 and d % 64 == 0 and tile % 16 == 0
     vec4 = vec and bits == 4
     half_d = d // 2
     al = acc.copy()  # the value sums (planar order for int4)
@@ -162,8 +164,10 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
             if vec:
                 if vec4:
                     int4_group_scores(k_codes[b, h, grp], qfs, s, off)
-                else:
+                elif bits == 8:
                     int8_group_scores(k_codes[b, h, grp], qfs, s, off)
+                else:
+                    int2_group_scores(k_codes[b, h, grp], qfs, s, off)
                 for g in range(g_n):
                     srow = s[g, off:off + G]
                     for i in range(G):
@@ -257,8 +261,10 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
             if nqt:
                 if vec4:
                     tile_values_codes_4_scaled(v_codes[b, h], t0, nqt, _CODES16, s, cscale, al)
-                else:
+                elif bits == 8:
                     tile_values_codes_8_scaled(v_codes[b, h], t0, nqt, _CODES16, s, cscale, al)
+                else:
+                    tile_values_codes_2_scaled(v_codes[b, h], t0, nqt, s, cscale, al)
             continue
         if bits == 8:
             for r in range(nqt):
