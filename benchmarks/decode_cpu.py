@@ -327,6 +327,15 @@ def _steps(method, k, v, q, scale, rng, baseline=None):
         q3 = q[:, :, 0]
         return (lambda: arraykv.ops.vq_decode_attention(q3, kc, cent, vc, cent, e, e, bits=4, softmax_scale=scale),
                 kc.nbytes + vc.nbytes + 2 * cent.nbytes, None)
+    if method == "lowrank":  # coefficients of the lowrank cache's defaults (rank head_dim / 2, float16), random
+        r = d // 2
+        kc, vc = (rng.standard_normal((b, h, n, r)).astype(np.float16) for _ in "kv")
+        basis = np.linalg.qr(rng.standard_normal((h, d, r)))[0].astype(np.float32)
+        mean = np.zeros((h, d), np.float32)
+        e = np.zeros((b, h, 0, d), np.float16)
+        return (lambda: arraykv.ops.lowrank_decode_attention(q, kc, basis, mean, vc, basis, mean, e, e,
+                                                             softmax_scale=scale),
+                kc.nbytes + vc.nbytes + 2 * (basis.nbytes + mean.nbytes), None)
     opts = dict(residual_window=0, sink_tokens=0) if method.startswith("pq") else dict(residual_window=0)
     cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=h, head_dim=d, **opts)
     cache.prefill(0, k, v, rng.standard_normal((b, q.shape[1], n, d), dtype=np.float32))
@@ -362,7 +371,8 @@ def floor_table(args, baseline=None):
             if before is not None:
                 fns[f"{method} before"] = before
                 floors[f"{method} before"] = cpu_floor.floor_seconds(nbytes, fmas=n * h * g * 2 * d, threads=threads)
-            ops = n * h * g * 2 * (d // 2 if method == "vq" else d)  # per (token, query head): score + value
+            # per (token, query head): score + value, over d channels (vq: d / 2 lookups; lowrank: rank d / 2)
+            ops = n * h * g * 2 * (d // 2 if method in ("vq", "lowrank") else d)
             floors[method] = cpu_floor.floor_seconds(nbytes, fmas=0 if method == "vq" else ops,
                                                      lookups=ops if method == "vq" else 0, threads=threads)
         t = interleaved(fns, args.repeat)

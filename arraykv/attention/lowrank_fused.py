@@ -7,7 +7,9 @@ few float16 tokens (attention sinks and the recent window). For one new query pe
 reconstructing K or V: the query is projected on the key basis once, scores are taken against
 the ``r``-dimensional coefficients, and the value sum is formed in coefficient space and
 lifted back once. Everything is array-API matrix products, so the same code runs on NumPy and
-CuPy.
+CuPy. It is the reference of the op :func:`arraykv.ops.lowrank_decode_attention`, whose NumPy
+kernel (:mod:`arraykv.ops.numba.lowrank_fused`) reads float16 coefficients in place instead of
+converting the whole layer to float32 at every step.
 """
 
 from __future__ import annotations
@@ -17,11 +19,74 @@ from typing import Any
 from .. import _compat
 from .._validation import check_softmax_scale
 
-__all__ = ["lowrank_decode_attention"]
+__all__ = ["lowrank_decode_attention", "check_decode_args"]
 
 
 def _f32(xp: Any, x: Any):
     return x if x.dtype == xp.float32 else xp.astype(x, xp.float32)
+
+
+def _shape(x: Any) -> tuple:
+    return tuple(int(s) for s in x.shape)
+
+
+def _lead(x: Any) -> tuple | None:
+    """``(batch, heads, last)`` of a 4-D array's shape, None for anything else (a plain tuple: cheap to compare)."""
+    if x is None or x.ndim != 4:
+        return None
+    s = x.shape
+    return s[0], s[1], s[3]
+
+
+def check_decode_args(q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_coef: Any, v_basis: Any, v_mean: Any,
+                      k_extra: Any, v_extra: Any) -> tuple:
+    """Shape checks of :func:`lowrank_decode_attention` (shared with its kernels).
+
+    Returns
+    -------
+    tuple of int
+        ``(b, h, g, d, T, E, r_k, r_v)``: batch, KV heads, query heads per KV head, head_dim,
+        encoded and kept tokens, ranks (the coefficients' last axes; 0 when ``T = 0``).
+
+    Raises
+    ------
+    ValueError
+        An array whose shape does not fit the others (the message names it), or no token at all.
+    """
+    if q.ndim != 4 or k_extra.ndim != 4:
+        raise ValueError(f"q and k_extra must have 4 dimensions, received shapes {_shape(q)} and {_shape(k_extra)}")
+    b, hq, one, d = q.shape
+    h = k_extra.shape[1]
+    if one != 1 or h < 1 or hq % h:
+        raise ValueError(f"q must have shape (batch, a multiple of kv_heads={h}, 1, head_dim), received {_shape(q)}")
+    for name, x in (("k_extra", k_extra), ("v_extra", v_extra)):
+        if _lead(x) != (b, h, d):
+            raise ValueError(f"{name} must have shape (batch={b}, kv_heads={h}, extra, head_dim={d}), "
+                             f"received {_shape(x)}")
+    n_e = k_extra.shape[2]
+    if v_extra.shape[2] != n_e:
+        raise ValueError(f"v_extra must hold {n_e} tokens like k_extra, received {v_extra.shape[2]}")
+    for name, c in (("k_coef", k_coef), ("v_coef", v_coef)):
+        lead = _lead(c)
+        if lead is None or lead[:2] != (b, h):
+            raise ValueError(f"{name} must have shape (batch={b}, kv_heads={h}, tokens, rank), received "
+                             f"{None if c is None else _shape(c)}")
+    n_t = k_coef.shape[2]
+    if v_coef.shape[2] != n_t:
+        raise ValueError(f"v_coef must hold {n_t} tokens like k_coef, received {v_coef.shape[2]}")
+    if n_t + n_e < 1:
+        raise ValueError("the layer holds no token to attend to")
+    if not n_t:
+        return b, h, hq // h, d, 0, n_e, 0, 0
+    r_k, r_v = k_coef.shape[3], v_coef.shape[3]
+    for p, r, basis, mean in (("k", r_k, k_basis, k_mean), ("v", r_v, v_basis, v_mean)):
+        if basis is None or basis.ndim != 3 or basis.shape != (h, d, r):
+            raise ValueError(f"{p}_basis must have shape (kv_heads={h}, head_dim={d}, rank={r}) for {p}_coef of "
+                             f"rank {r}, received {None if basis is None else _shape(basis)}")
+        if mean is None or mean.ndim != 2 or mean.shape != (h, d):
+            raise ValueError(f"{p}_mean must have shape (kv_heads={h}, head_dim={d}), received "
+                             f"{None if mean is None else _shape(mean)}")
+    return b, h, hq // h, d, n_t, n_e, r_k, r_v
 
 
 def lowrank_decode_attention(q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_coef: Any, v_basis: Any,
@@ -45,6 +110,12 @@ def lowrank_decode_attention(q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_c
     -------
     array, shape (batch, q_heads, 1, head_dim), in the dtype of ``q``
 
+    Raises
+    ------
+    ValueError
+        Shapes that do not fit each other (:func:`check_decode_args`), no token at all, or a
+        softmax scale that is not a positive finite number.
+
     Notes
     -----
     With ``q' = scale · q`` and ``q̃ = B_Kᵀ q'`` (one ``d × r`` product per query head), the
@@ -57,14 +128,9 @@ def lowrank_decode_attention(q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_c
     """
     softmax_scale = check_softmax_scale(softmax_scale)
     xp = _compat.namespace(q)
-    b, hq, one, d = (int(s) for s in q.shape)
-    h = int(k_extra.shape[1])
-    if one != 1 or hq % h:
-        raise ValueError(f"q must have shape (batch, a multiple of kv_heads={h}, 1, head_dim), received {tuple(q.shape)}")
-    g = hq // h
-    n_t, n_e = int(k_coef.shape[2]), int(k_extra.shape[2])
-    if n_t + n_e < 1:
-        raise ValueError("the layer holds no token to attend to")
+    b, h, g, d, n_t, n_e, _, _ = check_decode_args(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra,
+                                                   v_extra)
+    hq = h * g
     qs = xp.reshape(_f32(xp, q), (b, h, g, d)) * float(softmax_scale)
     parts = []
     if n_t:

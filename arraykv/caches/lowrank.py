@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _compat
+from .. import _compat, ops
 from .._validation import check_bool, check_int
-from ..attention.lowrank_fused import lowrank_decode_attention
 from ..compressor import LowRank, samples_by_head
 from ..quant.lowrank import LowRankBasis, check_rank_energy, fit_basis
 from ..quant.polar import half_dtype
@@ -68,9 +67,9 @@ class LowRankCache(FittedCache):
         ``rollback_tokens`` encoded tokens; see :meth:`~arraykv.caches.LayeredCache.truncate`).
     decode_path : {"auto", "fused", "dequantized"}, default "auto"
         ``"auto"`` and ``"fused"``: ``decode`` attends in coefficient space and returns
-        :class:`~arraykv.Fused` (:func:`arraykv.attention.lowrank_fused.lowrank_decode_attention`,
-        array-API matrix products, on every namespace); ``"dequantized"`` reconstructs the
-        layer and returns :class:`~arraykv.Dequantized`.
+        :class:`~arraykv.Fused` (:func:`arraykv.ops.lowrank_decode_attention`: a Numba kernel that
+        reads the coefficients in place on NumPy, array-API matrix products on every other
+        namespace); ``"dequantized"`` reconstructs the layer and returns :class:`~arraykv.Dequantized`.
 
     Notes
     -----
@@ -183,10 +182,11 @@ class LowRankCache(FittedCache):
         buf, calib = st.codes, st.calib
         ke, ve = self._extras(st)
         if calib is None or not buf.length:
-            return lowrank_decode_attention(q, ke[:, :, :0, :], None, None, ve[:, :, :0, :], None, None, ke, ve,
+            return ops.lowrank_decode_attention(q, ke[:, :, :0, :], None, None, ve[:, :, :0, :], None, None, ke, ve,
+                                                softmax_scale=scale)
+        return ops.lowrank_decode_attention(q, buf.view("k_coef"), calib["k_basis"], calib["k_mean"],
+                                            buf.view("v_coef"), calib["v_basis"], calib["v_mean"], ke, ve,
                                             softmax_scale=scale)
-        return lowrank_decode_attention(q, buf.view("k_coef"), calib["k_basis"], calib["k_mean"], buf.view("v_coef"),
-                                        calib["v_basis"], calib["v_mean"], ke, ve, softmax_scale=scale)
 
     def _decode_tokens(self, xp, calib, buf: TokenBuffers, start: int = 0) -> tuple:
         out = []

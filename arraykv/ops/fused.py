@@ -16,8 +16,8 @@ from .._validation import check_softmax_scale
 from ..attention.int_fused import layer_exponents
 from .registry import implementation, lookup, reference
 
-__all__ = ["polar_decode_attention", "int_decode_attention", "vq_decode_attention", "has_kernel",
-           "INT_KERNEL_BITS"]
+__all__ = ["polar_decode_attention", "int_decode_attention", "vq_decode_attention", "lowrank_decode_attention",
+           "has_kernel", "INT_KERNEL_BITS"]
 
 #: Code widths of the integer fused kernel (others run the reference).
 INT_KERNEL_BITS = (2, 4, 8)
@@ -103,3 +103,19 @@ def vq_decode_attention(q: Any, k_codes: Any, k_centroids: Any, v_codes: Any, v_
     xp = _compat.namespace(q)
     fn = implementation("vq_decode_attention", xp, _device(xp, q))
     return fn(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits=bits, softmax_scale=softmax_scale)
+
+
+def lowrank_decode_attention(q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_coef: Any, v_basis: Any, v_mean: Any,
+                             k_extra: Any, v_extra: Any, *, softmax_scale: float):
+    """One decode step of attention over a low-rank layer, in coefficient space.
+
+    Arguments and result of :func:`arraykv.attention.lowrank_fused.lowrank_decode_attention`:
+    ``q`` (batch, q_heads, 1, head_dim), coefficients (batch, h, T, r) of float16 or float32,
+    bases (h, head_dim, r) and means (h, head_dim) (None when ``T = 0``), kept tokens
+    (batch, h, E, head_dim); returns (batch, q_heads, 1, head_dim) in the dtype of ``q``. On
+    NumPy the kernel reads float16 coefficients in place instead of converting the layer at
+    every step.
+    """
+    xp = _compat.namespace(q)
+    fn = implementation("lowrank_decode_attention", xp, _device(xp, q))
+    return fn(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra, softmax_scale=softmax_scale)

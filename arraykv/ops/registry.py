@@ -253,3 +253,5 @@ register_op("int_decode_attention", f"{_A}.int_fused:int_decode_attention_refere
             numpy=f"{_N}.int_fused:int_decode_attention")
 register_op("vq_decode_attention", f"{_A}.vq_fused:vq_decode_attention_reference",
             numpy=f"{_N}.vq_fused:vq_decode_attention")
+register_op("lowrank_decode_attention", f"{_A}.lowrank_fused:lowrank_decode_attention",
+            numpy=f"{_N}.lowrank_fused:lowrank_decode_attention")
