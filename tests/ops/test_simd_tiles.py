@@ -15,7 +15,7 @@ import pytest
 import arraykv
 from arraykv.ops import polar_decode_attention
 from arraykv.attention.polar_fused import polar_decode_attention_reference
-from arraykv.ops.numba import simd
+from arraykv.ops.numba import simd, simd_lanes
 from arraykv.ops.numba.fused_driver import softmax_tile
 
 PERMPS = pytest.mark.skipif(not simd.HAVE_PERMPS, reason="no AVX-512 on this CPU (the loop references are tested)")
@@ -261,3 +261,112 @@ def test_scaled_values_from_int_codes(bits, impl, g, d, nt, rng):
     want = acc + w[:, :nt] @ (values(codes[9:9 + nt]) * np.repeat(cscale[:nt], 16, axis=1))
     (kernel if impl == 0 else loop)(codes, 9, nt, simd.table16(np.arange(16, dtype=np.float32)), w, cscale, acc)
     np.testing.assert_allclose(acc, want, rtol=rtol, atol=1e-3 if atol_per_token is None else atol_per_token * nt)
+
+
+# ---- tokens along the lanes (4-bit product-quantization codes) ------------------------------
+
+@nb.njit
+def _lanes(codes, t0, nt, ahead, out):
+    simd_lanes.codes_to_lanes(codes, t0, nt, ahead, out)
+
+
+@nb.njit
+def _lane_scores(lanes, nblk, nw, lut, s):
+    simd_lanes.lane_table_scores(lanes, nblk, nw, lut, s)
+
+
+@nb.njit
+def _lane_values(lanes, nblk, nw, sd, ctab, w, acc):
+    simd_lanes.lane_table_values(lanes, nblk, nw, sd, ctab, w, acc)
+
+
+LANES = {0: (_lanes, _lane_scores, _lane_values),
+         1: (simd_lanes.codes_to_lanes_loop, simd_lanes.lane_table_scores_loop, simd_lanes.lane_table_values_loop)}
+
+
+def _nibbles(codes):
+    """NumPy: the 4-bit codes of each row, code ``j`` = nibble ``j % 2`` of byte ``j // 2``: (n, 2 · nbytes)."""
+    return np.stack([codes & 15, codes >> 4], axis=-1).reshape(codes.shape[0], -1).astype(np.int64)
+
+
+@pytest.mark.parametrize("impl", [0, 1], ids=["instructions", "loop"])
+@pytest.mark.parametrize("nbytes", [4, 8, 12, 16, 20, 28, 32, 64])
+@pytest.mark.parametrize("nt", [1, 15, 16, 17, 64, 128])
+def test_codes_to_lanes_transposes_dwords(impl, nbytes, nt, rng):
+    if impl == 0 and not simd.HAVE_PERMPS:
+        pytest.skip("no AVX-512")
+    codes = _codes(rng, 300, 2 * nbytes, 4)  # strided rows
+    nw = nbytes // 4
+    nblk = (nt + 15) // 16
+    out = np.full((8 * nw + 3, 16), 7, np.int32)
+    LANES[impl][0](codes, 21, nt, 64 * (nt % 2), out)  # prefetching (past the end too) changes nothing
+    rows = 21 + np.minimum(np.arange(16 * nblk), nt - 1)  # lanes past the last row repeat it
+    words = np.ascontiguousarray(codes[rows]).view(np.int32)  # (16 · nblk, nw), little-endian dwords
+    want = words.reshape(nblk, 16, nw).transpose(0, 2, 1).reshape(nblk * nw, 16)
+    np.testing.assert_array_equal(out[:nblk * nw], want)
+    assert (out[nblk * nw:] == 7).all()
+
+
+@pytest.mark.parametrize("impl", [0, 1], ids=["instructions", "loop"])
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("nbytes", [4, 8, 16, 32])
+@pytest.mark.parametrize("sd", [1, 2, 4])
+@pytest.mark.parametrize("nt", [1, 17, 128])
+def test_lane_table_scores_and_values(impl, g, nbytes, sd, nt, rng):
+    if impl == 0 and not simd.HAVE_PERMPS:
+        pytest.skip("no AVX-512")
+    to_lanes, scores, values = LANES[impl]
+    codes = _codes(rng, 200, 2 * nbytes, 4)
+    nw, m = nbytes // 4, 2 * nbytes
+    d = m * sd
+    nblk = (nt + 15) // 16
+    lanes = np.empty((8 * nw, 16), np.int32)
+    to_lanes(codes, 5, nt, 0, lanes)
+    a = _nibbles(codes[5 + np.minimum(np.arange(16 * nblk), nt - 1)])  # (16 · nblk, m) codes per lane
+    lut = rng.standard_normal((g, 128 * nw)).astype(np.float32)
+    s = np.full((g, 16 * nblk + 16), 7.0, np.float32)
+    scores(lanes, nblk, nw, lut, s)
+    want = lut.astype(np.float64).reshape(g, m, 16)[:, np.arange(m), a].sum(axis=-1)  # (g, tokens)
+    np.testing.assert_allclose(s[:, :16 * nblk], want, rtol=0, atol=1e-5 * m)
+    assert (s[:, 16 * nblk:] == 7.0).all()
+    ctab = rng.standard_normal((d, 16)).astype(np.float32)
+    w = rng.random((g, 16 * nblk)).astype(np.float32)
+    acc = rng.standard_normal((g, 16 * d)).astype(np.float32)
+    vals = ctab.astype(np.float64)[np.arange(d), a[:, np.arange(d) // sd]]  # (tokens, d)
+    lane = vals.reshape(nblk, 16, d) * w.reshape(g, nblk, 16, 1)[:, :, :, :]  # (g, nblk, 16, d)
+    want = acc.astype(np.float64) + lane.sum(axis=1).transpose(0, 2, 1).reshape(g, 16 * d)
+    values(lanes, nblk, nw, sd, ctab, w, acc)
+    np.testing.assert_allclose(acc, want, rtol=0, atol=1e-5 * nblk)
+
+
+@nb.njit
+def _lane_tables(q, tab, sd, lut):
+    simd_lanes.lane_tables(q, tab, sd, lut)
+
+
+@nb.njit
+def _lane_sums(al, acc):
+    simd_lanes.lane_sums(al, acc)
+
+
+@pytest.mark.parametrize("impl", [0, 1], ids=["instructions", "loop"])
+@pytest.mark.parametrize("g", [1, 3, 4])
+@pytest.mark.parametrize("d", [8, 64, 128])
+@pytest.mark.parametrize("sd", [1, 2, 4])
+def test_lane_tables_and_sums(impl, g, d, sd, rng):
+    if impl == 0 and not simd.HAVE_PERMPS:
+        pytest.skip("no AVX-512")
+    tables, sums = (_lane_tables, _lane_sums) if impl == 0 else (simd_lanes.lane_tables_loop, simd_lanes.lane_sums_loop)
+    q = rng.standard_normal((g, d)).astype(np.float32)
+    tab = rng.standard_normal((d, 16)).astype(np.float32)
+    m = d // sd
+    lut = np.full((g, 16 * m + 32), 7.0, np.float32)
+    tables(q, tab, sd, lut)
+    want = (q.astype(np.float64).reshape(g, m, sd, 1) * tab.reshape(1, m, sd, 16)).sum(axis=2).reshape(g, 16 * m)
+    np.testing.assert_allclose(lut[:, :16 * m], want, rtol=0, atol=1e-5 * sd)
+    assert (lut[:, 16 * m:] == 7.0).all()
+    al = rng.standard_normal((g, 16 * d + 16)).astype(np.float32)
+    acc = np.full((g, d), 7.0, np.float32)
+    sums(al, acc)
+    np.testing.assert_allclose(acc, al[:, :16 * d].astype(np.float64).reshape(g, d, 16).sum(axis=-1), rtol=0,
+                               atol=1e-5)

@@ -127,13 +127,21 @@ def test_reference_matches_naive_loop(xp, rng, shape):
     _close(to_np(got), want)
 
 
+def _skip_unless_lanes(mode, args, bits):
+    """Skip a forced lanes path where the call cannot take it (no AVX-512, codes that do not fit)."""
+    if mode == "lanes" and not nf._lanes_fit(bits, args["k_centroids"].shape[2], args["v_centroids"].shape[2],
+                                             args["q"].shape[2], args["k_codes"], args["v_codes"]):
+        pytest.skip("the lanes path does not serve this call")
+
+
 @needs_numba
-@pytest.mark.parametrize("mode", [None, "tables", "direct"])
+@pytest.mark.parametrize("mode", [None, "tables", "direct", "lanes"])
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
 def test_kernel_matches_reference(rng, shape, mode, monkeypatch):
     b, h, g, d, K, s, T, E = shape
     monkeypatch.setattr(nf, "vq_decode_attention", partial(nf.decode_attention_mode, mode=mode))
     args, bits = _case(rng, b=b, h=h, g=g, d=d, K=K, s=s, T=T, E=E)
+    _skip_unless_lanes(mode, args, bits)
     scale = d ** -0.5
     want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
     got = nf.vq_decode_attention(**args, bits=bits, softmax_scale=scale)
@@ -145,17 +153,18 @@ def test_kernel_matches_reference(rng, shape, mode, monkeypatch):
 def test_different_key_and_value_codebook_sizes(rng):
     args, bits = _case(rng, b=2, h=2, g=2, d=32, K=16, kv_K=5, s=2, T=300, E=3)
     want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=0.2)
-    for mode in ("tables", "direct"):
+    for mode in ("tables", "direct") + (("lanes",) if nf.VECTOR_TILES else ()):
         _close(nf.decode_attention_mode(**args, bits=bits, softmax_scale=0.2, mode=mode), want)
 
 
 @needs_numba
-@pytest.mark.parametrize("mode", ["tables", "direct"])
+@pytest.mark.parametrize("mode", ["tables", "direct", "lanes"])
 @pytest.mark.parametrize("scale", [30.0, 1000.0])
 def test_large_logit_ranges_are_stable(rng, mode, scale, monkeypatch):
     """Logits spanning thousands: the running maximum rises across tiles, the weights never overflow."""
     monkeypatch.setattr(nf, "vq_decode_attention", partial(nf.decode_attention_mode, mode=mode))
     args, bits = _case(rng, b=1, h=2, g=4, d=64, K=16, s=2, T=5000, E=5)
+    _skip_unless_lanes(mode, args, bits)
     want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
     got = nf.vq_decode_attention(**args, bits=bits, softmax_scale=scale)
     assert np.all(np.isfinite(got))
@@ -187,12 +196,13 @@ def test_float16_query_and_strided_codes(rng):
 
 @needs_numba
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
-@pytest.mark.parametrize("mode", ["tables", "direct"])
+@pytest.mark.parametrize("mode", ["tables", "direct", "lanes"])
 def test_parallel_kernel_and_token_splits(rng, splits, mode, monkeypatch, parallel_threshold):
     """The threaded kernel, forced on a small step, with 1–7 spans per head (empty ones included)."""
     if nf.nb.get_num_threads() < 2:
         pytest.skip("Numba has one thread")
     args, bits = _case(rng, b=2, h=2, g=4, d=32, K=16, s=2, T=200, E=5)
+    _skip_unless_lanes(mode, args, bits)
     want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=0.3)
     calls = []
     real = nf._step_parallel
@@ -221,6 +231,120 @@ def test_small_steps_run_serially(rng, monkeypatch):
     monkeypatch.setattr(nf, "_step_parallel", fail)
     args, bits = _case(rng, b=1, h=3, g=3, d=64, K=16, s=2, T=500)
     nf.vq_decode_attention(**args, bits=bits, softmax_scale=0.125)
+
+
+#: (b, h, g, d, K, s): sub_dim 1, 2 and 4; codebooks of 16 and 9 entries (4-bit codes), 5 (3 bits),
+#: 256 (8 bits) and 300 (uint16); 1, 3 and 4 query heads per KV head; batch 2
+FRESH = [
+    (2, 3, 3, 64, 16, 2),
+    (1, 2, 1, 64, 16, 1),
+    (2, 1, 4, 128, 16, 4),
+    (1, 2, 3, 64, 9, 2),
+    (2, 1, 4, 32, 16, 2),
+    (1, 2, 3, 32, 5, 1),
+    (2, 1, 3, 64, 256, 2),
+    (1, 2, 4, 32, 300, 4),
+]
+
+
+@needs_numba
+@pytest.mark.parametrize("mode", [None, "tables", "direct", "lanes"])
+@pytest.mark.parametrize("T", [0, 1, 15, 16, 17, 64, 65, 1000])
+@pytest.mark.parametrize("shape", FRESH, ids=lambda x: "b{}h{}g{}d{}K{}s{}".format(*x))
+def test_every_path_on_fresh_inputs(rng, shape, T, mode):
+    """Every path against the reference, contexts around the 16-token blocks and 64-token tiles."""
+    b, h, g, d, K, s = shape
+    args, bits = _case(rng, b=b, h=h, g=g, d=d, K=K, s=s, T=T, E=0 if T % 2 else 6, scale_q=2.0)
+    _skip_unless_lanes(mode, args, bits)
+    scale = d ** -0.5
+    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
+    got = nf.decode_attention_mode(**args, bits=bits, softmax_scale=scale, mode=mode)
+    assert got.dtype == np.float32 and got.shape == (b, h * g, d)
+    _close(got, want)
+
+
+def test_lanes_fit():
+    if nf is None:
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(0)
+    args, _ = _case(rng, b=1, h=2, g=2, d=64, K=16, s=2, T=20)
+    kc, vc = args["k_codes"], args["v_codes"]
+    fits = nf._lanes_fit(4, 16, 16, 64, kc, vc)
+    assert fits == nf.VECTOR_TILES
+    assert not nf._lanes_fit(4, 17, 16, 64, kc, vc)  # codebook too large for one register
+    assert not nf._lanes_fit(3, 8, 8, 64, kc, vc)  # not 4-bit codes
+    assert not nf._lanes_fit(4, 16, 16, 60, kc, vc)  # head_dim not a multiple of 8
+    wide = np.zeros(kc.shape[:3] + (2 * kc.shape[3],), np.uint8)
+    assert not nf._lanes_fit(4, 16, 16, 64, wide[..., ::2], vc)  # bytes of a row not contiguous
+    odd, _ = _case(rng, b=1, h=1, g=1, d=24, K=16, s=4, T=3)  # 6 codes: rows of 3 bytes
+    assert not nf._lanes_fit(4, 16, 16, 24, odd["k_codes"], odd["v_codes"])
+    if not fits:
+        with pytest.raises(ValueError, match="lanes"):
+            nf.decode_attention_mode(**args, bits=4, softmax_scale=0.1, mode="lanes")
+
+
+@needs_numba
+@pytest.mark.parametrize("mode", [None, "tables", "direct"])
+@pytest.mark.parametrize("extra", ["float16", "float16-strided", "float32", "float64", "mixed"])
+def test_dense_token_dtypes(rng, extra, mode):
+    """float16 dense tokens are read as bit patterns and converted in the kernel: same result as float32."""
+    args, bits = _case(rng, b=2, h=2, g=3, d=64, K=16, s=2, T=100, E=7)
+    k16, v16 = args["k_extra"], args["v_extra"]
+    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=0.2)
+    if extra == "float16-strided":
+        wide = np.zeros(k16.shape[:2] + (14, 64), np.float16)
+        wide[:, :, ::2] = k16
+        args["k_extra"] = wide[:, :, ::2]
+    elif extra in ("float32", "float64"):
+        args.update(k_extra=k16.astype(extra), v_extra=v16.astype(extra))
+    elif extra == "mixed":
+        args["v_extra"] = v16.astype(np.float32)
+    _close(nf.decode_attention_mode(**args, bits=bits, softmax_scale=0.2, mode=mode), want)
+
+
+@needs_numba
+def test_float16_bits_convert_exactly():
+    """Every float16 bit pattern (subnormals, infinities and NaNs included) becomes its float32 value."""
+    @nf.nb.njit
+    def convert(x, out):
+        nf._dense_f32(x, 0, 0, out)
+
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    out = np.empty((256, 256), np.float32)
+    convert(bits.reshape(1, 1, 256, 256), out)
+    want = bits.view(np.float16).astype(np.float32).reshape(256, 256)
+    np.testing.assert_array_equal(out, want)  # NaNs at the same places, the same signs
+
+
+@needs_numba
+def test_fast_argument_checks_agree_with_the_full_ones(rng):
+    """The plain-attribute checks of a NumPy call accept exactly what the full checks accept, with the same shapes."""
+    from arraykv.quant.vq import check_decode_attention_args
+
+    base, bits = _case(rng, b=2, h=2, g=2, d=32, K=16, s=2, T=5, E=3)
+    variants = [dict(), dict(q=base["q"].astype(np.float16)), dict(k_extra=base["k_extra"][:, :, :0],
+                                                                   v_extra=base["v_extra"][:, :, :0]),
+                dict(q=base["q"][:, :3]), dict(q=base["q"].astype(np.int32)), dict(q=base["q"][0]),
+                dict(k_codes=base["k_codes"][:, :, :4]), dict(v_codes=base["v_codes"].astype(np.uint16)),
+                dict(k_codes=base["k_codes"][:1]), dict(k_centroids=base["k_centroids"][:, :8]),
+                dict(v_centroids=base["v_centroids"][:1]), dict(k_centroids=base["k_centroids"].astype(np.float16)),
+                dict(k_extra=base["k_extra"][..., :16]), dict(v_extra=base["v_extra"][:, :, :2]),
+                dict(k_extra=base["k_extra"].astype(np.int8)), dict(k_extra=base["k_extra"][0]),
+                dict(k_codes=base["k_codes"][:, :, :0], v_codes=base["v_codes"][:, :, :0],
+                     k_extra=base["k_extra"][:, :, :0], v_extra=base["v_extra"][:, :, :0]),
+                dict(q=list(base["q"]))]
+    for bits_arg in (bits, 3, 0, 17, np.int64(bits), True, 4.0):
+        for change in variants:
+            a = dict(base, **change)
+            order = [a[k] for k in ("q", "k_codes", "k_centroids", "v_codes", "v_centroids", "k_extra", "v_extra")]
+            fast = nf._numpy_shapes(*order, bits_arg)
+            try:
+                full = check_decode_attention_args(*order, bits_arg)
+            except (TypeError, ValueError, AttributeError):
+                full = None
+            assert fast is None or fast == full, (change.keys(), bits_arg, fast, full)
+    assert nf._numpy_shapes(*[base[k] for k in ("q", "k_codes", "k_centroids", "v_codes", "v_centroids",
+                                                "k_extra", "v_extra")], bits) is not None
 
 
 def test_mode_choice():

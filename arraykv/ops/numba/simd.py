@@ -19,6 +19,11 @@ order as long as the other operand is permuted the same way (:func:`to_planar`,
 Without AVX-512 (or with ``NUMBA_CPU_NAME`` set, so compiled code may run on another CPU)
 :data:`HAVE_PERMPS` is False and the same functions are plain loops (used by the tests to
 check the instruction path against them; the kernels keep their byte-table unpacking there).
+
+The same instructions serve the other code layouts in sibling modules: :mod:`.simd3` (3-bit
+codes), :mod:`.simd_int2` (2-bit integer codes in channel order), :mod:`.simd_signs` (QJL
+sign bits as masks), :mod:`.simd_lanes` (product-quantization codes with tokens along the
+lanes).
 """
 
 from __future__ import annotations
@@ -399,7 +404,7 @@ def tile_scores(typingctx, buf, nt, qr, s):
     """``s[g, r] = Σ_j qr[g, j] · buf[r, j]`` for ``r < nt`` (every row of ``qr``).
 
     ``buf`` (rows, width), ``qr`` (G, d), ``s`` (G, ≥ nt): C-contiguous float32, ``d`` a multiple
-    of 64, ``nt ≤ rows``, ``width ≥ d``. Nothing is checked at run time: the caller's tile
+    of 16, ``nt ≤ rows``, ``width ≥ d``. Nothing is checked at run time: the caller's tile
     buffers have these shapes by construction.
     """
     if not (_c_f32(buf, qr, s) and isinstance(nt, nbt.Integer)):

@@ -10,29 +10,42 @@ one row of ``ceil(m · β / 8)`` uint8 bytes packed LSB-first by
 A call is one compiled function that does the whole step for every (batch, KV head):
 
 1. the queries of the KV head's GQA group times the softmax scale, ``qs`` (G, d);
-2. the coded tokens in tiles of :data:`TILE`: the tile's key codes are unpacked once into a
-   small ``(TILE, m)`` index block and scored for every query head of the group, an online
-   softmax per query head is rescaled at most once per tile, then the tile's value codes are
-   unpacked once and their weights accumulated. Two ways, picked per call by cost
-   (:func:`_use_tables`):
+2. the coded tokens in tiles, one of three ways, picked per call (:func:`_lanes_fit`, then
+   :func:`_use_tables` by cost):
 
-   * *tables* (asymmetric distance computation): ``LUT[g, j, k] = qs_g,j · c_jk`` once per task,
-     a token's score is ``Σ_j LUT[g, j, a_tj]``; the values go into per-sub-space weight
-     histograms ``H[g, j, k] += p_t`` and ``out_g,j = Σ_k H[g, j, k] · c^V_jk`` at the end;
-     4-bit key codes are scored a byte at a time from the packed row through pair tables
-     ``LUT2[g, i, byte] = LUT[g, 2i, byte & 15] + LUT[g, 2i+1, byte >> 4]`` (m / 2 lookups);
+   * *lanes* (AVX-512, 4-bit codes, codebooks of at most 16 entries — the default ``vq``
+     cache): sixteen tokens along the lanes of a vector. A tile of :data:`LANE_TILE` code rows
+     is transposed once (:func:`~arraykv.ops.numba.simd_lanes.codes_to_lanes`) so that one shift
+     gives sub-space ``j``'s codes of sixteen tokens as a ``vpermps`` index; a score is
+     ``Σ_j LUT[g, j][a_tj]`` with each 16-entry ADC table ``LUT[g, j, k] = qs_g,j · c_jk`` in a
+     register (one ``vpermps`` and add per query head and sub-space), the online softmax of a
+     tile runs for every query head at once in vectors, and each value channel's 16 centroid
+     values are looked up the same way and accumulated with the weights, lane by lane, until
+     the span ends (no scatter, no gather; :func:`_attend_lanes`);
+   * *tables* (asymmetric distance computation, other codes): the same ``LUT[g, j, k]`` once
+     per task in memory, a token's score is ``Σ_j LUT[g, j, a_tj]``; the values go into
+     per-sub-space weight histograms ``H[g, j, k] += p_t`` and ``out_g,j = Σ_k H[g, j, k] ·
+     c^V_jk`` at the end; 4-bit key codes are scored a byte at a time from the packed row
+     through pair tables ``LUT2[g, i, byte] = LUT[g, 2i, byte & 15] + LUT[g, 2i+1, byte >> 4]``
+     (m / 2 lookups); tiles of :data:`TILE` tokens, each tile's codes unpacked once into a
+     ``(TILE, m)`` index block for every query head of the group, the online softmax of a query
+     head rescaled at most once per tile;
    * *direct*: the centroid rows the codes name are read and multiplied in place (for short
      contexts, ``sub_dim == 1`` and codebooks above :data:`TABLE_MAX_K`, where building the
      ``G · m · K`` tables costs more than it saves);
 3. a log-sum-exp merge of the token splits, the dense extra tokens (sinks and window, exact
-   float32) in the same softmax, and the division by the denominator.
+   float32; float16 ones are read as bit patterns and converted in the kernel) in the same
+   softmax, and the division by the denominator.
 
 Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`, work counted as the
 ``2 · batch · heads · tokens · m`` codes read);
 larger ones cut each head's tokens into spans run on Numba's threads. Work buffers are
-``O(G · m · K)`` (tables; ``O(G · m · 128)`` more for 4-bit pair tables) plus ``O(TILE · (m + G))`` per task: nothing grows with the context.
-Functions are compiled once per code dtype (uint8 packed, uint16), for read-only arguments,
-and cached on disk.
+``O(G · m · K)`` (tables; ``O(G · m · 128)`` more for 4-bit pair tables) plus ``O(TILE · (m + G))``
+per task, or ``O(G · d · 16 + LANE_TILE · (m + G))`` on the lanes path: nothing grows with the
+context. Functions are compiled once per code dtype (uint8 packed, uint16) and dense-token dtype
+(float32, float16 bits), for read-only arguments, when a call first needs them, and cached on disk.
+The host side checks NumPy arguments on their attributes (:func:`_numpy_shapes`) before the
+array-API checks, which only run to report an error or for other arrays.
 """
 
 from __future__ import annotations
@@ -44,16 +57,19 @@ import numpy as np
 try:
     import numba as nb
     from numba import types as nbt
+    from numba.extending import overload
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ...quant.vq import check_decode_attention_args
 from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, prepare_queries, ro,
                            run_step, split_count)
+from .simd import VECTOR_TILES, softmax_rows
+from .simd_lanes import codes_to_lanes, lane_sums, lane_table_scores, lane_table_values, lane_tables
 from .threads import threads_for
 from .vq import _unpack_tile
 
-__all__ = ["vq_decode_attention", "decode_attention_mode", "TILE", "TABLE_MAX_K", "RESCALE_SLACK"]
+__all__ = ["vq_decode_attention", "decode_attention_mode", "TILE", "LANE_TILE", "TABLE_MAX_K", "RESCALE_SLACK"]
 
 #: Entries per byte position of the 4-bit pair tables (one per byte value).
 PAIR_TABLE = 256
@@ -63,18 +79,39 @@ TABLE_MAX_K = 1024
 #: maximum exceeds it by more than this (in logits): weights stay below ``e**16``, far from
 #: float32 overflow, and the ``G · m · K`` histograms are rarely rescaled.
 RESCALE_SLACK = 16.0
+#: Tokens per tile of the lanes path (:func:`_attend_lanes`): a multiple of 16.
+LANE_TILE = 512
+#: Code rows prefetched ahead of the rows being read by the lanes path (one tile: the codes stream from memory).
+LANE_AHEAD = LANE_TILE
+#: ``args[1]`` of a call off the lanes path: centroid rows read directly, or ADC tables (None: the lanes path).
+DIRECT, TABLES = 0, 1
 
 
-def _signature(code):
-    """``(q, scale, n, h_n, args, splits, out)``, ``args`` = ``(bits, tables, k_codes, k_cent, v_codes, v_cent,
-    k_extra, v_extra)`` with uint8 (packed) or uint16 codes."""
-    args = nbt.Tuple((nbt.int64, nbt.boolean, ro(code, 4), ro(nbt.float32, 4, "C"), ro(code, 4),
-                      ro(nbt.float32, 4, "C"), ro(nbt.float32, 4, "C"), ro(nbt.float32, 4, "C")))
+def _signature(code, extra, lanes=False):
+    """``(q, scale, n, h_n, args, splits, out)``, ``args`` = ``(bits, path, k_codes, k_cent, v_codes, v_cent,
+    k_extra, v_extra)`` with uint8 (packed) or uint16 codes and float32 or float16 (``uint16`` bit
+    patterns) dense tokens; ``path`` is None on the lanes path (a step of its own, so that a call
+    compiles only the path it takes), else :data:`TABLES` or :data:`DIRECT`."""
+    ex = ro(extra, 4, "C")
+    args = nbt.Tuple((nbt.int64, nbt.none if lanes else nbt.int64, ro(code, 4), ro(nbt.float32, 4, "C"), ro(code, 4),
+                      ro(nbt.float32, 4, "C"), ex, ex))
     return nbt.void(ro(nbt.float32, 3, "C"), nbt.float64, nbt.int64, nbt.int64, args, nbt.int64,
                     nbt.Array(nbt.float32, 3, "C"))
 
 
-_SIGS = [_signature(nbt.uint8), _signature(nbt.uint16)]
+#: index ``2 · (uint16 codes) + (float16 dense tokens)``; the lanes path (packed codes only) at
+#: ``4 + (float16 dense tokens)``
+_SIGS = ([_signature(code, extra) for code in (nbt.uint8, nbt.uint16) for extra in (nbt.float32, nbt.uint16)]
+         + [_signature(nbt.uint8, extra, lanes=True) for extra in (nbt.float32, nbt.uint16)])
+
+
+def _pick(step) -> int:
+    """The index in :data:`_SIGS` of a step's arguments."""
+    args = step[4]
+    half = int(args[6].dtype == np.uint16)
+    if args[1] is None:
+        return 4 + half
+    return 2 * int(args[2].dtype != np.uint8) + half
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
@@ -234,47 +271,154 @@ def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
+def _attend_lanes(b, h, t_lo, t_hi, qs, k_codes, k_cent, v_codes, v_cent, mref, l, acc):
+    """:func:`_attend_span` for 4-bit codes of codebooks of at most 16 entries, sixteen tokens along the vector lanes.
+
+    Every sub-space's 16-entry ADC table (``LUT[g, j]``, one per query head) and every
+    channel's 16 centroid values (``C[c, k] = c^V_{c // s, k, c % s}``) fit one register, so
+    ``vpermps`` indexed by the codes of sixteen tokens (:func:`~arraykv.ops.numba.simd_lanes.codes_to_lanes`)
+    gives sixteen tokens' share of a score (:func:`~arraykv.ops.numba.simd_lanes.lane_table_scores`)
+    or their values of a channel (:func:`~arraykv.ops.numba.simd_lanes.lane_table_values`, weighted
+    sums kept per lane until the span ends). Tables past ``K`` repeat the last centroid, which
+    reads codes ``>= K`` as ``K - 1``. The online softmax of a tile is
+    :func:`~arraykv.ops.numba.simd.softmax_rows` (the reference maximum is the running maximum).
+    """
+    g_n, d = qs.shape
+    kk = k_cent.shape[2]
+    kv = v_cent.shape[2]
+    sd = k_cent.shape[3]
+    nw = k_codes.shape[3] // 4  # dwords of a code row: sub-spaces 8w .. 8w+7
+    # channel c's 16 centroid values (rows past K repeat the last), keys and values
+    ktab = np.empty((d, 16), np.float32)
+    ctab = np.empty((d, 16), np.float32)
+    for c in range(d):
+        j = c // sd
+        i = c % sd
+        for k in range(16):
+            ktab[c, k] = k_cent[h, j, min(k, kk - 1), i]
+            ctab[c, k] = v_cent[h, j, min(k, kv - 1), i]
+    lut = np.zeros((g_n, 128 * nw), np.float32)  # sub-spaces m .. 8·nw − 1 (padding nibbles) score 0
+    lane_tables(qs, ktab, sd, lut)
+    nlb = LANE_TILE // 16 * nw
+    lk = np.empty((nlb, 16), np.int32)
+    lv = np.empty((nlb, 16), np.int32)
+    s = np.empty((g_n, LANE_TILE), np.float32)
+    al = np.zeros((g_n, 16 * d), np.float32)  # lane i of channel c: Σ over tokens ≡ i (mod 16)
+    for g in range(g_n):
+        for c in range(d):
+            al[g, 16 * c] = acc[g, c]
+    kc = k_codes[b, h]
+    vc = v_codes[b, h]
+    for t0 in range(t_lo, t_hi, LANE_TILE):
+        nt = min(t_hi, t0 + LANE_TILE) - t0
+        nblk = (nt + 15) // 16
+        codes_to_lanes(kc, t0, nt, LANE_AHEAD, lk)
+        lane_table_scores(lk, nblk, nw, lut, s)
+        softmax_rows(s, nt, mref, l, al)
+        codes_to_lanes(vc, t0, nt, LANE_AHEAD, lv)
+        lane_table_values(lv, nblk, nw, sd, ctab, s, al)
+    lane_sums(al, acc)
+
+
+#: 2**112: float16 bits moved into a float32's (exponent bias 15 → 127)
+_HALF_SCALE = 2.0 ** 112
+
+
+def _dense_f32(x, b, h, out):  # pragma: no cover
+    raise NotImplementedError  # replaced in compiled code by the overload below
+
+
+@overload(_dense_f32, inline="always")
+def _dense_f32_impl(x, b, h, out):
+    """``out[:] = x[b, h]`` as float32 (E, d): float16 bit patterns (uint16) converted, floats copied.
+
+    A float16 ``(sign, e, f)`` placed in a float32's bits as ``(sign, e, f << 13)`` is the value
+    times ``2**-112`` for normal and subnormal numbers alike (the exponent bias differs by 112),
+    so one multiply finishes it; ``e = 31`` (infinity, NaN) gets the float32 exponent 255.
+    """
+    if isinstance(x.dtype, nbt.Integer):
+        def impl(x, b, h, out):
+            bits = out.view(np.uint32)
+            e_n, d = out.shape
+            for t in range(e_n):
+                for c in range(d):
+                    u = np.int64(x[b, h, t, c])
+                    em = u & 0x7FFF
+                    inf = ((em + 0x400) >> 15) * 0x7F800000  # exponent field 31 → 255
+                    bits[t, c] = np.uint32((em << 13) | ((u & 0x8000) << 16) | inf)
+            for t in range(e_n):
+                for c in range(d):
+                    out[t, c] *= np.float32(_HALF_SCALE)
+        return impl
+
+    def copy(x, b, h, out):
+        e_n, d = out.shape
+        for t in range(e_n):
+            for c in range(d):
+                out[t, c] = x[b, h, t, c]
+    return copy
+
+
+@nb.njit(fastmath=FASTMATH, error_model="numpy")
 def _finish_head(b, h, qs, m_sp, l_sp, acc_sp, k_extra, v_extra, out):
     """Merge the token splits of head ``(b, h)`` with its dense tokens (log-sum-exp); write ``out[b, qi]``."""
     splits, g_n, d = acc_sp.shape
     e_n = k_extra.shape[2]
+    ke = np.empty((e_n, d), np.float32)
+    ve = np.empty((e_n, d), np.float32)
+    x = np.empty(e_n, np.float32)
+    if e_n:
+        _dense_f32(k_extra, b, h, ke)
+        _dense_f32(v_extra, b, h, ve)
     for g in range(g_n):
         qg = qs[g]
         top = merge_top(m_sp, g)
         for t in range(e_n):
-            x = np.float32(0.0)
+            dot = np.float32(0.0)
             for c in range(d):
-                x += qg[c] * k_extra[b, h, t, c]
-            if x > top:
-                top = x
+                dot += qg[c] * ke[t, c]
+            x[t] = dot
+            if dot > top:
+                top = dot
         qi = h * g_n + g
         o = out[b, qi]
         for c in range(d):
             o[c] = np.float32(0.0)
         den = merge_splits(m_sp, l_sp, acc_sp, g, top, o)
         for t in range(e_n):
-            x = np.float32(0.0)
-            for c in range(d):
-                x += qg[c] * k_extra[b, h, t, c]
-            p = np.float32(math.exp(x - top))
+            p = np.float32(math.exp(x[t] - top))
             den += p
             for c in range(d):
-                o[c] += p * v_extra[b, h, t, c]
+                o[c] += p * ve[t, c]
         inv = np.float32(1.0) / den
         for c in range(d):
             o[c] *= inv
 
 
 # ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
-# args = (bits, tables, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra)
+# args = (bits, path, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra), path None on the lanes path
 
 alloc_state, prepare = alloc_queries, prepare_queries  # the state: scaled queries per slot
 
 
+def _span_path(b, h, t_lo, t_hi, qs, bits, path, k_codes, k_cent, v_codes, v_cent, m, l, acc):  # pragma: no cover
+    raise NotImplementedError  # replaced in compiled code by the overload below
+
+
+@overload(_span_path, inline="always")
+def _span_path_impl(b, h, t_lo, t_hi, qs, bits, path, k_codes, k_cent, v_codes, v_cent, m, l, acc):
+    """:func:`_attend_lanes` when ``path`` is None, else :func:`_attend_span` (chosen at compile time)."""
+    if isinstance(path, nbt.NoneType):
+        return lambda b, h, t_lo, t_hi, qs, bits, path, k_codes, k_cent, v_codes, v_cent, m, l, acc: _attend_lanes(
+            b, h, t_lo, t_hi, qs, k_codes, k_cent, v_codes, v_cent, m, l, acc)
+    return lambda b, h, t_lo, t_hi, qs, bits, path, k_codes, k_cent, v_codes, v_cent, m, l, acc: _attend_span(
+        b, h, t_lo, t_hi, qs, bits, path == TABLES, k_codes, k_cent, v_codes, v_cent, m, l, acc)
+
+
 @nb.njit
 def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
-    bits, tables, k_codes, k_cent, v_codes, v_cent, _, _ = args
-    _attend_span(b, h, t_lo, t_hi, state[0][sb, sh], bits, tables, k_codes, k_cent, v_codes, v_cent, m, l, acc)
+    bits, path, k_codes, k_cent, v_codes, v_cent, _, _ = args
+    _span_path(b, h, t_lo, t_hi, state[0][sb, sh], bits, path, k_codes, k_cent, v_codes, v_cent, m, l, acc)
 
 
 @nb.njit
@@ -287,8 +431,7 @@ def span_unit(args):
     return 1
 
 
-# signature 0: packed uint8 codes, 1: uint16 codes
-_step_serial, _step_parallel = build_steps(globals(), _SIGS, lambda step: int(step[4][2].dtype != np.uint8))
+_step_serial, _step_parallel = build_steps(globals(), _SIGS, _pick)
 
 
 def _use_tables(kk: int, kv: int, sub_dim: int, span: int) -> bool:
@@ -305,6 +448,55 @@ def _use_tables(kk: int, kv: int, sub_dim: int, span: int) -> bool:
 
 
 _splits = split_count
+
+
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _numpy_shapes(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits):
+    """``(b, hq, h, T, E, d, m, bits)`` when the arguments are NumPy arrays that pass every check of
+    :func:`~arraykv.quant.vq.check_decode_attention_args`, else None.
+
+    The same checks on plain attributes, for the decode step's small calls (the array-API
+    checks cost microseconds); None sends the call to the full checks, which raise the errors.
+    """
+    nd = np.ndarray
+    if not (type(q) is nd and type(k_codes) is nd and type(v_codes) is nd and type(k_centroids) is nd
+            and type(v_centroids) is nd and type(k_extra) is nd and type(v_extra) is nd
+            and type(bits) is int and 1 <= bits <= 16):
+        return None
+    if not (q.ndim == 3 and k_centroids.ndim == 4 and v_centroids.ndim == 4 and k_codes.ndim == 4
+            and v_codes.ndim == 4 and k_extra.ndim == 4 and v_extra.ndim == 4):
+        return None
+    fl = _FLOATS
+    if not (q.dtype in fl and k_centroids.dtype in fl and v_centroids.dtype in fl and k_extra.dtype in fl
+            and v_extra.dtype in fl):
+        return None
+    b, hq, d = q.shape
+    h, m, _, s = k_centroids.shape
+    vcs = v_centroids.shape
+    if vcs[0] != h or vcs[1] != m or vcs[3] != s or m * s != d or h < 1 or hq % h:
+        return None
+    width, want = ((m * bits + 7) // 8, np.uint8) if bits <= 8 else (m, np.uint16)
+    ks, vs = k_codes.shape, v_codes.shape
+    t = ks[2]
+    if not (k_codes.dtype == want and v_codes.dtype == want and ks[0] == b and ks[1] == h and ks[3] == width
+            and vs[0] == b and vs[1] == h and vs[2] == t and vs[3] == width):
+        return None
+    es, fs = k_extra.shape, v_extra.shape
+    e = es[2]
+    if not (es[0] == b and es[1] == h and es[3] == d and fs[0] == b and fs[1] == h and fs[2] == e and fs[3] == d
+            and t + e > 0):
+        return None
+    return b, hq, h, t, e, d, m, bits
+
+
+def _lanes_fit(bits: int, kk: int, kv: int, d: int, k_codes, v_codes) -> bool:
+    """Whether a call can take the lanes path (:func:`_attend_lanes`): AVX-512, 4-bit packed codes
+    of codebooks of at most 16 entries, code rows of a multiple of 4 bytes read in place (bytes
+    contiguous) and ``head_dim`` a multiple of 8."""
+    return (VECTOR_TILES and bits == 4 and kk <= 16 and kv <= 16 and d % 8 == 0 and k_codes.shape[3] % 4 == 0
+            and k_codes.dtype == np.uint8 and k_codes.strides[3] == 1 and v_codes.strides[3] == 1)
 
 
 def vq_decode_attention(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale):
@@ -334,8 +526,10 @@ def decode_attention_mode(q, k_codes, k_centroids, v_codes, v_centroids, k_extra
     bits : int
         Bits per code, 1 to 16.
     softmax_scale : float
-    mode : {None, "tables", "direct"}
-        Force a path (tests); None picks by cost (:func:`_use_tables`).
+    mode : {None, "lanes", "tables", "direct"}
+        Force a path (tests; ``"lanes"`` raises ValueError where the call cannot take it); None
+        takes the lanes path where it can (:func:`_lanes_fit`), else picks by cost
+        (:func:`_use_tables`).
 
     Returns
     -------
@@ -363,20 +557,42 @@ def decode_attention_mode(q, k_codes, k_centroids, v_codes, v_centroids, k_extra
     log-sum-exp. When the tables would cost more than they save (short spans, ``s == 1``,
     ``K >`` :data:`TABLE_MAX_K` — so uint16 codebooks up to 65536 never allocate ``m × 65536``
     histograms) the kernel reads the named centroid rows directly instead, same result.
+
+    With codebooks of at most 16 entries both sums are computed without tables in memory:
+    ``LUT[j, ·]`` and a value channel's 16 centroids are one vector register each, and the
+    permute that reads a register table at sixteen indices at once takes the codes of sixteen
+    tokens (the *lanes* path). Per sixteen tokens and query head that is ``m`` permutes and
+    adds for the scores and ``d`` multiply-adds for the values (each value permute shared by
+    the group's query heads), instead of ``16 · m`` loads and ``16 · m`` scatter-adds; the
+    reference maximum of the softmax is then the exact running maximum.
     """
-    b, hq, h, t, e, d, m, bits = check_decode_attention_args(q, k_codes, k_centroids, v_codes, v_centroids,
-                                                             k_extra, v_extra, bits)
+    shapes = _numpy_shapes(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits)
+    if shapes is None:  # not plain NumPy arrays, or a check fails: the full checks (and their messages)
+        shapes = check_decode_attention_args(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits)
+    b, hq, h, t, e, d, m, bits = shapes
     q32 = np.ascontiguousarray(q, dtype=np.float32)
     kc = np.ascontiguousarray(k_centroids, dtype=np.float32)
     vc = np.ascontiguousarray(v_centroids, dtype=np.float32)
-    ke = np.ascontiguousarray(k_extra, dtype=np.float32)
-    ve = np.ascontiguousarray(v_extra, dtype=np.float32)
+    if k_extra.dtype == np.float16 and v_extra.dtype == np.float16:  # converted in the kernel
+        ke, ve = np.ascontiguousarray(k_extra).view(np.uint16), np.ascontiguousarray(v_extra).view(np.uint16)
+    else:
+        ke = np.ascontiguousarray(k_extra, dtype=np.float32)
+        ve = np.ascontiguousarray(v_extra, dtype=np.float32)
     kk, kv, sd = int(kc.shape[2]), int(vc.shape[2]), int(kc.shape[3])
     out = np.empty((b, hq, d), np.float32)
     work = 2 * b * h * t * m
     threads = threads_for(work)
     splits = 1 if threads == 1 else _splits(b * h, t, threads, max(4 * TILE, kk + kv))
-    tables = _use_tables(kk, kv, sd, -(-t // splits)) if mode is None else mode == "tables"
-    args = (q32, float(softmax_scale), t, h, (bits, tables, k_codes, kc, v_codes, vc, ke, ve))
+    lanes = _lanes_fit(bits, kk, kv, d, k_codes, v_codes)
+    if mode is None:
+        path = None if lanes else TABLES if _use_tables(kk, kv, sd, -(-t // splits)) else DIRECT
+    elif mode == "lanes":
+        if not lanes:
+            raise ValueError("mode='lanes' needs AVX-512, 4-bit codes of codebooks of at most 16 entries, "
+                             "rows of a multiple of 4 bytes and head_dim a multiple of 8")
+        path = None
+    else:
+        path = TABLES if mode == "tables" else DIRECT
+    args = (q32, float(softmax_scale), t, h, (bits, path, k_codes, kc, v_codes, vc, ke, ve))
     run_step(_step_serial, _step_parallel, threads, splits, work, args, out)
     return out
