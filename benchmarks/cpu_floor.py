@@ -10,8 +10,10 @@ Used by ``benchmarks/decode_cpu.py`` to print the floor beside each timing. The 
   vector loop reaches on data in L1 (:func:`measured_fma`), whichever is higher: a core that
   runs above its nominal clock does more than the ISA figure says, and a floor below what a
   loop demonstrably achieves would flatter every kernel measured against it;
-* *table lookups* (the vq kernel's scores and value histograms are loads and adds, not FMAs):
-  two loads per cycle per core.
+* *table lookups* (a kernel whose scores and value sums are scalar loads and adds, as the vq
+  kernel's tables are without AVX-512): two loads per cycle per core. The vq kernel's vector
+  path is counted in multiply-add lanes instead: its ``vpermps`` lookups and adds run sixteen
+  tokens per instruction, like a multiply-add.
 
 A step's floor is ``max(bytes / bandwidth, FMAs / peak)`` (or lookups / lookup rate): the time
 it cannot beat even with perfect overlap of memory and arithmetic. The unpacking of codes into
@@ -132,4 +134,4 @@ def describe(threads: int) -> str:
             f"{peak_fma(threads) / 1e9:.0f} G float32 FMA/s, the larger of {isa_fma(threads) / 1e9:.0f} "
             f"(= {c['lanes']} lanes x {c['fma_units']} FMA units (assumed) x nominal clock x {threads}) and "
             f"{measured_fma(threads) / 1e9:.0f} (measured: the vector tile loop on data in L1); "
-            f"vq lookups at 2 loads/cycle/core")
+            f"scalar table lookups at 2 loads/cycle/core")

@@ -371,10 +371,11 @@ def floor_table(args, baseline=None):
             if before is not None:
                 fns[f"{method} before"] = before
                 floors[f"{method} before"] = cpu_floor.floor_seconds(nbytes, fmas=n * h * g * 2 * d, threads=threads)
-            # per (token, query head): score + value, over d channels (vq: d / 2 lookups; lowrank: rank d / 2)
-            ops = n * h * g * 2 * (d // 2 if method in ("vq", "lowrank") else d)
-            floors[method] = cpu_floor.floor_seconds(nbytes, fmas=0 if method == "vq" else ops,
-                                                     lookups=ops if method == "vq" else 0, threads=threads)
+            # multiply-add lanes per (token, query head): score + value over d channels; lowrank: rank
+            # d / 2 each; vq (2-channel sub-spaces): d / 2 table entries added for the score (16 tokens
+            # per vpermps + add, as a multiply-add) and d multiply-adds for the value
+            ops = n * h * g * {"vq": d // 2 + d, "lowrank": d}.get(method, 2 * d)
+            floors[method] = cpu_floor.floor_seconds(nbytes, fmas=ops, threads=threads)
         t = interleaved(fns, args.repeat)
         med = {name: np.median(ts) for name, ts in t.items()}
         dense = min(med[m] for m in med if m.startswith("dense")) if any(m.startswith("dense") for m in med) else None
