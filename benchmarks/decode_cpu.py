@@ -336,11 +336,12 @@ def _steps(method, k, v, q, scale, rng, baseline=None):
         return (lambda: arraykv.ops.lowrank_decode_attention(q, kc, basis, mean, vc, basis, mean, e, e,
                                                              softmax_scale=scale),
                 kc.nbytes + vc.nbytes + 2 * (basis.nbytes + mean.nbytes), None)
-    opts = dict(residual_window=0, sink_tokens=0) if method.startswith("pq") else dict(residual_window=0)
+    polar = method.startswith(("pq", "tq"))
+    opts = dict(residual_window=0, sink_tokens=0) if polar else dict(residual_window=0)
     cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=h, head_dim=d, **opts)
     cache.prefill(0, k, v, rng.standard_normal((b, q.shape[1], n, d), dtype=np.float32))
     codec = cache.layer_codec_state(0)
-    fn = polar_decode_attention if method.startswith("pq") else arraykv.ops.int_decode_attention
+    fn = polar_decode_attention if polar else arraykv.ops.int_decode_attention
     before = None if baseline is None else (lambda: baseline.polar_decode_attention(codec, q, scale))
     return (lambda: fn(codec, q, scale)), cache.memory_usage(), before
 
