@@ -13,31 +13,20 @@ from __future__ import annotations
 try:
     from llvmlite import ir
     from numba import types as nbt
-    from numba.core import config as nb_config
     from numba.core.extending import intrinsic, overload
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from .polar_rows import HALF_TO_FLOAT
+from .simd import host_cpu_has
 
 __all__ = ["HAVE_F16C", "HALF_TO_FLOAT", "half_to_float"]
-
-
-def _host_has_f16c() -> bool:
-    if nb_config.CPU_NAME:  # compiled for a named CPU (portable caches): no host-only instructions
-        return False
-    try:
-        import llvmlite.binding as llb
-
-        return bool(llb.get_host_cpu_features().get("f16c", False))
-    except Exception:  # pragma: no cover - llvmlite without the query
-        return False
 
 
 #: True when compiled code converts float16 with the F16C instructions (the host has them and
 #: Numba compiles for the host). Without them the conversion would be a call into a runtime
 #: library the JIT does not link, so the table is read instead.
-HAVE_F16C = _host_has_f16c()
+HAVE_F16C = host_cpu_has("f16c")
 
 
 @intrinsic

@@ -49,19 +49,24 @@ __all__ = ["HAVE_PERMPS", "planar_per", "table16", "unpack_tile_4", "unpack_tile
            "int8_group_scores", "tile_values_codes_8_scaled", "tile_values_codes_8_scaled_loop"]
 
 
-def _host_has_avx512f() -> bool:
-    if nb_config.CPU_NAME:  # compiled for a named CPU (portable caches): no host-only instructions
+def host_cpu_has(feature: str) -> bool:
+    """Whether compiled code may use the host CPU's ``feature`` (an LLVM name: ``"avx512f"``, ``"f16c"``).
+
+    False when Numba compiles for a named CPU (``NUMBA_CPU_NAME``: portable caches, no
+    host-only instructions) or llvmlite cannot say.
+    """
+    if nb_config.CPU_NAME:
         return False
     try:
         import llvmlite.binding as llb
 
-        return bool(llb.get_host_cpu_features().get("avx512f", False))
+        return bool(llb.get_host_cpu_features().get(feature, False))
     except Exception:  # pragma: no cover - llvmlite without the query
         return False
 
 
 #: True when the kernels may use AVX-512's ``vpermps`` (the host CPU has it, Numba compiles for the host).
-HAVE_PERMPS = _host_has_avx512f()
+HAVE_PERMPS = host_cpu_has("avx512f")
 #: True when the fused kernels score and sum tiles with :func:`tile_scores` / :func:`tile_values`
 #: (head_dim a multiple of 64): on the CPUs where they were measured, those with AVX-512.
 VECTOR_TILES = HAVE_PERMPS
@@ -338,6 +343,41 @@ def _emit_scores(builder, h, nt, s, s_w, accs, rows_of, fill):
                 builder.store(h.hsum(builder, builder.load(accs[gi])), builder.gep(s, [at]))
 
     return emit
+
+
+def _emit_row_values(builder, h, g_n, d, nt, w, w_w, acc, row_source):
+    """``acc[g, :] += Σ_{r < nt} w[g, r] · row_r`` for every query head (blocks of
+    :func:`_g_blocks_any`), channels 64 at a time: four 16-channel chunks times the block's heads
+    of accumulators stay in registers over the rows. ``row_source(r)`` (``r`` an IR value) is
+    called once per row and returns ``chunk(c)``: the <16 x float> of channels ``16c .. 16c + 15``
+    of row ``r`` (``c`` an IR value)."""
+    fma = h.fma_fn(builder)
+    accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(16)]
+
+    def emit(g0, gb):
+        with h.cgutils.for_range(builder, builder.udiv(d, h.const(64))) as lc:
+            c0 = builder.mul(lc.index, h.const(4))  # first chunk of the 64 channels
+            offs = [[builder.add(builder.mul(builder.add(g0, h.const(gi)), d),
+                                 builder.mul(builder.add(c0, h.const(k)), h.const(16))) for k in range(4)]
+                    for gi in range(gb)]
+            for gi in range(gb):
+                for k in range(4):
+                    builder.store(h.vload(builder, acc, offs[gi][k]), accs[4 * gi + k])
+            with h.cgutils.for_range(builder, nt) as lr:
+                r = lr.index
+                chunk = row_source(r)
+                wv = [h.splat(builder, builder.load(builder.gep(w, [builder.add(
+                    builder.mul(builder.add(g0, h.const(gi)), w_w), r)]))) for gi in range(gb)]
+                for k in range(4):
+                    x = chunk(builder.add(c0, h.const(k)))
+                    for gi in range(gb):
+                        a = accs[4 * gi + k]
+                        builder.store(builder.call(fma, [wv[gi], x, builder.load(a)]), a)
+            for gi in range(gb):
+                for k in range(4):
+                    h.vstore(builder, builder.load(accs[4 * gi + k]), acc, offs[gi][k])
+
+    _g_blocks_any(builder, h, g_n, emit)
 
 
 def _scores_codegen(context, builder, sig, args):
@@ -716,8 +756,8 @@ def _rows_loop(codes, t0, nt, tab, bits):
 
 
 @nb.njit
-def _scores_codes_loop(codes, t0, nt, tab, qr, s, bits):
-    rows = _rows_loop(codes, t0, nt, tab, bits)
+def rows_scores_loop(rows, nt, qr, s):
+    """``s[g, r] = Σ_j qr[g, j] · rows[r, j]`` for ``r < nt``: the loop the score tiles are checked against."""
     for g in range(qr.shape[0]):
         for r in range(nt):
             x = np.float32(0.0)
@@ -727,12 +767,22 @@ def _scores_codes_loop(codes, t0, nt, tab, qr, s, bits):
 
 
 @nb.njit
-def _values_codes_loop(codes, t0, nt, tab, w, acc, bits):
-    rows = _rows_loop(codes, t0, nt, tab, bits)
+def rows_values_loop(rows, nt, w, acc):
+    """``acc[g, j] += Σ_{r < nt} w[g, r] · rows[r, j]``: the loop the value tiles are checked against."""
     for g in range(acc.shape[0]):
         for r in range(nt):
             for j in range(acc.shape[1]):
                 acc[g, j] += w[g, r] * rows[r, j]
+
+
+@nb.njit
+def _scores_codes_loop(codes, t0, nt, tab, qr, s, bits):
+    rows_scores_loop(_rows_loop(codes, t0, nt, tab, bits), nt, qr, s)
+
+
+@nb.njit
+def _values_codes_loop(codes, t0, nt, tab, w, acc, bits):
+    rows_values_loop(_rows_loop(codes, t0, nt, tab, bits), nt, w, acc)
 
 
 @nb.njit

@@ -22,7 +22,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .simd import PREFETCH_ROWS, _arrays, _c_f32, _emit_scores, _g_blocks_any, _vec_helpers
+from .simd import (PREFETCH_ROWS, _arrays, _c_f32, _emit_row_values, _emit_scores, _g_blocks_any, _vec_helpers,
+                   rows_scores_loop, rows_values_loop)
 
 __all__ = ["tile_scores_codes_3", "tile_values_codes_3", "tile_scores_codes_3_loop", "tile_values_codes_3_loop",
            "rows_3_loop"]
@@ -96,33 +97,12 @@ def _values3_codegen(context, builder, sig, args):
     t0, nt = args[1], args[2]
     (w, (_, w_w)), (acc, (g_n, d)) = _arrays(context, builder, sig, args, (4, 5))
     row_ptr, chunk = _source3(context, builder, h, sig, args)
-    fma = h.fma_fn(builder)
-    accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(16)]
 
-    def emit(g0, gb):  # channels 64 at a time: 4 chunks x gb heads of accumulators in registers
-        with h.cgutils.for_range(builder, builder.udiv(d, h.const(64))) as lc:
-            c0 = builder.mul(lc.index, h.const(4))
-            rows = [builder.mul(builder.add(g0, h.const(gi)), d) for gi in range(gb)]
-            offs = [[builder.add(rows[gi], builder.mul(builder.add(c0, h.const(k)), h.const(16))) for k in range(4)]
-                    for gi in range(gb)]
-            for gi in range(gb):
-                for k in range(4):
-                    builder.store(h.vload(builder, acc, offs[gi][k]), accs[4 * gi + k])
-            with h.cgutils.for_range(builder, nt) as lr:
-                r = lr.index
-                row = row_ptr(builder.add(t0, r), prefetch=True)
-                wv = [h.splat(builder, builder.load(builder.gep(w, [builder.add(
-                    builder.mul(builder.add(g0, h.const(gi)), w_w), r)]))) for gi in range(gb)]
-                for k in range(4):
-                    x = chunk(row, builder.add(c0, h.const(k)))
-                    for gi in range(gb):
-                        a = accs[4 * gi + k]
-                        builder.store(builder.call(fma, [wv[gi], x, builder.load(a)]), a)
-            for gi in range(gb):
-                for k in range(4):
-                    h.vstore(builder, builder.load(accs[4 * gi + k]), acc, offs[gi][k])
+    def row_source(r):
+        row = row_ptr(builder.add(t0, r), prefetch=True)
+        return lambda c: chunk(row, c)
 
-    _g_blocks_any(builder, h, g_n, emit)
+    _emit_row_values(builder, h, g_n, d, nt, w, w_w, acc, row_source)
     return context.get_dummy_value()
 
 
@@ -166,20 +146,10 @@ def rows_3_loop(codes, t0, nt, tab, d):
 @nb.njit
 def tile_scores_codes_3_loop(codes, t0, nt, tab, qr, s):
     """Reference of :func:`tile_scores_codes_3`."""
-    rows = rows_3_loop(codes, t0, nt, tab, qr.shape[1])
-    for g in range(qr.shape[0]):
-        for r in range(nt):
-            x = np.float32(0.0)
-            for j in range(qr.shape[1]):
-                x += qr[g, j] * rows[r, j]
-            s[g, r] = x
+    rows_scores_loop(rows_3_loop(codes, t0, nt, tab, qr.shape[1]), nt, qr, s)
 
 
 @nb.njit
 def tile_values_codes_3_loop(codes, t0, nt, tab, w, acc):
     """Reference of :func:`tile_values_codes_3`."""
-    rows = rows_3_loop(codes, t0, nt, tab, acc.shape[1])
-    for g in range(acc.shape[0]):
-        for r in range(nt):
-            for j in range(acc.shape[1]):
-                acc[g, j] += w[g, r] * rows[r, j]
+    rows_values_loop(rows_3_loop(codes, t0, nt, tab, acc.shape[1]), nt, w, acc)

@@ -25,7 +25,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .simd import PREFETCH_ROWS, _arrays, _c_f32, _g_blocks_any, _vec_helpers
+from .simd import PREFETCH_ROWS, _arrays, _c_f32, _emit_row_values, _g_blocks_any, _vec_helpers
 
 __all__ = ["int2_group_scores", "tile_values_codes_2_scaled", "int2_group_scores_loop",
            "tile_values_codes_2_scaled_loop"]
@@ -106,42 +106,23 @@ def _values_codegen(context, builder, sig, args):
     c_stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
     t0, nt = args[1], args[2]
     (w, (_, w_w)), (csc, (_, cs_w)), (acc, (g_n, d)) = _arrays(context, builder, sig, args, (3, 4, 5))
-    fma = h.fma_fn(builder)
     codes16 = _sixteen(builder, h)
     mod = builder.module
     pf = mod.globals.get("llvm.prefetch.p0") or ir.Function(
         mod, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
-    accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(16)]
 
-    def emit(g0, gb):  # channels 64 at a time (16 bytes of a row): 4 chunks x gb heads in registers
-        with h.cgutils.for_range(builder, builder.udiv(d, h.const(64))) as lc:
-            c0 = builder.mul(lc.index, h.const(4))  # first chunk of 16 channels
-            offs = [[builder.add(builder.mul(builder.add(g0, h.const(gi)), d),
-                                 builder.mul(builder.add(c0, h.const(k)), h.const(16))) for k in range(4)]
-                    for gi in range(gb)]
-            for gi in range(gb):
-                for k in range(4):
-                    builder.store(h.vload(builder, acc, offs[gi][k]), accs[4 * gi + k])
-            with h.cgutils.for_range(builder, nt) as lr:
-                r = lr.index
-                row = builder.gep(c_arr.data, [builder.mul(builder.add(t0, r), c_stride)])
-                ahead = builder.gep(row, [builder.mul(h.const(PREFETCH_ROWS), c_stride)])
-                builder.call(pf, [ahead, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-                wv = [h.splat(builder, builder.load(builder.gep(w, [builder.add(
-                    builder.mul(builder.add(g0, h.const(gi)), w_w), r)]))) for gi in range(gb)]
-                for k in range(4):
-                    c = builder.add(c0, h.const(k))
-                    x = codes16(builder.gep(row, [builder.mul(c, h.const(4))]))
-                    x = builder.fmul(x, h.splat(builder, builder.load(builder.gep(csc, [
-                        builder.add(builder.mul(r, cs_w), c)]))))
-                    for gi in range(gb):
-                        a = accs[4 * gi + k]
-                        builder.store(builder.call(fma, [wv[gi], x, builder.load(a)]), a)
-            for gi in range(gb):
-                for k in range(4):
-                    h.vstore(builder, builder.load(accs[4 * gi + k]), acc, offs[gi][k])
+    def row_source(r):  # row t0 + r: chunk c is 4 bytes of codes times the chunk's group scale
+        row = builder.gep(c_arr.data, [builder.mul(builder.add(t0, r), c_stride)])
+        ahead = builder.gep(row, [builder.mul(h.const(PREFETCH_ROWS), c_stride)])
+        builder.call(pf, [ahead, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
-    _g_blocks_any(builder, h, g_n, emit)
+        def chunk(c):
+            x = codes16(builder.gep(row, [builder.mul(c, h.const(4))]))
+            return builder.fmul(x, h.splat(builder, builder.load(builder.gep(csc, [builder.add(builder.mul(r, cs_w),
+                                                                                              c)]))))
+        return chunk
+
+    _emit_row_values(builder, h, g_n, d, nt, w, w_w, acc, row_source)
     return context.get_dummy_value()
 
 
