@@ -117,19 +117,12 @@ def _planes_codegen(bits: int):
         width = cgutils.unpack_tuple(builder, o_arr.shape)[1]
         i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
         v16i8, v16i32, v16f = ir.VectorType(i8, 16), ir.VectorType(i32, 16), ir.VectorType(f32, 16)
-        perm = builder.module.globals.get("llvm.x86.avx512.permvar.sf.512")
-        if perm is None:
-            perm = ir.Function(builder.module, ir.FunctionType(v16f, [v16f, v16i32]), "llvm.x86.avx512.permvar.sf.512")
-        pf = builder.module.globals.get("llvm.prefetch.p0")
-        if pf is None:
-            pf = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
-                             "llvm.prefetch.p0")
+        h = _vec_helpers()
+        perm = h.perm_fn(builder)
         table = builder.load(builder.bitcast(t_arr.data, v16f.as_pointer()), align=4)
         blocks = builder.udiv(nbytes, ir.Constant(i64, 16))
         with cgutils.for_range(builder, nt) as lr:
-            row = builder.gep(c_arr.data, [builder.mul(builder.add(t0, lr.index), c_stride)])
-            ahead = builder.gep(row, [builder.mul(ir.Constant(i64, PREFETCH_ROWS), c_stride)])
-            builder.call(pf, [ahead, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            row = h.row_ptr(builder, c_arr.data, c_stride, builder.add(t0, lr.index), ahead=True)
             o_row = builder.mul(lr.index, width)
             with cgutils.for_range(builder, blocks) as lb:
                 off = builder.mul(lb.index, ir.Constant(i64, 16))
@@ -255,11 +248,31 @@ def _vec_helpers():
     def vstore(builder, val, base, off):
         builder.store(val, builder.bitcast(builder.gep(base, [off]), val.type.as_pointer()), align=4)
 
+    def declared(builder, name, ret, params):
+        """The LLVM intrinsic ``name`` of the builder's module, declared on first use."""
+        fn = builder.module.globals.get(name)
+        return fn if fn is not None else ir.Function(builder.module, ir.FunctionType(ret, params), name)
+
     def fma_fn(builder):
-        fn = builder.module.globals.get("llvm.fma.v16f32")
-        if fn is None:
-            fn = ir.Function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
-        return fn
+        return declared(builder, "llvm.fma.v16f32", v16, [v16, v16, v16])
+
+    def perm_fn(builder):
+        """``vpermps``: sixteen float32 of a table register picked by sixteen int32 indices."""
+        return declared(builder, "llvm.x86.avx512.permvar.sf.512", v16, [v16, ir.VectorType(i32, 16)])
+
+    def prefetch(builder, ptr, locality=3):
+        """Prefetch the cache line at byte pointer ``ptr`` for reading (``locality`` 3: into L1, 1: L2)."""
+        i8p = ir.IntType(8).as_pointer()
+        fn = declared(builder, "llvm.prefetch.p0", ir.VoidType(), [i8p, i32, i32, i32])
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, locality), ir.Constant(i32, 1)])
+
+    def row_ptr(builder, data, stride, t, ahead=False):
+        """Byte pointer to row ``t`` of a 2-D array (``data``, row ``stride`` in bytes); with
+        ``ahead``, the row :data:`PREFETCH_ROWS` further on is prefetched."""
+        row = builder.gep(data, [builder.mul(t, stride)])
+        if ahead:
+            prefetch(builder, builder.gep(row, [builder.mul(const(PREFETCH_ROWS), stride)]))
+        return row
 
     def hsum(builder, v):
         n = 16
@@ -295,8 +308,8 @@ def _vec_helpers():
             emit(builder.sub(g_n, const(1)), 1)
 
     return types.SimpleNamespace(ir=ir, cgutils=cgutils, f32=f32, i64=i64, v16=v16, const=const, vload=vload,
-                                 vstore=vstore, fma_fn=fma_fn, hsum=hsum, reduce4=reduce4, splat=splat,
-                                 g_blocks=g_blocks)
+                                 vstore=vstore, fma_fn=fma_fn, perm_fn=perm_fn, prefetch=prefetch, row_ptr=row_ptr,
+                                 hsum=hsum, reduce4=reduce4, splat=splat, g_blocks=g_blocks)
 
 
 def _arrays(context, builder, sig, args, which):
@@ -476,22 +489,12 @@ def _code_source(builder, h, bits, c_arr, c_stride, nbytes, tab_arr):
     ir = h.ir
     i8, i32 = ir.IntType(8), ir.IntType(32)
     v16i8, v16i32 = ir.VectorType(i8, 16), ir.VectorType(i32, 16)
-    perm = builder.module.globals.get("llvm.x86.avx512.permvar.sf.512")
-    if perm is None:
-        perm = ir.Function(builder.module, ir.FunctionType(h.v16, [h.v16, v16i32]), "llvm.x86.avx512.permvar.sf.512")
-    pf = builder.module.globals.get("llvm.prefetch.p0")
-    if pf is None:
-        pf = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
-                         "llvm.prefetch.p0")
+    perm = h.perm_fn(builder)
     table = builder.load(builder.bitcast(tab_arr.data, h.v16.as_pointer()), align=4)
     mask = ir.Constant(v16i32, [(1 << bits) - 1] * 16)
 
     def row_ptr(t, prefetch=False):
-        row = builder.gep(c_arr.data, [builder.mul(t, c_stride)])
-        if prefetch:
-            ahead = builder.gep(row, [builder.mul(h.const(PREFETCH_ROWS), c_stride)])
-            builder.call(pf, [ahead, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return row
+        return h.row_ptr(builder, c_arr.data, c_stride, t, ahead=prefetch)
 
     def word(row, blk):
         raw = builder.load(builder.bitcast(builder.gep(row, [builder.mul(blk, h.const(16))]), v16i8.as_pointer()),

@@ -22,7 +22,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .simd import (PREFETCH_ROWS, _arrays, _c_f32, _emit_row_values, _emit_scores, _g_blocks_any, _vec_helpers,
+from .simd import (_arrays, _c_f32, _emit_row_values, _emit_scores, _g_blocks_any, _vec_helpers,
                    rows_scores_loop, rows_values_loop)
 
 __all__ = ["tile_scores_codes_3", "tile_values_codes_3", "tile_scores_codes_3_loop", "tile_values_codes_3_loop",
@@ -33,26 +33,18 @@ def _source3(context, builder, h, sig, args):
     """``(row_ptr(t, prefetch), chunk(row, c))``: the code rows of ``args[0]`` and the centroid
     values of chunk ``c`` (an i64 IR value) of a row, from the 16-float table ``args[3]``."""
     ir = h.ir
-    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+    i16, i32 = ir.IntType(16), ir.IntType(32)
     v16i32, v16i64 = ir.VectorType(i32, 16), ir.VectorType(h.i64, 16)
     c_arr = context.make_array(sig.args[0])(context, builder, args[0])
     stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
     tab_arr = context.make_array(sig.args[3])(context, builder, args[3])
     table = builder.load(builder.bitcast(tab_arr.data, h.v16.as_pointer()), align=4)
-    mod = builder.module
-    perm = mod.globals.get("llvm.x86.avx512.permvar.sf.512") or ir.Function(
-        mod, ir.FunctionType(h.v16, [h.v16, v16i32]), "llvm.x86.avx512.permvar.sf.512")
-    pf = mod.globals.get("llvm.prefetch.p0") or ir.Function(
-        mod, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
+    perm = h.perm_fn(builder)
     shifts = ir.Constant(v16i64, [3 * k for k in range(16)])
     seven = ir.Constant(v16i32, [7] * 16)
 
     def row_ptr(t, prefetch=False):
-        row = builder.gep(c_arr.data, [builder.mul(t, stride)])
-        if prefetch:
-            ahead = builder.gep(row, [builder.mul(h.const(PREFETCH_ROWS), stride)])
-            builder.call(pf, [ahead, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return row
+        return h.row_ptr(builder, c_arr.data, stride, t, ahead=prefetch)
 
     def chunk(row, c):
         at = builder.gep(row, [builder.mul(c, h.const(6))])  # six bytes: no read past the row

@@ -25,7 +25,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .simd import PREFETCH_ROWS, _arrays, _c_f32, _emit_row_values, _g_blocks_any, _vec_helpers
+from .simd import _arrays, _c_f32, _emit_row_values, _g_blocks_any, _vec_helpers
 
 __all__ = ["int2_group_scores", "tile_values_codes_2_scaled", "int2_group_scores_loop",
            "tile_values_codes_2_scaled_loop"]
@@ -100,21 +100,14 @@ def int2_group_scores(typingctx, codes, qf, s, off):
 
 def _values_codegen(context, builder, sig, args):
     h = _vec_helpers()
-    ir = h.ir
-    i8, i32 = ir.IntType(8), ir.IntType(32)
     c_arr = context.make_array(sig.args[0])(context, builder, args[0])
     c_stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
     t0, nt = args[1], args[2]
     (w, (_, w_w)), (csc, (_, cs_w)), (acc, (g_n, d)) = _arrays(context, builder, sig, args, (3, 4, 5))
     codes16 = _sixteen(builder, h)
-    mod = builder.module
-    pf = mod.globals.get("llvm.prefetch.p0") or ir.Function(
-        mod, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
 
     def row_source(r):  # row t0 + r: chunk c is 4 bytes of codes times the chunk's group scale
-        row = builder.gep(c_arr.data, [builder.mul(builder.add(t0, r), c_stride)])
-        ahead = builder.gep(row, [builder.mul(h.const(PREFETCH_ROWS), c_stride)])
-        builder.call(pf, [ahead, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        row = h.row_ptr(builder, c_arr.data, c_stride, builder.add(t0, r), ahead=True)
 
         def chunk(c):
             x = codes16(builder.gep(row, [builder.mul(c, h.const(4))]))

@@ -42,11 +42,6 @@ def _lanes_codegen(context, builder, sig, args):
     nbk = h.cgutils.unpack_tuple(builder, c_arr.shape)[1]
     t0, nt, ahead = args[1], args[2], args[3]
     (out, _), = _arrays(context, builder, sig, args, (4,))
-    i8 = ir.IntType(8)
-    pf = builder.module.globals.get("llvm.prefetch.p0")
-    if pf is None:
-        pf = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
-                         "llvm.prefetch.p0")
     nw = builder.udiv(nbk, h.const(4))
     nblk = builder.udiv(builder.add(nt, h.const(15)), h.const(16))
     last = builder.sub(builder.add(t0, nt), h.const(1))
@@ -97,16 +92,14 @@ def _lanes_codegen(context, builder, sig, args):
                 with then:
                     lines = builder.udiv(builder.add(builder.mul(c_stride, h.const(16)), h.const(63)), h.const(64))
                     with h.cgutils.for_range(builder, lines) as lp:
-                        builder.call(pf, [builder.gep(first, [builder.mul(lp.index, h.const(64))]),
-                                          ir.Constant(i32, 0), ir.Constant(i32, _PREFETCH_LOCALITY),
-                                          ir.Constant(i32, 1)])
+                        h.prefetch(builder, builder.gep(first, [builder.mul(lp.index, h.const(64))]),
+                                   _PREFETCH_LOCALITY)
                 with otherwise:
                     step = builder.mul(ahead, c_stride)
                     with h.cgutils.for_range(builder, builder.udiv(builder.add(nbk, h.const(63)), h.const(64))) as lp:
                         off = builder.add(step, builder.mul(lp.index, h.const(64)))
                         for p in rows:
-                            builder.call(pf, [builder.gep(p, [off]), ir.Constant(i32, 0),
-                                              ir.Constant(i32, _PREFETCH_LOCALITY), ir.Constant(i32, 1)])
+                            h.prefetch(builder, builder.gep(p, [off]), _PREFETCH_LOCALITY)
 
         def load(ptr_off, ty):
             return [builder.load(builder.bitcast(builder.gep(p, [ptr_off]), ty.as_pointer()), align=1) for p in rows]
@@ -128,15 +121,6 @@ def _lanes_codegen(context, builder, sig, args):
     return context.get_dummy_value()
 
 
-def _perm_fn(builder, h):
-    ir = h.ir
-    v16i32 = ir.VectorType(ir.IntType(32), 16)
-    fn = builder.module.globals.get("llvm.x86.avx512.permvar.sf.512")
-    if fn is None:
-        fn = ir.Function(builder.module, ir.FunctionType(h.v16, [h.v16, v16i32]), "llvm.x86.avx512.permvar.sf.512")
-    return fn
-
-
 def _lane_scores_codegen(context, builder, sig, args):
     """``s[g, 16b + i] = Σ_{w, k} lut[g, 128w + 16k + nibble k of lanes[b·nw + w, i]]``: per dword of
     the codes, eight shifts shared by the block of query heads, one ``vpermps`` and add per head."""
@@ -145,7 +129,7 @@ def _lane_scores_codegen(context, builder, sig, args):
     v16i32 = ir.VectorType(ir.IntType(32), 16)
     (lanes, _), (lut, (g_n, lw)), (s, (_, s_w)) = _arrays(context, builder, sig, args, (0, 3, 4))
     nblk, nw = args[1], args[2]
-    perm = _perm_fn(builder, h)
+    perm = h.perm_fn(builder)
     accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(8)]
 
     def emit_blk(blk):
@@ -187,7 +171,7 @@ def _lane_values_codegen(context, builder, sig, args):
     (lanes, _), (ctab, (d, _)), (wt, (_, w_w)), (acc, (g_n, a_w)) = _arrays(context, builder, sig, args,
                                                                              (0, 4, 5, 6))
     nblk, nw, sd = args[1], args[2], args[3]
-    perm = _perm_fn(builder, h)
+    perm = h.perm_fn(builder)
     fma = h.fma_fn(builder)
     accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(16)]
 
