@@ -50,7 +50,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from .threads import launch, threads_for
 
-__all__ = ["TILE", "FASTMATH", "ro", "scaled_queries", "alloc_queries", "prepare_queries", "softmax_tile", "merge_top",
+__all__ = ["TILE", "FASTMATH", "ro", "scaled_queries", "alloc_queries", "prepare_queries", "softmax_tile", "tile_dots",
+           "tile_add_rows", "merge_top",
            "merge_splits", "LazyStep", "build_steps", "plan", "split_count", "run_step"]
 
 #: Tokens per tile of the online softmax.
@@ -129,6 +130,65 @@ def softmax_tile(srow, nt, m, l, acc, g, ebits):
         srow[r] = p
         lg += p
     l[g] += lg
+
+
+# The scalar tile products of the kernels (their paths without 16-lane vectors). They index
+# their arrays directly instead of taking row views inside the loops: every view is a
+# reference-counted object (two atomic operations), which in a loop costs more than the arithmetic.
+
+@nb.njit(inline="always")
+def tile_dots(q, x, n, r, s):
+    """``s[g, i] = Σ_{j < r} q[g, j] · x[i, j]`` for rows ``i < n`` of ``x`` and every row ``g`` of ``q``.
+
+    Four rows of ``x`` per pass, four independent sums, each pass read once for every ``g``.
+    """
+    g_n = q.shape[0]
+    n4 = n - n % 4
+    for i in range(0, n4, 4):
+        for g in range(g_n):
+            y0 = np.float32(0.0)
+            y1 = np.float32(0.0)
+            y2 = np.float32(0.0)
+            y3 = np.float32(0.0)
+            for j in range(r):
+                w = q[g, j]
+                y0 += w * x[i, j]
+                y1 += w * x[i + 1, j]
+                y2 += w * x[i + 2, j]
+                y3 += w * x[i + 3, j]
+            s[g, i] = y0
+            s[g, i + 1] = y1
+            s[g, i + 2] = y2
+            s[g, i + 3] = y3
+    for i in range(n4, n):
+        for g in range(g_n):
+            y = np.float32(0.0)
+            for j in range(r):
+                y += q[g, j] * x[i, j]
+            s[g, i] = y
+
+
+@nb.njit(inline="always")
+def tile_add_rows(w, x, n, r, acc):
+    """``acc[g, j] += Σ_{i < n} w[g, i] · x[i, j]`` for ``j < r`` and every row ``g`` of ``w``.
+
+    Four rows of ``x`` per pass over the accumulators, each pass read once for every ``g``.
+    """
+    g_n = w.shape[0]
+    n4 = n - n % 4
+    for i in range(0, n4, 4):
+        for g in range(g_n):
+            w0 = w[g, i]
+            w1 = w[g, i + 1]
+            w2 = w[g, i + 2]
+            w3 = w[g, i + 3]
+            for j in range(r):
+                acc[g, j] += w0 * x[i, j] + w1 * x[i + 1, j] + w2 * x[i + 2, j] + w3 * x[i + 3, j]
+    for i in range(n4, n):
+        for g in range(g_n):
+            w0 = w[g, i]
+            for j in range(r):
+                acc[g, j] += w0 * x[i, j]
 
 
 @nb.njit(inline="always")

@@ -57,7 +57,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 from ..._validation import check_softmax_scale
 from ...attention.lowrank_fused import check_decode_args
 from ...attention.lowrank_fused import lowrank_decode_attention as _reference
-from .fused_driver import FASTMATH, build_steps, merge_splits, merge_top, plan, ro, run_step, softmax_tile
+from .fused_driver import (FASTMATH, build_steps, merge_splits, merge_top, plan, ro, run_step, softmax_tile,
+                           tile_add_rows, tile_dots)
 from .half import HALF_TO_FLOAT, half_to_float
 from . import simd
 from .simd import VECTOR_TILES, softmax_rows
@@ -105,68 +106,10 @@ def _rows(x16, x32, b, h, t0, nt, table, out):
             dst[j] = src32[j]
 
 
-# The loops below index their arrays directly instead of taking row views inside their loops:
-# every view is a reference-counted object (two atomic operations), which in a loop costs more
-# than the arithmetic.
-
-@nb.njit(inline="always")
-def _dots_loop(q, x, n, s):
-    """``s[g, i] = Σ_j q[g, j] · x[i, j]`` for rows ``i < n`` of ``x`` and every row ``g`` of ``q``.
-
-    ``j`` runs over the columns of ``q``; four rows of ``x`` per pass, each pass read once for every ``g``.
-    """
-    g_n, r = q.shape
-    n4 = n - n % 4
-    for i in range(0, n4, 4):
-        for g in range(g_n):
-            y0 = np.float32(0.0)
-            y1 = np.float32(0.0)
-            y2 = np.float32(0.0)
-            y3 = np.float32(0.0)
-            for j in range(r):
-                w = q[g, j]
-                y0 += w * x[i, j]
-                y1 += w * x[i + 1, j]
-                y2 += w * x[i + 2, j]
-                y3 += w * x[i + 3, j]
-            s[g, i] = y0
-            s[g, i + 1] = y1
-            s[g, i + 2] = y2
-            s[g, i + 3] = y3
-    for i in range(n4, n):
-        for g in range(g_n):
-            y = np.float32(0.0)
-            for j in range(r):
-                y += q[g, j] * x[i, j]
-            s[g, i] = y
-
-
-@nb.njit(inline="always")
-def _add_rows_loop(w, x, n, r, acc):
-    """``acc[g, j] += Σ_{i < n} w[g, i] · x[i, j]`` for ``j < r`` and every row ``g`` of ``w``.
-
-    Four rows of ``x`` per pass over the accumulators, each pass read once for every ``g``.
-    """
-    g_n = w.shape[0]
-    n4 = n - n % 4
-    for i in range(0, n4, 4):
-        for g in range(g_n):
-            w0 = w[g, i]
-            w1 = w[g, i + 1]
-            w2 = w[g, i + 2]
-            w3 = w[g, i + 3]
-            for j in range(r):
-                acc[g, j] += w0 * x[i, j] + w1 * x[i + 1, j] + w2 * x[i + 2, j] + w3 * x[i + 3, j]
-    for i in range(n4, n):
-        for g in range(g_n):
-            w0 = w[g, i]
-            for j in range(r):
-                acc[g, j] += w0 * x[i, j]
-
-
 # ---- tile products in 16-lane vectors (AVX-512: arraykv.ops.numba.simd) ---------------------
 #
-# Used when the ranks are multiples of 16 (:data:`VECTOR_TILES`): the loops above leave the
+# Used when the ranks are multiples of 16 (:data:`VECTOR_TILES`): the plain loops
+# (:func:`~arraykv.ops.numba.fused_driver.tile_dots`, ``tile_add_rows``) leave the
 # compiler a 32-wide product per token and query head, which it finishes with a sum across the
 # lanes for every score and a store and reload of the value sums for every token; here the
 # accumulators stay in registers for a whole tile and four scores share one lane reduction.
@@ -259,7 +202,7 @@ def _dots(q, x, n, s):
     if _vec(q.shape[1]):
         _tile_scores16(x, n, q, s)
     else:
-        _dots_loop(q, x, n, s)
+        tile_dots(q, x, n, q.shape[1], s)
 
 
 @nb.njit(inline="always")
@@ -268,7 +211,7 @@ def _add_rows(w, x, n, r, acc):
     if _vec(r):
         _tile_values16(x, n, w, acc, r)
     else:
-        _add_rows_loop(w, x, n, r, acc)
+        tile_add_rows(w, x, n, r, acc)
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")

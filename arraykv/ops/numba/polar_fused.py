@@ -45,13 +45,13 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softmax_tile
+from .fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softmax_tile, tile_add_rows, tile_dots
 from .simd import (VECTOR_TILES, channels_to_planar, softmax_rows, tile_scores, tile_scores_codes_2, tile_scores_codes_4, tile_values,
                    tile_values_codes_2, tile_values_codes_4)
 from .polar_query import _finish_head, _prepare_head, _prepare_rotating
 from .simd3 import tile_scores_codes_3, tile_values_codes_3
 from .simd_signs import tile_sign_scores
-from .polar_rows import (_NO_F32_2, _NO_F32_3, _NO_I32_2, _NO_I32_3, _NO_U8_4, _NO_U16_3, _NO_U16_4, _SIGN_TABLE,
+from .polar_rows import (_NO_F32_3, _NO_I32_2, _NO_I32_3, _NO_U8_4, _NO_U16_3, _NO_U16_4, _SIGN_TABLE,
                          _SIGNS, HALF_TO_FLOAT, _bits16, _direct3, _fixed_args, _planar_per, _unpack_rows)
 
 __all__ = ["polar_decode_attention", "TILE", "HALF_TO_FLOAT"]
@@ -146,30 +146,10 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
             tile_sign_scores(k_qjl[b, h], t0, nt, sq_c, sk)
         elif m_rows:
             _unpack_rows(k_qjl, b, h, t0, t1, 1, sign_table, _SIGNS, m_rows, pbuf, pbuf64)
-        r4 = nt - nt % 4
-        if vec and not k_direct and not k3:
+        if not vec:
+            tile_dots(qr, buf, nt, d, s)
+        elif not k_direct and not k3:
             tile_scores(buf, nt, qr, s)
-        for g in range(g_n if not vec else 0):  # four keys per pass: four independent sums, one read of the query
-            for r in range(0, r4, 4):
-                d0 = np.float32(0.0)
-                d1 = np.float32(0.0)
-                d2 = np.float32(0.0)
-                d3 = np.float32(0.0)
-                for j in range(d):
-                    qj = qr[g, j]
-                    d0 += qj * buf[r, j]
-                    d1 += qj * buf[r + 1, j]
-                    d2 += qj * buf[r + 2, j]
-                    d3 += qj * buf[r + 3, j]
-                s[g, r] = d0
-                s[g, r + 1] = d1
-                s[g, r + 2] = d2
-                s[g, r + 3] = d3
-            for r in range(r4, nt):
-                dot = np.float32(0.0)
-                for j in range(d):
-                    dot += qr[g, j] * buf[r, j]
-                s[g, r] = dot
         if n_j:  # coefficients turned to this tile's start: A cos ω(p0+r) + B sin ω(p0+r)
             for j in range(n_j):
                 cp = ph[j, 0]
@@ -236,18 +216,8 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
             tile_values_codes_3(v_codes[b, h], t0, t1 - t0, v_table, s, al)
         elif vec:
             tile_values(buf, nt, s, al)
-        for g in range(g_n if not vec else 0):  # four values per pass: one load and store of the accumulator
-            for r in range(0, r4, 4):
-                w0 = s[g, r]
-                w1 = s[g, r + 1]
-                w2 = s[g, r + 2]
-                w3 = s[g, r + 3]
-                for j in range(d):
-                    al[g, j] += w0 * buf[r, j] + w1 * buf[r + 1, j] + w2 * buf[r + 2, j] + w3 * buf[r + 3, j]
-            for r in range(r4, nt):
-                w = s[g, r]
-                for j in range(d):
-                    al[g, j] += w * buf[r, j]
+        else:
+            tile_add_rows(s, buf, nt, d, al)
     acc[:, :] = al
 
 
