@@ -27,6 +27,7 @@ __all__ = [
     "to_numpy",
     "float_dtypes",
     "all_finite",
+    "plain_numpy",
     "host_numpy",
     "host_uniform",
     "from_host",
@@ -142,6 +143,14 @@ def float_dtypes(xp: Any) -> tuple:
     return out
 
 
+def plain_numpy(*arrays: Any) -> bool:
+    """Whether every argument is a plain ``numpy.ndarray`` (no subclass, no other library's array):
+    the arrays whose checks may take a direct NumPy path."""
+    import numpy as np
+
+    return all(type(a) is np.ndarray for a in arrays)
+
+
 #: Total elements up to which :func:`all_finite` checks several arrays in one pass over a
 #: concatenation (a decode step's few small arrays); larger ones are checked one by one.
 _JOINT_CHECK_MAX = 1 << 15
@@ -159,7 +168,7 @@ def all_finite(xp: Any, arrays: list) -> bool:
         return True
     import numpy as np
 
-    if all(type(a) is np.ndarray for a in arrays):
+    if plain_numpy(*arrays):
         if len(arrays) == 1:
             return bool(np.isfinite(arrays[0]).all())
         if sum(a.size for a in arrays) <= _JOINT_CHECK_MAX:

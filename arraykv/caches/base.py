@@ -278,10 +278,8 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         that passed once is looked up instead of checked again (a decode step passes the same
         one every call).
         """
-        import numpy as np
-
         numpy_key = None
-        if type(k) is np.ndarray and type(v) is np.ndarray and type(q) is np.ndarray:
+        if _compat.plain_numpy(k, v, q):
             numpy_key = (self.num_kv_heads, self.head_dim, k.shape, v.shape, q.shape, k.dtype, v.dtype, q.dtype)
             hit = _CHECKED_NUMPY.get(numpy_key)
             if hit is not None:
