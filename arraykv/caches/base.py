@@ -11,8 +11,8 @@ layer's lock held and only after every input check passed:
 ``_prefill(state, k, v, q)``, ``_decode(state, k, v, q, config)``
     Store and return a :class:`~arraykv.DequantResult` / :class:`~arraykv.Fused` or
     :class:`~arraykv.Dequantized`.
-``_side_nbytes(state)``
-    Bytes held besides the token buffers of ``state.buffers()``.
+``_side_nbytes(state)``, ``_side_spare_nbytes(state)``
+    Bytes held besides the token buffers of ``state.buffers()``, and spare room beside them.
 ``_truncate_plan(state, length)``, ``_truncate_floor(state)``, ``_reachable(state, length)``, ``_reach_ranges(state)``
     Drop tokens from the end, and which lengths can be reached (:mod:`arraykv.caches.rollback`).
 
@@ -359,7 +359,12 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         return sum(b.used_nbytes() for b in state.buffers()) + self._side_nbytes(state)
 
     def _layer_reserved_nbytes(self, state: LayerState) -> int:
-        return sum(b.reserved_nbytes() for b in state.buffers()) + self._side_nbytes(state)
+        return sum(b.reserved_nbytes() for b in state.buffers()) + self._side_nbytes(state) + \
+            self._side_spare_nbytes(state)
+
+    def _side_spare_nbytes(self, state: LayerState) -> int:
+        """Bytes of spare room in what :meth:`_side_nbytes` counts (counted by :meth:`memory_usage` only)."""
+        return 0
 
     def _stable_length(self, state: LayerState) -> int:
         """See :meth:`stable_length`; 0 (nothing promised) unless a cache knows better."""

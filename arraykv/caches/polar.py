@@ -27,7 +27,9 @@ from .polar_decode import decode_layer, qjl_logit_bias
 from .polar_options import (DEFAULT_OUTLIER_THRESHOLD, DEFAULT_RESIDUAL_WINDOW, DEFAULT_SINK_TOKENS, PolarOptions,
                             check_polar_options, default_residual_window)
 from .rollback import DEFAULT_ROLLBACK_TOKENS
+from .layer import refuse_overflow
 from .registry import register_method
+from .sliding import SlidingRows
 from .window import ExactTokens, WindowRollback, commit_store, restore_rollback, restore_tokens, rollback_arrays
 
 __all__ = ["PolarCache", "PolarLayerCodec", "PolarLayer", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window",
@@ -52,12 +54,17 @@ class PolarLayer(LayerState):
         Set when the layer's first token is encoded.
     rollback : ExactTokens
         float16 copies of the last ``rollback_tokens`` encoded tokens (for :meth:`~PolarCache.truncate`).
+    window_rows, rollback_rows : SlidingRows or None
+        The buffers ``exact`` and ``rollback`` are views of once decode steps slide them in
+        place (:meth:`PolarCache._slide_one`); stale when those fields hold other arrays.
     """
 
     codes: TokenBuffers = None
     exact: ExactTokens = None
     calib: PolarCalibration | None = None
     rollback: ExactTokens = None
+    window_rows: SlidingRows | None = None
+    rollback_rows: SlidingRows | None = None
 
     def buffers(self) -> tuple:
         return (self.codes,)
@@ -217,6 +224,8 @@ class PolarCache(WindowRollback, LayeredCache):
 
     def _store(self, st: PolarLayer, k: Any, v: Any, q: Any) -> None:
         """Append new tokens: sinks, then the window, its overflow quantized (computed, then committed)."""
+        if int(k.shape[2]) == 1 and self._slide_one(st, k, v):
+            return
         xp = st.xp
         step = st.exact.step(xp, k, v, q, sink_tokens=self.sink_tokens)
         first = step.n_sink + st.codes.length  # position of the window's oldest token
@@ -233,6 +242,47 @@ class PolarCache(WindowRollback, LayeredCache):
             arrays = self._encode(xp, self._codec(xp, st.device), calib, ek, ev, first)
         commit_store(xp, self.method, st, step, spill, arrays, calib, {} if calib is st.calib else calib.arrays(),
                      self.rollback_tokens)
+
+    def _slide_one(self, st: PolarLayer, k: Any, v: Any) -> bool:
+        """Store one token in a layer whose sinks and window are full, in place; False (nothing
+        done) for any other layer.
+
+        The same store as the general path (the oldest window token encoded, its float16 row
+        kept as a rollback copy, the new token's row appended to the window, the same overflow
+        check before anything changes), with the window and the rollback copies slid in place
+        (:class:`~arraykv.caches.sliding.SlidingRows`) instead of rebuilt by concatenation.
+        """
+        exact = st.exact
+        ns = exact.n_sink
+        calib = st.calib
+        if calib is None or not self.residual_window or ns < self.sink_tokens \
+                or exact.count - ns != self.residual_window:
+            return False
+        xp = st.xp
+        half = half_dtype(xp)
+        f32 = xp.float32
+        k_old, v_old = exact.k[:, :, ns:ns + 1, :], exact.v[:, :, ns:ns + 1, :]  # the token leaving the window
+        arrays = self._encode(xp, self._codec(xp, st.device), calib, xp.astype(k_old, f32), xp.astype(v_old, f32),
+                              ns + st.codes.length)
+        kh, vh = xp.astype(k, half), xp.astype(v, half)
+        refuse_overflow(xp, self.method, {"window": [kh], "value window": [vh], **arrays})
+        st.codes.reserve(arrays)
+        window = st.window_rows
+        if window is None or not window.holds(exact.k):
+            window = st.window_rows = SlidingRows(xp, exact.k, exact.v)
+        keep = self.rollback_tokens
+        if keep:  # the leaving row becomes the newest rollback copy (copied before the window slides over it)
+            margin = st.rollback_rows
+            if margin is None or not margin.holds(st.rollback.k):
+                margin = st.rollback_rows = SlidingRows(xp, st.rollback.k, st.rollback.v)
+            held = st.rollback.count
+            mk, mv = margin.slide(0, max(0, held + 1 - keep), window.k[:, :, ns:ns + 1, :],
+                                  window.v[:, :, ns:ns + 1, :])
+            st.rollback = ExactTokens(k=mk, v=mv)
+        st.codes.append(arrays)
+        wk, wv = window.slide(ns, 1, kh, vh)
+        st.exact = ExactTokens(k=wk, v=wv, n_sink=ns)
+        return True
 
     def _decoded(self, st: PolarLayer, start: int = 0) -> DequantResult:
         """K/V of the stored tokens ``start ..`` in the layer's dtype (:func:`~arraykv.caches.polar_decode.decode_layer`)."""
@@ -293,6 +343,10 @@ class PolarCache(WindowRollback, LayeredCache):
 
     def _side_nbytes(self, st) -> int:
         return st.exact.nbytes() + self._rollback_nbytes(st) + (0 if st.calib is None else st.calib.nbytes())
+
+    def _side_spare_nbytes(self, st) -> int:
+        return sum(rows.spare_nbytes() for rows, held in ((st.window_rows, st.exact), (st.rollback_rows, st.rollback))
+                   if rows is not None and rows.holds(held.k))
 
     # -- inspection for kernels ------------------------------------------------------
     def layer_codec_state(self, layer: int) -> PolarLayerCodec | None:

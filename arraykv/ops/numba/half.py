@@ -3,12 +3,17 @@
 Numba has no float16 arrays, so the kernels read float16 state through ``uint16`` views (no
 copy). :func:`half_to_float` turns one bit pattern into its float32 value: with the F16C
 instructions (:data:`HAVE_F16C`) it is the conversion instruction itself, which the compiler
-vectorizes over a loop (sixteen values per instruction with AVX-512); elsewhere it is a load
-from :data:`arraykv.ops.numba.polar_rows.HALF_TO_FLOAT` (a 256 KiB table), one scalar load per
-value. Both give the exact float32 value of every bit pattern (subnormals, infinities, NaN).
+vectorizes over a loop (sixteen values per instruction with AVX-512); elsewhere a few integer
+operations and one multiply (see Notes of :func:`half_bits_to_float`). Both give the exact
+float32 value of every bit pattern (subnormals, infinities, NaN) and read no table: a decode
+step between a model's matrix products, which evict the caches, would otherwise miss on most
+reads of the 256 KiB table :data:`arraykv.ops.numba.polar_rows.HALF_TO_FLOAT` (the kernels'
+former conversion; still an argument of their signatures, read by the reference code only).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 try:
     from llvmlite import ir
@@ -20,7 +25,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 from .polar_rows import HALF_TO_FLOAT
 from .simd import host_cpu_has
 
-__all__ = ["HAVE_F16C", "HALF_TO_FLOAT", "half_to_float"]
+__all__ = ["HAVE_F16C", "HALF_TO_FLOAT", "half_to_float", "half_bits_to_float"]
 
 
 #: True when compiled code converts float16 with the F16C instructions (the host has them and
@@ -41,8 +46,47 @@ def _convert_half(typingctx, x):
     return nbt.float32(x), codegen
 
 
+@intrinsic
+def _bits_to_float(typingctx, x):
+    """The float32 whose bit pattern is ``x`` (uint32)."""
+    if not isinstance(x, nbt.Integer) or x.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return nbt.float32(x), codegen
+
+
+#: 2**112: a float16's exponent bias (15) below a float32's (127).
+_HALF_SCALE = 2.0 ** 112
+
+
+def half_bits_to_float(x):  # pragma: no cover - replaced in compiled code by the overload below
+    """float32 value of the float16 bit pattern ``x`` (uint16) by integer operations (no F16C).
+
+    Notes
+    -----
+    A float16 ``(sign, e, f)`` placed in a float32's bits as ``(sign, e, f << 13)`` is its value
+    times ``2**-112`` for normal and subnormal numbers alike (the exponent biases differ by 112),
+    so one multiply finishes it; ``e = 31`` (infinity, NaN) gets the float32 exponent 255.
+    """
+    raise NotImplementedError
+
+
+@overload(half_bits_to_float, inline="always")
+def _half_bits_to_float_impl(x):
+    def impl(x):
+        u = np.int64(x)
+        em = u & 0x7FFF
+        inf = ((em + 0x400) >> 15) * 0x7F800000  # exponent field 31 -> 255
+        return _bits_to_float(np.uint32((em << 13) | ((u & 0x8000) << 16) | inf)) * np.float32(_HALF_SCALE)
+    return impl
+
+
 def half_to_float(x, table):  # pragma: no cover - replaced in compiled code by the overload below
-    """float32 value of the float16 bit pattern ``x`` (uint16); ``table`` is :data:`HALF_TO_FLOAT`."""
+    """float32 value of the float16 bit pattern ``x`` (uint16). ``table`` (:data:`HALF_TO_FLOAT`,
+    which the kernels' signatures still carry) is not read."""
     return table[x]
 
 
@@ -50,4 +94,4 @@ def half_to_float(x, table):  # pragma: no cover - replaced in compiled code by 
 def _half_to_float_impl(x, table):
     if HAVE_F16C:
         return lambda x, table: _convert_half(x)
-    return lambda x, table: table[x]
+    return lambda x, table: half_bits_to_float(x)

@@ -47,6 +47,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 from ...attention.int_fused import check_query
 from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, plan, prepare_queries,
                            ro, run_step, softmax_tile)
+from .half import half_to_float
 from .polar_rows import HALF_TO_FLOAT
 from .simd import (VECTOR_TILES, channels_to_planar, int4_group_scores, int8_group_scores, planar_to_channels,
                    softmax_rows, table16, tile_values_codes_4_scaled, tile_values_codes_8_scaled)
@@ -74,7 +75,7 @@ def _f32(x, half):  # pragma: no cover - replaced in compiled code by the overlo
 def _f32_impl(x, half):
     """A scale/offset element as float32: float16 bit patterns through ``half``, floats as they are."""
     if isinstance(x, nbt.Integer):
-        return lambda x, half: half[x]
+        return lambda x, half: half_to_float(x, half)
     return lambda x, half: np.float32(x)
 
 

@@ -51,6 +51,7 @@ from .simd import (VECTOR_TILES, channels_to_planar, softmax_rows, tile_scores, 
 from .polar_query import _finish_head, _prepare_head, _prepare_rotating
 from .simd3 import tile_scores_codes_3, tile_values_codes_3
 from .simd_signs import tile_sign_scores
+from .half import half_to_float
 from .polar_rows import (_NO_F32_3, _NO_I32_2, _NO_I32_3, _NO_U8_4, _NO_U16_3, _NO_U16_4, _SIGN_TABLE,
                          _SIGNS, HALF_TO_FLOAT, _bits16, _direct3, _fixed_args, _planar_per, _unpack_rows)
 
@@ -172,8 +173,8 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                         x += ra_t[g, j] * ct[r, j] + rb_t[g, j] * st[r, j]
                     rterm[g, r] = x
         for r in range(nt):  # float16 lengths once per tile, then loops the compiler vectorizes
-            kn[r] = half[k_norms[b, h, t0 + r]]
-            vn[r] = half[v_norms[b, h, t0 + r]]
+            kn[r] = half_to_float(k_norms[b, h, t0 + r], half)
+            vn[r] = half_to_float(v_norms[b, h, t0 + r], half)
         for g in range(g_n):
             sg = s[g]
             rg = rterm[g]
@@ -183,11 +184,11 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
         if n_out or m_rows:  # exact outlier channels and the QJL correction, per token
             for t in range(t0, t1):
                 r = t - t0
-                qn = half[k_qjl_norms[b, h, t]] if m_rows else np.float32(0.0)
+                qn = half_to_float(k_qjl_norms[b, h, t], half) if m_rows else np.float32(0.0)
                 for g in range(g_n):
                     x = s[g, r]
                     for o in range(n_out):
-                        x += qout[g, o] * half[k_outliers[b, h, t, o]]
+                        x += qout[g, o] * half_to_float(k_outliers[b, h, t, o], half)
                     if qjl_vec:
                         x += sk[g, r] * qn
                     elif m_rows:

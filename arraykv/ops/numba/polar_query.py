@@ -21,6 +21,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from ...quant.qjl import QJL_SCALE
 from .fused_driver import FASTMATH, TILE, merge_splits, merge_top
+from .half import half_to_float
 from .polar_rows import _fwht
 from .simd import planar_to_channels
 
@@ -45,8 +46,8 @@ def _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst, r
             continue
         a = rm_pairs[j, 0]
         c = rm_pairs[j, 1]
-        mua = half[k_mean[b, h, a]]
-        muc = half[k_mean[b, h, c]]
+        mua = half_to_float(k_mean[b, h, a], half)
+        muc = half_to_float(k_mean[b, h, c], half)
         for g in range(g_n):
             qa = q[b, h * g_n + g, a]
             qc = q[b, h * g_n + g, c]
@@ -55,17 +56,26 @@ def _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst, r
             rb[g, n_j] = (qc * mua - qa * muc) * sc
             qconst[g] -= cos_part
         rw[n_j] = w
-        c1 = math.cos(w)
-        s1 = math.sin(w)
-        cr = 1.0
-        sr = 0.0
-        for r in range(TILE):
-            ct[r, n_j] = np.float32(cr)
-            st[r, n_j] = np.float32(sr)
-            cr, sr = cr * c1 - sr * s1, sr * c1 + cr * s1
-        step[n_j, 0] = math.cos(w * TILE)
-        step[n_j, 1] = math.sin(w * TILE)
         n_j += 1
+    # cos, sin(ω r) by one rotation per step, the pairs side by side (their chains are independent)
+    c1 = np.empty(n_j, np.float64)
+    s1 = np.empty(n_j, np.float64)
+    for j in range(n_j):
+        c1[j] = math.cos(rw[j])
+        s1[j] = math.sin(rw[j])
+        step[j, 0] = 1.0  # the running (cos, sin); the step's own values are written last
+        step[j, 1] = 0.0
+    for r in range(TILE):
+        for j in range(n_j):
+            cr = step[j, 0]
+            sr = step[j, 1]
+            ct[r, j] = np.float32(cr)
+            st[r, j] = np.float32(sr)
+            step[j, 0] = cr * c1[j] - sr * s1[j]
+            step[j, 1] = sr * c1[j] + cr * s1[j]
+    for j in range(n_j):
+        step[j, 0] = math.cos(rw[j] * TILE)
+        step[j, 1] = math.sin(rw[j] * TILE)
     return n_j
 
 
@@ -94,8 +104,8 @@ def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, ha
         for j in range(d):
             v = q[b, qi, j]
             if has_mean:
-                acc += v * half[k_mean[b, h, j]]
-            x[j] = v / half[k_scale[b, h, j]] if has_scale else v
+                acc += v * half_to_float(k_mean[b, h, j], half)
+            x[j] = v / half_to_float(k_scale[b, h, j], half) if has_scale else v
         qconst[g] = acc * sc
         for o in range(n_out):
             qout[g, o] = x[k_idx[b, h, o]] * sc
@@ -147,7 +157,7 @@ def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_windo
     # window scores, each key row converted once for the group
     for w in range(n_window):
         for j in range(d):
-            row[j] = half[k_window[b, h, w, j]]
+            row[j] = half_to_float(k_window[b, h, w, j], half)
         for g in range(g_n):
             qi = h * g_n + g
             dot = np.float32(0.0)
@@ -178,12 +188,12 @@ def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_windo
                     num[g, j] = y[j] * signs[j] * c_rot
             if has_vmean:
                 for j in range(d):
-                    num[g, j] += lq * half[v_mean[b, h, j]]
+                    num[g, j] += lq * half_to_float(v_mean[b, h, j], half)
         den[g] = lq
     # window values, each row converted once for the group
     for w in range(n_window):
         for j in range(d):
-            row[j] = half[v_window[b, h, w, j]]
+            row[j] = half_to_float(v_window[b, h, w, j], half)
         for g in range(g_n):
             p = np.float32(math.exp(sw[g, w] - top[g]))
             den[g] += p

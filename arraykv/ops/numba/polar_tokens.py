@@ -22,6 +22,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from .polar import _decode_par, _decode_ser, _encode_par, _encode_ser, _host, _matrix
+from .half import half_to_float
 from .polar_rows import HALF_TO_FLOAT, _bits16, memo_by_objects
 from .threads import launch, threads_for
 
@@ -45,9 +46,9 @@ def _center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc
         for h in range(h_n):
             # the head's calibration once; a rotating mean overwrites its pairs' channels per token
             for j in range(d):
-                mean[j] = half[k_mean[b, h, j]]
-                weight[j] = half[k_scale[b, h, j]]
-                v_mu[j] = half[v_mean[b, h, j]]
+                mean[j] = half_to_float(k_mean[b, h, j], half)
+                weight[j] = half_to_float(k_scale[b, h, j], half)
+                v_mu[j] = half_to_float(v_mean[b, h, j], half)
             for t in range(t_n):
                 r = (b * h_n + h) * t_n + t
                 if rotating:
@@ -55,8 +56,8 @@ def _center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc
                     for j in range(n_j):
                         a = pairs[j, 0]
                         c = pairs[j, 1]
-                        ma = half[k_mean[b, h, a]]
-                        mb = half[k_mean[b, h, c]]
+                        ma = half_to_float(k_mean[b, h, a], half)
+                        mb = half_to_float(k_mean[b, h, c], half)
                         ang = np.float64(freq[b, h, j]) * p
                         cs = np.float32(math.cos(ang))
                         sn = np.float32(math.sin(ang))
@@ -69,6 +70,16 @@ def _center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc
                     ch = idx[b, h, o]
                     k_out[r, o] = kc[r, ch]
                     kc[r, ch] = np.float32(0.0)
+
+
+@nb.njit(cache=True, nogil=True)
+def _encode_tokens_ser(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc, k_out, signs, matrix,
+                       hadamard, k_thr, k_cent, k_bits, k_unbiased, k_codes, k_lengths, v_thr, v_cent, v_bits,
+                       v_unbiased, v_codes, v_lengths):
+    """:func:`_center`, then both TurboQuant-MSE encodes, on the calling thread (one call per decode step)."""
+    _center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc, k_out)
+    _encode_ser(kc, signs, matrix, hadamard, k_thr, k_cent, k_bits, k_unbiased, k_codes, k_lengths)
+    _encode_ser(vc, signs, matrix, hadamard, v_thr, v_cent, v_bits, v_unbiased, v_codes, v_lengths)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -145,24 +156,30 @@ def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_fre
     kc = np.empty((n, d), np.float32)
     vc = np.empty((n, d), np.float32)
     k_out = np.empty((n, n_out), np.float32)
-    _center(k, v, int(start), _bits16(k_mean), _bits16(v_mean), _bits16(k_scale), idx, freq, pairs, HALF_TO_FLOAT,
-            kc, vc, k_out)
-    out = {}
-    for name, x, (thr, cent, bits), unbiased in (("k", kc, k_tabs, key_unbiased), ("v", vc, v_tabs, value_unbiased)):
-        codes = np.empty((n, (d * bits + 7) // 8), np.uint8)
-        lengths = np.empty(n, np.float32)
-        _run(_encode_ser, _encode_par, x, signs, matrix, hadamard, thr, cent, bits, bool(unbiased), codes, lengths)
-        out[f"{name}_codes"] = codes.reshape(b, h, t, -1)
-        out[f"{name}_norms"] = lengths.astype(np.float16).reshape(b, h, t)
-        if name == "k" and sketch is not None:  # the residual of the key as stored (float16 length)
-            kd = np.empty((n, d), np.float32)
-            _run(_decode_ser, _decode_par, codes, out["k_norms"].reshape(n).astype(np.float32), signs, matrix,
-                 hadamard, cent, bits, kd)
-            packed = np.empty((n, (sketch.shape[0] + 7) // 8), np.uint8)
-            norms = np.empty(n, np.float32)
-            _sketch_residual(kc, kd, idx, h, t, sketch, packed, norms)
-            out["k_qjl"] = packed.reshape(b, h, t, -1)
-            out["k_qjl_norms"] = norms.astype(np.float16).reshape(b, h, t)
+    k_codes, v_codes = (np.empty((n, (d * tabs[2] + 7) // 8), np.uint8) for tabs in (k_tabs, v_tabs))
+    k_len = np.empty(n, np.float32)
+    v_len = np.empty(n, np.float32)
+    calib = (_bits16(k_mean), _bits16(v_mean), _bits16(k_scale), idx, freq, pairs, HALF_TO_FLOAT)
+    if threads_for(kc.size) == 1:  # a decode step: centring and both encodes in one call
+        _encode_tokens_ser(k, v, int(start), *calib, kc, vc, k_out, signs, matrix, hadamard, *k_tabs,
+                           bool(key_unbiased), k_codes, k_len, *v_tabs, bool(value_unbiased), v_codes, v_len)
+    else:
+        _center(k, v, int(start), *calib, kc, vc, k_out)
+        _run(_encode_ser, _encode_par, kc, signs, matrix, hadamard, *k_tabs, bool(key_unbiased), k_codes, k_len)
+        _run(_encode_ser, _encode_par, vc, signs, matrix, hadamard, *v_tabs, bool(value_unbiased), v_codes, v_len)
+    k_norms = k_len.astype(np.float16)
+    out = {"k_codes": k_codes.reshape(b, h, t, -1), "k_norms": k_norms.reshape(b, h, t)}
+    if sketch is not None:  # the residual of the key as stored (float16 length)
+        kd = np.empty((n, d), np.float32)
+        _run(_decode_ser, _decode_par, k_codes, k_norms.astype(np.float32), signs, matrix, hadamard, k_tabs[1],
+             k_tabs[2], kd)
+        packed = np.empty((n, (sketch.shape[0] + 7) // 8), np.uint8)
+        norms = np.empty(n, np.float32)
+        _sketch_residual(kc, kd, idx, h, t, sketch, packed, norms)
+        out["k_qjl"] = packed.reshape(b, h, t, -1)
+        out["k_qjl_norms"] = norms.astype(np.float16).reshape(b, h, t)
+    out["v_codes"] = v_codes.reshape(b, h, t, -1)
+    out["v_norms"] = v_len.astype(np.float16).reshape(b, h, t)
     if n_out:
         out["k_outliers"] = k_out.astype(np.float16).reshape(b, h, t, n_out)
     return out

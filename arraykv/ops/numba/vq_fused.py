@@ -64,6 +64,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 from ...quant.vq import check_decode_attention_args
 from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, prepare_queries, ro,
                            run_step, split_count)
+from .half import half_to_float
 from .simd import VECTOR_TILES, softmax_rows
 from .simd_lanes import codes_to_lanes, lane_sums, lane_table_scores, lane_table_values, lane_tables
 from .threads import threads_for
@@ -320,35 +321,20 @@ def _attend_lanes(b, h, t_lo, t_hi, qs, k_codes, k_cent, v_codes, v_cent, mref, 
     lane_sums(al, acc)
 
 
-#: 2**112: float16 bits moved into a float32's (exponent bias 15 → 127)
-_HALF_SCALE = 2.0 ** 112
-
-
 def _dense_f32(x, b, h, out):  # pragma: no cover
     raise NotImplementedError  # replaced in compiled code by the overload below
 
 
 @overload(_dense_f32, inline="always")
 def _dense_f32_impl(x, b, h, out):
-    """``out[:] = x[b, h]`` as float32 (E, d): float16 bit patterns (uint16) converted, floats copied.
-
-    A float16 ``(sign, e, f)`` placed in a float32's bits as ``(sign, e, f << 13)`` is the value
-    times ``2**-112`` for normal and subnormal numbers alike (the exponent bias differs by 112),
-    so one multiply finishes it; ``e = 31`` (infinity, NaN) gets the float32 exponent 255.
-    """
+    """``out[:] = x[b, h]`` as float32 (E, d): float16 bit patterns (uint16) converted
+    (:func:`arraykv.ops.numba.half.half_to_float`), floats copied."""
     if isinstance(x.dtype, nbt.Integer):
         def impl(x, b, h, out):
-            bits = out.view(np.uint32)
             e_n, d = out.shape
             for t in range(e_n):
                 for c in range(d):
-                    u = np.int64(x[b, h, t, c])
-                    em = u & 0x7FFF
-                    inf = ((em + 0x400) >> 15) * 0x7F800000  # exponent field 31 → 255
-                    bits[t, c] = np.uint32((em << 13) | ((u & 0x8000) << 16) | inf)
-            for t in range(e_n):
-                for c in range(d):
-                    out[t, c] *= np.float32(_HALF_SCALE)
+                    out[t, c] = half_to_float(x[b, h, t, c], None)
         return impl
 
     def copy(x, b, h, out):

@@ -1,0 +1,130 @@
+"""Blocks of exact rows that slide by a token per decode step, updated in place.
+
+A window cache's float16 block (sinks, then the recent window) and its rollback copies change
+by one row per decode step once the window is full: the oldest recent row leaves, the new
+token's row arrives. Building each new block by concatenation allocates and copies the whole
+block every step and touches a new pair of arrays. :class:`SlidingRows` keeps the block as a
+view of a buffer with a few spare rows after it: a step writes the arriving rows after the
+block, moves the ``head`` rows (the sinks) forward over the rows that leave, and returns the
+view one row further on; when the spare rows run out the block is moved back to the start of
+the buffer (once every ``spare`` steps).
+
+The views it returns are the block a concatenation would give, row for row; what was written
+before is never changed while it is in use: the rows a step overwrites are the leaving rows
+(already copied out, or dropped) and rows after the old block. A caller that replaced the
+block by another array (a truncation, a store by concatenation) is detected by identity
+(:meth:`SlidingRows.holds`) and the buffer is then rebuilt from that array.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._compat import array_nbytes
+
+__all__ = ["SlidingRows", "SPARE_ROWS"]
+
+#: Spare rows after a sliding block (bytes: ``2 · batch · heads · head_dim · 2`` per row for
+#: float16 keys and values); the block moves back to the buffer's start once every that many steps.
+SPARE_ROWS = 8
+
+
+class SlidingRows:
+    """Key and value rows ``(batch, heads, n, head_dim)`` held at an offset of larger buffers.
+
+    Parameters
+    ----------
+    xp : namespace
+    k, v : array (batch, heads, n, head_dim)
+        The block to hold (copied into the new buffers).
+    spare : int
+        Rows of room after the block.
+
+    Attributes
+    ----------
+    k, v : array
+        The current block: views of the buffers (read them, never write).
+    """
+
+    __slots__ = ("_kb", "_vb", "_off", "k", "v")
+
+    def __init__(self, xp: Any, k: Any, v: Any, spare: int = SPARE_ROWS):
+        n = int(k.shape[2])
+        shape = tuple(int(s) for s in k.shape)
+        shape = shape[:2] + (n + max(1, spare),) + shape[3:]
+        self._kb = xp.empty(shape, dtype=k.dtype, device=_device(k))
+        self._vb = xp.empty(shape, dtype=v.dtype, device=_device(v))
+        self._kb[:, :, :n, ...] = k
+        self._vb[:, :, :n, ...] = v
+        self._off = 0
+        self.k = self._kb[:, :, :n, ...]
+        self.v = self._vb[:, :, :n, ...]
+
+    def holds(self, k: Any) -> bool:
+        """Whether ``k`` is this object's current key block (the same array object)."""
+        return k is self.k
+
+    def slide(self, head: int, drop: int, k_new: Any, v_new: Any) -> tuple:
+        """``(k, v)``: the block ``rows[:head] ++ rows[head + drop:] ++ new``, written in place.
+
+        ``k_new``, ``v_new`` (batch, heads, t, head_dim) in the block's dtype. The previous
+        views are invalid afterwards. ``head + drop`` must not exceed the block's rows.
+        """
+        n = int(self.k.shape[2])
+        t = int(k_new.shape[2])
+        cap = int(self._kb.shape[2])
+        off = self._off
+        if off + n + t > cap:  # move the block back to the start (or into a larger buffer)
+            if n + t > cap:
+                self._grow(n + t)
+            else:
+                _move(self._kb, 0, off, n)
+                _move(self._vb, 0, off, n)
+            off = 0
+        end = off + n
+        self._kb[:, :, end:end + t, ...] = k_new
+        self._vb[:, :, end:end + t, ...] = v_new
+        if head and drop:  # the head rows move forward over the rows that leave
+            _move(self._kb, off + drop, off, head)
+            _move(self._vb, off + drop, off, head)
+        off += drop
+        self._off = off
+        self.k = self._kb[:, :, off:end + t, ...]
+        self.v = self._vb[:, :, off:end + t, ...]
+        return self.k, self.v
+
+    def _grow(self, rows: int) -> None:
+        xp_k, xp_v = self._kb, self._vb
+        n = int(self.k.shape[2])
+        fresh = SlidingRows(_namespace(xp_k), self.k, self.v, spare=rows - n + SPARE_ROWS)
+        self._kb, self._vb, self._off = fresh._kb, fresh._vb, 0
+        self.k, self.v = fresh.k, fresh.v
+        del xp_k, xp_v
+
+    def spare_nbytes(self) -> int:
+        """Bytes of the buffers outside the current block."""
+        return array_nbytes(self._kb) + array_nbytes(self._vb) - array_nbytes(self.k) - array_nbytes(self.v)
+
+
+def _move(buf: Any, dst: int, src: int, rows: int) -> None:
+    """Rows ``src .. src + rows`` of ``buf`` (axis 2) copied to ``dst ..``; the ranges may overlap.
+
+    NumPy's assignment reads overlapping operands as if copied first; other libraries get an
+    explicit copy of the source rows when the ranges overlap.
+    """
+    part = buf[:, :, src:src + rows, ...]
+    if abs(dst - src) < rows and type(buf).__module__ != "numpy":
+        part = _namespace(buf).asarray(part, copy=True)
+    buf[:, :, dst:dst + rows, ...] = part
+
+
+def _device(a: Any) -> Any:
+    from .._compat import device
+
+    return device(a)
+
+
+def _namespace(a: Any) -> Any:
+    from .._compat import namespace
+
+    return namespace(a)

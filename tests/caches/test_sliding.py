@@ -1,0 +1,115 @@
+"""Window blocks slid in place (:mod:`arraykv.caches.sliding`) against the concatenating store.
+
+A polar layer whose sinks and window are full stores a decode token by sliding its float16
+window and rollback copies in place (``PolarCache._slide_one``). Everything it holds and answers
+must be what the general store (a new block by concatenation) gives, bit for bit: the arrays,
+the decode output, a refused store, truncation, fork and save/load afterwards.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import arraykv
+from arraykv.caches.polar import PolarCache
+from arraykv.caches.sliding import SlidingRows
+from cache_contract import random_kvq
+
+H, G, D = 2, 2, 16
+CFG = arraykv.AttendConfig(n_kv_groups=G, softmax_scale=0.25)
+
+
+@pytest.mark.parametrize("head", [0, 1, 3])
+def test_slide_equals_concatenation(rng, head):
+    k = rng.standard_normal((1, 2, 6, 3)).astype(np.float16)
+    rows = SlidingRows(np, k, k + 1, spare=3)
+    ref_k, ref_v = k.copy(), k + 1
+    for _ in range(60):
+        drop = int(rng.integers(0, 3)) if int(ref_k.shape[2]) >= head + 2 else 0
+        t = int(rng.integers(0, 3))
+        nk = rng.standard_normal((1, 2, t, 3)).astype(np.float16)
+        ref_k = np.concatenate([ref_k[:, :, :head], ref_k[:, :, head + drop:], nk], axis=2)
+        ref_v = np.concatenate([ref_v[:, :, :head], ref_v[:, :, head + drop:], nk - 1], axis=2)
+        got_k, got_v = rows.slide(head, drop, nk, nk - 1)
+        assert rows.holds(got_k) and not rows.holds(ref_k)
+        np.testing.assert_array_equal(got_k, ref_k)
+        np.testing.assert_array_equal(got_v, ref_v)
+        assert rows.spare_nbytes() >= 0
+
+
+def _pair(method, **options):
+    """The same cache twice: the second never takes the in-place path."""
+    fast = arraykv.make_cache(method, num_layers=1, num_kv_heads=H, head_dim=D, **options)
+    slow = arraykv.make_cache(method, num_layers=1, num_kv_heads=H, head_dim=D, **options)
+    slow._slide_one = lambda *args: False
+    return fast, slow
+
+
+def _same(a, b):
+    xa, xb = a.layer_arrays(0), b.layer_arrays(0)
+    assert xa.keys() == xb.keys()
+    for name in xa:
+        np.testing.assert_array_equal(xa[name], xb[name], err_msg=name)
+    assert a.seq_len(0) == b.seq_len(0) and a.used_bytes() == b.used_bytes()
+    assert a.rollback_bytes() == b.rollback_bytes()
+
+
+@pytest.mark.parametrize("method,options", [
+    ("pqo4", {}),
+    ("pqo2", {"residual_window": 3, "sink_tokens": 0, "rollback_tokens": 2}),
+    ("tq3", {"residual_window": 5, "sink_tokens": 2, "rollback_tokens": 0}),
+    ("pqo3", {"residual_window": 1, "sink_tokens": 1, "rollback_tokens": 7}),
+])
+def test_in_place_store_holds_and_answers_what_concatenation_does(rng, method, options):
+    fast, slow = _pair(method, **options)
+    k, v, q = random_kvq(rng, np, 1, H, G, 40, D)
+    for c in (fast, slow):
+        c.prefill(0, k, v, q)
+    for step in range(90):
+        k, v, q = random_kvq(rng, np, 1, H, G, 1, D)
+        if step % 17 == 5:  # a refused store changes neither
+            k = k.copy()
+            k[0, 0, 0, 0] = 1e6
+            for c in (fast, slow):
+                with pytest.raises(ValueError, match="overflow"):
+                    c.decode(0, k, v, q, CFG)
+            _same(fast, slow)
+            continue
+        outs = [c.decode(0, k, v, q, CFG) for c in (fast, slow)]
+        np.testing.assert_array_equal(outs[0].output, outs[1].output)
+        _same(fast, slow)
+        if step % 23 == 11:  # a truncation, then the window slides again
+            n = fast.min_truncate_length(0)
+            length = int(rng.integers(n, fast.seq_len(0) + 1))
+            for c in (fast, slow):
+                c.truncate(0, length)
+            _same(fast, slow)
+        if step % 29 == 13:  # a chunk stored by the general path in between
+            k, v, q = random_kvq(rng, np, 1, H, G, 3, D)
+            for c in (fast, slow):
+                c.prefill(0, k, v, q)
+            _same(fast, slow)
+    assert fast._states[0].window_rows is not None and slow._states[0].window_rows is None  # both paths ran
+    twin = fast.fork()
+    _same(twin, slow)
+    k, v, q = random_kvq(rng, np, 1, H, G, 1, D)
+    outs = [c.decode(0, k, v, q, CFG) for c in (twin, fast, slow)]
+    np.testing.assert_array_equal(outs[0].output, outs[2].output)
+    np.testing.assert_array_equal(outs[1].output, outs[2].output)
+    _same(twin, slow)
+
+
+def test_spare_rows_are_counted_in_memory_usage_only(rng):
+    c = arraykv.make_cache("pqo4", num_layers=1, num_kv_heads=H, head_dim=D)
+    k, v, q = random_kvq(rng, np, 1, H, G, 64, D)
+    c.prefill(0, k, v, q)
+    for _ in range(3):
+        k, v, q = random_kvq(rng, np, 1, H, G, 1, D)
+        c.decode(0, k, v, q, CFG)
+    st = c._states[0]
+    assert isinstance(c, PolarCache) and st.window_rows is not None and st.rollback_rows is not None
+    spare = st.window_rows.spare_nbytes() + st.rollback_rows.spare_nbytes()
+    assert spare > 0
+    codes_spare = sum(b.reserved_nbytes() - b.used_nbytes() for b in st.buffers())
+    assert c.memory_usage() - c.used_bytes() == c.rollback_bytes() + codes_spare + spare
