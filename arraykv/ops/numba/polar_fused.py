@@ -224,7 +224,7 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
 
 # ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
 # args = (k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits, k_scale, k_mean,
-#         v_mean, k_idx, k_outliers, signs, rot, sketch, sign_table, k_qjl, k_qjl_norms, rm_freq, rm_pairs, pos0,
+#         v_mean, k_idx, k_outliers, signs, rot, sketch_t, sign_table, k_qjl, k_qjl_norms, rm_freq, rm_pairs, pos0,
 #         n_window, k_window, v_window, half)
 
 @nb.njit
@@ -232,7 +232,7 @@ def alloc_state(b_n, h_n, g_n, d, args):
     """Per (batch, KV head) slot: ``qr, qout, qconst, sq`` (:func:`_prepare_head`), the rotating
     mean's ``ra, rb, rw, ct, st, step`` and pair count (:func:`_prepare_rotating`), and a scratch row."""
     n_out = args[13].shape[2]
-    m_rows = args[17].shape[0]
+    m_rows = args[17].shape[1]
     n_p = args[22].shape[0]
     return (np.empty((b_n, h_n, g_n, d), np.float32), np.empty((b_n, h_n, g_n, n_out), np.float32),
             np.empty((b_n, h_n, g_n), np.float32), np.empty((b_n, h_n, g_n, m_rows), np.float32),
@@ -244,10 +244,10 @@ def alloc_state(b_n, h_n, g_n, d, args):
 
 @nb.njit
 def prepare(q, b, h, scale, args, state, sb, sh):
-    k_scale, k_mean, k_idx, signs, rot, sketch = args[10], args[11], args[13], args[15], args[16], args[17]
+    k_scale, k_mean, k_idx, signs, rot, sketch_t = args[10], args[11], args[13], args[15], args[16], args[17]
     rm_freq, rm_pairs, half = args[21], args[22], args[27]
     qr, qout, qconst, sq, ra, rb, rw, ct, st, step, n_js, x = state
-    _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x, qr[sb, sh], qout[sb, sh],
+    _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch_t, half, x, qr[sb, sh], qout[sb, sh],
                   qconst[sb, sh], sq[sb, sh])
     n_js[sb, sh] = _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst[sb, sh], ra[sb, sh],
                                      rb[sb, sh], rw[sb, sh], ct[sb, sh], st[sb, sh], step[sb, sh])
@@ -320,7 +320,7 @@ def polar_decode_attention(codec, q, scale):
         v_codes = np.ascontiguousarray(v_codes)
     h = k_codes.shape[1]
     n = int(codec.n_quantized)
-    k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch = _fixed_args(codec)
+    k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch_t = _fixed_args(codec)
     idx = codec.k_outlier_idx
     if idx is None or idx.shape[-1] == 0:
         idx, k_out = _NO_I32_3, _NO_U16_4
@@ -344,7 +344,7 @@ def polar_decode_attention(codec, q, scale):
     args = (k_codes, _bits16(codec.k_norms), k_cent, k_table, k_bits,
             v_codes, _bits16(codec.v_norms), v_cent, v_table, v_bits,
             _bits16(getattr(codec, "k_scale", None)), _bits16(codec.k_mean), _bits16(codec.v_mean), idx, k_out,
-            signs, rot, sketch, _SIGN_TABLE, k_qjl, k_qjl_norms, rm_freq, rm_pairs, int(codec.n_sink),
+            signs, rot, sketch_t, _SIGN_TABLE, k_qjl, k_qjl_norms, rm_freq, rm_pairs, int(codec.n_sink),
             int(codec.n_window), _bits16(codec.k_window, _NO_U16_4), _bits16(codec.v_window, _NO_U16_4),
             HALF_TO_FLOAT)
     step = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, h, args)

@@ -63,9 +63,9 @@ def _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst, r
     for j in range(n_j):
         c1[j] = math.cos(rw[j])
         s1[j] = math.sin(rw[j])
-        step[j, 0] = 1.0  # the running (cos, sin); the step's own values are written last
+        step[j, 0] = 1.0  # the running (cos, sin) of ω r
         step[j, 1] = 0.0
-    for r in range(TILE):
+    for r in range(TILE):  # after the last step, step[j] is (cos, sin)(ω TILE)
         for j in range(n_j):
             cr = step[j, 0]
             sr = step[j, 1]
@@ -73,25 +73,23 @@ def _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst, r
             st[r, j] = np.float32(sr)
             step[j, 0] = cr * c1[j] - sr * s1[j]
             step[j, 1] = sr * c1[j] + cr * s1[j]
-    for j in range(n_j):
-        step[j, 0] = math.cos(rw[j] * TILE)
-        step[j, 1] = math.sin(rw[j] * TILE)
     return n_j
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, half, x, qr, qout, qconst, sq):
+def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch_t, half, x, qr, qout, qconst, sq):
     """Query-side quantities of the ``G`` query heads of KV head ``(b, h)``.
 
     Writes ``qr`` (G, d) ``scale · M q̃``, ``qout`` (G, n_out) ``scale · (q/s)`` at the outlier
     channels, ``qconst`` (G,) ``scale · q·k_mean`` and ``sq`` (G, m)
     ``scale · √(π/2)/m · S q̃``, where ``q̃`` is ``q / s`` with the outlier channels zeroed
-    (see :func:`arraykv.attention.polar_fused.prepare_queries`). ``x`` (d,) is scratch.
+    (see :func:`arraykv.attention.polar_fused.prepare_queries`); ``sketch_t`` is ``Sᵀ`` (d, m), so
+    that ``S q̃`` is a sum of its rows (whole vectors, no reduction per row). ``x`` (d,) is scratch.
     A rotating key mean adjusts ``qconst`` afterwards (:func:`_prepare_rotating`).
     """
     g_n, d = qr.shape
     n_out = k_idx.shape[2]
-    m_rows = sketch.shape[0]
+    m_rows = sketch_t.shape[1]
     has_scale = k_scale.shape[2] > 0
     has_mean = k_mean.shape[2] > 0
     dense = rot.shape[0] > 0
@@ -111,11 +109,13 @@ def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch, ha
             qout[g, o] = x[k_idx[b, h, o]] * sc
         for o in range(n_out):
             x[k_idx[b, h, o]] = np.float32(0.0)
+        sg = sq[g]
         for r in range(m_rows):
-            acc = np.float32(0.0)
-            for j in range(d):
-                acc += sketch[r, j] * x[j]
-            sq[g, r] = acc * c_qjl
+            sg[r] = np.float32(0.0)
+        for j in range(d if m_rows else 0):
+            xj = x[j] * c_qjl
+            for r in range(m_rows):
+                sg[r] += sketch_t[j, r] * xj
         if dense:
             for i in range(d):
                 acc = np.float32(0.0)

@@ -228,10 +228,11 @@ def _make_fixed_args(rotation, kc, vc, sketch) -> tuple:
             v_cent, _row_table(v_cent, int(vc.bits), d), int(vc.bits),
             np.ascontiguousarray(rotation.signs, np.float32),
             _NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32),
-            _NO_F32_2 if sketch is None else np.ascontiguousarray(sketch.matrix, np.float32))
+            _NO_F32_2 if sketch is None else np.ascontiguousarray(np.asarray(sketch.matrix, np.float32).T))
 
 
 def _fixed_args(codec) -> tuple:
-    """``(k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch)`` of ``codec``."""
+    """``(k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch_t)`` of ``codec``; ``sketch_t``
+    is the QJL matrix transposed, (d, m) (a query's sketch is summed along its rows)."""
     return memo_by_objects(_FIXED, (codec.rotation, codec.k_codebook, codec.v_codebook, codec.qjl), _make_fixed_args,
                            _FIXED_MAX)

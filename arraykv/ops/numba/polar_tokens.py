@@ -83,16 +83,31 @@ def _encode_tokens_ser(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, h
 
 
 @nb.njit(cache=True, nogil=True)
-def _sketch_residual(kc, kd, idx, heads, tokens, matrix, signs, norms):
+def _sketch_stored(k_codes, k_norms, signs, matrix, hadamard, cent, bits, kc, idx, heads, tokens, sketch_t, kd,
+                   packed, norms):
+    """The QJL part of a decode step's encode in one call: the keys decoded back from their codes
+    and float16 lengths ``k_norms`` (uint16 bits), then :func:`_sketch_residual`."""
+    lengths = np.empty(k_norms.shape[0], np.float32)
+    for i in range(lengths.shape[0]):
+        lengths[i] = half_to_float(k_norms[i], None)
+    _decode_ser(k_codes, lengths, signs, matrix, hadamard, cent, bits, kd)
+    _sketch_residual(kc, kd, idx, heads, tokens, sketch_t, packed, norms)
+
+
+@nb.njit(cache=True, nogil=True)
+def _sketch_residual(kc, kd, idx, heads, tokens, matrix_t, signs, norms):
     """Packed signs (N, ceil(m / 8)) and float32 norms (N,) of the residuals ``kc − kd`` (N, d),
-    zero on each row's outlier channels ``idx[b, h]``, under the sketch ``matrix`` (m, d).
+    zero on each row's outlier channels ``idx[b, h]``, under the sketch ``S`` given transposed,
+    ``matrix_t`` = ``Sᵀ`` (d, m).
 
     Sign ``i`` (``S r ≥ 0``) is bit ``i % 8`` of byte ``i // 8``, the layout of
-    :func:`arraykv.quant.bitpack.pack_bits` with one bit per code.
+    :func:`arraykv.quant.bitpack.pack_bits` with one bit per code. ``S r`` is summed over the
+    channels in order for every row of ``S`` at once (rows of ``Sᵀ``, whole vectors).
     """
     n, d = kc.shape
-    m = matrix.shape[0]
+    m = matrix_t.shape[1]
     r = np.empty(d, np.float32)
+    x = np.empty(m, np.float32)
     for row in range(n):
         bh = row // tokens
         for j in range(d):
@@ -103,13 +118,16 @@ def _sketch_residual(kc, kd, idx, heads, tokens, matrix, signs, norms):
         for j in range(d):
             ss += r[j] * r[j]
         norms[row] = np.float32(math.sqrt(ss))
+        for i in range(m):
+            x[i] = np.float32(0.0)
+        for j in range(d):
+            rj = r[j]
+            for i in range(m):
+                x[i] += matrix_t[j, i] * rj
         for byte in range(signs.shape[1]):
             signs[row, byte] = 0
         for i in range(m):
-            x = np.float32(0.0)
-            for j in range(d):
-                x += matrix[i, j] * r[j]
-            if x >= 0.0:
+            if x[i] >= 0.0:
                 signs[row, i >> 3] |= np.uint8(1 << (i & 7))
 
 
@@ -120,12 +138,12 @@ _FIXED: dict = {}
 def _make_fixed(rotation, k_codebook, v_codebook, qjl) -> tuple:
     return (_host(rotation.signs), _matrix(rotation), rotation.kind == "hadamard",
             *((_host(b.thresholds), _host(b.centroids), int(b.bits)) for b in (k_codebook, v_codebook)),
-            None if qjl is None else np.ascontiguousarray(_host(qjl.matrix)))
+            None if qjl is None else np.ascontiguousarray(_host(qjl.matrix).T))
 
 
 def _fixed(rotation, k_codebook, v_codebook, qjl) -> tuple:
-    """``(signs, matrix, hadamard, (k_thr, k_cent, k_bits), (v_thr, v_cent, v_bits), sketch)`` as the
-    encoder takes them (``sketch`` the QJL matrix (m, d) float32, or None)."""
+    """``(signs, matrix, hadamard, (k_thr, k_cent, k_bits), (v_thr, v_cent, v_bits), sketch_t)`` as the
+    encoder takes them (``sketch_t`` the QJL matrix transposed, (d, m) float32, or None)."""
     return memo_by_objects(_FIXED, (rotation, k_codebook, v_codebook, qjl), _make_fixed)
 
 
@@ -152,7 +170,7 @@ def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_fre
     else:
         freq = np.asarray(k_mean_freq, np.float32)
         pairs = np.ascontiguousarray(k_mean_pairs, np.int32)
-    signs, matrix, hadamard, k_tabs, v_tabs, sketch = _fixed(rotation, k_codebook, v_codebook, qjl)
+    signs, matrix, hadamard, k_tabs, v_tabs, sketch_t = _fixed(rotation, k_codebook, v_codebook, qjl)
     kc = np.empty((n, d), np.float32)
     vc = np.empty((n, d), np.float32)
     k_out = np.empty((n, n_out), np.float32)
@@ -169,13 +187,17 @@ def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_fre
         _run(_encode_ser, _encode_par, vc, signs, matrix, hadamard, *v_tabs, bool(value_unbiased), v_codes, v_len)
     k_norms = k_len.astype(np.float16)
     out = {"k_codes": k_codes.reshape(b, h, t, -1), "k_norms": k_norms.reshape(b, h, t)}
-    if sketch is not None:  # the residual of the key as stored (float16 length)
+    if sketch_t is not None:  # the residual of the key as stored (float16 length)
         kd = np.empty((n, d), np.float32)
-        _run(_decode_ser, _decode_par, k_codes, k_norms.astype(np.float32), signs, matrix, hadamard, k_tabs[1],
-             k_tabs[2], kd)
-        packed = np.empty((n, (sketch.shape[0] + 7) // 8), np.uint8)
+        packed = np.empty((n, (sketch_t.shape[1] + 7) // 8), np.uint8)
         norms = np.empty(n, np.float32)
-        _sketch_residual(kc, kd, idx, h, t, sketch, packed, norms)
+        if threads_for(kc.size) == 1:
+            _sketch_stored(k_codes, k_norms.view(np.uint16), signs, matrix, hadamard, k_tabs[1], k_tabs[2], kc, idx, h,
+                           t, sketch_t, kd, packed, norms)
+        else:
+            _run(_decode_ser, _decode_par, k_codes, k_norms.astype(np.float32), signs, matrix, hadamard, k_tabs[1],
+                 k_tabs[2], kd)
+            _sketch_residual(kc, kd, idx, h, t, sketch_t, packed, norms)
         out["k_qjl"] = packed.reshape(b, h, t, -1)
         out["k_qjl_norms"] = norms.astype(np.float16).reshape(b, h, t)
     out["v_codes"] = v_codes.reshape(b, h, t, -1)
