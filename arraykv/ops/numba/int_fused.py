@@ -29,7 +29,7 @@ Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`: below
 head's tokens, at key-group boundaries, over Numba's threads (only step 2 is parallel). Work
 buffers are ``O(heads · G_q · head_dim)`` plus ``O(TILE · head_dim + head_dim · G)`` per task:
 nothing grows with the context. float16 scales and offsets are read through ``uint16`` views
-and :data:`arraykv.ops.numba.polar_rows.HALF_TO_FLOAT`. Functions are compiled per parameter
+and :func:`arraykv.ops.numba.half.half_to_float`. Functions are compiled per parameter
 dtype (float16 or float32) and head_dim (64 and 128 fixed at compile time, others read at run
 time), for read-only arguments of any layout, when a call first needs them, and cached on disk."""
 

@@ -27,8 +27,8 @@ Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`: below
 head's tokens over Numba's threads (only step 2 is parallel: steps 1 and 3 cost
 ``O(heads · head_dim · (log head_dim + m + window))``). Work buffers are
 ``O(heads · G · head_dim)`` plus ``O(G · TILE)`` per task: nothing grows with the context.
-float16 state is read through ``uint16`` views and :data:`HALF_TO_FLOAT` (Numba has no
-float16). Functions are compiled for fixed argument types (read-only, any layout) when a call
+float16 state is read through ``uint16`` views and :func:`arraykv.ops.numba.half.half_to_float`
+(Numba has no float16). Functions are compiled for fixed argument types (read-only, any layout) when a call
 first needs them, with head_dim fixed for 64 and 128 (its loops then unroll into whole vectors;
 :func:`arraykv.ops.numba.fused_driver.build_steps`), and cached on disk.
 """

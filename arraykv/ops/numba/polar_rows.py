@@ -2,8 +2,8 @@
 
 Layout of :mod:`arraykv.quant.bitpack`. :func:`_chunk_table` turns a codebook into 8-byte words
 of the centroid values of every chunk of consecutive codes, so :func:`_unpack_rows` unpacks two
-codes per load and store; float16 state is read through ``uint16`` views and
-:data:`HALF_TO_FLOAT` (Numba has no float16). Host side: :func:`_fixed_args` (the arrays derived
+codes per load and store; float16 state is read through ``uint16`` views (Numba has no
+float16) and :func:`arraykv.ops.numba.half.half_to_float`. Host side: :func:`_fixed_args` (the arrays derived
 from a cache's rotation, codebooks and sketch, memoised) and :func:`_bits16`.
 """
 
