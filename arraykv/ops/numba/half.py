@@ -7,8 +7,10 @@ vectorizes over a loop (sixteen values per instruction with AVX-512); elsewhere 
 operations and one multiply (see Notes of :func:`half_bits_to_float`). Both give the exact
 float32 value of every bit pattern (subnormals, infinities, NaN) and read no table: a decode
 step between a model's matrix products, which evict the caches, would otherwise miss on most
-reads of a 256 KiB table (:data:`arraykv.ops.numba.polar_rows.HALF_TO_FLOAT`, the kernels'
-former conversion; it is still the ``half`` argument of their signatures, not read).
+reads of a 256 KiB table (:data:`arraykv.ops.numba.polar_rows.HALF_TO_FLOAT`, the ``half``
+argument of the kernels' signatures; the token loops still read per-token lengths and
+integer scales from it: there a strided F16C read is vectorized with gathers, which measured
+slower than table loads whose few lines stay cached).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`: below
 head's tokens, at key-group boundaries, over Numba's threads (only step 2 is parallel). Work
 buffers are ``O(heads · G_q · head_dim)`` plus ``O(TILE · head_dim + head_dim · G)`` per task:
 nothing grows with the context. float16 scales and offsets are read through ``uint16`` views
-and :func:`arraykv.ops.numba.half.half_to_float`. Functions are compiled per parameter
+and :data:`arraykv.ops.numba.polar_rows.HALF_TO_FLOAT`. Functions are compiled per parameter
 dtype (float16 or float32) and head_dim (64 and 128 fixed at compile time, others read at run
 time), for read-only arguments of any layout, when a call first needs them, and cached on disk."""
 
@@ -47,7 +47,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 from ...attention.int_fused import check_query
 from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, plan, prepare_queries,
                            ro, run_step, softmax_tile)
-from .half import half_to_float
 from .polar_rows import HALF_TO_FLOAT
 from .simd import (VECTOR_TILES, channels_to_planar, int4_group_scores, int8_group_scores, planar_to_channels,
                    softmax_rows, table16, tile_values_codes_4_scaled, tile_values_codes_8_scaled)
@@ -73,9 +72,11 @@ def _f32(x, half):  # pragma: no cover - replaced in compiled code by the overlo
 
 @overload(_f32, inline="always")
 def _f32_impl(x, half):
-    """A scale/offset element as float32: float16 bit patterns through ``half``, floats as they are."""
+    """A scale/offset element as float32: float16 bit patterns through the table ``half`` (per-token
+    and per-group reads in the token loops, where table loads measured faster than F16C
+    conversions), floats as they are."""
     if isinstance(x, nbt.Integer):
-        return lambda x, half: half_to_float(x, half)
+        return lambda x, half: half[x]
     return lambda x, half: np.float32(x)
 
 

@@ -27,8 +27,10 @@ Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`: below
 head's tokens over Numba's threads (only step 2 is parallel: steps 1 and 3 cost
 ``O(heads · head_dim · (log head_dim + m + window))``). Work buffers are
 ``O(heads · G · head_dim)`` plus ``O(G · TILE)`` per task: nothing grows with the context.
-float16 state is read through ``uint16`` views and :func:`arraykv.ops.numba.half.half_to_float`
-(Numba has no float16). Functions are compiled for fixed argument types (read-only, any layout) when a call
+float16 state is read through ``uint16`` views (Numba has no float16): the per-token lengths
+and outlier channels in the token loop through :data:`HALF_TO_FLOAT` (a few table lines: the
+lengths of a layer are of like magnitude), the window, means and weights of a call through
+:func:`arraykv.ops.numba.half.half_to_float` (F16C, no table). Functions are compiled for fixed argument types (read-only, any layout) when a call
 first needs them, with head_dim fixed for 64 and 128 (its loops then unroll into whole vectors;
 :func:`arraykv.ops.numba.fused_driver.build_steps`), and cached on disk.
 """
@@ -51,7 +53,6 @@ from .simd import (VECTOR_TILES, channels_to_planar, softmax_rows, tile_scores, 
 from .polar_query import _finish_head, _prepare_head, _prepare_rotating
 from .simd3 import tile_scores_codes_3, tile_values_codes_3
 from .simd_signs import tile_sign_scores
-from .half import half_to_float
 from .polar_rows import (_NO_F32_3, _NO_I32_2, _NO_I32_3, _NO_U8_4, _NO_U16_3, _NO_U16_4, _SIGN_TABLE,
                          _SIGNS, HALF_TO_FLOAT, _bits16, _direct3, _fixed_args, _planar_per, _unpack_rows)
 
@@ -172,9 +173,11 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                     for j in range(n_j):
                         x += ra_t[g, j] * ct[r, j] + rb_t[g, j] * st[r, j]
                     rterm[g, r] = x
-        for r in range(nt):  # float16 lengths once per tile, then loops the compiler vectorizes
-            kn[r] = half_to_float(k_norms[b, h, t0 + r], half)
-            vn[r] = half_to_float(v_norms[b, h, t0 + r], half)
+        # float16 lengths once per tile (table loads: F16C conversions of these strided reads are
+        # vectorized with gathers, slower here), then loops the compiler vectorizes
+        for r in range(nt):
+            kn[r] = half[k_norms[b, h, t0 + r]]
+            vn[r] = half[v_norms[b, h, t0 + r]]
         for g in range(g_n):
             sg = s[g]
             rg = rterm[g]
@@ -184,11 +187,11 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
         if n_out or m_rows:  # exact outlier channels and the QJL correction, per token
             for t in range(t0, t1):
                 r = t - t0
-                qn = half_to_float(k_qjl_norms[b, h, t], half) if m_rows else np.float32(0.0)
+                qn = half[k_qjl_norms[b, h, t]] if m_rows else np.float32(0.0)
                 for g in range(g_n):
                     x = s[g, r]
                     for o in range(n_out):
-                        x += qout[g, o] * half_to_float(k_outliers[b, h, t, o], half)
+                        x += qout[g, o] * half[k_outliers[b, h, t, o]]
                     if qjl_vec:
                         x += sk[g, r] * qn
                     elif m_rows:
