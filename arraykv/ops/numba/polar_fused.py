@@ -124,6 +124,7 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
     sq_c = np.ascontiguousarray(sq) if qjl_vec else np.empty((0, 0), np.float32)
     sk = np.empty((g_n, TILE), np.float32)
     kn = np.empty(TILE, np.float32)
+    qn_t = np.empty(TILE, np.float32)
     vn = np.empty(TILE, np.float32)
     ebits = np.empty(TILE, np.int32)
     al = acc.copy()  # the task's own accumulator: the compiler knows it aliases no other array
@@ -184,17 +185,23 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
             cg = qconst[g]
             for r in range(nt):
                 sg[r] = sg[r] * kn[r] + cg + rg[r]
-        if n_out or m_rows:  # exact outlier channels and the QJL correction, per token
+        if qjl_vec:  # the QJL correction: residual lengths once per tile, then whole vectors
+            for r in range(nt):
+                qn_t[r] = half[k_qjl_norms[b, h, t0 + r]]
+            for g in range(g_n):
+                sg = s[g]
+                skg = sk[g]
+                for r in range(nt):
+                    sg[r] += skg[r] * qn_t[r]
+        if n_out or (m_rows and not qjl_vec):  # exact outlier channels (and the scalar QJL path), per token
             for t in range(t0, t1):
                 r = t - t0
-                qn = half[k_qjl_norms[b, h, t]] if m_rows else np.float32(0.0)
+                qn = half[k_qjl_norms[b, h, t]] if m_rows and not qjl_vec else np.float32(0.0)
                 for g in range(g_n):
                     x = s[g, r]
                     for o in range(n_out):
                         x += qout[g, o] * half[k_outliers[b, h, t, o]]
-                    if qjl_vec:
-                        x += sk[g, r] * qn
-                    elif m_rows:
+                    if m_rows and not qjl_vec:
                         sdot = np.float32(0.0)
                         for i in range(m_rows):
                             sdot += sq[g, i] * pbuf[r, i]
