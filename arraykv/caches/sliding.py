@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._compat import array_nbytes
+from .._compat import array_nbytes, device, namespace
 
 __all__ = ["SlidingRows", "SPARE_ROWS"]
 
@@ -52,8 +52,8 @@ class SlidingRows:
         n = int(k.shape[2])
         shape = tuple(int(s) for s in k.shape)
         shape = shape[:2] + (n + max(1, spare),) + shape[3:]
-        self._kb = xp.empty(shape, dtype=k.dtype, device=_device(k))
-        self._vb = xp.empty(shape, dtype=v.dtype, device=_device(v))
+        self._kb = xp.empty(shape, dtype=k.dtype, device=device(k))
+        self._vb = xp.empty(shape, dtype=v.dtype, device=device(v))
         self._kb[:, :, :n, ...] = k
         self._vb[:, :, :n, ...] = v
         self._off = 0
@@ -94,12 +94,9 @@ class SlidingRows:
         return self.k, self.v
 
     def _grow(self, rows: int) -> None:
-        xp_k, xp_v = self._kb, self._vb
-        n = int(self.k.shape[2])
-        fresh = SlidingRows(_namespace(xp_k), self.k, self.v, spare=rows - n + SPARE_ROWS)
-        self._kb, self._vb, self._off = fresh._kb, fresh._vb, 0
-        self.k, self.v = fresh.k, fresh.v
-        del xp_k, xp_v
+        """New buffers holding the block with room for ``rows`` rows and ``SPARE_ROWS`` more."""
+        fresh = SlidingRows(namespace(self._kb), self.k, self.v, spare=rows - int(self.k.shape[2]) + SPARE_ROWS)
+        self._kb, self._vb, self._off, self.k, self.v = fresh._kb, fresh._vb, 0, fresh.k, fresh.v
 
     def spare_nbytes(self) -> int:
         """Bytes of the buffers outside the current block."""
@@ -114,17 +111,5 @@ def _move(buf: Any, dst: int, src: int, rows: int) -> None:
     """
     part = buf[:, :, src:src + rows, ...]
     if abs(dst - src) < rows and type(buf).__module__ != "numpy":
-        part = _namespace(buf).asarray(part, copy=True)
+        part = namespace(buf).asarray(part, copy=True)
     buf[:, :, dst:dst + rows, ...] = part
-
-
-def _device(a: Any) -> Any:
-    from .._compat import device
-
-    return device(a)
-
-
-def _namespace(a: Any) -> Any:
-    from .._compat import namespace
-
-    return namespace(a)

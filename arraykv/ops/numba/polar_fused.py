@@ -121,6 +121,7 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                 cs[r, n_j + j] = st[r, j]
     # the QJL correction's signed sums straight from the packed signs, sixteen per mask
     qjl_vec = vec and m_rows > 0 and m_rows % 16 == 0
+    qjl_loop = m_rows > 0 and not qjl_vec  # the QJL correction per token, from unpacked signs
     sq_c = np.ascontiguousarray(sq) if qjl_vec else np.empty((0, 0), np.float32)
     sk = np.empty((g_n, TILE), np.float32)
     kn = np.empty(TILE, np.float32)
@@ -193,15 +194,15 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                 skg = sk[g]
                 for r in range(nt):
                     sg[r] += skg[r] * qn_t[r]
-        if n_out or (m_rows and not qjl_vec):  # exact outlier channels (and the scalar QJL path), per token
+        if n_out or qjl_loop:  # exact outlier channels (and the scalar QJL path), per token
             for t in range(t0, t1):
                 r = t - t0
-                qn = half[k_qjl_norms[b, h, t]] if m_rows and not qjl_vec else np.float32(0.0)
+                qn = half[k_qjl_norms[b, h, t]] if qjl_loop else np.float32(0.0)
                 for g in range(g_n):
                     x = s[g, r]
                     for o in range(n_out):
                         x += qout[g, o] * half[k_outliers[b, h, t, o]]
-                    if m_rows and not qjl_vec:
+                    if qjl_loop:
                         sdot = np.float32(0.0)
                         for i in range(m_rows):
                             sdot += sq[g, i] * pbuf[r, i]

@@ -178,7 +178,8 @@ def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_fre
     k_len = np.empty(n, np.float32)
     v_len = np.empty(n, np.float32)
     calib = (_bits16(k_mean), _bits16(v_mean), _bits16(k_scale), idx, freq, pairs, HALF_TO_FLOAT)
-    if threads_for(kc.size) == 1:  # a decode step: centring and both encodes in one call
+    serial = threads_for(kc.size) == 1  # a decode step: on this thread, few calls
+    if serial:  # centring and both encodes in one call
         _encode_tokens_ser(k, v, int(start), *calib, kc, vc, k_out, signs, matrix, hadamard, *k_tabs,
                            bool(key_unbiased), k_codes, k_len, *v_tabs, bool(value_unbiased), v_codes, v_len)
     else:
@@ -191,7 +192,7 @@ def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_fre
         kd = np.empty((n, d), np.float32)
         packed = np.empty((n, (sketch_t.shape[1] + 7) // 8), np.uint8)
         norms = np.empty(n, np.float32)
-        if threads_for(kc.size) == 1:
+        if serial:
             _sketch_stored(k_codes, k_norms.view(np.uint16), signs, matrix, hadamard, k_tabs[1], k_tabs[2], kc, idx, h,
                            t, sketch_t, kd, packed, norms)
         else:
