@@ -27,7 +27,6 @@ from .polar_decode import decode_layer, qjl_logit_bias
 from .polar_options import (DEFAULT_OUTLIER_THRESHOLD, DEFAULT_RESIDUAL_WINDOW, DEFAULT_SINK_TOKENS, PolarOptions,
                             check_polar_options, default_residual_window)
 from .rollback import DEFAULT_ROLLBACK_TOKENS
-from .layer import refuse_overflow
 from .registry import register_method
 from .sliding import SlidingRows
 from .window import ExactTokens, WindowRollback, commit_store, restore_rollback, restore_tokens, rollback_arrays
@@ -245,31 +244,39 @@ class PolarCache(WindowRollback, LayeredCache):
 
     def _slide_one(self, st: PolarLayer, k: Any, v: Any) -> bool:
         """Store one token in a layer whose sinks and window are full, in place; False (nothing
-        done) for any other layer.
+        done) for any other layer, and when a float16 result would overflow (the general path
+        then refuses the call, naming what overflows).
 
         The same store as the general path (the oldest window token encoded, its float16 row
-        kept as a rollback copy, the new token's row appended to the window, the same overflow
-        check before anything changes), with the window and the rollback copies slid in place
-        (:class:`~arraykv.caches.sliding.SlidingRows`) instead of rebuilt by concatenation.
+        kept as a rollback copy, the new token's row appended to the window), done by one op
+        (:func:`arraykv.ops.polar_store_token`) into rows already allocated: the next index of
+        the token buffers and the spare row after the window, a view of a larger buffer that
+        slides in place (:class:`~arraykv.caches.sliding.SlidingRows`). Only after it succeeds
+        do the window, the rollback copies and the token count move.
         """
         exact = st.exact
         ns = exact.n_sink
         calib = st.calib
         if calib is None or not self.residual_window or ns < self.sink_tokens \
-                or exact.count - ns != self.residual_window:
+                or exact.count - ns != self.residual_window or not st.codes.capacity:
             return False
         xp = st.xp
-        half = half_dtype(xp)
-        f32 = xp.float32
-        k_old, v_old = exact.k[:, :, ns:ns + 1, :], exact.v[:, :, ns:ns + 1, :]  # the token leaving the window
-        arrays = self._encode(xp, self._codec(xp, st.device), calib, xp.astype(k_old, f32), xp.astype(v_old, f32),
-                              ns + st.codes.length)
-        kh, vh = xp.astype(k, half), xp.astype(v, half)
-        refuse_overflow(xp, self.method, {"window": [kh], "value window": [vh], **arrays})
-        st.codes.reserve(arrays)
         window = st.window_rows
         if window is None or not window.holds(exact.k):
             window = st.window_rows = SlidingRows(xp, exact.k, exact.v)
+        arriving = window.room(1)
+        st.exact = ExactTokens(k=window.k, v=window.v, n_sink=ns)  # the same rows (renewed views if they moved)
+        at = st.codes.length
+        rows = st.codes.room(1)
+        fixed = self._codec(xp, st.device)
+        if k.dtype != xp.float32:
+            k, v = xp.astype(k, xp.float32), xp.astype(v, xp.float32)
+        if not ops.polar_store_token(k, v, window.key_rows, window.value_rows, window.offset + ns, arriving,
+                                     calib.k_mean, calib.v_mean, calib.k_scale, calib.k_outlier_idx,
+                                     calib.k_mean_freq, calib.k_mean_pairs, ns + at, fixed.k_codebook,
+                                     fixed.v_codebook, fixed.rotation, self.key_length == "unbiased",
+                                     self.value_length == "unbiased", fixed.qjl if self.qjl else None, rows, at):
+            return False
         keep = self.rollback_tokens
         if keep:  # the leaving row becomes the newest rollback copy (copied before the window slides over it)
             margin = st.rollback_rows
@@ -279,8 +286,8 @@ class PolarCache(WindowRollback, LayeredCache):
             mk, mv = margin.slide(0, max(0, held + 1 - keep), window.k[:, :, ns:ns + 1, :],
                                   window.v[:, :, ns:ns + 1, :])
             st.rollback = ExactTokens(k=mk, v=mv)
-        st.codes.append(arrays)
-        wk, wv = window.slide(ns, 1, kh, vh)
+        st.codes.advance(1)
+        wk, wv = window.advance(ns, 1, 1)
         st.exact = ExactTokens(k=wk, v=wv, n_sink=ns)
         return True
 

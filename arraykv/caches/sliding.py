@@ -64,27 +64,49 @@ class SlidingRows:
         """Whether ``k`` is this object's current key block (the same array object)."""
         return k is self.k
 
-    def slide(self, head: int, drop: int, k_new: Any, v_new: Any) -> tuple:
-        """``(k, v)``: the block ``rows[:head] ++ rows[head + drop:] ++ new``, written in place.
+    @property
+    def key_rows(self) -> Any:
+        """The key buffer, whole: rows ``[offset, offset + n)`` are the block."""
+        return self._kb
 
-        ``k_new``, ``v_new`` (batch, heads, t, head_dim) in the block's dtype. The previous
-        views are invalid afterwards. ``head + drop`` must not exceed the block's rows.
+    @property
+    def value_rows(self) -> Any:
+        """The value buffer, whole."""
+        return self._vb
+
+    @property
+    def offset(self) -> int:
+        """Buffer row of the block's first row."""
+        return self._off
+
+    def room(self, t: int) -> int:
+        """Buffer row after the block with ``t`` free rows from it on (the block moved back to
+        the buffer's start, or into a larger buffer, when the spare rows run out).
+
+        The block's content is unchanged; its views ``k``, ``v`` are renewed when it moved.
+        A caller writes the arriving rows there, then calls :meth:`advance`.
         """
         n = int(self.k.shape[2])
-        t = int(k_new.shape[2])
         cap = int(self._kb.shape[2])
         off = self._off
-        if off + n + t > cap:  # move the block back to the start (or into a larger buffer)
+        if off + n + t > cap:
             if n + t > cap:
                 self._grow(n + t)
             else:
                 _move(self._kb, 0, off, n)
                 _move(self._vb, 0, off, n)
-            off = 0
-        end = off + n
-        self._kb[:, :, end:end + t, ...] = k_new
-        self._vb[:, :, end:end + t, ...] = v_new
-        if head and drop:  # the head rows move forward over the rows that leave
+                self._off = 0
+                self.k = self._kb[:, :, :n, ...]
+                self.v = self._vb[:, :, :n, ...]
+        return self._off + n
+
+    def advance(self, head: int, drop: int, t: int) -> tuple:
+        """``(k, v)``: the block ``rows[:head] ++ rows[head + drop:] ++ arrived``, where the ``t``
+        arrived rows were written at :meth:`room`'s row. The head rows move forward over the
+        dropped ones; the previous views are invalid afterwards."""
+        off = self._off
+        end = off + int(self.k.shape[2])
+        if head and drop:
             _move(self._kb, off + drop, off, head)
             _move(self._vb, off + drop, off, head)
         off += drop
@@ -92,6 +114,18 @@ class SlidingRows:
         self.k = self._kb[:, :, off:end + t, ...]
         self.v = self._vb[:, :, off:end + t, ...]
         return self.k, self.v
+
+    def slide(self, head: int, drop: int, k_new: Any, v_new: Any) -> tuple:
+        """``(k, v)``: the block ``rows[:head] ++ rows[head + drop:] ++ new``, written in place.
+
+        ``k_new``, ``v_new`` (batch, heads, t, head_dim) in the block's dtype. The previous
+        views are invalid afterwards. ``head + drop`` must not exceed the block's rows.
+        """
+        t = int(k_new.shape[2])
+        row = self.room(t)
+        self._kb[:, :, row:row + t, ...] = k_new
+        self._vb[:, :, row:row + t, ...] = v_new
+        return self.advance(head, drop, t)
 
     def _grow(self, rows: int) -> None:
         """New buffers holding the block with room for ``rows`` rows and ``SPARE_ROWS`` more."""

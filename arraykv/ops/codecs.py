@@ -15,7 +15,7 @@ from .. import _compat
 from ..quant.bitpack import check_pack_args, check_unpack_args
 from .registry import implementation, reference
 
-__all__ = ["pack_bits", "unpack_bits", "polar_encode", "polar_encode_tokens", "polar_decode", "intq_group_minmax", "intq_quantize_pack",
+__all__ = ["pack_bits", "unpack_bits", "polar_encode", "polar_encode_tokens", "polar_store_token", "polar_decode", "intq_group_minmax", "intq_quantize_pack",
            "intq_dequantize", "split_outliers", "vq_assign", "vq_update", "vq_encode", "vq_decode"]
 
 #: Code widths of the integer quantize/dequantize kernels (others run the reference).
@@ -55,6 +55,17 @@ def polar_encode_tokens(k: Any, v: Any, k_mean: Any, v_mean: Any, k_scale: Any, 
     (with their keys' QJL residual sketch when ``qjl`` is given)."""
     return _impl("polar_encode_tokens", k)(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs,
                                            start, k_codebook, v_codebook, rotation, key_unbiased, value_unbiased, qjl)
+
+
+def polar_store_token(k: Any, v: Any, window_k: Any, window_v: Any, leaving: int, arriving: int, k_mean: Any,
+                      v_mean: Any, k_scale: Any, k_outlier_idx: Any, k_mean_freq: Any, k_mean_pairs: Any, start: int,
+                      k_codebook: Any, v_codebook: Any, rotation: Any, key_unbiased: bool, value_unbiased: bool,
+                      qjl: Any, rows: dict, at: int) -> bool:
+    """:func:`arraykv.quant.polar_store.polar_store_token_reference`: one decode step of a full polar
+    window, written into preallocated rows; False (nothing to commit) when a float16 result overflows."""
+    return _impl("polar_store_token", k)(k, v, window_k, window_v, leaving, arriving, k_mean, v_mean, k_scale,
+                                         k_outlier_idx, k_mean_freq, k_mean_pairs, start, k_codebook, v_codebook,
+                                         rotation, key_unbiased, value_unbiased, qjl, rows, at)
 
 
 def polar_decode(codes: Any, norms: Any, codebook: Any, rotation: Any):

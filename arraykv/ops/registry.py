@@ -237,6 +237,8 @@ register_op("polar_encode", f"{_Q}.polar:polar_encode_reference", numpy=f"{_N}.p
             cupy=f"{_C}.polar:polar_encode")
 register_op("polar_encode_tokens", f"{_Q}.polar_tokens:polar_encode_tokens_reference",
             numpy=f"{_N}.polar_tokens:polar_encode_tokens")
+register_op("polar_store_token", f"{_Q}.polar_store:polar_store_token_reference",
+            numpy=f"{_N}.polar_store:polar_store_token")
 register_op("polar_decode", f"{_Q}.polar:polar_decode_reference", numpy=f"{_N}.polar:polar_decode",
             cupy=f"{_C}.polar:polar_decode")
 register_op("intq_group_minmax", f"{_Q}.intq:group_minmax_reference", numpy=f"{_N}.intq:group_minmax")

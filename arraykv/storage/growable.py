@@ -118,6 +118,27 @@ class TokenBuffers:
         if self.length + t > self.capacity:
             self._grow(arrays, self.length + t, t)
 
+    def room(self, tokens: int) -> dict:
+        """The arrays, whole (capacity included), with room for ``tokens`` more after ``length``.
+
+        For a writer that fills rows ``length .. length + tokens`` in place and then calls
+        :meth:`advance`: it writes nothing while ``length`` stays, so a step that fails between
+        the two leaves the buffers' content as it was. Grows (allocating) like :meth:`append`;
+        needs arrays to exist (a first :meth:`append`). Raises like :meth:`check_room`.
+        """
+        if not self._arrays:
+            raise ValueError("room() needs buffers created by a first append()")
+        self.check_room(tokens)
+        if self.length + tokens > self.capacity:
+            self._grow(self._arrays, self.length + tokens, tokens)
+        return dict(self._arrays)
+
+    def advance(self, tokens: int) -> None:
+        """Take ``tokens`` more rows into use, written in place after a :meth:`room` call."""
+        if self.length + tokens > self.capacity:
+            raise ValueError(f"advance by {tokens} past the capacity of {self.capacity} tokens")
+        self.length += tokens
+
     def _grow(self, template: Mapping[str, Any], need: int, tokens: int) -> None:
         if self.max_tokens is not None:
             new_cap = self.max_tokens

@@ -46,6 +46,13 @@ def _pair(method, **options):
     return fast, slow
 
 
+def _output(res):
+    """The attention output of a decode answer (fused, or over what a dequantized one returns)."""
+    if isinstance(res, arraykv.Fused):
+        return res.output
+    return res.result.k, res.result.v, res.result.logit_bias
+
+
 def _same(a, b):
     xa, xb = a.layer_arrays(0), b.layer_arrays(0)
     assert xa.keys() == xb.keys()
@@ -60,8 +67,21 @@ def _same(a, b):
     ("pqo2", {"residual_window": 3, "sink_tokens": 0, "rollback_tokens": 2}),
     ("tq3", {"residual_window": 5, "sink_tokens": 2, "rollback_tokens": 0}),
     ("pqo3", {"residual_window": 1, "sink_tokens": 1, "rollback_tokens": 7}),
+    ("pqo4", {"outliers": 2, "residual_window": 4}),
+    ("tq3", {"outliers": 1, "residual_window": 2, "sink_tokens": 3}),
 ])
-def test_in_place_store_holds_and_answers_what_concatenation_does(rng, method, options):
+@pytest.mark.parametrize("kernels", [True, False])
+def test_in_place_store_holds_and_answers_what_concatenation_does(rng, method, options, kernels):
+    """With kernels on, the step is one compiled op; off, its array-API reference: either way the
+    same state as the general store."""
+    if not kernels:
+        with arraykv.ops.set_kernels_enabled(False):
+            _in_place_equals_concatenation(rng, method, options)
+    else:
+        _in_place_equals_concatenation(rng, method, options)
+
+
+def _in_place_equals_concatenation(rng, method, options):
     fast, slow = _pair(method, **options)
     k, v, q = random_kvq(rng, np, 1, H, G, 40, D)
     for c in (fast, slow):
@@ -76,8 +96,8 @@ def test_in_place_store_holds_and_answers_what_concatenation_does(rng, method, o
                     c.decode(0, k, v, q, CFG)
             _same(fast, slow)
             continue
-        outs = [c.decode(0, k, v, q, CFG) for c in (fast, slow)]
-        np.testing.assert_array_equal(outs[0].output, outs[1].output)
+        outs = [_output(c.decode(0, k, v, q, CFG)) for c in (fast, slow)]
+        np.testing.assert_equal(outs[0], outs[1])
         _same(fast, slow)
         if step % 23 == 11:  # a truncation, then the window slides again
             n = fast.min_truncate_length(0)
@@ -94,9 +114,9 @@ def test_in_place_store_holds_and_answers_what_concatenation_does(rng, method, o
     twin = fast.fork()
     _same(twin, slow)
     k, v, q = random_kvq(rng, np, 1, H, G, 1, D)
-    outs = [c.decode(0, k, v, q, CFG) for c in (twin, fast, slow)]
-    np.testing.assert_array_equal(outs[0].output, outs[2].output)
-    np.testing.assert_array_equal(outs[1].output, outs[2].output)
+    outs = [_output(c.decode(0, k, v, q, CFG)) for c in (twin, fast, slow)]
+    np.testing.assert_equal(outs[0], outs[2])
+    np.testing.assert_equal(outs[1], outs[2])
     _same(twin, slow)
 
 

@@ -214,42 +214,6 @@ def test_bad_shapes_are_refused_like_the_reference(rng, bad):
 
 
 @needs_numba
-def test_half_to_float_is_exact_for_every_bit_pattern():
-    from arraykv.ops.numba.half import HALF_TO_FLOAT, half_to_float
-
-    @nf.nb.njit
-    def convert(bits, table, out):
-        for i in range(bits.shape[0]):
-            out[i] = half_to_float(bits[i], table)
-
-    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
-    got = np.empty(65536, np.float32)
-    convert(bits, HALF_TO_FLOAT, got)
-    want = bits.view(np.float16).astype(np.float32)
-    assert np.array_equal(got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
-    assert np.array_equal(np.isnan(got), np.isnan(want))
-
-
-@needs_numba
-def test_half_bits_to_float_without_f16c_is_exact_for_every_bit_pattern():
-    """The integer form the kernels use where the CPU has no F16C (or Numba compiles for a named CPU)."""
-    from arraykv.ops.numba.half import half_bits_to_float
-
-    @nf.nb.njit
-    def convert(bits, out):
-        for i in range(bits.shape[0]):
-            out[i] = half_bits_to_float(bits[i])
-
-    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
-    got = np.empty(65536, np.float32)
-    convert(bits, got)
-    want = bits.view(np.float16).astype(np.float32)
-    finite = ~np.isnan(want)
-    assert np.array_equal(got.view(np.uint32)[finite], want.view(np.uint32)[finite])  # signed zeros, subnormals, inf
-    assert np.array_equal(np.isnan(got), np.isnan(want))
-
-
-@needs_numba
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
 def test_threaded_kernel_and_token_splits(rng, splits, monkeypatch):
     """The threaded step, forced, with 1–7 token spans per head (empty ones included) merged by log-sum-exp."""

@@ -27,7 +27,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 from .polar_rows import HALF_TO_FLOAT
 from .simd import host_cpu_has
 
-__all__ = ["HAVE_F16C", "HALF_TO_FLOAT", "half_to_float", "half_bits_to_float"]
+__all__ = ["HAVE_F16C", "HALF_TO_FLOAT", "half_to_float", "half_bits_to_float", "float_to_half",
+           "float_to_half_bits", "half_is_finite"]
 
 
 #: True when compiled code converts float16 with the F16C instructions (the host has them and
@@ -58,6 +59,31 @@ def _bits_to_float(typingctx, x):
         return builder.bitcast(args[0], ir.FloatType())
 
     return nbt.float32(x), codegen
+
+
+@intrinsic
+def _round_to_half(typingctx, x):
+    """float16 bit pattern (uint16) of the float32 ``x``: an IEEE single-to-half truncation
+    (round to nearest even, overflow to infinity)."""
+    if not isinstance(x, nbt.Float) or x.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return nbt.uint16(x), codegen
+
+
+@intrinsic
+def _float_bits(typingctx, x):
+    """The bit pattern (uint32) of the float32 ``x``."""
+    if not isinstance(x, nbt.Float) or x.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return nbt.uint32(x), codegen
 
 
 #: 2**112: a float16's exponent bias (15) below a float32's (127).
@@ -97,3 +123,70 @@ def _half_to_float_impl(x, table):
     if HAVE_F16C:
         return lambda x, table: _convert_half(x)
     return lambda x, table: half_bits_to_float(x)
+
+
+def float_to_half_bits(x):  # pragma: no cover - replaced in compiled code by the overload below
+    """float16 bit pattern (uint16) of the float32 ``x`` by integer operations (no F16C): NumPy's
+    ``astype(float16)`` bit for bit (round to nearest even; beyond 65504 rounds to infinity).
+
+    Notes
+    -----
+    Normal results: the exponent is rebiased by subtracting ``112 << 23`` from the float32's
+    bits, and the 13 dropped mantissa bits are rounded by adding ``0xFFF`` plus the lowest
+    kept bit (ties go to the even neighbour; a carry runs into the exponent, as it should).
+    Results below ``2**-14`` are subnormal: the 24-bit significand is shifted to units of
+    ``2**-24`` and rounded the same way. NaN keeps its top payload bits (made nonzero).
+    """
+    raise NotImplementedError
+
+
+@overload(float_to_half_bits, inline="always")
+def _float_to_half_bits_impl(x):
+    def impl(x):
+        u = np.int64(_float_bits(np.float32(x)))
+        sign = (u >> 16) & 0x8000
+        a = u & 0x7FFFFFFF
+        if a >= 0x7F800000:  # infinity, NaN
+            if a == 0x7F800000:
+                return np.uint16(sign | 0x7C00)
+            payload = (a >> 13) & 0x3FF
+            return np.uint16(sign | 0x7C00 | (payload if payload else 1))
+        if a >= 0x477FF000:  # 65520 and up round to infinity
+            return np.uint16(sign | 0x7C00)
+        if a >= 0x38800000:  # a normal float16
+            a -= 0x38000000
+            return np.uint16(sign | ((a + 0xFFF + ((a >> 13) & 1)) >> 13))
+        if a < 0x33000000:  # below 2**-25 (half the smallest subnormal, a tie to 0): zero
+            return np.uint16(sign)
+        shift = 126 - (a >> 23)  # 14 .. 24: the significand in units of 2**-24
+        m = (a & 0x7FFFFF) | 0x800000
+        r = m >> shift
+        rem = m - (r << shift)
+        half = np.int64(1) << (shift - 1)
+        if rem > half or (rem == half and (r & 1)):
+            r += 1
+        return np.uint16(sign | r)
+    return impl
+
+
+def float_to_half(x):  # pragma: no cover - replaced in compiled code by the overload below
+    """float16 bit pattern (uint16) of the float32 ``x``, rounded as NumPy's ``astype(float16)``:
+    the F16C instruction where the host has it (:data:`HAVE_F16C`), else :func:`float_to_half_bits`."""
+    raise NotImplementedError
+
+
+@overload(float_to_half, inline="always")
+def _float_to_half_impl(x):
+    if HAVE_F16C:
+        return lambda x: _round_to_half(np.float32(x))
+    return lambda x: float_to_half_bits(x)
+
+
+def half_is_finite(bits):  # pragma: no cover - replaced in compiled code by the overload below
+    """Whether the float16 bit pattern ``bits`` (uint16) is finite (its exponent field is not all ones)."""
+    raise NotImplementedError
+
+
+@overload(half_is_finite, inline="always")
+def _half_is_finite_impl(bits):
+    return lambda bits: (np.int64(bits) & 0x7C00) != 0x7C00

@@ -1,0 +1,75 @@
+"""One decode step of a full polar window, written in place: the reference of ``polar_store_token``.
+
+Once a polar cache layer's sinks and recent window are full, each decode step does the same
+three things: the oldest window token (a float16 row) is encoded at its position and appended
+to the encoded tokens, the new token's key and value are rounded to float16 and join the
+window, and nothing is committed if a float16 result overflows (magnitudes above 65504).
+:func:`polar_store_token_reference` is that step over preallocated rows: it encodes the row
+``leaving`` of the window buffers into index ``at`` of the token buffers' arrays and writes
+the new token into the window row ``arriving``; the cache then moves its bookkeeping (window
+offsets, lengths) without allocating. ``arraykv.ops.polar_store_token`` runs it as one compiled
+call on NumPy, where the dozen small array operations of the step otherwise cost more than
+its arithmetic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _compat
+from .polar import half_dtype
+from .polar_tokens import polar_encode_tokens_reference
+
+__all__ = ["polar_store_token_reference"]
+
+
+def polar_store_token_reference(k: Any, v: Any, window_k: Any, window_v: Any, leaving: int, arriving: int,
+                                k_mean: Any, v_mean: Any, k_scale: Any, k_outlier_idx: Any, k_mean_freq: Any,
+                                k_mean_pairs: Any, start: int, k_codebook: Any, v_codebook: Any, rotation: Any,
+                                key_unbiased: bool, value_unbiased: bool, qjl: Any, rows: dict, at: int) -> bool:
+    """Encode window row ``leaving`` into token index ``at`` and write ``k``, ``v`` to window row ``arriving``.
+
+    Parameters
+    ----------
+    k, v : float32 (b, h, 1, d)
+        The new token.
+    window_k, window_v : float16 (b, h, R, d)
+        The window's buffers (written at row ``arriving`` only).
+    leaving, arriving : int
+        Rows of the window buffers: the token to encode, and where the new token goes
+        (``leaving != arriving``).
+    k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs, k_codebook, v_codebook, rotation,
+    key_unbiased, value_unbiased, qjl
+        As :func:`arraykv.quant.polar_tokens.polar_encode_tokens_reference` takes them.
+    start : int
+        Position of the token being encoded.
+    rows : dict of str to array
+        The encoded tokens' buffers, (b, h, C, ...) each, with the names and dtypes the encode
+        returns (``k_codes``, ``k_norms``, ``v_codes``, ``v_norms``, and ``k_outliers``,
+        ``k_qjl``, ``k_qjl_norms`` where the layer has them); written at index ``at`` only.
+    at : int
+        Token index to write (``0 <= at < C``).
+
+    Returns
+    -------
+    bool
+        True when everything was written. False when a float16 result (the new token's rows,
+        a length, an outlier channel) is not finite: then nothing was written here (a kernel
+        may have written rows ``at`` and ``arriving``, which the caller does not hold yet).
+    """
+    xp = _compat.namespace(k)
+    f32, half = xp.float32, half_dtype(xp)
+    old_k = xp.astype(window_k[:, :, leaving:leaving + 1, :], f32)
+    old_v = xp.astype(window_v[:, :, leaving:leaving + 1, :], f32)
+    enc = polar_encode_tokens_reference(old_k, old_v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq,
+                                        k_mean_pairs, start, k_codebook, v_codebook, rotation, key_unbiased,
+                                        value_unbiased, qjl)
+    kh, vh = xp.astype(k, half), xp.astype(v, half)
+    floats = [kh, vh] + [a for a in enc.values() if a.dtype == half]
+    if not _compat.all_finite(xp, floats):
+        return False
+    for name, a in enc.items():
+        rows[name][:, :, at:at + 1, ...] = a
+    window_k[:, :, arriving:arriving + 1, :] = kh
+    window_v[:, :, arriving:arriving + 1, :] = vh
+    return True
