@@ -48,6 +48,12 @@ def cpu_info() -> dict:
     except OSError:
         pass
     lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags else 4
+    try:  # the instructions the kernels are compiled for (NUMBA_CPU_NAME may name a smaller CPU)
+        from arraykv.ops.numba.simd import host_cpu_has
+
+        lanes = min(lanes, 16 if host_cpu_has("avx512f") else 8 if host_cpu_has("avx2") else 4)
+    except ImportError:
+        pass
     return dict(model=model, cores=os.cpu_count(), mhz=mhz, lanes=lanes, fma_units=2 if "fma" in flags else 1)
 
 
@@ -83,7 +89,7 @@ _FMA: dict = {}
 def measured_fma(threads: int) -> float:
     """Multiply-adds per second of :func:`arraykv.ops.numba.simd.tile_values` (4 query heads,
     a 64 × 128 tile in L1, accumulators in registers) on ``threads`` Python threads at once;
-    0 where the vector tiles are not used (no AVX-512)."""
+    0 where the vector tiles are not used (neither AVX-512 nor AVX2)."""
     if threads in _FMA:
         return _FMA[threads]
     from arraykv.ops.numba import simd

@@ -5,7 +5,7 @@ threading policy), ``bitpack``, ``polar``, ``intq``, ``outliers``, ``vq`` (one-p
 ``polar_tokens`` (a polar cache's spilled tokens encoded in one call), ``fused_driver`` (the
 decode-attention step shared by the fused kernels), ``polar_fused``, ``int_fused``, ``vq_fused``,
 ``lowrank_fused`` (their per-tile scoring and accumulation), and the 16-lane vector helpers
-they use on AVX-512 CPUs: ``simd`` (4/2-bit code tiles, softmax), ``simd3`` (3-bit codes),
+they use on AVX-512 and AVX2 CPUs: ``simd`` (4/2-bit code tiles, softmax), ``simd3`` (3-bit codes),
 ``simd_int2`` (2-bit integer codes in channel order), ``simd_signs`` (QJL sign sketches),
 ``half`` (float16 through the F16C instructions).
 """

@@ -1,8 +1,10 @@
-"""Packed 4- and 2-bit codes to centroid values sixteen at a time (Numba, AVX-512 ``vpermps``).
+"""Packed 4- and 2-bit codes to centroid values sixteen at a time (Numba, ``vpermps``).
 
 A fused kernel spends most of its time turning codes into floats unless one instruction does
 sixteen of them: with AVX-512, ``vpermps`` looks up sixteen 32-bit indices in a 16-entry
-float32 table held in one register, which is exactly a codebook of at most 16 centroids.
+float32 table held in one register, which is exactly a codebook of at most 16 centroids. With
+AVX2 (8-lane registers) the same lookup is four 8-lane ``vpermps`` and two blends, and the
+16-lane vector code around it runs as pairs of 8-lane instructions (LLVM splits it).
 :func:`unpack16_4` and :func:`unpack16_2` take 16 packed bytes (32 four-bit or 64 two-bit
 codes), split them into *bit planes* and write each plane's centroid values as 16
 consecutive floats.
@@ -16,9 +18,10 @@ bytes, so no code crosses a vector. Dot products and weighted sums do not care a
 order as long as the other operand is permuted the same way (:func:`to_planar`,
 :func:`from_planar`).
 
-Without AVX-512 (or with ``NUMBA_CPU_NAME`` set, so compiled code may run on another CPU)
-:data:`HAVE_PERMPS` is False and the same functions are plain loops (used by the tests to
-check the instruction path against them; the kernels keep their byte-table unpacking there).
+Without AVX-512 and AVX2 (or with ``NUMBA_CPU_NAME`` set and ``NUMBA_CPU_FEATURES`` naming
+neither, so compiled code may run on another CPU) :data:`HAVE_PERMPS` is False and the same
+functions are plain loops (used by the tests to check the instruction path against them; the
+kernels keep their byte-table unpacking there).
 
 The same instructions serve the other code layouts in sibling modules: :mod:`.simd3` (3-bit
 codes), :mod:`.simd_int2` (2-bit integer codes in channel order), :mod:`.simd_signs` (QJL
@@ -52,11 +55,13 @@ __all__ = ["HAVE_PERMPS", "planar_per", "table16", "unpack_tile_4", "unpack_tile
 def host_cpu_has(feature: str) -> bool:
     """Whether compiled code may use the host CPU's ``feature`` (an LLVM name: ``"avx512f"``, ``"f16c"``).
 
-    False when Numba compiles for a named CPU (``NUMBA_CPU_NAME``: portable caches, no
-    host-only instructions) or llvmlite cannot say.
+    When Numba compiles for a named CPU (``NUMBA_CPU_NAME``: portable caches) only the
+    features named in ``NUMBA_CPU_FEATURES`` (``"+avx2,+fma,..."``) count, none without it;
+    False where llvmlite cannot say.
     """
     if nb_config.CPU_NAME:
-        return False
+        named = getattr(nb_config, "CPU_FEATURES", None) or ""
+        return f"+{feature}" in named.replace(" ", "").split(",")
     try:
         import llvmlite.binding as llb
 
@@ -65,10 +70,15 @@ def host_cpu_has(feature: str) -> bool:
         return False
 
 
-#: True when the kernels may use AVX-512's ``vpermps`` (the host CPU has it, Numba compiles for the host).
-HAVE_PERMPS = host_cpu_has("avx512f")
+#: True when compiled code has AVX-512: a 16-entry table lookup is one ``vpermps``.
+HAVE_AVX512 = host_cpu_has("avx512f")
+#: True when the kernels may look up sixteen codes at once in a 16-entry register table: one
+#: AVX-512 ``vpermps``, or with AVX2 four 8-lane ``vpermps`` and two blends
+#: (:func:`_vec_helpers` ``perm_fn``); the other vector code is plain LLVM vectors of sixteen
+#: float32, which LLVM splits into two 8-lane halves where AVX-512 is missing.
+HAVE_PERMPS = HAVE_AVX512 or (host_cpu_has("avx2") and host_cpu_has("fma"))
 #: True when the fused kernels score and sum tiles with :func:`tile_scores` / :func:`tile_values`
-#: (head_dim a multiple of 64): on the CPUs where they were measured, those with AVX-512.
+#: (head_dim a multiple of 64): where the code lookups are vectors too (AVX-512 or AVX2).
 VECTOR_TILES = HAVE_PERMPS
 
 
@@ -133,7 +143,7 @@ def _planes_codegen(bits: int):
                     if p < per - 1:
                         idx = builder.and_(idx, ir.Constant(v16i32, [mask] * 16))
                     at = builder.add(o_row, builder.add(off, builder.mul(nbytes, ir.Constant(i64, p))))
-                    builder.store(builder.call(perm, [table, idx]),
+                    builder.store(perm(table, idx),
                                   builder.bitcast(builder.gep(o_arr.data, [at]), v16f.as_pointer()), align=4)
         return context.get_dummy_value()
 
@@ -225,7 +235,7 @@ def from_planar(x, per: int):
 #
 # Both take C-contiguous float32 arrays and a head_dim ``d`` that is a multiple of 64 (four
 # vectors); they are generic LLVM vector code (``llvm.fma`` on <16 x float>), kept on the same
-# AVX-512 condition as the unpacking above because that is where they were measured. The
+# condition as the unpacking above (:data:`HAVE_PERMPS`), where they were measured. The
 # query heads of a KV group are taken four (then two, then one) at a time so that one load of
 # a row feeds four multiply-adds; accumulators stay in registers for a whole tile.
 
@@ -257,8 +267,31 @@ def _vec_helpers():
         return declared(builder, "llvm.fma.v16f32", v16, [v16, v16, v16])
 
     def perm_fn(builder):
-        """``vpermps``: sixteen float32 of a table register picked by sixteen int32 indices."""
-        return declared(builder, "llvm.x86.avx512.permvar.sf.512", v16, [v16, ir.VectorType(i32, 16)])
+        """``perm(table, idx)``: sixteen float32 of a 16-entry table register picked by the low
+        four bits of sixteen int32 indices (``vpermps``).
+
+        With AVX-512 one instruction; with AVX2 each half of the indices looks up both halves
+        of the table (8-lane ``vpermps``, which reads the low three bits) and bit 3 picks one.
+        """
+        v16i32 = ir.VectorType(i32, 16)
+        if HAVE_AVX512:
+            fn = declared(builder, "llvm.x86.avx512.permvar.sf.512", v16, [v16, v16i32])
+            return lambda table, idx: builder.call(fn, [table, idx])
+        v8, v8i32 = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
+        fn8 = declared(builder, "llvm.x86.avx2.permps", v8, [v8, v8i32])
+        low, high = list(range(8)), list(range(8, 16))
+        eight = ir.Constant(v8i32, [8] * 8)
+        zero = ir.Constant(v8i32, [0] * 8)
+
+        def perm(table, idx):
+            t_lo, t_hi = shuf(builder, table, table, low), shuf(builder, table, table, high)
+            out = []
+            for half in (low, high):
+                i8 = shuf(builder, idx, idx, half)
+                upper = builder.icmp_signed("!=", builder.and_(i8, eight), zero)
+                out.append(builder.select(upper, builder.call(fn8, [t_hi, i8]), builder.call(fn8, [t_lo, i8])))
+            return shuf(builder, out[0], out[1], low + high)
+        return perm
 
     def prefetch(builder, ptr, locality=3):
         """Prefetch the cache line at byte pointer ``ptr`` for reading (``locality`` 3: into L1, 1: L2)."""
@@ -482,7 +515,7 @@ def tile_values(typingctx, buf, nt, w, acc):
 # ``tile_scores_codes_<bits>`` / ``tile_values_codes_<bits>`` are :func:`tile_scores` /
 # :func:`tile_values` with the rows of ``buf`` computed in registers from packed codes (the
 # planar order of :func:`unpack_tile_4`), so a tile's centroid values are never stored and
-# read back. AVX-512 only (``vpermps``).
+# read back. :data:`HAVE_PERMPS` only (``vpermps``).
 
 def _code_source(builder, h, bits, c_arr, c_stride, nbytes, tab_arr):
     """Helpers that read planar chunks of code rows: ``(row_ptr(t), word(row, blk), chunk(word, p))``."""
@@ -512,7 +545,7 @@ def _code_source(builder, h, bits, c_arr, c_stride, nbytes, tab_arr):
             idx = builder.lshr(w, sv)
         if not (isinstance(shift, int) and shift == 8 - bits):
             idx = builder.and_(idx, mask)
-        return builder.call(perm, [table, idx])
+        return perm(table, idx)
 
     return row_ptr, word, chunk
 

@@ -1,4 +1,4 @@
-"""Packed 3-bit codes to centroid values sixteen at a time (Numba, AVX-512 ``vpermps``).
+"""Packed 3-bit codes to centroid values sixteen at a time (Numba, ``vpermps``).
 
 Three-bit codes do not split into bit planes of whole bytes the way 4- and 2-bit codes do
 (:mod:`arraykv.ops.numba.simd`): eight codes share three bytes. Sixteen codes are six bytes,
@@ -55,7 +55,7 @@ def _source3(context, builder, h, sig, args):
         spread = builder.insert_element(ir.Constant(v16i64, ir.Undefined), word, ir.Constant(i32, 0))
         spread = builder.shuffle_vector(spread, spread, ir.Constant(v16i32, [0] * 16))
         idx = builder.and_(builder.trunc(builder.lshr(spread, shifts), v16i32), seven)
-        return builder.call(perm, [table, idx])
+        return perm(table, idx)
 
     return row_ptr, chunk
 
@@ -114,7 +114,8 @@ def _typer(gen, name):
 #: ``tile_scores_codes_3(codes, t0, nt, tab, qr, s)``: ``s[g, r] = Σ_j qr[g, j] · tab[code_j(t0 + r)]``
 #: for ``r < nt``; ``codes`` uint8 (T, 3d / 8), rows of contiguous bytes (any row stride), ``tab``
 #: 16 float32 (:func:`arraykv.ops.numba.simd.table16`, any dtype view of its 64 bytes), ``qr`` (G, d), ``s`` (G, ≥ nt) C-contiguous
-#: float32, ``d`` a multiple of 16. Not checked at run time. AVX-512 only.
+#: float32, ``d`` a multiple of 16. Not checked at run time.
+#: Needs :data:`~arraykv.ops.numba.simd.HAVE_PERMPS` (AVX-512 or AVX2).
 tile_scores_codes_3 = _typer(_scores3_codegen, "tile_scores_codes_3")
 #: ``tile_values_codes_3(codes, t0, nt, tab, w, acc)``: ``acc[g, j] += Σ_{r < nt} w[g, r] · tab[code_j(t0 + r)]``;
 #: as above, ``w`` (G, ≥ nt), ``acc`` (G, d) with ``d`` a multiple of 64.

@@ -1,4 +1,4 @@
-"""Packed 2-bit integer codes as sixteen float32 lanes in channel (or token) order (Numba, AVX-512).
+"""Packed 2-bit integer codes as sixteen float32 lanes in channel (or token) order (Numba, vectors).
 
 The ``int2`` cache packs four codes per byte, lowest bits first (:mod:`arraykv.quant.bitpack`),
 so sixteen consecutive codes are one 32-bit word: spread over sixteen lanes, shifted right by
@@ -89,7 +89,8 @@ def int2_group_scores(typingctx, codes, qf, s, off):
 
     ``codes`` (d, G/4) uint8: channel ``c``'s ``G`` token codes packed four per byte (lowest
     bits first; ``G`` a multiple of 32, bytes of a row contiguous); ``qf`` (G_q, d) and ``s``
-    (G_q, ≥ off + G) C-contiguous float32. Not checked at run time. AVX-512 only.
+    (G_q, ≥ off + G) C-contiguous float32. Not checked at run time.
+    Needs :data:`~arraykv.ops.numba.simd.HAVE_PERMPS` (AVX-512 or AVX2).
     """
     ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8 and _c_f32(qf, s)
           and qf.ndim == 2 and s.ndim == 2 and isinstance(off, nbt.Integer))
@@ -125,7 +126,8 @@ def tile_values_codes_2_scaled(typingctx, codes, t0, nt, w, cscale, acc):
 
     ``codes`` uint8 (T, d/4), rows of contiguous bytes (any row stride), four codes per byte
     lowest bits first; ``w`` (G, ≥ nt), ``cscale`` (≥ nt, d/16), ``acc`` (G, d) C-contiguous
-    float32, ``d`` a multiple of 64. Not checked at run time. AVX-512 only.
+    float32, ``d`` a multiple of 64. Not checked at run time.
+    Needs :data:`~arraykv.ops.numba.simd.HAVE_PERMPS` (AVX-512 or AVX2).
     """
     ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8 and _c_f32(w, cscale, acc)
           and w.ndim == 2 and cscale.ndim == 2 and acc.ndim == 2 and all(isinstance(v, nbt.Integer) for v in (t0, nt)))

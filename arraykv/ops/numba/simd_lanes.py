@@ -1,4 +1,4 @@
-"""Product-quantization codes with tokens along the vector lanes (Numba, AVX-512 ``vpermps``).
+"""Product-quantization codes with tokens along the vector lanes (Numba, ``vpermps``).
 
 A product-quantization code row holds ``m`` 4-bit codes, one per sub-space, two per byte
 (:mod:`arraykv.quant.bitpack` order: code ``j`` in bits ``4(j % 2)`` of byte ``j // 2``), so
@@ -13,7 +13,7 @@ channel of a codebook) gives that sub-space's values for sixteen tokens in one i
 (:func:`lane_tables`), :func:`lane_table_values` sums the values the same way, per lane until
 a span ends (:func:`lane_sums`); the ``vq`` kernel's default path
 (:mod:`arraykv.ops.numba.vq_fused`). Each has a ``*_loop`` version, the plain loop it is checked
-against and what runs without AVX-512.
+against and what runs without vector lookups (:data:`~arraykv.ops.numba.simd.HAVE_PERMPS`).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def _lane_scores_codegen(context, builder, sig, args):
                     idx = builder.lshr(word, ir.Constant(v16i32, [4 * k] * 16)) if k else word
                     off = builder.add(builder.mul(w, h.const(128)), h.const(16 * k))
                     for gi in range(gb):
-                        x = builder.call(perm, [h.vload(builder, lut, builder.add(rows[gi], off)), idx])
+                        x = perm(h.vload(builder, lut, builder.add(rows[gi], off)), idx)
                         a = accs[2 * gi + k % 2]
                         builder.store(builder.fadd(builder.load(a), x), a)
             for gi in range(gb):
@@ -201,7 +201,7 @@ def _lane_values_codegen(context, builder, sig, args):
                 for ci, (dw, shv, tab) in enumerate(src):
                     at = builder.mul(builder.add(base, dw), h.const(16))
                     word = builder.load(builder.bitcast(builder.gep(lanes, [at]), v16i32.as_pointer()), align=4)
-                    x = builder.call(perm, [tab, builder.lshr(word, shv)])
+                    x = perm(tab, builder.lshr(word, shv))
                     for gi in range(gb):
                         a = accs[gi * cb + ci]
                         builder.store(builder.call(fma, [wv[gi], x, builder.load(a)]), a)

@@ -1,14 +1,14 @@
-"""Scores against 1-bit sign sketches sixteen signs at a time (Numba, AVX-512 masks).
+"""Scores against 1-bit sign sketches sixteen signs at a time (Numba, vector masks).
 
 A ``tq`` cache adds to each key's logit a QJL correction ``‖r‖ · ⟨S q, sign(S r)⟩``: the
 sketched query ``S q`` (m values) against the ``m`` stored signs of the key's residual
-(:mod:`arraykv.quant.qjl`). With AVX-512 the signs need no unpacking: two packed bytes are a
+(:mod:`arraykv.quant.qjl`). With vector masks the signs need no unpacking: two packed bytes are a
 16-lane mask (sign ``i`` is bit ``i % 8`` of byte ``i // 8``, so bit ``k`` of the little-endian
 16-bit word at byte ``2c`` is sign ``16c + k``), and one ``select`` between the sixteen sketched
 query values and their negatives gives their signed products. :func:`tile_sign_scores` does a
 tile of rows for every query head, four to eight rows per pass with the lane sums of
 :mod:`arraykv.ops.numba.simd`; :func:`tile_sign_scores_loop` is the plain loop it is checked
-against (and what runs without AVX-512).
+against (and what runs without :data:`~arraykv.ops.numba.simd.HAVE_PERMPS`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def tile_sign_scores(typingctx, signs, t0, nt, sq, s):
 
     ``signs`` uint8 (T, ≥ m / 8) with contiguous bytes in a row (any row stride), sign ``i`` of
     a row at bit ``i % 8`` of byte ``i // 8``; ``sq`` (G, m) and ``s`` (G, ≥ nt) C-contiguous
-    float32, ``m`` a multiple of 16. Not checked at run time. AVX-512 only.
+    float32, ``m`` a multiple of 16. Not checked at run time.
+    Needs :data:`~arraykv.ops.numba.simd.HAVE_PERMPS` (AVX-512 or AVX2).
     """
     ok = (isinstance(signs, nbt.Array) and signs.ndim == 2 and signs.dtype == nbt.uint8 and _c_f32(sq, s)
           and sq.ndim == 2 and s.ndim == 2 and all(isinstance(v, nbt.Integer) for v in (t0, nt)))
