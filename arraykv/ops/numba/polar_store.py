@@ -23,8 +23,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from .half import float_to_half, half_is_finite, half_to_float
 from .polar import _decode_ser, _encode_ser
-from .polar_rows import HALF_TO_FLOAT, _bits16
-from .polar_tokens import _NO_F32_3, _NO_I32_2, _center, _fixed, _sketch_residual
+from .polar_rows import _bits16
+from .polar_tokens import _center, _fixed, _sketch_residual, calibration_args
 
 __all__ = ["polar_store_token"]
 
@@ -110,17 +110,12 @@ def polar_store_token(k, v, window_k, window_v, leaving, arriving, k_mean, v_mea
     """Kernel of :func:`arraykv.quant.polar_store.polar_store_token_reference` (same arguments and result)."""
     k = np.asarray(k, np.float32)
     v = np.asarray(v, np.float32)
-    if k_mean_freq is None:
-        freq, pairs = _NO_F32_3, _NO_I32_2
-    else:
-        freq = np.asarray(k_mean_freq, np.float32)
-        pairs = np.ascontiguousarray(k_mean_pairs, np.int32)
+    calib = calibration_args(k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs)
     signs, matrix, hadamard, k_tabs, v_tabs, sketch_t = _fixed(rotation, k_codebook, v_codebook, qjl)
     outliers = rows.get("k_outliers")
     return bool(_store_token(
-        k, v, _bits16(window_k), _bits16(window_v), int(leaving), int(arriving), int(start), _bits16(k_mean),
-        _bits16(v_mean), _bits16(k_scale), np.asarray(k_outlier_idx, np.int32), freq, pairs, HALF_TO_FLOAT,
-        signs, matrix, hadamard, *k_tabs, bool(key_unbiased), *v_tabs, bool(value_unbiased),
+        k, v, _bits16(window_k), _bits16(window_v), int(leaving), int(arriving), int(start), *calib, signs,
+        matrix, hadamard, *k_tabs, bool(key_unbiased), *v_tabs, bool(value_unbiased),
         _NO_SKETCH if sketch_t is None else sketch_t,
         rows["k_codes"], _bits16(rows["k_norms"]), rows["v_codes"], _bits16(rows["v_norms"]),
         _NO_ROWS_U16_4 if outliers is None else _bits16(outliers), rows.get("k_qjl", _NO_ROWS_U8),

@@ -156,6 +156,19 @@ def _run(serial, parallel, x, *args):
             parallel(x, *args)
 
 
+def calibration_args(k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs) -> tuple:
+    """A layer's calibration as :func:`_center` takes it: ``(k_mean, v_mean, k_scale)`` as uint16
+    views, the outlier channels int32, the rotating mean's frequencies and pairs (empty arrays
+    for a plain mean), and the float16 table."""
+    if k_mean_freq is None:
+        freq, pairs = _NO_F32_3, _NO_I32_2
+    else:
+        freq = np.asarray(k_mean_freq, np.float32)
+        pairs = np.ascontiguousarray(k_mean_pairs, np.int32)
+    return (_bits16(k_mean), _bits16(v_mean), _bits16(k_scale), np.asarray(k_outlier_idx, np.int32), freq, pairs,
+            HALF_TO_FLOAT)
+
+
 def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs, start, k_codebook,
                         v_codebook, rotation, key_unbiased, value_unbiased, qjl=None):
     """Kernel of :func:`arraykv.quant.polar_tokens.polar_encode_tokens_reference` (same arguments and result)."""
@@ -163,13 +176,9 @@ def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_fre
     v = np.asarray(v, np.float32)
     b, h, t, d = k.shape
     n = b * h * t
-    idx = np.asarray(k_outlier_idx, np.int32)
+    calib = calibration_args(k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs)
+    idx = calib[3]
     n_out = idx.shape[2]
-    if k_mean_freq is None:
-        freq, pairs = _NO_F32_3, _NO_I32_2
-    else:
-        freq = np.asarray(k_mean_freq, np.float32)
-        pairs = np.ascontiguousarray(k_mean_pairs, np.int32)
     signs, matrix, hadamard, k_tabs, v_tabs, sketch_t = _fixed(rotation, k_codebook, v_codebook, qjl)
     kc = np.empty((n, d), np.float32)
     vc = np.empty((n, d), np.float32)
@@ -177,7 +186,6 @@ def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_fre
     k_codes, v_codes = (np.empty((n, (d * tabs[2] + 7) // 8), np.uint8) for tabs in (k_tabs, v_tabs))
     k_len = np.empty(n, np.float32)
     v_len = np.empty(n, np.float32)
-    calib = (_bits16(k_mean), _bits16(v_mean), _bits16(k_scale), idx, freq, pairs, HALF_TO_FLOAT)
     serial = threads_for(kc.size) == 1  # a decode step: on this thread, few calls
     if serial:  # centring and both encodes in one call
         _encode_tokens_ser(k, v, int(start), *calib, kc, vc, k_out, signs, matrix, hadamard, *k_tabs,
