@@ -16,7 +16,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import ops
-from .._compat import array_nbytes
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype
@@ -24,7 +23,7 @@ from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState
 from .polar_calibration import PolarCalibration, calibrate
 from .polar_codec import PolarFixed, PolarLayerCodec
-from .polar_decode import decode_codes, decode_layer, qjl_logit_bias
+from .polar_decode import decode_layer, qjl_logit_bias
 from .polar_options import (DEFAULT_OUTLIER_THRESHOLD, DEFAULT_RESIDUAL_WINDOW, DEFAULT_SINK_TOKENS, PolarOptions,
                             check_polar_options, default_residual_window)
 from .rollback import DEFAULT_ROLLBACK_TOKENS
@@ -57,10 +56,6 @@ class PolarLayer(LayerState):
     window_rows, rollback_rows : SlidingRows or None
         The buffers ``exact`` and ``rollback`` are views of once decode steps slide them in
         place (:meth:`PolarCache._slide_one`); stale when those fields hold other arrays.
-    prefill_decoded : tuple or None
-        float32 ``(k, v)`` (b, h, n, d) of the first ``n`` encoded tokens, as a prefill chunk
-        decoded them (:func:`~arraykv.caches.polar_decode.decode_codes`): the next chunk decodes
-        only the tokens encoded since. Dropped by a decode step and a truncation.
     """
 
     codes: TokenBuffers = None
@@ -69,7 +64,6 @@ class PolarLayer(LayerState):
     rollback: ExactTokens = None
     window_rows: SlidingRows | None = None
     rollback_rows: SlidingRows | None = None
-    prefill_decoded: tuple | None = None
 
     def buffers(self) -> tuple:
         return (self.codes,)
@@ -303,30 +297,12 @@ class PolarCache(WindowRollback, LayeredCache):
         k, v = decode_layer(st, self._codec(xp, st.device), self.options, start)
         return DequantResult(k=xp.astype(k, st.dtype), v=xp.astype(v, st.dtype))
 
-    def _result(self, st: PolarLayer, q: Any, scale: float, *, chunk: bool = False) -> DequantResult:
-        """Every stored token's K/V (and a ``tq`` layer's QJL bias) for queries ``q``.
-
-        ``chunk``: for a prefill chunk, the encoded tokens decoded before (``st.prefill_decoded``)
-        are reused and the decoded set kept for the next chunk, so a prompt fed in chunks decodes
-        each token once (not once per later chunk); otherwise that set is dropped.
-        """
+    def _result(self, st: PolarLayer, q: Any, scale: float) -> DequantResult:
         xp = st.xp
-        fixed = self._codec(xp, st.device)
-        known = None
-        if chunk and st.codes.length:
-            known = st.prefill_decoded
-            n = 0 if known is None else int(known[0].shape[2])
-            if n > st.codes.length:  # not a prefix of what is held now (defensive: truncation drops it)
-                known, n = None, 0
-            if st.codes.length > n:
-                kd, vd = decode_codes(st, fixed, self.options, n)
-                known = (kd, vd) if known is None else (xp.concat([known[0], kd], axis=2),
-                                                        xp.concat([known[1], vd], axis=2))
-        st.prefill_decoded = known
-        k, v = decode_layer(st, fixed, self.options, known=known)
-        bias = qjl_logit_bias(st, fixed, q, scale) if self.qjl and st.codes.length else None
-        return DequantResult(k=xp.astype(k, st.dtype, copy=False), v=xp.astype(v, st.dtype, copy=False),
-                             logit_bias=None if bias is None else xp.astype(bias, q.dtype, copy=False))
+        k, v = decode_layer(st, self._codec(xp, st.device), self.options)
+        bias = qjl_logit_bias(st, self._codec(st.xp, st.device), q, scale) if self.qjl and st.codes.length else None
+        return DequantResult(k=xp.astype(k, st.dtype), v=xp.astype(v, st.dtype),
+                             logit_bias=None if bias is None else xp.astype(bias, q.dtype))
 
     # -- hooks -----------------------------------------------------------------------
     def _prefill(self, st, k, v, q):
@@ -335,22 +311,13 @@ class PolarCache(WindowRollback, LayeredCache):
         if first:
             return DequantResult(k=k, v=v)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
-        return self._result(st, q, scale, chunk=True)
+        return self._result(st, q, scale)
 
     def _decode(self, st, k, v, q, config: AttendConfig):
-        st.prefill_decoded = None
         self._store(st, k, v, q)
         if self._fused(st.xp):
             return Fused(ops.polar_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._result(st, q, config.softmax_scale))
-
-    def _truncate_plan(self, st, length: int):
-        commit = super()._truncate_plan(st, length)
-
-        def commit_and_forget():
-            commit()
-            st.prefill_decoded = None
-        return commit_and_forget
 
     def _fused_auto(self, xp: Any) -> bool:
         return ops.has_kernel("polar_decode_attention", xp)
@@ -385,11 +352,8 @@ class PolarCache(WindowRollback, LayeredCache):
         return st.exact.nbytes() + self._rollback_nbytes(st) + (0 if st.calib is None else st.calib.nbytes())
 
     def _side_spare_nbytes(self, st) -> int:
-        held = sum(rows.spare_nbytes() for rows, held in ((st.window_rows, st.exact), (st.rollback_rows, st.rollback))
+        return sum(rows.spare_nbytes() for rows, held in ((st.window_rows, st.exact), (st.rollback_rows, st.rollback))
                    if rows is not None and rows.holds(held.k))
-        if st.prefill_decoded is not None:
-            held += sum(array_nbytes(a) for a in st.prefill_decoded)
-        return held
 
     # -- inspection for kernels ------------------------------------------------------
     def layer_codec_state(self, layer: int) -> PolarLayerCodec | None:

@@ -16,16 +16,15 @@ from ..quant.qjl import QJL_SCALE
 from .polar_codec import PolarFixed
 from .polar_options import PolarOptions
 
-__all__ = ["decode_layer", "decode_codes", "qjl_logit_bias"]
+__all__ = ["decode_layer", "qjl_logit_bias"]
 
 
-def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0, known: tuple | None = None) -> tuple:
+def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0) -> tuple:
     """float32 K/V of the tokens ``start ..`` of layer ``st``: (b, h, total - start, d) each.
 
     Layout: the sink tokens, the encoded tokens, the recent window; only the codes of tokens
-    from ``start`` on are decoded. ``known`` (``start = 0`` only): float32 ``(k, v)`` of the
-    first encoded tokens, decoded before (:func:`decode_codes`); only the codes after them are
-    decoded now.
+    from ``start`` on are decoded. An encoded token ``t`` is ``k̂'/s + m_t`` with ``k̂'`` the
+    rotated codes times their length and the exact outlier channels put back.
     """
     xp = st.xp
     buf = st.codes
@@ -37,14 +36,24 @@ def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0,
         parts_k.append(kx[:, :, start:n_s, :])
         parts_v.append(vx[:, :, start:n_s, :])
     c0 = min(max(0, start - n_s), buf.length)
-    if known is not None:
-        if start:
-            raise ValueError("known decoded tokens need start = 0")
-        parts_k.append(known[0])
-        parts_v.append(known[1])
-        c0 = int(known[0].shape[2])
     if buf.length > c0:
-        kd, vd = decode_codes(st, fixed, opts, c0)
+        calib = st.calib
+        d = int(st.exact.k.shape[-1])
+
+        def view(name):
+            a = buf.view(name)
+            return a if c0 == 0 else a[:, :, c0:, ...]
+
+        kq = PolarCode(view("k_codes"), view("k_norms"), opts.key_bits, d)
+        vq = PolarCode(view("v_codes"), view("v_norms"), opts.value_bits, d)
+        kd = polar_decode(kq, fixed.k_codebook, fixed.rotation, decode=ops.polar_decode)
+        vd = polar_decode(vq, fixed.v_codebook, fixed.rotation, decode=ops.polar_decode)
+        if calib.n_outliers > 0:
+            sel = outlier_selector(xp, calib.k_outlier_idx, d)
+            keep = 1.0 - xp.sum(sel, axis=-1)[:, :, None, :]
+            kd = kd * keep + xp.matmul(xp.astype(view("k_outliers"), xp.float32), xp.matrix_transpose(sel))
+        kd = kd / xp.astype(calib.k_scale, xp.float32)[:, :, None, :] + calib.key_mean(xp, n_s + c0, buf.length - c0)
+        vd = vd + xp.astype(calib.v_mean, xp.float32)[:, :, None, :]
         parts_k.append(kd)
         parts_v.append(vd)
     w0 = n_s + max(0, start - n_s - buf.length)
@@ -53,36 +62,6 @@ def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0,
     if len(parts_k) == 1:
         return parts_k[0], parts_v[0]
     return xp.concat(parts_k, axis=2), xp.concat(parts_v, axis=2)
-
-
-def decode_codes(st: Any, fixed: PolarFixed, opts: PolarOptions, c0: int = 0) -> tuple:
-    """float32 K/V (b, h, n - c0, d) of the encoded tokens ``c0 .. n`` of layer ``st`` (``n`` of them held).
-
-    An encoded token ``t`` is ``k̂'/s + m_t`` with ``k̂'`` the rotated codes times their length
-    and the exact outlier channels put back. Each token decodes on its own: decoding the
-    tokens in pieces gives the arrays of one decode, bit for bit.
-    """
-    xp = st.xp
-    buf = st.codes
-    calib = st.calib
-    n_s = st.exact.n_sink
-    d = int(st.exact.k.shape[-1])
-
-    def view(name):
-        a = buf.view(name)
-        return a if c0 == 0 else a[:, :, c0:, ...]
-
-    kq = PolarCode(view("k_codes"), view("k_norms"), opts.key_bits, d)
-    vq = PolarCode(view("v_codes"), view("v_norms"), opts.value_bits, d)
-    kd = polar_decode(kq, fixed.k_codebook, fixed.rotation, decode=ops.polar_decode)
-    vd = polar_decode(vq, fixed.v_codebook, fixed.rotation, decode=ops.polar_decode)
-    if calib.n_outliers > 0:
-        sel = outlier_selector(xp, calib.k_outlier_idx, d)
-        keep = 1.0 - xp.sum(sel, axis=-1)[:, :, None, :]
-        kd = kd * keep + xp.matmul(xp.astype(view("k_outliers"), xp.float32), xp.matrix_transpose(sel))
-    kd = kd / xp.astype(calib.k_scale, xp.float32)[:, :, None, :] + calib.key_mean(xp, n_s + c0, buf.length - c0)
-    vd = vd + xp.astype(calib.v_mean, xp.float32)[:, :, None, :]
-    return kd, vd
 
 
 def qjl_logit_bias(st: Any, fixed: PolarFixed, q: Any, scale: float):
