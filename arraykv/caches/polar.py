@@ -261,6 +261,8 @@ class PolarCache(WindowRollback, LayeredCache):
                 or exact.count - ns != self.residual_window or not st.codes.capacity:
             return False
         xp = st.xp
+        if k.dtype == xp.float64:  # float64 -> float32 -> float16 could round twice: the general path
+            return False
         window = st.window_rows
         if window is None or not window.holds(exact.k):
             window = st.window_rows = SlidingRows(xp, exact.k, exact.v)
@@ -269,7 +271,7 @@ class PolarCache(WindowRollback, LayeredCache):
         at = st.codes.length
         rows = st.codes.room(1)
         fixed = self._codec(xp, st.device)
-        if k.dtype != xp.float32:
+        if k.dtype != xp.float32:  # float16, bfloat16: exact in float32
             k, v = xp.astype(k, xp.float32), xp.astype(v, xp.float32)
         if not ops.polar_store_token(k, v, window.key_rows, window.value_rows, window.offset + ns, arriving,
                                      calib.k_mean, calib.v_mean, calib.k_scale, calib.k_outlier_idx,
@@ -294,15 +296,15 @@ class PolarCache(WindowRollback, LayeredCache):
     def _decoded(self, st: PolarLayer, start: int = 0) -> DequantResult:
         """K/V of the stored tokens ``start ..`` in the layer's dtype (:func:`~arraykv.caches.polar_decode.decode_layer`)."""
         xp = st.xp
-        k, v = decode_layer(st, self._codec(xp, st.device), self.options, start)
-        return DequantResult(k=xp.astype(k, st.dtype), v=xp.astype(v, st.dtype))
+        k, v = decode_layer(st, self._codec(xp, st.device), self.options, start)  # fresh arrays: cast in place
+        return DequantResult(k=xp.astype(k, st.dtype, copy=False), v=xp.astype(v, st.dtype, copy=False))
 
     def _result(self, st: PolarLayer, q: Any, scale: float) -> DequantResult:
         xp = st.xp
         k, v = decode_layer(st, self._codec(xp, st.device), self.options)
         bias = qjl_logit_bias(st, self._codec(st.xp, st.device), q, scale) if self.qjl and st.codes.length else None
-        return DequantResult(k=xp.astype(k, st.dtype), v=xp.astype(v, st.dtype),
-                             logit_bias=None if bias is None else xp.astype(bias, q.dtype))
+        return DequantResult(k=xp.astype(k, st.dtype, copy=False), v=xp.astype(v, st.dtype, copy=False),
+                             logit_bias=None if bias is None else xp.astype(bias, q.dtype, copy=False))
 
     # -- hooks -----------------------------------------------------------------------
     def _prefill(self, st, k, v, q):

@@ -133,3 +133,19 @@ def test_spare_rows_are_counted_in_memory_usage_only(rng):
     assert spare > 0
     codes_spare = sum(b.reserved_nbytes() - b.used_nbytes() for b in st.buffers())
     assert c.memory_usage() - c.used_bytes() == c.rollback_bytes() + codes_spare + spare
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_in_place_store_of_other_input_dtypes_is_the_general_store(rng, dtype):
+    """float16 tokens take the one-call store (exact in float32); float64 ones the general path
+    (rounding through float32 first could differ): both hold what concatenation holds."""
+    fast, slow = _pair("pqo4", residual_window=4, sink_tokens=2)
+    k, v, q = (a.astype(dtype) for a in random_kvq(rng, np, 1, H, G, 30, D))
+    for c in (fast, slow):
+        c.prefill(0, k, v, q)
+    for _ in range(25):
+        k, v, q = (a.astype(dtype) for a in random_kvq(rng, np, 1, H, G, 1, D))
+        outs = [_output(c.decode(0, k, v, q, CFG)) for c in (fast, slow)]
+        np.testing.assert_equal(outs[0], outs[1])
+        _same(fast, slow)
+    assert (fast._states[0].window_rows is not None) == (dtype == np.float16)
