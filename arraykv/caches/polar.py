@@ -216,10 +216,14 @@ class PolarCache(WindowRollback, LayeredCache):
     def _encode(self, xp: Any, fixed: PolarFixed, calib: PolarCalibration, k: Any, v: Any, start: int) -> dict:
         """Quantize float32 tokens (b, h, t, d) at positions ``start ..`` -> the per-token arrays to append
         (centring, weights, outliers, both encodes and a ``tq`` key's QJL sketch in one op)."""
-        return ops.polar_encode_tokens(k, v, calib.k_mean, calib.v_mean, calib.k_scale, calib.k_outlier_idx,
-                                       calib.k_mean_freq, calib.k_mean_pairs, start, fixed.k_codebook, fixed.v_codebook,
-                                       fixed.rotation, self.key_length == "unbiased", self.value_length == "unbiased",
-                                       fixed.qjl if self.qjl else None)
+        return ops.polar_encode_tokens(k, v, *self._encode_args(fixed, calib, start))
+
+    def _encode_args(self, fixed: PolarFixed, calib: PolarCalibration, start: int) -> tuple:
+        """What the encode ops take after the tokens: the calibration, the position of the first
+        token, the codebooks and rotation, the length rules and the QJL sketch (or None)."""
+        return (calib.k_mean, calib.v_mean, calib.k_scale, calib.k_outlier_idx, calib.k_mean_freq, calib.k_mean_pairs,
+                start, fixed.k_codebook, fixed.v_codebook, fixed.rotation, self.key_length == "unbiased",
+                self.value_length == "unbiased", fixed.qjl if self.qjl else None)
 
     def _store(self, st: PolarLayer, k: Any, v: Any, q: Any) -> None:
         """Append new tokens: sinks, then the window, its overflow quantized (computed, then committed)."""
@@ -274,10 +278,7 @@ class PolarCache(WindowRollback, LayeredCache):
         if k.dtype != xp.float32:  # float16, bfloat16: exact in float32
             k, v = xp.astype(k, xp.float32), xp.astype(v, xp.float32)
         if not ops.polar_store_token(k, v, window.key_rows, window.value_rows, window.offset + ns, arriving,
-                                     calib.k_mean, calib.v_mean, calib.k_scale, calib.k_outlier_idx,
-                                     calib.k_mean_freq, calib.k_mean_pairs, ns + at, fixed.k_codebook,
-                                     fixed.v_codebook, fixed.rotation, self.key_length == "unbiased",
-                                     self.value_length == "unbiased", fixed.qjl if self.qjl else None, rows, at):
+                                     *self._encode_args(fixed, calib, ns + at), rows, at):
             return False
         keep = self.rollback_tokens
         if keep:  # the leaving row becomes the newest rollback copy (copied before the window slides over it)
