@@ -4,7 +4,8 @@ A decode step of a polar layer whose sinks and window are full, as one compiled 
 leaving window row read from its float16 bits, centred, weighted and encoded
 (:func:`arraykv.ops.numba.polar_tokens._center` and the TurboQuant-MSE loop), the codes, float16
 lengths and outlier channels written straight into the token buffers' row ``at``, for a ``tq``
-key the residual sketch of the key as stored (decoded from the float16 length just written),
+key the residual sketch of the key as stored (decoded from the float16 length just written, as
+the encode does: :func:`arraykv.ops.numba.polar_tokens._sketch_stored`),
 and the new token rounded to float16 into the window row ``arriving``. float16 results are
 rounded in the kernel (:func:`arraykv.ops.numba.half.float_to_half`, NumPy's rounding) and
 checked there for overflow, so the step allocates no NumPy array and returns whether the
@@ -22,9 +23,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from .half import float_to_half, half_is_finite, half_to_float
-from .polar import _decode_ser, _encode_ser
+from .polar import _encode_ser
 from .polar_rows import _bits16
-from .polar_tokens import _center, _fixed, _sketch_residual, calibration_args
+from .polar_tokens import _center, _fixed, _sketch_stored, calibration_args
 
 __all__ = ["polar_store_token"]
 
@@ -61,7 +62,7 @@ def _store_token(k, v, wk, wv, leaving, arriving, start, k_mean, v_mean, k_scale
     _encode_ser(kc, signs, matrix, hadamard, k_thr, k_cent, k_bits, k_unbiased, k_codes, k_len)
     _encode_ser(vc, signs, matrix, hadamard, v_thr, v_cent, v_bits, v_unbiased, v_codes, v_len)
     finite = True
-    k_stored = np.empty(n, np.float32)  # the key lengths as stored (float16), for the QJL residual
+    k_stored = np.empty(n, np.uint16)  # the key lengths as stored (float16 bits), for the QJL residual
     for b in range(b_n):
         for h in range(h_n):
             r = b * h_n + h
@@ -71,7 +72,7 @@ def _store_token(k, v, wk, wv, leaving, arriving, start, k_mean, v_mean, k_scale
                 r_vc[b, h, at, c] = v_codes[r, c]
             x = float_to_half(k_len[r])
             r_kn[b, h, at] = x
-            k_stored[r] = half_to_float(x, half)
+            k_stored[r] = x
             y = float_to_half(v_len[r])
             r_vn[b, h, at] = y
             finite &= half_is_finite(x) & half_is_finite(y)
@@ -83,8 +84,8 @@ def _store_token(k, v, wk, wv, leaving, arriving, start, k_mean, v_mean, k_scale
         kd = np.empty((n, d), np.float32)
         packed = np.empty((n, r_kq.shape[3]), np.uint8)
         norms = np.empty(n, np.float32)
-        _decode_ser(k_codes, k_stored, signs, matrix, hadamard, k_cent, k_bits, kd)
-        _sketch_residual(kc, kd, idx, h_n, 1, sketch_t, packed, norms)
+        _sketch_stored(k_codes, k_stored, signs, matrix, hadamard, k_cent, k_bits, kc, idx, h_n, 1, sketch_t, kd,
+                       packed, norms)
         for b in range(b_n):
             for h in range(h_n):
                 r = b * h_n + h
