@@ -128,6 +128,8 @@ def to_numpy(x: Any, *, copy: bool = False):
         return np.array(x, copy=True) if copy else x
     if _aac.is_cupy_array(x):
         return x.get()
+    if _aac.is_torch_array(x):  # a tensor on any device, also one that records gradients
+        return np.array(x.detach().cpu().numpy(), copy=True)
     return np.asarray(x)
 
 

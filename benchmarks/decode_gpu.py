@@ -18,7 +18,10 @@ flushed before each call so that a 4k cache is not served from L2):
 - quantize throughput: the GPU quantizer (``arraykv.ops.polar_encode``) on the
   context's float16 keys, values per second.
 
-Usage: ``python benchmarks/decode_gpu.py [--contexts 4096 32768 131072] [--mode pqo4]``
+With ``--rope`` the keys are those of a rotary model, so the cache fits a rotating key mean and
+the step adds its share of every logit (one cuBLAS product per step, read by the kernel).
+
+Usage: ``python benchmarks/decode_gpu.py [--contexts 4096 32768 131072] [--mode pqo4] [--rope]``
 """
 
 from __future__ import annotations
@@ -59,11 +62,24 @@ def used_nbytes(codec) -> int:
     return total
 
 
-def build_cache(cp, mode, b, hkv, g, d, n, rng):
+def rope_keys(cp, rng, b, hkv, n, d, theta=10000.0):
+    """Keys of a rotary model: a per-head mean plus noise, turned by each position (rotate-half pairs)."""
+    mu = rng.standard_normal((b, hkv, 1, d), dtype=cp.float32) * 3.0
+    k = mu + rng.standard_normal((b, hkv, n, d), dtype=cp.float32)
+    ang = cp.arange(n, dtype=cp.float64)[:, None] * (theta ** (-2.0 * cp.arange(d // 2) / d))[None, :]
+    c, s = cp.cos(ang).astype(cp.float32), cp.sin(ang).astype(cp.float32)
+    a, bb = k[..., : d // 2], k[..., d // 2:]
+    return cp.concatenate([a * c - bb * s, bb * c + a * s], axis=-1).astype(cp.float16)
+
+
+def build_cache(cp, mode, b, hkv, g, d, n, rng, rope=False):
     """A ``mode`` cache holding ``n`` random tokens; returns (cache, k16, v16)."""
     import arraykv
 
-    k16 = rng.standard_normal((b, hkv, n, d), dtype=cp.float32).astype(cp.float16)
+    if rope:
+        k16 = rope_keys(cp, rng, b, hkv, n, d)
+    else:
+        k16 = rng.standard_normal((b, hkv, n, d), dtype=cp.float32).astype(cp.float16)
     v16 = rng.standard_normal((b, hkv, n, d), dtype=cp.float32).astype(cp.float16)
     cache = arraykv.make_cache(mode, num_layers=1, num_kv_heads=hkv, head_dim=d)
     first = min(n, 2048)  # calibration chunk, with its real queries
@@ -99,6 +115,8 @@ def main(argv=None):
     ap.add_argument("--mode", default="pqo4")
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--json", default=None, help="also write the rows as JSON lines to this file")
+    ap.add_argument("--rope", action="store_true",
+                    help="keys of a rotary model (the cache fits a rotating key mean, a logit term per token)")
     args = ap.parse_args(argv)
     b, hkv, g, d = 8, 8, 4, 128
     scale = d**-0.5
@@ -106,7 +124,8 @@ def main(argv=None):
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
     gpu = props["name"].decode()
     print(f"# GPU: {gpu}, {props['multiProcessorCount']} SMs, L2 {props['l2CacheSize'] / 2**20:.0f} MiB; "
-          f"shape: batch {b}, {hkv * g} q heads, {hkv} kv heads, head_dim {d}, mode {args.mode}")
+          f"shape: batch {b}, {hkv * g} q heads, {hkv} kv heads, head_dim {d}, mode {args.mode}"
+          f"{', rotary keys (rotating key mean)' if args.rope else ''}")
     big = cp.empty(1 << 30, dtype=cp.uint8)
     big.fill(3)
     dst = cp.empty_like(big)
@@ -125,8 +144,10 @@ def main(argv=None):
     q = rng.standard_normal((b, hkv * g, 1, d), dtype=cp.float32).astype(cp.float16)
     rows = []
     for n in args.contexts:
-        cache, k16, v16 = build_cache(cp, args.mode, b, hkv, g, d, n, rng)
+        cache, k16, v16 = build_cache(cp, args.mode, b, hkv, g, d, n, rng, args.rope)
         codec = cache.layer_codec_state(0)
+        if args.rope and codec.k_mean_freq is None:
+            raise SystemExit("--rope: the cache found no rotary convention in the keys")
         comp_bytes = used_nbytes(codec)
         dense_bytes = 2 * k16.nbytes
         if n <= 4096:  # the array-API reference materialises every token: check at small sizes only
@@ -168,7 +189,7 @@ def main(argv=None):
         t_quant, _ = cuda_ms(cp, lambda: polar_encode(k16, codec.k_codebook, codec.rotation), 10)
         quant_rate = k16.size / (t_quant * 1e-3)
         floor = comp_bytes / bw * 1e3
-        row = dict(gpu=gpu, mode=args.mode, context=n, fused_ms=t_fused, fused_min_ms=t_fused_min, fused_back_to_back_ms=t_fused_tp, fused_other_variant_ms=t_other, floor_ms=floor,
+        row = dict(gpu=gpu, mode=args.mode, rope=args.rope, context=n, fused_ms=t_fused, fused_min_ms=t_fused_min, fused_back_to_back_ms=t_fused_tp, fused_other_variant_ms=t_other, floor_ms=floor,
                    bw_share=floor / t_fused, dense_cupy_ms=t_dense, dense_sdpa_ms=t_sdpa,
                    dense_floor_ms=dense_bytes / bw * 1e3, cupy_speedup=t_dense / t_fused,
                    sdpa_speedup=t_sdpa / t_fused, quant_gvals=quant_rate / 1e9, comp_mb=comp_bytes / 1e6,

@@ -342,14 +342,16 @@ polar_prepare_queries(const T* __restrict__ q, const u16* __restrict__ k_scale, 
 //   k_codes/v_codes (B, H, cap, D*KB/8 | D*VB/8) uint8, k_gain/v_gain (B, H, cap) half,
 //   k_out (B, H, cap, nout) half, k_qjl (B, H, cap, D/8) uint8, k_qjl_norm (B, H, cap) half.
 // Queries (step 1): qr (B*H, Gt, D), qconst (B*H, Gt), qout (B*H, Gt, nout), sq (B*H, Gt, D);
+// with BIAS, bias (B*H, Gt, n_tokens) float32 adds a logit term per query and token (the
+// rotating key mean's share, computed by the launcher; qconst is then 0);
 // this launch serves heads [g0, g0 + G). Outputs per (b, h, split, g): running max m, sum l of
 // exp(logit - m), acc (D) = sum exp(logit - m) * gain_v * centroids_v[codes] (rotated domain).
 constexpr int MAX_OUTLIERS = 32;
 
-template <int D, int KB, int VB, bool QJL, int WARPS, bool PREFETCH>
+template <int D, int KB, int VB, bool QJL, int WARPS, bool PREFETCH, bool BIAS = false>
 __global__ void __launch_bounds__(WARPS * 32)
 polar_decode_attn(const float* __restrict__ qr, const float* __restrict__ qconst, const float* __restrict__ qout,
-                  const float* __restrict__ sq, const u8* __restrict__ k_codes, const u16* __restrict__ k_gain,
+                  const float* __restrict__ sq, const float* __restrict__ bias, const u8* __restrict__ k_codes, const u16* __restrict__ k_gain,
                   const float* __restrict__ k_cent, const u8* __restrict__ v_codes, const u16* __restrict__ v_gain,
                   const float* __restrict__ v_cent, const u16* __restrict__ k_out, const u8* __restrict__ k_qjl,
                   const u16* __restrict__ k_qjl_norm, int n_tokens, long long cap, int Gt, int g0, int G, int nout,
@@ -409,6 +411,8 @@ polar_decode_attn(const float* __restrict__ qr, const float* __restrict__ qconst
         }
     }
     const float qc = head_ok ? qconst[bh * Gt + g0 + r] : 0.f;
+    // per-token logit terms of head r (the rotating key mean), row (b, h, g0 + r) of (B*H*Gt, n_tokens)
+    const float* brow = bias + (BIAS ? (bh * Gt + g0 + (head_ok ? r : 0)) * static_cast<long long>(n_tokens) : 0);
     const u32 kbase_s = smem_addr(ktab), vbase_s = smem_addr(vtab), qbase_s = smem_addr(qtab);
     __syncthreads();
 
@@ -506,6 +510,7 @@ polar_decode_attn(const float* __restrict__ qr, const float* __restrict__ qconst
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
             float v = sc[t] * kg[t] + qc;
+            if constexpr (BIAS) v += brow[min(tv[t], last)];
             if constexpr (QJL) v += zq[t] * qn[t];
             if (nout) {  // exact outlier channels, float32
                 const u16* kr = kob + static_cast<long long>(min(tv[t], last)) * nout;
@@ -684,9 +689,9 @@ ARRAYKV_PREP_MERGE(float, 96, false)
 #undef ARRAYKV_PREP_MERGE
 #define ARRAYKV_ATTN(D, KB, VB, QJL, PF)                                                                           \
     template __global__ void polar_decode_attn<D, KB, VB, QJL, 4, PF>(                                              \
-        const float*, const float*, const float*, const float*, const u8*, const u16*, const float*, const u8*,  \
-        const u16*, const float*, const u16*, const u8*, const u16*, int, long long, int, int, int, int, int,   \
-        int, float*, float*, float*);
+        const float*, const float*, const float*, const float*, const float*, const u8*, const u16*,             \
+        const float*, const u8*, const u16*, const float*, const u16*, const u8*, const u16*, int, long long, int, \
+        int, int, int, int, int, float*, float*, float*);
 ARRAYKV_ATTN(128, 4, 4, false, false)
 ARRAYKV_ATTN(128, 4, 4, false, true)
 ARRAYKV_ATTN(128, 3, 3, false, true)
@@ -694,4 +699,8 @@ ARRAYKV_ATTN(64, 1, 1, true, true)
 ARRAYKV_ATTN(256, 2, 3, true, true)
 ARRAYKV_ATTN(96, 3, 3, false, true)
 ARRAYKV_ATTN(32, 1, 3, false, false)
+template __global__ void polar_decode_attn<128, 4, 4, false, 4, false, true>(
+    const float*, const float*, const float*, const float*, const float*, const u8*, const u16*, const float*,
+    const u8*, const u16*, const float*, const u16*, const u8*, const u16*, int, long long, int, int, int, int,
+    int, int, float*, float*, float*);
 #undef ARRAYKV_ATTN

@@ -395,7 +395,8 @@ class PolarCache(WindowRollback, LayeredCache):
             k_window=st.exact.k, v_window=st.exact.v,
             qjl=fixed.qjl,
             k_qjl=view("k_qjl", (packed_nbytes(d, 1),)) if self.qjl else None,
-            k_qjl_norms=view("k_qjl_norms", ()) if self.qjl else None)
+            k_qjl_norms=view("k_qjl_norms", ()) if self.qjl else None,
+            k_mean_plan=None if calib is None else calib.rotary_plan())
 
 
 def _option(name: str) -> property:

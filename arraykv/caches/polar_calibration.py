@@ -83,11 +83,20 @@ class PolarCalibration:
         if self.k_mean_freq is None:
             return xp.astype(self.k_mean, xp.float32)[:, :, None, :]
         pos = xp.arange(start, start + n, dtype=xp.float64, device=_compat.device(self.k_mean))
+        return self.rotary_plan().at(pos)
+
+    def rotary_plan(self) -> RotaryMeanPlan | None:
+        """The layer's :class:`RotaryMeanPlan` (None without a rotating key mean), made on first use.
+
+        Made once per layer (the arrays never change): not a field, not saved.
+        """
+        if self.k_mean_freq is None:
+            return None
         plan = self.__dict__.get("_rotary_plan")
-        if plan is None:  # made once per layer (the arrays never change): not a field, not saved
+        if plan is None:
             plan = RotaryMeanPlan(self.k_mean, self.k_mean_freq, self.k_mean_pairs)
             object.__setattr__(self, "_rotary_plan", plan)
-        return plan.at(pos)
+        return plan
 
 
 def calibrate(opts: PolarOptions, xp: Any, k: Any, v: Any, q: Any, start: int) -> PolarCalibration:

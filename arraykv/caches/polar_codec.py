@@ -77,6 +77,10 @@ class PolarLayerCodec:
         ``S r >= 0`` bits of the key residual ``r`` (outlier channels excluded).
     k_qjl_norms : float16 (batch, kv_heads, n_quantized) or None
         ``‖r‖``.
+    k_mean_plan : RotaryMeanPlan or None
+        The position-independent part of the rotating key mean, made once per layer
+        (:meth:`~arraykv.quant.rotary_mean.RotaryMeanPlan.logits` gives its share of every
+        logit); None without ``k_mean_freq``, or where the caller built the codec itself.
     """
 
     n_sink: int
@@ -101,6 +105,7 @@ class PolarLayerCodec:
     qjl: Any
     k_qjl: Any
     k_qjl_norms: Any
+    k_mean_plan: Any = None
 
 
 @dataclass(frozen=True)

@@ -280,8 +280,9 @@ class RotaryMeanPlan:
         self.shared = bool(xp.all((freq == 0.0) | (freq == top)))
         self.freq = top if self.shared else freq
         self.turn = (freq != 0.0)[:, :, None, :] if self.shared else None
-        self.ma = xp.take(mu, pairs[:, 0], axis=2)[:, :, None, :]
-        self.mb = xp.take(mu, pairs[:, 1], axis=2)[:, :, None, :]
+        self.pair_a, self.pair_b = pairs[:, 0], pairs[:, 1]
+        self.ma = xp.take(mu, self.pair_a, axis=2)[:, :, None, :]
+        self.mb = xp.take(mu, self.pair_b, axis=2)[:, :, None, :]
         # output channel -> index into concat(ra, rb, μ): pair j's channels are j and J + j
         hnp = _compat.host_numpy()
         host_pairs = _compat.to_numpy(pairs).astype(hnp.int64)
@@ -302,6 +303,42 @@ class RotaryMeanPlan:
         n = int(ra.shape[2])
         mu = xp.broadcast_to(self.mu, (*self.mu.shape[:2], n, int(self.mu.shape[3])))
         return xp.take(xp.concat([ra, rb, mu], axis=-1), self.gather, axis=-1)
+
+    def logits(self, q: Any, positions: Any):
+        """``q · R_t μ`` for every query and position, without forming ``R_t μ``: (b, h, G, n) float32.
+
+        Parameters
+        ----------
+        q : array (b, h, G, d) float32
+            ``G`` queries per head.
+        positions : array (n,)
+
+        Notes
+        -----
+        Pair ``j`` contributes ``q_a m_a + q_b m_b = A_j cos φ + B_j sin φ`` with
+        ``A_j = q_a μ_a + q_b μ_b``, ``B_j = q_b μ_a − q_a μ_b`` and ``φ = ω_j t``. When the
+        heads share the layer's frequencies (``shared``) the phases are one (2J, n) table for
+        every head, so the result is one product ``[A | B] (b·h·G, 2J) @ [cos; sin] (2J, n)``
+        plus a constant per query: ``q · μ`` less the ``A_j`` of the pairs that turn (a pair at
+        frequency 0 is the plain mean). Memory O((b·h·G + J) · n) instead of the
+        O(b·h·n·d) of :meth:`at`; heads with their own frequencies go through :meth:`at`.
+        """
+        xp = self.xp
+        if not self.shared:
+            return xp.matmul(q, xp.matrix_transpose(self.at(positions)))
+        b, h, g, _ = (int(s) for s in q.shape)
+        n_j = int(self.ma.shape[-1])
+        qa = xp.take(q, self.pair_a, axis=3)  # (b, h, G, J)
+        qb = xp.take(q, self.pair_b, axis=3)
+        turn = xp.astype(self.turn, xp.float32)  # (b, h, 1, J)
+        coef_a = qa * self.ma + qb * self.mb
+        coef_b = qb * self.ma - qa * self.mb
+        const = xp.sum(q * self.mu, axis=-1) - xp.sum(coef_a * turn, axis=-1)  # (b, h, G)
+        coef = xp.reshape(xp.concat([coef_a * turn, coef_b * turn], axis=-1), (b * h * g, 2 * n_j))
+        c, s = _phases(xp, self.freq, positions)  # (n, J)
+        phase = xp.concat([xp.matrix_transpose(c), xp.matrix_transpose(s)], axis=0)  # (2J, n)
+        out = xp.matmul(coef, phase)
+        return xp.reshape(out, (b, h, g, int(out.shape[-1]))) + const[..., None]
 
 
 def rotary_mean_at(rm_mean: Any, freq: Any, pairs: Any, positions: Any):

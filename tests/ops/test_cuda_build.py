@@ -34,7 +34,8 @@ def _runtime_names(source):
     for d, had in ((64, True), (128, True), (256, True), (96, False), (32, True)):
         for kb, vb, qjl in ((4, 4, False), (3, 3, False), (2, 2, True), (1, 1, False), (3, 2, True)):
             for pf in (False, True):
-                names += list(kernel_names(d, kb, vb, qjl, had, pf).values())
+                for bias in (False, True):
+                    names += list(kernel_names(d, kb, vb, qjl, had, pf, bias).values())
         for kind in ("quantize", "dequantize"):
             for dt in ("float32", "float16"):
                 names.append(plan_codec_launch(kind, 1, d, 3, had, dt).name)

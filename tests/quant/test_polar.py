@@ -19,8 +19,8 @@ from conftest import asarray, to_np
 
 def encode_loops(x, rot, cents, length="fit"):
     """Per vector, straight from the definition: rotate, nearest centroid, least-squares or unbiased length."""
-    m = np.asarray(rot.dense(), float)
-    c = np.asarray(cents, float)
+    m = to_np(rot.dense()).astype(float)
+    c = to_np(cents).astype(float)
     codes, lengths = [], []
     for row in x.reshape(-1, x.shape[-1]).astype(float):
         n = np.linalg.norm(row)

@@ -8,7 +8,7 @@ import pytest
 import arraykv
 from arraykv.attention.polar_fused import polar_decode_attention_reference
 from arraykv.ops import set_kernels_enabled
-from arraykv.quant.rotary_mean import check_rope, fit_rotary_mean, rotary_mean_at, rope_frequencies, rope_pairs
+from arraykv.quant.rotary_mean import RotaryMeanPlan, check_rope, fit_rotary_mean, rotary_mean_at, rope_frequencies, rope_pairs
 from conftest import asarray, to_np
 
 
@@ -93,6 +93,31 @@ def test_rotary_mean_at_matches_the_definition(xp, rng):
                     want[b, h, i, a] = mu[b, h, a] * math.cos(w) - mu[b, h, c] * math.sin(w)
                     want[b, h, i, c] = mu[b, h, c] * math.cos(w) + mu[b, h, a] * math.sin(w)
     np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_plan_logits_match_queries_times_the_turned_mean(xp, rng, shared):
+    # the factored form (one product with a (2J, n) phase table) against q · R_t μ formed in float64
+    b, h, g, d, n = 2, 3, 4, 16, 9
+    mu = rng.standard_normal((b, h, d)).astype(np.float32) * 3.0
+    pairs = to_np(rope_pairs(d, "half", xp=np)).astype(np.int32)
+    freq = np.asarray(rope_frequencies(d, 10000.0), np.float32)[None, None, :].repeat(b, 0).repeat(h, 1)
+    freq[rng.random(freq.shape) < 0.3] = 0.0  # per head, some pairs hold a plain mean
+    if not shared:
+        freq[1, 2, 1] = 0.5 * freq.max(axis=(0, 1))[1]  # a head turning at its own frequency
+    q = rng.standard_normal((b, h, g, d)).astype(np.float32)
+    positions = np.arange(70000, 70000 + n, dtype=np.float64)
+    plan = RotaryMeanPlan(asarray(xp, mu), asarray(xp, freq), asarray(xp, pairs))
+    assert plan.shared == shared
+    got = to_np(plan.logits(asarray(xp, q), asarray(xp, positions)))
+    ang = freq.astype(np.float64)[:, :, None, :] * positions[None, None, :, None]  # (b, h, n, J)
+    mt = np.repeat(mu.astype(np.float64)[:, :, None, :], n, axis=2)
+    a, c = mt[..., pairs[:, 0]], mt[..., pairs[:, 1]]
+    mt[..., pairs[:, 0]] = a * np.cos(ang) - c * np.sin(ang)
+    mt[..., pairs[:, 1]] = c * np.cos(ang) + a * np.sin(ang)
+    want = q.astype(np.float64) @ np.swapaxes(mt, -1, -2)
+    assert got.shape == (b, h, g, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, atol=5e-5 * np.abs(want).max())
 
 
 def test_check_rope_errors():

@@ -13,7 +13,9 @@ from __future__ import annotations
 import threading
 
 from ...attention.polar_fused import polar_decode_attention_reference
+from ...quant.polar import polar_decode_reference, polar_encode_reference
 from ...quant.qjl import QJL_SCALE
+from ...quant.rotary_mean import RotaryMeanPlan
 from .loader import get_kernel, require_cupy
 from .polar_plan import (  # noqa: F401 - re-exported: the launch planning lives in polar_plan
     BLOCKS_PER_SM,
@@ -25,6 +27,7 @@ from .polar_plan import (  # noqa: F401 - re-exported: the launch planning lives
     WARPS,
     AttnLaunch,
     CodecLaunch,
+    codec_unsupported_reason,
     kernel_names,
     plan_codec_launch,
     plan_decode_attn,
@@ -81,12 +84,24 @@ def _check_out(cp, out, shape, dtype, name):
 
 
 def polar_encode(x, codebook, rotation, *, unbiased=False):
-    """GPU :func:`arraykv.quant.polar.polar_encode_reference`: CuPy ``(..., dim)`` -> (codes uint8, gains float16)."""
+    """GPU :func:`arraykv.quant.polar.polar_encode_reference`: CuPy ``(..., dim)`` -> (codes uint8, gains float16).
+
+    Vectors the kernel does not code (``codec_unsupported_reason``: a head_dim that is not a
+    multiple of 32, say) go through the reference, on the GPU all the same.
+    """
+    dtype = str(x.dtype) if str(x.dtype) in ("float16", "float32") else "float32"
+    if codec_unsupported_reason(int(x.shape[-1]), int(codebook.bits), _hadamard(rotation), dtype) is not None:
+        return polar_encode_reference(x, codebook, rotation, unbiased=unbiased)
     return polar_encode_into(x, codebook, rotation, unbiased=unbiased)
 
 
 def polar_decode(codes, norms, codebook, rotation):
-    """GPU :func:`arraykv.quant.polar.polar_decode_reference`: packed codes + gains -> float32 ``(..., dim)``."""
+    """GPU :func:`arraykv.quant.polar.polar_decode_reference`: packed codes + gains -> float32 ``(..., dim)``.
+
+    Geometries the kernel does not serve go through the reference (see :func:`polar_encode`).
+    """
+    if codec_unsupported_reason(int(rotation.dim), int(codebook.bits), _hadamard(rotation), "float32") is not None:
+        return polar_decode_reference(codes, norms, codebook, rotation)
     return polar_decode_into(codes, norms, codebook, rotation)
 
 
@@ -187,8 +202,8 @@ def unsupported_reason(codec, q) -> str | None:
         return "more than one query token"
     if codec.qjl is not None and int(codec.qjl.rows) != d:
         return f"a QJL sketch of {codec.qjl.rows} rows (the kernel needs head_dim rows)"
-    if getattr(codec, "k_mean_freq", None) is not None:
-        return "a rotating key mean (keys with rotary embeddings): the kernel adds only a constant one"
+    if getattr(codec, "k_mean_freq", None) is not None and not _rotary_plan(codec).shared:
+        return "a rotating key mean whose heads turn at different frequencies"
     if codec.k_outlier_idx is not None and int(codec.k_outlier_idx.shape[-1]) > MAX_OUTLIERS:
         return f"more than {MAX_OUTLIERS} outlier channels"
     if codec.n_quantized:
@@ -201,6 +216,23 @@ def unsupported_reason(codec, q) -> str | None:
         if not all(_token_view_ok(a, cap) for a in arrays):
             return "codec arrays that are not token views of one contiguous buffer"
     return None
+
+
+def _rotary_plan(codec):
+    """The codec's rotating-key-mean plan (made here when the codec does not carry one)."""
+    plan = getattr(codec, "k_mean_plan", None)
+    if plan is None:
+        plan = RotaryMeanPlan(codec.k_mean, codec.k_mean_freq, codec.k_mean_pairs)
+    return plan
+
+
+def _key_mean_bias(cp, codec, q, scale, n):
+    """``scale · q · R_p μ`` for the quantized tokens, positions ``n_sink .. n_sink + n - 1``: (B*H*G, n) float32."""
+    b, qh, _, d = (int(s) for s in q.shape)
+    h = int(codec.k_codes.shape[1])
+    q32 = q.astype(cp.float32).reshape(b, h, qh // h, d) * float(scale)
+    pos = cp.arange(codec.n_sink, codec.n_sink + n, dtype=cp.float64)
+    return cp.ascontiguousarray(_rotary_plan(codec).logits(q32, pos), dtype=cp.float32)
 
 
 def _half_or_dummy(cp, arr, dummy):
@@ -252,11 +284,13 @@ def polar_decode_attention_into(codec, q, scale, *, out=None):
     use_qjl = codec.qjl is not None
     nout = 0 if codec.k_outlier_idx is None else int(codec.k_outlier_idx.shape[-1])
     kb, vb = int(codec.k_codebook.bits), int(codec.v_codebook.bits)
-    names = kernel_names(d, kb, vb, use_qjl, had, PREFETCH)
+    # a rotating key mean adds a logit term per token (one product, cuBLAS); a fixed one a constant
+    rotating = n > 0 and getattr(codec, "k_mean_freq", None) is not None
+    names = kernel_names(d, kb, vb, use_qjl, had, PREFETCH, rotating)
     family = tuple(names.values())
     attn = get_kernel(_SOURCE, names["attn"], family)
     plan = plan_decode_attn(b, h, g, d, n, kb, vb, use_qjl, _device_sm_count(cp),
-                            _blocks_per_sm(cp, attn, names["attn"]), PREFETCH) if n else None
+                            _blocks_per_sm(cp, attn, names["attn"]), PREFETCH, rotating) if n else None
     splits = plan.splits if plan else 0
     f32, f16 = cp.float32, cp.float16
     bufs = _buffers(cp, ("attn", b, h, g, d, nout, use_qjl, splits), {
@@ -270,10 +304,12 @@ def polar_decode_attention_into(codec, q, scale, *, out=None):
     sq_scale = float(scale) * QJL_SCALE / int(codec.qjl.rows) if use_qjl else 0.0
     idx = cp.ascontiguousarray(codec.k_outlier_idx) if nout else bufs["dummy_i"]
 
+    bias = _key_mean_bias(cp, codec, qc, scale, n) if rotating else df
     prep = get_kernel(_SOURCE, names[f"prepare_{dtype}"], family)
     prep((g, h, b), (d,), (qc, _half_or_dummy(cp, codec.k_scale, dh), _half_or_dummy(cp, codec.k_mean, dh), idx,
                            cp.int32(nout), rot.signs, matrix, sketch, cp.float32(scale), cp.float32(sq_scale),
-                           cp.int32(codec.k_scale is not None), cp.int32(codec.k_mean is not None),
+                           cp.int32(codec.k_scale is not None),
+                           cp.int32(codec.k_mean is not None and getattr(codec, "k_mean_freq", None) is None),
                            cp.int32(use_qjl), bufs["qr"], bufs["qconst"], bufs["qout"], bufs["sq"]))
     if n:
         cap = _capacity(codec.k_norms)
@@ -282,7 +318,7 @@ def polar_decode_attention_into(codec, q, scale, *, out=None):
         k_qjl_n = codec.k_qjl_norms if use_qjl else dh
         for first, count in plan.chunks:
             attn(plan.grid, plan.block,
-                 (bufs["qr"], bufs["qconst"], bufs["qout"], bufs["sq"], codec.k_codes, codec.k_norms,
+                 (bufs["qr"], bufs["qconst"], bufs["qout"], bufs["sq"], bias, codec.k_codes, codec.k_norms,
                   codec.k_codebook.centroids, codec.v_codes, codec.v_norms, codec.v_codebook.centroids, k_out, k_qjl,
                   k_qjl_n, cp.int32(n), cp.int64(cap), cp.int32(g), cp.int32(first), cp.int32(count),
                   cp.int32(nout), cp.int32(plan.tiles_per_split), cp.int32(splits),

@@ -9,7 +9,7 @@ import functools
 import math
 from typing import NamedTuple
 
-__all__ = ["CodecLaunch", "AttnLaunch", "plan_codec_launch", "plan_decode_attn", "kernel_names",
+__all__ = ["CodecLaunch", "AttnLaunch", "codec_unsupported_reason", "plan_codec_launch", "plan_decode_attn", "kernel_names",
            "MAX_GROUP", "WARPS", "TILE", "BLOCKS_PER_SM", "PREFETCH", "MAX_OUTLIERS", "MAX_HEAD_DIM"]
 
 MAX_GROUP = 8        # query heads served by one attention launch (the mma N dimension)
@@ -43,6 +43,24 @@ class CodecLaunch(NamedTuple):
     name: str
 
 
+def codec_unsupported_reason(dim: int, bits: int, hadamard: bool, dtype_name: str) -> str | None:
+    """Why the quantize/dequantize kernels cannot code vectors of this kind (None when they can).
+
+    The kernels run one thread per channel of a vector, so ``dim`` is a multiple of 32 (whole
+    warps) up to 1024 (one block), a power of two with the Hadamard rotation; the callers in
+    :mod:`.polar` run the array-API reference for anything else.
+    """
+    if dim % 32 or not 32 <= dim <= 1024:
+        return f"head_dim must be a multiple of 32 between 32 and 1024 on the GPU, received {dim}"
+    if hadamard and dim & (dim - 1):
+        return f"the Hadamard rotation needs a power-of-two head_dim, received {dim}"
+    if not 1 <= bits <= 8:
+        return f"bits must be in 1..8, received {bits}"
+    if dtype_name not in ("float32", "float16"):
+        return f"dtype must be float32 or float16 on the GPU, received {dtype_name}"
+    return None
+
+
 def plan_codec_launch(kind: str, rows: int, dim: int, bits: int, hadamard: bool, dtype_name: str) -> CodecLaunch:
     """Geometry and kernel name of a quantize (``kind="quantize"``) or dequantize launch.
 
@@ -66,14 +84,9 @@ def plan_codec_launch(kind: str, rows: int, dim: int, bits: int, hadamard: bool,
     """
     if kind not in ("quantize", "dequantize"):
         raise ValueError(f"kind must be 'quantize' or 'dequantize', received {kind!r}")
-    if dim % 32 or not 32 <= dim <= 1024:
-        raise ValueError(f"head_dim must be a multiple of 32 between 32 and 1024 on the GPU, received {dim}")
-    if hadamard and dim & (dim - 1):
-        raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, received {dim}")
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be in 1..8, received {bits}")
-    if dtype_name not in ("float32", "float16"):
-        raise ValueError(f"dtype must be float32 or float16 on the GPU, received {dtype_name}")
+    reason = codec_unsupported_reason(dim, bits, hadamard, dtype_name)
+    if reason is not None:
+        raise ValueError(reason)
     if rows < 0 or rows >= 2**31:
         raise ValueError(f"rows must be in [0, 2**31), received {rows}")
     name = f"polar_{kind}<{_ctype(dtype_name)}, {dim}, {bits}, {_bool(hadamard)}>"
@@ -97,7 +110,7 @@ class AttnLaunch(NamedTuple):
 
 def plan_decode_attn(batch: int, kv_heads: int, groups: int, head_dim: int, tokens: int, k_bits: int, v_bits: int,
                      qjl: bool, sm_count: int = 132, blocks_per_sm: int = BLOCKS_PER_SM,
-                     prefetch: bool | None = None) -> AttnLaunch:
+                     prefetch: bool | None = None, bias: bool = False) -> AttnLaunch:
     """Plan the fused decode launches (checked; no GPU needed).
 
     Parameters
@@ -118,6 +131,8 @@ def plan_decode_attn(batch: int, kv_heads: int, groups: int, head_dim: int, toke
         Attention blocks resident per multiprocessor (from the occupancy query).
     prefetch : bool, optional
         Kernel variant (default: the module's ``PREFETCH``).
+    bias : bool
+        The variant that adds a logit term per query and token (a rotating key mean).
 
     Returns
     -------
@@ -146,14 +161,16 @@ def plan_decode_attn(batch: int, kv_heads: int, groups: int, head_dim: int, toke
     per = math.ceil(tiles / splits)
     splits = math.ceil(tiles / per)  # no empty split
     pf = PREFETCH if prefetch is None else prefetch
-    name = f"polar_decode_attn<{head_dim}, {k_bits}, {v_bits}, {_bool(qjl)}, {WARPS}, {_bool(pf)}>"
+    extra = ", true" if bias else ""  # the template's last argument defaults to false
+    name = f"polar_decode_attn<{head_dim}, {k_bits}, {v_bits}, {_bool(qjl)}, {WARPS}, {_bool(pf)}{extra}>"
     return AttnLaunch(chunks, splits, per, (splits, kv_heads, batch), (WARPS * 32,), name)
 
 
 @functools.lru_cache(maxsize=256)
-def kernel_names(head_dim: int, k_bits: int, v_bits: int, qjl: bool, hadamard: bool, prefetch: bool = False) -> dict:
+def kernel_names(head_dim: int, k_bits: int, v_bits: int, qjl: bool, hadamard: bool, prefetch: bool = False,
+                 bias: bool = False) -> dict:
     """Name expressions of a decode step's kernels (compiled together as one module; read only)."""
-    names = {"attn": plan_decode_attn(1, 1, 1, head_dim, 1, k_bits, v_bits, qjl, prefetch=prefetch).name}
+    names = {"attn": plan_decode_attn(1, 1, 1, head_dim, 1, k_bits, v_bits, qjl, prefetch=prefetch, bias=bias).name}
     for dtype in ("float32", "float16"):
         t = _ctype(dtype)
         names[f"prepare_{dtype}"] = f"polar_prepare_queries<{t}, {head_dim}, {_bool(hadamard)}>"
