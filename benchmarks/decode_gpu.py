@@ -115,6 +115,8 @@ def main(argv=None):
     ap.add_argument("--mode", default="pqo4")
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--json", default=None, help="also write the rows as JSON lines to this file")
+    ap.add_argument("--reference", action="store_true",
+                    help="also time the array-API path (what a step falls back to when the kernel declines it)")
     ap.add_argument("--rope", action="store_true",
                     help="keys of a rotary model (the cache fits a rotating key mean, a logit term per token)")
     args = ap.parse_args(argv)
@@ -174,6 +176,9 @@ def main(argv=None):
         occ = {k[1]: v for k, v in _cuda_polar._OCCUPANCY.items()}
         print(f"# n={n}: prefetch={default}: {t_fused:.4f} ms, prefetch={not default}: {t_other:.4f} ms; "
               f"blocks per SM {occ}", flush=True)
+        if args.reference:
+            t_ref, _ = cuda_ms(cp, lambda: polar_decode_attention_reference(codec, q, scale), 5, flush)
+            print(f"# n={n}: array-API path {t_ref:.4f} ms ({t_ref / t_fused:.1f}x the fused step)", flush=True)
         t_dense, _ = cuda_ms(cp, lambda: dense_cupy(cp, q, k16, v16, scale), args.repeat, flush)
         t_sdpa = float("nan")
         if sdpa is not None:

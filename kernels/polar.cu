@@ -264,6 +264,33 @@ __global__ void polar_dequantize(const u8* __restrict__ codes, const u16* __rest
     out[row * D + i] = Io<T>::store(xv);
 }
 
+// ---- rotary phases of a rotating key mean ----------------------------------------------------
+//
+// Row t of out (n, 2J + 1) float32: [cos(w_j p) (J values) | sin(w_j p) (J values) | 1] at
+// position p = start + t (arraykv.quant.rotary_mean.RotaryMeanPlan.phase_rows). The angle is
+// formed and reduced to [-pi, pi] in double precision: positions reach 10^5 and more, where a
+// float angle is off by a tenth of a radian.
+__global__ void rotary_phases(const float* __restrict__ freq, int n_pairs, long long start, int n,
+                              float* __restrict__ out) {
+    const int width = 2 * n_pairs + 1;
+    const long long total = static_cast<long long>(n) * width;
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const long long t = i / width;
+        const int col = static_cast<int>(i - t * width);
+        float v = 1.f;
+        if (col < 2 * n_pairs) {
+            const int j = col < n_pairs ? col : col - n_pairs;
+            const double a = static_cast<double>(freq[j]) * static_cast<double>(start + t);
+            const double r = a - 6.283185307179586 * rint(a * 0.15915494309189535);
+            float sv, cv;
+            sincosf(static_cast<float>(r), &sv, &cv);
+            v = col < n_pairs ? cv : sv;
+        }
+        out[i] = v;
+    }
+}
+
 // ---- decode attention, step 1: per-query quantities -----------------------------------------
 //
 // Grid (Gt, H, B), D threads; query row = (b * H + h) * Gt + g of q (B, H*Gt, 1, D).

@@ -304,41 +304,57 @@ class RotaryMeanPlan:
         mu = xp.broadcast_to(self.mu, (*self.mu.shape[:2], n, int(self.mu.shape[3])))
         return xp.take(xp.concat([ra, rb, mu], axis=-1), self.gather, axis=-1)
 
-    def logits(self, q: Any, positions: Any):
-        """``q · R_t μ`` for every query and position, without forming ``R_t μ``: (b, h, G, n) float32.
+    def logit_coefficients(self, q: Any):
+        """The query side of :meth:`logits` for a ``shared`` plan: (b·h·G, 2J + 1) float32.
+
+        Row ``(b, h, g)`` is ``[A_j · turn_j | B_j · turn_j | const]`` with
+        ``A_j = q_a μ_a + q_b μ_b``, ``B_j = q_b μ_a − q_a μ_b`` over the pairs ``j`` and
+        ``const = q · μ − Σ_j A_j turn_j`` (``turn_j``: the pair turns in this head; a pair at
+        frequency 0 holds a plain mean, as do channels outside every pair); so
+        ``q · R_t μ = row · [cos ω t | sin ω t | 1]`` (:meth:`phase_rows`).
+        """
+        xp = self.xp
+        b, h, g, _ = (int(s) for s in q.shape)
+        qa = xp.take(q, self.pair_a, axis=3)  # (b, h, G, J)
+        qb = xp.take(q, self.pair_b, axis=3)
+        turn = xp.astype(self.turn, xp.float32)  # (b, h, 1, J)
+        coef_a = (qa * self.ma + qb * self.mb) * turn
+        coef_b = (qb * self.ma - qa * self.mb) * turn
+        const = xp.sum(q * self.mu, axis=-1) - xp.sum(coef_a, axis=-1)  # (b, h, G)
+        return xp.reshape(xp.concat([coef_a, coef_b, const[..., None]], axis=-1), (b * h * g, -1))
+
+    def phase_rows(self, start: int, stop: int):
+        """``[cos ω t | sin ω t | 1]`` for positions ``start .. stop - 1`` of a ``shared`` plan: (n, 2J + 1) float32."""
+        xp = self.xp
+        pos = xp.arange(start, stop, dtype=xp.float64, device=_compat.device(self.mu))
+        c, s = _phases(xp, self.freq, pos)  # (n, J)
+        return xp.concat([c, s, xp.ones_like(c[:, :1])], axis=-1)
+
+    def logits(self, q: Any, start: int, stop: int):
+        """``q · R_t μ`` for every query and position ``start .. stop - 1``, without forming ``R_t μ``: (b, h, G, n) float32.
 
         Parameters
         ----------
         q : array (b, h, G, d) float32
             ``G`` queries per head.
-        positions : array (n,)
+        start, stop : int
+            Positions.
 
         Notes
         -----
-        Pair ``j`` contributes ``q_a m_a + q_b m_b = A_j cos φ + B_j sin φ`` with
-        ``A_j = q_a μ_a + q_b μ_b``, ``B_j = q_b μ_a − q_a μ_b`` and ``φ = ω_j t``. When the
-        heads share the layer's frequencies (``shared``) the phases are one (2J, n) table for
-        every head, so the result is one product ``[A | B] (b·h·G, 2J) @ [cos; sin] (2J, n)``
-        plus a constant per query: ``q · μ`` less the ``A_j`` of the pairs that turn (a pair at
-        frequency 0 is the plain mean). Memory O((b·h·G + J) · n) instead of the
-        O(b·h·n·d) of :meth:`at`; heads with their own frequencies go through :meth:`at`.
+        Pair ``j`` contributes ``q_a m_a + q_b m_b = A_j cos φ + B_j sin φ`` with ``φ = ω_j t``.
+        When the heads share the layer's frequencies (``shared``) the phases are one table for
+        every head, so the result is one product, :meth:`logit_coefficients` (b·h·G, 2J + 1)
+        times :meth:`phase_rows` (n, 2J + 1) transposed: memory O((b·h·G + J) · n) instead of
+        the O(b·h·n·d) of :meth:`at`. Heads with their own frequencies go through :meth:`at`.
         """
         xp = self.xp
         if not self.shared:
-            return xp.matmul(q, xp.matrix_transpose(self.at(positions)))
+            pos = xp.arange(start, stop, dtype=xp.float64, device=_compat.device(self.mu))
+            return xp.matmul(q, xp.matrix_transpose(self.at(pos)))
         b, h, g, _ = (int(s) for s in q.shape)
-        n_j = int(self.ma.shape[-1])
-        qa = xp.take(q, self.pair_a, axis=3)  # (b, h, G, J)
-        qb = xp.take(q, self.pair_b, axis=3)
-        turn = xp.astype(self.turn, xp.float32)  # (b, h, 1, J)
-        coef_a = qa * self.ma + qb * self.mb
-        coef_b = qb * self.ma - qa * self.mb
-        const = xp.sum(q * self.mu, axis=-1) - xp.sum(coef_a * turn, axis=-1)  # (b, h, G)
-        coef = xp.reshape(xp.concat([coef_a * turn, coef_b * turn], axis=-1), (b * h * g, 2 * n_j))
-        c, s = _phases(xp, self.freq, positions)  # (n, J)
-        phase = xp.concat([xp.matrix_transpose(c), xp.matrix_transpose(s)], axis=0)  # (2J, n)
-        out = xp.matmul(coef, phase)
-        return xp.reshape(out, (b, h, g, int(out.shape[-1]))) + const[..., None]
+        out = xp.matmul(self.logit_coefficients(q), xp.matrix_transpose(self.phase_rows(start, stop)))
+        return xp.reshape(out, (b, h, g, stop - start))
 
 
 def rotary_mean_at(rm_mean: Any, freq: Any, pairs: Any, positions: Any):

@@ -162,6 +162,24 @@ def test_gpu_decode_rotating_key_mean(method, d, g, b):
     _check_decode(method, d, g, b, rope=True)
 
 
+@requires_gpu
+def test_gpu_rotary_phase_rows_match_float64():
+    import cupy as cp
+
+    from arraykv.ops.cuda.polar import rotary_phase_rows
+    from arraykv.quant.rotary_mean import rope_frequencies
+
+    freq = np.asarray(rope_frequencies(128, 10000.0), np.float32)
+    freq[-5:] = 0.0  # pairs holding a plain mean
+    for start, n in ((0, 1), (7, 300), (131000, 1000)):  # far positions: angles of 10^5 radians
+        got = rotary_phase_rows(cp.asarray(freq), start, n).get()
+        ang = freq.astype(np.float64)[None, :] * np.arange(start, start + n, dtype=np.float64)[:, None]
+        want = np.concatenate([np.cos(ang), np.sin(ang), np.ones((n, 1))], axis=1)
+        assert got.shape == want.shape and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert rotary_phase_rows(cp.asarray(freq), 5, 0).shape == (0, 129)
+
+
 def _check_decode(method, d, g, b, rope=False):
     import cupy as cp
 

@@ -109,7 +109,7 @@ def test_plan_logits_match_queries_times_the_turned_mean(xp, rng, shared):
     positions = np.arange(70000, 70000 + n, dtype=np.float64)
     plan = RotaryMeanPlan(asarray(xp, mu), asarray(xp, freq), asarray(xp, pairs))
     assert plan.shared == shared
-    got = to_np(plan.logits(asarray(xp, q), asarray(xp, positions)))
+    got = to_np(plan.logits(asarray(xp, q), 70000, 70000 + n))
     ang = freq.astype(np.float64)[:, :, None, :] * positions[None, None, :, None]  # (b, h, n, J)
     mt = np.repeat(mu.astype(np.float64)[:, :, None, :], n, axis=2)
     a, c = mt[..., pairs[:, 0]], mt[..., pairs[:, 1]]

@@ -34,7 +34,8 @@ from .polar_plan import (  # noqa: F401 - re-exported: the launch planning lives
 )
 
 __all__ = ["plan_codec_launch", "plan_decode_attn", "polar_encode", "polar_decode", "polar_decode_attention",
-           "polar_encode_into", "polar_decode_into", "polar_decode_attention_into", "scratch_buffers", "unsupported_reason"]
+           "polar_encode_into", "polar_decode_into", "polar_decode_attention_into", "rotary_phase_rows", "scratch_buffers",
+           "unsupported_reason"]
 
 _SOURCE = "polar.cu"
 _SCRATCH_ENTRIES = 16
@@ -226,13 +227,37 @@ def _rotary_plan(codec):
     return plan
 
 
-def _key_mean_bias(cp, codec, q, scale, n):
-    """``scale · q · R_p μ`` for the quantized tokens, positions ``n_sink .. n_sink + n - 1``: (B*H*G, n) float32."""
+def rotary_phase_rows(freq, start: int, n: int, family=None):
+    """GPU :meth:`arraykv.quant.rotary_mean.RotaryMeanPlan.phase_rows`: ``[cos ω t | sin ω t | 1]``, (n, 2J + 1) float32.
+
+    One launch; each angle is reduced to [-π, π] in double precision (positions reach 10⁵).
+    ``family``: the kernel names compiled with it in one module (a decode step's).
+    """
+    cp = require_cupy()
+    freq = cp.ascontiguousarray(freq, dtype=cp.float32)
+    n_pairs = int(freq.shape[0])
+    out = cp.empty((n, 2 * n_pairs + 1), dtype=cp.float32)
+    if n:
+        total = out.size
+        threads = 256
+        blocks = min(-(-total // threads), 65535)
+        get_kernel(_SOURCE, "rotary_phases", family)((blocks,), (threads,), (freq, cp.int32(n_pairs), cp.int64(start),
+                                                                      cp.int32(n), out))
+    return out
+
+
+def _key_mean_bias(cp, codec, q, scale, n, family):
+    """``scale · q · R_p μ`` for the quantized tokens, positions ``n_sink .. n_sink + n - 1``: (B*H*G, n) float32.
+
+    One product (cuBLAS): the plan's coefficients (B*H*G, 2J + 1) times the phase rows (n, 2J + 1)
+    transposed.
+    """
     b, qh, _, d = (int(s) for s in q.shape)
     h = int(codec.k_codes.shape[1])
-    q32 = q.astype(cp.float32).reshape(b, h, qh // h, d) * float(scale)
-    pos = cp.arange(codec.n_sink, codec.n_sink + n, dtype=cp.float64)
-    return cp.ascontiguousarray(_rotary_plan(codec).logits(q32, pos), dtype=cp.float32)
+    plan = _rotary_plan(codec)
+    coef = plan.logit_coefficients(q.astype(cp.float32).reshape(b, h, qh // h, d) * float(scale))
+    phases = rotary_phase_rows(plan.freq, int(codec.n_sink), n, family)
+    return cp.matmul(coef, phases.T)
 
 
 def _half_or_dummy(cp, arr, dummy):
@@ -304,7 +329,7 @@ def polar_decode_attention_into(codec, q, scale, *, out=None):
     sq_scale = float(scale) * QJL_SCALE / int(codec.qjl.rows) if use_qjl else 0.0
     idx = cp.ascontiguousarray(codec.k_outlier_idx) if nout else bufs["dummy_i"]
 
-    bias = _key_mean_bias(cp, codec, qc, scale, n) if rotating else df
+    bias = _key_mean_bias(cp, codec, qc, scale, n, family) if rotating else df
     prep = get_kernel(_SOURCE, names[f"prepare_{dtype}"], family)
     prep((g, h, b), (d,), (qc, _half_or_dummy(cp, codec.k_scale, dh), _half_or_dummy(cp, codec.k_mean, dh), idx,
                            cp.int32(nout), rot.signs, matrix, sketch, cp.float32(scale), cp.float32(sq_scale),

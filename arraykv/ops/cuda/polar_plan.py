@@ -175,4 +175,5 @@ def kernel_names(head_dim: int, k_bits: int, v_bits: int, qjl: bool, hadamard: b
         t = _ctype(dtype)
         names[f"prepare_{dtype}"] = f"polar_prepare_queries<{t}, {head_dim}, {_bool(hadamard)}>"
         names[f"merge_{dtype}"] = f"polar_merge_window<{t}, {head_dim}, {_bool(hadamard)}>"
+    names["phases"] = "rotary_phases"  # a rotating key mean's phase rows
     return names
