@@ -28,9 +28,9 @@ from .._validation import check_int
 from ..compressor import KVCacheCompressor
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..storage import TokenBuffers
-from .base import LayeredCache, LayerState, check_decode_path
+from .base import LayeredCache, check_decode_path
 from .rollback import DEFAULT_ROLLBACK_TOKENS, check_rollback_tokens
-from .window import ExactTokens, WindowRollback, commit_store, restore_rollback, restore_tokens, rollback_arrays
+from .window import ExactTokens, WindowLayer, WindowRollback, commit_store, restore_rollback, restore_tokens, rollback_arrays
 
 __all__ = ["FittedCache", "FittedLayer", "DEFAULT_WINDOW", "DEFAULT_SINKS"]
 
@@ -53,31 +53,20 @@ def _f32(xp: Any, x: Any):
 
 
 @dataclass
-class FittedLayer(LayerState):
-    """One layer of a ``lowrank`` or ``vq`` cache.
+class FittedLayer(WindowLayer):
+    """One layer of a ``lowrank`` or ``vq`` cache (:class:`~arraykv.caches.window.WindowLayer`).
+
+    ``codes`` holds the cache's ``_per_token`` arrays; ``exact`` holds every token until the
+    layer is fitted; ``calib`` is the dict of fitted arrays by name (``_calib_names``): given,
+    fitted, or loaded.
 
     Attributes
     ----------
-    codes : TokenBuffers
-        The encoded tokens' arrays (the cache's ``_per_token`` names), token axis 2.
-    exact : ExactTokens
-        The sink tokens, then the recent window (all tokens until the layer is fitted), float16.
-    calib : dict or None
-        The fitted arrays by name (``_calib_names``): given, fitted, or loaded.
     layer : int or None
         The layer index, set on the first call (-1 for a restored layer).
-    rollback : ExactTokens
-        float16 copies of the last ``rollback_tokens`` encoded tokens (for ``truncate``).
     """
 
-    codes: TokenBuffers = None
-    exact: ExactTokens = None
-    calib: dict | None = None
     layer: int | None = None
-    rollback: ExactTokens = None
-
-    def buffers(self) -> tuple:
-        return (self.codes,)
 
 
 class FittedCache(WindowRollback, LayeredCache):

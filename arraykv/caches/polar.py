@@ -20,7 +20,7 @@ from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype
 from ..storage import TokenBuffers
-from .base import LayeredCache, LayerState
+from .base import LayeredCache
 from .polar_calibration import PolarCalibration, calibrate
 from .polar_codec import PolarFixed, PolarLayerCodec
 from .polar_decode import decode_layer, qjl_logit_bias
@@ -28,8 +28,8 @@ from .polar_options import (DEFAULT_OUTLIER_THRESHOLD, DEFAULT_RESIDUAL_WINDOW, 
                             check_polar_options, default_residual_window)
 from .rollback import DEFAULT_ROLLBACK_TOKENS
 from .registry import register_method
-from .sliding import SlidingRows
-from .window import ExactTokens, WindowRollback, commit_store, restore_rollback, restore_tokens, rollback_arrays
+from .window import (ExactTokens, WindowLayer, WindowRollback, commit_store, restore_rollback, restore_tokens,
+                     rollback_arrays, sliding_rows)
 
 __all__ = ["PolarCache", "PolarLayerCodec", "PolarLayer", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window",
            "Pqo2Cache", "Pqo3Cache", "Pqo4Cache", "Pq2Cache", "Pq3Cache", "Pq4Cache", "Tq2Cache", "Tq3Cache",
@@ -40,33 +40,13 @@ _PER_TOKEN = ("k_codes", "k_norms", "v_codes", "v_norms", "k_outliers", "k_qjl",
 
 
 @dataclass
-class PolarLayer(LayerState):
-    """One layer of a :class:`PolarCache`.
+class PolarLayer(WindowLayer):
+    """One layer of a :class:`PolarCache` (:class:`~arraykv.caches.window.WindowLayer`).
 
-    Attributes
-    ----------
-    codes : TokenBuffers
-        The encoded tokens' arrays (``_PER_TOKEN`` names), token axis 2.
-    exact : ExactTokens
-        The sink tokens, then the recent window, in float16.
-    calib : PolarCalibration or None
-        Set when the layer's first token is encoded.
-    rollback : ExactTokens
-        float16 copies of the last ``rollback_tokens`` encoded tokens (for :meth:`~PolarCache.truncate`).
-    window_rows, rollback_rows : SlidingRows or None
-        The buffers ``exact`` and ``rollback`` are views of once decode steps slide them in
-        place (:meth:`PolarCache._slide_one`); stale when those fields hold other arrays.
+    ``codes`` holds the ``_PER_TOKEN`` arrays; ``calib`` is the layer's
+    :class:`PolarCalibration`, set when its first token is encoded. ``window_rows`` and
+    ``rollback_rows`` also serve the one-call decode store (:meth:`PolarCache._slide_one`).
     """
-
-    codes: TokenBuffers = None
-    exact: ExactTokens = None
-    calib: PolarCalibration | None = None
-    rollback: ExactTokens = None
-    window_rows: SlidingRows | None = None
-    rollback_rows: SlidingRows | None = None
-
-    def buffers(self) -> tuple:
-        return (self.codes,)
 
 
 @register_method("polar", generic=True)
@@ -267,9 +247,7 @@ class PolarCache(WindowRollback, LayeredCache):
         xp = st.xp
         if k.dtype == xp.float64:  # float64 -> float32 -> float16 could round twice: the general path
             return False
-        window = st.window_rows
-        if window is None or not window.holds(exact.k):
-            window = st.window_rows = SlidingRows(xp, exact.k, exact.v)
+        window = sliding_rows(st, "window_rows", exact)
         arriving = window.room(1)
         st.exact = ExactTokens(k=window.k, v=window.v, n_sink=ns)  # the same rows (renewed views if they moved)
         at = st.codes.length
@@ -282,9 +260,7 @@ class PolarCache(WindowRollback, LayeredCache):
             return False
         keep = self.rollback_tokens
         if keep:  # the leaving row becomes the newest rollback copy (copied before the window slides over it)
-            margin = st.rollback_rows
-            if margin is None or not margin.holds(st.rollback.k):
-                margin = st.rollback_rows = SlidingRows(xp, st.rollback.k, st.rollback.v)
+            margin = sliding_rows(st, "rollback_rows", st.rollback)
             held = st.rollback.count
             mk, mv = margin.slide(0, max(0, held + 1 - keep), window.k[:, :, ns:ns + 1, :],
                                   window.v[:, :, ns:ns + 1, :])
@@ -353,10 +329,6 @@ class PolarCache(WindowRollback, LayeredCache):
 
     def _side_nbytes(self, st) -> int:
         return st.exact.nbytes() + self._rollback_nbytes(st) + (0 if st.calib is None else st.calib.nbytes())
-
-    def _side_spare_nbytes(self, st) -> int:
-        return sum(rows.spare_nbytes() for rows, held in ((st.window_rows, st.exact), (st.rollback_rows, st.rollback))
-                   if rows is not None and rows.holds(held.k))
 
     # -- inspection for kernels ------------------------------------------------------
     def layer_codec_state(self, layer: int) -> PolarLayerCodec | None:

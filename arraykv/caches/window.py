@@ -20,11 +20,13 @@ from typing import Any
 
 from .._compat import array_nbytes
 from ..quant.polar import half_dtype
-from .layer import refuse_overflow
+from ..storage import TokenBuffers
+from .layer import LayerState, refuse_overflow
 from .rollback import RECORD_NBYTES, keep_last
+from .sliding import SlidingRows
 
-__all__ = ["ExactTokens", "WindowStep", "WindowRollback", "commit_store", "restore_tokens", "rollback_arrays",
-           "restore_rollback"]
+__all__ = ["ExactTokens", "WindowStep", "WindowLayer", "WindowRollback", "commit_store", "restore_tokens",
+           "rollback_arrays", "restore_rollback", "sliding_rows"]
 
 
 def _f32(xp: Any, x: Any):
@@ -201,9 +203,49 @@ class WindowStep:
         return ks, vs
 
 
-def commit_store(xp: Any, method: str, st: Any, step: WindowStep, spill: int, arrays: dict | None, calib: Any,
-                 new_calib: dict, rollback: int = 0) -> None:
-    """Commit a planned store to layer ``st`` (fields ``codes``, ``calib``, ``exact``, ``rollback``).
+@dataclass
+class WindowLayer(LayerState):
+    """A layer with sinks, encoded tokens and a recent window (polar, ``lowrank``, ``vq``).
+
+    Attributes
+    ----------
+    codes : TokenBuffers
+        The encoded tokens' arrays, token axis 2.
+    exact : ExactTokens
+        The sink tokens, then the recent window, in float16.
+    calib : object or None
+        The layer's calibration (the cache's type), None before it is made.
+    rollback : ExactTokens
+        float16 copies of the last ``rollback_tokens`` encoded tokens (for ``truncate``).
+    window_rows, rollback_rows : SlidingRows or None
+        The buffers ``exact`` and ``rollback`` are views of once stores slide them in place
+        (:func:`commit_store`); stale when those fields hold other arrays (:func:`sliding_rows`).
+    """
+
+    codes: TokenBuffers = None
+    exact: ExactTokens = None
+    calib: Any = None
+    rollback: ExactTokens = None
+    window_rows: SlidingRows | None = None
+    rollback_rows: SlidingRows | None = None
+
+    def buffers(self) -> tuple:
+        return (self.codes,)
+
+
+def sliding_rows(st: WindowLayer, name: str, held: ExactTokens) -> SlidingRows:
+    """The layer's :class:`SlidingRows` ``name`` (``"window_rows"``, ``"rollback_rows"``) holding the
+    block ``held``; made from ``held`` (a copy) when the field holds another block or none."""
+    rows = getattr(st, name)
+    if rows is None or not rows.holds(held.k):
+        rows = SlidingRows(st.xp, held.k, held.v)
+        setattr(st, name, rows)
+    return rows
+
+
+def commit_store(xp: Any, method: str, st: WindowLayer, step: WindowStep, spill: int, arrays: dict | None,
+                 calib: Any, new_calib: dict, rollback: int = 0) -> None:
+    """Commit a planned store to layer ``st``.
 
     ``step`` is the plan (:meth:`ExactTokens.step`) and ``spill`` the tokens of ``recent ++
     new`` that leave the window, ``arrays`` those tokens encoded (None: none left), ``calib``
@@ -212,8 +254,34 @@ def commit_store(xp: Any, method: str, st: Any, step: WindowStep, spill: int, ar
     rollback copies kept: the half-precision form of the last ``rollback`` tokens encoded
     (:mod:`arraykv.caches.rollback`). What this store adds in float is checked for float16
     overflow first (:func:`~arraykv.caches.layer.refuse_overflow`; the rows already held were
-    checked when they were stored): a refused store changes nothing.
+    checked when they were stored): a refused store changes nothing, and neither does one
+    whose allocations fail.
+
+    Notes
+    -----
+    A store that takes no sink slides the window in place (:class:`SlidingRows`): the rows
+    that arrive are written after the block and the sinks move forward over the rows that
+    leave, the same block a concatenation would build, without allocating one per store. The
+    rollback copies slide the same way. Every allocation comes first (room for the rows in
+    both buffers, then the encoded tokens' append); the rows written into that room are not
+    part of a block until the last step, which allocates nothing. A store that takes sinks
+    builds the block anew (only the first ``sink_tokens`` tokens do).
     """
+    if step.taken:
+        finish = _new_block(xp, method, st, step, spill, arrays, new_calib, rollback)
+    else:
+        finish = _sliding_block(xp, method, st, step, spill, arrays, new_calib, rollback)
+    if arrays is not None:
+        st.codes.append(arrays)
+    finish()
+    if new_calib:
+        st.fixed_end = st.length + step.taken + step.n_new
+    st.calib = calib
+
+
+def _new_block(xp: Any, method: str, st: WindowLayer, step: WindowStep, spill: int, arrays: dict | None,
+               new_calib: dict, rollback: int):
+    """:func:`commit_store`'s window and rollback copies by concatenation; returns the commit."""
     exact = step.block(spill)
     k_new, v_new = step.added_rows(exact, spill)
     margin = st.rollback
@@ -223,13 +291,50 @@ def commit_store(xp: Any, method: str, st: Any, step: WindowStep, spill: int, ar
             k_new, v_new = k_new + [kr], v_new + [vr]
         margin = ExactTokens(k=keep_last(xp, margin.k, kr, rollback), v=keep_last(xp, margin.v, vr, rollback))
     refuse_overflow(xp, method, {"window": k_new, "value window": v_new, **(arrays or {}), **new_calib})
-    if arrays is not None:
-        st.codes.append(arrays)
-    if new_calib:
-        st.fixed_end = st.length + step.taken + step.n_new
-    st.calib = calib
-    st.exact = exact
-    st.rollback = margin
+
+    def finish():
+        st.exact, st.rollback = exact, margin
+    return finish
+
+
+def _sliding_block(xp: Any, method: str, st: WindowLayer, step: WindowStep, spill: int, arrays: dict | None,
+                   new_calib: dict, rollback: int):
+    """:func:`commit_store`'s window and rollback copies slid in place (no sink taken): the
+    checks and every allocation; returns the commit, which allocates nothing."""
+    half = half_dtype(xp)
+    n_w, t = step.n_recent, step.n_new
+    keep_new = t - max(0, spill - n_w)  # new tokens that stay in the window
+    k_new = xp.astype(step.k[:, :, t - keep_new:, :], half)
+    v_new = xp.astype(step.v[:, :, t - keep_new:, :], half)
+    k_check, v_check = [k_new], [v_new]
+    kr = vr = None
+    if spill and rollback:
+        kr, vr = step.half_rows(max(0, spill - rollback), spill)
+        if spill > n_w:  # rows of new tokens among them (rows of the held window were checked)
+            k_check, v_check = k_check + [kr], v_check + [vr]
+    refuse_overflow(xp, method, {"window": k_check, "value window": v_check, **(arrays or {}), **new_calib})
+    margin = None
+    if kr is not None:  # copied into the spare rows before the window's buffer moves
+        margin = sliding_rows(st, "rollback_rows", st.rollback)
+        r = int(kr.shape[2])
+        row = margin.room(r)
+        st.rollback = ExactTokens(k=margin.k, v=margin.v)  # the same rows (renewed views if they moved)
+        margin.key_rows[:, :, row:row + r, ...] = kr
+        margin.value_rows[:, :, row:row + r, ...] = vr
+    window = sliding_rows(st, "window_rows", st.exact)
+    row = window.room(keep_new)
+    n_sink = st.exact.n_sink
+    st.exact = ExactTokens(k=window.k, v=window.v, n_sink=n_sink)
+
+    def finish():
+        if margin is not None:
+            mk, mv = margin.advance(0, max(0, st.rollback.count + int(kr.shape[2]) - rollback), int(kr.shape[2]))
+            st.rollback = ExactTokens(k=mk, v=mv)
+        window.key_rows[:, :, row:row + keep_new, ...] = k_new
+        window.value_rows[:, :, row:row + keep_new, ...] = v_new
+        wk, wv = window.advance(n_sink, min(spill, n_w), keep_new)
+        st.exact = ExactTokens(k=wk, v=wv, n_sink=n_sink)
+    return finish
 
 
 def restore_tokens(st: Any, arrays: dict, per_token: tuple, exact: ExactTokens, length: int) -> None:
@@ -357,6 +462,11 @@ class WindowRollback:
 
     def _rollback_nbytes(self, st: Any) -> int:
         return st.rollback.nbytes() + RECORD_NBYTES
+
+    def _side_spare_nbytes(self, st: WindowLayer) -> int:
+        """The spare rows of the buffers the window and the rollback copies slide in."""
+        return sum(rows.spare_nbytes() for rows, held in ((st.window_rows, st.exact), (st.rollback_rows, st.rollback))
+                   if rows is not None and rows.holds(held.k))
 
 
 def rollback_arrays(st: Any) -> dict:

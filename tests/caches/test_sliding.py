@@ -1,17 +1,22 @@
 """Window blocks slid in place (:mod:`arraykv.caches.sliding`) against the concatenating store.
 
-A polar layer whose sinks and window are full stores a decode token by sliding its float16
-window and rollback copies in place (``PolarCache._slide_one``). Everything it holds and answers
-must be what the general store (a new block by concatenation) gives, bit for bit: the arrays,
-the decode output, a refused store, truncation, fork and save/load afterwards.
+Every store of a window cache (polar, ``lowrank``, ``vq``) that takes no sink slides its float16
+window and rollback copies in place (``window.commit_store``); a polar layer whose sinks and
+window are full stores a decode token in one op (``PolarCache._slide_one``). Everything such a
+cache holds and answers must be what a cache that builds every block by concatenation gives,
+bit for bit: the arrays, the decode output, a refused store, truncation, fork and save/load
+afterwards.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
 
 import arraykv
+from arraykv.caches import window
 from arraykv.caches.polar import PolarCache
 from arraykv.caches.sliding import SlidingRows
 from cache_contract import random_kvq
@@ -39,11 +44,27 @@ def test_slide_equals_concatenation(rng, head):
 
 
 def _pair(method, **options):
-    """The same cache twice: the second never takes the in-place path."""
+    """The same cache twice: the second builds every block by concatenation (calls on it inside
+    :func:`_mode`)."""
     fast = arraykv.make_cache(method, num_layers=1, num_kv_heads=H, head_dim=D, **options)
     slow = arraykv.make_cache(method, num_layers=1, num_kv_heads=H, head_dim=D, **options)
     slow._slide_one = lambda *args: False
+    slow._concatenates = True
     return fast, slow
+
+
+@contextlib.contextmanager
+def _mode(cache):
+    """Calls on a cache of :func:`_pair` made to concatenate store every block anew."""
+    if not getattr(cache, "_concatenates", False):
+        yield
+        return
+    sliding = window._sliding_block
+    window._sliding_block = window._new_block
+    try:
+        yield
+    finally:
+        window._sliding_block = sliding
 
 
 def _output(res):
@@ -81,23 +102,30 @@ def test_in_place_store_holds_and_answers_what_concatenation_does(rng, method, o
         _in_place_equals_concatenation(rng, method, options)
 
 
-def _in_place_equals_concatenation(rng, method, options):
+def _in_place_equals_concatenation(rng, method, options, first=40):
     fast, slow = _pair(method, **options)
-    k, v, q = random_kvq(rng, np, 1, H, G, 40, D)
+    k, v, q = random_kvq(rng, np, 1, H, G, first, D)
     for c in (fast, slow):
-        c.prefill(0, k, v, q)
+        with _mode(c):
+            c.prefill(0, k, v, q)
     for step in range(90):
-        k, v, q = random_kvq(rng, np, 1, H, G, 1, D)
+        k, v, q = random_kvq(rng, np, 1, H, G, 1 + (step % 7 == 3), D)  # now and then two tokens
         if step % 17 == 5:  # a refused store changes neither
             k = k.copy()
-            k[0, 0, 0, 0] = 1e6
+            k[0, 0, -1, 0] = 1e6
             for c in (fast, slow):
-                with pytest.raises(ValueError, match="overflow"):
-                    c.decode(0, k, v, q, CFG)
+                with _mode(c), pytest.raises(ValueError, match="overflow"):
+                    c.decode(0, k, v, q, CFG) if int(k.shape[2]) == 1 else c.prefill(0, k, v, q)
             _same(fast, slow)
             continue
-        outs = [_output(c.decode(0, k, v, q, CFG)) for c in (fast, slow)]
-        np.testing.assert_equal(outs[0], outs[1])
+        outs = []
+        for c in (fast, slow):
+            with _mode(c):
+                outs.append(_output(c.decode(0, k, v, q, CFG)) if int(k.shape[2]) == 1 else c.prefill(0, k, v, q))
+        if int(k.shape[2]) == 1:
+            np.testing.assert_equal(outs[0], outs[1])
+        else:
+            np.testing.assert_equal((outs[0].k, outs[0].v), (outs[1].k, outs[1].v))
         _same(fast, slow)
         if step % 23 == 11:  # a truncation, then the window slides again
             n = fast.min_truncate_length(0)
@@ -105,19 +133,34 @@ def _in_place_equals_concatenation(rng, method, options):
             for c in (fast, slow):
                 c.truncate(0, length)
             _same(fast, slow)
-        if step % 29 == 13:  # a chunk stored by the general path in between
+        if step % 29 == 13:  # a longer chunk in between
             k, v, q = random_kvq(rng, np, 1, H, G, 3, D)
             for c in (fast, slow):
-                c.prefill(0, k, v, q)
+                with _mode(c):
+                    c.prefill(0, k, v, q)
             _same(fast, slow)
     assert fast._states[0].window_rows is not None and slow._states[0].window_rows is None  # both paths ran
     twin = fast.fork()
     _same(twin, slow)
     k, v, q = random_kvq(rng, np, 1, H, G, 1, D)
-    outs = [_output(c.decode(0, k, v, q, CFG)) for c in (twin, fast, slow)]
+    outs = []
+    for c in (twin, fast, slow):
+        with _mode(c):
+            outs.append(_output(c.decode(0, k, v, q, CFG)))
     np.testing.assert_equal(outs[0], outs[2])
     np.testing.assert_equal(outs[1], outs[2])
     _same(twin, slow)
+
+
+@pytest.mark.parametrize("method,options", [
+    ("lowrank", {"rank": 4, "min_calibration": 16}),
+    ("lowrank", {"rank": 6, "min_calibration": 16, "residual_window": 3, "sink_tokens": 0, "rollback_tokens": 2}),
+    ("vq", {"codebook_size": 16, "sub_dim": 4, "min_calibration": 16, "residual_window": 5, "sink_tokens": 2}),
+    ("vq", {"codebook_size": 8, "sub_dim": 2, "min_calibration": 16, "residual_window": 1, "rollback_tokens": 7}),
+])
+def test_fitted_caches_slide_what_concatenation_builds(rng, method, options):
+    """lowrank and vq: every store without a new sink slides in place (the general store)."""
+    _in_place_equals_concatenation(rng, method, options)
 
 
 def test_spare_rows_are_counted_in_memory_usage_only(rng):
@@ -142,10 +185,25 @@ def test_in_place_store_of_other_input_dtypes_is_the_general_store(rng, dtype):
     fast, slow = _pair("pqo4", residual_window=4, sink_tokens=2)
     k, v, q = (a.astype(dtype) for a in random_kvq(rng, np, 1, H, G, 30, D))
     for c in (fast, slow):
-        c.prefill(0, k, v, q)
+        with _mode(c):
+            c.prefill(0, k, v, q)
+    one_call = []
+    store = arraykv.ops.polar_store_token
+
+    def counted(*args):
+        one_call.append(1)
+        return store(*args)
+
     for _ in range(25):
         k, v, q = (a.astype(dtype) for a in random_kvq(rng, np, 1, H, G, 1, D))
-        outs = [_output(c.decode(0, k, v, q, CFG)) for c in (fast, slow)]
+        outs = []
+        for c in (fast, slow):
+            with _mode(c):
+                arraykv.ops.polar_store_token = counted
+                try:
+                    outs.append(_output(c.decode(0, k, v, q, CFG)))
+                finally:
+                    arraykv.ops.polar_store_token = store
         np.testing.assert_equal(outs[0], outs[1])
         _same(fast, slow)
-    assert (fast._states[0].window_rows is not None) == (dtype == np.float16)
+    assert bool(one_call) == (dtype == np.float16)
