@@ -173,6 +173,47 @@ def test_torch_cache_equals_numpy_cache(method, geometry, dtype, rng):
     assert ct.seq_len(0) == 0 and ct.dequantize(0) is None and ct.memory_usage() == ct._fixed_nbytes()
 
 
+@pytest.fixture
+def no_implicit_host_copies(monkeypatch):
+    """Torch tensors that refuse ``numpy.asarray`` (``__array__``), as CUDA tensors do.
+
+    A conversion a CPU tensor allows silently but a CUDA tensor refuses (found on a GPU:
+    ``numpy.asarray`` of a device tensor in the rotary-mean fit) then fails on any machine.
+    The library's own conversions are explicit (``.cpu().numpy()``, DLPack) and still work.
+    """
+    def refuse(self, *args, **kwargs):
+        raise TypeError("implicit conversion of a torch tensor to NumPy")
+
+    monkeypatch.setattr(torch.Tensor, "__array__", refuse)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_no_implicit_conversion_of_tensors(method, rng, no_implicit_host_copies, tmp_path):
+    """Every call of every method on tensors, with keys of a rotary model (the rotating key mean
+    is fitted), never converts a tensor implicitly: what a CUDA tensor would refuse."""
+    hkv, g, d = GEOMETRIES[0]
+    c = arraykv.make_cache(method, num_layers=1, num_kv_heads=hkv, head_dim=d)
+    k, v, q = _kvq(rng, 2, hkv, g, 120, d, np.float32)
+    ang = np.arange(120)[:, None] * 10000.0 ** (-2.0 * np.arange(d // 2) / d)[None, :]
+    mu = rng.standard_normal((2, hkv, 1, d)) * 3.0  # keys with a rotating mean: the rotary fit runs
+    a, b = mu[..., : d // 2] + k[..., : d // 2], mu[..., d // 2:] + k[..., d // 2:]
+    k = np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], -1).astype(np.float32)
+    c.prefill(0, _t(k), _t(v), _t(q))
+    cfg = arraykv.AttendConfig(d**-0.5, g)
+    for t in (1, 1, 3, 1):
+        k, v, q = _kvq(rng, 2, hkv, g, t, d, np.float32)
+        if t == 1:
+            c.decode(0, _t(k), _t(v), _t(q), cfg)
+        else:
+            c.prefill(0, _t(k), _t(v), _t(q))
+    assert isinstance(c.dequantize(0).k, torch.Tensor)
+    twin = c.fork()
+    twin.truncate_all(max(twin.min_truncate_length(0), twin.seq_len(0) - 1))
+    c.save(tmp_path / "c.akv")
+    back = arraykv.load(tmp_path / "c.akv", xp=xt)
+    assert back.seq_len(0) == c.seq_len(0)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_fork_truncate_save_load_on_torch(method, rng, tmp_path):
     hkv, g, d = GEOMETRIES[0]
