@@ -318,13 +318,15 @@ def _sliding_block(xp: Any, method: str, st: WindowLayer, step: WindowStep, spil
         margin = sliding_rows(st, "rollback_rows", st.rollback)
         r = int(kr.shape[2])
         row = margin.room(r)
-        st.rollback = ExactTokens(k=margin.k, v=margin.v)  # the same rows (renewed views if they moved)
+        if margin.k is not st.rollback.k:  # the same rows, moved: renewed views
+            st.rollback = ExactTokens(k=margin.k, v=margin.v)
         margin.key_rows[:, :, row:row + r, ...] = kr
         margin.value_rows[:, :, row:row + r, ...] = vr
     window = sliding_rows(st, "window_rows", st.exact)
     row = window.room(keep_new)
     n_sink = st.exact.n_sink
-    st.exact = ExactTokens(k=window.k, v=window.v, n_sink=n_sink)
+    if window.k is not st.exact.k:  # the same rows, moved: renewed views
+        st.exact = ExactTokens(k=window.k, v=window.v, n_sink=n_sink)
 
     def finish():
         if margin is not None:
