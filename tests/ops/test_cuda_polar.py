@@ -162,6 +162,24 @@ def test_gpu_decode_rotating_key_mean(method, d, g, b):
     _check_decode(method, d, g, b, rope=True)
 
 
+def test_rotary_plan_follows_the_codec_namespace():
+    # a codec whose arrays were handed over to another library (torch tensors as CuPy views in
+    # the bridge) still carries its cache's plan: the launcher makes one in the arrays' namespace
+    import array_api_strict as xps
+
+    from arraykv.ops.cuda.polar import _rotary_plan
+
+    k, v, q, _ = _data(64, 2, 2, 1, 120, seed=3, rope=True)
+    cache = arraykv.make_cache("pqo4", num_layers=1, num_kv_heads=2, head_dim=64)
+    cache.prefill(0, k, v, q)
+    codec = cache.layer_codec_state(0)
+    assert codec.k_mean_plan is not None and _rotary_plan(codec) is codec.k_mean_plan
+    moved = dataclasses.replace(codec, k_mean=xps.asarray(codec.k_mean.astype(np.float32)),  # no float16 there
+                                k_mean_freq=xps.asarray(codec.k_mean_freq), k_mean_pairs=xps.asarray(codec.k_mean_pairs))
+    plan = _rotary_plan(moved)
+    assert plan is not codec.k_mean_plan and plan.xp is xps and plan.shared == codec.k_mean_plan.shared
+
+
 @requires_gpu
 def test_gpu_rotary_phase_rows_match_float64():
     import cupy as cp

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 
+from ... import _compat
 from ...attention.polar_fused import polar_decode_attention_reference
 from ...quant.polar import polar_decode_reference, polar_encode_reference
 from ...quant.qjl import QJL_SCALE
@@ -220,9 +221,11 @@ def unsupported_reason(codec, q) -> str | None:
 
 
 def _rotary_plan(codec):
-    """The codec's rotating-key-mean plan (made here when the codec does not carry one)."""
+    """The codec's rotating-key-mean plan, or one made here from its arrays when it carries none
+    or one of another namespace (a torch cache's plan, when the codec's tensors reach this op as
+    CuPy views through :mod:`arraykv.ops.bridge`)."""
     plan = getattr(codec, "k_mean_plan", None)
-    if plan is None:
+    if plan is None or plan.xp is not _compat.namespace(codec.k_mean):
         plan = RotaryMeanPlan(codec.k_mean, codec.k_mean_freq, codec.k_mean_pairs)
     return plan
 
