@@ -197,6 +197,34 @@ def test_softmax_rows_equals_the_loop(g, nt, first, rng):
 
 
 @nb.njit
+def _softmax_affine_vec(s, nt, kn, cq, rt, vn, m, l, acc):
+    simd.softmax_rows_affine(s, nt, kn, cq, rt, vn, m, l, acc)
+
+
+@pytest.mark.parametrize("g", [1, 4, 9])
+@pytest.mark.parametrize("nt", [64, 61, 17, 1])
+@pytest.mark.parametrize("first", [True, False], ids=["first-tile", "running"])
+def test_softmax_rows_affine_equals_the_loop(g, nt, first, rng):
+    s = (rng.standard_normal((g, 64)) * 5).astype(np.float32)
+    kn = rng.uniform(0.5, 2.0, 64).astype(np.float32)
+    vn = rng.uniform(0.5, 2.0, 64).astype(np.float32)
+    kn[nt:], vn[nt:] = np.inf, np.nan  # lanes after the tile's tokens: never used, never written
+    cq = rng.standard_normal(g).astype(np.float32)
+    rt = rng.standard_normal((g, 64)).astype(np.float32)
+    m = np.full(g, -np.inf, np.float32) if first else (rng.standard_normal(g) * 3).astype(np.float32)
+    l = np.zeros(g, np.float32) if first else rng.random(g).astype(np.float32)
+    acc = rng.standard_normal((g, 128)).astype(np.float32)
+    got = [x.copy() for x in (s, m, l, acc)]
+    want = [x.copy() for x in (s, m, l, acc)]
+    _softmax_affine_vec(got[0], nt, kn, cq, rt, vn, *got[1:])
+    simd.softmax_rows_affine_loop(want[0], nt, kn, cq, rt, vn, *want[1:])
+    np.testing.assert_allclose(got[0][:, :nt], want[0][:, :nt], rtol=2e-5, atol=0)
+    for a, b in zip(got[1:], want[1:]):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=0)
+    assert (got[0][:, nt:(nt + 15) // 16 * 16] == 0).all()
+
+
+@nb.njit
 def _int4_group(codes, qf, s, off):
     simd.int4_group_scores(codes, qf, s, off)
 

@@ -48,8 +48,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from .fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softmax_tile, tile_add_rows, tile_dots
-from .simd import (VECTOR_TILES, channels_to_planar, softmax_rows, tile_scores, tile_scores_codes_2, tile_scores_codes_4, tile_values,
-                   tile_values_codes_2, tile_values_codes_4)
+from .simd import (VECTOR_TILES, channels_to_planar, softmax_rows, softmax_rows_affine, tile_scores, tile_scores_codes_2,
+                   tile_scores_codes_4, tile_values, tile_values_codes_2, tile_values_codes_4)
 from .polar_query import _finish_head, _prepare_head, _prepare_rotating
 from .simd3 import tile_scores_codes_3, tile_values_codes_3
 from .simd_signs import tile_sign_scores
@@ -134,6 +134,8 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
     v_direct = _planar_per(v_bits, d) if vec else 0
     k3 = vec and _direct3(k_bits, d)  # 3-bit codes: sixteen per vpermps from six bytes, channel order
     v3 = vec and _direct3(v_bits, d)
+    # no per-token term besides the lengths, q·μ and the rotating mean: the softmax applies them
+    affine = vec and n_out == 0 and m_rows == 0
     for t0 in range(t_lo, t_hi, TILE):
         t1 = min(t_hi, t0 + TILE)
         # 1. scores of the tile
@@ -180,7 +182,9 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
         for r in range(nt):
             kn[r] = half[k_norms[b, h, t0 + r]]
             vn[r] = half[v_norms[b, h, t0 + r]]
-        for g in range(g_n):
+        if affine:  # 2. lengths, q·μ, the rotating mean's term, softmax and value lengths in one pass
+            softmax_rows_affine(s, nt, kn, qconst, rterm, vn, m, l, al)
+        for g in range(g_n if not affine else 0):
             sg = s[g]
             rg = rterm[g]
             cg = qconst[g]
@@ -209,14 +213,14 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
                         x += sdot * qn
                     s[g, r] = x
         # 2. online softmax: rescale once per tile, then the tile's weights
-        if vec:
+        if vec and not affine:
             softmax_rows(s, nt, m, l, al)
         for g in range(g_n if not vec else 0):
             softmax_tile(s[g], nt, m, l, al, g, ebits)
         # 3. weighted values in the rotated domain
         if not v_direct and not v3:
             _unpack_rows(v_codes, b, h, t0, t1, v_bits, v_table, v_cent, d, buf, buf64)
-        for g in range(g_n):
+        for g in range(g_n if not affine else 0):
             sg = s[g]
             for r in range(nt):
                 sg[r] *= vn[r]

@@ -43,12 +43,14 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
+from .fused_driver import FASTMATH, softmax_tile
+
 __all__ = ["HAVE_PERMPS", "planar_per", "table16", "unpack_tile_4", "unpack_tile_2", "unpack_tile_4_loop",
            "unpack_tile_2_loop", "to_planar", "from_planar", "channels_to_planar", "planar_to_channels", "tile_scores", "tile_values",
            "VECTOR_TILES", "tile_scores_codes_4", "tile_scores_codes_2", "tile_values_codes_4", "tile_values_codes_2",
            "tile_scores_codes_4_loop", "tile_scores_codes_2_loop", "tile_values_codes_4_loop",
            "tile_values_codes_2_loop", "PREFETCH_ROWS", "int4_group_scores", "tile_values_codes_4_scaled",
-           "tile_values_codes_4_scaled_loop", "softmax_rows",
+           "tile_values_codes_4_scaled_loop", "softmax_rows", "softmax_rows_affine", "softmax_rows_affine_loop",
            "int8_group_scores", "tile_values_codes_8_scaled", "tile_values_codes_8_scaled_loop"]
 
 
@@ -890,9 +892,25 @@ _EXP2 = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.00961812
 
 
 def _softmax_codegen(context, builder, sig, args):
+    """``softmax_rows(s, nt, m, l, acc)``."""
+    return _softmax_ir(context, builder, sig, args, None)
+
+
+def _softmax_affine_codegen(context, builder, sig, args):
+    """``softmax_rows_affine(s, nt, kn, cq, rt, vn, m, l, acc)``."""
+    return _softmax_ir(context, builder, sig, args, (2, 3, 4, 5))
+
+
+def _softmax_ir(context, builder, sig, args, affine):
+    """The online-softmax step of a tile; with ``affine`` (argument positions of ``kn, cq, rt,
+    vn``) the logits are ``s·kn + cq[g] + rt[g]`` (computed as they are read, stored back) and
+    the weights written are ``p·vn`` (the sum ``l`` takes ``p``)."""
     h = _vec_helpers()
     ir = h.ir
-    (s, (g_n, s_w)), (m, _), (l, _), (acc, (_, d)) = _arrays(context, builder, sig, args, (0, 2, 3, 4))
+    tail = (6, 7, 8) if affine else (2, 3, 4)
+    (s, (g_n, s_w)), (m, _), (l, _), (acc, (_, d)) = _arrays(context, builder, sig, args, (0,) + tail)
+    if affine:
+        (kn, _), (cq, _), (rt, (_, rt_w)), (vn, _) = _arrays(context, builder, sig, args, affine)
     nt = args[1]
     f32, v16 = h.f32, h.v16
     i32 = ir.IntType(32)
@@ -923,12 +941,21 @@ def _softmax_codegen(context, builder, sig, args):
                                     ir.Constant(v16i32, ir.Undefined), ir.Constant(v16i32, [0] * 16))
         return builder.icmp_signed("<", builder.add(bv, lanes), ntv)
 
+    fma0 = h.fma_fn(builder)
     with h.cgutils.for_range(builder, g_n) as lg:
         g = lg.index
         row = builder.mul(g, s_w)
         builder.store(ninf, mx)
+        if affine:
+            cqv = h.splat(builder, builder.load(builder.gep(cq, [g])))
+            rt_row = builder.mul(g, rt_w)
         with h.cgutils.for_range(builder, nvec) as lk:
-            x = h.vload(builder, s, builder.add(row, builder.mul(lk.index, h.const(16))))
+            off = builder.mul(lk.index, h.const(16))
+            x = h.vload(builder, s, builder.add(row, off))
+            if affine:  # the logits: s·ℓ_k + q·μ + the rotating mean's term, stored back
+                x = builder.fadd(builder.call(fma0, [x, h.vload(builder, kn, off), cqv]),
+                                 h.vload(builder, rt, builder.add(rt_row, off)))
+                h.vstore(builder, x, s, builder.add(row, off))
             x = builder.select(live(lk.index), x, ninf)
             builder.store(builder.call(vmax, [builder.load(mx), x]), mx)
         v = builder.load(mx)
@@ -979,9 +1006,11 @@ def _softmax_codegen(context, builder, sig, args):
             e = builder.shl(builder.add(builder.fptosi(nf, v16i32), ir.Constant(v16i32, [127] * 16)),
                             ir.Constant(v16i32, [23] * 16))
             p = builder.fmul(p, builder.bitcast(e, v16))
-            p = builder.select(live(lk.index), p, zero)
-            h.vstore(builder, p, s, at)
-            builder.store(builder.fadd(builder.load(sm), p), sm)
+            alive = live(lk.index)
+            builder.store(builder.fadd(builder.load(sm), builder.select(alive, p, zero)), sm)
+            if affine:  # the weights carry the value lengths
+                p = builder.fmul(p, h.vload(builder, vn, builder.mul(lk.index, h.const(16))))
+            h.vstore(builder, builder.select(alive, p, zero), s, at)
         builder.store(builder.fadd(builder.load(l_ptr), h.hsum(builder, builder.load(sm))), l_ptr)
     return context.get_dummy_value()
 
@@ -1000,3 +1029,33 @@ def softmax_rows(typingctx, s, nt, m, l, acc):
     if not ok:
         return None
     return nbt.void(s, nbt.int64, m, l, acc), _softmax_codegen
+
+
+@nb.njit(fastmath=FASTMATH)
+def softmax_rows_affine_loop(s, nt, kn, cq, rt, vn, m, l, acc):
+    """Reference of :func:`softmax_rows_affine`: the logits, the tile's softmax
+    (:func:`~arraykv.ops.numba.fused_driver.softmax_tile`), then the weights times ``vn``."""
+    ebits = np.empty(s.shape[1], np.int32)
+    for g in range(s.shape[0]):
+        for r in range(nt):
+            s[g, r] = s[g, r] * kn[r] + cq[g] + rt[g, r]
+        softmax_tile(s[g], nt, m, l, acc, g, ebits)
+        for r in range(nt):
+            s[g, r] *= vn[r]
+
+
+@intrinsic
+def softmax_rows_affine(typingctx, s, nt, kn, cq, rt, vn, m, l, acc):
+    """:func:`softmax_rows` of the logits ``s[g]·kn + cq[g] + rt[g]``, writing the weights times ``vn``.
+
+    ``kn``, ``vn`` (≥ width,) and ``rt`` (G, ≥ width) float32, C-contiguous, ``cq`` (G,):
+    the per-token key and value lengths, the per-query constant and per-token term of a fused
+    step, applied as the tile is read (the logits are stored back into ``s`` on the way) rather
+    than in separate loops over the tile. ``l`` sums the weights before ``vn``. Reference:
+    :func:`softmax_rows_affine_loop`.
+    """
+    ok = (_c_f32(s, kn, cq, rt, vn, m, l, acc) and s.ndim == 2 and rt.ndim == 2 and kn.ndim == 1 and vn.ndim == 1
+          and cq.ndim == 1 and m.ndim == 1 and l.ndim == 1 and acc.ndim == 2 and isinstance(nt, nbt.Integer))
+    if not ok:
+        return None
+    return nbt.void(s, nbt.int64, kn, cq, rt, vn, m, l, acc), _softmax_affine_codegen
