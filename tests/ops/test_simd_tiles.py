@@ -166,6 +166,18 @@ def test_table16_refuses_big_codebooks():
         simd.table16(np.zeros(17, np.float32))
 
 
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8, 12, 16])
+def test_table16_repeats_codebooks_that_divide_it(size):
+    cent = np.arange(1, size + 1, dtype=np.float32)
+    tab = simd.table16(cent)
+    assert tab.dtype == np.float32 and tab.shape == (16,)
+    np.testing.assert_array_equal(tab[:size], cent)  # every code's own entry
+    if 16 % size == 0:
+        np.testing.assert_array_equal(tab, cent[np.arange(16) % size])  # bits above the code: don't-care
+    else:
+        assert (tab[size:] == 0).all()
+
+
 @nb.njit
 def _softmax_vec(s, nt, m, l, acc):
     simd.softmax_rows(s, nt, m, l, acc)

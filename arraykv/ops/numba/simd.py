@@ -97,12 +97,21 @@ def planar_per(bits: int, d: int) -> int:
 
 
 def table16(cent) -> np.ndarray:
-    """A codebook of at most 16 centroids as 16 float32 (zeros after the last), the register table."""
+    """A codebook of at most 16 centroids as the 16 float32 of the register table.
+
+    A codebook whose size divides 16 (1, 2, 4, 8 centroids: the codebooks of 0-3 bit codes)
+    fills the table repeated, so entry ``i`` is centroid ``i mod size``: a lookup of a code
+    then needs only its low bits, and the 2-bit paths skip masking the bits above them. Other
+    sizes are followed by zeros.
+    """
     cent = np.asarray(cent, np.float32).reshape(-1)
     if cent.size > 16:
         raise ValueError(f"a register table holds at most 16 centroids, received {cent.size}")
     out = np.zeros(16, np.float32)
-    out[: cent.size] = cent
+    if cent.size and 16 % cent.size == 0:
+        out[:] = np.tile(cent, 16 // cent.size)
+    else:
+        out[: cent.size] = cent
     return out
 
 
@@ -545,7 +554,10 @@ def _code_source(builder, h, bits, c_arr, c_stride, nbytes, tab_arr):
         if not (isinstance(shift, int) and shift == 0):
             sv = ir.Constant(v16i32, [shift] * 16) if isinstance(shift, int) else shift
             idx = builder.lshr(w, sv)
-        if not (isinstance(shift, int) and shift == 8 - bits):
+        # the lookup reads an index's low four bits: 4-bit codes need no mask, nor do 2-bit
+        # codes, whose table repeats its four centroids (:func:`table16`); the top plane has
+        # nothing above it
+        if bits not in (2, 4) and not (isinstance(shift, int) and shift == 8 - bits):
             idx = builder.and_(idx, mask)
         return perm(table, idx)
 
