@@ -66,7 +66,10 @@ def test_random_geometry_works_or_is_refused_clearly(method, head_dim, kv_heads,
     except ValueError as exc:
         assert "head_dim" in str(exc)  # the only geometry a method may refuse, and it says so
         return
-    rng = np.random.default_rng(seed)
+    # a stream of its own: default_rng(0) is also the stream the caches' rotation (seed 0) is
+    # drawn from, and keys that are the rotation's own Gaussian rows are not random to it
+    # (seed 0 made pqo4 store the first head_dim keys with 13-30 % error at head_dim 96)
+    rng = np.random.default_rng((seed, 1))
     scale = head_dim**-0.5
     cfg = arraykv.AttendConfig(scale, groups)
     total = 0
@@ -119,11 +122,8 @@ def relative_error_bound(method: str) -> float:
     if method.startswith(("pq", "tq")):
         # unbiased code lengths (the default) leave |x| tan(theta) instead of |x| sin(theta),
         # E tan^2 = eps / (1 - eps); and the query-derived key weights, estimated from a few
-        # random queries here, move error between channels (a x2.15 case at 3 bits, head_dim
-        # 96, 11 quantized float16 tokens; x3.45 for pqo4 at head_dim 48, one KV head with three
-        # query heads, calls of 20 and 18 float16 tokens; x4.3 for pqo4 at head_dim 96, one KV
-        # head and one query head, calls of 14 and 19 float16 tokens, 9 of them quantized: both
-        # pinned as examples above). 150 random draws of this test per method stay under 0.2 of
-        # this bound: 5x instead of 2x covers the tails the weights make
-        return 5.0 * eps / (1.0 - eps) + 1e-3
+        # random queries here, move error between channels: 4x instead of 2x. (The worst cases
+        # once found, x3.45 and x4.3 for pqo4 at head_dim 48 and 96, pinned as examples above,
+        # were keys drawn from the rotation's own random stream, now kept apart.)
+        return 4.0 * eps / (1.0 - eps) + 1e-3
     return 2.0 * eps + 1e-3
