@@ -15,6 +15,16 @@ def random_kvq(rng, xp, b, hkv, g, t, d, dtype="float32"):
     return k, v, q
 
 
+def rotary_embed(x, theta=10000.0):
+    """Rotary embedding (rotate-half pairs ``(j, j + d/2)``, base ``theta``) of NumPy ``x``
+    (..., n, d) at positions 0 .. n-1: keys of a rotary model when ``x`` holds a mean plus noise."""
+    n, d = x.shape[-2:]
+    ang = np.arange(n)[:, None] * theta ** (-2.0 * np.arange(d // 2) / d)[None, :]
+    c, s = np.cos(ang), np.sin(ang)
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+
+
 def attend(out, q, scale):
     """Attention output of a decode result (Fused or Dequantized)."""
     if isinstance(out, arraykv.Fused):

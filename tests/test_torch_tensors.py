@@ -21,6 +21,7 @@ import array_api_compat.numpy as xnp  # noqa: E402
 import arraykv  # noqa: E402
 from arraykv import ops  # noqa: E402
 from arraykv.ops import registry  # noqa: E402
+from cache_contract import rotary_embed  # noqa: E402
 from conftest import BUILTIN_METHODS  # noqa: E402
 
 METHODS = list(BUILTIN_METHODS)
@@ -194,10 +195,8 @@ def test_no_implicit_conversion_of_tensors(method, rng, no_implicit_host_copies,
     hkv, g, d = GEOMETRIES[0]
     c = arraykv.make_cache(method, num_layers=1, num_kv_heads=hkv, head_dim=d)
     k, v, q = _kvq(rng, 2, hkv, g, 120, d, np.float32)
-    ang = np.arange(120)[:, None] * 10000.0 ** (-2.0 * np.arange(d // 2) / d)[None, :]
     mu = rng.standard_normal((2, hkv, 1, d)) * 3.0  # keys with a rotating mean: the rotary fit runs
-    a, b = mu[..., : d // 2] + k[..., : d // 2], mu[..., d // 2:] + k[..., d // 2:]
-    k = np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], -1).astype(np.float32)
+    k = rotary_embed(mu + k).astype(np.float32)
     c.prefill(0, _t(k), _t(v), _t(q))
     cfg = arraykv.AttendConfig(d**-0.5, g)
     for t in (1, 1, 3, 1):

@@ -17,6 +17,7 @@ import pytest
 
 import arraykv
 from arraykv.ops.cuda.polar import MAX_GROUP, TILE, WARPS, plan_codec_launch, plan_decode_attn
+from cache_contract import rotary_embed
 from gpu import requires_gpu
 
 MODES = ["pqo2", "pqo3", "pqo4", "pq2", "pq3", "pq4", "tq2", "tq3", "tq4"]
@@ -61,15 +62,6 @@ def test_plan_codec_launch_checks():
         plan_codec_launch("quantize", 5, 64, 2, True, "float64")
 
 
-def _rope(x, theta=10000.0):
-    """Rotary embedding (rotate-half pairs ``(j, j + d/2)``) of ``x`` (..., n, d) at positions 0 .. n-1."""
-    n, d = x.shape[-2:]
-    ang = np.arange(n)[:, None] * theta ** (-2.0 * np.arange(d // 2) / d)[None, :]
-    c, s = np.cos(ang), np.sin(ang)
-    a, b = x[..., : d // 2], x[..., d // 2:]
-    return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
-
-
 def _data(d, h, g, b, n, seed, rope=False):
     rng = np.random.default_rng(seed)
     spread = np.ones(d)
@@ -77,7 +69,7 @@ def _data(d, h, g, b, n, seed, rope=False):
     k = (rng.standard_normal((b, h, n, d)) * spread + 1.5).astype(np.float32)
     if rope:  # keys of a rotary model: a large per-head mean, turned by each position
         mu = rng.standard_normal((b, h, 1, d)) * 4.0
-        k = _rope(mu + rng.standard_normal((b, h, n, d)) * spread).astype(np.float32)
+        k = rotary_embed(mu + rng.standard_normal((b, h, n, d)) * spread).astype(np.float32)
     v = (rng.standard_normal((b, h, n, d)) + 0.5).astype(np.float32)
     q = rng.standard_normal((b, h * g, n, d)).astype(np.float32)
     return k, v, q, rng

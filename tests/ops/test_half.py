@@ -41,16 +41,13 @@ def _hard_floats():
     return np.concatenate([base, near, rnd, np.float32([np.nan, -np.nan])]).astype(np.float32)
 
 
-@nb.njit if half is not None else (lambda f: f)
-def _to_half(x, out):
-    for i in range(x.shape[0]):
-        out[i] = half.float_to_half(x[i])
-
-
-@nb.njit if half is not None else (lambda f: f)
-def _to_half_bits(x, out):
-    for i in range(x.shape[0]):
-        out[i] = half.float_to_half_bits(x[i])
+def _each(convert):
+    """``out[i] = convert(x[i])`` for a scalar conversion of compiled code, compiled."""
+    @nb.njit
+    def run(x, out):
+        for i in range(x.shape[0]):
+            out[i] = convert(x[i])
+    return run
 
 
 @pytest.mark.parametrize("convert", ["host", "integer"])
@@ -58,41 +55,30 @@ def test_float_to_half_rounds_like_numpy(convert):
     """The F16C form (where the host has it) and the integer form give NumPy's ``astype(float16)``."""
     x = _hard_floats()
     got = np.empty(x.shape, np.uint16)
-    (_to_half if convert == "host" else _to_half_bits)(x, got)
+    _each(half.float_to_half if convert == "host" else half.float_to_half_bits)(x, got)
     with np.errstate(over="ignore"):
         want = x.astype(np.float16).view(np.uint16)
     _same_half_bits(got, want)
 
 
 def test_half_is_finite_on_every_bit_pattern():
-    @nb.njit
-    def finite(bits, out):
-        for i in range(bits.shape[0]):
-            out[i] = half.half_is_finite(bits[i])
-
     got = np.empty(65536, np.bool_)
-    finite(_EVERY_HALF, got)
+    _each(half.half_is_finite)(_EVERY_HALF, got)
     assert np.array_equal(got, np.isfinite(_EVERY_HALF.view(np.float16)))
-
-
-@nb.njit if half is not None else (lambda f: f)
-def _to_float(bits, out):
-    for i in range(bits.shape[0]):
-        out[i] = half.half_to_float(bits[i], half.HALF_TO_FLOAT)
-
-
-@nb.njit if half is not None else (lambda f: f)
-def _to_float_bits(bits, out):
-    for i in range(bits.shape[0]):
-        out[i] = half.half_bits_to_float(bits[i])
 
 
 @pytest.mark.parametrize("convert", ["host", "integer"])
 def test_half_to_float_is_exact_for_every_bit_pattern(convert):
     """The F16C form (where the host has it) and the integer form the kernels use without it (or
     when Numba compiles for a named CPU) give NumPy's value of every float16 bit pattern."""
+    table = half.HALF_TO_FLOAT
+
+    @nb.njit
+    def host(bits):
+        return half.half_to_float(bits, table)
+
     got = np.empty(65536, np.float32)
-    (_to_float if convert == "host" else _to_float_bits)(_EVERY_HALF, got)
+    _each(host if convert == "host" else half.half_bits_to_float)(_EVERY_HALF, got)
     want = _EVERY_HALF.view(np.float16).astype(np.float32)
     finite = ~np.isnan(want)
     assert np.array_equal(got.view(np.uint32)[finite], want.view(np.uint32)[finite])  # signed zeros, subnormals, inf
