@@ -330,7 +330,7 @@ class RotaryMeanPlan:
         c, s = _phases(xp, self.freq, pos)  # (n, J)
         return xp.concat([c, s, xp.ones_like(c[:, :1])], axis=-1)
 
-    def logits(self, q: Any, start: int, stop: int):
+    def logits(self, q: Any, start: int, stop: int, phases: Any = None):
         """``q · R_t μ`` for every query and position ``start .. stop - 1``, without forming ``R_t μ``: (b, h, G, n) float32.
 
         Parameters
@@ -339,6 +339,9 @@ class RotaryMeanPlan:
             ``G`` queries per head.
         start, stop : int
             Positions.
+        phases : array (stop - start, 2J + 1) float32, optional
+            :meth:`phase_rows` of those positions when the caller has them in another form (a
+            GPU kernel's); computed here otherwise. Only a ``shared`` plan reads them.
 
         Notes
         -----
@@ -353,7 +356,9 @@ class RotaryMeanPlan:
             pos = xp.arange(start, stop, dtype=xp.float64, device=_compat.device(self.mu))
             return xp.matmul(q, xp.matrix_transpose(self.at(pos)))
         b, h, g, _ = (int(s) for s in q.shape)
-        out = xp.matmul(self.logit_coefficients(q), xp.matrix_transpose(self.phase_rows(start, stop)))
+        if phases is None:
+            phases = self.phase_rows(start, stop)
+        out = xp.matmul(self.logit_coefficients(q), xp.matrix_transpose(phases))
         return xp.reshape(out, (b, h, g, stop - start))
 
 

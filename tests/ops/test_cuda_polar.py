@@ -172,6 +172,30 @@ def test_rotary_plan_follows_the_codec_namespace():
     assert plan is not codec.k_mean_plan and plan.xp is xps and plan.shared == codec.k_mean_plan.shared
 
 
+def test_key_mean_term_of_the_launcher_is_the_reference_logits():
+    # the launcher's per-token term (plan coefficients times phase rows, here the array-API phase
+    # rows in place of the GPU kernel's, NumPy in place of CuPy) against the reference's
+    # key_mean_logits, which forms every R_p μ
+    from arraykv.attention.polar_fused import key_mean_logits
+    from arraykv.ops.cuda.polar import _key_mean_bias, _rotary_plan
+
+    b, h, g, d = 2, 2, 3, 64
+    k, v, q, rng = _data(d, h, g, b, 150, seed=4, rope=True)
+    cache = arraykv.make_cache("pqo4", num_layers=1, num_kv_heads=h, head_dim=d)
+    cache.prefill(0, k, v, q)
+    codec = cache.layer_codec_state(0)
+    n = codec.n_quantized
+    qd = rng.standard_normal((b, h * g, 1, d)).astype(np.float32)
+
+    def host_phase_rows(freq, start, count, family):
+        return _rotary_plan(codec).phase_rows(start, start + count)
+
+    got = _key_mean_bias(np, codec, qd, 0.125, n, None, phase_rows=host_phase_rows)
+    want = key_mean_logits(codec, qd.reshape(b, h, g, d), 0.125, 0, n).reshape(b * h * g, n)
+    assert got.shape == (b * h * g, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 @requires_gpu
 def test_gpu_rotary_phase_rows_match_float64():
     import cupy as cp

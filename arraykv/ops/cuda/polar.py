@@ -249,18 +249,20 @@ def rotary_phase_rows(freq, start: int, n: int, family=None):
     return out
 
 
-def _key_mean_bias(cp, codec, q, scale, n, family):
+def _key_mean_bias(cp, codec, q, scale, n, family, phase_rows=rotary_phase_rows):
     """``scale · q · R_p μ`` for the quantized tokens, positions ``n_sink .. n_sink + n - 1``: (B*H*G, n) float32.
 
-    One product (cuBLAS): the plan's coefficients (B*H*G, 2J + 1) times the phase rows (n, 2J + 1)
-    transposed.
+    :meth:`~arraykv.quant.rotary_mean.RotaryMeanPlan.logits` (one cuBLAS product of the plan's
+    coefficients with the phase rows) with the phase rows from ``phase_rows(freq, start, n,
+    family)``, the kernel of :func:`rotary_phase_rows`.
     """
     b, qh, _, d = (int(s) for s in q.shape)
     h = int(codec.k_codes.shape[1])
     plan = _rotary_plan(codec)
-    coef = plan.logit_coefficients(q.astype(cp.float32).reshape(b, h, qh // h, d) * float(scale))
-    phases = rotary_phase_rows(plan.freq, int(codec.n_sink), n, family)
-    return cp.matmul(coef, phases.T)
+    start = int(codec.n_sink)
+    out = plan.logits(q.astype(cp.float32).reshape(b, h, qh // h, d) * float(scale), start, start + n,
+                      phases=phase_rows(plan.freq, start, n, family))
+    return out.reshape(b * qh, n)
 
 
 def _half_or_dummy(cp, arr, dummy):
