@@ -29,26 +29,32 @@ cat "$out/env.txt"
 
 # 1. tests: the CUDA kernels against their references, and every namespace-parametrized
 #    test on CuPy (the ids carry "cupy"), in parallel workers
+#    (TESTS narrows the paths, e.g. TESTS=tests/ops/test_cuda_polar.py after a kernel change)
 timeout "${TEST_S:-210}" python3 -m pytest -q -p no:cacheprovider -n "$workers" --timeout 150 \
-    -k "cupy or cuda or gpu" tests >"$out/tests.log" 2>&1
+    -k "cupy or cuda or gpu" ${TESTS:-tests} >"$out/tests.log" 2>&1
 echo "tests exit $?"
 
 # 2. the fused decode against dense float16 attention (CUDA events, L2 flushed)
 timeout "${BENCH_S:-150}" python3 benchmarks/decode_gpu.py --contexts ${CONTEXTS:-4096 32768 131072} \
     --mode pqo4 --json "$out/bench_pqo4.json" >"$out/bench.log" 2>&1
 echo "bench pqo4 exit $?"
-timeout "${BENCH2_S:-60}" python3 benchmarks/decode_gpu.py --contexts 32768 --mode pqo2 \
-    --json "$out/bench_pqo2.json" >>"$out/bench.log" 2>&1
-echo "bench pqo2 exit $?"
+for mode in ${MODES2:-pqo2}; do  # other bit widths at 32k tokens
+    timeout "${BENCH2_S:-60}" python3 benchmarks/decode_gpu.py --contexts 32768 --mode "$mode" \
+        --json "$out/bench_$mode.json" >>"$out/bench.log" 2>&1
+    echo "bench $mode exit $?"
+done
 # keys of a rotary model: the rotating key mean's logit term per token
 timeout "${BENCH3_S:-100}" python3 benchmarks/decode_gpu.py --contexts ${CONTEXTS:-4096 32768 131072} \
     --mode pqo4 --rope --json "$out/bench_pqo4_rope.json" >>"$out/bench.log" 2>&1
 echo "bench pqo4 rope exit $?"
 
+# the rows of every benchmark in one file: what comes back from the machine is at most 8 files
+cat "$out"/bench_*.json >"$out/bench.jsonl" 2>/dev/null && rm -f "$out"/bench_*.json
+
 # 3. memory check: a few cases of each kernel under compute-sanitizer
 timeout "${SAN_S:-90}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider tests/ops/test_cuda_polar.py \
-    -k "1-4-64-pqo4 or 4-8-128-tq3 or 1-1-256-pq2 or poisoned and 96-3 or window_only or rotating and tq3" \
+    -k "1-4-64-pqo4 or 4-8-128-tq3 or 1-1-256-pq2 or poisoned and 96-3 or window_only or rotating and tq3 or odd_capacity and tq3" \
     >"$out/sanitizer.log" 2>&1
 echo "sanitizer exit $?"
 
@@ -74,6 +80,9 @@ timeout "${NCU_S:-90}" ncu --clock-control none --kernel-name regex:polar_decode
 echo "ncu exit $?"
 
 echo "== tests"; grep -E "passed|failed|error" "$out/tests.log" | tail -3
+# a run stopped by its time limit prints no summary: count its progress characters
+prog=$(grep -oE '^[.FEsx]+' "$out/tests.log" | tr -d '\n')
+echo "progress: ${#prog} tests reported, $(printf '%s' "$prog" | tr -cd 'FE' | wc -c) failed or errored"
 grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -40
 echo "== sanitizer"; grep -E "ERROR SUMMARY|passed|failed" "$out/sanitizer.log" | tail -3
 echo "== bench"; grep -E "^#|^\|" "$out/bench.log" | grep -v '^# {' | tail -40

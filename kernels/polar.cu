@@ -173,6 +173,18 @@ __device__ __forceinline__ u32 lut(const u32* w, int pos, u32 base) {
 // Low half of x, high half of y.
 __device__ __forceinline__ u32 pack_lo_hi(u32 x, u32 y) { return __byte_perm(x, y, 0x7610); }
 
+// Codes of two rows in one word each (BITS in 1, 2, 4: no code crosses a word), interleaved so
+// that each pair (row 0's code m, row 1's code m) is one 2*BITS-bit field, row 0's code in the
+// low bits: `even` holds the pairs of the even codes m = 2i at bit 2*i*BITS, `odd` those of the
+// odd codes m = 2i + 1 at the same bit. A field is then an index into a table of code pairs.
+template <int BITS>
+__device__ __forceinline__ void interleave_rows(u32 w0, u32 w1, u32& even, u32& odd) {
+    static_assert(BITS == 1 || BITS == 2 || BITS == 4, "codes must not cross a word");
+    constexpr u32 M = BITS == 1 ? 0x55555555u : (BITS == 2 ? 0x33333333u : 0x0F0F0F0Fu);  // even codes' bits
+    even = (w0 & M) | ((w1 << BITS) & ~M);
+    odd = ((w0 >> BITS) & M) | (w1 & ~M);
+}
+
 // D(16x8, f32) += A(16x16, f16, row) * B(16x8, f16, col)
 __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
@@ -181,6 +193,7 @@ __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, 
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
 
 }  // namespace
 
@@ -391,9 +404,18 @@ polar_decode_attn(const float* __restrict__ qr, const float* __restrict__ qconst
     constexpr int KSTEPS = D / 16;
     constexpr int KW = (KCH + 31) / 32, VW = (VCH + 31) / 32, QW = (QCH + 31) / 32;
 
-    __shared__ alignas(4 << KB) u32 ktab[1 << KB];
-    __shared__ alignas(4 << VB) u32 vtab[1 << VB];
-    __shared__ alignas(8) u32 qtab[2];
+    // Centroid tables (float16 pairs in a u32). For 1- and 2-bit codes (KPAIR/VPAIR) entry i of
+    // a table of 2*BITS-bit indices holds (centroid[i & mask], centroid[i >> BITS]): one shared
+    // load gives an mma operand register of two codes. Otherwise entry i holds centroid[i] twice
+    // and two loads are packed into one register: a pair table of 3- or 4-bit codes (64 or 256
+    // words) puts different words of one bank under the lanes of a load, and the bank conflicts
+    // cost more than the loads saved (H200, pqo4 at 32k tokens: 0.220 against 0.215 ms in two
+    // runs; shared-memory pipe 85 % busy).
+    constexpr bool KPAIR = KB <= 2, VPAIR = VB <= 2;
+    constexpr int KT = KPAIR ? 2 * KB : KB, VT = VPAIR ? 2 * VB : VB;
+    __shared__ alignas(4 << KT) u32 ktab[1 << KT];
+    __shared__ alignas(4 << VT) u32 vtab[1 << VT];
+    __shared__ alignas(16) u32 qtab[4];  // the QJL signs' pairs (-1, +1)
     __shared__ float sm_qout[8][MAX_OUTLIERS];
     __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
     __shared__ float sm_acc[WARPS][8][D];
@@ -404,19 +426,20 @@ polar_decode_attn(const float* __restrict__ qr, const float* __restrict__ qconst
     const int r = lane >> 2, c = lane & 3;
     const long long bh = static_cast<long long>(b) * H + h;
 
-    for (int j = threadIdx.x; j < (1 << KB); j += WARPS * 32) {
-        const u32 hv = f2h(k_cent[j]);
-        ktab[j] = hv | (hv << 16);
+    for (int j = threadIdx.x; j < (1 << KT); j += WARPS * 32) {
+        const int lo = j & ((1 << KB) - 1), hi = KPAIR ? j >> KB : lo;
+        ktab[j] = static_cast<u32>(f2h(k_cent[lo])) | (static_cast<u32>(f2h(k_cent[hi])) << 16);
     }
-    for (int j = threadIdx.x; j < (1 << VB); j += WARPS * 32) {
-        const u32 hv = f2h(v_cent[j]);
-        vtab[j] = hv | (hv << 16);
+    for (int j = threadIdx.x; j < (1 << VT); j += WARPS * 32) {
+        const int lo = j & ((1 << VB) - 1), hi = VPAIR ? j >> VB : lo;
+        vtab[j] = static_cast<u32>(f2h(v_cent[lo])) | (static_cast<u32>(f2h(v_cent[hi])) << 16);
     }
     for (int j = threadIdx.x; j < 8 * MAX_OUTLIERS; j += WARPS * 32) {
         const int g = j / MAX_OUTLIERS, o = j % MAX_OUTLIERS;
         sm_qout[g][o] = (g < G && o < nout) ? qout[(bh * Gt + g0 + g) * nout + o] : 0.f;
     }
-    if (QJL && threadIdx.x < 2) qtab[threadIdx.x] = threadIdx.x ? 0x3C003C00u : 0xBC00BC00u;  // -1, +1
+    if (QJL && threadIdx.x < 4)  // bit 0 -> low half, bit 1 -> high half; bit set: +1, else -1
+        qtab[threadIdx.x] = ((threadIdx.x & 1) ? 0x3C00u : 0xBC00u) | ((threadIdx.x & 2) ? 0x3C000000u : 0xBC000000u);
     // query fragments (A operand of the score product): head r, channels c*D/4 + 4j + {0..3}
     const bool head_ok = r < G;
     const long long qoff = (bh * Gt + g0 + (head_ok ? r : 0)) * D + c * (D / 4);
@@ -510,13 +533,19 @@ polar_decode_attn(const float* __restrict__ qr, const float* __restrict__ qconst
 #pragma unroll
         for (int j = 0; j < KSTEPS; ++j) {
             const int p = 4 * j * KB;
-            const u32 b00 = pack_lo_hi(lut<KB>(kw0, p, kbase_s), lut<KB>(kw0, p + KB, kbase_s));
-            const u32 b01 = pack_lo_hi(lut<KB>(kw0, p + 2 * KB, kbase_s),
-                                       lut<KB>(kw0, p + 3 * KB, kbase_s));
+            u32 b00, b01, b10, b11;
+            if constexpr (KPAIR) {  // consecutive codes of a row are one table index
+                b00 = lut<2 * KB>(kw0, p, kbase_s);
+                b01 = lut<2 * KB>(kw0, p + 2 * KB, kbase_s);
+                b10 = lut<2 * KB>(kw1, p, kbase_s);
+                b11 = lut<2 * KB>(kw1, p + 2 * KB, kbase_s);
+            } else {
+                b00 = pack_lo_hi(lut<KB>(kw0, p, kbase_s), lut<KB>(kw0, p + KB, kbase_s));
+                b01 = pack_lo_hi(lut<KB>(kw0, p + 2 * KB, kbase_s), lut<KB>(kw0, p + 3 * KB, kbase_s));
+                b10 = pack_lo_hi(lut<KB>(kw1, p, kbase_s), lut<KB>(kw1, p + KB, kbase_s));
+                b11 = pack_lo_hi(lut<KB>(kw1, p + 2 * KB, kbase_s), lut<KB>(kw1, p + 3 * KB, kbase_s));
+            }
             mma16816(s0, qa[j][0], 0u, qa[j][1], 0u, b00, b01);
-            const u32 b10 = pack_lo_hi(lut<KB>(kw1, p, kbase_s), lut<KB>(kw1, p + KB, kbase_s));
-            const u32 b11 = pack_lo_hi(lut<KB>(kw1, p + 2 * KB, kbase_s),
-                                       lut<KB>(kw1, p + 3 * KB, kbase_s));
             mma16816(s1, qa[j][0], 0u, qa[j][1], 0u, b10, b11);
         }
         float z0[4] = {0.f, 0.f, 0.f, 0.f}, z1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -524,12 +553,8 @@ polar_decode_attn(const float* __restrict__ qr, const float* __restrict__ qconst
 #pragma unroll
             for (int j = 0; j < KSTEPS; ++j) {
                 const int p = 4 * j;
-                mma16816(z0, sa[j][0], 0u, sa[j][1], 0u,
-                         pack_lo_hi(lut<1>(zw0, p, qbase_s), lut<1>(zw0, p + 1, qbase_s)),
-                         pack_lo_hi(lut<1>(zw0, p + 2, qbase_s), lut<1>(zw0, p + 3, qbase_s)));
-                mma16816(z1, sa[j][0], 0u, sa[j][1], 0u,
-                         pack_lo_hi(lut<1>(zw1, p, qbase_s), lut<1>(zw1, p + 1, qbase_s)),
-                         pack_lo_hi(lut<1>(zw1, p + 2, qbase_s), lut<1>(zw1, p + 3, qbase_s)));
+                mma16816(z0, sa[j][0], 0u, sa[j][1], 0u, lut<2>(zw0, p, qbase_s), lut<2>(zw0, p + 2, qbase_s));
+                mma16816(z1, sa[j][0], 0u, sa[j][1], 0u, lut<2>(zw1, p, qbase_s), lut<2>(zw1, p + 2, qbase_s));
             }
         }
         float sc[4] = {s0[0], s0[1], s1[0], s1[1]};
@@ -569,14 +594,29 @@ polar_decode_attn(const float* __restrict__ qr, const float* __restrict__ qconst
                 acc[i][0] *= corr_lo; acc[i][1] *= corr_hi; acc[i][2] *= corr_lo; acc[i][3] *= corr_hi;
             }
         }
+        if constexpr (VPAIR) {  // tokens (2c, 2c+1) and (8+2c, 9+2c): their codes interleaved by pairs
+            u32 e01[VW], o01[VW], e23[VW], o23[VW];
 #pragma unroll
-        for (int i = 0; i < KSTEPS; ++i) {
-            const int p0 = 2 * i * VB, p1 = p0 + VB;
-            const u32 a0 = pack_lo_hi(lut<VB>(vw[0], p0, vbase_s), lut<VB>(vw[1], p0, vbase_s));
-            const u32 a1 = pack_lo_hi(lut<VB>(vw[0], p1, vbase_s), lut<VB>(vw[1], p1, vbase_s));
-            const u32 a2 = pack_lo_hi(lut<VB>(vw[2], p0, vbase_s), lut<VB>(vw[3], p0, vbase_s));
-            const u32 a3 = pack_lo_hi(lut<VB>(vw[2], p1, vbase_s), lut<VB>(vw[3], p1, vbase_s));
-            mma16816(acc[i], a0, a1, a2, a3, pb0, pb1);
+            for (int k = 0; k < VW; ++k) {
+                interleave_rows<VB>(vw[0][k], vw[1][k], e01[k], o01[k]);
+                interleave_rows<VB>(vw[2][k], vw[3][k], e23[k], o23[k]);
+            }
+#pragma unroll
+            for (int i = 0; i < KSTEPS; ++i) {
+                const int p = 2 * i * VB;  // the pair fields of codes 2i (even) and 2i+1 (odd)
+                mma16816(acc[i], lut<2 * VB>(e01, p, vbase_s), lut<2 * VB>(o01, p, vbase_s), lut<2 * VB>(e23, p, vbase_s),
+                         lut<2 * VB>(o23, p, vbase_s), pb0, pb1);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < KSTEPS; ++i) {
+                const int p0 = 2 * i * VB, p1 = p0 + VB;
+                const u32 a0 = pack_lo_hi(lut<VB>(vw[0], p0, vbase_s), lut<VB>(vw[1], p0, vbase_s));
+                const u32 a1 = pack_lo_hi(lut<VB>(vw[0], p1, vbase_s), lut<VB>(vw[1], p1, vbase_s));
+                const u32 a2 = pack_lo_hi(lut<VB>(vw[2], p0, vbase_s), lut<VB>(vw[3], p0, vbase_s));
+                const u32 a3 = pack_lo_hi(lut<VB>(vw[2], p1, vbase_s), lut<VB>(vw[3], p1, vbase_s));
+                mma16816(acc[i], a0, a1, a2, a3, pb0, pb1);
+            }
         }
         if constexpr (PREFETCH) cur = nxt;
     }

@@ -154,6 +154,49 @@ def test_gpu_decode_rotating_key_mean(method, d, g, b):
     _check_decode(method, d, g, b, rope=True)
 
 
+def _odd_capacity(codec, extra=5):
+    """The codec's token arrays moved into buffers of ``n + extra`` tokens (an odd capacity, so
+    rows of later heads start at every alignment) whose spare rows hold 0xFF bytes (NaN as
+    float16): a kernel that reads a row past the last token shows it."""
+    import cupy as cp
+
+    fields = {}
+    for name in ("k_codes", "k_norms", "v_codes", "v_norms", "k_outliers", "k_qjl", "k_qjl_norms"):
+        a = getattr(codec, name)
+        if a is None:
+            continue
+        b, h, n = a.shape[:3]
+        buf = cp.empty((b, h, n + extra) + tuple(a.shape[3:]), dtype=a.dtype)
+        buf.view(cp.uint8).fill(0xFF)
+        buf[:, :, :n] = a
+        fields[name] = buf[:, :, :n]
+    return dataclasses.replace(codec, **fields)
+
+
+@requires_gpu
+@pytest.mark.parametrize("method, d, g, b", [("pqo4", 128, 4, 3), ("tq3", 64, 8, 2), ("pq3", 96, 4, 2),
+                                             ("tq2", 256, 2, 2), ("pqo2", 128, 1, 1), ("pq2", 32, 4, 1)])
+def test_gpu_decode_odd_capacity(method, d, g, b, monkeypatch):
+    # both attention-kernel variants (next-tile prefetch off/on) on codecs whose buffers have an
+    # odd capacity (rows of later heads at every alignment) with NaN past the last token,
+    # against the array-API reference; 1- and 2-bit codes take the pair tables
+    import cupy as cp
+
+    from arraykv.attention.polar_fused import polar_decode_attention_reference
+    from arraykv.ops.cuda import polar as cuda_polar
+
+    h = 2
+    for n in (203, 37):  # 175 quantized tokens (a partial tile); 9: one partial tile
+        (_, gpu), rng = _pair(method, d, h, g, b, n, seed=d * 7 + n)
+        codec = _odd_capacity(gpu.layer_codec_state(0))
+        q = cp.asarray(rng.standard_normal((b, h * g, 1, d)), dtype=cp.float32)
+        assert cuda_polar.unsupported_reason(codec, q) is None
+        want = cp.asnumpy(polar_decode_attention_reference(codec, q, d**-0.5))
+        for prefetch in (False, True):
+            monkeypatch.setattr(cuda_polar, "PREFETCH", prefetch)
+            _check_close(cp.asnumpy(_poisoned_call(codec, q, d**-0.5)), want, f"n={n}, prefetch={prefetch}")
+
+
 def test_rotary_plan_follows_the_codec_namespace():
     # a codec whose arrays were handed over to another library (torch tensors as CuPy views in
     # the bridge) still carries its cache's plan: the launcher makes one in the arrays' namespace
