@@ -335,6 +335,27 @@ def _vec_helpers():
         y = builder.fadd(shuf(builder, x, x, [0, 1, 4, 5, 8, 9, 12, 13]), shuf(builder, x, x, [2, 3, 6, 7, 10, 11, 14, 15]))
         return builder.fadd(shuf(builder, y, y, [0, 2, 4, 6]), shuf(builder, y, y, [1, 3, 5, 7]))
 
+    def reduce_many(builder, vs):
+        """<n x float>: the lane sums of the n = len(vs) <16 x float> (n a power of two <= 16), in
+        order. A transposing reduction: each level adds the halves of every input's partial
+        sums while merging two vectors into one, so 16 inputs take 30 two-source shuffles and
+        15 adds (four :func:`reduce4` calls: 40 and 20)."""
+        n = len(vs)
+        if n & (n - 1) or not 1 <= n <= 16:
+            raise ValueError(f"reduce_many takes 1, 2, 4, 8 or 16 vectors, received {n}")
+        m, k = 16, 1  # lanes per input in each vector, inputs per vector (m * k == 16)
+        while len(vs) > 1:
+            lo = [base + j * m + t for base in (0, 16) for j in range(k) for t in range(m // 2)]
+            hi = [i + m // 2 for i in lo]
+            vs = [builder.fadd(shuf(builder, x, y, lo), shuf(builder, x, y, hi)) for x, y in zip(vs[0::2], vs[1::2])]
+            m, k = m // 2, 2 * k
+        v = vs[0]
+        while m > 1:  # fewer than 16 inputs: the rest of the halving within the one vector
+            lo = [j * m + t for j in range(k) for t in range(m // 2)]
+            v = builder.fadd(shuf(builder, v, v, lo), shuf(builder, v, v, [i + m // 2 for i in lo]))
+            m //= 2
+        return v
+
     def splat(builder, x):
         v = builder.insert_element(ir.Constant(v16, ir.Undefined), x, ir.Constant(i32, 0))
         return shuf(builder, v, v, [0] * 16)
@@ -353,7 +374,8 @@ def _vec_helpers():
 
     return types.SimpleNamespace(ir=ir, cgutils=cgutils, f32=f32, i64=i64, v16=v16, const=const, vload=vload,
                                  vstore=vstore, fma_fn=fma_fn, perm_fn=perm_fn, prefetch=prefetch, row_ptr=row_ptr,
-                                 hsum=hsum, reduce4=reduce4, splat=splat, g_blocks=g_blocks)
+                                 hsum=hsum, reduce4=reduce4, reduce_many=reduce_many, splat=splat,
+                                 g_blocks=g_blocks, shuf=shuf)
 
 
 def _arrays(context, builder, sig, args, which):
@@ -384,8 +406,16 @@ def _emit_scores(builder, h, nt, s, s_w, accs, rows_of, fill):
             for a in accs[: gb * rows]:
                 builder.store(h.ir.Constant(h.v16, None), a)
             fill(g0, gb, r0, rows)
+            n_acc = gb * rows
+            whole = None
+            if n_acc in (8, 16):  # every accumulator in one transposing reduction
+                whole = h.reduce_many(builder, [builder.load(a) for a in accs[:n_acc]])
             for gi in range(gb):
                 srow = builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), r0)
+                if whole is not None:
+                    part = h.shuf(builder, whole, whole, list(range(gi * rows, (gi + 1) * rows)))
+                    h.vstore(builder, part, s, srow)
+                    continue
                 for i in range(0, rows, 4):
                     v = h.reduce4(builder, *[builder.load(accs[gi * rows + i + k]) for k in range(4)])
                     h.vstore(builder, v, s, builder.add(srow, h.const(i)))
