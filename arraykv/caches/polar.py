@@ -29,7 +29,7 @@ from .polar_options import (DEFAULT_OUTLIER_THRESHOLD, DEFAULT_RESIDUAL_WINDOW, 
 from .rollback import DEFAULT_ROLLBACK_TOKENS
 from .registry import register_method
 from .window import (ExactTokens, WindowLayer, WindowRollback, commit_store, restore_rollback, restore_tokens,
-                     rollback_arrays, sliding_rows)
+                     rollback_arrays, rollback_room, sliding_rows)
 
 __all__ = ["PolarCache", "PolarLayerCodec", "PolarLayer", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window",
            "Pqo2Cache", "Pqo3Cache", "Pqo4Cache", "Pq2Cache", "Pq3Cache", "Pq4Cache", "Tq2Cache", "Tq3Cache",
@@ -258,13 +258,11 @@ class PolarCache(WindowRollback, LayeredCache):
         if not ops.polar_store_token(k, v, window.key_rows, window.value_rows, window.offset + ns, arriving,
                                      *self._encode_args(fixed, calib, ns + at), rows, at):
             return False
-        keep = self.rollback_tokens
-        if keep:  # the leaving row becomes the newest rollback copy (copied before the window slides over it)
-            margin = sliding_rows(st, "rollback_rows", st.rollback)
-            held = st.rollback.count
-            mk, mv = margin.slide(0, max(0, held + 1 - keep), window.k[:, :, ns:ns + 1, :],
-                                  window.v[:, :, ns:ns + 1, :])
-            st.rollback = ExactTokens(k=mk, v=mv)
+        if self.rollback_tokens:  # the leaving row becomes the newest rollback copy (before the window slides over it)
+            margin, mrow, push = rollback_room(st, 1, self.rollback_tokens)
+            margin.key_rows[:, :, mrow:mrow + 1, ...] = window.k[:, :, ns:ns + 1, :]
+            margin.value_rows[:, :, mrow:mrow + 1, ...] = window.v[:, :, ns:ns + 1, :]
+            push()
         st.codes.advance(1)
         wk, wv = window.advance(ns, 1, 1)
         st.exact = ExactTokens(k=wk, v=wv, n_sink=ns)

@@ -243,6 +243,27 @@ def sliding_rows(st: WindowLayer, name: str, held: ExactTokens) -> SlidingRows:
     return rows
 
 
+def rollback_room(st: WindowLayer, rows: int, keep: int):
+    """Room for ``rows`` more rollback copies of layer ``st``, in two steps for atomic stores.
+
+    Returns ``(block, row, push)``: rows ``row .. row + rows`` of ``block.key_rows`` /
+    ``block.value_rows`` (a :class:`SlidingRows`) are to be written; ``push()`` then takes them
+    into use, dropping the oldest copies beyond ``keep``. Making the room is the only step that
+    may allocate (the layer's copies stay the same rows, as renewed views); ``push`` allocates
+    nothing.
+    """
+    block = sliding_rows(st, "rollback_rows", st.rollback)
+    row = block.room(rows)
+    if block.k is not st.rollback.k:  # the same rows, moved: renewed views
+        st.rollback = ExactTokens(k=block.k, v=block.v)
+
+    def push():
+        mk, mv = block.advance(0, max(0, st.rollback.count + rows - keep), rows)
+        st.rollback = ExactTokens(k=mk, v=mv)
+
+    return block, row, push
+
+
 def commit_store(xp: Any, method: str, st: WindowLayer, step: WindowStep, spill: int, arrays: dict | None,
                  calib: Any, new_calib: dict, rollback: int = 0) -> None:
     """Commit a planned store to layer ``st``.
@@ -313,15 +334,12 @@ def _sliding_block(xp: Any, method: str, st: WindowLayer, step: WindowStep, spil
         if spill > n_w:  # rows of new tokens among them (rows of the held window were checked)
             k_check, v_check = k_check + [kr], v_check + [vr]
     refuse_overflow(xp, method, {"window": k_check, "value window": v_check, **(arrays or {}), **new_calib})
-    margin = None
+    push = None
     if kr is not None:  # copied into the spare rows before the window's buffer moves
-        margin = sliding_rows(st, "rollback_rows", st.rollback)
         r = int(kr.shape[2])
-        row = margin.room(r)
-        if margin.k is not st.rollback.k:  # the same rows, moved: renewed views
-            st.rollback = ExactTokens(k=margin.k, v=margin.v)
-        margin.key_rows[:, :, row:row + r, ...] = kr
-        margin.value_rows[:, :, row:row + r, ...] = vr
+        margin, mrow, push = rollback_room(st, r, rollback)
+        margin.key_rows[:, :, mrow:mrow + r, ...] = kr
+        margin.value_rows[:, :, mrow:mrow + r, ...] = vr
     window = sliding_rows(st, "window_rows", st.exact)
     row = window.room(keep_new)
     n_sink = st.exact.n_sink
@@ -329,9 +347,8 @@ def _sliding_block(xp: Any, method: str, st: WindowLayer, step: WindowStep, spil
         st.exact = ExactTokens(k=window.k, v=window.v, n_sink=n_sink)
 
     def finish():
-        if margin is not None:
-            mk, mv = margin.advance(0, max(0, st.rollback.count + int(kr.shape[2]) - rollback), int(kr.shape[2]))
-            st.rollback = ExactTokens(k=mk, v=mv)
+        if push is not None:
+            push()
         window.key_rows[:, :, row:row + keep_new, ...] = k_new
         window.value_rows[:, :, row:row + keep_new, ...] = v_new
         wk, wv = window.advance(n_sink, min(spill, n_w), keep_new)
