@@ -6,7 +6,7 @@ import numba as nb
 import numpy as np
 import pytest
 
-from arraykv.ops.numba.simd import HAVE_PERMPS
+from arraykv.ops.numba.simd import HAVE_PERMPS, table16
 from arraykv.ops.numba.simd3 import (tile_scores_codes_3, tile_scores_codes_3_loop, tile_values_codes_3,
                                      tile_values_codes_3_loop)
 from arraykv.quant.bitpack import pack_bits_reference
@@ -29,8 +29,7 @@ def _case(rng, d, rows):
     packed = pack_bits_reference(idx, 3)
     wide = np.zeros((rows, packed.shape[1] + 5), np.uint8)  # a longer row stride
     wide[:, : packed.shape[1]] = packed
-    tab = np.zeros(16, np.float32)
-    tab[:8] = rng.standard_normal(8)
+    tab = table16(rng.standard_normal(8))  # entries 8..15 repeat 0..7: the kernels read four index bits
     return idx, wide[:, : packed.shape[1]], tab
 
 

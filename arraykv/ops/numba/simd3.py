@@ -3,8 +3,10 @@
 Three-bit codes do not split into bit planes of whole bytes the way 4- and 2-bit codes do
 (:mod:`arraykv.ops.numba.simd`): eight codes share three bytes. Sixteen codes are six bytes,
 though, so chunk ``c`` of a row (channels ``16c .. 16c + 15``, in channel order) is the 48-bit
-word at byte ``6c``: spread over sixteen 64-bit lanes, each shifted right by ``3k`` and cut
-to three bits, it gives the sixteen indices ``vpermps`` looks up in the codebook register.
+word at byte ``6c``: one byte shuffle puts the two bytes holding code ``k`` (bytes ``3k >> 3``
+and the next) in 32-bit lane ``k``, one variable shift by ``3k & 7`` brings the code to bit 0,
+and ``vpermps`` looks the sixteen up in the codebook register, reading four index bits: the
+bit above each code does not matter because the table repeats the eight centroids.
 :func:`tile_scores_codes_3` and :func:`tile_values_codes_3` are the tile products of
 :mod:`arraykv.ops.numba.simd` read this way (rows of ``d`` codes, ``d`` a multiple of 64, in
 channel order: the queries and value sums need no permutation); their ``*_loop`` versions are
@@ -34,14 +36,22 @@ def _source3(context, builder, h, sig, args):
     values of chunk ``c`` (an i64 IR value) of a row, from the 16-float table ``args[3]``."""
     ir = h.ir
     i16, i32 = ir.IntType(16), ir.IntType(32)
-    v16i32, v16i64 = ir.VectorType(i32, 16), ir.VectorType(h.i64, 16)
+    v16i32 = ir.VectorType(i32, 16)
     c_arr = context.make_array(sig.args[0])(context, builder, args[0])
     stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
     tab_arr = context.make_array(sig.args[3])(context, builder, args[3])
     table = builder.load(builder.bitcast(tab_arr.data, h.v16.as_pointer()), align=4)
     perm = h.perm_fn(builder)
-    shifts = ir.Constant(v16i64, [3 * k for k in range(16)])
-    seven = ir.Constant(v16i32, [7] * 16)
+    i8 = ir.IntType(8)
+    v8i8 = ir.VectorType(i8, 8)
+    # lane k's code is bits [3k, 3k + 3) of the 48-bit word: its two bytes (3k >> 3, one more;
+    # byte 6 and 7 of the word are zero) gathered into the lane's low half by one byte shuffle,
+    # then shifted right by 3k & 7; the bits left above the code do not matter, since the
+    # table repeats a codebook of 8 centroids (table16) and vpermps reads the low four bits
+    gather = ir.Constant(ir.VectorType(i32, 64),
+                         [b for k in range(16) for b in ((3 * k) >> 3, ((3 * k) >> 3) + 1, 8, 8)])
+    shifts = ir.Constant(v16i32, [(3 * k) & 7 for k in range(16)])
+    zero8 = ir.Constant(v8i8, [0] * 8)
 
     def row_ptr(t, prefetch=False):
         return h.row_ptr(builder, c_arr.data, stride, t, ahead=prefetch)
@@ -52,9 +62,8 @@ def _source3(context, builder, h, sig, args):
         hi = builder.zext(builder.load(builder.bitcast(builder.gep(at, [h.const(4)]), i16.as_pointer()), align=1),
                           h.i64)
         word = builder.or_(lo, builder.shl(hi, ir.Constant(h.i64, 32)))
-        spread = builder.insert_element(ir.Constant(v16i64, ir.Undefined), word, ir.Constant(i32, 0))
-        spread = builder.shuffle_vector(spread, spread, ir.Constant(v16i32, [0] * 16))
-        idx = builder.and_(builder.trunc(builder.lshr(spread, shifts), v16i32), seven)
+        pairs = builder.shuffle_vector(builder.bitcast(word, v8i8), zero8, gather)
+        idx = builder.lshr(builder.bitcast(pairs, v16i32), shifts)
         return perm(table, idx)
 
     return row_ptr, chunk
@@ -113,7 +122,8 @@ def _typer(gen, name):
 
 #: ``tile_scores_codes_3(codes, t0, nt, tab, qr, s)``: ``s[g, r] = Σ_j qr[g, j] · tab[code_j(t0 + r)]``
 #: for ``r < nt``; ``codes`` uint8 (T, 3d / 8), rows of contiguous bytes (any row stride), ``tab``
-#: 16 float32 (:func:`arraykv.ops.numba.simd.table16`, any dtype view of its 64 bytes), ``qr`` (G, d), ``s`` (G, ≥ nt) C-contiguous
+#: 16 float32 (:func:`arraykv.ops.numba.simd.table16` of the 8 centroids: entries 8..15 repeat
+#: 0..7, since a code is read with the bit above it; any dtype view of its 64 bytes), ``qr`` (G, d), ``s`` (G, ≥ nt) C-contiguous
 #: float32, ``d`` a multiple of 16. Not checked at run time.
 #: Needs :data:`~arraykv.ops.numba.simd.HAVE_PERMPS` (AVX-512 or AVX2).
 tile_scores_codes_3 = _typer(_scores3_codegen, "tile_scores_codes_3")
