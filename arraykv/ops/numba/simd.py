@@ -325,21 +325,11 @@ def _vec_helpers():
             n //= 2
         return builder.extract_element(v, ir.Constant(i32, 0))
 
-    def reduce4(builder, a, b, c, d):
-        """<4 x float>: the lane sums of four <16 x float>."""
-        lo8, hi8 = list(range(0, 8)) + list(range(16, 24)), list(range(8, 16)) + list(range(24, 32))
-        ab = builder.fadd(shuf(builder, a, b, lo8), shuf(builder, a, b, hi8))
-        cd = builder.fadd(shuf(builder, c, d, lo8), shuf(builder, c, d, hi8))
-        lo4 = [i for blk in (0, 8, 16, 24) for i in range(blk, blk + 4)]
-        x = builder.fadd(shuf(builder, ab, cd, lo4), shuf(builder, ab, cd, [i + 4 for i in lo4]))
-        y = builder.fadd(shuf(builder, x, x, [0, 1, 4, 5, 8, 9, 12, 13]), shuf(builder, x, x, [2, 3, 6, 7, 10, 11, 14, 15]))
-        return builder.fadd(shuf(builder, y, y, [0, 2, 4, 6]), shuf(builder, y, y, [1, 3, 5, 7]))
-
     def reduce_many(builder, vs):
         """<n x float>: the lane sums of the n = len(vs) <16 x float> (n a power of two <= 16), in
         order. A transposing reduction: each level adds the halves of every input's partial
         sums while merging two vectors into one, so 16 inputs take 30 two-source shuffles and
-        15 adds (four :func:`reduce4` calls: 40 and 20)."""
+        15 adds (four reductions of four: 40 and 20)."""
         n = len(vs)
         if n & (n - 1) or not 1 <= n <= 16:
             raise ValueError(f"reduce_many takes 1, 2, 4, 8 or 16 vectors, received {n}")
@@ -374,7 +364,7 @@ def _vec_helpers():
 
     return types.SimpleNamespace(ir=ir, cgutils=cgutils, f32=f32, i64=i64, v16=v16, const=const, vload=vload,
                                  vstore=vstore, fma_fn=fma_fn, perm_fn=perm_fn, prefetch=prefetch, row_ptr=row_ptr,
-                                 hsum=hsum, reduce4=reduce4, reduce_many=reduce_many, splat=splat,
+                                 hsum=hsum, reduce_many=reduce_many, splat=splat,
                                  g_blocks=g_blocks, shuf=shuf)
 
 
@@ -407,18 +397,15 @@ def _emit_scores(builder, h, nt, s, s_w, accs, rows_of, fill):
                 builder.store(h.ir.Constant(h.v16, None), a)
             fill(g0, gb, r0, rows)
             n_acc = gb * rows
-            whole = None
-            if n_acc in (8, 16):  # every accumulator in one transposing reduction
-                whole = h.reduce_many(builder, [builder.load(a) for a in accs[:n_acc]])
-            for gi in range(gb):
-                srow = builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), r0)
-                if whole is not None:
-                    part = h.shuf(builder, whole, whole, list(range(gi * rows, (gi + 1) * rows)))
-                    h.vstore(builder, part, s, srow)
-                    continue
-                for i in range(0, rows, 4):
-                    v = h.reduce4(builder, *[builder.load(accs[gi * rows + i + k]) for k in range(4)])
-                    h.vstore(builder, v, s, builder.add(srow, h.const(i)))
+            span = n_acc if n_acc in (8, 16) else 4  # accumulators summed in one transposing reduction
+            run = min(span, rows)  # sums of one head, stored together
+            for a0 in range(0, n_acc, span):
+                sums = h.reduce_many(builder, [builder.load(a) for a in accs[a0:a0 + span]])
+                for j in range(0, span, run):
+                    gi, i = divmod(a0 + j, rows)
+                    part = sums if run == span else h.shuf(builder, sums, sums, list(range(j, j + run)))
+                    srow = builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), r0)
+                    h.vstore(builder, part, s, builder.add(srow, h.const(i)))
         done = builder.mul(ngrp, h.const(rows))
         with h.cgutils.for_range(builder, builder.sub(nt, done)) as lp:  # the last rows, one at a time
             r = builder.add(done, lp.index)

@@ -294,7 +294,7 @@ def _lane_sums_codegen(context, builder, sig, args):
         with h.cgutils.for_range(builder, builder.udiv(d, h.const(4))) as lc:
             c0 = builder.mul(lc.index, h.const(4))
             base = builder.add(builder.mul(lg.index, a_w), builder.mul(c0, h.const(16)))
-            v = h.reduce4(builder, *[h.vload(builder, al, builder.add(base, h.const(16 * k))) for k in range(4)])
+            v = h.reduce_many(builder, [h.vload(builder, al, builder.add(base, h.const(16 * k))) for k in range(4)])
             at = builder.add(builder.mul(lg.index, d), c0)
             builder.store(v, builder.bitcast(builder.gep(acc, [at]), v.type.as_pointer()), align=4)
     return context.get_dummy_value()
