@@ -29,7 +29,7 @@ from .polar_options import (DEFAULT_OUTLIER_THRESHOLD, DEFAULT_RESIDUAL_WINDOW, 
 from .rollback import DEFAULT_ROLLBACK_TOKENS
 from .registry import register_method
 from .window import (ExactTokens, WindowLayer, WindowRollback, commit_store, restore_rollback, restore_tokens,
-                     rollback_arrays, rollback_room, sliding_rows)
+                     block_room, rollback_arrays, rollback_room)
 
 __all__ = ["PolarCache", "PolarLayerCodec", "PolarLayer", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window",
            "Pqo2Cache", "Pqo3Cache", "Pqo4Cache", "Pq2Cache", "Pq3Cache", "Pq4Cache", "Tq2Cache", "Tq3Cache",
@@ -247,9 +247,7 @@ class PolarCache(WindowRollback, LayeredCache):
         xp = st.xp
         if k.dtype == xp.float64:  # float64 -> float32 -> float16 could round twice: the general path
             return False
-        window = sliding_rows(st, "window_rows", exact)
-        arriving = window.room(1)
-        st.exact = ExactTokens(k=window.k, v=window.v, n_sink=ns)  # the same rows (renewed views if they moved)
+        window, arriving, slide = block_room(st, "exact", 1)
         at = st.codes.length
         rows = st.codes.room(1)
         fixed = self._codec(xp, st.device)
@@ -264,8 +262,7 @@ class PolarCache(WindowRollback, LayeredCache):
             margin.value_rows[:, :, mrow:mrow + 1, ...] = window.v[:, :, ns:ns + 1, :]
             push()
         st.codes.advance(1)
-        wk, wv = window.advance(ns, 1, 1)
-        st.exact = ExactTokens(k=wk, v=wv, n_sink=ns)
+        slide(1)
         return True
 
     def _decoded(self, st: PolarLayer, start: int = 0) -> DequantResult:

@@ -26,7 +26,7 @@ from .rollback import RECORD_NBYTES, keep_last
 from .sliding import SlidingRows
 
 __all__ = ["ExactTokens", "WindowStep", "WindowLayer", "WindowRollback", "commit_store", "restore_tokens",
-           "rollback_arrays", "restore_rollback", "sliding_rows"]
+           "rollback_arrays", "restore_rollback", "sliding_rows", "block_room", "rollback_room"]
 
 
 def _f32(xp: Any, x: Any):
@@ -243,25 +243,37 @@ def sliding_rows(st: WindowLayer, name: str, held: ExactTokens) -> SlidingRows:
     return rows
 
 
-def rollback_room(st: WindowLayer, rows: int, keep: int):
-    """Room for ``rows`` more rollback copies of layer ``st``, in two steps for atomic stores.
+_SLIDING = {"exact": "window_rows", "rollback": "rollback_rows"}
+
+
+def block_room(st: WindowLayer, which: str, rows: int):
+    """Room for ``rows`` more rows after the block ``which`` of layer ``st`` (``"exact"``: the
+    sinks and window; ``"rollback"``: the rollback copies), in two steps for atomic stores.
 
     Returns ``(block, row, push)``: rows ``row .. row + rows`` of ``block.key_rows`` /
-    ``block.value_rows`` (a :class:`SlidingRows`) are to be written; ``push()`` then takes them
-    into use, dropping the oldest copies beyond ``keep``. Making the room is the only step that
-    may allocate (the layer's copies stay the same rows, as renewed views); ``push`` allocates
-    nothing.
+    ``block.value_rows`` (a :class:`SlidingRows`) are to be written; ``push(drop)`` then takes
+    them into use and drops the ``drop`` oldest rows after the sinks. Making the room is the
+    only step that may allocate (the block stays the same rows, as renewed views); ``push``
+    allocates nothing.
     """
-    block = sliding_rows(st, "rollback_rows", st.rollback)
+    held = getattr(st, which)
+    n_sink = held.n_sink
+    block = sliding_rows(st, _SLIDING[which], held)
     row = block.room(rows)
-    if block.k is not st.rollback.k:  # the same rows, moved: renewed views
-        st.rollback = ExactTokens(k=block.k, v=block.v)
+    if block.k is not held.k:  # the same rows, moved: renewed views
+        setattr(st, which, ExactTokens(k=block.k, v=block.v, n_sink=n_sink))
 
-    def push():
-        mk, mv = block.advance(0, max(0, st.rollback.count + rows - keep), rows)
-        st.rollback = ExactTokens(k=mk, v=mv)
+    def push(drop: int):
+        k, v = block.advance(n_sink, drop, rows)
+        setattr(st, which, ExactTokens(k=k, v=v, n_sink=n_sink))
 
     return block, row, push
+
+
+def rollback_room(st: WindowLayer, rows: int, keep: int):
+    """:func:`block_room` of the rollback copies; its ``push()`` drops the oldest copies beyond ``keep``."""
+    block, row, push = block_room(st, "rollback", rows)
+    return block, row, lambda: push(max(0, st.rollback.count + rows - keep))
 
 
 def commit_store(xp: Any, method: str, st: WindowLayer, step: WindowStep, spill: int, arrays: dict | None,
@@ -340,19 +352,14 @@ def _sliding_block(xp: Any, method: str, st: WindowLayer, step: WindowStep, spil
         margin, mrow, push = rollback_room(st, r, rollback)
         margin.key_rows[:, :, mrow:mrow + r, ...] = kr
         margin.value_rows[:, :, mrow:mrow + r, ...] = vr
-    window = sliding_rows(st, "window_rows", st.exact)
-    row = window.room(keep_new)
-    n_sink = st.exact.n_sink
-    if window.k is not st.exact.k:  # the same rows, moved: renewed views
-        st.exact = ExactTokens(k=window.k, v=window.v, n_sink=n_sink)
+    window, row, slide = block_room(st, "exact", keep_new)
 
     def finish():
         if push is not None:
             push()
         window.key_rows[:, :, row:row + keep_new, ...] = k_new
         window.value_rows[:, :, row:row + keep_new, ...] = v_new
-        wk, wv = window.advance(n_sink, min(spill, n_w), keep_new)
-        st.exact = ExactTokens(k=wk, v=wv, n_sink=n_sink)
+        slide(min(spill, n_w))
     return finish
 
 
