@@ -193,8 +193,11 @@ def _token_view_ok(arr, cap: int) -> bool:
     return _capacity(arr) == cap or (b == 1 and h == 1)
 
 
-def unsupported_reason(codec, q) -> str | None:
-    """Why the fused GPU kernel cannot serve this call (None when it can)."""
+def unsupported_reason(codec, q, rotary_plan=None) -> str | None:
+    """Why the fused GPU kernel cannot serve this call (None when it can).
+
+    ``rotary_plan``: the codec's rotating-key-mean plan when the caller has made it
+    (:func:`_rotary_plan`), so that a step makes it once."""
     d = int(q.shape[-1])
     if d % 32 or d > MAX_HEAD_DIM:
         return f"head_dim {d} is not a multiple of 32 up to {MAX_HEAD_DIM}"
@@ -204,8 +207,10 @@ def unsupported_reason(codec, q) -> str | None:
         return "more than one query token"
     if codec.qjl is not None and int(codec.qjl.rows) != d:
         return f"a QJL sketch of {codec.qjl.rows} rows (the kernel needs head_dim rows)"
-    if getattr(codec, "k_mean_freq", None) is not None and not _rotary_plan(codec).shared:
-        return "a rotating key mean whose heads turn at different frequencies"
+    if getattr(codec, "k_mean_freq", None) is not None:
+        plan = rotary_plan if rotary_plan is not None else _rotary_plan(codec)
+        if not plan.shared:
+            return "a rotating key mean whose heads turn at different frequencies"
     if codec.k_outlier_idx is not None and int(codec.k_outlier_idx.shape[-1]) > MAX_OUTLIERS:
         return f"more than {MAX_OUTLIERS} outlier channels"
     if codec.n_quantized:
@@ -249,16 +254,17 @@ def rotary_phase_rows(freq, start: int, n: int, family=None):
     return out
 
 
-def _key_mean_bias(cp, codec, q, scale, n, family, phase_rows=rotary_phase_rows):
+def _key_mean_bias(cp, codec, q, scale, n, family, phase_rows=rotary_phase_rows, plan=None):
     """``scale · q · R_p μ`` for the quantized tokens, positions ``n_sink .. n_sink + n - 1``: (B*H*G, n) float32.
 
     :meth:`~arraykv.quant.rotary_mean.RotaryMeanPlan.logits` (one cuBLAS product of the plan's
     coefficients with the phase rows) with the phase rows from ``phase_rows(freq, start, n,
-    family)``, the kernel of :func:`rotary_phase_rows`.
+    family)``, the kernel of :func:`rotary_phase_rows`; ``plan`` the codec's plan when the caller
+    has it (:func:`_rotary_plan`).
     """
     b, qh, _, d = (int(s) for s in q.shape)
     h = int(codec.k_codes.shape[1])
-    plan = _rotary_plan(codec)
+    plan = plan if plan is not None else _rotary_plan(codec)
     start = int(codec.n_sink)
     out = plan.logits(q.astype(cp.float32).reshape(b, h, qh // h, d) * float(scale), start, start + n,
                       phases=phase_rows(plan.freq, start, n, family))
@@ -300,7 +306,9 @@ def polar_decode_attention_into(codec, q, scale, *, out=None):
     window are float32. The result agrees with the float32 reference to about 1e-3 relative.
     """
     cp = require_cupy()
-    if unsupported_reason(codec, q) is not None:
+    # a rotating key mean's plan, made once per step (a foreign-namespace codec's is rebuilt here)
+    rplan = _rotary_plan(codec) if getattr(codec, "k_mean_freq", None) is not None else None
+    if unsupported_reason(codec, q, rplan) is not None:
         return polar_decode_attention_reference(codec, q, scale)
     b, qh, _, d = (int(s) for s in q.shape)
     h = int(codec.k_window.shape[1]) if codec.k_window is not None else int(codec.k_codes.shape[1])
@@ -315,7 +323,7 @@ def polar_decode_attention_into(codec, q, scale, *, out=None):
     nout = 0 if codec.k_outlier_idx is None else int(codec.k_outlier_idx.shape[-1])
     kb, vb = int(codec.k_codebook.bits), int(codec.v_codebook.bits)
     # a rotating key mean adds a logit term per token (one product, cuBLAS); a fixed one a constant
-    rotating = n > 0 and getattr(codec, "k_mean_freq", None) is not None
+    rotating = n > 0 and rplan is not None
     names = kernel_names(d, kb, vb, use_qjl, had, PREFETCH, rotating)
     family = tuple(names.values())
     attn = get_kernel(_SOURCE, names["attn"], family)
@@ -334,12 +342,12 @@ def polar_decode_attention_into(codec, q, scale, *, out=None):
     sq_scale = float(scale) * QJL_SCALE / int(codec.qjl.rows) if use_qjl else 0.0
     idx = cp.ascontiguousarray(codec.k_outlier_idx) if nout else bufs["dummy_i"]
 
-    bias = _key_mean_bias(cp, codec, qc, scale, n, family) if rotating else df
+    bias = _key_mean_bias(cp, codec, qc, scale, n, family, plan=rplan) if rotating else df
     prep = get_kernel(_SOURCE, names[f"prepare_{dtype}"], family)
     prep((g, h, b), (d,), (qc, _half_or_dummy(cp, codec.k_scale, dh), _half_or_dummy(cp, codec.k_mean, dh), idx,
                            cp.int32(nout), rot.signs, matrix, sketch, cp.float32(scale), cp.float32(sq_scale),
                            cp.int32(codec.k_scale is not None),
-                           cp.int32(codec.k_mean is not None and getattr(codec, "k_mean_freq", None) is None),
+                           cp.int32(codec.k_mean is not None and rplan is None),
                            cp.int32(use_qjl), bufs["qr"], bufs["qconst"], bufs["qout"], bufs["sq"]))
     if n:
         cap = _capacity(codec.k_norms)
