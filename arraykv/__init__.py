@@ -14,7 +14,7 @@ from .compressor import (
     decompress_to_paged_cache,
 )
 from .storage import MlaCache, PagedKVCache
-from .caches import DenseCache, available_methods, make_cache, register_method
+from .caches import DenseCache, HybridCache, SlidingWindowCache, available_methods, make_cache, register_method
 from .persist import CacheFileError, load_cache as load
 from .protocol import (
     AttendConfig,
@@ -43,6 +43,8 @@ __all__ = [
     "CompressedKVCache",
     "DecodeOutput",
     "DenseCache",
+    "HybridCache",
+    "SlidingWindowCache",
     "Dequantized",
     "DequantResult",
     "Fused",

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _compat
 from .caches.base import LayeredCache
+from .caches.hybrid import HybridCache
 from .caches.registry import available_methods, make_cache
 from .storage.cache_file import FORMAT_VERSION, CacheFileError, read_cache_file
 
@@ -34,8 +35,9 @@ def save_cache(cache: Any, path: str | os.PathLike) -> int:
     path : str or path-like
         Target file; replaced atomically.
     """
-    if not isinstance(cache, LayeredCache):
-        raise TypeError(f"cache must be a LayeredCache (any built-in method), received {type(cache).__name__}")
+    if not isinstance(cache, (LayeredCache, HybridCache)):
+        raise TypeError(f"cache must be a LayeredCache (any built-in method) or a HybridCache, "
+                        f"received {type(cache).__name__}")
     return cache.save(path)
 
 
@@ -51,7 +53,7 @@ def load_cache(path: str | os.PathLike, *, xp: Any = None):
 
     Returns
     -------
-    LayeredCache
+    LayeredCache or HybridCache
         A cache of the saved method and options whose state is bit-identical to the saved one.
 
     Raises
@@ -72,7 +74,7 @@ def load_cache(path: str | os.PathLike, *, xp: Any = None):
         cache = make_cache(**config)
     except (TypeError, ValueError) as exc:
         raise CacheFileError(f"{path} holds a configuration that builds no cache: {exc}") from None
-    if not isinstance(cache, LayeredCache):
+    if not isinstance(cache, (LayeredCache, HybridCache)):
         raise CacheFileError(f"{path}: method {method!r} does not build a cache that can be restored")
     try:
         cache.restore(layers, xp=xp)  # restore moves the host arrays to xp

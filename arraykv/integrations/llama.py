@@ -1,8 +1,13 @@
-"""A Llama decoder in the array API whose attention goes through a :class:`CompressedKVCache`.
+"""A decoder in the array API whose attention goes through a :class:`CompressedKVCache`.
 
 The reference "framework-independent inference code": RMSNorm, rotary position embedding
-(rotate-half layout), grouped-query attention, a SwiGLU feed-forward block and tied (or
-separate) input/output embeddings, in float32. The prompt goes through ``cache.prefill`` (in
+(rotate-half layout), grouped-query attention, a gated feed-forward block and tied (or
+separate) input/output embeddings, in float32. What differs between Llama, Qwen 2/3 and Gemma 3
+(QKV biases, QK-norm, sandwich norms, the gate's activation, embedding scale, sliding-window
+layers with their own RoPE base) is read from an
+:class:`~arraykv.integrations.architectures.Architecture`, not written as another decoder.
+Sliding-window layers attend to the last ``sliding_window`` positions; :meth:`DecoderModel.make_cache`
+gives such a model a :class:`~arraykv.HybridCache` whose sliding layers hold only the window. The prompt goes through ``cache.prefill`` (in
 chunks of ``chunk_size`` tokens for long prompts, each chunk continuing the sequence) and every
 further token through ``cache.decode``, which answers either with the attention output
 (:class:`~arraykv.Fused`) or with keys and values (:class:`~arraykv.Dequantized`, possibly with
@@ -20,27 +25,31 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import numpy as np
+
 from .. import _compat
 from ..protocol import AttendConfig, Fused
-from .gguf import LlamaConfig
+from .architectures import architecture
+from .gguf import ModelConfig
 from .generation import cache_length as _cache_len
 from .generation import undo_on_failure
 from .generation import check_chunk, check_sampling, generate_tokens, prompt_ids
-from .llama_attention import apply_rope, attend_chunk, attend_one, causal_mask, plain_numpy, rope_tables
+from .llama_attention import (apply_rope, attend_chunk, attend_one, causal_mask, plain_numpy, rope_tables,
+                              window_mask)
 from .llama_weights import LayerWeights, layout_gguf_tensors, random_gguf_tensors, unpermute_qk
 
-__all__ = ["LlamaModel", "LayerWeights", "random_gguf_tensors", "unpermute_qk"]
+__all__ = ["DecoderModel", "LlamaModel", "LayerWeights", "random_gguf_tensors", "unpermute_qk"]
 
 
-class LlamaModel:
-    """A Llama-architecture decoder over NumPy or CuPy arrays.
+class DecoderModel:
+    """A decoder (Llama, Qwen 2/3, Gemma 3) over NumPy or CuPy arrays.
 
     Build one with :func:`arraykv.integrations.gguf_llama.load_model` (or
     :meth:`from_gguf_tensors`).
 
     Parameters
     ----------
-    config : LlamaConfig
+    config : ModelConfig
     layers : list of LayerWeights
     embedding : array, shape (vocab, hidden), float32
     output_norm : array, shape (hidden,)
@@ -54,9 +63,10 @@ class LlamaModel:
         ``xp`` is the array namespace of the weights.
     """
 
-    def __init__(self, config: LlamaConfig, layers: list, embedding: Any, output_norm: Any,
+    def __init__(self, config: ModelConfig, layers: list, embedding: Any, output_norm: Any,
                  lm_head: Any = None, tokenizer: Any = None):
         self.config = config
+        self.arch = architecture(config.arch)
         self.layers = layers
         self.embedding = embedding
         self.output_norm = output_norm
@@ -70,18 +80,22 @@ class LlamaModel:
         self._dev = _compat.device(embedding)
         self._scale = 1.0 / math.sqrt(config.head_dim)
         self._attend = AttendConfig(softmax_scale=self._scale, n_kv_groups=config.n_kv_groups)
+        self._kinds = config.kinds
+        # float32(sqrt(hidden)), the factor Gemma multiplies its embeddings by
+        self._embed_scale = float(np.float32(math.sqrt(config.hidden_size))) if self.arch.embed_scale else 1.0
         self._rope_len = 0
         self._cos = self._sin = None
+        self._rope = {}
         self._ensure_rope(min(config.context_length, 4096))
 
     # -- construction --------------------------------------------------------------
     @classmethod
-    def from_gguf_tensors(cls, config: LlamaConfig, tensors: dict, *, tokenizer: Any = None, xp: Any = None):
+    def from_gguf_tensors(cls, config: ModelConfig, tensors: dict, *, tokenizer: Any = None, xp: Any = None):
         """Lay out dequantized GGUF tensors for fast decoding.
 
         Parameters
         ----------
-        config : LlamaConfig
+        config : ModelConfig
         tensors : dict of str to numpy.ndarray
             GGUF tensor names (``blk.{i}.attn_q.weight`` ...) to float32 ``(out, in)`` arrays.
         tokenizer : GGUFTokenizer, optional
@@ -90,7 +104,7 @@ class LlamaModel:
 
         Returns
         -------
-        LlamaModel
+        DecoderModel
         """
         if xp is None:
             import array_api_compat.numpy as xp  # noqa: PLW0127 - the default namespace
@@ -98,12 +112,28 @@ class LlamaModel:
         layers, embedding, output_norm, lm_head = layout_gguf_tensors(config, tensors, xp)
         return cls(config, layers, embedding, output_norm, lm_head, tokenizer=tokenizer)
 
-    def make_cache(self, method: str = "dense", **options: Any):
-        """A cache of this model's geometry: ``arraykv.make_cache(method, num_layers=..., ...)``."""
+    def make_cache(self, method: str = "dense", *, window_options: dict | None = None, **options: Any):
+        """A cache of this model's geometry: ``arraykv.make_cache(method, num_layers=..., ...)``.
+
+        For a model with sliding-window layers, a :class:`~arraykv.HybridCache`: the global
+        layers in ``method`` (with ``options``), the sliding layers in a window cache holding
+        their last ``sliding_window`` tokens (``window_options``: its ``storage``, float16 by
+        default and exact for ``"dense"``, and ``rollback_tokens``).
+        """
         from ..caches import make_cache
 
         c = self.config
-        return make_cache(method, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, **options)
+        geometry = dict(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+        if not c.hybrid:
+            if window_options is not None:
+                raise ValueError(f"window_options apply to sliding-window layers; {c.name!r} has none")
+            return make_cache(method, **geometry, **options)
+        wopts = dict(window_options or {})
+        wopts.setdefault("storage", "exact" if method == "dense" else "float16")  # dense: nothing rounded
+        if "rollback_tokens" in options:
+            wopts.setdefault("rollback_tokens", options["rollback_tokens"])
+        return make_cache("hybrid", **geometry, layer_types=c.layer_types, window=c.sliding_window,
+                          full_method=method, full_options=options, window_options=wopts)
 
     # -- building blocks -------------------------------------------------------------
     def _ensure_rope(self, length: int) -> None:
@@ -111,23 +141,35 @@ class LlamaModel:
             return
         c = self.config
         self._cos, self._sin = rope_tables(self.xp, self._dev, length, c.head_dim, c.rope_theta)
+        self._rope = {"full_attention": (self._cos, self._sin)}
+        if c.hybrid:
+            self._rope["sliding_attention"] = rope_tables(self.xp, self._dev, length, c.head_dim, c.rope_local_theta)
         self._rope_len = length
+
+    def _head_norm(self, x: Any, w: Any) -> Any:
+        """RMSNorm over each head's channels, x (b, heads, t, d) with weights (d,)."""
+        return self._rmsnorm(x, w)
 
     def _rmsnorm(self, x: Any, w: Any) -> Any:
         xp = self._ops
         ms = xp.mean(x * x, axis=-1, keepdims=True)
         return x * (1.0 / xp.sqrt(ms + self.config.rms_eps)) * w
 
-    def _qkv(self, lw: LayerWeights, h: Any, start: int):
+    def _qkv(self, lw: LayerWeights, h: Any, start: int, layer: int = 0):
         xp = self._ops
         c = self.config
         b, t = int(h.shape[0]), int(h.shape[1])
         qkv = xp.matmul(h, lw.wqkv)  # (b, t, (H + 2Hkv) * d)
+        if lw.bqkv is not None:
+            qkv = qkv + lw.bqkv
         qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q = xp.permute_dims(xp.reshape(qkv[..., :qd], (b, t, c.num_heads, c.head_dim)), (0, 2, 1, 3))
         k = xp.permute_dims(xp.reshape(qkv[..., qd:qd + kd], (b, t, c.num_kv_heads, c.head_dim)), (0, 2, 1, 3))
         v = xp.permute_dims(xp.reshape(qkv[..., qd + kd:], (b, t, c.num_kv_heads, c.head_dim)), (0, 2, 1, 3))
-        return (apply_rope(xp, q, self._cos, self._sin, start), apply_rope(xp, k, self._cos, self._sin, start), v)
+        if lw.q_norm is not None:
+            q, k = self._head_norm(q, lw.q_norm), self._head_norm(k, lw.k_norm)
+        cos, sin = self._rope[self._kinds[layer]]
+        return apply_rope(xp, q, cos, sin, start), apply_rope(xp, k, cos, sin, start), v
 
     def _mlp(self, lw: LayerWeights, x: Any) -> Any:
         xp = self._ops
@@ -135,16 +177,31 @@ class LlamaModel:
         h = self._rmsnorm(x, lw.ffn_norm)
         gu = xp.matmul(h, lw.wgu)
         g, u = gu[..., :f], gu[..., f:]
-        return xp.matmul(g / (1.0 + xp.exp(-g)) * u, lw.wdown)
+        if self.arch.activation == "gelu_tanh":
+            act = 0.5 * g * (1.0 + xp.tanh(0.7978845608028654 * (g + 0.044715 * (g * g * g))))
+        else:
+            act = g / (1.0 + xp.exp(-g))
+        out = xp.matmul(act * u, lw.wdown)
+        return out if lw.post_ffn_norm is None else self._rmsnorm(out, lw.post_ffn_norm)
 
     def _out_proj(self, lw: LayerWeights, o: Any) -> Any:
         xp = self._ops
         b, h, t, d = (int(s) for s in o.shape)
         o = xp.reshape(xp.permute_dims(o, (0, 2, 1, 3)), (b, t, h * d))
-        return xp.matmul(o, lw.wo)
+        out = xp.matmul(o, lw.wo)
+        return out if lw.post_attn_norm is None else self._rmsnorm(out, lw.post_attn_norm)
 
-    def _attend_chunk(self, q: Any, k: Any, v: Any, bias: Any) -> Any:
-        """Causal prefill attention (:func:`.llama_attention.attend_chunk`), (b, H, t, d)."""
+    def _attend_chunk(self, q: Any, k: Any, v: Any, bias: Any, layer: int = 0, start: int = 0) -> Any:
+        """Causal prefill attention (:func:`.llama_attention.attend_chunk`), (b, H, t, d).
+
+        ``k``/``v`` hold the last ``n`` positions before ``start + t``; a sliding layer's
+        queries see the last ``sliding_window`` of them (:func:`.llama_attention.window_mask`).
+        """
+        window = self.config.window_of(layer)
+        t, n = int(q.shape[2]), int(k.shape[2])
+        if window and start + t - n + window <= start + t - 1:  # some key is out of some query's window
+            m = window_mask(self.xp, self._dev, t, n, start + t - n, start, window)
+            return attend_chunk(self._ops, q, k, v, bias, self._scale, in_place=self._numpy, full_mask=m)
         return attend_chunk(self._ops, q, k, v, bias, self._scale, in_place=self._numpy,
                             mask=lambda t, total: causal_mask(self.xp, self._dev, t, total))
 
@@ -186,6 +243,8 @@ class LlamaModel:
         xp = self._ops
         b, t = int(ids.shape[0]), int(ids.shape[1])
         x = xp.take(self.embedding, xp.reshape(ids, (-1,)), axis=0)
+        if self.arch.embed_scale:
+            x = x * self._embed_scale
         return xp.reshape(x, (b, t, self.config.hidden_size))
 
     def forward(self, token_ids: Any, cache: Any = None) -> Any:
@@ -264,9 +323,9 @@ class LlamaModel:
         """Layer ``i`` for hidden states ``x`` (batch, t, hidden) at positions ``start ..``, stored
         with one ``cache.prefill`` and attending causally over what it returns; the hidden states after it."""
         lw = self.layers[i]
-        q, k, v = self._qkv(lw, self._rmsnorm(x, lw.attn_norm), start)
+        q, k, v = self._qkv(lw, self._rmsnorm(x, lw.attn_norm), start, i)
         r = cache.prefill(i, k, v, q)
-        x = x + self._out_proj(lw, self._attend_chunk(q, r.k, r.v, r.logit_bias))
+        x = x + self._out_proj(lw, self._attend_chunk(q, r.k, r.v, r.logit_bias, i, start))
         return x + self._mlp(lw, x)
 
     def decode_layer(self, i: int, x: Any, cache: Any, start: int) -> Any:
@@ -275,16 +334,25 @@ class LlamaModel:
         the attention output); the hidden states after it."""
         xp = self._ops
         lw = self.layers[i]
-        q, k, v = self._qkv(lw, self._rmsnorm(x, lw.attn_norm), start)
+        window = self.config.window_of(i)
+        q, k, v = self._qkv(lw, self._rmsnorm(x, lw.attn_norm), start, i)
         outs = []
         for j in range(int(x.shape[1])):
             qj, kj, vj = q[:, :, j:j + 1, :], k[:, :, j:j + 1, :], v[:, :, j:j + 1, :]
             res = cache.decode(i, kj, vj, qj, self._attend)
             if isinstance(res, Fused):
+                if window and start + j + 1 > window:
+                    raise ValueError(
+                        f"layer {i} attends through a window of {window} tokens, but the cache attended over all "
+                        f"{start + j + 1}; use model.make_cache(method), which holds the window")
                 outs.append(res.output)
             else:
                 r = res.result
-                outs.append(attend_one(xp, qj, r.k, r.v, r.logit_bias, self._scale))
+                rk, rv, bias = r.k, r.v, r.logit_bias
+                if window and int(rk.shape[2]) > window:  # a cache that holds more than the window
+                    rk, rv = rk[:, :, -window:, :], rv[:, :, -window:, :]
+                    bias = None if bias is None else bias[..., -window:]
+                outs.append(attend_one(xp, qj, rk, rv, bias, self._scale))
         x = x + self._out_proj(lw, outs[0] if len(outs) == 1 else xp.concat(outs, axis=2))
         return x + self._mlp(lw, x)
 
@@ -385,8 +453,12 @@ class LlamaModel:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"LlamaModel({c.name!r}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}, "
+        return (f"DecoderModel({c.arch}: {c.name!r}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}, "
                 f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, vocab={c.vocab_size})")
+
+
+#: The name the Llama-only releases used.
+LlamaModel = DecoderModel
 
 
 def _is_array(x: Any) -> bool:

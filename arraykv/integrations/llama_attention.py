@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["plain_numpy", "rope_tables", "apply_rope", "attend_one", "attend_chunk", "causal_block", "causal_mask"]
+__all__ = ["plain_numpy", "rope_tables", "apply_rope", "attend_one", "attend_chunk", "causal_block", "causal_mask",
+           "window_mask"]
 
 
 def plain_numpy():
@@ -98,7 +99,7 @@ def attend_one(xp: Any, q: Any, k: Any, v: Any, bias: Any, scale: float) -> Any:
 
 
 def attend_chunk(xp: Any, q: Any, k: Any, v: Any, bias: Any, scale: float, *, in_place: bool,
-                 mask: Any = None) -> Any:
+                 mask: Any = None, full_mask: Any = None) -> Any:
     """Causal attention of ``t`` new query tokens, the last ``t`` of ``total`` keys (the prefill case).
 
     The same math as :func:`arraykv.attention` with ``causal=True``, in fewer passes over the
@@ -118,6 +119,9 @@ def attend_chunk(xp: Any, q: Any, k: Any, v: Any, bias: Any, scale: float, *, in
     mask : callable, optional
         ``mask(t, total)``: the ``(t, total)`` additive mask in ``xp``'s namespace and device
         (:func:`causal_mask`); needed when ``in_place`` is False and ``t > 1``.
+    full_mask : array, optional
+        A ``(t, total)`` additive mask over every key column, used instead of the causal one
+        (a sliding window, :func:`window_mask`).
 
     Returns
     -------
@@ -127,7 +131,16 @@ def attend_chunk(xp: Any, q: Any, k: Any, v: Any, bias: Any, scale: float, *, in
     s = xp.matmul(xp.reshape(q * scale, (b, hkv, g * t, d)), xp.matrix_transpose(k))
     if bias is not None:
         s = s + xp.reshape(xp.astype(bias, s.dtype), (b, hkv, g * t, total))
-    if in_place:  # on the fresh scores array
+    if full_mask is not None:
+        if in_place:
+            import numpy as np
+
+            s5 = np.reshape(s, (b, hkv, g, t, total))
+            s5 += full_mask
+        else:
+            s = xp.reshape(xp.reshape(s, (b, hkv, g, t, total)) + full_mask, (b, hkv, g * t, total))
+        s = xp.exp(s - xp.max(s, axis=-1, keepdims=True))
+    elif in_place:  # on the fresh scores array
         import numpy as np
 
         if t > 1:
@@ -154,4 +167,19 @@ def causal_mask(xp: Any, device: Any, t: int, total: int) -> Any:
     import numpy as np
 
     m = np.concatenate([np.zeros((t, total - t), dtype=np.float32), causal_block(t)], axis=1)
+    return xp.asarray(m, device=device)
+
+
+def window_mask(xp: Any, device: Any, t: int, n: int, first_key: int, first_query: int, window: int) -> Any:
+    """(t, n) float32 additive mask of a sliding window.
+
+    Query ``i`` (position ``first_query + i``) sees key ``j`` (position ``first_key + j``) when
+    ``0 <= q_pos - k_pos < window``: itself and the ``window - 1`` positions before it.
+    """
+    import numpy as np
+
+    qp = first_query + np.arange(t)[:, None]
+    kp = first_key + np.arange(n)[None, :]
+    d = qp - kp
+    m = np.where((d >= 0) & (d < window), 0.0, -np.inf).astype(np.float32)
     return xp.asarray(m, device=device)

