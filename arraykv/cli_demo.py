@@ -22,7 +22,8 @@ def default_methods() -> list:
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="generate with SmolLM2-135M through a compressed cache and print a quality table",
                        description=__doc__)
-    p.add_argument("--model", default=None, help="a Llama .gguf file (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--model", default=None, help="a .gguf file (llama, qwen2, qwen3, gemma3) or a known model: smollm2-135m, "
+                        "gemma3-270m (fetched once; default: smollm2-135m)")
     p.add_argument("--prompt", default="Write one sentence about the sea.", help="user message for the chat model")
     p.add_argument("--generate-with", default=None, help="cache method for the generation (default: pqo4, else dense)")
     p.add_argument("--max-new-tokens", type=int, default=40)
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [m for m in methods if m not in available_methods()]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; available: {', '.join(available_methods())}")
-    print("Loading the model (SmolLM2-135M-Instruct, float32 NumPy weights)...", flush=True)
+    print(f"Loading the model ({args.model or 'SmolLM2-135M-Instruct'}, float32 NumPy weights)...", flush=True)
     t0 = time.perf_counter()
     model = load_model(args.model)
     print(f"  {model!r} in {time.perf_counter() - t0:.1f} s\n")

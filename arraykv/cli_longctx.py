@@ -29,7 +29,8 @@ def add_parser(sub) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``longctx`` (shared with ``benchmarks/long_context.py``)."""
-    p.add_argument("--model", default=None, help="a Llama .gguf file (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--model", default=None, help="a .gguf file (llama, qwen2, qwen3, gemma3) or a known model: smollm2-135m, "
+                        "gemma3-270m (fetched once; default: smollm2-135m)")
     p.add_argument("--methods", nargs="+", default=None,
                    help="cache methods (default: dense, pqo4, pqo3, pqo2, int8, int4); dense is always run")
     p.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 8192],

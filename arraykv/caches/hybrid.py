@@ -205,7 +205,7 @@ class HybridCache:
         twin = object.__new__(HybridCache)
         twin.__dict__.update(self.__dict__)
         twin.full = self.full.fork()
-        twin.sliding = self.sliding.fork()
+        twin.sliding = self.sliding
         return twin
 
     # -- persistence -------------------------------------------------------------------

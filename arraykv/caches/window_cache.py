@@ -206,7 +206,9 @@ class SlidingWindowCache(LayeredCache):
         first = st.length - st.n
         if first == 0:
             return 1  # every token is held
-        return min(st.length, first + self.window - 1)
+        # the next decode reads the last window - 1 rows; and a layer holding tokens keeps at least one row
+        # (a window of 1 would otherwise reach a state of no rows, which restore and cache files refuse)
+        return min(st.length, first + max(self.window - 1, 1))
 
     def _truncate_plan(self, st, length: int):
         drop = st.length - length

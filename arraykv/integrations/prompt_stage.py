@@ -1,0 +1,128 @@
+"""A long prompt processed exactly, then stored compressed in one piece.
+
+A prompt fed in chunks through a compressed cache attends, from its second chunk on, to the
+*compressed* keys and values of the earlier chunks; the hidden states of every later prompt
+token, in every layer, carry that error, and so do the keys and values stored for them. On
+SmolLM2 after a 3,840-token prompt this is what separates pqo2's mean KL of 0.186 (chunks
+stored one by one) from 0.037 (the prompt computed exactly, then stored).
+
+:class:`PromptStage` stands in for the cache while a prompt's chunks run: the layers whose
+cache compresses hold the prompt's keys and values exactly (float16, half of a float32 dense
+cache) and hand them back for the next chunks' attention; the layers whose cache is exact
+already (``dense``, sliding windows) write straight to it. When the last chunk is done,
+:meth:`PromptStage.commit` stores each staged layer's whole prompt with one ``append`` call:
+the cache then calibrates on, and encodes, the exact keys and values of the whole prompt.
+
+Queries: a compressed cache takes the prompt's queries for its calibration (``pqo`` weighs key
+channels by the queries' RMS per channel, which is all it reads of them). Holding every query
+of a long prompt would cost more than its keys, so the stage keeps a uniform sample of at most
+:data:`QUERY_SAMPLE` positions per layer and gives the cache that sample repeated to the
+prompt's length, which leaves each channel's RMS that of the sample.
+
+Memory while a prompt runs: the float16 keys and values of the staged layers (for SmolLM2 at
+8k tokens: 189 MB against the 377 MB of a float32 dense cache and the 49 MB pqo4 holds after);
+it is freed by :meth:`commit`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .. import _compat
+
+__all__ = ["PromptStage", "QUERY_SAMPLE", "stages_layer"]
+
+#: Query positions kept per layer for the cache's calibration.
+QUERY_SAMPLE = 1024
+
+
+def stages_layer(cache: Any, layer: int) -> bool:
+    """Whether ``layer`` of ``cache`` compresses (so a prompt is staged for it)."""
+    part = cache.cache_of(layer) if hasattr(cache, "cache_of") else cache
+    if not (hasattr(part, "append") and hasattr(part, "dequantize")):
+        return False  # a cache of the protocol only: its chunks go straight to it
+    return getattr(part, "method", None) not in ("dense", "window")
+
+
+class PromptStage:
+    """Stands in for ``cache`` while a prompt of ``total`` tokens runs in chunks.
+
+    Parameters
+    ----------
+    cache : CompressedKVCache
+        The target; it may hold earlier tokens (their K/V are read once per staged layer).
+    num_layers : int
+    total : int
+        Prompt tokens that will arrive (to spread the query sample over them).
+    """
+
+    def __init__(self, cache: Any, num_layers: int, total: int):
+        self.cache = cache
+        self.total = int(total)
+        self._staged = [stages_layer(cache, i) for i in range(num_layers)]
+        self._held: list = [None] * num_layers  # per staged layer: [k16 list, v16 list, q sample list, seen]
+        self._before: list = [None] * num_layers  # earlier tokens of the target, float (k, v)
+        self._start = [cache.seq_len(i) for i in range(num_layers)]
+
+    # what the decoder calls -----------------------------------------------------------
+    def seq_len(self, layer: int) -> int:
+        if not self._staged[layer]:
+            return self.cache.seq_len(layer)
+        held = self._held[layer]
+        return self._start[layer] + (0 if held is None else held[3])
+
+    def prefill(self, layer: int, k: Any, v: Any, q: Any):
+        if not self._staged[layer]:
+            return self.cache.prefill(layer, k, v, q)
+        from ..protocol import DequantResult
+
+        xp = _compat.namespace(k)
+        if self._held[layer] is None:
+            self._held[layer] = [[], [], [], 0]
+            if self._start[layer]:
+                r = self.cache.dequantize(layer)
+                self._before[layer] = (xp.astype(r.k, k.dtype), xp.astype(r.v, v.dtype))
+        ks, vs, qs, seen = self._held[layer]
+        t = int(k.shape[2])
+        ks.append(xp.astype(k, xp.float16))
+        vs.append(xp.astype(v, xp.float16))
+        qs.append(self._sample(xp, q, seen))
+        self._held[layer][3] = seen + t
+        kk = xp.astype(xp.concat(ks, axis=2) if len(ks) > 1 else ks[0], k.dtype)
+        vv = xp.astype(xp.concat(vs, axis=2) if len(vs) > 1 else vs[0], v.dtype)
+        before = self._before[layer]
+        if before is not None:
+            kk, vv = xp.concat([before[0], kk], axis=2), xp.concat([before[1], vv], axis=2)
+        # the chunk's own keys exactly as given (float32), the earlier ones through float16
+        kk[:, :, -t:, :] = k
+        vv[:, :, -t:, :] = v
+        return DequantResult(k=kk, v=vv)
+
+    def _sample(self, xp: Any, q: Any, seen: int) -> Any:
+        """The positions of ``q`` that fall on the uniform sample grid over the prompt."""
+        t = int(q.shape[2])
+        step = max(1, math.ceil(self.total / QUERY_SAMPLE))
+        first = (-seen) % step
+        return xp.asarray(q[:, :, first::step, :], copy=True)
+
+    # the end of the prompt ----------------------------------------------------------
+    def commit(self) -> None:
+        """Store every staged layer's prompt in the target, one ``append`` per layer; frees the stage."""
+        for layer, held in enumerate(self._held):
+            if held is None:
+                continue
+            ks, vs, qs, seen = held
+            xp = _compat.namespace(ks[0])
+            k = xp.concat(ks, axis=2) if len(ks) > 1 else ks[0]
+            v = xp.concat(vs, axis=2) if len(vs) > 1 else vs[0]
+            dtype = self._dtype(layer, qs)
+            k, v = xp.astype(k, dtype), xp.astype(v, dtype)
+            qsample = xp.concat(qs, axis=2) if len(qs) > 1 else qs[0]
+            reps = math.ceil(seen / max(1, int(qsample.shape[2])))
+            q = xp.concat([qsample] * reps, axis=2)[:, :, :seen, :] if reps > 1 else qsample[:, :, :seen, :]
+            self._held[layer] = None
+            self.cache.append(layer, k, v, q)
+
+    def _dtype(self, layer: int, qs: list) -> Any:
+        return qs[0].dtype
