@@ -44,9 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="long-text prefix lengths (each + --positions must fit the context)")
     p.add_argument("--positions", type=int, default=256, help="decoded positions scored after each prefix")
     p.add_argument("--chunk-size", type=int, default=512, help="tokens per prefill chunk")
-    p.add_argument("--prefill-mode", choices=["exact", "cache"], default="exact",
-                   help="exact: every method starts from one exact prefill; cache: chunked prefill through "
-                        "each method's own cache")
+    p.add_argument("--prefill-mode", choices=["cache", "exact", "cache-chunks"], default="cache",
+                   help="cache (default, the path users run): the model's chunked prefill with each method's "
+                        "cache; exact: every method starts from one exact prefill; cache-chunks: chunked "
+                        "prefill storing each chunk compressed as it comes")
     p.add_argument("--plot", default=None, metavar="PATH", help="save a PNG of the grids and the KL curve")
     p.add_argument("--no-needle", action="store_true", help="skip the needle grid")
     p.add_argument("--no-kl", action="store_true", help="skip the long-text quality table")

@@ -66,6 +66,9 @@ class LayeredCache(LayerSnapshots, LayerRollback):
     """
 
     method: str = "base"
+    #: Whether the tokens are held as given (no compression), so that a long prompt needs no
+    #: exact staging while it runs (:mod:`arraykv.integrations.prompt_stage`).
+    stores_exactly: bool = False
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  check_finite: bool = True, max_tokens: int | None = None):

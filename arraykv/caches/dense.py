@@ -36,6 +36,8 @@ class DenseCache(LayeredCache):
     """
 
     method = "dense"
+    #: Tokens are held as given: a prompt needs no exact staging (:mod:`arraykv.integrations.prompt_stage`).
+    stores_exactly = True
 
     def _new_layer(self, xp, dev, batch, dtype) -> DenseLayer:
         return DenseLayer(xp=xp, device=dev, batch=batch, dtype=dtype, buf=TokenBuffers(max_tokens=self.max_tokens))

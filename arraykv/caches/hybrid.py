@@ -165,6 +165,11 @@ class HybridCache:
         """The global layers' decode path (sliding layers always return K/V)."""
         return getattr(self.full, "decode_path", "dequantized")
 
+    def held_tokens(self, layer) -> int:
+        """Tokens ``layer`` holds: ``seq_len`` for a global layer, at most the window (plus the
+        rollback margin) for a sliding one."""
+        return self.sliding.held_tokens(layer) if self.is_sliding(layer) else self.full.seq_len(layer)
+
     # -- reading -----------------------------------------------------------------------
     def stable_length(self, layer) -> int:
         return self.cache_of(layer).stable_length(layer)
@@ -205,7 +210,7 @@ class HybridCache:
         twin = object.__new__(HybridCache)
         twin.__dict__.update(self.__dict__)
         twin.full = self.full.fork()
-        twin.sliding = self.sliding
+        twin.sliding = self.sliding.fork()
         return twin
 
     # -- persistence -------------------------------------------------------------------

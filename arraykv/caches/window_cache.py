@@ -83,6 +83,8 @@ class SlidingWindowCache(LayeredCache):
     """
 
     method = "window"
+    #: Held as given (or float16): a prompt needs no exact staging.
+    stores_exactly = True
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, window: int,
                  rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, storage: str = "float16",
@@ -96,6 +98,9 @@ class SlidingWindowCache(LayeredCache):
         self.storage = storage
         #: Rows a layer keeps after every call.
         self.keep = self.window + self.rollback_tokens
+        #: Rows of a layer's buffers: ``keep`` plus room for ``max(16, keep // 4)`` more, so the
+        #: held rows move back to the buffers' start once every that many decode steps.
+        self.capacity = self.keep + max(16, self.keep // 4)
 
     # -- storing -----------------------------------------------------------------------
     def _new_layer(self, xp, dev, batch, dtype) -> WindowLayer:
@@ -114,7 +119,7 @@ class SlidingWindowCache(LayeredCache):
         """Append stored-dtype rows and drop the oldest beyond ``keep``: amortized O(rows) per call."""
         xp, keep, t = st.xp, self.keep, int(k.shape[2])
         if t >= keep or st.kb is None:
-            cap = 2 * keep
+            cap = self.capacity
             shape = (st.batch, self.num_kv_heads, cap, self.head_dim)
             kb = xp.empty(shape, dtype=k.dtype, device=st.device)
             vb = xp.empty(shape, dtype=v.dtype, device=st.device)

@@ -8,9 +8,11 @@ on all prompt tokens, and seeing all prompt queries), and every method starts fr
 exact K/V. What is measured afterwards is what the compressed *storage* does to the following
 decode steps.
 
-``prefill_mode="cache"`` is the other protocol: the prompt goes chunk by chunk through the
-method's own cache (:meth:`LlamaModel.prefill` with ``chunk_size``), so later chunks attend to
-the compressed earlier ones, as a user's chunked prefill would.
+``prefill_mode="cache"`` is the path users run: the prompt goes chunk by chunk through the
+model's own prefill with the method's cache (:meth:`DecoderModel.prefill` with ``chunk_size``,
+which keeps the prompt exact while it runs and stores it compressed at the end,
+:mod:`arraykv.integrations.prompt_stage`). ``prefill_mode="cache-chunks"`` stores each chunk as
+it comes (``prompt_store="chunks"``), so later chunks attend to the compressed earlier ones.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from .. import _compat
 __all__ = ["ExactPrefill", "exact_prefill", "PREFILL_MODES"]
 
 #: How a method's cache receives the prompt: "exact" (one prefill per layer with the exact K/V/Q
-#: of a dense chunked prefill) or "cache" (the model's chunked prefill through the method's cache).
-PREFILL_MODES = ("exact", "cache")
+#: of a dense chunked prefill), "cache" (the model's chunked prefill through the method's cache,
+#: as users run it) or "cache-chunks" (the same, each chunk stored compressed as it comes).
+PREFILL_MODES = ("exact", "cache", "cache-chunks")
 
 
 class _Recorder:
@@ -199,7 +202,10 @@ def method_cache(model: Any, method: str, options: Mapping[str, Any], exact: Exa
     cache = model.make_cache(method, **dict(options))
     if prefill_mode == "exact" and exact.layers is not None:
         return exact.fill(cache)
-    model.prefill(prompt, cache, chunk_size=chunk_size, logits="last")
+    if prefill_mode == "cache-chunks":
+        model.prefill(prompt, cache, chunk_size=chunk_size, logits="last", prompt_store="chunks")
+    else:
+        model.prefill(prompt, cache, chunk_size=chunk_size, logits="last")
     return cache
 
 
@@ -214,12 +220,15 @@ def bits_per_value(model: Any, cache: Any) -> tuple:
     """``(bits_per_value, kv_bytes, tokens)`` of ``cache`` now.
 
     ``bits_per_value = used_bytes() * 8 / (2 * layers * kv_heads * tokens * head_dim)``
-    (:func:`stored_bytes`: the stored tokens and fixed state, not spare buffer capacity).
+    (:func:`stored_bytes`: the stored tokens and fixed state, not spare buffer capacity); for a
+    hybrid cache the values are those held (a sliding layer holds its window, not ``tokens``).
     """
     c = model.config
     tokens = int(cache.seq_len(0))
     kv_bytes = stored_bytes(cache)
-    values = 2 * c.num_layers * c.num_kv_heads * tokens * c.head_dim
+    held = getattr(cache, "held_tokens", None)  # a hybrid cache: its sliding layers hold the window
+    rows = sum(held(i) for i in range(c.num_layers)) if callable(held) else c.num_layers * tokens
+    values = 2 * c.num_kv_heads * rows * c.head_dim
     return (kv_bytes * 8.0 / values if values else 0.0), kv_bytes, tokens
 
 

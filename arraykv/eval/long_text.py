@@ -93,7 +93,7 @@ def long_text_quality(model: Any, methods: Sequence[str], *, prefix_lengths: Seq
         shipped *Pride and Prejudice* chapters 1-6 (:func:`builtin_long_token_ids`).
     chunk_size : int or None, default 512
         Tokens per prefill chunk.
-    prefill_mode : {"exact", "cache"}, default "exact"
+    prefill_mode : {"exact", "cache", "cache-chunks"}, default "exact"
         How each method's cache receives the prefix (see the module docstring).
     cache_options : dict of str to dict, optional
         Extra ``make_cache`` options per method (not for "dense").

@@ -236,7 +236,7 @@ def needle_grid(model: Any, methods: Sequence[str], *, lengths: Sequence[int] = 
         Texts, key and answer length; ``NeedleTask()`` by default.
     chunk_size : int or None, default 512
         Tokens per prefill chunk (an 8k prompt never builds an 8k x 8k score matrix).
-    prefill_mode : {"exact", "cache"}, default "exact"
+    prefill_mode : {"exact", "cache", "cache-chunks"}, default "exact"
         How each method's cache receives the prompt (see the module docstring).
     cache_options : dict of str to dict, optional
         Extra ``make_cache`` options per method name (not for "dense").

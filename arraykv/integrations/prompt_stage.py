@@ -42,7 +42,7 @@ def stages_layer(cache: Any, layer: int) -> bool:
     part = cache.cache_of(layer) if hasattr(cache, "cache_of") else cache
     if not (hasattr(part, "append") and hasattr(part, "dequantize")):
         return False  # a cache of the protocol only: its chunks go straight to it
-    return getattr(part, "method", None) not in ("dense", "window")
+    return not getattr(part, "stores_exactly", False)
 
 
 class PromptStage:

@@ -69,7 +69,8 @@ _LOGIT_BIAS_PREFIXES = ("tq",)
 
 
 def _geometry(config: Any) -> tuple:
-    """``(num_layers, num_kv_heads, head_dim)`` of a transformers decoder config, checked."""
+    """``(num_layers, num_kv_heads, head_dim, layer_types, sliding_window)`` of a transformers
+    decoder config, checked (``sliding_window`` None when no layer slides)."""
     if config is None:
         raise TypeError("config is required: pass the model's config (model.config)")
     get_text = getattr(config, "get_text_config", None)
@@ -102,15 +103,21 @@ def _geometry(config: Any) -> tuple:
     if not isinstance(hd, int) or hd < 1:
         raise ValueError(f"config ({name}) head_dim must be a positive int, it is {hd!r}")
     types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
     if types is not None:
-        other = sorted(set(types) - {"full_attention"})
-        if other:
-            raise ValueError(f"config ({name}) has layer types {other}; ArraykvCache supports full attention "
-                             "layers only (no sliding-window, chunked or linear-attention layers)")
-    elif getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        raise ValueError(f"config ({name}) uses a sliding window of {config.sliding_window}; ArraykvCache "
-                         "supports full attention layers only")
-    return layers, kv, hd
+        from ..caches.hybrid import check_layer_types
+
+        try:
+            types = check_layer_types(types, layers)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"config ({name}): {exc}") from None
+    elif window is not None and getattr(config, "use_sliding_window", True):
+        types = ("sliding_attention",) * layers  # a window on every layer (Mistral-style)
+    else:
+        types = ("full_attention",) * layers
+    if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"config ({name}) has sliding-window layers but sliding_window={window!r}")
+    return layers, kv, hd, types, (window if "sliding_attention" in types else None)
 
 
 class ArraykvLayer(CacheLayerMixin):
@@ -121,15 +128,17 @@ class ArraykvLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_croppable = False
-    is_sliding = False
+    is_croppable = True
 
-    def __init__(self, owner: "ArraykvCache", index: int):
+    def __init__(self, owner: "ArraykvCache", index: int, window: int | None = None):
         super().__init__()
         self._owner = owner
         self.index = index
         self.device = None
         self.dtype = None
+        #: The attention span of a sliding-window layer (None: the layer attends to everything).
+        self.sliding_window = window
+        self.is_sliding = window is not None
 
     def lazy_initialization(self, key_states: Any, value_states: Any) -> None:
         self.device = key_states.device
@@ -154,15 +163,22 @@ class ArraykvLayer(CacheLayerMixin):
         return self._owner._update(self.index, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple:
-        """``(kv_length, kv_offset)`` for the attention mask: every stored token plus the new ones."""
-        return self.get_seq_length() + int(query_length), 0
+        """``(kv_length, kv_offset)`` for the attention mask: every stored token plus the new ones;
+        for a sliding layer, the last ``window - 1`` stored tokens plus the new ones."""
+        n = self.get_seq_length()
+        if self.sliding_window is None:
+            return n + int(query_length), 0
+        w = self.sliding_window
+        return min(n, w - 1) + int(query_length), max(n - w + 1, 0)
 
     def get_seq_length(self) -> int:
         """Tokens stored in this layer."""
         return int(self._owner.arraykv_cache.seq_len(self.index))
 
     def get_max_length(self) -> int:
-        """The cache's ``max_tokens``, or -1 (no maximum)."""
+        """The window of a sliding layer, else the cache's ``max_tokens``, or -1 (no maximum)."""
+        if self.sliding_window is not None:
+            return int(self.sliding_window)
         m = getattr(self._owner.arraykv_cache, "max_tokens", None)
         return -1 if m is None else int(m)
 
@@ -211,7 +227,10 @@ class ArraykvCache(Cache):
     config : transformers.PretrainedConfig
         The model's config (``model.config``): ``num_hidden_layers``, ``num_attention_heads``,
         ``num_key_value_heads`` (default: the attention heads), ``head_dim`` (default
-        ``hidden_size // num_attention_heads``). Full-attention decoders only.
+        ``hidden_size // num_attention_heads``), ``layer_types`` and ``sliding_window``: global
+        layers hold every token in ``method``, sliding-window layers (Gemma 2/3, Mistral-style)
+        their last ``sliding_window`` tokens (a :class:`~arraykv.HybridCache`); chunked- and
+        linear-attention layers are refused.
     incremental : bool, default False
         False: each step reconstructs the layer's whole past from the compressed state and
         nothing but the compressed state is kept between steps. True: keep every layer's
@@ -264,15 +283,24 @@ class ArraykvCache(Cache):
                              "own attention cannot apply; use a pq/pqo/int/dense method")
         if not isinstance(incremental, bool):
             raise TypeError(f"incremental must be a bool, received {type(incremental).__name__}")
-        self.num_layers, self.num_kv_heads, self.head_dim = _geometry(config)
-        self.arraykv_cache = make_cache(method, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                                        head_dim=self.head_dim, **cache_options)
+        self.num_layers, self.num_kv_heads, self.head_dim, self.layer_types, window = _geometry(config)
+        geometry = dict(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        if window is None:
+            self.arraykv_cache = make_cache(method, **geometry, **cache_options)
+        else:  # sliding layers hold their window (float16), global ones the method
+            window_options = dict(cache_options.pop("window_options", None) or {})
+            if "rollback_tokens" in cache_options:
+                window_options.setdefault("rollback_tokens", cache_options["rollback_tokens"])
+            self.arraykv_cache = make_cache("hybrid", **geometry, layer_types=self.layer_types, window=window,
+                                            full_method=method, full_options=cache_options,
+                                            window_options=window_options)
         self.method = method
         self.incremental = incremental
         # layer -> (k, v, tokens, stable): the float32 past returned last (incremental mode only)
         self._held: dict = {}
         self.hooked_layers = 0
-        super().__init__(layers=[ArraykvLayer(self, i) for i in range(self.num_layers)])
+        super().__init__(layers=[ArraykvLayer(self, i, window if kind == "sliding_attention" else None)
+                                 for i, kind in enumerate(self.layer_types)])
         # layer -> the attention module's captured q projection and (cos, sin) of its current call
         self._q_parts: dict = {}
         self._hooks: list = []
@@ -351,10 +379,29 @@ class ArraykvCache(Cache):
         self._model = None
 
     def _queries(self, i: int, k: Any) -> Any:
-        """Layer ``i``'s queries of this update as float32 NumPy (b, heads, t, d), or zeros like ``k``."""
+        """Layer ``i``'s queries of this update as float32 NumPy (b, heads, t, d); zeros like ``k``
+        without hooks (and for sliding layers, whose window cache reads no queries).
+
+        Raises
+        ------
+        RuntimeError
+            The model is hooked but this update's queries could not be rebuilt (an attention
+            layout the hooks do not know): better refused than quantized with zero queries.
+        """
+        import numpy as np
+
         from .transformers_attention import layer_queries
 
-        return layer_queries(self._q_parts.pop(i, None), k, self.num_kv_heads)
+        part = self._q_parts.pop(i, None)
+        if self.hooked_layers == 0 or self.layer_types[i] == "sliding_attention":
+            return np.zeros(k.shape, dtype=np.float32)
+        q = layer_queries(part, k, self.num_kv_heads)
+        if q is None:
+            raise RuntimeError(
+                f"layer {i}: the hooked attention module did not hand over the queries of this update "
+                f"({int(k.shape[2])} tokens); its layout is not one ArraykvCache knows. Build the cache "
+                "without model= (key channels then get weights of 1) or call cache.detach()")
+        return q
 
     # -- the work of one update ----------------------------------------------------------
     def _update(self, i: int, key_states: Any, value_states: Any) -> tuple:
@@ -382,6 +429,11 @@ class ArraykvCache(Cache):
         prev = self._held.get(i) if self.incremental else None
         if prev is not None and prev[2] != cache.seq_len(i):
             prev = None  # the layer changed behind our back (reset, crop): read it back whole
+        if self.layer_types[i] == "sliding_attention":  # what transformers' mask covers: the last window - 1
+            before = cache.seq_len(i)
+            r = cache.prefill(i, k, v, q)
+            keep = min(before, self.layers[i].sliding_window - 1) + int(k.shape[2])
+            return _to_torch(r.k[:, :, -keep:], dtype), _to_torch(r.v[:, :, -keep:], dtype)
         if prev is None or not hasattr(cache, "append"):
             r = cache.prefill(i, k, v, q)
             kk, vv = r.k, r.v

@@ -115,7 +115,8 @@ def hook_queries(cache: Any, model: Any) -> tuple:
         def keep_q(mod, args, out, i=i, head_dim=head_dim, rope=rope):
             owner = me()
             if owner is not None:
-                owner._q_parts.setdefault(i, {}).update(q=out, head_dim=head_dim, rope=rope)
+                owner._q_parts.setdefault(i, {}).update(q=out, head_dim=head_dim, rope=rope,
+                                                        heads_first=_heads_first(args[0] if args else out))
 
         def keep_pos(mod, args, kwargs, i=i):
             owner = me()
@@ -133,23 +134,44 @@ def hook_queries(cache: Any, model: Any) -> tuple:
 
 
 def layer_queries(part: Any, k: Any, num_kv_heads: int) -> Any:
-    """One layer's queries from its hooked parts: float32 NumPy ``(b, heads, t, d)``, or zeros like ``k``.
+    """One layer's queries from its hooked parts: float32 NumPy ``(b, heads, t, d)``, or None.
 
-    Zeros where the hooks saw no call, or a call not of this update's tokens.
+    None where the hooks saw no call, or a call not of this update's tokens (the caller decides
+    whether that is an error). The queries may come from the projection ``(b, t, heads * d)``,
+    or from a QK-norm applied before ``(b, t, heads, d)`` or after ``(b, heads, t, d)`` the head
+    transpose (told apart by the norm input's strides, :func:`_heads_first`).
     """
-    import numpy as np
-
     from .transformers import _to_numpy
 
-    zeros = np.zeros(k.shape, dtype=np.float32)
     if not part or part.get("q") is None or part.get("pos") is None:
-        return zeros
+        return None
     q, (cos, sin) = part["q"], part["pos"]
     b, t = int(k.shape[0]), int(k.shape[2])
     d = part["head_dim"]
-    if q.shape[0] != b or q.shape[1] != t or q.numel() % (b * t * d):
-        return zeros
-    q = q.detach().reshape(b, t, -1, d).transpose(1, 2)
+    q = q.detach()
+    if q.ndim == 4 and part.get("heads_first"):  # QK-norm after the head transpose: (b, heads, t, d)
+        if q.shape[0] != b or q.shape[2] != t or q.shape[3] != d:
+            return None
+    else:  # (b, t, heads * d) from the projection, or (b, t, heads, d) from a norm before the transpose
+        if q.shape[0] != b or q.shape[1] != t or q.numel() % (b * t * d):
+            return None
+        q = q.reshape(b, t, -1, d).transpose(1, 2)
     q, _ = part["rope"](q, q, cos, sin)
     q = _to_numpy(q.contiguous())
-    return q if q.shape[1] % num_kv_heads == 0 else zeros
+    return q if q.shape[1] % num_kv_heads == 0 else None
+
+
+def _heads_first(x: Any) -> bool:
+    """Whether a 4-d query tensor is laid out ``(b, heads, t, d)`` (transposed after the projection).
+
+    A norm applied after the head transpose sees the projection's ``(b, t, heads, d)`` view with
+    axes 1 and 2 swapped, so its axis 1 steps by ``d`` and axis 2 by ``heads * d``; before the
+    transpose the strides are the other way round. Equal strides (one head, or one token) leave
+    the two layouts the same up to a size-1 axis.
+    """
+    if getattr(x, "ndim", 0) != 4:
+        return False
+    s1, s2 = x.stride(1), x.stride(2)
+    if s1 != s2:
+        return s1 < s2
+    return int(x.shape[2]) != 1 and int(x.shape[1]) == 1

@@ -11,7 +11,6 @@ and compares the two with the same cache.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
