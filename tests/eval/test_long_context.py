@@ -138,7 +138,7 @@ def test_exact_prefill_transfer_equals_a_one_shot_prefill(model, rng):
 
 
 class _Counting:
-    """Wraps a cache and counts prefill calls per layer (with their token counts)."""
+    """Wraps a cache and counts prefill (and append) calls per layer (with their token counts)."""
 
     def __init__(self, cache):
         self.cache, self.calls = cache, []
@@ -147,12 +147,18 @@ class _Counting:
         self.calls.append((layer, int(k.shape[2]), int(q.shape[2])))
         return self.cache.prefill(layer, k, v, q)
 
+    def append(self, layer, k, v, q):
+        self.calls.append((layer, int(k.shape[2]), int(q.shape[2])))
+        return self.cache.append(layer, k, v, q)
+
     def __getattr__(self, name):
         return getattr(self.cache, name)
 
 
-@pytest.mark.parametrize("mode, calls", [("exact", 1), ("cache", 3)])
+@pytest.mark.parametrize("mode, calls", [("exact", 1), ("cache", 1), ("cache-chunks", 3)])
 def test_methods_get_one_prefill_per_layer_or_the_chunks(model, monkeypatch, mode, calls):
+    """exact: the dense pass's K/V/Q at once; cache: the model's prefill keeps the prompt exact and
+    stores it with one append per layer; cache-chunks: one prefill per chunk."""
     made = []
     real = model.make_cache
 
@@ -169,7 +175,7 @@ def test_methods_get_one_prefill_per_layer_or_the_chunks(model, monkeypatch, mod
     first = made[0].calls
     assert len(first) == calls * CFG.num_layers
     assert sum(n for layer, n, _ in first if layer == 0) == prompt
-    if mode == "exact":
+    if mode != "cache-chunks":
         assert all(n == nq == prompt for _, n, nq in first)  # all K/V/Q of the prompt at once
     assert res.row("int8", 300, 0.5).tokens == 300
 
