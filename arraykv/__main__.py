@@ -33,8 +33,11 @@ def main(argv: list | None = None) -> int:
     for mod in (cli_demo, cli_bench, inspect_pqo, cli_longctx, cli_speculative):
         mod.add_parser(sub)
     args = parser.parse_args(argv)
+    from .compile_notice import compile_notice
+
     try:
-        return int(args.run(args) or 0)
+        with compile_notice():
+            return int(args.run(args) or 0)
     except (ImportError, FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"arraykv {args.command}: error: {exc}", file=sys.stderr)
         return 2
