@@ -11,9 +11,11 @@ with the same meaning everywhere:
 
 - ``prompt``: text (needs a tokenizer) or a sequence of token ids, for one sequence;
 - ``cache``: an empty cache to fill, by default ``engine.make_cache(method)``;
-- end of sequence: the token ``eos_id``, or the engine's own when ``eos_id`` is None (the
-  tokenizer's for a GGUF model; an ONNX decoder knows none). With ``stop_at_eos`` generation
-  stops right after producing it, and the returned list ends with it;
+- end of sequence: the token ``eos_id`` (or any of a collection of ids, such as a
+  tokenizer's ``stop_ids``: Gemma ends a turn with ``<end_of_turn>`` and a text with
+  ``<eos>``), or the engine's own when ``eos_id`` is None (the tokenizer's for a GGUF model; an
+  ONNX decoder knows none). With ``stop_at_eos`` generation stops right after producing it,
+  and the returned list ends with it;
 - ``temperature`` 0 is greedy (arg-max), otherwise ``softmax(logits / temperature)`` sampled,
   among the ``top_k`` most likely tokens when given, seeded by ``seed``;
 - the result is the list of new token ids (the prompt excluded).
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 __all__ = ["cache_length", "undo_on_failure", "check_chunk", "prompt_ids", "check_sampling", "generate_tokens", "pick_token",
            "legacy_generate_args"]
@@ -126,8 +128,9 @@ def pick_token(logits: Any, temperature: float, top_k: int | None, rng: Any) -> 
 
 
 def generate_tokens(prefill_last: Callable[[list], Any], decode_last: Callable[[int], Any], ids: list,
-                    max_new_tokens: int, *, eos: int | None, stop_at_eos: bool, temperature: float,
-                    top_k: int | None, seed: int | None, on_token: Callable[[int], None] | None) -> list:
+                    max_new_tokens: int, *, eos: int | Collection[int] | None, stop_at_eos: bool,
+                    temperature: float, top_k: int | None, seed: int | None,
+                    on_token: Callable[[int], None] | None) -> list:
     """The generation loop shared by the engines.
 
     Parameters
@@ -139,8 +142,9 @@ def generate_tokens(prefill_last: Callable[[list], Any], decode_last: Callable[[
     ids : list of int
         The checked prompt.
     max_new_tokens : int
-    eos : int or None
-        The end-of-sequence token (None: never stop early).
+    eos : int, collection of int, or None
+        The end-of-sequence token, or several that each end the sequence (None: never stop
+        early).
     stop_at_eos : bool
     temperature, top_k, seed, on_token
         As in the module docstring.
@@ -148,10 +152,12 @@ def generate_tokens(prefill_last: Callable[[list], Any], decode_last: Callable[[
     Returns
     -------
     list of int
-        The new tokens, ending with ``eos`` when generation stopped there.
+        The new tokens, ending with ``eos`` (one of them) when generation stopped there.
     """
     import numpy as np
 
+    stops = frozenset() if not stop_at_eos or eos is None else frozenset(
+        (int(eos),) if isinstance(eos, (int, np.integer)) else map(int, eos))
     out: list = []
     if max_new_tokens == 0:
         return out
@@ -162,7 +168,7 @@ def generate_tokens(prefill_last: Callable[[list], Any], decode_last: Callable[[
         out.append(tok)
         if on_token is not None:
             on_token(tok)
-        if len(out) >= max_new_tokens or (stop_at_eos and eos is not None and tok == eos):
+        if len(out) >= max_new_tokens or tok in stops:
             return out
         logits = decode_last(tok)
 

@@ -153,7 +153,8 @@ def tokenizer_from_gguf(reader: Any) -> GGUFTokenizer:
         )
     tokens = _field(reader, "tokenizer.ggml.tokens")
     types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    tok = _byte_level_bpe(tk, reader, tokens, types) if kind == "gpt2" else _sentencepiece_bpe(tk, reader, tokens, types)
+    build = _byte_level_bpe if kind == "gpt2" else _sentencepiece_bpe
+    tok = build(tk, reader, tokens, types)
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     stops = [i for i in (_field(reader, "tokenizer.ggml.eot_token_id"),) if i is not None]
@@ -218,20 +219,19 @@ def _spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list:
     import numpy as np
 
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id of a repeated piece
-    left: list = []
-    right: list = []
-    ids: list = []
-    for i, t in enumerate(tokens):
-        if vocab.get(t) != i:
+    merges = []
+    add = merges.append
+    for i in np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable").tolist():
+        t = tokens[i]
+        if len(t) < 2 or vocab[t] != i:
             continue
         for k in range(1, len(t)):
-            a, b = t[:k], t[k:]
-            if a in vocab and b in vocab:
-                left.append(a)
-                right.append(b)
-                ids.append(i)
-    order = np.lexsort((np.arange(len(ids)), -np.asarray(scores, dtype=np.float64)[np.asarray(ids, dtype=np.int64)]))
-    return [(left[j], right[j]) for j in order.tolist()]
+            a = t[:k]
+            if a in vocab:
+                b = t[k:]
+                if b in vocab:
+                    add((a, b))
+    return merges
 
 
 def _sentencepiece_bpe(tk: Any, reader: Any, tokens: list, types: list) -> Any:
