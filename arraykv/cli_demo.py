@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     pieces: list = []
 
     def show(tok: int) -> None:
-        if tok == model.tokenizer.eos_id:
+        if tok in (getattr(model.tokenizer, "stop_ids", None) or (model.tokenizer.eos_id,)):
             return
         pieces.append(tok)
         text = model.tokenizer.decode(pieces)

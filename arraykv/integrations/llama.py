@@ -288,8 +288,9 @@ class DecoderModel:
             "last" computes the output head for the last position only (all logits of an 8k
             prompt would take 1.6 GB).
         prompt_store : {"exact", "chunks"}, default "exact"
-            "exact": the layers whose cache compresses hold the prompt's keys and values exactly
-            (float16) while its chunks run, and store them compressed in one piece at the end
+            "exact": when the tokens take more than one chunk, the layers whose cache compresses
+            hold the prompt's keys and values exactly (float16) while its chunks run, and store
+            them compressed in one piece at the end
             (:class:`~arraykv.integrations.prompt_stage.PromptStage`), so every prompt token is
             computed as with an exact cache. "chunks": each chunk is stored as it comes and
             later chunks attend to the compressed earlier ones (no float copy of the prompt).
@@ -320,7 +321,7 @@ class DecoderModel:
         step = t if chunk_size is None else chunk_size
         parts = []
         stage = None
-        if prompt_store == "exact" and t > 1 and any(stages_layer(cache, i) for i in range(len(self.layers))):
+        if prompt_store == "exact" and t > step and any(stages_layer(cache, i) for i in range(len(self.layers))):
             stage = PromptStage(cache, len(self.layers), t)
         target = cache if stage is None else stage
         with undo_on_failure(cache, start):
@@ -429,8 +430,9 @@ class DecoderModel:
             An empty cache to use; by default ``self.make_cache(method)``.
         method : str, default "dense"
             Cache method when ``cache`` is not given.
-        eos_id : int, optional
-            The end-of-sequence token; None uses the tokenizer's (none without a tokenizer).
+        eos_id : int or collection of int, optional
+            The end-of-sequence token(s); None uses the tokenizer's ``stop_ids`` (none without a
+            tokenizer).
         stop_at_eos : bool, default True
             Stop right after producing the end-of-sequence token (it ends the returned list).
         temperature : float, default 0.0
@@ -462,8 +464,8 @@ class DecoderModel:
             cache = self.make_cache(method)
         elif _cache_len(cache, self.config.num_layers) != 0:
             raise ValueError("cache must be empty; call cache.reset() first")
-        if eos_id is None and self.tokenizer is not None:
-            eos_id = self.tokenizer.eos_id
+        if eos_id is None and self.tokenizer is not None:  # every stop token of the model (Gemma: two)
+            eos_id = getattr(self.tokenizer, "stop_ids", None) or self.tokenizer.eos_id
         return generate_tokens(
             lambda p: _compat.to_numpy(self.prefill(p, cache, chunk_size=prefill_chunk, logits="last")),
             lambda tok: _compat.to_numpy(self.decode(tok, cache)),

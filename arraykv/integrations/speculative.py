@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from .drafts import Block, CacheDraft, LayerDraft, NgramDraft, argmax_rows, require_truncate, run_layers
 from .generation import prompt_ids
 
@@ -155,8 +157,9 @@ def speculative_generate(model: Any, prompt: Any, max_new_tokens: int = 32, *, c
         verify = "prefill" if getattr(cache, "method", None) == "dense" else "decode"
     model._check_room(0, len(ids) + max_new_tokens + 2 * k)  # RoPE tables once, before any thread
     if eos_id is None and model.tokenizer is not None:
-        eos_id = model.tokenizer.eos_id
-    eos = eos_id if stop_at_eos else None
+        eos_id = getattr(model.tokenizer, "stop_ids", None) or model.tokenizer.eos_id
+    stops = () if not stop_at_eos or eos_id is None else (
+        (int(eos_id),) if isinstance(eos_id, (int, np.integer)) else tuple(int(e) for e in eos_id))
     out: list = []
     if max_new_tokens == 0:
         return SpeculativeResult(out, 0, 0, 0, 0, 0.0, 0.0)
@@ -169,7 +172,7 @@ def speculative_generate(model: Any, prompt: Any, max_new_tokens: int = 32, *, c
         out.append(tok)
         if on_token is not None:
             on_token(tok)
-        return len(out) >= max_new_tokens or tok == eos
+        return len(out) >= max_new_tokens or tok in stops
 
     drafted = accepted = rounds = wasted = 0
     done = emit(argmax_rows(logits[None, :])[0])

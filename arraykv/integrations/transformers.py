@@ -239,11 +239,13 @@ class ArraykvCache(Cache):
     model : transformers.PreTrainedModel, optional
         The model the cache serves: its attention modules are hooked so that each update gets
         the layer's queries (see the module notes). The hooks stay until :meth:`detach`.
-    fused : bool, default False
+    fused : bool, optional
         Needs ``model``: switch the model's attention to
         :func:`~arraykv.integrations.transformers_attention.fused_attention`, so that one-token
-        decode steps of one sequence are attended from the cache (its fused kernels) instead
-        of over a rebuilt float past; :meth:`detach` switches it back.
+        decode steps are attended from the cache (its fused kernels) instead of over a rebuilt
+        float past; a step whose attention mask hides a stored token (padding) is attended over
+        the rebuilt past instead. :meth:`detach` switches it back. Default: on when ``model`` is
+        given (and ``incremental`` is not).
     **cache_options
         Passed to :func:`arraykv.make_cache` (e.g. ``bits``, ``window``, ``max_tokens``).
 
@@ -273,7 +275,7 @@ class ArraykvCache(Cache):
     """
 
     def __init__(self, method: str, *, config: Any, incremental: bool = False, model: Any = None,
-                 fused: bool = False, **cache_options: Any):
+                 fused: bool | None = None, **cache_options: Any):
         from ..caches import make_cache
 
         if not isinstance(method, str):
@@ -308,8 +310,10 @@ class ArraykvCache(Cache):
         self._pending: dict = {}
         self.fused = False
         self._model = None
+        if fused is None:  # the fast path wherever it is correct: with the model's attention modules
+            fused = model is not None and not incremental
         if not isinstance(fused, bool):
-            raise TypeError(f"fused must be a bool, received {type(fused).__name__}")
+            raise TypeError(f"fused must be a bool or None, received {type(fused).__name__}")
         if fused and model is None:
             raise ValueError("fused=True needs the model (model=...): its attention is switched to the cache's")
         if model is not None:
@@ -327,9 +331,9 @@ class ArraykvCache(Cache):
             self.detach()
             raise ValueError(f"fused=True needs every layer's attention module hooked; found {self.hooked_layers} "
                              f"of {self.num_layers} (modules with layer_idx, q_proj and apply_rotary_pos_emb)")
-        register_fused_attention()
         current = getattr(model.config, "_attn_implementation", None)
-        self._base_attention = current if current != FUSED_NAME else "sdpa"
+        self._base_attention = current if current not in (FUSED_NAME, None) else "sdpa"
+        register_fused_attention(self._base_attention)
         model.set_attn_implementation(FUSED_NAME)
         self._model = weakref.ref(model)
         self.fused = True
@@ -344,6 +348,16 @@ class ArraykvCache(Cache):
         k, v = pending
         i = module.layer_idx
         q = _to_numpy(query)
+        if _hides_a_token(attention_mask):  # padding: the fused kernels attend to every stored token
+            r = self.arraykv_cache.prefill(i, k, v, q)
+            if self.incremental:
+                self._held.pop(i, None)
+            if self.layer_types[i] == "sliding_attention":
+                w = int(attention_mask.shape[-1])
+                return base(module, query, _to_torch(r.k[:, :, -w:], query.dtype), _to_torch(r.v[:, :, -w:], query.dtype),
+                            attention_mask, scaling=scaling, **kwargs)
+            return base(module, query, _to_torch(r.k, query.dtype), _to_torch(r.v, query.dtype), attention_mask,
+                        scaling=scaling, **kwargs)
         scale = float(scaling) if scaling is not None else self.head_dim ** -0.5
         r = self.arraykv_cache.decode(i, k, v, q, AttendConfig(scale, int(q.shape[1]) // self.num_kv_heads))
         if self.incremental:
@@ -418,8 +432,8 @@ class ArraykvCache(Cache):
         k, v = _to_numpy(key_states), _to_numpy(value_states)
         import numpy as np
 
-        if self.fused and k.shape[0] == 1 and k.shape[2] == 1 and self.arraykv_cache.seq_len(i) > 0:
-            # one new token of one sequence: the attention function stores and attends (fused)
+        if self.fused and k.shape[2] == 1 and self.arraykv_cache.seq_len(i) > 0:
+            # one new token per sequence: the attention function stores and attends (fused)
             self._q_parts.pop(i, None)
             self._pending[i] = (k.copy(), v.copy())
             return key_states, value_states
@@ -493,6 +507,15 @@ class ArraykvCache(Cache):
     def __repr__(self) -> str:
         return (f"ArraykvCache({self.method!r}, layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, tokens={self.get_seq_length()})")
+
+
+def _hides_a_token(mask: Any) -> bool:
+    """Whether an attention mask (None, bool or additive float) hides any key from any query."""
+    if mask is None:
+        return False
+    if mask.dtype == _torch.bool:
+        return not bool(mask.all())
+    return bool((mask < 0).any())
 
 
 def _to_numpy(t: Any) -> Any:

@@ -30,11 +30,18 @@ __all__ = ["FUSED_NAME", "register_fused_attention", "fused_attention", "hook_qu
 FUSED_NAME = "arraykv_fused"
 
 
-def register_fused_attention() -> None:
-    """Register :func:`fused_attention` with transformers' ``AttentionInterface`` (idempotent)."""
+def register_fused_attention(base: str = "sdpa") -> None:
+    """Register :func:`fused_attention` with transformers' ``AttentionInterface`` (idempotent).
+
+    Its masks are built as for ``base``, the implementation it hands every other call to (a
+    padded batch needs the mask in that implementation's form).
+    """
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(FUSED_NAME, fused_attention)
+    mask_of = ALL_MASK_ATTENTION_FUNCTIONS.get(base if base in ALL_MASK_ATTENTION_FUNCTIONS else "sdpa")
+    AttentionMaskInterface.register(FUSED_NAME, mask_of)
 
 
 def _base(name: str):

@@ -168,8 +168,12 @@ def test_bad_arguments_are_refused(tiny):
         ArraykvCache("dense", config=tiny.config, bits=3)
     mistral = transformers.MistralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                                          num_key_value_heads=2, sliding_window=16)
-    with pytest.raises(ValueError, match="full attention"):
-        ArraykvCache("dense", config=mistral)
+    windowed = ArraykvCache("pqo4", config=mistral)  # every layer slides: window caches
+    assert windowed.layer_types == ("sliding_attention",) * 2 and windowed.layers[0].get_max_length() == 16
+    hybrid = transformers.PretrainedConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=32,
+                                           layer_types=["full_attention", "chunked_attention"])
+    with pytest.raises(ValueError, match="chunked attention"):
+        ArraykvCache("dense", config=hybrid)
 
 
 def test_bad_tensors_are_refused_before_storing(tiny):
@@ -288,7 +292,7 @@ def test_a_hooked_model_hands_the_cache_its_attention_queries(tiny):
     before = tiny.config._attn_implementation
     tiny.set_attn_implementation("arraykv_test_recording")
     try:
-        cache = ArraykvCache("pqo4", config=tiny.config, model=tiny)
+        cache = ArraykvCache("pqo4", config=tiny.config, model=tiny, fused=False)  # every step through update
         assert cache.hooked_layers == tiny.config.num_hidden_layers
         handed = {}
         store = cache.arraykv_cache.prefill
@@ -321,7 +325,7 @@ def test_fused_decode_gives_the_outputs_of_rebuilding_the_past(tiny, method):
     rounding, and detach() gives the model its own attention back."""
     before = tiny.config._attn_implementation
     ids = _ids(1, 90)
-    ref_cache = ArraykvCache(method, config=tiny.config, model=tiny)
+    ref_cache = ArraykvCache(method, config=tiny.config, model=tiny, fused=False)
     want = _stepped_logits(tiny, ids, ref_cache, 60)
     ref_cache.detach()
     cache = ArraykvCache(method, config=tiny.config, model=tiny, fused=True)
@@ -343,10 +347,38 @@ def test_fused_decode_gives_the_outputs_of_rebuilding_the_past(tiny, method):
 
 def test_fused_generate_matches_the_unfused_tokens(tiny):
     ids = _ids(1, 40)
-    plain = ArraykvCache("pqo4", config=tiny.config, model=tiny)
+    plain = ArraykvCache("pqo4", config=tiny.config, model=tiny, fused=False)
     want = _generate(tiny, ids, plain, 20)
     plain.detach()
     fused = ArraykvCache("pqo4", config=tiny.config, model=tiny, fused=True)
     got = _generate(tiny, ids, fused, 20)
     fused.detach()
     assert torch.equal(got, want)
+
+
+def test_fused_is_the_default_with_the_model_and_serves_batches_with_padding(tiny):
+    """With model= the fused decode is on by default; a batch of two, one left-padded, decodes the
+    same tokens as the rebuilt-past path (padded steps fall back to attention over the rebuilt past)."""
+    ids = _ids(2, 30)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # the second sequence is 7 tokens shorter, padded on the left
+    plain = ArraykvCache("pqo4", config=tiny.config, model=tiny, fused=False)
+    with torch.no_grad():
+        want = tiny.generate(ids, attention_mask=mask, cache=plain, max_new_tokens=12, min_new_tokens=12,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    plain.detach()
+    cache = ArraykvCache("pqo4", config=tiny.config, model=tiny)
+    assert cache.fused
+    with torch.no_grad():
+        got = tiny.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=12, min_new_tokens=12,
+                            do_sample=False, eos_token_id=None, pad_token_id=0)
+    cache.detach()
+    assert torch.equal(got, want)
+    # unpadded batch of two: every decode step goes through the cache's decode (fused)
+    cache = ArraykvCache("pqo4", config=tiny.config, model=tiny)
+    calls = []
+    decode = cache.arraykv_cache.decode
+    cache.arraykv_cache.decode = lambda *a: (calls.append(a[0]), decode(*a))[1]
+    _generate(tiny, _ids(2, 20), cache, 6)
+    cache.detach()
+    assert len(calls) == 5 * tiny.config.num_hidden_layers
