@@ -192,3 +192,20 @@ def test_prompt_store_is_checked_and_a_failed_commit_leaves_the_cache_as_it_was(
         assert after.keys() == before[i].keys()
         for name in after:
             np.testing.assert_array_equal(after[name], before[i][name])
+
+
+@pytest.mark.parametrize("method", ["dense", "pqo4", "int4"])
+def test_speculative_decoding_on_a_hybrid_cache_is_plain_greedy(method):
+    """Drafts verified and rolled back on a hybrid cache (sliding layers past their window):
+    the output is the model's greedy decoding through that cache, token for token."""
+    from arraykv.integrations.speculative import CacheDraft, LayerDraft, NgramDraft, speculative_generate
+
+    cfg = tiny_config("gemma3", num_layers=6, layer_types=periodic_layer_types(6, 3), sliding_window=8,
+                      hidden_size=32, head_dim=8, vocab_size=64)
+    model = DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg, seed=1))
+    ids = [int(t) for t in np.random.default_rng(0).integers(0, 64, 30)]
+    want = model.generate(ids, 40, cache=model.make_cache(method))
+    for draft in (NgramDraft(), LayerDraft(2), CacheDraft("pqo2")):
+        cache = model.make_cache(method)
+        got = speculative_generate(model, ids, 40, cache=cache, draft=draft, k=4)
+        assert got.tokens == want and cache.seq_len(0) == 30 + 40 - 1
