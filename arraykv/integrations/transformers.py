@@ -296,6 +296,9 @@ class ArraykvCache(Cache):
             self.arraykv_cache = make_cache("hybrid", **geometry, layer_types=self.layer_types, window=window,
                                             full_method=method, full_options=cache_options,
                                             window_options=window_options)
+        if getattr(self.arraykv_cache, "qjl", False) or getattr(getattr(self.arraykv_cache, "full", None), "qjl", False):
+            raise ValueError(f"method {method!r} with qjl=True corrects attention logits with a logit_bias, which the "
+                             "model's own attention cannot apply; use qjl=False (or a pq/pqo/int/dense method)")
         self.method = method
         self.incremental = incremental
         # layer -> (k, v, tokens, stable): the float32 past returned last (incremental mode only)
@@ -488,6 +491,39 @@ class ArraykvCache(Cache):
         self._held.pop(i, None)
 
     # -- the Cache interface ---------------------------------------------------------------
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple:
+        """Store the new K/V of layer ``layer_idx`` (transformers' ``Cache.update``), checked."""
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"the model updates layer {layer_idx!r}, but this ArraykvCache was built for "
+                             f"{self.num_layers} layers; build it from the model's own config (model.config)")
+        if layer_idx == 0:
+            self._take_back_a_torn_step()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens stored (transformers reads it before a forward to place the new tokens)."""
+        if layer_idx == 0:
+            self._take_back_a_torn_step()
+        return super().get_seq_length(layer_idx)
+
+    def _take_back_a_torn_step(self) -> None:
+        """A forward that failed part way (refused at layer ``i`` after layers ``0 .. i-1`` stored its
+        tokens) leaves the layers at different lengths: take the partial step back, as the NumPy
+        decoder does, before anything reads the cache."""
+        cache = self.arraykv_cache
+        lengths = [int(cache.seq_len(i)) for i in range(self.num_layers)]
+        low = min(lengths)
+        if low == max(lengths):
+            return
+        self._held.clear()
+        self._pending.clear()
+        self._q_parts.clear()
+        try:
+            cache.truncate_all(low)
+        except (AttributeError, ValueError) as exc:
+            raise RuntimeError(f"a failed forward left layers at lengths {sorted(set(lengths))} and the {self.method!r} "
+                               f"cache cannot take the partial step back exactly ({exc}); call cache.reset()") from None
+
     def reset(self) -> None:
         """Forget every token of every layer."""
         self.arraykv_cache.reset()

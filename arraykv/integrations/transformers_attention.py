@@ -105,6 +105,14 @@ def hook_queries(cache: Any, model: Any) -> tuple:
     import sys
     import weakref
 
+    cfg = getattr(model, "config", None)
+    get_text = getattr(cfg, "get_text_config", None)
+    if callable(get_text):
+        cfg = get_text(decoder=True)
+    n = getattr(cfg, "num_hidden_layers", None)
+    if isinstance(n, int) and n != cache.num_layers:
+        raise ValueError(f"the model has {n} layers but the cache was built for {cache.num_layers}; "
+                         "build it from the model's own config (model.config)")
     me = weakref.ref(cache)
     hooks, found = [], 0
     for module in model.modules():

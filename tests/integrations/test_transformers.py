@@ -382,3 +382,44 @@ def test_fused_is_the_default_with_the_model_and_serves_batches_with_padding(tin
     _generate(tiny, _ids(2, 20), cache, 6)
     cache.detach()
     assert len(calls) == 5 * tiny.config.num_hidden_layers
+
+
+def test_a_forward_refused_part_way_is_taken_back_before_the_next_one(tiny):
+    """Layer 1 refuses a step after layer 0 stored it: the next forward sees the cache as it was
+    before the failed one (the partial step taken back), and gives the same logits as a cache that
+    never saw it."""
+    ids = _ids(1, 40)
+    cache = ArraykvCache("pqo4", config=tiny.config)
+    ref = ArraykvCache("pqo4", config=tiny.config)
+    with torch.no_grad():
+        tiny(ids[:, :30], cache=cache)
+        tiny(ids[:, :30], cache=ref)
+        real = cache.arraykv_cache.prefill
+
+        def refuse_layer_1(layer, k, v, q):
+            if layer == 1:
+                raise ValueError("injected refusal")
+            return real(layer, k, v, q)
+
+        cache.arraykv_cache.prefill = refuse_layer_1
+        with pytest.raises(ValueError, match="injected"):
+            tiny(ids[:, 30:31], cache=cache)
+        del cache.arraykv_cache.prefill
+        assert cache.arraykv_cache.seq_len(0) == 31 and cache.arraykv_cache.seq_len(1) == 30  # torn
+        assert cache.get_seq_length() == 30  # taken back before transformers places the next tokens
+        got = tiny(ids[:, 30:40], cache=cache).logits
+        want = tiny(ids[:, 30:40], cache=ref).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_config_of_another_model_and_a_dropped_logit_bias_are_refused(tiny):
+    small = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="model has 2 layers but the cache was built for 1"):
+        ArraykvCache("dense", config=small, model=tiny)
+    cache = ArraykvCache("dense", config=small)
+    with pytest.raises(ValueError, match="updates layer 1.*built for 1 layers"):
+        with torch.no_grad():
+            tiny(_ids(1, 5), cache=cache)
+    with pytest.raises(ValueError, match="qjl=True"):
+        ArraykvCache("polar", config=tiny.config, key_bits=3, value_bits=2, qjl=True)
