@@ -98,8 +98,9 @@ class SlidingWindowCache(LayeredCache):
         self.storage = storage
         #: Rows a layer keeps after every call.
         self.keep = self.window + self.rollback_tokens
-        #: Rows of a layer's buffers: ``keep`` plus room for ``max(16, keep // 4)`` more, so the
-        #: held rows move back to the buffers' start once every that many decode steps.
+        #: Rows of a layer's buffers at most: ``keep`` plus room for ``max(16, keep // 4)`` more, so
+        #: the held rows move back to the buffers' start once every that many decode steps. The
+        #: buffers start small and double up to it.
         self.capacity = self.keep + max(16, self.keep // 4)
 
     # -- storing -----------------------------------------------------------------------
@@ -118,23 +119,25 @@ class SlidingWindowCache(LayeredCache):
     def _push(self, st: WindowLayer, k: Any, v: Any) -> None:
         """Append stored-dtype rows and drop the oldest beyond ``keep``: amortized O(rows) per call."""
         xp, keep, t = st.xp, self.keep, int(k.shape[2])
-        if t >= keep or st.kb is None:
-            cap = self.capacity
+        cap = 0 if st.kb is None else int(st.kb.shape[2])
+        if t >= keep or st.kb is None or (st.off + st.n + t > cap and cap < self.capacity):
+            # a new buffer: the first rows, a chunk longer than what is kept, or growth towards the
+            # capacity (doubling, so a short sequence holds little and a long one moves rarely)
+            old = 0 if st.kb is None else min(st.n, keep - min(t, keep))
+            m = min(t, keep)
+            cap = min(self.capacity, max(64, 2 * (old + m)))
             shape = (st.batch, self.num_kv_heads, cap, self.head_dim)
             kb = xp.empty(shape, dtype=k.dtype, device=st.device)
             vb = xp.empty(shape, dtype=v.dtype, device=st.device)
-            old = 0 if st.kb is None else min(st.n, keep - min(t, keep))
             if old:
                 hk, hv = st.held()
                 kb[:, :, :old, :] = hk[:, :, st.n - old:, :]
                 vb[:, :, :old, :] = hv[:, :, st.n - old:, :]
-            m = min(t, keep)
             kb[:, :, old:old + m, :] = k[:, :, t - m:, :]
             vb[:, :, old:old + m, :] = v[:, :, t - m:, :]
             st.kb, st.vb, st.off, st.n = kb, vb, 0, old + m
             return
-        cap = int(st.kb.shape[2])
-        if st.off + st.n + t > cap:  # move the rows that survive to the buffer's start
+        if st.off + st.n + t > cap:  # full capacity: move the rows that survive to the buffer's start
             old = min(st.n, keep - t)
             src = st.off + st.n - old
             st.kb[:, :, :old, :] = xp.asarray(st.kb[:, :, src:src + old, :], copy=True)
