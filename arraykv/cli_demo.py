@@ -19,12 +19,17 @@ def default_methods() -> list:
     return [m for m in _PREFERRED if m in have]
 
 
+#: The demo's user message.
+DEFAULT_PROMPT = "Write one sentence about the sea."
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="generate with SmolLM2-135M through a compressed cache and print a quality table",
                        description=__doc__)
     p.add_argument("--model", default=None, help="a .gguf file (llama, qwen2, qwen3, gemma3) or a known model: smollm2-135m, "
                         "gemma3-270m (fetched once; default: smollm2-135m)")
-    p.add_argument("--prompt", default="Write one sentence about the sea.", help="user message for the chat model")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT,
+                   help="user message for a chat model; text to continue for a base model")
     p.add_argument("--generate-with", default=None, help="cache method for the generation (default: pqo4, else dense)")
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--methods", nargs="+", default=None, help="methods in the table (default: dense, pqo*, int*)")
@@ -52,8 +57,12 @@ def run(args: argparse.Namespace) -> int:
     gen = args.generate_with or ("pqo4" if "pqo4" in available_methods() else "dense")
     if model.tokenizer is None:
         raise ValueError("this GGUF file has no tokenizer; the demo needs one")
-    prompt = model.tokenizer.chat_prompt(args.prompt)
-    print(f"[{gen} cache] user: {args.prompt}\nassistant: ", end="", flush=True)
+    if model.tokenizer.chat_template is not None:  # an instruction-tuned model: its chat form
+        prompt = model.tokenizer.chat_prompt(args.prompt)
+        print(f"[{gen} cache] user: {args.prompt}\nassistant: ", end="", flush=True)
+    else:  # a base model (no chat template in the file) continues text
+        prompt = args.prompt if args.prompt != DEFAULT_PROMPT else "Here is one sentence about the sea:"
+        print(f"[{gen} cache] (a base model: the text is continued)\n{prompt}", end="", flush=True)
     cache = model.make_cache(gen)
     pieces: list = []
 
