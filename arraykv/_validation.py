@@ -125,14 +125,20 @@ def check_real(name: str, value: Any, *, low: float | None = None, high: float |
     return fv
 
 
-def check_softmax_scale(value: Any, name: str = "softmax_scale") -> float:
-    """Return the softmax scale as a positive finite Python ``float``.
+#: The largest softmax scale accepted. Models use ``1 / sqrt(head_dim)`` (or a similar constant
+#: at most 1); a scale near float32's range turns every logit into infinity and the softmax into
+#: NaN, so a value that large is refused instead.
+MAX_SOFTMAX_SCALE = 1e4
 
-    Every public attention entry point calls this, so NaN, infinity, zero, negative scales,
-    booleans and strings are refused the same way everywhere (``ValueError`` for a bad number,
-    ``TypeError`` for something that is not a real number).
+
+def check_softmax_scale(value: Any, name: str = "softmax_scale") -> float:
+    """Return the softmax scale as a positive finite Python ``float`` of at most :data:`MAX_SOFTMAX_SCALE`.
+
+    Every public attention entry point calls this, so NaN, infinity, zero, negative and absurdly
+    large scales, booleans and strings are refused the same way everywhere (``ValueError`` for a
+    bad number, ``TypeError`` for something that is not a real number).
     """
-    return check_real(name, value, low=0.0, low_open=True)
+    return check_real(name, value, low=0.0, low_open=True, high=MAX_SOFTMAX_SCALE)
 
 
 def _check_array(name: str, x: Any) -> None:

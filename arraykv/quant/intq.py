@@ -46,6 +46,9 @@ _PARAM_DTYPES = ("float16", "float32")
 HALF_SAFE_RANGE = (2.0 ** -6, 2.0 ** 12)
 #: The largest finite float16.
 HALF_MAX = 65504.0
+#: The smallest exponent :func:`half_exponent` returns (``2**-120`` is a normal float32 and its
+#: inverse finite); data smaller than that keeps its relative precision no more, but stays finite.
+MIN_EXPONENT = -120
 
 
 def half_exponent(max_abs: float) -> int:
@@ -61,7 +64,7 @@ def half_exponent(max_abs: float) -> int:
     int
         0 when ``max_abs`` is 0 or within :data:`HALF_SAFE_RANGE` (the parameters are stored as
         they always were), else ``floor(log2(max_abs))``, so that ``x / 2**exponent`` has its
-        largest magnitude in ``[1, 2)``.
+        largest magnitude in ``[1, 2)``, but never below :data:`MIN_EXPONENT`.
 
     Notes
     -----
@@ -73,7 +76,9 @@ def half_exponent(max_abs: float) -> int:
     a = float(max_abs)
     if not (a > 0.0) or not math.isfinite(a) or HALF_SAFE_RANGE[0] <= a <= HALF_SAFE_RANGE[1]:
         return 0
-    return int(math.floor(math.log2(a)))
+    # at least MIN_EXPONENT: 2**-exponent must stay finite and 2**exponent normal in float32
+    # (data of subnormal magnitude, ~1e-41, would otherwise be scaled by 2**137 = inf)
+    return max(int(math.floor(math.log2(a))), MIN_EXPONENT)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ BAD_SCALES = [
     (0.0, ValueError),
     (0, ValueError),
     (-1.0, ValueError),
+    (3e38, ValueError),  # every logit would overflow to inf and the softmax give NaN
+    (1e5, ValueError),
     (True, TypeError),
     ("0.5", TypeError),
     (None, TypeError),

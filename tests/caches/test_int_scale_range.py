@@ -165,3 +165,20 @@ def test_half_exponent():
     assert half_exponent(0.0) == 0 and half_exponent(1.0) == 0 and half_exponent(4096.0) == 0
     assert half_exponent(2.0 ** -6) == 0 and half_exponent(2.0 ** -7) == -7
     assert half_exponent(3e-6) == -19 and half_exponent(1e5) == 16
+
+
+@pytest.mark.parametrize("method", ["int2", "int4", "int8"])
+def test_subnormal_keys_and_values_stay_finite(method):
+    """Data of float32-subnormal magnitude (~1e-41): the power-of-two unit stays a normal float32
+    (it was 2**-137, whose inverse is inf), so every output is finite and near the input."""
+    import arraykv
+
+    rng = np.random.default_rng(5)
+    cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=2, head_dim=64)
+    k = (rng.standard_normal((1, 2, 80, 64)) * 1e-41).astype(np.float32)
+    q = rng.standard_normal((1, 4, 80, 64)).astype(np.float32)
+    r = cache.prefill(0, k, k, q)
+    out = cache.decode(0, k[:, :, :1], k[:, :, :1], q[:, :, :1], arraykv.AttendConfig(0.125, 2))
+    got = out.output if isinstance(out, arraykv.Fused) else out.result.v
+    assert np.isfinite(np.asarray(r.k)).all() and np.isfinite(np.asarray(got)).all()
+    assert np.abs(np.asarray(r.k)).max() <= 1e-39
