@@ -149,6 +149,12 @@ def _check_array(name: str, x: Any) -> None:
     if getattr(x, "requires_grad", False) is True:  # a PyTorch tensor in an autograd graph
         raise TypeError(f"{name} requires grad; a cache stores values and is not differentiable: pass "
                         f"{name}.detach() or call it under torch.no_grad()")
+    layout = getattr(x, "layout", None)
+    if layout is not None and "strided" not in str(layout):  # a sparse PyTorch tensor
+        raise TypeError(f"{name} must be a dense (strided) tensor, received layout {layout}; "
+                        f"pass {name}.to_dense()")
+    if getattr(getattr(x, "device", None), "type", None) == "meta":
+        raise ValueError(f"{name} is a meta tensor (a shape without data); pass a tensor that holds values")
 
 
 def array_namespace(**arrays: Any) -> Any:
@@ -211,13 +217,16 @@ def check_float_array(xp: Any, name: str, x: Any, axes: str) -> None:
         raise TypeError(f"{name} must have a floating dtype ({allowed}), received {dtype_name(x.dtype)}")
 
 
-def check_query(q: Any, xp: Any, kv_shape: tuple, *, q_head_dim: int | None = None) -> int:
-    """Check ``q`` against a checked K shape; return ``n_kv_groups`` (query heads per KV head)."""
+def check_query(q: Any, xp: Any, kv_shape: tuple, *, q_head_dim: int | None = None, device: Any = None) -> int:
+    """Check ``q`` against a checked K shape (and ``k``'s ``device`` when given); return
+    ``n_kv_groups`` (query heads per KV head)."""
     _check_array("q", q)
     if _compat.namespace(q) is not xp:
         raise TypeError(
             f"q must come from the same array library as k and v, received {type(q).__module__}.{type(q).__name__}"
         )
+    if device is not None and _compat.device(q) != device:
+        raise ValueError(f"q must be on the device of k and v ({device}), received {_compat.device(q)}")
     b, h, t, d = kv_shape
     check_float_array(xp, "q", q, "(batch, q_heads, new_tokens, head_dim)")
     qb, qh, qt, qd = (int(s) for s in q.shape)

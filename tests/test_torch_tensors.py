@@ -423,3 +423,27 @@ def test_cuda_tensors_stay_on_their_device(method, rng):
     ref = on.output if isinstance(on, arraykv.Fused) else None
     if ref is not None and isinstance(oc, arraykv.Fused):
         np.testing.assert_allclose(oc.output.cpu().numpy(), ref, rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("method", ["dense", "pqo4", "int4", "vq"])
+def test_meta_sparse_and_misplaced_tensors_are_refused_before_anything_is_stored(method):
+    """A meta tensor (no data), a sparse one, or a query on another device than k and v: refused
+    up front with ValueError/TypeError, so a retry stores the token once."""
+    cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=2, head_dim=64)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 40, 64, generator=g)
+    q = torch.randn(1, 4, 40, 64, generator=g)
+    cache.prefill(0, k, k, q)
+    before = cache.layer_arrays(0)
+    k1, q1 = k[:, :, :1].clone(), q[:, :, :1].clone()
+    cfg = arraykv.AttendConfig(0.125, 2)
+    with pytest.raises(ValueError, match="meta tensor"):
+        cache.decode(0, k1, k1, torch.empty(1, 4, 1, 64, device="meta"), cfg)
+    with pytest.raises(TypeError, match="dense"):
+        cache.decode(0, k1.to_sparse(), k1, q1, cfg)
+    empty = arraykv.make_cache(method, num_layers=1, num_kv_heads=2, head_dim=64)
+    with pytest.raises(ValueError, match="meta tensor"):
+        empty.prefill(0, torch.empty(1, 2, 3, 64, device="meta"), k1, q1)
+    assert cache.seq_len(0) == 40 and empty.seq_len(0) == 0
+    after = cache.layer_arrays(0)
+    assert after.keys() == before.keys() and all(np.array_equal(after[n], before[n]) for n in after)

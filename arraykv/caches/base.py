@@ -288,7 +288,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
             if hit is not None:
                 return hit
         xp, shape = check_kv(k, v, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
-        check_query(q, xp, shape)
+        check_query(q, xp, shape, device=_compat.device(k))
         if numpy_key is not None and len(_CHECKED_NUMPY) < 1024:
             _CHECKED_NUMPY[numpy_key] = (xp, shape)
         return xp, shape
