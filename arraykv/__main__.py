@@ -38,7 +38,7 @@ def main(argv: list | None = None) -> int:
     try:
         with compile_notice():
             return int(args.run(args) or 0)
-    except (ImportError, FileNotFoundError, ValueError, RuntimeError) as exc:
+    except (ImportError, OSError, ValueError, RuntimeError) as exc:  # OSError: a missing file, a directory
         print(f"arraykv {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from .cli_args import positive_int
+
 __all__ = ["add_parser", "run", "default_methods"]
 
 _PREFERRED = ("dense", "pqo4", "pqo3", "pqo2", "int8", "int4")
@@ -31,11 +33,11 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT,
                    help="user message for a chat model; text to continue for a base model")
     p.add_argument("--generate-with", default=None, help="cache method for the generation (default: pqo4, else dense)")
-    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=positive_int, default=40)
     p.add_argument("--methods", nargs="+", default=None, help="methods in the table (default: dense, pqo*, int*)")
-    p.add_argument("--tokens", type=int, default=256,
+    p.add_argument("--tokens", type=positive_int, default=256,
                    help="tokens of the built-in text for the table (512 in docs/quality.md)")
-    p.add_argument("--prefill", type=int, default=64)
+    p.add_argument("--prefill", type=positive_int, default=64)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(run=run)
 

@@ -14,6 +14,8 @@ import platform
 import sys
 import time
 
+from .cli_args import fraction, positive_int
+
 __all__ = ["add_parser", "add_arguments", "run", "DEFAULT_METHODS"]
 
 #: Methods of the default run (those registered).
@@ -33,17 +35,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "gemma3-270m (fetched once; default: smollm2-135m)")
     p.add_argument("--methods", nargs="+", default=None,
                    help="cache methods (default: dense, pqo4, pqo3, pqo2, int8, int4); dense is always run")
-    p.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 8192],
+    p.add_argument("--lengths", nargs="+", type=positive_int, default=[2048, 4096, 8192],
                    help="needle context lengths in tokens (prompt + question)")
-    p.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9], help="needle depths in [0, 1]")
+    p.add_argument("--depths", nargs="+", type=fraction, default=[0.1, 0.5, 0.9], help="needle depths in [0, 1]")
     p.add_argument("--haystack", default="filler",
                    help="filler text: 'filler' (the classic grass/sky/sun lines), 'book' (the shipped novel) "
                         "or any text")
     p.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
-    p.add_argument("--prefix-lengths", nargs="+", type=int, default=[3840, 7936],
+    p.add_argument("--prefix-lengths", nargs="+", type=positive_int, default=[3840, 7936],
                    help="long-text prefix lengths (each + --positions must fit the context)")
-    p.add_argument("--positions", type=int, default=256, help="decoded positions scored after each prefix")
-    p.add_argument("--chunk-size", type=int, default=512, help="tokens per prefill chunk")
+    p.add_argument("--positions", type=positive_int, default=256, help="decoded positions scored after each prefix")
+    p.add_argument("--chunk-size", type=positive_int, default=512, help="tokens per prefill chunk")
     p.add_argument("--prefill-mode", choices=["cache", "exact", "cache-chunks"], default="cache",
                    help="cache (default, the path users run): the model's chunked prefill with each method's "
                         "cache; exact: every method starts from one exact prefill; cache-chunks: chunked "

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from .cli_args import nonnegative_int, positive_int
+
 __all__ = ["add_parser", "run"]
 
 _PROMPT = ("Repeat this list exactly, then repeat it once more: apples, pears, plums, figs, "
@@ -20,12 +22,12 @@ _PROMPT = ("Repeat this list exactly, then repeat it once more: apples, pears, p
 def add_parser(sub) -> None:
     p = sub.add_parser("speculative", help="speculative decoding through a compressed cache, beside plain decoding",
                        description=__doc__)
-    p.add_argument("--model", default=None, help="a Llama .gguf file (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--model", default=None, help="a .gguf file or a known model (default: smollm2-135m, fetched once)")
     p.add_argument("--prompt", default=_PROMPT, help="user message for the chat model")
     p.add_argument("--method", default="pqo4", help="the target's cache method")
     p.add_argument("--draft", default="ngram:3", help="ngram:N, layers:N or cache:METHOD")
-    p.add_argument("-k", type=int, default=4, help="tokens per verification pass")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("-k", type=positive_int, default=4, help="tokens per verification pass")
+    p.add_argument("--max-new-tokens", type=nonnegative_int, default=64)
     p.add_argument("--concurrent", action="store_true", help="draft in a second thread while the target verifies")
     p.set_defaults(run=run)
 

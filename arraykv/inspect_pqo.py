@@ -23,14 +23,16 @@ import argparse
 import math
 from pathlib import Path
 
+from .cli_args import code_bits, nonnegative_int
+
 __all__ = ["add_parser", "run", "stages", "distortion_curve", "layer_errors"]
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="follow one vector through a PolarQuant cache and save plots",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--bits", type=int, default=3, help="bits per coordinate (1-4), default 3")
-    p.add_argument("--layer", type=int, default=5, help="layer of the real key vector, default 5")
+    p.add_argument("--bits", type=code_bits, default=3, help="bits per coordinate (1-4), default 3")
+    p.add_argument("--layer", type=nonnegative_int, default=5, help="layer of the real key vector, default 5")
     p.add_argument("--synthetic", action="store_true", help="use a random vector with two outlier channels "
                    "instead of loading the model")
     p.add_argument("--model", default=None, help="a Llama .gguf file (default: SmolLM2-135M-Instruct)")

@@ -177,3 +177,27 @@ def test_speculative_prints_text_acceptance_speeds_and_agreement(tmp_path, capsy
 def test_speculative_rejects_a_bad_draft(capsys):
     assert main(["speculative", "--draft", "oracle:1"]) == 2
     assert "layers:N, cache:METHOD or ngram" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["demo", "--tokens", "0"], "--tokens: must be at least 1"),
+    (["demo", "--max-new-tokens", "-3"], "--max-new-tokens: must be at least 1"),
+    (["longctx", "--depths", "1.5"], "--depths: must be in [0, 1]"),
+    (["longctx", "--lengths", "x"], "--lengths: 'x' is not a whole number"),
+    (["speculative", "-k", "0"], "-k: must be at least 1"),
+    (["inspect", "--bits", "7"], "--bits: must be 1, 2, 3 or 4"),
+])
+def test_bad_numbers_are_refused_when_parsed_before_any_model_loads(argv, said, capsys):
+    from arraykv.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_directory_as_model_is_a_one_line_error(tmp_path, capsys):
+    from arraykv.__main__ import main
+
+    assert main(["demo", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory" in err and "Traceback" not in err
