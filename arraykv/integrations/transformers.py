@@ -509,7 +509,11 @@ class ArraykvCache(Cache):
     def _take_back_a_torn_step(self) -> None:
         """A forward that failed part way (refused at layer ``i`` after layers ``0 .. i-1`` stored its
         tokens) leaves the layers at different lengths: take the partial step back, as the NumPy
-        decoder does, before anything reads the cache."""
+        decoder does, before anything reads the cache. Only for a cache given its model (every
+        layer hooked): the model's forward updates every layer, so layers at different lengths
+        mean a failed one; a caller updating single layers by hand is left alone."""
+        if self.hooked_layers != self.num_layers:
+            return  # without the model, updates of single layers are legitimate: nothing to judge by
         cache = self.arraykv_cache
         lengths = [int(cache.seq_len(i)) for i in range(self.num_layers)]
         low = min(lengths)

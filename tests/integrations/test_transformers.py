@@ -389,8 +389,8 @@ def test_a_forward_refused_part_way_is_taken_back_before_the_next_one(tiny):
     before the failed one (the partial step taken back), and gives the same logits as a cache that
     never saw it."""
     ids = _ids(1, 40)
-    cache = ArraykvCache("pqo4", config=tiny.config)
-    ref = ArraykvCache("pqo4", config=tiny.config)
+    cache = ArraykvCache("pqo4", config=tiny.config, model=tiny, fused=False)
+    ref = ArraykvCache("pqo4", config=tiny.config, model=tiny, fused=False)
     with torch.no_grad():
         tiny(ids[:, :30], cache=cache)
         tiny(ids[:, :30], cache=ref)
@@ -409,6 +409,8 @@ def test_a_forward_refused_part_way_is_taken_back_before_the_next_one(tiny):
         assert cache.get_seq_length() == 30  # taken back before transformers places the next tokens
         got = tiny(ids[:, 30:40], cache=cache).logits
         want = tiny(ids[:, 30:40], cache=ref).logits
+    cache.detach()
+    ref.detach()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

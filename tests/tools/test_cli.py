@@ -55,8 +55,9 @@ def test_inspect_walks_a_vector_through_every_stage(tmp_path, capsys):
 
 
 def test_inspect_rejects_bad_bits(capsys):
-    assert main(["inspect", "--synthetic", "--bits", "9", "--no-plots"]) == 2
-    assert "--bits must be 1 to 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # refused when the arguments are parsed
+        main(["inspect", "--synthetic", "--bits", "9", "--no-plots"])
+    assert exc.value.code == 2 and "--bits: must be 1, 2, 3 or 4, received 9" in capsys.readouterr().err
 
 
 @pytest.mark.slow
