@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 from .exact_prefill import check_common, exact_prefill, method_cache, progress_bar, stored_bytes
 from .needle_result import format_markdown
-from .teacher_forced import EvalRow, TeacherForced, compare
+from .teacher_forced import EvalRow, TeacherForced, compare, held_rows
 from .texts import builtin_long_token_ids
 
 __all__ = ["LongTextResult", "long_text_quality"]
@@ -172,4 +172,4 @@ def _decode(model: Any, ids: list, cache: Any, method: str) -> TeacherForced:
         seconds += time.perf_counter() - t0
         out[j] = _compat.to_numpy(lg)
     return TeacherForced(method=method, logits=out, seconds=seconds, kv_bytes=stored_bytes(cache),
-                         tokens=int(cache.seq_len(0)))
+                         tokens=int(cache.seq_len(0)), held_rows=held_rows(cache))

@@ -71,6 +71,9 @@ class TeacherForced:
         ``cache.used_bytes()`` after the run.
     tokens : int
         Tokens the cache holds after the run (``N - 1``).
+    held_rows : int or None
+        Token rows held over all layers when they are fewer than ``layers * tokens`` (a hybrid
+        cache's sliding layers hold their window); None otherwise.
     """
 
     method: str
@@ -78,6 +81,7 @@ class TeacherForced:
     seconds: float
     kv_bytes: int
     tokens: int
+    held_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,15 @@ def teacher_forced(model: Any, token_ids: Any, cache: Any = None, *, prefill: in
         if progress is not None:
             progress(j + 1)
     return TeacherForced(method=label, logits=out, seconds=seconds, kv_bytes=stored_bytes(cache),
-                         tokens=int(cache.seq_len(0)))
+                         tokens=int(cache.seq_len(0)), held_rows=held_rows(cache))
+
+
+def held_rows(cache: Any) -> int | None:
+    """Token rows ``cache`` holds over all layers, where a layer holds fewer than its ``seq_len``
+    (a hybrid cache's sliding windows); None for caches that hold every token."""
+    held = getattr(cache, "held_tokens", None)
+    n = getattr(cache, "num_layers", None)
+    return sum(int(held(i)) for i in range(n)) if callable(held) and isinstance(n, int) else None
 
 
 def calibrate(model: Any, token_ids: Any, method: Any) -> list:
@@ -262,7 +274,8 @@ def compare(run: TeacherForced, exact: TeacherForced, targets: Sequence[int], *,
         max_diff = max(max_diff, float(np.abs(run.logits[s:s + chunk] - exact.logits[s:s + chunk]).max()))
     ppl = math.exp(nll_r / n)
     ppl_e = math.exp(nll_e / n)
-    values = 2 * num_layers * num_kv_heads * run.tokens * head_dim
+    rows = num_layers * run.tokens if run.held_rows is None else run.held_rows
+    values = 2 * num_kv_heads * rows * head_dim
     bits = run.kv_bytes * 8.0 / values
     return EvalRow(
         method=run.method,

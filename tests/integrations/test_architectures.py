@@ -209,3 +209,15 @@ def test_speculative_decoding_on_a_hybrid_cache_is_plain_greedy(method):
         cache = model.make_cache(method)
         got = speculative_generate(model, ids, 40, cache=cache, draft=draft, k=4)
         assert got.tokens == want and cache.seq_len(0) == 30 + 40 - 1
+
+
+def test_bits_per_value_of_a_hybrid_cache_count_what_it_holds():
+    """The eval's bits per value divide the bytes held by the values held: a sliding layer holds its
+    window, not every token (dense float32 stays at 32 bits past the window)."""
+    from arraykv import eval as ev
+
+    cfg = tiny_config("gemma3", num_layers=3, layer_types=periodic_layer_types(3, 3), sliding_window=5)
+    model = DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg, seed=2))
+    ids = [int(t) for t in _ids(60, seed=3)]
+    rows = ev.evaluate(model, ids, ["dense"], prefill=40)
+    assert abs(rows[0].bits_per_value - 32.0) < 0.5
