@@ -111,7 +111,7 @@ def run(args: argparse.Namespace, *, out=print) -> int:
             "Pride and Prejudice ch. 1-6)\n")
         out(kl.format_table())
         out("\nbits/value = used_bytes() * 8 / (2 * layers * kv_heads * tokens * head_dim) with prefix + "
-            "positions tokens held; dense holds float32.")
+            "positions tokens held (a sliding-window layer: the tokens of its window); dense holds float32.")
     wall = time.perf_counter() - t0
     out(f"\nwall time: {wall:.1f} s")
     peak = _max_rss_mib()
