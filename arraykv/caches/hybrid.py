@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._validation import check_int
+from ..storage.cache_file import write_cache_file
 from .registry import make_cache, register_method
 
 __all__ = ["HybridCache", "LAYER_TYPES", "check_layer_types"]
@@ -222,9 +223,9 @@ class HybridCache:
                 "window_options": dict(self.window_options), "check_finite": self.check_finite,
                 "max_tokens": self.max_tokens}
 
-    def snapshot(self) -> list:
+    def snapshot(self, *, host: bool = False) -> list:
         """Per layer the record of the part that serves it (see :meth:`LayeredCache.snapshot`)."""
-        full, win = self.full.snapshot(), self.sliding.snapshot()
+        full, win = self.full.snapshot(host=host), self.sliding.snapshot(host=host)
         return [win[i] if kind == "sliding_attention" else full[i] for i, kind in enumerate(self.layer_types)]
 
     def restore(self, layers: list, *, xp: Any = None) -> None:
@@ -244,18 +245,7 @@ class HybridCache:
 
     def save(self, path) -> int:
         """Write the cache to ``path`` (the format of :func:`arraykv.save`); :func:`arraykv.load` reads it."""
-        from ..storage.cache_file import write_cache_file
-
-        config = self.get_config()
-        records = []
-        for rec in self.snapshot():
-            if rec is not None:
-                from .. import _compat
-
-                rec = type(rec)(length=rec.length, batch=rec.batch, dtype=rec.dtype,
-                                arrays={n: _compat.to_numpy(a, copy=True) for n, a in rec.arrays.items()})
-            records.append(rec)
-        return write_cache_file(path, config, records)
+        return write_cache_file(path, self.get_config(), self.snapshot(host=True))
 
     def __repr__(self) -> str:
         n_win = sum(1 for k in self.layer_types if k == "sliding_attention")

@@ -27,18 +27,16 @@ class LayerSnapshots:
         Every layer's lock is held while the state is copied to the host, so the file is one
         consistent snapshot even while other threads decode.
         """
-        config = self.get_config()
-        with self._all_layers_locked():
-            records = [None if st is None else self._record(st, host=True) for st in self._states]
-        return write_cache_file(path, config, records)
+        return write_cache_file(path, self.get_config(), self.snapshot(host=True))
 
-    def snapshot(self) -> list:
+    def snapshot(self, *, host: bool = False) -> list:
         """Copies of every layer's state: per layer None (empty) or a
         :class:`~arraykv.storage.cache_file.LayerRecord` whose arrays are copies in the cache's
-        namespace. Taken under every layer's lock: one consistent state. :meth:`restore` takes it back.
+        namespace (``host=True``: NumPy copies on the host, what :meth:`save` writes). Taken under
+        every layer's lock: one consistent state. :meth:`restore` takes it back.
         """
         with self._all_layers_locked():
-            return [None if st is None else self._record(st, host=False) for st in self._states]
+            return [None if st is None else self._record(st, host=host) for st in self._states]
 
     def restore(self, layers: list, *, xp: Any = None) -> None:
         """Replace the state of every layer by ``layers`` (from :meth:`snapshot` or a cache file).

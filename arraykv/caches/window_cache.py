@@ -226,13 +226,6 @@ class SlidingWindowCache(LayeredCache):
 
         return apply
 
-    def _copy_layer(self, st: WindowLayer) -> WindowLayer:
-        twin = WindowLayer(xp=st.xp, device=st.device, batch=st.batch, dtype=st.dtype, length=st.length)
-        if st.kb is not None:
-            hk, hv = st.held()
-            self._push(twin, st.xp.asarray(hk, copy=True), st.xp.asarray(hv, copy=True))
-        return twin
-
     def _layer_arrays(self, st) -> dict:
         if st.kb is None:
             return {}
