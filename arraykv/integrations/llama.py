@@ -33,7 +33,7 @@ from .architectures import architecture
 from .gguf import ModelConfig
 from .generation import cache_length as _cache_len
 from .generation import undo_on_failure
-from .generation import check_chunk, check_sampling, generate_tokens, prompt_ids
+from .generation import check_chunk, check_sampling, generate_tokens, prompt_ids, tokenizer_stops
 from .llama_attention import (apply_rope, attend_chunk, attend_one, causal_mask, plain_numpy, rope_tables,
                               window_mask)
 from .prompt_stage import PromptStage, stages_layer
@@ -147,10 +147,6 @@ class DecoderModel:
             self._rope["sliding_attention"] = rope_tables(self.xp, self._dev, length, c.head_dim, c.rope_local_theta)
         self._rope_len = length
 
-    def _head_norm(self, x: Any, w: Any) -> Any:
-        """RMSNorm over each head's channels, x (b, heads, t, d) with weights (d,)."""
-        return self._rmsnorm(x, w)
-
     def _rmsnorm(self, x: Any, w: Any) -> Any:
         xp = self._ops
         ms = xp.mean(x * x, axis=-1, keepdims=True)
@@ -168,7 +164,7 @@ class DecoderModel:
         k = xp.permute_dims(xp.reshape(qkv[..., qd:qd + kd], (b, t, c.num_kv_heads, c.head_dim)), (0, 2, 1, 3))
         v = xp.permute_dims(xp.reshape(qkv[..., qd + kd:], (b, t, c.num_kv_heads, c.head_dim)), (0, 2, 1, 3))
         if lw.q_norm is not None:
-            q, k = self._head_norm(q, lw.q_norm), self._head_norm(k, lw.k_norm)
+            q, k = self._rmsnorm(q, lw.q_norm), self._rmsnorm(k, lw.k_norm)  # per head, over its channels
         cos, sin = self._rope[self._kinds[layer]]
         return apply_rope(xp, q, cos, sin, start), apply_rope(xp, k, cos, sin, start), v
 
@@ -200,7 +196,7 @@ class DecoderModel:
         """
         window = self.config.window_of(layer)
         t, n = int(q.shape[2]), int(k.shape[2])
-        if window and start + t - n + window <= start + t - 1:  # some key is out of some query's window
+        if window and n > window:  # the last query sees the last `window` keys: some key is out of reach
             m = window_mask(self.xp, self._dev, t, n, start + t - n, start, window)
             return attend_chunk(self._ops, q, k, v, bias, self._scale, in_place=self._numpy, full_mask=m)
         return attend_chunk(self._ops, q, k, v, bias, self._scale, in_place=self._numpy,
@@ -464,8 +460,8 @@ class DecoderModel:
             cache = self.make_cache(method)
         elif _cache_len(cache, self.config.num_layers) != 0:
             raise ValueError("cache must be empty; call cache.reset() first")
-        if eos_id is None and self.tokenizer is not None:  # every stop token of the model (Gemma: two)
-            eos_id = getattr(self.tokenizer, "stop_ids", None) or self.tokenizer.eos_id
+        if eos_id is None:  # every stop token of the model (Gemma: two)
+            eos_id = tokenizer_stops(self.tokenizer)
         return generate_tokens(
             lambda p: _compat.to_numpy(self.prefill(p, cache, chunk_size=prefill_chunk, logits="last")),
             lambda tok: _compat.to_numpy(self.decode(tok, cache)),

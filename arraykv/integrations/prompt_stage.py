@@ -27,9 +27,11 @@ it is freed by :meth:`commit`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
+from ..protocol import DequantResult
 
 __all__ = ["PromptStage", "QUERY_SAMPLE", "stages_layer"]
 
@@ -43,6 +45,16 @@ def stages_layer(cache: Any, layer: int) -> bool:
     if not (hasattr(part, "append") and hasattr(part, "dequantize")):
         return False  # a cache of the protocol only: its chunks go straight to it
     return not getattr(part, "stores_exactly", False)
+
+
+@dataclass
+class _Staged:
+    """One staged layer: the prompt's keys and values so far (float16), its query sample, its length."""
+
+    k: Any
+    v: Any
+    queries: list
+    seen: int
 
 
 class PromptStage:
@@ -61,7 +73,7 @@ class PromptStage:
         self.cache = cache
         self.total = int(total)
         self._staged = [stages_layer(cache, i) for i in range(num_layers)]
-        self._held: list = [None] * num_layers  # per staged layer: [k16 list, v16 list, q sample list, seen]
+        self._held: list = [None] * num_layers  # per staged layer: a _Staged once its first chunk came
         self._before: list = [None] * num_layers  # earlier tokens of the target, float (k, v)
         self._start = [cache.seq_len(i) for i in range(num_layers)]
 
@@ -70,27 +82,25 @@ class PromptStage:
         if not self._staged[layer]:
             return self.cache.seq_len(layer)
         held = self._held[layer]
-        return self._start[layer] + (0 if held is None else held[3])
+        return self._start[layer] + (0 if held is None else held.seen)
 
     def prefill(self, layer: int, k: Any, v: Any, q: Any):
         if not self._staged[layer]:
             return self.cache.prefill(layer, k, v, q)
-        from ..protocol import DequantResult
-
         xp = _compat.namespace(k)
-        if self._held[layer] is None:
-            self._held[layer] = [[], [], [], 0]
+        held = self._held[layer]
+        k16, v16 = xp.astype(k, xp.float16), xp.astype(v, xp.float16)
+        if held is None:
             if self._start[layer]:
                 r = self.cache.dequantize(layer)
                 self._before[layer] = (xp.astype(r.k, k.dtype), xp.astype(r.v, v.dtype))
-        ks, vs, qs, seen = self._held[layer]
+            held = self._held[layer] = _Staged(k16, v16, [], 0)
+        else:
+            held.k, held.v = xp.concat([held.k, k16], axis=2), xp.concat([held.v, v16], axis=2)
         t = int(k.shape[2])
-        ks.append(xp.astype(k, xp.float16))
-        vs.append(xp.astype(v, xp.float16))
-        qs.append(self._sample(xp, q, seen))
-        self._held[layer][3] = seen + t
-        kk = xp.astype(xp.concat(ks, axis=2) if len(ks) > 1 else ks[0], k.dtype)
-        vv = xp.astype(xp.concat(vs, axis=2) if len(vs) > 1 else vs[0], v.dtype)
+        held.queries.append(self._sample(xp, q, held.seen))
+        held.seen += t
+        kk, vv = xp.astype(held.k, k.dtype), xp.astype(held.v, v.dtype)
         before = self._before[layer]
         if before is not None:
             kk, vv = xp.concat([before[0], kk], axis=2), xp.concat([before[1], vv], axis=2)
@@ -101,7 +111,6 @@ class PromptStage:
 
     def _sample(self, xp: Any, q: Any, seen: int) -> Any:
         """The positions of ``q`` that fall on the uniform sample grid over the prompt."""
-        t = int(q.shape[2])
         step = max(1, math.ceil(self.total / QUERY_SAMPLE))
         first = (-seen) % step
         return xp.asarray(q[:, :, first::step, :], copy=True)
@@ -112,17 +121,10 @@ class PromptStage:
         for layer, held in enumerate(self._held):
             if held is None:
                 continue
-            ks, vs, qs, seen = held
-            xp = _compat.namespace(ks[0])
-            k = xp.concat(ks, axis=2) if len(ks) > 1 else ks[0]
-            v = xp.concat(vs, axis=2) if len(vs) > 1 else vs[0]
-            dtype = self._dtype(layer, qs)
-            k, v = xp.astype(k, dtype), xp.astype(v, dtype)
-            qsample = xp.concat(qs, axis=2) if len(qs) > 1 else qs[0]
-            reps = math.ceil(seen / max(1, int(qsample.shape[2])))
-            q = xp.concat([qsample] * reps, axis=2)[:, :, :seen, :] if reps > 1 else qsample[:, :, :seen, :]
+            xp = _compat.namespace(held.k)
+            sample = xp.concat(held.queries, axis=2) if len(held.queries) > 1 else held.queries[0]
+            k, v = xp.astype(held.k, sample.dtype), xp.astype(held.v, sample.dtype)
+            reps = math.ceil(held.seen / max(1, int(sample.shape[2])))
+            q = (xp.concat([sample] * reps, axis=2) if reps > 1 else sample)[:, :, :held.seen, :]
             self._held[layer] = None
             self.cache.append(layer, k, v, q)
-
-    def _dtype(self, layer: int, qs: list) -> Any:
-        return qs[0].dtype
