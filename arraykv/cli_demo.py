@@ -7,6 +7,7 @@ import sys
 import time
 
 from .cli_args import positive_int
+from .integrations.generation import stop_tokens, tokenizer_stops
 
 __all__ = ["add_parser", "run", "default_methods"]
 
@@ -67,9 +68,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{gen} cache] (a base model: the text is continued)\n{prompt}", end="", flush=True)
     cache = model.make_cache(gen)
     pieces: list = []
+    stops = stop_tokens(tokenizer_stops(model.tokenizer))
 
     def show(tok: int) -> None:
-        if tok in (getattr(model.tokenizer, "stop_ids", None) or (model.tokenizer.eos_id,)):
+        if tok in stops:
             return
         pieces.append(tok)
         text = model.tokenizer.decode(pieces)

@@ -127,6 +127,24 @@ def pick_token(logits: Any, temperature: float, top_k: int | None, rng: Any) -> 
     return int(rng.choice(z.size, p=p))
 
 
+def stop_tokens(eos: int | Collection[int] | None, stop_at_eos: bool = True) -> frozenset:
+    """The tokens that end a generation: ``eos`` as one int or several (none when ``stop_at_eos``
+    is False or ``eos`` is None)."""
+    import numpy as np
+
+    if not stop_at_eos or eos is None:
+        return frozenset()
+    return frozenset((int(eos),) if isinstance(eos, (int, np.integer)) else map(int, eos))
+
+
+def tokenizer_stops(tokenizer: Any) -> Any:
+    """The stop tokens of a tokenizer: its ``stop_ids`` (Gemma: ``<eos>`` and ``<end_of_turn>``),
+    else its ``eos_id``; None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return getattr(tokenizer, "stop_ids", None) or tokenizer.eos_id
+
+
 def generate_tokens(prefill_last: Callable[[list], Any], decode_last: Callable[[int], Any], ids: list,
                     max_new_tokens: int, *, eos: int | Collection[int] | None, stop_at_eos: bool,
                     temperature: float, top_k: int | None, seed: int | None,
@@ -156,8 +174,7 @@ def generate_tokens(prefill_last: Callable[[list], Any], decode_last: Callable[[
     """
     import numpy as np
 
-    stops = frozenset() if not stop_at_eos or eos is None else frozenset(
-        (int(eos),) if isinstance(eos, (int, np.integer)) else map(int, eos))
+    stops = stop_tokens(eos, stop_at_eos)
     out: list = []
     if max_new_tokens == 0:
         return out

@@ -34,10 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-
 from .drafts import Block, CacheDraft, LayerDraft, NgramDraft, argmax_rows, require_truncate, run_layers
-from .generation import prompt_ids
+from .generation import prompt_ids, stop_tokens, tokenizer_stops
 
 __all__ = ["speculative_generate", "SpeculativeResult", "greedy_agreement", "greedy_with_gaps", "LayerDraft", "CacheDraft",
            "NgramDraft", "run_layers"]
@@ -156,10 +154,7 @@ def speculative_generate(model: Any, prompt: Any, max_new_tokens: int = 32, *, c
     if verify == "auto":
         verify = "prefill" if getattr(cache, "method", None) == "dense" else "decode"
     model._check_room(0, len(ids) + max_new_tokens + 2 * k)  # RoPE tables once, before any thread
-    if eos_id is None and model.tokenizer is not None:
-        eos_id = getattr(model.tokenizer, "stop_ids", None) or model.tokenizer.eos_id
-    stops = () if not stop_at_eos or eos_id is None else (
-        (int(eos_id),) if isinstance(eos_id, (int, np.integer)) else tuple(int(e) for e in eos_id))
+    stops = stop_tokens(tokenizer_stops(model.tokenizer) if eos_id is None else eos_id, stop_at_eos)
     out: list = []
     if max_new_tokens == 0:
         return SpeculativeResult(out, 0, 0, 0, 0, 0.0, 0.0)
