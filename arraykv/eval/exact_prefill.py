@@ -216,6 +216,14 @@ def stored_bytes(cache: Any) -> int:
     return int(used() if callable(used) else cache.memory_usage())
 
 
+def held_rows(cache: Any) -> int | None:
+    """Token rows ``cache`` holds over all layers, where a layer holds fewer than its ``seq_len``
+    (a hybrid cache's sliding windows); None for caches that hold every token."""
+    held = getattr(cache, "held_tokens", None)
+    n = getattr(cache, "num_layers", None)
+    return sum(int(held(i)) for i in range(n)) if callable(held) and isinstance(n, int) else None
+
+
 def bits_per_value(model: Any, cache: Any) -> tuple:
     """``(bits_per_value, kv_bytes, tokens)`` of ``cache`` now.
 
@@ -226,8 +234,8 @@ def bits_per_value(model: Any, cache: Any) -> tuple:
     c = model.config
     tokens = int(cache.seq_len(0))
     kv_bytes = stored_bytes(cache)
-    held = getattr(cache, "held_tokens", None)  # a hybrid cache: its sliding layers hold the window
-    rows = sum(held(i) for i in range(c.num_layers)) if callable(held) else c.num_layers * tokens
+    rows = held_rows(cache)  # a hybrid cache: its sliding layers hold the window
+    rows = c.num_layers * tokens if rows is None else rows
     values = 2 * c.num_kv_heads * rows * c.head_dim
     return (kv_bytes * 8.0 / values if values else 0.0), kv_bytes, tokens
 

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .exact_prefill import check_common, exact_prefill, method_cache, progress_bar, stored_bytes
+from .exact_prefill import check_common, exact_prefill, held_rows, method_cache, progress_bar, stored_bytes
 from .needle_result import format_markdown
-from .teacher_forced import EvalRow, TeacherForced, compare, held_rows
+from .teacher_forced import EvalRow, TeacherForced, compare
 from .texts import builtin_long_token_ids
 
 __all__ = ["LongTextResult", "long_text_quality"]

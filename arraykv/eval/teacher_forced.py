@@ -40,7 +40,7 @@ from typing import Any, Mapping, Sequence
 
 from .. import _compat
 from .engine import context_length, decode_logits, geometry
-from .exact_prefill import stored_bytes
+from .exact_prefill import held_rows, stored_bytes
 from .texts import builtin_text, builtin_token_ids
 
 __all__ = [
@@ -178,14 +178,6 @@ def teacher_forced(model: Any, token_ids: Any, cache: Any = None, *, prefill: in
             progress(j + 1)
     return TeacherForced(method=label, logits=out, seconds=seconds, kv_bytes=stored_bytes(cache),
                          tokens=int(cache.seq_len(0)), held_rows=held_rows(cache))
-
-
-def held_rows(cache: Any) -> int | None:
-    """Token rows ``cache`` holds over all layers, where a layer holds fewer than its ``seq_len``
-    (a hybrid cache's sliding windows); None for caches that hold every token."""
-    held = getattr(cache, "held_tokens", None)
-    n = getattr(cache, "num_layers", None)
-    return sum(int(held(i)) for i in range(n)) if callable(held) and isinstance(n, int) else None
 
 
 def calibrate(model: Any, token_ids: Any, method: Any) -> list:
