@@ -355,12 +355,9 @@ class ArraykvCache(Cache):
             r = self.arraykv_cache.prefill(i, k, v, q)
             if self.incremental:
                 self._held.pop(i, None)
-            if self.layer_types[i] == "sliding_attention":
-                w = int(attention_mask.shape[-1])
-                return base(module, query, _to_torch(r.k[:, :, -w:], query.dtype), _to_torch(r.v[:, :, -w:], query.dtype),
-                            attention_mask, scaling=scaling, **kwargs)
-            return base(module, query, _to_torch(r.k, query.dtype), _to_torch(r.v, query.dtype), attention_mask,
-                        scaling=scaling, **kwargs)
+            w = int(attention_mask.shape[-1])  # the keys the mask covers (a sliding layer: its window)
+            return base(module, query, _to_torch(r.k[:, :, -w:], query.dtype), _to_torch(r.v[:, :, -w:], query.dtype),
+                        attention_mask, scaling=scaling, **kwargs)
         scale = float(scaling) if scaling is not None else self.head_dim ** -0.5
         r = self.arraykv_cache.decode(i, k, v, q, AttendConfig(scale, int(q.shape[1]) // self.num_kv_heads))
         if self.incremental:
