@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import ops
+from .. import _compat, ops
 from ..quant.polar import PolarCode, polar_decode
 from ..quant.polar_tokens import outlier_selector
 from ..quant.qjl import QJL_SCALE
 from .polar_codec import PolarFixed
 from .polar_options import PolarOptions
 
-__all__ = ["decode_layer", "qjl_logit_bias"]
+__all__ = ["decode_layer", "decode_tokens", "qjl_logit_bias"]
 
 
 def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0) -> tuple:
@@ -37,23 +37,8 @@ def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0)
         parts_v.append(vx[:, :, start:n_s, :])
     c0 = min(max(0, start - n_s), buf.length)
     if buf.length > c0:
-        calib = st.calib
-        d = int(st.exact.k.shape[-1])
-
-        def view(name):
-            a = buf.view(name)
-            return a if c0 == 0 else a[:, :, c0:, ...]
-
-        kq = PolarCode(view("k_codes"), view("k_norms"), opts.key_bits, d)
-        vq = PolarCode(view("v_codes"), view("v_norms"), opts.value_bits, d)
-        kd = polar_decode(kq, fixed.k_codebook, fixed.rotation, decode=ops.polar_decode)
-        vd = polar_decode(vq, fixed.v_codebook, fixed.rotation, decode=ops.polar_decode)
-        if calib.n_outliers > 0:
-            sel = outlier_selector(xp, calib.k_outlier_idx, d)
-            keep = 1.0 - xp.sum(sel, axis=-1)[:, :, None, :]
-            kd = kd * keep + xp.matmul(xp.astype(view("k_outliers"), xp.float32), xp.matrix_transpose(sel))
-        kd = kd / xp.astype(calib.k_scale, xp.float32)[:, :, None, :] + calib.key_mean(xp, n_s + c0, buf.length - c0)
-        vd = vd + xp.astype(calib.v_mean, xp.float32)[:, :, None, :]
+        kd, vd = decode_tokens({n: buf.view(n)[:, :, c0:, ...] for n in buf.names()}, st.calib, fixed,
+                               opts.key_bits, opts.value_bits, n_s + c0)
         parts_k.append(kd)
         parts_v.append(vd)
     w0 = n_s + max(0, start - n_s - buf.length)
@@ -62,6 +47,44 @@ def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0)
     if len(parts_k) == 1:
         return parts_k[0], parts_v[0]
     return xp.concat(parts_k, axis=2), xp.concat(parts_v, axis=2)
+
+
+def decode_tokens(codes: dict, calib: Any, fixed: PolarFixed, key_bits: int, value_bits: int, position: int) -> tuple:
+    """float32 K/V, (b, h, t, d) each, of tokens encoded by ``ops.polar_encode_tokens``.
+
+    Parameters
+    ----------
+    codes : dict
+        ``k_codes``, ``v_codes`` uint8 (b, h, t, packed), ``k_norms``, ``v_norms`` float16
+        (b, h, t), and ``k_outliers`` float16 (b, h, t, n_out) when the calibration keeps
+        outlier channels.
+    calib : PolarCalibration
+        The calibration the tokens were encoded with.
+    fixed : PolarFixed
+        Rotation and codebooks.
+    key_bits, value_bits : int
+    position : int
+        Position of the first token (where the key mean turns with the position).
+
+    Notes
+    -----
+    A token ``k̂'`` (the rotated codes times their length, the exact outlier channels put
+    back) decodes to ``k̂'/s + m_p``; a value to ``v̂ + v_mean``.
+    """
+    xp = _compat.namespace(codes["k_codes"])
+    d = fixed.rotation.dim
+    kq = PolarCode(codes["k_codes"], codes["k_norms"], key_bits, d)
+    vq = PolarCode(codes["v_codes"], codes["v_norms"], value_bits, d)
+    kd = polar_decode(kq, fixed.k_codebook, fixed.rotation, decode=ops.polar_decode)
+    vd = polar_decode(vq, fixed.v_codebook, fixed.rotation, decode=ops.polar_decode)
+    if calib.n_outliers > 0:
+        sel = outlier_selector(xp, calib.k_outlier_idx, d)
+        keep = 1.0 - xp.sum(sel, axis=-1)[:, :, None, :]
+        kd = kd * keep + xp.matmul(xp.astype(codes["k_outliers"], xp.float32), xp.matrix_transpose(sel))
+    n = int(kd.shape[2])
+    kd = kd / xp.astype(calib.k_scale, xp.float32)[:, :, None, :] + calib.key_mean(xp, position, n)
+    vd = vd + xp.astype(calib.v_mean, xp.float32)[:, :, None, :]
+    return kd, vd
 
 
 def qjl_logit_bias(st: Any, fixed: PolarFixed, q: Any, scale: float):

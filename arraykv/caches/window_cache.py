@@ -15,21 +15,35 @@ tokens, the *last* ``n`` positions of the sequence, and the caller masks by posi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _compat
+from .. import _compat, ops
 from .._validation import check_int
-from ..protocol import AttendConfig, Dequantized, DequantResult
-from .base import LayeredCache, LayerState, refuse_overflow
+from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
+from ..quant.bitpack import packed_nbytes
+from ..quant.polar import half_dtype
+from .base import LayeredCache, LayerState, check_decode_path, refuse_overflow
+from .polar_calibration import PolarCalibration, calibrate
+from .polar_codec import PolarFixed, PolarLayerCodec
+from .polar_decode import decode_tokens
+from .polar_options import check_polar_options
 from .registry import register_method
 from .rollback import DEFAULT_ROLLBACK_TOKENS, check_rollback_tokens
 
-__all__ = ["SlidingWindowCache", "WindowLayer", "WINDOW_STORAGE"]
+__all__ = ["SlidingWindowCache", "WindowLayer", "WINDOW_STORAGE", "POLAR_STORAGE"]
 
-#: How a window layer holds its tokens: float16 (half the bytes of float32, range ±65504) or
-#: exactly as given.
-WINDOW_STORAGE = ("float16", "exact")
+#: How a window layer holds its tokens: float16 (half the bytes of float32, range ±65504),
+#: exactly as given, or compressed per token by the rotated Lloyd-Max codec of ``pq`` at 2, 3
+#: or 4 bits (:data:`POLAR_STORAGE`).
+WINDOW_STORAGE = ("float16", "exact", "pq2", "pq3", "pq4")
+
+#: The compressed storages and their bits per coordinate.
+POLAR_STORAGE = {"pq2": 2, "pq3": 3, "pq4": 4}
+#: Most recent tokens a compressed window also holds in float16 by default (measured on
+#: Gemma-3-270M, docs/algorithms.md §11: the last 8 buy what 64 buy, halving pqo4's KL).
+DEFAULT_EXACT_TAIL = 8
 
 
 @dataclass
@@ -38,20 +52,36 @@ class WindowLayer(LayerState):
 
     Attributes
     ----------
-    kb, vb : array, shape (batch, kv_heads, capacity, head_dim)
-        Buffers; rows ``off .. off + n`` are the held tokens, oldest first.
+    rows : dict of str to array
+        Buffers by saved name, each ``(batch, kv_heads, capacity, ...)``: ``k``, ``v`` (float16
+        or exact storage, ``(..., head_dim)``), or ``k_codes``, ``v_codes`` (uint8, ``(...,
+        ceil(head_dim * bits / 8))``) and ``k_norms``, ``v_norms`` (float16, ``(...)``) for the
+        ``pq`` storages (and ``k_outliers``, float16 ``(..., n_out)``, where the calibration
+        keeps outlier channels). Rows ``off .. off + n`` are the held tokens, oldest first.
     off, n : int
         First held row and the number of rows held (the last ``n`` positions, ``n <= length``).
+    tail_k, tail_v : array of float16, shape (batch, kv_heads, T, head_dim), or None
+        ``pq`` storages: the last ``T`` positions again, in float16 (``T = min(n, exact_tail +
+        rollback_tokens)``, fewer after a truncation).
+    calib : PolarCalibration or None
+        ``pq`` storages: the layer's calibration, made by its first call (``fixed_end`` is
+        that call's end).
     """
 
-    kb: Any = None
-    vb: Any = None
+    rows: dict = field(default_factory=dict)
     off: int = 0
     n: int = 0
+    tail_k: Any = None
+    tail_v: Any = None
+    calib: Any = None
 
-    def held(self) -> tuple:
-        """Views of the held keys and values, (batch, kv_heads, n, head_dim)."""
-        return self.kb[:, :, self.off:self.off + self.n, :], self.vb[:, :, self.off:self.off + self.n, :]
+    def held(self) -> dict:
+        """Views of the held rows by name, each ``(batch, kv_heads, n, ...)``."""
+        return {name: b[:, :, self.off:self.off + self.n, ...] for name, b in self.rows.items()}
+
+    def tail_rows(self) -> int:
+        """Rows of the float16 tail (the last positions, ``pq`` storages); 0 without one."""
+        return 0 if self.tail_k is None else int(self.tail_k.shape[2])
 
 
 @register_method("window", generic=True)
@@ -65,29 +95,56 @@ class SlidingWindowCache(LayeredCache):
         The attention span: a token sees itself and the ``window - 1`` tokens before it.
     rollback_tokens : int, default 16
         Extra tokens held so that :meth:`truncate` can take that many back.
-    storage : {"float16", "exact"}, default "float16"
+    storage : {"float16", "exact", "pq2", "pq3", "pq4"}, default "float16"
         ``"float16"`` holds half the bytes of float32 (a value beyond ±65504 is refused, as
-        in every float16 part of the compressed caches); ``"exact"`` holds the input dtype.
+        in every float16 part of the compressed caches); ``"exact"`` holds the input dtype;
+        ``"pqB"`` holds every key and value in the ``B``-bit codec of the ``pqoB`` caches
+        (calibrated centering, query-weighted key channels and exact outlier channels, then a
+        random rotation and Lloyd-Max codes; ``B + 16 / head_dim`` bits per value plus the
+        outlier channels), and its last ``exact_tail`` tokens in float16 as well.
+    exact_tail : int, optional
+        ``pq`` storages: most recent tokens also held in float16, which the layer attends
+        exactly (default :data:`DEFAULT_EXACT_TAIL`); ``rollback_tokens`` more are held for
+        truncation.
+    seed : int, default 0
+        Seed of the ``pq`` storages' rotation.
+    decode_path : {"auto", "fused", "dequantized"}, default "auto"
+        ``pq`` storages: ``decode`` attends from the codes itself (:class:`~arraykv.Fused`,
+        the ``pqo`` fused kernel over the last ``window`` rows) where a kernel serves the
+        namespace (``"auto"``), or returns the window's keys and values. Float storages always
+        return them.
     check_finite, max_tokens
         As for every cache; ``max_tokens`` bounds the positions, not the rows held.
 
     Notes
     -----
     ``prefill`` returns the tokens held before the call and the new ones, ``(batch, kv_heads,
-    n, head_dim)`` for the last ``n`` positions; a causal chunk of queries masks them by the
-    window. ``decode`` returns exactly the last ``window`` tokens (fewer at the start), so
-    attention over them needs no mask. Truncating is exact for attention: a layer truncated to
-    ``L`` attends as the direct build of ``L`` tokens does, but holds fewer rows of the past
-    (the rows a direct build would hold in its rollback margin are gone), so its saved arrays
-    are shorter. Lengths from ``seq_len - rollback_tokens`` (and 0) are reachable.
+    n, head_dim)`` for the last ``n`` positions: the held ones as stored (float16-rounded, or
+    decoded from their codes), the new ones as stored for the float storages and as given for
+    the ``pq`` ones (a call attends its own tokens exactly, as the compressed global layers
+    do); a causal chunk of queries masks them by the window. ``decode`` returns exactly the
+    last ``window`` tokens (fewer at the start), so attention over them needs no mask.
+    Truncating is exact for attention: a layer truncated to ``L`` attends as the direct build
+    of ``L`` tokens by the same calls does, but holds fewer rows of the past (the rows a direct
+    build would hold in its rollback margin are gone), so its saved arrays are shorter.
+    Lengths from ``seq_len - rollback_tokens`` (and 0) are reachable, and for the ``pq``
+    storages none inside the layer's first call.
+
+    The ``pq`` storages calibrate a layer once, on the keys, values and queries of its first
+    call (for a prompt, the rows the window keeps of it), exactly as a ``pqo`` layer does
+    (:func:`arraykv.caches.polar_calibration.calibrate`), and encode every token by itself
+    with that calibration (TurboQuant-MSE after centering and channel weights:
+    :func:`arraykv.quant.polar_tokens.polar_encode_tokens_reference`), so the oldest rows
+    leave and truncation drops the newest without touching any other row. A layer whose
+    first call holds fewer than 8 tokens gets no centering or channel weights (the plain
+    codec): feed a prompt first.
     """
 
     method = "window"
-    #: Held as given (or float16): a prompt needs no exact staging.
-    stores_exactly = True
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, window: int,
                  rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, storage: str = "float16",
+                 exact_tail: int | None = None, seed: int = 0, decode_path: str = "auto",
                  check_finite: bool = True, max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
@@ -96,98 +153,269 @@ class SlidingWindowCache(LayeredCache):
         if not isinstance(storage, str) or storage not in WINDOW_STORAGE:
             raise ValueError(f"storage must be one of {', '.join(WINDOW_STORAGE)}, received {storage!r}")
         self.storage = storage
+        self.seed = check_int("seed", seed, low=0)
+        self.decode_path = check_decode_path(decode_path)
+        #: Bits per coordinate of the ``pq`` storages (None: float storage).
+        self.bits = POLAR_STORAGE.get(storage)
+        if self.bits is None:
+            if exact_tail is not None:
+                raise ValueError(f"exact_tail applies to the pq storages; storage {storage!r} holds every token "
+                                 f"as {'given' if storage == 'exact' else 'float16'}")
+            self.exact_tail = 0
+            self.options = None
+        else:
+            self.exact_tail = check_int("exact_tail", DEFAULT_EXACT_TAIL if exact_tail is None else exact_tail,
+                                        low=0)
+            #: The codec's options: those of ``pqoB`` (checks head_dim too).
+            self.options = check_polar_options(self.head_dim, key_bits=self.bits, value_bits=self.bits, seed=seed)
         #: Rows a layer keeps after every call.
         self.keep = self.window + self.rollback_tokens
+        #: Float16 tail rows a ``pq`` layer keeps (the exact tail and the rollback margin).
+        self.tail_keep = 0 if self.bits is None else self.exact_tail + self.rollback_tokens
         #: Rows of a layer's buffers at most: ``keep`` plus room for ``max(16, keep // 4)`` more, so
         #: the held rows move back to the buffers' start once every that many decode steps. The
         #: buffers start small and double up to it.
         self.capacity = self.keep + max(16, self.keep // 4)
+        self._fixed: dict = {}
+
+    @property
+    def stores_exactly(self) -> bool:
+        """Whether tokens are held as given (or float16): a prompt then needs no exact staging."""
+        return self.bits is None
+
+    # -- the pq codec ------------------------------------------------------------------
+    def _codec(self, xp: Any, dev: Any) -> PolarFixed:
+        """Rotation and codebooks of the ``pq`` storage on ``xp``/``dev`` (built once)."""
+        key = (id(xp), str(dev))
+        got = self._fixed.get(key)
+        if got is None:
+            got = PolarFixed.build(xp, dev, head_dim=self.head_dim, key_bits=self.bits, value_bits=self.bits,
+                                   seed=self.seed, qjl=False)
+            self._fixed[key] = got
+        return got
+
+    def _fixed_nbytes(self) -> int:
+        return sum(c.nbytes() for c in list(self._fixed.values()))
+
+    def _fused_auto(self, xp: Any) -> bool:
+        return self.bits is not None and ops.has_kernel("polar_decode_attention", xp)
+
+    def _fused(self, xp: Any) -> bool:
+        return self.bits is not None and super()._fused(xp)
+
+    def _on_reset(self) -> None:
+        self._fixed = {}
+
+    def row_shapes(self, n_outliers: int = 0) -> dict:
+        """The held rows' arrays by saved name: their shapes after ``(batch, kv_heads, rows)``."""
+        if self.bits is None:
+            return {"k": (self.head_dim,), "v": (self.head_dim,)}
+        nb = packed_nbytes(self.head_dim, self.bits)
+        out = {"k_codes": (nb,), "k_norms": (), "v_codes": (nb,), "v_norms": ()}
+        if n_outliers:
+            out["k_outliers"] = (n_outliers,)
+        return out
+
+    def _row_dtypes(self, xp: Any, dtype: Any) -> dict:
+        if self.bits is None:
+            d = xp.float16 if self.storage == "float16" else dtype
+            return {"k": d, "v": d}
+        h = half_dtype(xp)
+        return {"k_codes": xp.uint8, "k_norms": h, "v_codes": xp.uint8, "v_norms": h, "k_outliers": h}
 
     # -- storing -----------------------------------------------------------------------
     def _new_layer(self, xp, dev, batch, dtype) -> WindowLayer:
         return WindowLayer(xp=xp, device=dev, batch=batch, dtype=dtype)
 
-    def _stored(self, st: WindowLayer, k: Any, v: Any) -> tuple:
-        """``k``, ``v`` in the storage dtype, refused before anything changes if float16 overflows."""
-        if self.storage == "exact":
-            return k, v
+    def _encode(self, st: WindowLayer, k: Any, v: Any, q: Any, start: int) -> tuple:
+        """``(rows, calib, tail)`` of new tokens at positions ``start ..``: the rows in the
+        storage form by name, the calibration this call makes (None when the layer has one,
+        or for float storage) and the float16 rows for the tail (None without one). Nothing
+        changes; a float16 overflow is refused here."""
         xp = st.xp
-        k16, v16 = xp.astype(k, xp.float16), xp.astype(v, xp.float16)
-        refuse_overflow(xp, self.method, {"k": k16, "v": v16})
-        return k16, v16
+        if self.storage == "exact":
+            return {"k": k, "v": v}, None, None
+        if self.bits is None:
+            out = {"k": xp.astype(k, xp.float16), "v": xp.astype(v, xp.float16)}
+            refuse_overflow(xp, self.method, out)
+            return out, None, None
+        fixed = self._codec(xp, st.device)
+        kf, vf = xp.astype(k, xp.float32), xp.astype(v, xp.float32)
+        new = None
+        if st.calib is None:
+            new = calibrate(self.options, xp, kf, vf, xp.astype(q, xp.float32), start)
+        c = st.calib if new is None else new
+        out = ops.polar_encode_tokens(kf, vf, c.k_mean, c.v_mean, c.k_scale, c.k_outlier_idx, c.k_mean_freq,
+                                      c.k_mean_pairs, start, fixed.k_codebook, fixed.v_codebook, fixed.rotation,
+                                      self.options.key_length == "unbiased", self.options.value_length == "unbiased")
+        t = int(k.shape[2])
+        m = min(t, self.tail_keep)
+        tail = (xp.astype(k[:, :, t - m:, :], xp.float16), xp.astype(v[:, :, t - m:, :], xp.float16)) if m else None
+        refuse_overflow(xp, self.method, {**out, "tail": [] if tail is None else list(tail),
+                                          **({} if new is None else new.arrays())})
+        return out, new, tail
 
-    def _push(self, st: WindowLayer, k: Any, v: Any) -> None:
-        """Append stored-dtype rows and drop the oldest beyond ``keep``: amortized O(rows) per call."""
-        xp, keep, t = st.xp, self.keep, int(k.shape[2])
-        cap = 0 if st.kb is None else int(st.kb.shape[2])
-        if t >= keep or st.kb is None or (st.off + st.n + t > cap and cap < self.capacity):
+    def _apply(self, st: WindowLayer, rows: dict, calib: Any, tail: Any, end: int) -> None:
+        """Commit what :meth:`_encode` computed; ``end`` is the length after the call."""
+        if calib is not None:
+            st.calib, st.fixed_end = calib, end
+        self._push(st, rows)
+        if tail is not None:
+            xp = st.xp
+            tk, tv = tail
+            if st.tail_k is not None and int(tk.shape[2]) < self.tail_keep:
+                tk, tv = xp.concat([st.tail_k, tk], axis=2), xp.concat([st.tail_v, tv], axis=2)
+            cut = max(0, int(tk.shape[2]) - min(self.tail_keep, st.n))  # never more rows than held
+            st.tail_k = xp.asarray(tk[:, :, cut:, :], copy=True)
+            st.tail_v = xp.asarray(tv[:, :, cut:, :], copy=True)
+
+    def _decode_rows(self, st: WindowLayer, rows: dict, first: int, end: int) -> tuple:
+        """Keys and values, ``(batch, kv_heads, n, head_dim)`` in the layer's dtype, of stored
+        ``rows`` at positions ``first ..``; ``end`` is the position after the layer's last held row."""
+        xp = st.xp
+        if self.bits is None:
+            k, v = rows["k"], rows["v"]
+        else:
+            k, v = decode_tokens(rows, st.calib, self._codec(xp, st.device), self.bits, self.bits, first)
+            n = int(k.shape[2])
+            exact = min(st.tail_rows(), self.exact_tail)
+            lo = max(first, end - exact)  # positions lo .. first + n - 1 are in the exact tail
+            if lo < first + n:
+                t0 = st.tail_rows() - (end - lo)
+                m = first + n - lo
+                k[:, :, n - m:, :] = st.tail_k[:, :, t0:t0 + m, :]
+                v[:, :, n - m:, :] = st.tail_v[:, :, t0:t0 + m, :]
+        return (k if k.dtype == st.dtype else xp.astype(k, st.dtype),
+                v if v.dtype == st.dtype else xp.astype(v, st.dtype))
+
+    def _push(self, st: WindowLayer, rows: dict) -> None:
+        """Append stored rows and drop the oldest beyond ``keep``: amortized O(rows) per call."""
+        xp, keep = st.xp, self.keep
+        t = int(next(iter(rows.values())).shape[2])
+        cap = int(next(iter(st.rows.values())).shape[2]) if st.rows else 0
+        if t >= keep or not st.rows or (st.off + st.n + t > cap and cap < self.capacity):
             # a new buffer: the first rows, a chunk longer than what is kept, or growth towards the
             # capacity (doubling, so a short sequence holds little and a long one moves rarely)
-            old = 0 if st.kb is None else min(st.n, keep - min(t, keep))
+            old = 0 if not st.rows else min(st.n, keep - min(t, keep))
             m = min(t, keep)
             cap = min(self.capacity, max(64, 2 * (old + m)))
-            shape = (st.batch, self.num_kv_heads, cap, self.head_dim)
-            kb = xp.empty(shape, dtype=k.dtype, device=st.device)
-            vb = xp.empty(shape, dtype=v.dtype, device=st.device)
-            if old:
-                hk, hv = st.held()
-                kb[:, :, :old, :] = hk[:, :, st.n - old:, :]
-                vb[:, :, :old, :] = hv[:, :, st.n - old:, :]
-            kb[:, :, old:old + m, :] = k[:, :, t - m:, :]
-            vb[:, :, old:old + m, :] = v[:, :, t - m:, :]
-            st.kb, st.vb, st.off, st.n = kb, vb, 0, old + m
+            held = st.held()
+            bufs = {}
+            for name, a in rows.items():
+                b = xp.empty((st.batch, self.num_kv_heads, cap) + tuple(int(x) for x in a.shape[3:]),
+                             dtype=a.dtype, device=st.device)
+                if old:
+                    b[:, :, :old, ...] = held[name][:, :, st.n - old:, ...]
+                b[:, :, old:old + m, ...] = a[:, :, t - m:, ...]
+                bufs[name] = b
+            st.rows, st.off, st.n = bufs, 0, old + m
             return
         if st.off + st.n + t > cap:  # full capacity: move the rows that survive to the buffer's start
             old = min(st.n, keep - t)
             src = st.off + st.n - old
-            st.kb[:, :, :old, :] = xp.asarray(st.kb[:, :, src:src + old, :], copy=True)
-            st.vb[:, :, :old, :] = xp.asarray(st.vb[:, :, src:src + old, :], copy=True)
+            for b in st.rows.values():
+                b[:, :, :old, ...] = xp.asarray(b[:, :, src:src + old, ...], copy=True)
             st.off, st.n = 0, old
         end = st.off + st.n
-        st.kb[:, :, end:end + t, :] = k
-        st.vb[:, :, end:end + t, :] = v
+        for name, b in st.rows.items():
+            b[:, :, end:end + t, ...] = rows[name]
         st.n += t
         if st.n > keep:
             st.off += st.n - keep
             st.n = keep
 
-    def _as_input(self, st: WindowLayer, a: Any) -> Any:
-        return a if a.dtype == st.dtype else st.xp.astype(a, st.dtype)
+    def _store_at(self, st: WindowLayer, k: Any, v: Any, q: Any, start: int, end: int) -> None:
+        rows, calib, tail = self._encode(st, k, v, q, start)
+        self._apply(st, rows, calib, tail, end)
 
     def _store(self, st, k, v, q) -> None:
-        ks, vs = self._stored(st, k, v)
-        self._push(st, ks, vs)
+        self._store_at(st, k, v, q, st.length, st.length + int(k.shape[2]))
 
     def _prefill(self, st, k, v, q) -> DequantResult:
-        ks, vs = self._stored(st, k, v)
-        xp = st.xp
+        xp, start, t = st.xp, st.length, int(k.shape[2])
+        rows, calib, tail = self._encode(st, k, v, q, start)
+        # the new rows as stored (float storage), or as given (pq: a call's own tokens are
+        # attended exactly, as the compressed global layers attend theirs)
+        nk, nv = (k, v) if self.bits is not None else self._decode_rows(st, rows, start, start + t)
         if st.n:
-            hk, hv = st.held()
-            rk, rv = xp.concat([hk, ks], axis=2), xp.concat([hv, vs], axis=2)
+            hk, hv = self._decode_rows(st, st.held(), start - st.n, start)
+            rk, rv = xp.concat([hk, nk], axis=2), xp.concat([hv, nv], axis=2)
         else:
-            rk, rv = xp.asarray(ks, copy=True), xp.asarray(vs, copy=True)
-        self._push(st, ks, vs)
-        return DequantResult(k=self._as_input(st, rk), v=self._as_input(st, rv))
+            rk = nk if nk is not k else xp.asarray(nk, copy=True)
+            rv = nv if nv is not v else xp.asarray(nv, copy=True)
+        self._apply(st, rows, calib, tail, start + t)
+        return DequantResult(k=rk, v=rv)
 
     def _decode(self, st, k, v, q, config: AttendConfig):
-        ks, vs = self._stored(st, k, v)
-        self._push(st, ks, vs)
-        hk, hv = st.held()
+        end = st.length + int(k.shape[2])
+        self._store_at(st, k, v, q, st.length, end)
+        st.stored = True
         w = min(st.n, self.window)
-        return Dequantized(DequantResult(k=self._as_input(st, hk[:, :, st.n - w:, :]),
-                                         v=self._as_input(st, hv[:, :, st.n - w:, :])))
+        if self._fused(st.xp):
+            return Fused(ops.polar_decode_attention(self._window_codec(st, w, end), q, config.softmax_scale))
+        last = {name: a[:, :, st.n - w:, ...] for name, a in st.held().items()}
+        rk, rv = self._decode_rows(st, last, end - w, end)
+        return Dequantized(DequantResult(k=rk, v=rv))
+
+    def _window_codec(self, st: WindowLayer, w: int, end: int) -> PolarLayerCodec:
+        """The last ``w`` held rows of a ``pq`` layer as the fused kernel reads a ``pqo`` layer.
+
+        No sinks; the rows before the exact tail are the quantized tokens, the tail's last
+        ``exact_tail`` rows (at most) the exact window. The kernel places quantized token ``j``
+        at position ``j``: a key mean that turns with the position is given turned to the
+        first row's position ``end - w``, which moves every row's mean to its own position.
+        """
+        xp = st.xp
+        e = min(st.tail_rows(), self.exact_tail, w)
+        t0 = st.tail_rows() - e
+        rows = {name: a[:, :, st.n - w:st.n - e, ...] for name, a in st.held().items()}
+        calib = st.calib
+        k_mean = calib.k_mean
+        if calib.k_mean_freq is not None:
+            k_mean = xp.astype(calib.key_mean(xp, end - w, 1)[:, :, 0, :], half_dtype(xp))
+        fixed = self._codec(xp, st.device)
+        has_out = calib.n_outliers > 0
+        return PolarLayerCodec(
+            n_sink=0, n_quantized=w - e, n_window=e, rotation=fixed.rotation, k_codebook=fixed.k_codebook,
+            v_codebook=fixed.v_codebook, k_codes=rows["k_codes"], k_norms=rows["k_norms"],
+            v_codes=rows["v_codes"], v_norms=rows["v_norms"], k_mean=k_mean, v_mean=calib.v_mean,
+            k_scale=calib.k_scale, k_mean_freq=calib.k_mean_freq, k_mean_pairs=calib.k_mean_pairs,
+            k_outlier_idx=calib.k_outlier_idx if has_out else None,
+            k_outliers=rows["k_outliers"] if has_out else None,
+            k_window=st.tail_k[:, :, t0:, :], v_window=st.tail_v[:, :, t0:, :], qjl=None, k_qjl=None,
+            k_qjl_norms=None)
 
     def _decoded(self, st, start: int = 0) -> DequantResult:
-        hk, hv = st.held()
-        return DequantResult(k=self._as_input(st, hk), v=self._as_input(st, hv))
+        rk, rv = self._decode_rows(st, st.held(), st.length - st.n, st.length)
+        return DequantResult(k=rk, v=rv)
 
     def _dequantize_from(self, st, start: int) -> DequantResult:
         first = st.length - st.n  # position of the oldest held row
         if start < first:
             raise ValueError(f"start must be at least {first}: a window layer holds positions {first} .. "
                              f"{st.length - 1} only, received {start}")
-        r = self._decoded(st)
-        return DequantResult(k=r.k[:, :, start - first:, :], v=r.v[:, :, start - first:, :])
+        rows = {name: a[:, :, start - first:, ...] for name, a in st.held().items()}
+        rk, rv = self._decode_rows(st, rows, start, st.length)
+        return DequantResult(k=rk, v=rv)
+
+    def append_last(self, layer: int, k: Any, v: Any, q: Any, tokens: int) -> None:
+        """Store ``tokens`` new tokens of which only the last ones are given.
+
+        For a caller that computed a long prompt itself and kept only what this layer will
+        hold (:class:`arraykv.integrations.prompt_stage.PromptStage`): ``k``, ``v`` (and ``q``)
+        are the last ``min(tokens, window + rollback_tokens)`` tokens or more; the layer's
+        ``seq_len`` grows by ``tokens``. The same checks and errors as :meth:`append`.
+        """
+        layer = self._check_layer(layer)
+        xp, shape = self._check_inputs(k, v, q)
+        t = int(shape[2])
+        tokens = check_int("tokens", tokens, low=t)
+        if t < min(tokens, self.keep):
+            raise ValueError(f"k must hold the last {min(tokens, self.keep)} of the {tokens} tokens, received {t}")
+        with self._locks[layer]:
+            st = self._admit(layer, xp, k, v, tokens)
+            self._store_at(st, k, v, q, st.length + tokens - t, st.length + tokens)
+            self._commit(layer, st, tokens)
 
     def held_tokens(self, layer: int) -> int:
         """Rows ``layer`` holds (the last positions of the sequence); 0 for an empty layer."""
@@ -198,62 +426,149 @@ class SlidingWindowCache(LayeredCache):
         return 0  # the oldest held rows leave as tokens arrive: no row index stays put
 
     # -- bytes -------------------------------------------------------------------------
+    def _tail_nbytes(self, st, rows: int) -> int:
+        return 0 if st.tail_k is None else rows * 2 * _compat.array_nbytes(st.tail_k[:, :, :1, :])
+
     def _side_nbytes(self, st) -> int:
-        if st.kb is None:
-            return 0
-        row = _compat.array_nbytes(st.kb[:, :, :1, :]) + _compat.array_nbytes(st.vb[:, :, :1, :])
-        return row * st.n
+        rows = sum(_compat.array_nbytes(b[:, :, :1, ...]) for b in st.rows.values()) * st.n
+        calib = 0 if st.calib is None else st.calib.nbytes()
+        return rows + self._tail_nbytes(st, st.tail_rows()) + calib + self._rollback_record(st)
 
     def _side_spare_nbytes(self, st) -> int:
-        if st.kb is None:
-            return 0
-        return _compat.array_nbytes(st.kb) + _compat.array_nbytes(st.vb) - self._side_nbytes(st)
+        rows = sum(_compat.array_nbytes(b[:, :, :1, ...]) for b in st.rows.values())
+        return sum(_compat.array_nbytes(b) for b in st.rows.values()) - rows * st.n
+
+    def _rollback_record(self, st) -> int:
+        return 0 if st.calib is None else 8  # fixed_end, saved as one int64
+
+    def _rollback_nbytes(self, st) -> int:
+        """The tail rows beyond ``exact_tail`` (held for truncation) and the calibrating call's record."""
+        extra = max(0, st.tail_rows() - self.exact_tail)
+        return self._tail_nbytes(st, extra) + self._rollback_record(st)
 
     # -- truncate, snapshots -----------------------------------------------------------
     def _truncate_floor(self, st) -> int:
         first = st.length - st.n
         if first == 0:
-            return 1  # every token is held
-        # the next decode reads the last window - 1 rows; and a layer holding tokens keeps at least one row
-        # (a window of 1 would otherwise reach a state of no rows, which restore and cache files refuse)
-        return min(st.length, first + max(self.window - 1, 1))
+            floor = 1  # every token is held
+        else:
+            # the next decode reads the last window - 1 rows; and a layer holding tokens keeps at least one
+            # row (a window of 1 would otherwise reach a state of no rows, which restore and files refuse)
+            floor = min(st.length, first + max(self.window - 1, 1))
+        if st.calib is not None:
+            floor = max(floor, st.fixed_end)  # a direct build would calibrate on other tokens
+            tail = st.tail_rows()
+            if tail < st.n:  # the exact tail must still cover the last exact_tail rows
+                floor = max(floor, st.length - (tail - self.exact_tail))
+        return floor
 
     def _truncate_plan(self, st, length: int):
         drop = st.length - length
 
         def apply():
             st.n -= drop
+            if st.tail_k is not None:
+                keep = st.tail_rows() - min(drop, st.tail_rows())
+                st.tail_k, st.tail_v = st.tail_k[:, :, :keep, :], st.tail_v[:, :, :keep, :]
 
         return apply
 
     def _layer_arrays(self, st) -> dict:
-        if st.kb is None:
+        if not st.rows:
             return {}
-        hk, hv = st.held()
-        return {"k": hk, "v": hv}
+        out = st.held()
+        if self.bits is not None:
+            out["k_tail"], out["v_tail"] = st.tail_k, st.tail_v
+            out.update(st.calib.arrays())
+            out["fixed_end"] = st.xp.asarray([st.fixed_end], dtype=st.xp.int64, device=st.device)
+        return out
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> WindowLayer:
-        want = xp.float16 if self.storage == "float16" else dtype
-        shape = None
-        for name in ("k", "v"):
-            a = arrays[name]
-            if a.ndim != 4 or a.dtype != want:
-                raise ValueError(f"stored array {name!r} must be 4-d of dtype {want}, received "
-                                 f"{a.ndim}-d {a.dtype}")
-            s = tuple(int(x) for x in a.shape)
-            if s[0] != batch or s[1] != self.num_kv_heads or s[3] != self.head_dim:
-                raise ValueError(f"stored array {name!r} has shape {s}; expected ({batch}, {self.num_kv_heads}, "
-                                 f"rows, {self.head_dim})")
-            if shape is not None and s != shape:
-                raise ValueError(f"stored arrays 'k' and 'v' differ in shape: {shape} and {s}")
-            shape = s
-        n = shape[2]
+        calib = None
+        expect = set(self.row_shapes())
+        if self.bits is not None:
+            calib = check_window_calibration(xp, arrays, batch, self.num_kv_heads, self.head_dim)
+            expect |= set(self.row_shapes(calib.n_outliers)) | {"k_tail", "v_tail", "fixed_end"} | set(calib.arrays())
+        if set(arrays) != expect:
+            raise ValueError(f"a window layer of storage {self.storage!r} holds arrays {sorted(expect)}, "
+                             f"received {sorted(arrays)}")
+        dtypes = self._row_dtypes(xp, dtype)
+        n = None
+        for name, tail in self.row_shapes(0 if calib is None else calib.n_outliers).items():
+            s = check_rows(xp, arrays[name], name, (batch, self.num_kv_heads, None) + tail, dtypes[name])
+            if n is not None and s[2] != n:
+                raise ValueError(f"stored arrays hold different numbers of rows ({n} and {s[2]})")
+            n = s[2]
         if n > min(length, self.keep) or n < min(length, self.window - 1) or (length and n == 0):
             raise ValueError(f"a window layer of {length} tokens holds between {min(length, self.window - 1)} and "
                              f"{min(length, self.keep)} rows, received {n}")
         st = WindowLayer(xp=xp, device=dev, batch=batch, dtype=dtype, length=length)
-        self._push(st, arrays["k"], arrays["v"])
+        if self.bits is not None:
+            shape = (batch, self.num_kv_heads, None, self.head_dim)
+            t = check_rows(xp, arrays["k_tail"], "k_tail", shape, half_dtype(xp))[2]
+            if check_rows(xp, arrays["v_tail"], "v_tail", shape, half_dtype(xp))[2] != t:
+                raise ValueError("stored arrays 'k_tail' and 'v_tail' hold different numbers of rows")
+            if not min(n, self.exact_tail) <= t <= min(n, self.tail_keep):
+                raise ValueError(f"a window layer of {n} rows holds between {min(n, self.exact_tail)} and "
+                                 f"{min(n, self.tail_keep)} tail rows, received {t}")
+            fe = arrays["fixed_end"]
+            if tuple(fe.shape) != (1,) or fe.dtype != xp.int64 or not 1 <= int(fe[0]) <= length:
+                raise ValueError(f"stored array 'fixed_end' must be one int64 in [1, {length}]")
+            st.fixed_end = int(fe[0])
+            st.calib = calib
+            st.tail_k = xp.asarray(arrays["k_tail"], copy=True)
+            st.tail_v = xp.asarray(arrays["v_tail"], copy=True)
+        self._push(st, {name: arrays[name] for name in self.row_shapes(0 if calib is None else calib.n_outliers)})
+        if self.bits is not None:  # finite parts can still decode past the layer's dtype (a float16 layer)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the overflow is the finding, said below
+                rk, rv = self._decode_rows(st, st.held(), length - n, length)
+            if not _compat.all_finite(xp, [rk, rv]):
+                raise ValueError(f"the stored codes decode to keys or values beyond the range of {dtype}")
         return st
 
     def _extra_config(self) -> dict:
-        return {"window": self.window, "rollback_tokens": self.rollback_tokens, "storage": self.storage}
+        out = {"window": self.window, "rollback_tokens": self.rollback_tokens, "storage": self.storage,
+               "seed": self.seed}
+        if self.bits is not None:
+            out["exact_tail"] = self.exact_tail
+            out["decode_path"] = self.decode_path
+        return out
+
+
+def check_rows(xp: Any, a: Any, name: str, shape: tuple, dtype: Any) -> tuple:
+    """The shape of stored array ``a``; ``ValueError`` unless it has ``dtype``, the dims of
+    ``shape`` (None: any size) and, for floats, only finite values."""
+    s = tuple(int(x) for x in a.shape)
+    if a.dtype != dtype or len(s) != len(shape) or any(w is not None and w != g for w, g in zip(shape, s)):
+        want = ", ".join("rows" if w is None else str(w) for w in shape)
+        raise ValueError(f"stored array {name!r} must have shape ({want}) and dtype {dtype}, received {s} of {a.dtype}")
+    if a.dtype in _compat.float_dtypes(xp) and not _compat.all_finite(xp, [a]):
+        raise ValueError(f"stored array {name!r} holds non-finite values")
+    return s
+
+
+def check_window_calibration(xp: Any, arrays: dict, batch: int, heads: int, d: int) -> PolarCalibration:
+    """The calibration of a saved ``pq`` window layer, every array checked (shapes, dtypes,
+    finite values, outlier channels ascending in ``[0, d)``, channel pairs in range)."""
+    half = half_dtype(xp)
+    for name in ("k_mean", "v_mean", "k_scale"):
+        if name not in arrays:
+            raise ValueError(f"a pq window layer holds its calibration; {name!r} is missing")
+        check_rows(xp, arrays[name], name, (batch, heads, d), half)
+    idx = arrays.get("k_outlier_idx")
+    if idx is None:
+        raise ValueError("a pq window layer holds its calibration; 'k_outlier_idx' is missing")
+    n_out = check_rows(xp, idx, "k_outlier_idx", (batch, heads, None), xp.int32)[2]
+    if n_out >= d or (n_out and (bool(xp.any(idx < 0)) or bool(xp.any(idx >= d)) or
+                                 (n_out > 1 and bool(xp.any(idx[..., 1:] <= idx[..., :-1]))))):
+        raise ValueError(f"stored 'k_outlier_idx' must hold fewer than {d} ascending channels in [0, {d})")
+    if ("k_mean_freq" in arrays) != ("k_mean_pairs" in arrays):
+        raise ValueError("stored 'k_mean_freq' and 'k_mean_pairs' come together")
+    if "k_mean_freq" in arrays:
+        check_rows(xp, arrays["k_mean_freq"], "k_mean_freq", (batch, heads, d // 2), xp.float32)
+        pairs = arrays["k_mean_pairs"]
+        check_rows(xp, pairs, "k_mean_pairs", (d // 2, 2), xp.int32)
+        if bool(xp.any(pairs < 0)) or bool(xp.any(pairs >= d)):
+            raise ValueError(f"stored 'k_mean_pairs' must name channels in [0, {d})")
+    return PolarCalibration.from_arrays(xp, arrays)

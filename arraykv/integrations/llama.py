@@ -118,8 +118,9 @@ class DecoderModel:
 
         For a model with sliding-window layers, a :class:`~arraykv.HybridCache`: the global
         layers in ``method`` (with ``options``), the sliding layers in a window cache holding
-        their last ``sliding_window`` tokens (``window_options``: its ``storage``, float16 by
-        default and exact for ``"dense"``, and ``rollback_tokens``).
+        their last ``sliding_window`` tokens (``window_options``: its ``storage``, by default
+        :func:`~arraykv.caches.hybrid.default_window_storage` of ``method``, and
+        ``rollback_tokens``).
         """
         from ..caches import make_cache
 
@@ -130,7 +131,6 @@ class DecoderModel:
                 raise ValueError(f"window_options apply to sliding-window layers; {c.name!r} has none")
             return make_cache(method, **geometry, **options)
         wopts = dict(window_options or {})
-        wopts.setdefault("storage", "exact" if method == "dense" else "float16")  # dense: nothing rounded
         if "rollback_tokens" in options:
             wopts.setdefault("rollback_tokens", options["rollback_tokens"])
         return make_cache("hybrid", **geometry, layer_types=c.layer_types, window=c.sliding_window,
@@ -357,7 +357,7 @@ class DecoderModel:
             qj, kj, vj = q[:, :, j:j + 1, :], k[:, :, j:j + 1, :], v[:, :, j:j + 1, :]
             res = cache.decode(i, kj, vj, qj, self._attend)
             if isinstance(res, Fused):
-                if window and start + j + 1 > window:
+                if window and start + j + 1 > window and not _holds_window(cache, i, window):
                     raise ValueError(
                         f"layer {i} attends through a window of {window} tokens, but the cache attended over all "
                         f"{start + j + 1}; use model.make_cache(method), which holds the window")
@@ -489,3 +489,10 @@ def _as_len(token_ids: Any) -> int:
     if shape is not None:
         return int(shape[-1]) if len(shape) else 1
     return len(token_ids)
+
+
+def _holds_window(cache: Any, layer: int, window: int) -> bool:
+    """Whether ``cache`` serves ``layer`` from a window cache of ``window`` tokens (whose fused
+    decode attends over exactly the last ``window`` tokens)."""
+    part = cache.cache_of(layer) if hasattr(cache, "cache_of") else cache
+    return getattr(part, "window", None) == window and getattr(part, "method", None) == "window"

@@ -19,9 +19,17 @@ of a long prompt would cost more than its keys, so the stage keeps a uniform sam
 :data:`QUERY_SAMPLE` positions per layer and gives the cache that sample repeated to the
 prompt's length, which leaves each channel's RMS that of the sample.
 
-Memory while a prompt runs: the float16 keys and values of the staged layers (for SmolLM2 at
-8k tokens: 189 MB against the 377 MB of a float32 dense cache and the 49 MB pqo4 holds after);
-it is freed by :meth:`commit`.
+Sliding-window layers whose window is compressed (``storage="pq4"`` and the like) are staged
+too, but only the rows their window will hold: the stage keeps the last ``window +
+rollback_tokens`` positions (and the chunk in flight), hands them back as the window cache
+would (the last positions, masked by the caller), and commits them with
+:meth:`~arraykv.caches.window_cache.SlidingWindowCache.append_last`, which counts the whole
+prompt's length.
+
+Memory while a prompt runs: the float16 keys and values of the staged global layers (for
+SmolLM2 at 8k tokens: 189 MB against the 377 MB of a float32 dense cache and the 49 MB pqo4
+holds after) and at most a window and a chunk per staged sliding layer; it is freed by
+:meth:`commit`.
 """
 
 from __future__ import annotations
@@ -39,11 +47,18 @@ __all__ = ["PromptStage", "QUERY_SAMPLE", "stages_layer"]
 QUERY_SAMPLE = 1024
 
 
+def _part(cache: Any, layer: int) -> Any:
+    """The cache that serves ``layer`` (the part of a hybrid cache, or ``cache`` itself)."""
+    return cache.cache_of(layer) if hasattr(cache, "cache_of") else cache
+
+
 def stages_layer(cache: Any, layer: int) -> bool:
     """Whether ``layer`` of ``cache`` compresses (so a prompt is staged for it)."""
-    part = cache.cache_of(layer) if hasattr(cache, "cache_of") else cache
+    part = _part(cache, layer)
     if not (hasattr(part, "append") and hasattr(part, "dequantize")):
         return False  # a cache of the protocol only: its chunks go straight to it
+    if hasattr(part, "keep") and not hasattr(part, "append_last"):
+        return False  # a window it cannot be given in one piece
     return not getattr(part, "stores_exactly", False)
 
 
@@ -73,6 +88,8 @@ class PromptStage:
         self.cache = cache
         self.total = int(total)
         self._staged = [stages_layer(cache, i) for i in range(num_layers)]
+        #: Rows a staged sliding layer keeps between chunks (None: a global layer keeps all).
+        self._keep = [getattr(_part(cache, i), "keep", None) if self._staged[i] else None for i in range(num_layers)]
         self._held: list = [None] * num_layers  # per staged layer: a _Staged once its first chunk came
         self._before: list = [None] * num_layers  # earlier tokens of the target, float (k, v)
         self._start = [cache.seq_len(i) for i in range(num_layers)]
@@ -107,7 +124,26 @@ class PromptStage:
         # the chunk's own keys exactly as given (float32), the earlier ones through float16
         kk[:, :, -t:, :] = k
         vv[:, :, -t:, :] = v
+        keep = self._keep[layer]
+        if keep is not None:  # a sliding layer: only the rows its window will hold stay staged
+            self._trim(layer, held, keep)
         return DequantResult(k=kk, v=vv)
+
+    def _trim(self, layer: int, held: _Staged, keep: int) -> None:
+        """Drop the staged (and earlier) rows of a sliding layer beyond its last ``keep``."""
+        xp = _compat.namespace(held.k)
+        before = self._before[layer]
+        n_before = 0 if before is None else int(before[0].shape[2])
+        n = int(held.k.shape[2])
+        if n + n_before <= keep:
+            return
+        if n >= keep:
+            held.k = xp.asarray(held.k[:, :, n - keep:, :], copy=True)
+            held.v = xp.asarray(held.v[:, :, n - keep:, :], copy=True)
+            self._before[layer] = None
+        else:
+            cut = n_before - (keep - n)
+            self._before[layer] = (before[0][:, :, cut:, :], before[1][:, :, cut:, :])
 
     def _sample(self, xp: Any, q: Any, seen: int) -> Any:
         """The positions of ``q`` that fall on the uniform sample grid over the prompt."""
@@ -127,4 +163,8 @@ class PromptStage:
             reps = math.ceil(held.seen / max(1, int(sample.shape[2])))
             q = (xp.concat([sample] * reps, axis=2) if reps > 1 else sample)[:, :, :held.seen, :]
             self._held[layer] = None
-            self.cache.append(layer, k, v, q)
+            if self._keep[layer] is None:
+                self.cache.append(layer, k, v, q)
+            else:  # the last rows of a sliding layer's prompt; its length counts every token
+                _part(self.cache, layer).append_last(layer, k, v, q[:, :, held.seen - int(k.shape[2]):, :],
+                                                     held.seen)

@@ -289,7 +289,7 @@ class ArraykvCache(Cache):
         geometry = dict(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
         if window is None:
             self.arraykv_cache = make_cache(method, **geometry, **cache_options)
-        else:  # sliding layers hold their window (float16), global ones the method
+        else:  # sliding layers hold their window (default_window_storage of the method), global ones the method
             window_options = dict(cache_options.pop("window_options", None) or {})
             if "rollback_tokens" in cache_options:
                 window_options.setdefault("rollback_tokens", cache_options["rollback_tokens"])

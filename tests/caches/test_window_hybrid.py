@@ -18,7 +18,12 @@ import pytest
 
 import arraykv
 from arraykv.caches.hybrid import HybridCache
-from arraykv.caches.window_cache import SlidingWindowCache
+from arraykv import ops
+from arraykv.caches.polar_calibration import calibrate
+from arraykv.caches.polar_codec import PolarFixed
+from arraykv.caches.polar_decode import decode_tokens
+from arraykv.caches.polar_options import check_polar_options
+from arraykv.caches.window_cache import POLAR_STORAGE, SlidingWindowCache
 from arraykv.storage.cache_file import LayerRecord
 from cache_contract import assert_same_snapshot, snapshot
 from conftest import to_np
@@ -28,55 +33,129 @@ H, D = 2, 8
 
 # -- the reference ------------------------------------------------------------------------
 class Ref:
-    """One window layer, kept whole: all K/V in plain arrays, the held rows sliced by position."""
+    """One window layer, kept whole: all K/V in plain arrays, the held rows sliced by position.
 
-    def __init__(self, window: int, rollback: int, storage: str = "float16"):
+    Float storages keep every row as stored (float16-rounded or as given). The ``pq`` storages
+    keep every row decoded from its codes (the layer's calibration is made by the first call,
+    each row encoded by itself) and float16 copies of every row: the last ``exact_tail``
+    positions read the copies. Every call is recorded, so a truncated reference can be replayed.
+    """
+
+    def __init__(self, window: int, rollback: int, storage: str = "float16", exact_tail: int = 8):
         self.window, self.keep, self.storage = window, window + rollback, storage
-        self.k = self.v = None
+        self.exact_tail = exact_tail if storage in POLAR_STORAGE else 0
+        self.kd = self.vd = self.k16 = self.v16 = None
+        self.calib = None
+        self.calls = []  # (k, v, q) of every call
         self.first = 0  # position of the oldest row the cache holds
 
     @property
     def length(self) -> int:
-        return 0 if self.k is None else int(self.k.shape[2])
+        return 0 if self.kd is None else int(self.kd.shape[2])
 
     @property
     def held(self) -> int:
         return self.length - self.first
 
-    def _stored(self, a):
-        return a if self.storage == "exact" else a.astype(np.float16).astype(a.dtype)
+    def _view(self, a, a16):
+        if not self.exact_tail or a is None:
+            return a
+        out = a.copy()
+        r = min(self.exact_tail, self.length)
+        out[:, :, self.length - r:] = a16[:, :, self.length - r:]
+        return out
 
-    def _push(self, k, v):
-        k, v = self._stored(k), self._stored(v)
-        self.k = k.copy() if self.k is None else np.concatenate([self.k, k], axis=2)
-        self.v = v.copy() if self.v is None else np.concatenate([self.v, v], axis=2)
+    @property
+    def k(self):
+        """Every position's key as the layer reads it now."""
+        return self._view(self.kd, self.k16)
+
+    @property
+    def v(self):
+        return self._view(self.vd, self.v16)
+
+    def _stored(self, k, v, q):
+        if self.storage == "exact":
+            return k, v
+        if self.storage not in POLAR_STORAGE:
+            return k.astype(np.float16).astype(k.dtype), v.astype(np.float16).astype(v.dtype)
+        bits = POLAR_STORAGE[self.storage]
+        opts = check_polar_options(D, key_bits=bits, value_bits=bits)
+        fixed = PolarFixed.build(np, None, head_dim=D, key_bits=bits, value_bits=bits, seed=0, qjl=False)
+        k32, v32 = k.astype(np.float32), v.astype(np.float32)
+        if self.calib is None:
+            self.calib = calibrate(opts, np, k32, v32, q.astype(np.float32), self.length)
+        c = self.calib
+        codes = ops.polar_encode_tokens(k32, v32, c.k_mean, c.v_mean, c.k_scale, c.k_outlier_idx, c.k_mean_freq,
+                                        c.k_mean_pairs, self.length, fixed.k_codebook, fixed.v_codebook,
+                                        fixed.rotation, True, True)
+        kd, vd = decode_tokens(codes, c, fixed, bits, bits, self.length)
+        return np.asarray(kd).astype(k.dtype), np.asarray(vd).astype(v.dtype)
+
+    def _push(self, k, v, q):
+        self.calls.append((k, v, q))
+        kd, vd = self._stored(k, v, q)
+        k16, v16 = k.astype(np.float16).astype(k.dtype), v.astype(np.float16).astype(v.dtype)
+        if self.kd is None:
+            self.kd, self.vd, self.k16, self.v16 = kd.copy(), vd.copy(), k16, v16
+        else:
+            self.kd, self.vd = np.concatenate([self.kd, kd], axis=2), np.concatenate([self.vd, vd], axis=2)
+            self.k16, self.v16 = np.concatenate([self.k16, k16], axis=2), np.concatenate([self.v16, v16], axis=2)
         self.first = max(self.first, self.length - self.keep)
 
-    def prefill(self, k, v):
-        before = self.first
-        self._push(k, v)
-        return self.k[:, :, before:], self.v[:, :, before:]
+    def prefill(self, k, v, q=None):
+        """The rows held before the call, as read then, and the new ones (as given for pq)."""
+        held_k = None if self.kd is None else self.k[:, :, self.first:]
+        held_v = None if self.kd is None else self.v[:, :, self.first:]
+        self._push(k, v, q)
+        t = int(k.shape[2])
+        nk, nv = (k, v) if self.storage in POLAR_STORAGE else (self.kd[:, :, -t:], self.vd[:, :, -t:])
+        if held_k is None:
+            return nk, nv
+        return np.concatenate([held_k, nk], axis=2), np.concatenate([held_v, nv], axis=2)
 
-    def decode(self, k, v):
-        self._push(k, v)
+    def decode(self, k, v, q=None):
+        self._push(k, v, q)
         s = max(0, self.length - self.window)
         return self.k[:, :, s:], self.v[:, :, s:]
 
+    @property
+    def first_call_end(self) -> int:
+        return int(self.calls[0][0].shape[2]) if self.calls else 0
+
     def reachable(self, length: int) -> bool:
         """Exact truncation needs what the next decode reads (positions ``length - window + 1 ..``)
-        still held, and, once rows were dropped, at least one row left."""
+        still held, and, once rows were dropped, at least one row left; for the pq storages a
+        length past the first call (its calibration) and within the float16 copies' reach."""
         if length in (0, self.length):
             return True
         if not 0 < length < self.length:
             return False
+        if self.storage in POLAR_STORAGE:
+            if length < self.first_call_end:
+                return False
+            copies = min(self.held, self.exact_tail + self.keep - self.window)  # float16 tail rows held
+            if copies < self.held and length < self.length - (copies - self.exact_tail):
+                return False
         return self.first == 0 or length >= self.first + max(self.window - 1, 1)
 
-    def truncate(self, length: int):
-        if length == 0:
-            self.k = self.v = None
-            self.first = 0
-        else:
-            self.k, self.v = self.k[:, :, :length].copy(), self.v[:, :, :length].copy()
+    def truncated(self, length: int) -> "Ref":
+        """A reference of the first ``length`` positions (the calls replayed, the last one cut)."""
+        out = Ref(self.window, self.keep - self.window, self.storage, self.exact_tail or 8)
+        left = length
+        for k, v, q in self.calls:
+            if left <= 0:
+                break
+            t = min(left, int(k.shape[2]))
+            out._push(k[:, :, :t], v[:, :, :t], None if q is None else q[:, :, :t])
+            left -= t
+        out.first = min(self.first, length)
+        return out
+
+    def replay(self, cache, layer=0):
+        """Feed this reference's calls to ``cache``."""
+        for k, v, q in self.calls:
+            cache.prefill(layer, k, v, q)
 
 
 def kvq(rng, batch, t, groups=1, dtype=np.float32, scale=1.0):
@@ -90,9 +169,10 @@ def config(groups):
     return arraykv.AttendConfig(softmax_scale=D ** -0.5, n_kv_groups=groups)
 
 
-def window_cache(window, rollback, storage="float16", layers=1):
+def window_cache(window, rollback, storage="float16", layers=1, decode_path="dequantized"):
+    """A window cache; its decode returns K/V (the fused decode is checked on its own)."""
     return arraykv.make_cache("window", num_layers=layers, num_kv_heads=H, head_dim=D, window=window,
-                              rollback_tokens=rollback, storage=storage)
+                              rollback_tokens=rollback, storage=storage, decode_path=decode_path)
 
 
 def random_ops(rng, keep, n):
@@ -138,6 +218,10 @@ CASES = [
     (5, 16, 1, 3, "float16", np.float32),
     (2, 5, 2, 2, "float16", np.float32),
     (3, 1, 1, 2, "exact", np.float64),
+    (1, 2, 1, 1, "pq4", np.float32),
+    (4, 3, 2, 2, "pq3", np.float32),
+    (5, 16, 1, 3, "pq2", np.float32),
+    (3, 1, 1, 2, "pq4", np.float64),
 ]
 
 
@@ -149,7 +233,7 @@ def test_window_matches_reference(rng, window, rollback, batch, groups, storage,
     for op, t in random_ops(rng, keep, 60):
         layer = int(rng.integers(0, 2))
         k, v, q = kvq(rng, batch, t, groups, dtype)
-        want = refs[layer].prefill(k, v) if op == "prefill" else refs[layer].decode(k, v)
+        want = refs[layer].prefill(k, v, q) if op == "prefill" else refs[layer].decode(k, v, q)
         got = run_op(cache, layer, op, k, v, q, groups)
         check_same(got, want)
         if op == "decode":
@@ -172,31 +256,55 @@ def test_window_matches_reference(rng, window, rollback, batch, groups, storage,
                 cache.dequantize(0, ref.first - 1)
 
 
-@pytest.mark.parametrize("storage, itemsize", [("float16", 2), ("exact", 4)])
-def test_memory_bounded_by_window(rng, storage, itemsize):
+#: Bytes of one held row of keys (or values) per storage, float32 input: float16, as given,
+#: packed codes plus a float16 length.
+ROW_BYTES = {"float16": 2 * D, "exact": 4 * D, "pq4": D // 2 + 2, "pq3": 3 * D // 8 + 2, "pq2": D // 4 + 2}
+
+
+@pytest.mark.parametrize("storage, row_bytes", [(s, ROW_BYTES[s]) for s in ("float16", "exact", "pq4", "pq3")])
+def test_memory_bounded_by_window(rng, storage, row_bytes):
     window, rollback, batch = 4, 3, 2
     keep = window + rollback
     cache = window_cache(window, rollback, storage)
     assert cache.memory_usage() == 0 and cache.used_bytes() == 0
-    row = 2 * batch * H * D * itemsize  # one position of k and v
+    row = 2 * batch * H * row_bytes  # one position of k and v (codes and float16 length for pq)
     bound = (keep + max(16, keep // 4)) * row  # the rows kept and a quarter (at least 16) of spare room
     k, v, q = kvq(rng, batch, 2)
     cache.prefill(0, k, v, q)
-    used = [cache.used_bytes()]
-    mem = [cache.memory_usage()]
+    fixed = cache._fixed_nbytes()  # the pq rotation's signs and codebooks; 0 for float storage
+    assert (fixed > 0) == storage.startswith("pq")
+    st = cache._states[0]
+    calib = 0 if st.calib is None else st.calib.nbytes()  # pq: the layer's means, weights, channels
+
+    def extra(n):
+        """pq: the float16 rows of the exact tail (used), and of the rollback margin with the
+        8-byte record of the calibrating call (memory only)."""
+        if not storage.startswith("pq"):
+            return 0, 0
+        tail = min(n, cache.tail_keep, keep)
+        exact = min(tail, cache.exact_tail)
+        return calib + exact * 2 * batch * H * D * 2, calib + tail * 2 * batch * H * D * 2 + 8
+
+    seen = 2
+    used = [cache.used_bytes() - fixed - extra(seen)[0]]
+    mem = [cache.memory_usage() - fixed - extra(seen)[1]]
     for _ in range(60):
         k, v, q = kvq(rng, batch, 1)
         cache.decode(0, k, v, q, config(1))
-        used.append(cache.used_bytes())
-        mem.append(cache.memory_usage())
-        assert cache.used_bytes() == row * cache.held_tokens(0)
+        seen += 1
+        used.append(cache.used_bytes() - fixed - extra(seen)[0])
+        mem.append(cache.memory_usage() - fixed - extra(seen)[1])
+        assert used[-1] == row * cache.held_tokens(0)
+        assert cache.memory_usage() - cache.used_bytes() >= cache.rollback_bytes()
     assert used[0] == 2 * row and max(used) == keep * row
     assert used == sorted(used) and used[-1] == keep * row  # grows, then stays at the kept rows
-    assert 0 < max(mem) <= bound and mem[-1] == mem[keep]
+    assert 0 < max(mem) <= bound and mem[-1] == mem[keep + cache.tail_keep]
     k, v, q = kvq(rng, batch, 200)  # a chunk far longer than the window
     cache.prefill(0, k, v, q)
+    seen += 200
     assert cache.seq_len(0) == 262 and cache.held_tokens(0) == keep
-    assert cache.used_bytes() == keep * row and cache.memory_usage() <= bound
+    assert cache.used_bytes() - fixed - extra(seen)[0] == keep * row
+    assert cache.memory_usage() - fixed - extra(seen)[1] <= bound
 
 
 def test_window_options_refused():
@@ -210,22 +318,25 @@ def test_window_options_refused():
 
 # -- 2. truncate ------------------------------------------------------------------------------
 TRUNC_CASES = [(1, 0, "float16"), (1, 2, "exact"), (2, 0, "float16"), (3, 2, "exact"), (4, 3, "float16"),
-               (5, 0, "exact")]
+               (5, 0, "exact"), (3, 2, "pq4"), (2, 1, "pq2")]
 
 
 def build(rng, window, rollback, storage, ops, batch=1, groups=2):
     cache, ref = window_cache(window, rollback, storage), Ref(window, rollback, storage)
     for op, t in ops:
         k, v, q = kvq(rng, batch, t, groups)
-        (ref.prefill if op == "prefill" else ref.decode)(k, v)
+        (ref.prefill if op == "prefill" else ref.decode)(k, v, q)
         run_op(cache, 0, op, k, v, q, groups)
     return cache, ref
 
 
 def direct(window, rollback, storage, ref, length):
-    """A cache built from the first ``length`` positions in one prefill."""
+    """A cache built from the first ``length`` positions: in one prefill (float storages: any
+    calls give the same state), or by the reference's calls (pq: the first call calibrates)."""
     cache = window_cache(window, rollback, storage)
-    if length:
+    if storage in POLAR_STORAGE:
+        ref.replay(cache)
+    elif length:
         cache.prefill(0, ref.k[:, :, :length], ref.v[:, :, :length], np.zeros((1, 2 * H, length, D), np.float32))
     return cache
 
@@ -252,9 +363,7 @@ def test_truncate_every_length(rng, tmp_path, window, rollback, storage):
             assert twin.held_tokens(0) == ref.held and twin.min_truncate_length(0) == floor
             continue
         twin.truncate(0, length)
-        tref = Ref(window, rollback, storage)
-        tref.k, tref.v, tref.first = ref.k, ref.v, min(ref.first, length)
-        tref.truncate(length)
+        tref = ref.truncated(length)
         assert twin.seq_len(0) == length and twin.held_tokens(0) == tref.held
         # the truncated state can be snapshotted, restored, saved and loaded
         other = window_cache(window, rollback, storage)
@@ -267,7 +376,7 @@ def test_truncate_every_length(rng, tmp_path, window, rollback, storage):
         for op, t in later:
             k, v, q = kvq(rng, 1, t, 2)
             start = tref.length
-            want = tref.prefill(k, v) if op == "prefill" else tref.decode(k, v)
+            want = tref.prefill(k, v, q) if op == "prefill" else tref.decode(k, v, q)
             got = run_op(twin, 0, op, k, v, q, 2)
             got_direct = run_op(base, 0, op, k, v, q, 2)
             if op == "decode":
@@ -332,7 +441,7 @@ def test_fork_is_independent(rng):
     after_twin = snapshot(twin)
     for op, t in [("prefill", 3)] + [("decode", 1)] * 8:
         k, v, q = kvq(rng, 1, t, 2)
-        want = ref.prefill(k, v) if op == "prefill" else ref.decode(k, v)
+        want = ref.prefill(k, v, q) if op == "prefill" else ref.decode(k, v, q)
         check_same(run_op(cache, 0, op, k, v, q, 2), want)
     assert_same_snapshot(snapshot(twin), after_twin)
     assert twin.get_config() == cache.get_config()
@@ -344,7 +453,7 @@ def test_snapshot_restore_save_load(rng, tmp_path, storage):
     refs = [Ref(4, 2, storage) for _ in range(3)]
     for layer, t in [(0, 9), (1, 2)]:  # layer 2 stays empty
         k, v, q = kvq(rng, 2, t)
-        refs[layer].prefill(k, v)
+        refs[layer].prefill(k, v, q)
         cache.prefill(layer, k, v, q)
     state, recs = snapshot(cache), cache.snapshot()
     assert recs[2] is None and recs[0].length == 9 and recs[0].arrays["k"].shape[2] == 6
@@ -362,7 +471,7 @@ def test_snapshot_restore_save_load(rng, tmp_path, storage):
     assert cache.held_tokens(0) == 6 and cache.min_truncate_length(0) == loaded.min_truncate_length(0)
     for op, t in [("decode", 1), ("prefill", 3), *[("decode", 1)] * 7]:  # all three answer alike
         k, v, q = kvq(rng, 2, t)
-        want = refs[0].prefill(k, v) if op == "prefill" else refs[0].decode(k, v)
+        want = refs[0].prefill(k, v, q) if op == "prefill" else refs[0].decode(k, v, q)
         check_same(run_op(cache, 0, op, k, v, q, 1), want)
         check_same(run_op(loaded, 0, op, k, v, q, 1), want)
     assert_same_snapshot(snapshot(loaded), snapshot(cache))
@@ -455,7 +564,7 @@ WINDOW, W_ROLLBACK = 3, 2
 
 
 def hybrid(full_method="dense", layer_types=TYPES, **options):
-    options.setdefault("window_options", {"rollback_tokens": W_ROLLBACK})
+    options.setdefault("window_options", {"rollback_tokens": W_ROLLBACK, "decode_path": "dequantized"})
     return arraykv.make_cache("hybrid", num_layers=len(layer_types), num_kv_heads=H, head_dim=D,
                               layer_types=list(layer_types), window=WINDOW, full_method=full_method, **options)
 
@@ -469,7 +578,7 @@ def feed(rng, cache, ops, refs=None, groups=2):
             got = run_op(cache, i, op, k, v, q, groups)
             if refs is not None:
                 ref = refs[i]
-                want = ref.prefill(k, v) if op == "prefill" else ref.decode(k, v)
+                want = ref.prefill(k, v, q) if op == "prefill" else ref.decode(k, v, q)
                 if cache.is_sliding(i):
                     check_same(got, want)
                 elif cache.full_method == "dense":  # a full layer returns every position, as given
@@ -485,7 +594,9 @@ def test_hybrid_routing_and_memory(rng, full_method):
     assert [cache.is_sliding(i) for i in range(4)] == [True, False, True, False]
     assert cache.cache_of(0) is cache.sliding and cache.cache_of(1) is cache.full
     # the reference of a full layer keeps everything (keep = infinity), as given
-    refs = [Ref(WINDOW, W_ROLLBACK) if s else Ref(10 ** 9, 0, "exact") for s in (True, False, True, False)]
+    storage = cache.sliding.storage
+    assert storage == arraykv.caches.hybrid.default_window_storage(full_method)
+    refs = [Ref(WINDOW, W_ROLLBACK, storage) if s else Ref(10 ** 9, 0, "exact") for s in (True, False, True, False)]
     keep = WINDOW + W_ROLLBACK
     feed(rng, cache, [("prefill", 4)], refs)
     first = cache.memory_by_kind()
@@ -508,7 +619,14 @@ def test_hybrid_routing_and_memory(rng, full_method):
     assert set(last) == {"full_attention", "sliding_attention"}
     assert cache.memory_usage() == sum(last.values())
     assert last["sliding_attention"] == cache.sliding.memory_usage() == mid["sliding_attention"]
-    assert last["sliding_attention"] <= 2 * (keep + max(16, keep // 4)) * (2 * H * D * 2)  # two layers, by the window
+    row = 2 * H * ROW_BYTES[storage]  # one position of k and v
+    # besides the rows: the pq codec's rotation and codebooks, each layer's calibration (means and
+    # channel weights of k and v, at most 4 float16 vectors, outlier channels), a float16 tail of
+    # at most the held rows and the 8-byte record of the calibrating call
+    side = 0
+    if storage in POLAR_STORAGE:
+        side = cache.sliding._fixed_nbytes() + 2 * (4 * H * D * 2 + H * D * 4 + keep * 2 * H * D * 2 + 8)
+    assert last["sliding_attention"] <= 2 * (keep + max(16, keep // 4)) * row + side  # two layers, by the window
     assert last["full_attention"] == cache.full.memory_usage() >= mid["full_attention"] >= first["full_attention"] > 0
     assert cache.full.used_bytes() > used_full_mid  # the full layers grow with the sequence
     cache.reset()
@@ -517,7 +635,7 @@ def test_hybrid_routing_and_memory(rng, full_method):
 
 def test_hybrid_truncate_all_is_all_or_nothing(rng):
     # sliding layers keep 3 + 2 rows; full layers (pqo4, 2 rollback copies) reach back two tokens
-    cache = hybrid("pqo4", full_options={"rollback_tokens": 2}, window_options={"rollback_tokens": 8})
+    cache = hybrid("pqo4", full_options={"rollback_tokens": 2}, window_options={"rollback_tokens": 8, "decode_path": "dequantized"})
     feed(rng, cache, [("prefill", 40)] + [("decode", 1)] * 10)  # 50 tokens; window layers hold 11
     assert [cache.min_truncate_length(i) for i in range(4)] == [41, 48, 41, 48]
     # a full layer still reaches its uncalibrated first tokens (1 .. rollback copies + 2)
@@ -551,14 +669,14 @@ def test_hybrid_truncate_all_is_all_or_nothing(rng):
 
 def test_hybrid_truncate_then_decode_equals_direct_build(rng):
     cache = hybrid("dense")
-    refs = [Ref(WINDOW, W_ROLLBACK) if s else Ref(10 ** 9, 0, "exact") for s in (True, False, True, False)]
+    refs = [Ref(WINDOW, W_ROLLBACK, cache.sliding.storage) if s else Ref(10 ** 9, 0, "exact") for s in (True, False, True, False)]
     feed(rng, cache, [("prefill", 5)] + [("decode", 1)] * 6, refs)
     length = cache.min_truncate_length(0)
     assert length == 11 - W_ROLLBACK - 1
     cache.truncate_all(length)
     base = hybrid("dense")
     for i, ref in enumerate(refs):
-        ref.truncate(length)
+        ref = ref.truncated(length)
         base.prefill(i, ref.k, ref.v, np.zeros((1, 2 * H, length, D), np.float32))
     for _ in range(6):
         for i in range(4):
@@ -577,7 +695,8 @@ def test_hybrid_fork_snapshot_save_load(rng, tmp_path, full_method):
     assert_same_snapshot(snapshot(cache), state)
     recs = cache.snapshot()
     assert [r.length for r in recs] == [13] * 4
-    assert int(recs[0].arrays["k"].shape[2]) == WINDOW + W_ROLLBACK  # a sliding layer's record: its rows
+    name = "k" if cache.sliding.bits is None else "k_codes"
+    assert int(recs[0].arrays[name].shape[2]) == WINDOW + W_ROLLBACK  # a sliding layer's record: its rows
     cache.save(tmp_path / "h.akv")
     loaded = arraykv.load(tmp_path / "h.akv")
     assert isinstance(loaded, HybridCache) and loaded.get_config() == cache.get_config()
@@ -685,7 +804,7 @@ def test_decoder_chunked_prefill_and_decode_equal_forward(model, prompt, chunk, 
 def test_decoder_pqo4_sliding_layers_hold_the_window(model):
     ids = np.random.default_rng(7).integers(0, 100, size=40).tolist()
     cache = model.make_cache("pqo4")
-    assert cache.full_method == "pqo4" and cache.sliding.storage == "float16"
+    assert cache.full_method == "pqo4" and cache.sliding.storage == "pq4"
     keep = 5 + cache.sliding.rollback_tokens
     logits = to_np(model.prefill(ids[:26], cache, chunk_size=8))
     assert np.isfinite(logits).all()
@@ -698,3 +817,54 @@ def test_decoder_pqo4_sliding_layers_hold_the_window(model):
     assert int(cache.dequantize(2).k.shape[2]) == 40 and cache.sliding.held_tokens(2) == 0
     mem = cache.memory_by_kind()
     assert 0 < mem["sliding_attention"] and mem["full_attention"] > 0
+
+
+# -- 6. the fused decode of a compressed window ---------------------------------------------------
+def rotating_keys(rng, batch, heads, start, t, d, mean_scale=3.0):
+    """Keys whose mean turns with the position as rotary embeddings turn it (half-split pairs)."""
+    half = d // 2
+    theta = 10000.0 ** (-np.arange(half) / half)
+    ang = np.arange(start, start + t)[:, None] * theta[None, :]
+    m = mean_scale * np.ones(d)
+    mean = np.concatenate([m[:half] * np.cos(ang) - m[half:] * np.sin(ang),
+                           m[:half] * np.sin(ang) + m[half:] * np.cos(ang)], axis=-1)
+    return (mean[None, None] + rng.standard_normal((batch, heads, t, d))).astype(np.float32)
+
+
+def attend(q, k, v, scale):
+    """Plain softmax attention of one query per head over K/V (grouped query heads)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, g, axis=1).astype(np.float64), np.repeat(v, g, axis=1).astype(np.float64)
+    s = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k) * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("storage, window, rollback, batch, groups, d", [
+    ("pq4", 6, 2, 1, 2, 16), ("pq3", 9, 4, 2, 1, 32), ("pq2", 5, 0, 1, 3, 16), ("pq4", 40, 3, 2, 2, 64)])
+def test_fused_window_decode_equals_attention_over_its_rows(rng, storage, window, rollback, batch, groups, d):
+    kw = dict(num_layers=1, num_kv_heads=2, head_dim=d, window=window, rollback_tokens=rollback, storage=storage)
+    fused = arraykv.make_cache("window", decode_path="fused", **kw)
+    plain = arraykv.make_cache("window", decode_path="dequantized", **kw)
+    scale = d ** -0.5
+    cfg = arraykv.AttendConfig(softmax_scale=scale, n_kv_groups=groups)
+    pos = 0
+    first = max(2 * window + 3, 40)  # enough tokens (>= 32) to fit a turning key mean
+    for op, t in [("prefill", first)] + [("decode", 1)] * (window + 5) + [("prefill", 4)] + [("decode", 1)] * 6:
+        k = rotating_keys(rng, batch, 2, pos, t, d)
+        v = rng.standard_normal((batch, 2, t, d)).astype(np.float32)
+        q = rng.standard_normal((batch, 2 * groups, t, d)).astype(np.float32)
+        pos += t
+        if op == "prefill":
+            fused.prefill(0, k, v, q)
+            plain.prefill(0, k, v, q)
+            continue
+        a = fused.decode(0, k, v, q, cfg)
+        b = plain.decode(0, k, v, q, cfg)
+        assert isinstance(a, arraykv.Fused) and isinstance(b, arraykv.Dequantized)
+        assert int(b.result.k.shape[2]) == min(window, pos)
+        want = attend(q, to_np(b.result.k), to_np(b.result.v), scale)
+        np.testing.assert_allclose(to_np(a.output), want, rtol=2e-3, atol=2e-3)
+    assert_same_snapshot(snapshot(fused), snapshot(plain))
+    st = fused._states[0]
+    assert st.calib is not None and st.calib.k_mean_freq is not None  # the calibration found the turning mean
