@@ -158,10 +158,11 @@ class NeedleTask:
         depth = _check_depth(depth)
         key = self.key(length, depth)
         total = length if total is None else _check_length(total)
-        intro = list(tok.encode(self.intro)) if self.intro else []
-        needle = list(tok.encode(self.needle.format(key=key)))
-        question = list(tok.encode(self.question))
-        target = list(tok.encode(self.answer_prefix + key))
+        # one BOS (where the tokenizer adds one) at the prompt's start, none inside it
+        intro = _bos(tok) + (_plain_ids(tok, self.intro) if self.intro else [])
+        needle = _plain_ids(tok, self.needle.format(key=key))
+        question = _plain_ids(tok, self.question)
+        target = _continuation(tok, self.question, self.answer_prefix + key)
         n_hay = total - len(intro) - len(needle) - len(question)
         if n_hay < 1:
             raise ValueError(
@@ -180,13 +181,39 @@ class NeedleTask:
     def _haystack_ids(self, tok: Any, n: int) -> list:
         text = self.haystack_text().strip()
         sep = "\n" if "\n" in text else " "
-        unit = len(tok.encode(text))
+        unit = len(_plain_ids(tok, text))
         reps = max(1, math.ceil(n / max(unit, 1))) + 1
-        ids = list(tok.encode(sep.join([text] * reps)))
+        ids = _plain_ids(tok, sep.join([text] * reps))
         while len(ids) < n:  # a tokenizer that merges across the joins: add more
             reps *= 2
-            ids = list(tok.encode(sep.join([text] * reps)))
+            ids = _plain_ids(tok, sep.join([text] * reps))
         return ids[:n]
+
+
+def _plain_ids(tok: Any, text: str) -> list:
+    """Token ids of ``text`` without the BOS token a tokenizer may put before every text."""
+    try:
+        return list(tok.encode(text, add_bos=False))
+    except TypeError:  # a tokenizer without the option: drop a leading BOS
+        ids = list(tok.encode(text))
+        bos = getattr(tok, "bos_id", None)
+        return ids[1:] if bos is not None and ids[:1] == [bos] else ids
+
+
+def _bos(tok: Any) -> list:
+    """``[bos_id]`` when the tokenizer starts a text with its BOS token, else ``[]``."""
+    ids, plain = list(tok.encode("a")), _plain_ids(tok, "a")
+    return ids[:len(ids) - len(plain)]
+
+
+def _continuation(tok: Any, context: str, text: str) -> list:
+    """The ids of ``text`` as they follow ``context`` in one text (what the model is asked to
+    produce after the context's tokens), or ``text``'s own ids where the two tokenizations
+    part before the context ends."""
+    ctx, joint = _plain_ids(tok, context), _plain_ids(tok, context + text)
+    if joint[:len(ctx)] == ctx and len(joint) > len(ctx):
+        return joint[len(ctx):]
+    return _plain_ids(tok, text)
 
 
 def _sentence_start(tok: Any, hay: list, at: int) -> int:

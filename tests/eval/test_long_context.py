@@ -69,6 +69,50 @@ def test_needle_goes_at_its_depth_and_the_length_is_exact(length, depth):
     assert p.target_ids == tok.encode(task.answer_prefix + p.key)
 
 
+class BosTokenizer(CharTokenizer):
+    """Starts every text with a BOS token unless told not to, and writes a space before a
+    digit as one token ``" 1"`` (as SentencePiece vocabularies merge a space into the next piece),
+    so a key's tokens after ``"... is "`` differ from the key's own tokens."""
+
+    bos_id = CharTokenizer.eos_id + 1
+    space_digit = dict(zip("0123456789", range(CharTokenizer.eos_id + 2, CharTokenizer.eos_id + 12)))
+
+    def encode(self, text, *, add_bos=True):
+        ids, i = [], 0
+        while i < len(text):
+            if text[i] == " " and i + 1 < len(text) and text[i + 1] in self.space_digit:
+                ids.append(self.space_digit[text[i + 1]])
+                i += 2
+            else:
+                ids.append(self.chars.index(text[i]))
+                i += 1
+        return [self.bos_id] + ids if add_bos else ids
+
+    def decode(self, ids):
+        back = {v: " " + d for d, v in self.space_digit.items()}
+        return "".join(back.get(i, self.chars[i] if i < len(self.chars) else "") for i in ids)
+
+
+@pytest.mark.parametrize("question", ["\nKey? ", "\nKey?"])
+def test_one_bos_at_the_start_and_the_key_as_it_follows_the_question(question):
+    tok = BosTokenizer()
+    task = ev.NeedleTask(intro="Find the key.\n", needle=" Key {key}.", question=question, key_digits=3,
+                         answer_prefix="" if question.endswith(" ") else " ")
+    p = task.build(tok, 200, 0.5)
+    ids = p.prompt_ids + p.question_ids
+    assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1  # none before the needle or the question
+    assert p.length == 200 == len(ids)
+    assert tok.bos_id not in p.target_ids
+    joint = tok.encode(question + task.answer_prefix + p.key, add_bos=False)
+    if question.endswith(" "):  # " " + "1" merge in one text: the question's own " " token came first,
+        assert joint[:len(p.question_ids)] != p.question_ids  # so the key's own tokens follow it
+        assert p.target_ids == tok.encode(p.key, add_bos=False) and tok.decode(p.target_ids) == p.key
+    else:  # the target is what follows the question's tokens when the question and the key are one text
+        assert joint[:len(p.question_ids)] == p.question_ids
+        assert p.target_ids == joint[len(p.question_ids):]
+        assert p.target_ids[0] == tok.space_digit[p.key[0]]  # " 1": the space merged into the first digit
+
+
 def test_sentence_alignment_moves_the_needle_back_to_a_sentence_end():
     tok = CharTokenizer()
     for depth in (0.1, 0.33, 0.5, 0.77, 0.9):
