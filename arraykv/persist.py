@@ -7,6 +7,14 @@ and gives it the saved state through the public
 :meth:`~arraykv.caches.LayeredCache.restore`. A truncated, corrupted, hostile or
 wrong-version file raises :class:`CacheFileError` before anything of its size is built, and
 never returns a wrong cache.
+
+The SHA-256 trailer only catches accidents: a hostile file carries a valid one. So nothing
+in a file is trusted: the reader bounds the declared geometry (``head_dim``,
+``num_kv_heads``, ``max_tokens``, batch, lengths) before the cache is constructed, and
+``restore`` checks every layer's arrays against what the cache can hold (dtypes, shapes and
+packed widths against the geometry, token counts against ``length``, indices and exponents
+in range, floats finite and bounded; :mod:`arraykv.caches.layout`) before any layer is
+built, so the kernels never read metadata that was not checked.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ layer's lock held and only after every input check passed:
     Bytes held besides the token buffers of ``state.buffers()``, and spare room beside them.
 ``_truncate_plan(state, length)``, ``_truncate_floor(state)``, ``_reachable(state, length)``, ``_reach_ranges(state)``
     Drop tokens from the end, and which lengths can be reached (:mod:`arraykv.caches.rollback`).
+``_layer_arrays(state)``, ``_layer_layout(xp, batch, dtype, length)``, ``_restore_layer(...)``
+    A layer as named arrays, what such arrays must be (:mod:`arraykv.caches.layout`), and the
+    layer rebuilt from checked ones (:mod:`arraykv.caches.snapshots`).
 
 Hooks must compute everything that can fail before they mutate ``state`` so that a rejected
 call leaves the layer as it was.
@@ -99,7 +102,8 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         xp, shape = self._check_inputs(k, v, q)
         with self._locks[layer]:
             state = self._admit(layer, xp, k, v, shape[2])
-            result = self._prefill(state, k, v, q)
+            with self._taking_back(layer, state, shape[2]):
+                result = self._prefill(state, k, v, q)
             self._commit(layer, state, shape[2])
             return result
 
@@ -159,7 +163,8 @@ class LayeredCache(LayerSnapshots, LayerRollback):
             )
         with self._locks[layer]:
             state = self._admit(layer, xp, k, v, 1)
-            out = self._decode(state, k, v, q, config)
+            with self._taking_back(layer, state, 1):
+                out = self._decode(state, k, v, q, config)
             self._commit(layer, state, 1)
             return out
 
@@ -324,7 +329,48 @@ class LayeredCache(LayerSnapshots, LayerRollback):
 
     def _commit(self, layer: int, state: LayerState, tokens: int) -> None:
         state.length += tokens
+        state.stored = False
         self._states[layer] = state
+
+    def _store_tokens(self, state: LayerState, k: Any, v: Any, q: Any) -> None:
+        """:meth:`_store`, then mark the layer as holding the call's tokens (see :meth:`_taking_back`)."""
+        self._store(state, k, v, q)
+        state.stored = True
+
+    @contextlib.contextmanager
+    def _taking_back(self, layer: int, state: LayerState, tokens: int):
+        """Undo a call that failed after its tokens were stored (lock held).
+
+        A prefill or decode stores its tokens (all-or-nothing), then builds its result: float
+        keys and values of the whole layer, or the attention. A failure there (a
+        ``MemoryError`` reconstructing a long layer, an interrupt) would leave the buffers
+        holding ``tokens`` more than ``seq_len`` counts. The layer is then truncated back to
+        its length before the call, exactly as :meth:`truncate` does (a new layer is simply not
+        kept). Where the rollback margin cannot reach that far back (a prompt longer than
+        ``rollback_tokens`` of a compressed layer), the layer keeps the call's tokens and counts
+        them, consistent, and the exception says so in a note.
+        """
+        before = state.length
+        try:
+            yield
+        except BaseException as exc:
+            if not state.stored or self._states[layer] is not state:
+                state.stored = False
+                raise  # nothing stored, or a new layer that is not kept: nothing to undo
+            state.stored = False
+            state.length = before + tokens  # what the buffers hold
+            try:
+                reachable = self._reachable(state, before)
+                if reachable:
+                    self._truncate_plan(state, before)()
+                    state.length = before
+            except Exception:  # noqa: BLE001 - the original failure is the one to report
+                reachable = False
+            if not reachable:
+                exc.add_note(f"arraykv: layer {layer} keeps this call's {tokens} tokens (seq_len {state.length}): "
+                             f"they were stored before the failure and the cache cannot take back more than "
+                             f"its rollback margin")
+            raise
 
     # -- hooks -------------------------------------------------------------------
     def _new_layer(self, xp: Any, dev: Any, batch: int, dtype: Any) -> LayerState:
@@ -393,8 +439,15 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         """Method-specific constructor options (JSON-serializable), for :meth:`get_config`."""
         return {}
 
+    def _layer_layout(self, xp: Any, batch: int, dtype: Any, length: int):
+        """The :class:`~arraykv.caches.layout.Layout` of the arrays a layer of ``batch``, ``dtype``
+        and ``length`` tokens may hold, checked before :meth:`_restore_layer` builds anything;
+        None for a cache whose ``_restore_layer`` checks its arrays itself."""
+        return None
+
     def _restore_layer(self, xp: Any, dev: Any, batch: int, dtype: Any, length: int, arrays: dict) -> LayerState:
-        """Rebuild a layer's state from :meth:`_layer_arrays` output (used by persistence)."""
+        """Rebuild a layer's state from :meth:`_layer_arrays` output (used by persistence), after
+        :meth:`_layer_layout` passed; arrays a layout does not cover must be checked here."""
         raise NotImplementedError
 
     def _fixed_nbytes(self) -> int:

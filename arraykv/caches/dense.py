@@ -8,6 +8,7 @@ from typing import Any
 from ..protocol import AttendConfig, Dequantized, DequantResult
 from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState
+from .layout import Layout, Spec
 from .registry import register_method
 
 __all__ = ["DenseCache", "DenseLayer"]
@@ -45,6 +46,7 @@ class DenseCache(LayeredCache):
     def _append(self, st: DenseLayer, k: Any, v: Any) -> DequantResult:
         """Store ``k``, ``v``; return views of every stored token (what subclasses change to store otherwise)."""
         st.buf.append({"k": k, "v": v})
+        st.stored = True
         return self._decoded(st)
 
     def _store(self, st, k, v, q) -> None:
@@ -75,10 +77,12 @@ class DenseCache(LayeredCache):
     def _layer_arrays(self, st) -> dict:
         return st.buf.arrays()
 
+    def _layer_layout(self, xp, batch, dtype, length) -> Layout:
+        """``k`` and ``v``: (batch, kv_heads, length, head_dim) in the layer's dtype, finite."""
+        shape = (batch, self.num_kv_heads, length, self.head_dim)
+        return Layout(arrays={"k": Spec(dtype, shape), "v": Spec(dtype, shape)})
+
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> DenseLayer:
-        for name in ("k", "v"):
-            if int(arrays[name].shape[2]) != length:
-                raise ValueError(f"stored array {name!r} holds {int(arrays[name].shape[2])} tokens, expected {length}")
         st = self._new_layer(xp, dev, batch, dtype)
         st.buf.append({"k": arrays["k"], "v": arrays["v"]})
         st.length = length

@@ -15,7 +15,9 @@ a fitted :class:`~arraykv.KVCacheCompressor` or the fitted arrays) or fitted by 
 the tokens a layer holds the first time it holds enough of them (normally its first
 prefill); until then the layer keeps its tokens in float16. After the fit, the latest
 ``residual_window`` tokens stay in float16 and older ones are encoded as they leave the
-window. The arrays a layer holds, and the fitting rule, are in the class docstrings.
+window. The arrays a layer holds, and the fitting rule, are in the class docstrings; a saved
+layer is checked against them before it is rebuilt (:meth:`FittedCache._layer_layout`,
+:mod:`arraykv.caches.layout`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..storage import TokenBuffers
 from .base import LayeredCache, check_decode_path
 from .rollback import DEFAULT_ROLLBACK_TOKENS, check_rollback_tokens
-from .window import ExactTokens, WindowLayer, WindowRollback, commit_store, restore_rollback, restore_tokens, rollback_arrays
+from ..quant.polar import half_dtype
+from .layout import Layout, Spec, join
+from .window import (ExactTokens, WindowLayer, WindowRollback, commit_store, restore_rollback, restore_tokens,
+                     rollback_arrays, rollback_layout, token_counts)
 
 __all__ = ["FittedCache", "FittedLayer", "DEFAULT_WINDOW", "DEFAULT_SINKS"]
 
@@ -214,13 +219,13 @@ class FittedCache(WindowRollback, LayeredCache):
     # -- hooks ----------------------------------------------------------------------------
     def _prefill(self, st, k, v, q):
         first = st.length == 0
-        self._store(st, k, v, q)
+        self._store_tokens(st, k, v, q)
         if first:
             return DequantResult(k=k, v=v)
         return self._decoded(st)
 
     def _decode(self, st, k, v, q, config: AttendConfig):
-        self._store(st, k, v, q)
+        self._store_tokens(st, k, v, q)
         if self._fused(st.xp):
             return Fused(self._attend(st, q, config.softmax_scale))
         return Dequantized(self._decoded(st))
@@ -245,6 +250,34 @@ class FittedCache(WindowRollback, LayeredCache):
             out.update(st.calib)
         out.update(rollback_arrays(st))
         return out
+
+    def _layer_layout(self, xp, batch, dtype, length) -> Layout:
+        """The saved arrays of a layer: the fit (:meth:`_fit_layout`), the encoded tokens
+        (:meth:`_token_specs`, token axis ``"codes"``), the float16 sinks and window and the
+        rollback state, with the token counts of :func:`~arraykv.caches.window.token_counts`
+        (a fit given or made: the arrays of the fit are held)."""
+        b, h, d = batch, self.num_kv_heads, self.head_dim
+        half = half_dtype(xp)
+        exact = {"k_sink": Spec(half, (b, h, "sinks", d)), "v_sink": Spec(half, (b, h, "sinks", d)),
+                 "k_window": Spec(half, (b, h, "window", d)), "v_window": Spec(half, (b, h, "window", d))}
+        tokens = self._token_specs(xp, b)
+        fit = self._fit_layout(xp)
+
+        def counts(sizes: dict, held: frozenset):
+            return token_counts(self, length, sizes["sinks"], sizes["window"], sizes.get("codes", 0),
+                                sizes.get("copies", 0), self._calib_names[0] in held, spill_calibrates=False)
+
+        parts = Layout(arrays={**tokens, **exact}, groups=(tuple(tokens), self._calib_names))
+        return join(fit, parts, rollback_layout(xp, b, h, d), sizes={"length": length}, rules=(counts,))
+
+    def _fit_layout(self, xp: Any) -> Layout:
+        """The :class:`~arraykv.caches.layout.Layout` of the fitted arrays (all optional: a layer
+        not fitted yet holds none)."""
+        raise NotImplementedError
+
+    def _token_specs(self, xp: Any, batch: int) -> dict:
+        """The :class:`~arraykv.caches.layout.Spec` of each per-token array, token axis ``"codes"``."""
+        raise NotImplementedError
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> FittedLayer:
         st = self._new_layer(xp, dev, batch, dtype)

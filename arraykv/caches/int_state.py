@@ -1,15 +1,37 @@
-"""An integer-cache layer as named arrays (what snapshots and files hold), and back; its truncation."""
+"""An integer-cache layer as named arrays (what snapshots and files hold), their checks, and
+back; its truncation.
+
+:func:`int_layout` is what a saved layer of ``n`` tokens must hold (checked by
+:func:`arraykv.caches.layout.check_layout` before :func:`restore_layer` builds anything): the
+shapes of the class docstring of :class:`~arraykv.caches.intq.IntQuantCache` with the packed
+widths of the cache's ``bits`` and ``group_size``; keys split as KIVI's schedule splits them
+(``⌊n / chunk⌋ · chunk`` quantized, the rest exact, ``chunk`` the window or one group) and
+values likewise (the latest ``min(n, R)`` exact); scales, offsets and exact tokens finite and
+bounded; exponents in ``[MIN_EXPONENT, MAX_EXPONENT]``; every group's largest reconstruction
+``max(|offset|, |offset + scale · (2**bits − 1)|) · 2**exp`` and every exact token within the
+range of the layer's dtype (a float16 layer could otherwise return infinity); rollback copies
+of whole key chunks, no more than were quantized or than ``rollback_tokens`` asks;
+``fixed_end`` in ``[0, n]``.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from ..quant.bitpack import packed_nbytes
+from ..quant.intq import MIN_EXPONENT
 from .int_codec import IntLayer
+from .layout import Layout, Spec, bounded, fixed_end_spec
 
-__all__ = ["layer_arrays", "restore_layer", "NO_EXP", "key_copies", "truncate_floor", "truncate_plan"]
+__all__ = ["layer_arrays", "restore_layer", "int_layout", "NO_EXP", "MAX_EXPONENT", "key_copies", "truncate_floor",
+           "truncate_plan"]
 
 #: Saved in place of an exponent not fixed yet (the layer has held only zeros).
 NO_EXP = -(1 << 20)
+#: Largest exponent a saved layer's units may have: data beyond ``2**64`` would overflow the
+#: float32 attention over it anyway (legitimate exponents lie far below).
+MAX_EXPONENT = 64
 
 
 def layer_arrays(st: IntLayer, windowed: bool) -> dict:
@@ -32,8 +54,89 @@ def layer_arrays(st: IntLayer, windowed: bool) -> dict:
     return out
 
 
+def int_layout(cache: Any, xp: Any, batch: int, length: int, layer_dtype: Any, param_dtype: Any,
+               exact_dtype: Any) -> Layout:
+    """The :class:`~arraykv.caches.layout.Layout` of a saved layer of ``cache`` (see the module docstring).
+
+    ``layer_dtype`` is the dtype the layer returns, ``param_dtype`` that of the scales and
+    offsets, ``exact_dtype`` that of the exact tokens and the rollback copies (float16 with a
+    window, else the layer's dtype).
+    """
+    b, h, d = batch, cache.num_kv_heads, cache.head_dim
+    g, bits, r = cache.group_size, cache.bits, cache.residual_window
+    chunk = r or g
+    arrays = {
+        "k_codes": Spec(xp.uint8, (b, h, "groups", d, packed_nbytes(g, bits)), required=False),
+        "k_scale": bounded(param_dtype, (b, h, "groups", d), required=False),
+        "k_offset": bounded(param_dtype, (b, h, "groups", d), required=False),
+        "v_codes": Spec(xp.uint8, (b, h, "values", packed_nbytes(d, bits)), required=False),
+        "v_scale": bounded(param_dtype, (b, h, "values", -(-d // g)), required=False),
+        "v_offset": bounded(param_dtype, (b, h, "values", -(-d // g)), required=False),
+        "k_residual": bounded(exact_dtype, (b, h, "residual", d)),
+    }
+    if r:
+        arrays["v_window"] = bounded(exact_dtype, (b, h, "window", d))
+    arrays.update(exp=Spec(xp.int32, (2,), required=False),
+                  k_rollback=bounded(exact_dtype, (b, h, "k_copies", d), required=False),
+                  v_rollback=bounded(exact_dtype, (b, h, "v_copies", d), required=False),
+                  fixed_end=fixed_end_spec(xp))
+
+    def counts(sizes: dict, held: frozenset):
+        keys, values = sizes.get("groups", 0) * g, sizes.get("values", 0)
+        exact_keys, window = sizes["residual"], sizes.get("window", 0)
+        if keys != length // chunk * chunk or keys + exact_keys != length:
+            return (f"stored arrays hold {keys} quantized and {exact_keys} exact keys; a layer of {length} tokens "
+                    f"holds {length // chunk * chunk} and {length % chunk}")
+        if window != min(length, r) or values + window != length:
+            return (f"stored arrays hold {values} quantized and {window} exact values; a layer of {length} tokens "
+                    f"holds {length - min(length, r)} and {min(length, r)}")
+        return None
+
+    def copies(sizes: dict, held: frozenset):
+        keys, values = sizes.get("groups", 0) * g, sizes.get("values", 0)
+        kc, vc = sizes.get("k_copies", 0), sizes.get("v_copies", 0)
+        if kc % chunk or kc > min(key_copies(cache), keys):
+            return (f"stored 'k_rollback' holds {kc} keys; at most {min(key_copies(cache), keys)} in whole chunks of "
+                    f"{chunk}")
+        if vc > (min(cache.rollback_tokens, values) if r else 0):
+            return f"stored 'v_rollback' holds {vc} values; at most {min(cache.rollback_tokens, values) if r else 0}"
+        return None
+
+    def exponents(xp: Any, sizes: dict, held: dict):
+        if "exp" not in held:
+            return None
+        exps = [int(e) for e in held["exp"]]
+        if any(e != NO_EXP and not MIN_EXPONENT <= e <= MAX_EXPONENT for e in exps):
+            return f"stored 'exp' must hold exponents in [{MIN_EXPONENT}, {MAX_EXPONENT}], received {exps}"
+        return None
+
+    def reconstruction(xp: Any, sizes: dict, held: dict):
+        # the largest |scale · code + offset| of every group (codes 0 .. 2**bits - 1) and the
+        # exact tokens, in the layer's units: what dequantize returns must fit the layer's dtype
+        exps = [0 if "exp" not in held else int(e) for e in held.get("exp", (0, 0))]
+        top, limit = (1 << bits) - 1, float(xp.finfo(layer_dtype).max)
+        for side, exp in zip(("k", "v"), exps):
+            parts = []
+            if f"{side}_scale" in held:
+                o = xp.astype(held[f"{side}_offset"], xp.float32)
+                parts.append(xp.maximum(xp.abs(o), xp.abs(o + xp.astype(held[f"{side}_scale"], xp.float32) * top)))
+            exact = held.get("k_residual" if side == "k" else "v_window")
+            if exact is not None:
+                parts.append(xp.abs(xp.astype(exact, xp.float32)))
+            unit = 2.0 ** (0 if exp == NO_EXP else exp)
+            for a in parts:
+                if math.prod(int(n) for n in a.shape) and float(xp.max(a)) * unit > limit:
+                    return (f"stored {side} groups or exact tokens reconstruct to magnitudes beyond {limit:g}, the "
+                            f"range of the layer's dtype")
+        return None
+
+    return Layout(arrays=arrays, groups=(("k_codes", "k_scale", "k_offset"), ("v_codes", "v_scale", "v_offset"),
+                                         ("k_rollback", "v_rollback")),
+                  sizes={"length": length}, rules=(counts, copies), value_rules=(exponents, reconstruction))
+
+
 def restore_layer(st: IntLayer, arrays: dict, length: int, group_size: int) -> IntLayer:
-    """Fill the fresh layer ``st`` from :func:`layer_arrays` output (copies), checking the token counts."""
+    """Fill the fresh layer ``st`` from :func:`layer_arrays` output (copies) that passed :func:`int_layout`."""
     xp: Any = st.xp
     kq = {n: arrays[n] for n in ("k_codes", "k_scale", "k_offset") if n in arrays}
     if kq and int(kq["k_codes"].shape[2]):

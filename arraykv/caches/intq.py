@@ -20,7 +20,7 @@ from .._validation import check_int
 from .base import LayeredCache, check_decode_path
 from .int_codec import IntLayer, IntLayerCodec, codec_state
 from .int_decode import decode_int_layer
-from .int_state import key_copies, layer_arrays, restore_layer, truncate_floor, truncate_plan
+from .int_state import int_layout, key_copies, layer_arrays, restore_layer, truncate_floor, truncate_plan
 from .registry import register_method
 from .rollback import DEFAULT_ROLLBACK_TOKENS, RECORD_NBYTES, check_rollback_tokens, keep_last
 
@@ -265,11 +265,11 @@ class IntQuantCache(LayeredCache):
 
     # -- hooks ----------------------------------------------------------------------
     def _prefill(self, st, k, v, q):
-        self._store(st, k, v, q)
+        self._store_tokens(st, k, v, q)
         return self._decoded(st)
 
     def _decode(self, st, k, v, q, config: AttendConfig):
-        self._store(st, k, v, q)
+        self._store_tokens(st, k, v, q)
         if self._fused(st.xp):
             return Fused(ops.int_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._decoded(st))
@@ -283,6 +283,9 @@ class IntQuantCache(LayeredCache):
 
     def _layer_arrays(self, st) -> dict:
         return layer_arrays(st, bool(self.residual_window))
+
+    def _layer_layout(self, xp, batch, dtype, length):
+        return int_layout(self, xp, batch, length, dtype, getattr(xp, self._pdt(xp)), self._exact_dtype(xp, dtype))
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> IntLayer:
         return restore_layer(self._new_layer(xp, dev, batch, dtype), arrays, length, self.group_size)

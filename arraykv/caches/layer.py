@@ -44,6 +44,9 @@ class LayerState:
     length: int = 0
     fixed_end: int = 0
     fixed_known: bool = True
+    #: Set by :meth:`~arraykv.caches.LayeredCache._store_tokens` once a call's tokens are in
+    #: the layer's buffers (before ``length`` counts them): what a failure after it must undo.
+    stored: bool = False
 
     def buffers(self) -> tuple:
         """The growable token buffers of the layer (for :meth:`LayeredCache.reallocations`)."""

@@ -11,10 +11,11 @@ from typing import Any
 from .. import _compat, ops
 from .._validation import check_bool, check_int
 from ..compressor import LowRank, samples_by_head
-from ..quant.lowrank import LowRankBasis, check_rank_energy, fit_basis
+from ..quant.lowrank import LowRankBasis, check_rank_energy, fit_basis, row_products
 from ..quant.polar import half_dtype
 from ..storage import TokenBuffers
 from .fitted import DEFAULT_SINKS, DEFAULT_WINDOW, FittedCache, FittedLayer, _f32
+from .layout import Layout, bounded
 from .registry import register_method
 from .rollback import DEFAULT_ROLLBACK_TOKENS
 
@@ -155,6 +156,25 @@ class LowRankCache(FittedCache):
                 out[f"{name}_mean"] = xp.asarray(_f32(xp, b.mean), copy=True)
         return out
 
+    def _fit_layout(self, xp: Any) -> Layout:
+        """``k_basis`` (h, d, r_k), ``k_mean`` (h, d), likewise for values: float32, bounded,
+        ``1 <= r <= head_dim``."""
+        h, d = self.num_kv_heads, self.head_dim
+        arrays = {}
+        for name in ("k", "v"):
+            arrays[f"{name}_basis"] = bounded(xp.float32, (h, d, f"{name}_rank"), required=False)
+            arrays[f"{name}_mean"] = bounded(xp.float32, (h, d), required=False)
+
+        def ranks(sizes: dict, held: frozenset):
+            bad = [sizes[n] for n in ("k_rank", "v_rank") if n in sizes and not 1 <= sizes[n] <= d]
+            return f"stored bases must keep 1 to head_dim={d} directions, received {bad[0]}" if bad else None
+
+        return Layout(arrays=arrays, rules=(ranks,))
+
+    def _token_specs(self, xp: Any, batch: int) -> dict:
+        tok = (batch, self.num_kv_heads, "codes")
+        return {f"{n}_coef": bounded(self._cdt(xp), tok + (f"{n}_rank",), required=False) for n in ("k", "v")}
+
     def _cdt(self, xp: Any):
         return xp.float32 if self.coeff_dtype == "float32" else half_dtype(xp)
 
@@ -171,7 +191,7 @@ class LowRankCache(FittedCache):
         cdt = self._cdt(xp)
         out = {}
         for name, x in (("k", k), ("v", v)):
-            c = xp.matmul(x - calib[f"{name}_mean"][:, None, :], calib[f"{name}_basis"])
+            c = row_products(x - calib[f"{name}_mean"][:, None, :], calib[f"{name}_basis"])  # per token, one order
             out[f"{name}_coef"] = c if c.dtype == cdt else xp.astype(c, cdt)
         return out
 

@@ -21,7 +21,8 @@ from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype
 from ..storage import TokenBuffers
 from .base import LayeredCache
-from .polar_calibration import PolarCalibration, calibrate
+from .layout import Layout, Spec, join
+from .polar_calibration import PolarCalibration, calibrate, calibration_layout
 from .polar_codec import PolarFixed, PolarLayerCodec
 from .polar_decode import decode_layer, qjl_logit_bias
 from .polar_options import (DEFAULT_OUTLIER_THRESHOLD, DEFAULT_RESIDUAL_WINDOW, DEFAULT_SINK_TOKENS, PolarOptions,
@@ -29,7 +30,7 @@ from .polar_options import (DEFAULT_OUTLIER_THRESHOLD, DEFAULT_RESIDUAL_WINDOW, 
 from .rollback import DEFAULT_ROLLBACK_TOKENS
 from .registry import register_method
 from .window import (ExactTokens, WindowLayer, WindowRollback, commit_store, restore_rollback, restore_tokens,
-                     block_room, rollback_arrays, rollback_room)
+                     block_room, rollback_arrays, rollback_room, rollback_layout, token_counts)
 
 __all__ = ["PolarCache", "PolarLayerCodec", "PolarLayer", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window",
            "Pqo2Cache", "Pqo3Cache", "Pqo4Cache", "Pq2Cache", "Pq3Cache", "Pq4Cache", "Tq2Cache", "Tq3Cache",
@@ -281,14 +282,14 @@ class PolarCache(WindowRollback, LayeredCache):
     # -- hooks -----------------------------------------------------------------------
     def _prefill(self, st, k, v, q):
         first = st.length == 0
-        self._store(st, k, v, q)
+        self._store_tokens(st, k, v, q)
         if first:
             return DequantResult(k=k, v=v)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         return self._result(st, q, scale)
 
     def _decode(self, st, k, v, q, config: AttendConfig):
-        self._store(st, k, v, q)
+        self._store_tokens(st, k, v, q)
         if self._fused(st.xp):
             return Fused(ops.polar_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._result(st, q, config.softmax_scale))
@@ -312,6 +313,42 @@ class PolarCache(WindowRollback, LayeredCache):
             out.update(st.calib.arrays())
         out.update(rollback_arrays(st))
         return out
+
+    def _layer_layout(self, xp, batch, dtype, length) -> Layout:
+        """The saved arrays of a layer: the calibration (:func:`calibration_layout`), the encoded
+        tokens (codes of the packed widths of ``key_bits``/``value_bits``, float16 norms, the
+        outlier channels' exact values, a ``tq`` key's sketch), the float16 sinks and window
+        (``k_window``, ``v_window``) and the rollback state, with the token counts of
+        :func:`~arraykv.caches.window.token_counts`."""
+        b, h, d = batch, self.num_kv_heads, self.head_dim
+        half = half_dtype(xp)
+        tok = (b, h, "codes")
+        per_token = {"k_codes": Spec(xp.uint8, tok + (packed_nbytes(d, self.key_bits),), required=False),
+                     "k_norms": Spec(half, tok, required=False),
+                     "v_codes": Spec(xp.uint8, tok + (packed_nbytes(d, self.value_bits),), required=False),
+                     "v_norms": Spec(half, tok, required=False),
+                     "k_outliers": Spec(half, tok + ("n_out",), required=False)}
+        group = ("k_codes", "k_norms", "v_codes", "v_norms")
+        if self.qjl:
+            per_token.update(k_qjl=Spec(xp.uint8, tok + (packed_nbytes(d, 1),), required=False),
+                             k_qjl_norms=Spec(half, tok, required=False))
+            group += ("k_qjl", "k_qjl_norms")
+        exact = {"k_window": Spec(half, (b, h, "exact", d)), "v_window": Spec(half, (b, h, "exact", d))}
+        sinks = min(self.sink_tokens, length)
+
+        def counts(sizes: dict, held: frozenset):
+            calibrated = "k_mean" in held
+            codes = sizes.get("codes", 0)
+            msg = token_counts(self, length, sinks, sizes["exact"] - sinks, codes, sizes.get("copies", 0), calibrated,
+                               spill_calibrates=True)
+            if msg is None and ("k_outliers" in held) != ("k_codes" in held and sizes.get("n_out", 0) > 0):
+                msg = ("stored 'k_outliers' must come with the encoded tokens exactly when the calibration keeps "
+                       "outlier channels")
+            return msg
+
+        parts = Layout(arrays={**per_token, **exact}, groups=(group,))
+        return join(calibration_layout(xp, b, h, d), parts, rollback_layout(xp, b, h, d), sizes={"length": length},
+                    rules=(counts,))
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> PolarLayer:
         st = self._new_layer(xp, dev, batch, dtype)

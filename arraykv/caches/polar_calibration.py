@@ -6,24 +6,36 @@ and values when it carries a noticeable share of their energy (for keys with rot
 embeddings, a mean that turns with the position: :mod:`arraykv.quant.rotary_mean`), key
 channels are weighted by ``sqrt(rms_q / rms_k)``, and the key channels whose magnitude stands
 out are kept exactly. The measurements behind the thresholds are in ``docs/algorithms.md``.
+
+:func:`calibration_layout` is what a saved calibration must be before a layer is rebuilt
+from it (:mod:`arraykv.caches.layout`): the shapes and dtypes of :class:`PolarCalibration`,
+finite values, key channel weights inside the ``[1/16, 16]`` that :func:`query_scale` clips
+to (a kernel divides by them), fewer than ``head_dim`` outlier channels, strictly ascending in
+``[0, head_dim)``, frequencies in ``[0, π]`` and channel pairs of one of the rotary layouts
+(:func:`~arraykv.quant.rotary_mean.rope_pairs`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
 from ..quant.polar import half_dtype
-from ..quant.rotary_mean import RotaryMeanPlan, fit_rotary_mean
+from ..quant.rotary_mean import ROPE_LAYOUTS, RotaryMeanPlan, fit_rotary_mean, rope_pairs
+from .layout import Layout, Spec, check_layout
 from .polar_options import PolarOptions
 
-__all__ = ["PolarCalibration", "calibrate", "CENTER_MIN_SHARE", "MIN_CALIBRATION_TOKENS"]
+__all__ = ["PolarCalibration", "calibrate", "calibration_layout", "CENTER_MIN_SHARE", "MIN_CALIBRATION_TOKENS",
+           "KEY_SCALE_RANGE"]
 
 #: Centering is used when the mean carries more than this share of the vectors' energy.
 CENTER_MIN_SHARE = 0.02
 #: Fewer calibration tokens than this: no centering and no "auto" outlier channels.
 MIN_CALIBRATION_TOKENS = 8
+#: Key channel weights are clipped to this range (:func:`query_scale`).
+KEY_SCALE_RANGE = (1.0 / 16.0, 16.0)
 
 
 @dataclass(frozen=True)
@@ -61,10 +73,17 @@ class PolarCalibration:
 
     @classmethod
     def from_arrays(cls, xp: Any, arrays: dict) -> "PolarCalibration | None":
-        """Copies of the calibration arrays in ``arrays`` (None when it holds none)."""
+        """Copies of the calibration arrays in ``arrays`` (None when it holds none), checked
+        against :func:`calibration_layout` first (``ValueError``): a kernel divides by the key
+        channel weights and indexes by the outlier channels and pairs."""
         if "k_mean" not in arrays:
             return None
-        return cls(**{n: xp.asarray(arrays[n], copy=True) for n in cls.NAMES if n in arrays})
+        held = {n: arrays[n] for n in cls.NAMES if n in arrays}
+        shape = tuple(int(s) for s in getattr(held["k_mean"], "shape", ()))
+        if len(shape) != 3:
+            raise ValueError(f"stored array 'k_mean' must be (batch, kv_heads, head_dim), received shape {shape}")
+        check_layout(xp, held, calibration_layout(xp, *shape))
+        return cls(**{n: xp.asarray(a, copy=True) for n, a in held.items()})
 
     def nbytes(self) -> int:
         """Bytes held."""
@@ -170,5 +189,40 @@ def query_scale(opts: PolarOptions, xp: Any, q: Any, kc: Any):
     ms = xp.mean(s * s, axis=-1, keepdims=True)
     ok = (xp.sum(rq, axis=-1, keepdims=True) > 0.0) & (ms > 0.0) & xp.isfinite(ms)
     s = xp.where(ok, s / xp.sqrt(xp.where(ok, ms, 1.0)), 1.0)
-    s = xp.clip(s, 1.0 / 16.0, 16.0)  # bounded, so that no channel is discarded or blown up
+    s = xp.clip(s, *KEY_SCALE_RANGE)  # bounded, so that no channel is discarded or blown up
     return xp.astype(s, half)
+
+
+def calibration_layout(xp: Any, batch: int, heads: int, head_dim: int) -> Layout:
+    """The saved calibration arrays of a layer (see the module docstring), all optional together.
+
+    Binds the size ``"n_out"`` (outlier channels); ``groups`` holds the calibration's names,
+    and the rotating-mean pair, which needs the calibration too (a rule).
+    """
+    half, d = half_dtype(xp), head_dim
+    lead = (batch, heads)
+    arrays = {"k_mean": Spec(half, lead + (d,), required=False),
+              "v_mean": Spec(half, lead + (d,), required=False),
+              "k_scale": Spec(half, lead + (d,), required=False, low=KEY_SCALE_RANGE[0], high=KEY_SCALE_RANGE[1]),
+              "k_outlier_idx": Spec(xp.int32, lead + ("n_out",), required=False, low=0, high=d - 1, ascending=True),
+              "k_mean_freq": Spec(xp.float32, lead + (d // 2,), required=False, low=0.0, high=math.pi),
+              "k_mean_pairs": Spec(xp.int32, (d // 2, 2), required=False)}
+
+    def pieces(sizes: dict, held: frozenset):
+        if "k_mean_freq" in held and "k_mean" not in held:
+            return "stored 'k_mean_freq' and 'k_mean_pairs' need the rest of the calibration"
+        if sizes.get("n_out", 0) >= d:
+            return f"stored 'k_outlier_idx' must name fewer than head_dim={d} channels, received {sizes['n_out']}"
+        return None
+
+    def pairs(xp: Any, sizes: dict, arrays: dict):
+        got = arrays.get("k_mean_pairs")
+        if got is None:
+            return None
+        if d % 2 == 0 and any(bool(xp.all(got == rope_pairs(d, layout, xp=xp, device=_compat.device(got))))
+                              for layout in ROPE_LAYOUTS):
+            return None
+        return f"stored 'k_mean_pairs' must be the channel pairs of a rotary layout ({', '.join(ROPE_LAYOUTS)})"
+
+    return Layout(arrays=arrays, groups=(PolarCalibration.NAMES[:4], ("k_mean_freq", "k_mean_pairs")),
+                  rules=(pieces,), value_rules=(pairs,))

@@ -2,17 +2,32 @@
 
 :class:`LayerSnapshots` is a base of :class:`~arraykv.caches.LayeredCache`; it works through
 the cache's per-layer locks and its hooks ``_layer_arrays`` (the arrays of a layer by their
-saved names) and ``_restore_layer`` (a layer rebuilt from them, checked).
+saved names), ``_layer_layout`` (what those arrays must be) and ``_restore_layer`` (a layer
+rebuilt from them).
+
+What :meth:`LayerSnapshots.restore` is given comes from a file or a caller and is not
+trusted: each record's header is checked (``length`` and ``batch`` integers of at least 1,
+``dtype`` one of :data:`~arraykv.storage.cache_file.LAYER_DTYPES` that the namespace offers,
+``arrays`` a dict of arrays by name), then its arrays against the cache's layout of a layer
+of that header (:func:`~arraykv.caches.layout.check_layout`: every dtype, shape, size, index
+and value range), and only then is a layer built. A layer of float16 (or bfloat16) callers is
+then decoded once: parts each inside their range (a length, a mean, a channel weight) can
+still decode to keys or values beyond that dtype, which no bound on the parts excludes without
+refusing real files (float32 layers are covered by the parts' bounds). Every layer is built
+before any replaces the cache's, so a refused restore leaves the cache as it was.
 """
 
 from __future__ import annotations
 
+import numbers
+import warnings
 from typing import Any
 
 from .. import _compat
 from .._validation import dtype_name
 from ..storage.cache_file import LAYER_DTYPES, LayerRecord, write_cache_file
 from .layer import LayerState
+from .layout import check_layout
 
 __all__ = ["LayerSnapshots"]
 
@@ -52,9 +67,10 @@ class LayerSnapshots:
         Raises
         ------
         ValueError
-            When the entries do not describe a state of this cache (wrong count, missing or
-            misshapen arrays, lengths that disagree). Every layer is rebuilt and checked before
-            any is replaced: on an error the cache is unchanged.
+            When the entries do not describe a state of this cache (wrong count, a malformed
+            header, missing, unknown or misshapen arrays, lengths that disagree, indices out
+            of range, non-finite values; see the module docstring). Every layer is checked and
+            rebuilt before any is replaced: on an error the cache is unchanged.
         """
         if not isinstance(layers, (list, tuple)) or len(layers) != self.num_layers:
             raise ValueError(f"layers must be a list of num_layers={self.num_layers} entries")
@@ -63,22 +79,44 @@ class LayerSnapshots:
             if rec is None:
                 states.append(None)
                 continue
-            arrays = dict(rec.arrays)
-            ns = xp if xp is not None else (_compat.namespace(*arrays.values()) if arrays else None)
-            if ns is None:
-                raise ValueError(f"layer {i} holds no arrays; pass xp")
-            arrays = {n: ns.asarray(a) for n, a in arrays.items()}
-            if not hasattr(ns, rec.dtype) or rec.dtype not in LAYER_DTYPES:
-                raise ValueError(f"layer {i} has dtype {rec.dtype!r}, which this namespace does not offer")
-            first = next(iter(arrays.values()), None)
-            dev = _compat.device(first) if first is not None else None
             try:
-                st = self._restore_layer(ns, dev, int(rec.batch), getattr(ns, rec.dtype), int(rec.length), arrays)
-            except (KeyError, IndexError, TypeError) as exc:
-                raise ValueError(f"layer {i} does not describe a {self.method!r} layer: {exc!r}") from None
-            states.append(st)
+                states.append(self._restore_record(rec, xp))
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                raise ValueError(f"layer {i} does not describe a {self.method!r} layer: {exc}") from None
         with self._all_layers_locked():
             self._states = states
+
+    def _restore_record(self, rec: Any, xp: Any) -> LayerState:
+        """A layer built from record ``rec`` once its header and arrays passed every check."""
+        arrays, length, batch, name = (getattr(rec, f, None) for f in ("arrays", "length", "batch", "dtype"))
+        if not isinstance(arrays, dict) or not all(isinstance(n, str) for n in arrays):
+            raise ValueError("a record's arrays must be a dict of arrays by name")
+        for field, value in (("length", length), ("batch", batch)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"a record's {field} must be an integer >= 1, received {value!r}")
+        length, batch = int(length), int(batch)
+        if self.max_tokens is not None and length > self.max_tokens:
+            raise ValueError(f"a record's length {length} is more than max_tokens={self.max_tokens}")
+        ns = xp if xp is not None else (_compat.namespace(*arrays.values()) if arrays else None)
+        if ns is None:
+            raise ValueError("the record holds no arrays; pass xp")
+        if not isinstance(name, str) or name not in LAYER_DTYPES or not hasattr(ns, name):
+            raise ValueError(f"dtype {name!r} is not one of {LAYER_DTYPES} that this namespace offers")
+        dtype = getattr(ns, name)
+        arrays = {n: ns.asarray(a) for n, a in arrays.items()}
+        layout = self._layer_layout(ns, batch, dtype, length)
+        if layout is not None:
+            check_layout(ns, arrays, layout)
+        first = next(iter(arrays.values()), None)
+        dev = _compat.device(first) if first is not None else None
+        st = self._restore_layer(ns, dev, batch, dtype, length, arrays)
+        if name in ("float16", "bfloat16"):  # parts in range can still decode past a half-precision dtype
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the overflow is the finding, said below
+                r = self._decoded(st)
+            if not _compat.all_finite(ns, [r.k, r.v]):
+                raise ValueError(f"the stored state decodes to keys or values beyond the range of {name}")
+        return st
 
     def _record(self, st: LayerState, *, host: bool) -> LayerRecord:
         arrays = self._layer_arrays(st)

@@ -14,9 +14,11 @@ from .. import _compat, ops
 from .._validation import check_int
 from ..attention.reference import attention
 from ..compressor import VectorQuantization, samples_by_head
+from ..quant.bitpack import packed_nbytes, unpack_bits_reference
 from ..quant.vq import VQCodebook, VQCodes, check_vq_options, code_bits, train_vq, vq_decode, vq_encode
 from ..storage import TokenBuffers
 from .fitted import DEFAULT_SINKS, DEFAULT_WINDOW, FittedCache, FittedLayer, _f32
+from .layout import Layout, Spec, bounded, join
 from .registry import register_method
 from .rollback import DEFAULT_ROLLBACK_TOKENS
 
@@ -28,6 +30,25 @@ VQ_VECTORS_PER_CENTROID = 4
 #: k-means costs O(vectors · K · iterations), 22 s per side for 8 heads × 32k tokens × d 128 at
 #: K = 16 on this 2-core machine if every vector is used, 0.7 s with 64 per centroid.
 VQ_FIT_VECTORS_PER_CENTROID = 64
+#: Largest codebook a layer may hold (codes of up to 16 bits).
+MAX_CODEBOOK_SIZE = 65536
+
+
+def _codes_in_range(xp: Any, sizes: dict, arrays: dict):
+    """A message when a saved code names no centroid: a ``β``-bit code can reach ``2**β - 1``,
+    beyond a codebook of ``K < 2**β`` centroids (the kernels would read past it)."""
+    for n in ("k", "v"):
+        codes = arrays.get(f"{n}_codes")
+        if codes is None or not int(codes.shape[2]):
+            continue
+        size, m = sizes[f"{n}_size"], sizes[f"{n}_m"]
+        bits = code_bits(size)
+        if size == 1 << bits and bits <= 8:
+            continue  # every packed value names a centroid
+        idx = unpack_bits_reference(codes, bits, m) if bits <= 8 else codes
+        if bool(xp.any(idx >= size)):
+            return f"stored '{n}_codes' name centroids beyond the codebook of {size}"
+    return None
 
 
 @register_method("vq")
@@ -156,6 +177,45 @@ class VQCache(FittedCache):
         return super()._extra_config() | {"codebook_size": self.codebook_size, "sub_dim": self.sub_dim,
                                           "max_iter": self.max_iter, "tol": self.tol, "seed": self.seed,
                                           "max_calibration": self.max_calibration}
+
+    def _fit_layout(self, xp: Any) -> Layout:
+        """``k_centroids``, ``v_centroids``: float32 (h, m, K, s), bounded, ``m · s = head_dim``,
+        ``2 <= K <= 65536`` (the codebook sizes and sub_dim of a given calibration win over the
+        options, so they are read from the arrays)."""
+        h, d = self.num_kv_heads, self.head_dim
+        arrays = {f"{n}_centroids": bounded(xp.float32, (h, f"{n}_m", f"{n}_size", f"{n}_sub"), required=False)
+                  for n in ("k", "v")}
+
+        def books(sizes: dict, held: frozenset):
+            for n in ("k", "v"):
+                if f"{n}_m" in sizes and (sizes[f"{n}_m"] * sizes[f"{n}_sub"] != d or
+                                          not 2 <= sizes[f"{n}_size"] <= MAX_CODEBOOK_SIZE):
+                    return (f"stored '{n}_centroids' must be (heads, subspaces, codebook_size, sub_dim) with subspaces "
+                            f"× sub_dim = head_dim={d} and 2 <= codebook_size <= {MAX_CODEBOOK_SIZE}, received "
+                            f"({h}, {sizes[f'{n}_m']}, {sizes[f'{n}_size']}, {sizes[f'{n}_sub']})")
+            return None
+
+        return Layout(arrays=arrays, rules=(books,))
+
+    def _token_specs(self, xp: Any, batch: int) -> dict:
+        """``k_codes``, ``v_codes``: the packed width and dtype of each codebook's size
+        (:class:`~arraykv.quant.vq.VQCodes`); :meth:`_layer_layout` adds that every code names
+        a centroid."""
+        tok = (batch, self.num_kv_heads, "codes")
+        out = {}
+        for n in ("k", "v"):
+            def dtype(sizes, n=n):
+                return xp.uint8 if code_bits(sizes[f"{n}_size"]) <= 8 else xp.uint16
+
+            def width(sizes, n=n):
+                bits, m = code_bits(sizes[f"{n}_size"]), sizes[f"{n}_m"]
+                return packed_nbytes(m, bits) if bits <= 8 else m
+            out[f"{n}_codes"] = Spec(dtype, tok + (width,), required=False)
+        return out
+
+    def _layer_layout(self, xp, batch, dtype, length) -> Layout:
+        base = super()._layer_layout(xp, batch, dtype, length)
+        return join(base, Layout(arrays={}, value_rules=(_codes_in_range,)))
 
     def _fit(self, xp, k, v) -> dict:
         return {f"{name}_centroids": train_vq(samples_by_head(xp, x), codebook_size=self.codebook_size,

@@ -11,6 +11,12 @@ that fails while encoding leaves the layer as it was.
 The integer caches do not use it: their keys wait in a residual until a quantization group
 of ``group_size`` tokens fills (KIVI's schedule), which is a different rule from a sliding
 window (:mod:`arraykv.caches.intq`).
+
+A saved layer of these caches is checked before it is rebuilt (:mod:`arraykv.caches.layout`):
+:func:`rollback_layout` is its rollback copies and ``fixed_end``, and :func:`token_counts`
+the rule its token counts follow (``min(sink_tokens, n)`` sinks, then the codes, then a
+window of ``min(residual_window, n − sinks)`` tokens once calibrated; every token exact,
+without codes or copies, before).
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ from .._compat import array_nbytes
 from ..quant.polar import half_dtype
 from ..storage import TokenBuffers
 from .layer import LayerState, refuse_overflow
+from .layout import Layout, Spec, fixed_end_spec
 from .rollback import RECORD_NBYTES, keep_last
 from .sliding import SlidingRows
 
 __all__ = ["ExactTokens", "WindowStep", "WindowLayer", "WindowRollback", "commit_store", "restore_tokens",
-           "rollback_arrays", "restore_rollback", "sliding_rows", "block_room", "rollback_room"]
+           "rollback_arrays", "restore_rollback", "sliding_rows", "block_room", "rollback_room", "rollback_layout",
+           "token_counts"]
 
 
 def _f32(xp: Any, x: Any):
@@ -520,3 +528,38 @@ def restore_rollback(st: Any, arrays: dict) -> None:
         st.fixed_end = int(arrays["fixed_end"][0])
     elif st.calib is not None:
         st.fixed_end, st.fixed_known = st.length, False
+
+
+def rollback_layout(xp: Any, batch: int, heads: int, head_dim: int) -> Layout:
+    """The :class:`~arraykv.caches.layout.Layout` of the saved rollback state of a window layer:
+    ``k_rollback``, ``v_rollback`` (half, (b, h, ``"copies"``, d), together; absent in files
+    written before rollback copies existed) and ``fixed_end``."""
+    half = half_dtype(xp)
+    return Layout(arrays={"k_rollback": Spec(half, (batch, heads, "copies", head_dim), required=False),
+                          "v_rollback": Spec(half, (batch, heads, "copies", head_dim), required=False),
+                          "fixed_end": fixed_end_spec(xp)}, groups=(("k_rollback", "v_rollback"),))
+
+
+def token_counts(cache: Any, length: int, n_sink: int, n_recent: int, n_codes: int, copies: int,
+                 calibrated: bool, *, spill_calibrates: bool) -> str | None:
+    """A message when a saved window layer's token counts are not those of a layer of ``length``
+    tokens of ``cache`` (``sink_tokens``, ``residual_window``, ``rollback_tokens``), else None.
+
+    ``spill_calibrates``: the cache calibrates a layer the first time its window spills (polar),
+    so an uncalibrated layer holds at most ``residual_window`` tokens after its sinks.
+    """
+    window, sinks = cache.residual_window, min(cache.sink_tokens, length)
+    if n_sink != sinks or n_recent < 0 or n_sink + n_codes + n_recent != length:
+        return (f"stored arrays hold {n_sink} sink, {n_codes} encoded and {n_recent} window tokens; a layer of "
+                f"{length} tokens holds {sinks} sinks and {length - sinks} more")
+    if calibrated and n_recent != min(window, length - sinks):
+        return (f"stored window holds {n_recent} tokens; a calibrated layer of {length} tokens holds "
+                f"{min(window, length - sinks)}")
+    if not calibrated and (n_codes or copies or (spill_calibrates and n_recent > window)):
+        return ("stored arrays hold encoded tokens, rollback copies or a spilled window but no calibration"
+                if n_codes or copies else f"an uncalibrated layer holds at most residual_window={window} window "
+                f"tokens, received {n_recent}")
+    if copies > min(cache.rollback_tokens, n_codes):
+        return (f"stored rollback copies hold {copies} tokens; at most {min(cache.rollback_tokens, n_codes)} "
+                f"(rollback_tokens={cache.rollback_tokens}, {n_codes} encoded)")
+    return None

@@ -150,6 +150,33 @@ def check_rank_energy(rank: Any, energy: Any, head_dim: int) -> tuple:
     return None, check_real("energy", energy, low=0.0, high=1.0, low_open=True)
 
 
+def row_products(x: Any, w: Any):
+    """``x @ w`` with every output row summed in one fixed order, whatever the number of rows.
+
+    Parameters
+    ----------
+    x : array of float32, shape (..., seq, d)
+    w : array of float32, shape (..., d, r), broadcast against ``x``'s leading axes
+
+    Returns
+    -------
+    array of float32, shape (..., seq, r)
+
+    Notes
+    -----
+    A BLAS matrix product blocks its sums by the matrix's shape, so the coefficients of a
+    token could differ in the last bit between a call of 1 token and one of 9; a cache whose
+    truncation promises the state of a direct build needs every token's code to depend on
+    that token alone. Here element ``(t, j)`` is ``((x[t,0] w[0,j] + x[t,1] w[1,j]) + ...)``,
+    one multiply-add per channel in channel order (``d`` elementwise passes).
+    """
+    d = int(x.shape[-1])
+    out = x[..., :, 0:1] * w[..., None, 0, :]
+    for i in range(1, d):
+        out = out + x[..., :, i:i + 1] * w[..., None, i, :]
+    return out
+
+
 def project(x: Any, b: LowRankBasis):
     """Coefficients ``(x - mean) @ basis``.
 
@@ -166,7 +193,7 @@ def project(x: Any, b: LowRankBasis):
     x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
     if b.mean is not None:
         x32 = x32 - b.mean[:, None, :]
-    return xp.matmul(x32, b.basis)
+    return row_products(x32, b.basis)
 
 
 def reconstruct(coeffs: Any, b: LowRankBasis, dtype: Any = None):

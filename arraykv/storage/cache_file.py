@@ -23,6 +23,20 @@ magic, the version, the digest and every field of the header against the data (t
 ranges, dtypes, shapes against byte counts, offsets inside the data, one entry per listed
 array) before it returns anything, and raises :class:`CacheFileError` for every defect: a
 file cannot make the reader allocate more than the file holds.
+
+The digest is a checksum, not a signature: anyone who edits a file can recompute it. So the
+reader also bounds the geometry the configuration declares before any cache is built from
+it, since a cache allocates fixed state by it (rotations of ``head_dim²``, codebooks, the
+``max_tokens`` rows its buffers reserve at once): ``num_kv_heads`` at most
+:data:`MAX_KV_HEADS`, ``head_dim`` at most :data:`MAX_HEAD_DIM`, ``num_layers`` at most
+:data:`MAX_LAYERS`, layer lengths and ``max_tokens`` at most :data:`MAX_TOKENS`, a layer's
+``batch × num_kv_heads × head_dim`` at most :data:`MAX_ROW_VALUES` or eight values per byte
+of the file (a layer holding tokens holds at least a quarter of a byte per value of each;
+this bounds what a layer without tokens, or the next token of an empty one, allocates), and
+the rows ``max_tokens`` reserves, ``max_tokens × batch × num_kv_heads × head_dim × 4`` bytes
+per layer (batch 1 for an empty one), at most :data:`MAX_RESERVED_BYTES`. What the layers'
+arrays must hold is then checked against the cache that the configuration builds
+(:mod:`arraykv.caches.layout`), before a layer is built (:func:`arraykv.load`).
 """
 
 from __future__ import annotations
@@ -39,7 +53,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["CacheFileError", "LayerRecord", "write_cache_file", "read_cache_file", "FORMAT_VERSION",
-           "LAYER_DTYPES"]
+           "LAYER_DTYPES", "MAX_HEAD_DIM", "MAX_KV_HEADS", "MAX_LAYERS", "MAX_TOKENS", "MAX_ROW_VALUES",
+           "MAX_RESERVED_BYTES"]
 
 MAGIC = b"ARRAYKV\x00"
 FORMAT_VERSION = 1
@@ -49,6 +64,20 @@ _PREFIX = len(MAGIC) + 12
 LAYER_DTYPES = ("float16", "float32", "float64", "bfloat16")
 #: kinds of the stored arrays: unsigned/signed integers, floats and booleans (never objects).
 _ARRAY_KINDS = "uifb"
+#: Largest ``head_dim`` a file may declare (models use 64 to 256; a ``tq`` cache holds a
+#: ``head_dim²`` sketch, 64 MiB at this bound).
+MAX_HEAD_DIM = 4096
+#: Largest ``num_kv_heads`` a file may declare.
+MAX_KV_HEADS = 1024
+#: Largest ``num_layers`` a file may declare.
+MAX_LAYERS = 4096
+#: Largest layer length (a position) and ``max_tokens`` a file may declare.
+MAX_TOKENS = 1 << 31
+#: Values of one token row of a layer (``batch × num_kv_heads × head_dim``) a file may declare
+#: without holding them (the bound is eight times the file's bytes where that is larger).
+MAX_ROW_VALUES = 1 << 24
+#: Bytes the rows reserved for ``max_tokens`` tokens of one layer may take (4 GiB).
+MAX_RESERVED_BYTES = 1 << 32
 
 
 class CacheFileError(ValueError):
@@ -163,7 +192,7 @@ def read_cache_file(path: str | os.PathLike) -> tuple:
     try:
         header = json.loads(body[_PREFIX : _PREFIX + hlen].decode("utf-8"))
         config, layers, entries = header["config"], header["layers"], header["arrays"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CacheFileError(f"{path} has an unreadable header: {exc}") from None
     if not isinstance(config, dict) or not isinstance(layers, list) or not isinstance(entries, list):
         raise CacheFileError(f"{path}: header fields config/layers/arrays must be an object and two lists")
@@ -200,7 +229,42 @@ def read_cache_file(path: str | os.PathLike) -> tuple:
             raise CacheFileError(f"{path}: layer {i} lists arrays {meta['arrays']} but holds {sorted(held)}")
         if meta.get("dtype") not in LAYER_DTYPES:
             raise CacheFileError(f"{path}: layer {i} has dtype {meta.get('dtype')!r}; expected one of {LAYER_DTYPES}")
-        out.append(LayerRecord(length=_int(f"{path}: layer {i} length", meta.get("length"), 0),
-                               batch=_int(f"{path}: layer {i} batch", meta.get("batch"), 0),
+        out.append(LayerRecord(length=_int(f"{path}: layer {i} length", meta.get("length"), 1, MAX_TOKENS),
+                               batch=_int(f"{path}: layer {i} batch", meta.get("batch"), 1),
                                dtype=meta["dtype"], arrays=held))
+    _check_geometry(path, config, out, len(payload))
     return config, out
+
+
+def _check_geometry(path: Any, config: dict, layers: list, nbytes: int) -> None:
+    """Bound the geometry ``config`` declares before anything is built from it (module docstring).
+
+    Only integers above a bound are refused here; values of another type or below 1 are left
+    to the cache's constructor, which names what it accepts.
+    """
+    def bounded(name: str, high: int):
+        value = config.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return None
+        if value > high:
+            raise CacheFileError(f"{path}: config {name}={value} is more than {high}")
+        return value
+
+    bounded("num_layers", MAX_LAYERS)
+    heads, head_dim = bounded("num_kv_heads", MAX_KV_HEADS), bounded("head_dim", MAX_HEAD_DIM)
+    cap = bounded("max_tokens", MAX_TOKENS)
+    if heads is None or head_dim is None:
+        return
+    row_limit = max(MAX_ROW_VALUES, 8 * nbytes)
+    for i, rec in enumerate(layers):
+        batch = 1 if rec is None else rec.batch
+        row = batch * heads * head_dim
+        if row > row_limit:
+            raise CacheFileError(f"{path}: layer {i} declares batch {batch} × num_kv_heads {heads} × head_dim "
+                                 f"{head_dim} = {row} values per token, more than {row_limit} (the file's bytes "
+                                 f"hold far fewer)")
+        if cap is not None and rec is not None and rec.length > cap:
+            raise CacheFileError(f"{path}: layer {i} holds {rec.length} tokens, more than max_tokens={cap}")
+        if cap is not None and cap * row * 4 > MAX_RESERVED_BYTES:
+            raise CacheFileError(f"{path}: max_tokens={cap} would reserve {cap * row * 4} bytes for layer {i} "
+                                 f"(batch {batch}), more than {MAX_RESERVED_BYTES}")

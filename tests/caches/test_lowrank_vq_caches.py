@@ -314,3 +314,25 @@ def test_vq_fits_a_long_prefill_on_an_even_subsample(rng):
     assert default.max_calibration == 1024
     with pytest.raises(ValueError, match="max_calibration"):
         make("vq", codebook_size=4, min_calibration=16, max_calibration=8)
+
+
+@pytest.mark.parametrize("method, head_dim", [("lowrank", 16), ("lowrank", 48), ("vq", 16), ("vq", 24)])
+def test_a_tokens_codes_do_not_depend_on_the_call_that_brought_it(rng, method, head_dim):
+    """The same tokens stored in one call or one by one give the same bits (truncation promises
+    the state of a direct build, whatever call a cut falls in). No window: a token that waits in
+    the float16 window is encoded from its float16 copy, one that spills in its own call from
+    the input."""
+    kw = dict(num_layers=1, num_kv_heads=2, head_dim=head_dim, sink_tokens=2, residual_window=0)
+    if method == "vq":
+        kw.update(codebook_size=16)
+    one, many = arraykv.make_cache(method, **kw), arraykv.make_cache(method, **kw)
+    k, v, q = random_kvq(rng, np, 1, 2, 2, 300, head_dim)
+    one.prefill(0, k[:, :, :260], v[:, :, :260], q[:, :, :260])  # the calibrating call, shared
+    many.prefill(0, k[:, :, :260], v[:, :, :260], q[:, :, :260])
+    one.prefill(0, k[:, :, 260:], v[:, :, 260:], q[:, :, 260:])
+    for t in range(260, 300):
+        many.prefill(0, k[:, :, t:t + 1], v[:, :, t:t + 1], q[:, :, t:t + 1])
+    a, b = one.layer_arrays(0), many.layer_arrays(0)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(to_np(a[name]), to_np(b[name]), err_msg=name)
