@@ -316,10 +316,12 @@ def test_vq_fits_a_long_prefill_on_an_even_subsample(rng):
         make("vq", codebook_size=4, min_calibration=16, max_calibration=8)
 
 
-@pytest.mark.parametrize("method, head_dim", [("lowrank", 16), ("lowrank", 48), ("vq", 16), ("vq", 24)])
+@pytest.mark.parametrize("method, head_dim", [("lowrank", 16), ("lowrank", 48), ("vq", 16), ("vq", 24),
+                                              ("pqo4", 24), ("tq3", 24), ("pq2", 48)])
 def test_a_tokens_codes_do_not_depend_on_the_call_that_brought_it(rng, method, head_dim):
     """The same tokens stored in one call or one by one give the same bits (truncation promises
-    the state of a direct build, whatever call a cut falls in). No window: a token that waits in
+    the state of a direct build, whatever call a cut falls in): lowrank's projection, vq's
+    assignment and the polar codecs with a dense (non-power-of-two) rotation. No window: a token that waits in
     the float16 window is encoded from its float16 copy, one that spills in its own call from
     the input."""
     kw = dict(num_layers=1, num_kv_heads=2, head_dim=head_dim, sink_tokens=2, residual_window=0)
