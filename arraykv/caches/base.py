@@ -26,6 +26,7 @@ call leaves the layer as it was.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from typing import Any
 
@@ -344,20 +345,27 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         A prefill or decode stores its tokens (all-or-nothing), then builds its result: float
         keys and values of the whole layer, or the attention. A failure there (a
         ``MemoryError`` reconstructing a long layer, an interrupt) would leave the buffers
-        holding ``tokens`` more than ``seq_len`` counts. The layer is then truncated back to
-        its length before the call, exactly as :meth:`truncate` does (a new layer is simply not
-        kept). Where the rollback margin cannot reach that far back (a prompt longer than
-        ``rollback_tokens`` of a compressed layer), the layer keeps the call's tokens and counts
-        them, consistent, and the exception says so in a note.
+        holding ``tokens`` more than ``seq_len`` counts. A call within the rollback margin
+        (``rollback_tokens``; any call of a cache without one, which truncates anywhere) is
+        taken back as :meth:`truncate` takes tokens back. A longer call cannot be truncated
+        away (the window tokens it pushed out were encoded), so the layer is copied before it
+        (:meth:`fork`'s copy of one layer: the compressed arrays, less than the float keys and
+        values the call builds) and the copy put back. A new layer is simply not kept.
         """
         before = state.length
+        existing = self._states[layer] is state
+        saved = None
+        if existing and tokens > getattr(self, "rollback_tokens", math.inf):
+            saved = self._copy_layer(state)
         try:
             yield
         except BaseException as exc:
-            if not state.stored or self._states[layer] is not state:
-                state.stored = False
+            stored, state.stored = state.stored, False
+            if not stored or not existing:
                 raise  # nothing stored, or a new layer that is not kept: nothing to undo
-            state.stored = False
+            if saved is not None:
+                self._states[layer] = saved
+                raise
             state.length = before + tokens  # what the buffers hold
             try:
                 reachable = self._reachable(state, before)
@@ -368,8 +376,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
                 reachable = False
             if not reachable:
                 exc.add_note(f"arraykv: layer {layer} keeps this call's {tokens} tokens (seq_len {state.length}): "
-                             f"they were stored before the failure and the cache cannot take back more than "
-                             f"its rollback margin")
+                             f"they were stored before the failure and could not be taken back")
             raise
 
     # -- hooks -------------------------------------------------------------------
