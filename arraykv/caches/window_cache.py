@@ -35,12 +35,12 @@ from .rollback import DEFAULT_ROLLBACK_TOKENS, check_rollback_tokens
 __all__ = ["SlidingWindowCache", "WindowLayer", "WINDOW_STORAGE", "POLAR_STORAGE"]
 
 #: How a window layer holds its tokens: float16 (half the bytes of float32, range ±65504),
-#: exactly as given, or compressed per token by the rotated Lloyd-Max codec of ``pq`` at 2, 3
-#: or 4 bits (:data:`POLAR_STORAGE`).
-WINDOW_STORAGE = ("float16", "exact", "pq2", "pq3", "pq4")
+#: exactly as given, or compressed per token by the calibrated codec of the ``pqo`` caches at
+#: 2 to 8 bits (:data:`POLAR_STORAGE`).
+WINDOW_STORAGE = ("float16", "exact", "pq2", "pq3", "pq4", "pq5", "pq6", "pq8")
 
 #: The compressed storages and their bits per coordinate.
-POLAR_STORAGE = {"pq2": 2, "pq3": 3, "pq4": 4}
+POLAR_STORAGE = {"pq2": 2, "pq3": 3, "pq4": 4, "pq5": 5, "pq6": 6, "pq8": 8}
 #: Most recent tokens a compressed window also holds in float16 by default (measured on
 #: Gemma-3-270M, docs/algorithms.md §11: the last 8 buy what 64 buy, halving pqo4's KL).
 DEFAULT_EXACT_TAIL = 8
@@ -95,7 +95,7 @@ class SlidingWindowCache(LayeredCache):
         The attention span: a token sees itself and the ``window - 1`` tokens before it.
     rollback_tokens : int, default 16
         Extra tokens held so that :meth:`truncate` can take that many back.
-    storage : {"float16", "exact", "pq2", "pq3", "pq4"}, default "float16"
+    storage : {"float16", "exact", "pq2", "pq3", "pq4", "pq5", "pq6", "pq8"}, default "float16"
         ``"float16"`` holds half the bytes of float32 (a value beyond ±65504 is refused, as
         in every float16 part of the compressed caches); ``"exact"`` holds the input dtype;
         ``"pqB"`` holds every key and value in the ``B``-bit codec of the ``pqoB`` caches

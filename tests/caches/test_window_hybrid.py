@@ -222,6 +222,8 @@ CASES = [
     (4, 3, 2, 2, "pq3", np.float32),
     (5, 16, 1, 3, "pq2", np.float32),
     (3, 1, 1, 2, "pq4", np.float64),
+    (4, 2, 1, 2, "pq5", np.float32),
+    (3, 0, 2, 1, "pq8", np.float32),
 ]
 
 
@@ -258,7 +260,8 @@ def test_window_matches_reference(rng, window, rollback, batch, groups, storage,
 
 #: Bytes of one held row of keys (or values) per storage, float32 input: float16, as given,
 #: packed codes plus a float16 length.
-ROW_BYTES = {"float16": 2 * D, "exact": 4 * D, "pq4": D // 2 + 2, "pq3": 3 * D // 8 + 2, "pq2": D // 4 + 2}
+ROW_BYTES = {"float16": 2 * D, "exact": 4 * D, "pq5": 5 * D // 8 + 2, "pq4": D // 2 + 2, "pq3": 3 * D // 8 + 2,
+             "pq2": D // 4 + 2}
 
 
 @pytest.mark.parametrize("storage, row_bytes", [(s, ROW_BYTES[s]) for s in ("float16", "exact", "pq4", "pq3")])
@@ -804,7 +807,7 @@ def test_decoder_chunked_prefill_and_decode_equal_forward(model, prompt, chunk, 
 def test_decoder_pqo4_sliding_layers_hold_the_window(model):
     ids = np.random.default_rng(7).integers(0, 100, size=40).tolist()
     cache = model.make_cache("pqo4")
-    assert cache.full_method == "pqo4" and cache.sliding.storage == "pq4"
+    assert cache.full_method == "pqo4" and cache.sliding.storage == "pq5"
     keep = 5 + cache.sliding.rollback_tokens
     logits = to_np(model.prefill(ids[:26], cache, chunk_size=8))
     assert np.isfinite(logits).all()
@@ -841,7 +844,8 @@ def attend(q, k, v, scale):
 
 
 @pytest.mark.parametrize("storage, window, rollback, batch, groups, d", [
-    ("pq4", 6, 2, 1, 2, 16), ("pq3", 9, 4, 2, 1, 32), ("pq2", 5, 0, 1, 3, 16), ("pq4", 40, 3, 2, 2, 64)])
+    ("pq4", 6, 2, 1, 2, 16), ("pq3", 9, 4, 2, 1, 32), ("pq2", 5, 0, 1, 3, 16), ("pq4", 40, 3, 2, 2, 64),
+    ("pq5", 7, 2, 1, 2, 32), ("pq6", 5, 1, 2, 2, 16)])
 def test_fused_window_decode_equals_attention_over_its_rows(rng, storage, window, rollback, batch, groups, d):
     kw = dict(num_layers=1, num_kv_heads=2, head_dim=d, window=window, rollback_tokens=rollback, storage=storage)
     fused = arraykv.make_cache("window", decode_path="fused", **kw)
