@@ -15,7 +15,6 @@ tokens, the *last* ``n`` positions of the sequence, and the caller masks by posi
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +24,8 @@ from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype
 from .base import LayeredCache, LayerState, check_decode_path, refuse_overflow
-from .polar_calibration import PolarCalibration, calibrate
+from .layout import Layout, Spec, join
+from .polar_calibration import PolarCalibration, calibrate, calibration_layout
 from .polar_codec import PolarFixed, PolarLayerCodec
 from .polar_decode import decode_tokens
 from .polar_options import check_polar_options
@@ -198,10 +198,10 @@ class SlidingWindowCache(LayeredCache):
         return sum(c.nbytes() for c in list(self._fixed.values()))
 
     def _fused_auto(self, xp: Any) -> bool:
-        return self.bits is not None and ops.has_kernel("polar_decode_attention", xp)
+        return ops.has_kernel("polar_decode_attention", xp)
 
     def _fused(self, xp: Any) -> bool:
-        return self.bits is not None and super()._fused(xp)
+        return self.bits is not None and super()._fused(xp)  # float rows are returned as they are
 
     def _on_reset(self) -> None:
         self._fixed = {}
@@ -483,48 +483,52 @@ class SlidingWindowCache(LayeredCache):
             out["fixed_end"] = st.xp.asarray([st.fixed_end], dtype=st.xp.int64, device=st.device)
         return out
 
-    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> WindowLayer:
-        calib = None
-        expect = set(self.row_shapes())
-        if self.bits is not None:
-            calib = check_window_calibration(xp, arrays, batch, self.num_kv_heads, self.head_dim)
-            expect |= set(self.row_shapes(calib.n_outliers)) | {"k_tail", "v_tail", "fixed_end"} | set(calib.arrays())
-        if set(arrays) != expect:
-            raise ValueError(f"a window layer of storage {self.storage!r} holds arrays {sorted(expect)}, "
-                             f"received {sorted(arrays)}")
+    def _layer_layout(self, xp, batch, dtype, length) -> Layout:
+        """The saved arrays of a layer: its held rows (:meth:`row_shapes`, at least
+        ``min(length, window - 1)`` and at most ``min(length, keep)``, one at least), and for the
+        ``pq`` storages the calibration (:func:`~arraykv.caches.polar_calibration.calibration_layout`,
+        required), the outlier channels' exact values exactly when it keeps some, the float16
+        tail (between ``min(rows, exact_tail)`` and ``min(rows, exact_tail + rollback_tokens)``
+        rows) and ``fixed_end`` in ``[1, length]``."""
+        b, h = batch, self.num_kv_heads
         dtypes = self._row_dtypes(xp, dtype)
-        n = None
-        for name, tail in self.row_shapes(0 if calib is None else calib.n_outliers).items():
-            s = check_rows(xp, arrays[name], name, (batch, self.num_kv_heads, None) + tail, dtypes[name])
-            if n is not None and s[2] != n:
-                raise ValueError(f"stored arrays hold different numbers of rows ({n} and {s[2]})")
-            n = s[2]
-        if n > min(length, self.keep) or n < min(length, self.window - 1) or (length and n == 0):
-            raise ValueError(f"a window layer of {length} tokens holds between {min(length, self.window - 1)} and "
-                             f"{min(length, self.keep)} rows, received {n}")
+        arrays = {name: Spec(dtypes[name], (b, h, "rows") + tail) for name, tail in self.row_shapes().items()}
+
+        def rows(sizes: dict, held: frozenset):
+            n, lo, hi = sizes["rows"], min(length, self.window - 1), min(length, self.keep)
+            if lo <= n <= hi and n:
+                return None
+            return f"a window layer of {length} tokens holds between {max(lo, 1)} and {hi} rows, received {n}"
+
+        if self.bits is None:
+            return Layout(arrays=arrays, rules=(rows,))
+        half, d = half_dtype(xp), self.head_dim
+        arrays.update(k_outliers=Spec(half, (b, h, "rows", "n_out"), required=False),
+                      k_tail=Spec(half, (b, h, "tail", d)), v_tail=Spec(half, (b, h, "tail", d)),
+                      fixed_end=Spec(xp.int64, (1,), low=1, high="length"))
+
+        def codec(sizes: dict, held: frozenset):
+            if "k_mean" not in held:
+                return "a pq window layer holds its calibration; 'k_mean' and the rest are missing"
+            if ("k_outliers" in held) != (sizes.get("n_out", 0) > 0):
+                return "stored 'k_outliers' must come exactly when the calibration keeps outlier channels"
+            n, t = sizes["rows"], sizes["tail"]
+            if min(n, self.exact_tail) <= t <= min(n, self.tail_keep):
+                return None
+            return (f"a window layer of {n} rows holds between {min(n, self.exact_tail)} and "
+                    f"{min(n, self.tail_keep)} tail rows, received {t}")
+
+        return join(calibration_layout(xp, b, h, d), Layout(arrays=arrays), sizes={"length": length},
+                    rules=(rows, codec))
+
+    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> WindowLayer:
         st = WindowLayer(xp=xp, device=dev, batch=batch, dtype=dtype, length=length)
         if self.bits is not None:
-            shape = (batch, self.num_kv_heads, None, self.head_dim)
-            t = check_rows(xp, arrays["k_tail"], "k_tail", shape, half_dtype(xp))[2]
-            if check_rows(xp, arrays["v_tail"], "v_tail", shape, half_dtype(xp))[2] != t:
-                raise ValueError("stored arrays 'k_tail' and 'v_tail' hold different numbers of rows")
-            if not min(n, self.exact_tail) <= t <= min(n, self.tail_keep):
-                raise ValueError(f"a window layer of {n} rows holds between {min(n, self.exact_tail)} and "
-                                 f"{min(n, self.tail_keep)} tail rows, received {t}")
-            fe = arrays["fixed_end"]
-            if tuple(fe.shape) != (1,) or fe.dtype != xp.int64 or not 1 <= int(fe[0]) <= length:
-                raise ValueError(f"stored array 'fixed_end' must be one int64 in [1, {length}]")
-            st.fixed_end = int(fe[0])
-            st.calib = calib
+            st.calib = PolarCalibration.from_arrays(xp, arrays)
+            st.fixed_end = int(arrays["fixed_end"][0])
             st.tail_k = xp.asarray(arrays["k_tail"], copy=True)
             st.tail_v = xp.asarray(arrays["v_tail"], copy=True)
-        self._push(st, {name: arrays[name] for name in self.row_shapes(0 if calib is None else calib.n_outliers)})
-        if self.bits is not None:  # finite parts can still decode past the layer's dtype (a float16 layer)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)  # the overflow is the finding, said below
-                rk, rv = self._decode_rows(st, st.held(), length - n, length)
-            if not _compat.all_finite(xp, [rk, rv]):
-                raise ValueError(f"the stored codes decode to keys or values beyond the range of {dtype}")
+        self._push(st, {name: arrays[name] for name in self.row_shapes(0 if st.calib is None else st.calib.n_outliers)})
         return st
 
     def _extra_config(self) -> dict:
@@ -535,40 +539,3 @@ class SlidingWindowCache(LayeredCache):
             out["decode_path"] = self.decode_path
         return out
 
-
-def check_rows(xp: Any, a: Any, name: str, shape: tuple, dtype: Any) -> tuple:
-    """The shape of stored array ``a``; ``ValueError`` unless it has ``dtype``, the dims of
-    ``shape`` (None: any size) and, for floats, only finite values."""
-    s = tuple(int(x) for x in a.shape)
-    if a.dtype != dtype or len(s) != len(shape) or any(w is not None and w != g for w, g in zip(shape, s)):
-        want = ", ".join("rows" if w is None else str(w) for w in shape)
-        raise ValueError(f"stored array {name!r} must have shape ({want}) and dtype {dtype}, received {s} of {a.dtype}")
-    if a.dtype in _compat.float_dtypes(xp) and not _compat.all_finite(xp, [a]):
-        raise ValueError(f"stored array {name!r} holds non-finite values")
-    return s
-
-
-def check_window_calibration(xp: Any, arrays: dict, batch: int, heads: int, d: int) -> PolarCalibration:
-    """The calibration of a saved ``pq`` window layer, every array checked (shapes, dtypes,
-    finite values, outlier channels ascending in ``[0, d)``, channel pairs in range)."""
-    half = half_dtype(xp)
-    for name in ("k_mean", "v_mean", "k_scale"):
-        if name not in arrays:
-            raise ValueError(f"a pq window layer holds its calibration; {name!r} is missing")
-        check_rows(xp, arrays[name], name, (batch, heads, d), half)
-    idx = arrays.get("k_outlier_idx")
-    if idx is None:
-        raise ValueError("a pq window layer holds its calibration; 'k_outlier_idx' is missing")
-    n_out = check_rows(xp, idx, "k_outlier_idx", (batch, heads, None), xp.int32)[2]
-    if n_out >= d or (n_out and (bool(xp.any(idx < 0)) or bool(xp.any(idx >= d)) or
-                                 (n_out > 1 and bool(xp.any(idx[..., 1:] <= idx[..., :-1]))))):
-        raise ValueError(f"stored 'k_outlier_idx' must hold fewer than {d} ascending channels in [0, {d})")
-    if ("k_mean_freq" in arrays) != ("k_mean_pairs" in arrays):
-        raise ValueError("stored 'k_mean_freq' and 'k_mean_pairs' come together")
-    if "k_mean_freq" in arrays:
-        check_rows(xp, arrays["k_mean_freq"], "k_mean_freq", (batch, heads, d // 2), xp.float32)
-        pairs = arrays["k_mean_pairs"]
-        check_rows(xp, pairs, "k_mean_pairs", (d // 2, 2), xp.int32)
-        if bool(xp.any(pairs < 0)) or bool(xp.any(pairs >= d)):
-            raise ValueError(f"stored 'k_mean_pairs' must name channels in [0, {d})")
-    return PolarCalibration.from_arrays(xp, arrays)
