@@ -106,8 +106,8 @@ class HybridCache:
         Options of that method.
     window_options : dict, optional
         Options of the :class:`~arraykv.caches.window_cache.SlidingWindowCache`
-        (``storage``, ``rollback_tokens``, ``seed``); ``storage`` defaults to
-        :func:`default_window_storage` of the global method.
+        (``storage``, ``exact_tail``, ``decode_path``, ``rollback_tokens``, ``seed``);
+        ``storage`` defaults to :func:`default_window_storage` of the global method.
     check_finite : bool, default True
     max_tokens : int, optional
         Both sub-caches get them.

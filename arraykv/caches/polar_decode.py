@@ -49,7 +49,8 @@ def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0)
     return xp.concat(parts_k, axis=2), xp.concat(parts_v, axis=2)
 
 
-def decode_tokens(codes: dict, calib: Any, fixed: PolarFixed, key_bits: int, value_bits: int, position: int) -> tuple:
+def decode_tokens(codes: dict, calib: Any, fixed: PolarFixed, key_bits: int, value_bits: int,
+                  position: int) -> tuple:
     """float32 K/V, (b, h, t, d) each, of tokens encoded by ``ops.polar_encode_tokens``.
 
     Parameters

@@ -348,8 +348,7 @@ class SlidingWindowCache(LayeredCache):
 
     def _decode(self, st, k, v, q, config: AttendConfig):
         end = st.length + int(k.shape[2])
-        self._store_at(st, k, v, q, st.length, end)
-        st.stored = True
+        self._store_tokens(st, k, v, q)
         w = min(st.n, self.window)
         if self._fused(st.xp):
             return Fused(ops.polar_decode_attention(self._window_codec(st, w, end), q, config.softmax_scale))

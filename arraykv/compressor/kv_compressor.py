@@ -13,7 +13,7 @@ from .. import _compat
 from .._validation import array_namespace, check_finite, dtype_name, is_floating
 from .. import ops
 from ..quant.intq import IntQuantized, dequantize_groups, quantize_groups
-from ..quant.lowrank import LowRankBasis, fit_basis
+from ..quant.lowrank import LowRankBasis, fit_basis, project
 from ..quant.outliers import SparseOutliers, scatter_outliers
 from ..quant.vq import VQCodebook, VQCodes, train_vq, vq_decode, vq_encode
 
@@ -236,7 +236,7 @@ class KVCacheCompressor:
             return CompressedTensor("pq", shape, x.dtype, parts, frozenset({"centroids"} if shared else ()), meta)
         if isinstance(m, LowRank):
             basis, shared = self._model(xp, x, which)
-            coeffs = _project(xp, x, basis)
+            coeffs = project(x, basis)
             parts = {"coeffs": xp.astype(coeffs, x.dtype) if coeffs.dtype != x.dtype else coeffs,
                      "basis": basis.basis}
             if basis.mean is not None:
@@ -327,13 +327,6 @@ def samples_by_head(xp: Any, x: Any):
     """(batch, heads, seq, d) → (heads, batch · seq, d): every head's vectors, the samples a fit sees."""
     b, h, s, d = (int(t) for t in x.shape)
     return xp.reshape(xp.permute_dims(x, (1, 0, 2, 3)), (h, b * s, d))
-
-
-def _project(xp: Any, x: Any, b: LowRankBasis):
-    x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
-    if b.mean is not None:
-        x32 = x32 - b.mean[:, None, :]
-    return xp.matmul(x32, b.basis)
 
 
 def _project_t(xp: Any, x32: Any, b: LowRankBasis):

@@ -36,7 +36,7 @@ from .generation import undo_on_failure
 from .generation import check_chunk, check_sampling, generate_tokens, prompt_ids, tokenizer_stops
 from .llama_attention import (apply_rope, attend_chunk, attend_one, causal_mask, plain_numpy, rope_tables,
                               window_mask)
-from .prompt_stage import PromptStage, stages_layer
+from .prompt_stage import PromptStage, serving_cache, stages_layer
 from .llama_weights import LayerWeights, layout_gguf_tensors, random_gguf_tensors, unpermute_qk
 
 __all__ = ["DecoderModel", "LlamaModel", "LayerWeights", "random_gguf_tensors", "unpermute_qk"]
@@ -494,5 +494,5 @@ def _as_len(token_ids: Any) -> int:
 def _holds_window(cache: Any, layer: int, window: int) -> bool:
     """Whether ``cache`` serves ``layer`` from a window cache of ``window`` tokens (whose fused
     decode attends over exactly the last ``window`` tokens)."""
-    part = cache.cache_of(layer) if hasattr(cache, "cache_of") else cache
+    part = serving_cache(cache, layer)
     return getattr(part, "window", None) == window and getattr(part, "method", None) == "window"

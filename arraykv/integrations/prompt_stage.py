@@ -41,20 +41,20 @@ from typing import Any
 from .. import _compat
 from ..protocol import DequantResult
 
-__all__ = ["PromptStage", "QUERY_SAMPLE", "stages_layer"]
+__all__ = ["PromptStage", "QUERY_SAMPLE", "stages_layer", "serving_cache"]
 
 #: Query positions kept per layer for the cache's calibration.
 QUERY_SAMPLE = 1024
 
 
-def _part(cache: Any, layer: int) -> Any:
+def serving_cache(cache: Any, layer: int) -> Any:
     """The cache that serves ``layer`` (the part of a hybrid cache, or ``cache`` itself)."""
     return cache.cache_of(layer) if hasattr(cache, "cache_of") else cache
 
 
 def stages_layer(cache: Any, layer: int) -> bool:
     """Whether ``layer`` of ``cache`` compresses (so a prompt is staged for it)."""
-    part = _part(cache, layer)
+    part = serving_cache(cache, layer)
     if not (hasattr(part, "append") and hasattr(part, "dequantize")):
         return False  # a cache of the protocol only: its chunks go straight to it
     if hasattr(part, "keep") and not hasattr(part, "append_last"):
@@ -89,7 +89,8 @@ class PromptStage:
         self.total = int(total)
         self._staged = [stages_layer(cache, i) for i in range(num_layers)]
         #: Rows a staged sliding layer keeps between chunks (None: a global layer keeps all).
-        self._keep = [getattr(_part(cache, i), "keep", None) if self._staged[i] else None for i in range(num_layers)]
+        self._keep = [getattr(serving_cache(cache, i), "keep", None) if self._staged[i] else None
+                      for i in range(num_layers)]
         self._held: list = [None] * num_layers  # per staged layer: a _Staged once its first chunk came
         self._before: list = [None] * num_layers  # earlier tokens of the target, float (k, v)
         self._start = [cache.seq_len(i) for i in range(num_layers)]
@@ -166,5 +167,5 @@ class PromptStage:
             if self._keep[layer] is None:
                 self.cache.append(layer, k, v, q)
             else:  # the last rows of a sliding layer's prompt; its length counts every token
-                _part(self.cache, layer).append_last(layer, k, v, q[:, :, held.seen - int(k.shape[2]):, :],
-                                                     held.seen)
+                rows = int(k.shape[2])
+                serving_cache(self.cache, layer).append_last(layer, k, v, q[:, :, held.seen - rows:, :], held.seen)

@@ -193,7 +193,7 @@ def project(x: Any, b: LowRankBasis):
     x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
     if b.mean is not None:
         x32 = x32 - b.mean[:, None, :]
-    return row_products(x32, b.basis)
+    return xp.matmul(x32, b.basis)
 
 
 def reconstruct(coeffs: Any, b: LowRankBasis, dtype: Any = None):
