@@ -1,7 +1,8 @@
 """arraykv: compressed KV caches for transformer inference, on any array-API library."""
 
+from . import storage as storage  # the subpackage, public
 from .attention import attention
-from . import storage
+from .caches import DenseCache, HybridCache, SlidingWindowCache, available_methods, make_cache, register_method
 from .compressor import (
     CompressedKV,
     Hybrid,
@@ -13,8 +14,6 @@ from .compressor import (
     decompress_to_mla_cache,
     decompress_to_paged_cache,
 )
-from .storage import MlaCache, PagedKVCache
-from .caches import DenseCache, HybridCache, SlidingWindowCache, available_methods, make_cache, register_method
 from .persist import CacheFileError, load_cache as load
 from .protocol import (
     AttendConfig,
@@ -24,6 +23,7 @@ from .protocol import (
     DequantResult,
     Fused,
 )
+from .storage import MlaCache, PagedKVCache
 
 __version__ = "0.1.0"
 

@@ -29,7 +29,8 @@ DEFAULT_PROMPT = "Write one sentence about the sea."
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="generate with SmolLM2-135M through a compressed cache and print a quality table",
                        description=__doc__)
-    p.add_argument("--model", default=None, help="a .gguf file (llama, qwen2, qwen3, gemma3) or a known model: smollm2-135m, "
+    p.add_argument("--model", default=None,
+                   help="a .gguf file (llama, qwen2, qwen3, gemma3) or a known model: smollm2-135m, "
                         "gemma3-270m (fetched once; default: smollm2-135m)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT,
                    help="user message for a chat model; text to continue for a base model")

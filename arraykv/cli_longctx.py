@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``longctx`` (shared with ``benchmarks/long_context.py``)."""
-    p.add_argument("--model", default=None, help="a .gguf file (llama, qwen2, qwen3, gemma3) or a known model: smollm2-135m, "
+    p.add_argument("--model", default=None,
+                   help="a .gguf file (llama, qwen2, qwen3, gemma3) or a known model: smollm2-135m, "
                         "gemma3-270m (fetched once; default: smollm2-135m)")
     p.add_argument("--methods", nargs="+", default=None,
                    help="cache methods (default: dense, pqo4, pqo3, pqo2, int8, int4); dense is always run")
@@ -60,8 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, *, out=print) -> int:
     """Run ``longctx`` with parsed ``args``; ``out`` prints a line."""
-    from . import __version__
-    from . import eval as ev
+    from . import __version__, eval as ev
     from .caches import available_methods
     from .integrations.gguf_llama import load_model
 

@@ -173,13 +173,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"   total                       {packed.size + 2} bytes vs {2 * d} in float16 "
           f"({(packed.size + 2) * 8 / d:.2f} bits/value)")
     print(f"5. reconstruction x^           {_fmt(s['reconstruction'])}")
-    print(f"   relative error |x-x^|^2/|x|^2 = {s['rel_error']:.4f}   (codebook optimum for a unit vector: {cb.mse:.4f})")
+    print(f"   relative error |x-x^|^2/|x|^2 = {s['rel_error']:.4f}   "
+          f"(codebook optimum for a unit vector: {cb.mse:.4f})")
     print("\n   Note: before this step the pqo caches center K/V per channel, weight key channels by"
           " sqrt(rms_q/rms_k)\n   and keep outlier key channels exactly; the first tokens and the most"
           " recent ones stay float16\n   (docs/algorithms.md).")
 
     curve = distortion_curve(d)
-    print("\nDistortion E|u-u^|^2 of random unit vectors (d=%d):" % d)
+    print(f"\nDistortion E|u-u^|^2 of random unit vectors (d={d}):")
     print("   bits   measured   Lloyd-Max optimum   lower bound 4^-b")
     for b, meas, opt, lb in curve:
         print(f"   {b:>4}   {meas:8.5f}   {opt:17.5f}   {lb:16.5f}")

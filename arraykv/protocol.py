@@ -25,8 +25,9 @@ Arrays come back in the namespace, device and dtype of the input.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Union, runtime_checkable
+from typing import Protocol, runtime_checkable
 
+from ._types import Array
 from ._validation import check_int, check_softmax_scale
 
 __all__ = [
@@ -73,9 +74,9 @@ class DequantResult:
         TurboQuant-prod keys, already multiplied by the softmax scale).
     """
 
-    k: Any
-    v: Any
-    logit_bias: Any = None
+    k: Array
+    v: Array
+    logit_bias: Array | None = None
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class Fused:
     output : array, shape (batch, q_heads, 1, head_dim)
     """
 
-    output: Any
+    output: Array
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class Dequantized:
     result: DequantResult
 
 
-DecodeOutput = Union[Fused, Dequantized]
+DecodeOutput = Fused | Dequantized
 
 
 @runtime_checkable
@@ -113,11 +114,11 @@ class CompressedKVCache(Protocol):
     parallel, calls on the same layer are serialized.
     """
 
-    def prefill(self, layer: int, k: Any, v: Any, q: Any) -> DequantResult:
+    def prefill(self, layer: int, k: Array, v: Array, q: Array) -> DequantResult:
         """Store ``new_tokens`` keys/values and return K/V of all tokens stored in ``layer``."""
         ...
 
-    def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
+    def decode(self, layer: int, k: Array, v: Array, q: Array, config: AttendConfig) -> DecodeOutput:
         """Store exactly one new token and return attention (``Fused``) or K/V (``Dequantized``)."""
         ...
 

@@ -2,7 +2,9 @@
 
 Run each in a new process with an empty Numba cache directory, e.g.::
 
-    for k in vq int4 pqo4; do NUMBA_CACHE_DIR=$(mktemp -d) NUMBA_NUM_THREADS=1 python benchmarks/cold_compile.py $k; done
+    for k in vq int4 pqo4; do
+        NUMBA_CACHE_DIR=$(mktemp -d) NUMBA_NUM_THREADS=1 python benchmarks/cold_compile.py $k
+    done
 
 The first call compiles (or, with a warm cache, loads) what the kernel needs for one small step.
 """

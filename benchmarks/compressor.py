@@ -8,17 +8,15 @@ All ratios in one table come from one run on the same data.
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import numpy as np
 
 import arraykv
-from arraykv import Hybrid, KVCacheCompressor, LowRank
+from arraykv import Hybrid, KVCacheCompressor, LowRank, ops
+from arraykv.quant import vq
 from arraykv.quant.intq import dequantize_groups, quantize_groups
 from arraykv.quant.lowrank import eckart_young_error, fit_basis, project, reconstruct
-from functools import partial
-
-from arraykv import ops
-from arraykv.quant import vq
 
 train_vq = partial(vq.train_vq, assign=ops.vq_assign, update=ops.vq_update)
 vq_encode = partial(vq.vq_encode, encode=ops.vq_encode)
@@ -146,17 +144,20 @@ def speed(rng):
     for bits in (8, 4):
         comp = KVCacheCompressor(Hybrid(rank=32, quant_bits=bits))
         best, med = best_of(lambda: comp.compress_kv_3d(x, y))
-        rows.append([f"Hybrid INT{bits} compress, basis fitted per call", f"{vals / best / 1e6:.0f}", f"{vals / med / 1e6:.0f}"])
+        rows.append([f"Hybrid INT{bits} compress, basis fitted per call", f"{vals / best / 1e6:.0f}",
+                     f"{vals / med / 1e6:.0f}"])
         comp.fit(x, y)
         best, med = best_of(lambda: comp.compress_kv_3d(x, y))
-        rows.append([f"Hybrid INT{bits} compress, basis fitted once", f"{vals / best / 1e6:.0f}", f"{vals / med / 1e6:.0f}"])
+        rows.append([f"Hybrid INT{bits} compress, basis fitted once", f"{vals / best / 1e6:.0f}",
+                     f"{vals / med / 1e6:.0f}"])
         c = comp.compress_kv_3d(x, y)
         best, med = best_of(lambda: comp.decompress_kv(c))
         rows.append([f"Hybrid INT{bits} decompress", f"{vals / best / 1e6:.0f}", f"{vals / med / 1e6:.0f}"])
     flat = x.reshape(-1, 128)
     best, med = best_of(lambda: quantize_groups(flat, 8, 32, group_minmax=ops.intq_group_minmax,
                                                 quantize_pack=ops.intq_quantize_pack))
-    rows.append(["group-wise INT8 quantize + pack alone (Numba)", f"{x.size / best / 1e6:.0f}", f"{x.size / med / 1e6:.0f}"])
+    rows.append(["group-wise INT8 quantize + pack alone (Numba)", f"{x.size / best / 1e6:.0f}",
+                 f"{x.size / med / 1e6:.0f}"])
     table("Throughput on [8, 4096, 128] float32 K and V (M values/s; values = K + V)",
           ["operation", "best of 5", "median of 5"], rows)
 

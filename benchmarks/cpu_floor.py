@@ -97,8 +97,9 @@ def measured_fma(threads: int) -> float:
     if not simd.VECTOR_TILES:
         _FMA[threads] = 0.0
         return 0.0
-    import numba as nb
     from concurrent.futures import ThreadPoolExecutor
+
+    import numba as nb
 
     @nb.njit(nogil=True)
     def run(buf, w, acc, reps):

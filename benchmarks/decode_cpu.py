@@ -94,7 +94,7 @@ def load_baseline(rev):
 
     Revisions from before the ``ops`` layer had it at ``arraykv/backends/_numba_fused.py``.
     """
-    for path, package in (("arraykv/ops/numba/polar_fused.py", "arraykv.ops.numba"),
+    for path, package in (("arraykv/ops/numba/polar_fused.py", "arraykv.ops.numba"),  # noqa: B007 - read after the loop
                           ("arraykv/backends/_numba_fused.py", "arraykv.backends")):
         out = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
         if out.returncode == 0:
@@ -119,10 +119,13 @@ def first_n(codec, n):
 def dequantize(codec):
     """Float32 K/V of every quantized token of ``codec`` (what a dequantizing cache builds each step)."""
     d = codec.rotation.dim
-    k = polar_decode(PolarCode(codec.k_codes, codec.k_norms, codec.k_codebook.bits, d), codec.k_codebook, codec.rotation)
-    v = polar_decode(PolarCode(codec.v_codes, codec.v_norms, codec.v_codebook.bits, d), codec.v_codebook, codec.rotation)
+    k = polar_decode(PolarCode(codec.k_codes, codec.k_norms, codec.k_codebook.bits, d), codec.k_codebook,
+                     codec.rotation)
+    v = polar_decode(PolarCode(codec.v_codes, codec.v_norms, codec.v_codebook.bits, d), codec.v_codebook,
+                     codec.rotation)
     if codec.k_outlier_idx is not None and codec.k_outlier_idx.shape[-1]:
-        np.put_along_axis(k, np.broadcast_to(codec.k_outlier_idx[:, :, None, :], codec.k_outliers.shape).astype(np.int64),
+        np.put_along_axis(k, np.broadcast_to(codec.k_outlier_idx[:, :, None, :],
+                                             codec.k_outliers.shape).astype(np.int64),
                           codec.k_outliers.astype(np.float32), axis=-1)
     if getattr(codec, "k_scale", None) is not None:
         k = k / codec.k_scale.astype(np.float32)[:, :, None, :]
@@ -191,8 +194,8 @@ def small(args, baseline):
 def model_steps(args, baseline):
     """Decode time per token of SmolLM2-135M with each cache (the model's weights included)."""
     from arraykv import eval as ev
-    from arraykv.ops import registry
     from arraykv.integrations.gguf_llama import load_model
+    from arraykv.ops import registry
 
     model = load_model(None)
     context, steps = args.model_context, args.model_steps
@@ -348,9 +351,8 @@ def _steps(method, k, v, q, scale, rng, baseline=None):
 
 def floor_table(args, baseline=None):
     """Every method's fused step beside its floor and the fastest dense float32 attention, two shapes."""
-    import numba
-
     import cpu_floor
+    import numba
 
     threads = numba.get_num_threads()
     get_blas, _ = blas_threads()

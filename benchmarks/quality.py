@@ -59,8 +59,7 @@ def calibrated_rows(model, ids, prefill: int, exact) -> list:
 
     The evaluated tokens are the first ``len(ids)`` (≤ 600), so calibration and test do not overlap.
     """
-    from arraykv import LowRank, VectorQuantization
-    from arraykv import eval as ev
+    from arraykv import LowRank, VectorQuantization, eval as ev
 
     if len(ids) > 600:
         raise SystemExit("--calibrated needs --tokens <= 600 (tokens 600-1400 are the calibration text)")

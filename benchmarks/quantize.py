@@ -12,15 +12,14 @@ import argparse
 import math
 import platform
 import time
+from functools import partial
 
 import numpy as np
 
 import arraykv
-from arraykv.quant.codebooks import lloyd_max, make_codebook
-from functools import partial
-
 from arraykv import ops
 from arraykv.quant import polar
+from arraykv.quant.codebooks import lloyd_max, make_codebook
 from arraykv.quant.qjl import make_sketch, prod_decode, prod_encode
 from arraykv.quant.rotation import make_rotation
 
@@ -54,7 +53,8 @@ def gaussian(rng, n):
         c.prefill(0, x, x, x)
         c.prefill(0, x[:, :, :1], x[:, :, :1], x[:, :, :1])
         bpv = c.used_bytes() * 8 / (2 * 8 * (n + 1) * d)
-        print(f"| pqo{b} | {err:.5f} | {OPT128[b]:.5f} | {err / OPT128[b]:.3f} | {code.bits_per_value:.3f} | {bpv:.3f} |")
+        print(f"| pqo{b} | {err:.5f} | {OPT128[b]:.5f} | {err / OPT128[b]:.3f} | {code.bits_per_value:.3f} "
+              f"| {bpv:.3f} |")
 
 
 def adversarial(rng):
@@ -118,8 +118,10 @@ def tq_stats(rng, n):
     print("|---|---|---|---|---|")
     d = 128
     ref = {2: 0.56, 3: 0.18, 4: 0.054}
-    x = rng.standard_normal((n, d)); x /= np.linalg.norm(x, axis=1, keepdims=True)
-    q = rng.standard_normal((n, d)); q /= np.linalg.norm(q, axis=1, keepdims=True)
+    x = rng.standard_normal((n, d))
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    q = rng.standard_normal((n, d))
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
     x, q = x.astype(np.float32), q.astype(np.float32)
     rot, sk = make_rotation(d, 1, xp=np), make_sketch(d, 1, xp=np)
     for b in (2, 3, 4):

@@ -28,8 +28,8 @@ import statistics
 
 def main(argv=None) -> int:
     from arraykv import eval as ev
-    from arraykv.integrations.gguf_llama import load_model
     from arraykv.integrations.drafts import draft_from_spec
+    from arraykv.integrations.gguf_llama import load_model
     from arraykv.integrations.speculative import greedy_agreement, greedy_with_gaps, speculative_generate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -47,7 +47,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     model = load_model(args.model, quiet=True)
-    ids = model.tokenizer.encode(model.tokenizer.chat_prompt(args.prompt)) if args.prompt else ev.builtin_token_ids(model, args.prompt_tokens)
+    if args.prompt:
+        ids = model.tokenizer.encode(model.tokenizer.chat_prompt(args.prompt))
+    else:
+        ids = ev.builtin_token_ids(model, args.prompt_tokens)
     modes = [False] if args.no_concurrent else [False, True]
     # a prompt-lookup draft runs no model, so it has nothing to run beside the target
     configs = [(d, k, c) for d in args.drafts for k in args.k for c in modes if not (c and d.startswith("ngram"))]

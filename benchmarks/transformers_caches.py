@@ -36,7 +36,6 @@ for DynamicCache its K/V tensors.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import platform
 import time
 

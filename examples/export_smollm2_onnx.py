@@ -36,7 +36,7 @@ def build_llama_onnx(model, *, opset: int = 17):
     from onnx import TensorProto, helper, numpy_helper
 
     c = model.config
-    H, Hkv, d, D, F = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.ffn_size
+    H, Hkv, d, F = c.num_heads, c.num_kv_heads, c.head_dim, c.ffn_size
     g = H // Hkv
     half = d // 2
     inits, nodes = [], []

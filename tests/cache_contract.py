@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import arraykv
+
 from conftest import asarray, to_np
 
 
@@ -36,7 +37,8 @@ def attend(out, q, scale):
 
 def snapshot(cache):
     """Everything a cache holds, as NumPy arrays, plus its lengths."""
-    return [(cache.seq_len(i), {n: to_np(a) for n, a in cache.layer_arrays(i).items()}) for i in range(cache.num_layers)]
+    return [(cache.seq_len(i), {n: to_np(a) for n, a in cache.layer_arrays(i).items()})
+            for i in range(cache.num_layers)]
 
 
 def assert_same_snapshot(a, b):

@@ -8,7 +8,6 @@ import zipfile
 
 import pytest
 
-import arraykv
 from arraykv.ops import kernel_names, kernel_source
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -43,7 +42,8 @@ def test_wheel_contains_modules_and_kernels(tmp_path):
         z.extractall(target)
     code = "import arraykv, arraykv.ops as b; print(arraykv.__file__); print(','.join(b.kernel_names()))"
     env = dict(os.environ, PYTHONPATH=str(target))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=120)
     assert res.returncode == 0, res.stderr
     file_line, kernels_line = res.stdout.strip().splitlines()
     assert file_line.startswith(str(target))

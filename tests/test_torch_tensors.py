@@ -21,6 +21,7 @@ import array_api_compat.numpy as xnp  # noqa: E402
 import arraykv  # noqa: E402
 from arraykv import ops  # noqa: E402
 from arraykv.ops import registry  # noqa: E402
+
 from cache_contract import rotary_embed  # noqa: E402
 from conftest import BUILTIN_METHODS  # noqa: E402
 
@@ -86,7 +87,8 @@ def _results(out):
 def _numpy_copy(cache):
     """A NumPy cache holding exactly ``cache``'s state (through snapshot and restore)."""
     out = arraykv.make_cache(**cache.get_config())
-    out.restore([None if r is None else dataclasses.replace(r, arrays={n: a.numpy().copy() for n, a in r.arrays.items()})
+    out.restore([None if r is None else dataclasses.replace(r, arrays={n: a.numpy().copy()
+                                                                       for n, a in r.arrays.items()})
                  for r in cache.snapshot()], xp=xnp)
     return out
 
@@ -379,7 +381,8 @@ def test_ops_on_tensors_equal_numpy_kernels(bits, rng):
 def test_bfloat16_is_refused_with_the_dtypes_allowed():
     cache = arraykv.make_cache("pqo4", num_layers=1, num_kv_heads=2, head_dim=64)
     k = torch.randn(1, 2, 4, 64, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match=r"k must have a floating dtype \(float16, float32, float64\), received bfloat16"):
+    with pytest.raises(TypeError,
+                       match=r"k must have a floating dtype \(float16, float32, float64\), received bfloat16"):
         cache.prefill(0, k, k, k)
     assert cache.seq_len(0) == 0
 

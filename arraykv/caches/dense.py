@@ -9,7 +9,6 @@ from ..protocol import AttendConfig, Dequantized, DequantResult
 from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState
 from .layout import Layout, Spec
-from .registry import register_method
 
 __all__ = ["DenseCache", "DenseLayer"]
 
@@ -24,7 +23,6 @@ class DenseLayer(LayerState):
         return (self.buf,)
 
 
-@register_method("dense")
 class DenseCache(LayeredCache):
     """Keys and values stored uncompressed in growable per-layer buffers.
 

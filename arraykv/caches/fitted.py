@@ -29,13 +29,22 @@ from .. import _compat
 from .._validation import check_int
 from ..compressor import KVCacheCompressor
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
+from ..quant.polar import half_dtype
 from ..storage import TokenBuffers
 from .base import LayeredCache, check_decode_path
-from .rollback import DEFAULT_ROLLBACK_TOKENS, check_rollback_tokens
-from ..quant.polar import half_dtype
 from .layout import Layout, Spec, join
-from .window import (ExactTokens, WindowLayer, WindowRollback, commit_store, restore_rollback, restore_tokens,
-                     rollback_arrays, rollback_layout, token_counts)
+from .rollback import DEFAULT_ROLLBACK_TOKENS, check_rollback_tokens
+from .window import (
+    ExactTokens,
+    WindowLayer,
+    WindowRollback,
+    commit_store,
+    restore_rollback,
+    restore_tokens,
+    rollback_arrays,
+    rollback_layout,
+    token_counts,
+)
 
 __all__ = ["FittedCache", "FittedLayer", "DEFAULT_WINDOW", "DEFAULT_SINKS"]
 

@@ -57,7 +57,10 @@ def decode_int_layer(st: IntLayer, bits: int, group_size: int, windowed: bool, s
 
 
 def _exact(st: IntLayer, a: Any, skip: int, exp: int = 0):
-    """Exact tokens ``skip ..`` of ``a`` (``k_residual`` or ``v_window``) times ``2**exp``, in the layer's dtype (a copy)."""
+    """Exact tokens ``skip ..`` of ``a`` (``k_residual`` or ``v_window``) times ``2**exp``, in the layer's dtype.
+
+    A copy.
+    """
     a = a[:, :, skip:, :]
     if exp:
         return st.xp.astype(st.xp.astype(a, st.xp.float32) * 2.0 ** exp, st.dtype)

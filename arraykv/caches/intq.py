@@ -11,17 +11,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .. import _compat
-from .. import ops
+from .. import _compat, ops
+from .._validation import check_int
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.intq import HALF_MAX, half_exponent, quantize_groups
 from ..storage import TokenBuffers
-from .._validation import check_int
 from .base import LayeredCache, check_decode_path
 from .int_codec import IntLayer, IntLayerCodec, codec_state
 from .int_decode import decode_int_layer
 from .int_state import int_layout, key_copies, layer_arrays, restore_layer, truncate_floor, truncate_plan
-from .registry import register_method
 from .rollback import DEFAULT_ROLLBACK_TOKENS, RECORD_NBYTES, check_rollback_tokens, keep_last
 
 _INTQ_OPS = {"group_minmax": ops.intq_group_minmax, "quantize_pack": ops.intq_quantize_pack}
@@ -32,7 +30,6 @@ _SCALE_DTYPES = ("float16", "float32")
 _BITS = (2, 4, 8)
 
 
-@register_method("int", generic=True)
 class IntQuantCache(LayeredCache):
     """Group-wise asymmetric integer K/V cache (KIVI: per-channel keys, per-token values).
 
@@ -314,7 +311,6 @@ class IntQuantCache(LayeredCache):
         return codec_state(st, self.bits, self.group_size, getattr(st.xp, self._pdt(st.xp)))
 
 
-@register_method("int2")
 class Int2Cache(IntQuantCache):
     """INT2 KIVI-style cache (KIVI-2: four codes per byte, a 32-token float16 residual); see :class:`IntQuantCache`."""
 
@@ -323,7 +319,6 @@ class Int2Cache(IntQuantCache):
     default_residual_window = 32
 
 
-@register_method("int4")
 class Int4Cache(IntQuantCache):
     """INT4 KIVI-style cache (two codes per byte); see :class:`IntQuantCache`."""
 
@@ -331,7 +326,6 @@ class Int4Cache(IntQuantCache):
     bits = 4
 
 
-@register_method("int8")
 class Int8Cache(IntQuantCache):
     """INT8 KIVI-style cache; see :class:`IntQuantCache`."""
 

@@ -44,8 +44,9 @@ numbers summed over a head stays far inside float32 only when neither is absurdl
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .. import _compat
 
@@ -163,9 +164,9 @@ def check_layout(xp: Any, arrays: dict, layout: Layout) -> dict:
     for name, spec in layout.arrays.items():
         if name in arrays:
             _check_shape(name, arrays[name], spec, sizes)
-    held = frozenset(arrays)
+    present = frozenset(arrays)
     for rule in layout.rules:
-        _raise(rule(sizes, held))
+        _raise(rule(sizes, present))
     floats = _compat.float_dtypes(xp)
     for name, spec in layout.arrays.items():
         if name in arrays:

@@ -16,7 +16,6 @@ from ..quant.polar import half_dtype
 from ..storage import TokenBuffers
 from .fitted import DEFAULT_SINKS, DEFAULT_WINDOW, FittedCache, FittedLayer, _f32
 from .layout import Layout, bounded
-from .registry import register_method
 from .rollback import DEFAULT_ROLLBACK_TOKENS
 
 __all__ = ["LowRankCache"]
@@ -24,7 +23,6 @@ __all__ = ["LowRankCache"]
 _COEFF_DTYPES = ("float16", "float32")
 
 
-@register_method("lowrank")
 class LowRankCache(FittedCache):
     """Keys and values stored as coefficients on a per-(layer, KV head) PCA basis.
 
@@ -128,7 +126,8 @@ class LowRankCache(FittedCache):
                                                                            low=2)
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          calibration=calibration, residual_window=residual_window, sink_tokens=sink_tokens,
-                         rollback_tokens=rollback_tokens, decode_path=decode_path, check_finite=check_finite, max_tokens=max_tokens)
+                         rollback_tokens=rollback_tokens, decode_path=decode_path, check_finite=check_finite,
+                         max_tokens=max_tokens)
 
     def _extra_config(self) -> dict:
         return super()._extra_config() | {"rank": self.rank, "energy": self.energy, "center": self.center,

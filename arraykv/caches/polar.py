@@ -25,12 +25,28 @@ from .layout import Layout, Spec, join
 from .polar_calibration import PolarCalibration, calibrate, calibration_layout
 from .polar_codec import PolarFixed, PolarLayerCodec
 from .polar_decode import decode_layer, qjl_logit_bias
-from .polar_options import (DEFAULT_OUTLIER_THRESHOLD, DEFAULT_RESIDUAL_WINDOW, DEFAULT_SINK_TOKENS, PolarOptions,
-                            check_polar_options, default_residual_window)
+from .polar_options import (
+    DEFAULT_OUTLIER_THRESHOLD,
+    DEFAULT_RESIDUAL_WINDOW,
+    DEFAULT_SINK_TOKENS,
+    PolarOptions,
+    check_polar_options,
+    default_residual_window,
+)
 from .rollback import DEFAULT_ROLLBACK_TOKENS
-from .registry import register_method
-from .window import (ExactTokens, WindowLayer, WindowRollback, commit_store, restore_rollback, restore_tokens,
-                     block_room, rollback_arrays, rollback_room, rollback_layout, token_counts)
+from .window import (
+    ExactTokens,
+    WindowLayer,
+    WindowRollback,
+    block_room,
+    commit_store,
+    restore_rollback,
+    restore_tokens,
+    rollback_arrays,
+    rollback_layout,
+    rollback_room,
+    token_counts,
+)
 
 __all__ = ["PolarCache", "PolarLayerCodec", "PolarLayer", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window",
            "Pqo2Cache", "Pqo3Cache", "Pqo4Cache", "Pq2Cache", "Pq3Cache", "Pq4Cache", "Tq2Cache", "Tq3Cache",
@@ -50,7 +66,6 @@ class PolarLayer(WindowLayer):
     """
 
 
-@register_method("polar", generic=True)
 class PolarCache(WindowRollback, LayeredCache):
     """Rotated Lloyd-Max (TurboQuant-MSE) key/value cache with a float16 recent-token window.
 
@@ -267,7 +282,10 @@ class PolarCache(WindowRollback, LayeredCache):
         return True
 
     def _decoded(self, st: PolarLayer, start: int = 0) -> DequantResult:
-        """K/V of the stored tokens ``start ..`` in the layer's dtype (:func:`~arraykv.caches.polar_decode.decode_layer`)."""
+        """K/V of the stored tokens ``start ..`` in the layer's dtype.
+
+        See :func:`~arraykv.caches.polar_decode.decode_layer`.
+        """
         xp = st.xp
         k, v = decode_layer(st, self._codec(xp, st.device), self.options, start)  # fresh arrays: cast in place
         return DequantResult(k=xp.astype(k, st.dtype, copy=False), v=xp.astype(v, st.dtype, copy=False))
@@ -425,7 +443,7 @@ def _preset(name: str, key_bits: int, value_bits: int, qjl: bool) -> type:
         "__init__": __init__, "method": name, "_fixed_options": {"qjl": qjl}, "__module__": __name__,
         "__doc__": f"``{name}``: {what} (``key_bits``/``value_bits`` may be overridden); options of "
                    ":class:`PolarCache` except ``qjl``."})
-    return register_method(name)(cls)
+    return cls
 
 
 Pqo2Cache = _preset("pqo2", 2, 2, False)

@@ -36,7 +36,8 @@ class PolarLayerCodec:
     and likewise for values (no outlier channels). The layer's token order is
     ``k_window[:, :, :n_sink]`` (the first tokens), the quantized tokens (``t`` above), then
     ``k_window[:, :, n_sink:]`` (the recent tokens). A decode kernel may treat ``k_window`` as
-    one block of exact tokens: one query's attention does not depend on the order of keys. For TurboQuant-prod keys the logit of query ``q`` gains
+    one block of exact tokens: one query's attention does not depend on the order of keys. For
+    TurboQuant-prod keys the logit of query ``q`` gains
     ``softmax_scale · √(π/2)/m · k_qjl_norms[b,h,t] · ⟨S q̃, ±1(k_qjl[b,h,t])⟩`` with
     ``q̃ = q / k_scale[b,h]`` and the outlier channels of ``q̃`` set to zero (the residual lives in
     the weighted key space without them).
@@ -129,7 +130,7 @@ class PolarFixed:
 
     @classmethod
     def build(cls, xp: Any, dev: Any, *, head_dim: int, key_bits: int, value_bits: int, seed: int,
-              qjl: bool) -> "PolarFixed":
+              qjl: bool) -> PolarFixed:
         """The arrays for one namespace and device (same seed, same arrays)."""
         return cls(rotation=make_rotation(head_dim, seed, xp=xp, device=dev),
                    k_codebook=make_codebook(key_bits, head_dim, xp=xp, device=dev),

@@ -1,29 +1,41 @@
-"""The cache factory: names to cache constructors."""
+"""The cache factory: method names to cache constructors.
+
+A method is registered under its name with either the ``"module:attr"`` path of its class or
+factory (the built-in methods, listed at the bottom of this module, as the op registry lists
+its ops: nothing is imported until a cache of that method is made) or the callable itself
+(:func:`register_method` as a decorator, for a third party's cache).
+"""
 
 from __future__ import annotations
 
+import importlib
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["make_cache", "available_methods", "register_method"]
 
-_REGISTRY: dict[str, Callable[..., Any]] = {}
+#: Method name -> its factory, or the ``"module:attr"`` path of one not imported yet.
+_REGISTRY: dict[str, Callable[..., Any] | str] = {}
 #: Names registered with ``generic=True``: accepted by :func:`make_cache`, listed apart.
 _GENERIC: set = set()
 _LOCK = threading.Lock()
 
 
-def register_method(name: str, *, replace: bool = False, generic: bool = False):
-    """Decorator that registers a cache class or factory function under ``name``.
+def register_method(name: str, target: str | None = None, *, replace: bool = False, generic: bool = False):
+    """Register a cache class or factory function under ``name``.
 
-    The decorated callable is called as ``factory(num_layers=..., num_kv_heads=...,
-    head_dim=..., **options)`` and must return an object satisfying
-    :class:`~arraykv.CompressedKVCache`.
+    The factory is called as ``factory(num_layers=..., num_kv_heads=..., head_dim=...,
+    **options)`` and must return an object satisfying :class:`~arraykv.CompressedKVCache`.
 
     Parameters
     ----------
     name : str
         Method name, lower case, without spaces.
+    target : str, optional
+        The factory's ``"module:attr"`` path, imported the first time a cache of ``name`` is
+        made. Without it, ``register_method`` returns a decorator that registers the decorated
+        class or function.
     replace : bool, default False
         Allow replacing an existing registration.
     generic : bool, default False
@@ -31,11 +43,18 @@ def register_method(name: str, *, replace: bool = False, generic: bool = False):
         :func:`make_cache` and by :func:`arraykv.load`, but listed by
         :func:`available_methods` only with ``generic=True``.
 
+    Returns
+    -------
+    callable or None
+        The decorator when ``target`` is None; None otherwise.
+
     Notes
     -----
     A registered class should set its ``method`` class attribute to ``name``: the cache's
     :meth:`~arraykv.caches.LayeredCache.get_config` reports it, so that
-    ``make_cache(**cache.get_config())`` and a saved file rebuild the same class.
+    ``make_cache(**cache.get_config())`` and a saved file rebuild the same class. A class
+    without one gets ``name``. Decorating the very class a path registration names is
+    the same registration, not a second one.
 
     Examples
     --------
@@ -48,29 +67,59 @@ def register_method(name: str, *, replace: bool = False, generic: bool = False):
     """
     if not isinstance(name, str) or not name or name != name.strip() or " " in name:
         raise ValueError(f"name must be a non-empty string without spaces, received {name!r}")
+    if target is not None:
+        if not isinstance(target, str) or target.count(":") != 1:
+            raise ValueError(f"target must be a 'module:attr' path, received {target!r}")
+        _put(name, target, replace, generic)
+        return None
 
     def deco(factory):
         if not callable(factory):
             raise TypeError(f"register_method needs a class or function, received {type(factory).__name__}")
         if isinstance(factory, type) and "method" not in vars(factory):
             factory.method = name  # the class's own name, so its files and configs rebuild it
-        with _LOCK:
-            if name in _REGISTRY and not replace and _REGISTRY[name] is not factory:
-                raise ValueError(f"method {name!r} is already registered; pass replace=True to replace it")
-            _REGISTRY[name] = factory
-            if generic:
-                _GENERIC.add(name)
-            else:
-                _GENERIC.discard(name)
+        _put(name, factory, replace, generic)
         return factory
 
     return deco
 
 
+def _path(factory: Callable[..., Any]) -> str:
+    return f"{getattr(factory, '__module__', '')}:{getattr(factory, '__qualname__', '')}"
+
+
+def _put(name: str, entry: Callable[..., Any] | str, replace: bool, generic: bool) -> None:
+    with _LOCK:
+        old = _REGISTRY.get(name)
+        same = old is entry or (isinstance(old, str) and not isinstance(entry, str) and old == _path(entry))
+        if old is not None and not replace and not same:
+            raise ValueError(f"method {name!r} is already registered; pass replace=True to replace it")
+        _REGISTRY[name] = entry
+        if generic:
+            _GENERIC.add(name)
+        else:
+            _GENERIC.discard(name)
+
+
+def _factory(name: str) -> Callable[..., Any] | None:
+    """The factory of ``name`` (imported on first use when registered by path), or None."""
+    with _LOCK:
+        entry = _REGISTRY.get(name)
+    if not isinstance(entry, str):
+        return entry
+    module, attr = entry.split(":")
+    factory = getattr(importlib.import_module(module), attr)
+    if isinstance(factory, type) and "method" not in vars(factory):
+        factory.method = name  # as the decorator does
+    with _LOCK:
+        if _REGISTRY.get(name) == entry:
+            _REGISTRY[name] = factory
+    return factory
+
+
 def available_methods(*, generic: bool = False) -> list:
     """Names of the ready-to-use methods, sorted; with ``generic=True`` also the families that
     need options (``"polar"``, ``"int"``): everything :func:`make_cache` accepts."""
-    _load_builtin()
     with _LOCK:
         return sorted(n for n in _REGISTRY if generic or n not in _GENERIC)
 
@@ -91,13 +140,12 @@ def make_cache(method: str, *, num_layers: int, num_kv_heads: int, head_dim: int
     -------
     CompressedKVCache
     """
-    _load_builtin()
     if not isinstance(method, str):
         raise TypeError(f"method must be a string, received {type(method).__name__}")
-    with _LOCK:
-        factory = _REGISTRY.get(method)
-        names = sorted(_REGISTRY)
+    factory = _factory(method)
     if factory is None:
+        with _LOCK:
+            names = sorted(_REGISTRY)
         raise ValueError(f"unknown method {method!r}; available: {', '.join(names)}")
 
     try:
@@ -108,6 +156,17 @@ def make_cache(method: str, *, num_layers: int, num_kv_heads: int, head_dim: int
         raise
 
 
-def _load_builtin() -> None:
-    # Importing the cache modules registers them; done lazily to avoid import cycles.
-    from . import _builtin  # noqa: F401
+_C = "arraykv.caches"
+register_method("dense", f"{_C}.dense:DenseCache")
+register_method("polar", f"{_C}.polar:PolarCache", generic=True)
+for _name in ("pqo2", "pqo3", "pqo4", "pq2", "pq3", "pq4", "tq2", "tq3", "tq4"):
+    register_method(_name, f"{_C}.polar:{_name.capitalize()}Cache")
+register_method("int", f"{_C}.intq:IntQuantCache", generic=True)
+register_method("int2", f"{_C}.intq:Int2Cache")
+register_method("int4", f"{_C}.intq:Int4Cache")
+register_method("int8", f"{_C}.intq:Int8Cache")
+register_method("lowrank", f"{_C}.lowrank:LowRankCache")
+register_method("vq", f"{_C}.vq:VQCache")
+register_method("window", f"{_C}.window_cache:SlidingWindowCache", generic=True)
+register_method("hybrid", f"{_C}.hybrid:HybridCache", generic=True)
+del _name

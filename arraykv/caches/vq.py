@@ -19,7 +19,6 @@ from ..quant.vq import VQCodebook, VQCodes, check_vq_options, code_bits, train_v
 from ..storage import TokenBuffers
 from .fitted import DEFAULT_SINKS, DEFAULT_WINDOW, FittedCache, FittedLayer, _f32
 from .layout import Layout, Spec, bounded, join
-from .registry import register_method
 from .rollback import DEFAULT_ROLLBACK_TOKENS
 
 __all__ = ["VQCache"]
@@ -51,7 +50,6 @@ def _codes_in_range(xp: Any, sizes: dict, arrays: dict):
     return None
 
 
-@register_method("vq")
 class VQCache(FittedCache):
     """Keys and values stored as product-quantization codes on per-(layer, KV head) codebooks.
 
@@ -154,7 +152,8 @@ class VQCache(FittedCache):
         self.max_calibration = check_int("max_calibration", max_calibration, low=self.min_calibration)
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          calibration=calibration, residual_window=residual_window, sink_tokens=sink_tokens,
-                         rollback_tokens=rollback_tokens, decode_path=decode_path, check_finite=check_finite, max_tokens=max_tokens)
+                         rollback_tokens=rollback_tokens, decode_path=decode_path, check_finite=check_finite,
+                         max_tokens=max_tokens)
 
     def _item_help(self) -> str:
         return "a fitted KVCacheCompressor(VectorQuantization(...)) or a pair (k_codebook, v_codebook) of VQCodebook"
@@ -224,7 +223,8 @@ class VQCache(FittedCache):
                 for name, x in (("k", k), ("v", v))}
 
     def _encode(self, xp, calib, k, v) -> dict:
-        return {f"{name}_codes": vq_encode(x, VQCodebook(centroids=calib[f"{name}_centroids"]), encode=ops.vq_encode).codes
+        return {f"{name}_codes": vq_encode(x, VQCodebook(centroids=calib[f"{name}_centroids"]),
+                                           encode=ops.vq_encode).codes
                 for name, x in (("k", k), ("v", v))}
 
     def _fused_auto(self, xp: Any) -> bool:
@@ -241,8 +241,8 @@ class VQCache(FittedCache):
             r = self._decoded(st)
             return attention(q, r.k, r.v, softmax_scale=scale, causal=False)
         b, hq, _, d = (int(s) for s in q.shape)
-        out = ops.vq_decode_attention(xp.reshape(q, (b, hq, d)), buf.view("k_codes"), kc, buf.view("v_codes"), vc, ke, ve,
-                   bits=bits, softmax_scale=scale)
+        out = ops.vq_decode_attention(xp.reshape(q, (b, hq, d)), buf.view("k_codes"), kc, buf.view("v_codes"), vc,
+                                      ke, ve, bits=bits, softmax_scale=scale)
         out = xp.reshape(out, (b, hq, 1, d))
         return out if out.dtype == q.dtype else xp.astype(out, q.dtype)
 

@@ -59,13 +59,13 @@ class ExactTokens:
     n_sink: int = 0
 
     @classmethod
-    def empty(cls, xp: Any, dev: Any, batch: int, heads: int, head_dim: int) -> "ExactTokens":
+    def empty(cls, xp: Any, dev: Any, batch: int, heads: int, head_dim: int) -> ExactTokens:
         """No token: blocks of shape (batch, heads, 0, head_dim) in the namespace's half dtype."""
         z = xp.zeros((batch, heads, 0, head_dim), dtype=half_dtype(xp), device=dev)
         return cls(k=z, v=z, n_sink=0)
 
     @classmethod
-    def from_parts(cls, xp: Any, k_sink: Any, v_sink: Any, k_recent: Any, v_recent: Any) -> "ExactTokens":
+    def from_parts(cls, xp: Any, k_sink: Any, v_sink: Any, k_recent: Any, v_recent: Any) -> ExactTokens:
         """The block of separately held sinks and recent tokens (each (b, h, n, d))."""
         n = int(k_sink.shape[2])
         if not n:
@@ -96,7 +96,7 @@ class ExactTokens:
         """Bytes of the two blocks."""
         return array_nbytes(self.k) + array_nbytes(self.v)
 
-    def step(self, xp: Any, k: Any, v: Any, q: Any = None, *, sink_tokens: int) -> "WindowStep":
+    def step(self, xp: Any, k: Any, v: Any, q: Any = None, *, sink_tokens: int) -> WindowStep:
         """Plan the store of new tokens ``k``, ``v`` (b, h, t, d): the first become sinks while
         fewer than ``sink_tokens`` are held; the rest follow the recent window.
 

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _compat
+from .. import _compat, ops
 from .._validation import array_namespace, check_finite, dtype_name, is_floating
-from .. import ops
 from ..quant.intq import IntQuantized, dequantize_groups, quantize_groups
 from ..quant.lowrank import LowRankBasis, fit_basis, project
 from ..quant.outliers import SparseOutliers, scatter_outliers
 from ..quant.vq import VQCodebook, VQCodes, train_vq, vq_decode, vq_encode
-
 from .methods import CompressedKV, CompressedTensor, Hybrid, LowRank, VectorQuantization, _check_quant_bits
 
 __all__ = ["KVCacheCompressor", "samples_by_head", "compress_paged_cache", "decompress_to_paged_cache",
@@ -119,7 +117,7 @@ class KVCacheCompressor:
             )
 
     # -- fitting ------------------------------------------------------------------
-    def fit(self, k: Any, v: Any) -> "KVCacheCompressor":
+    def fit(self, k: Any, v: Any) -> KVCacheCompressor:
         """Fit the bases (low rank, hybrid) or codebooks (VQ) once, on calibration K/V.
 
         Parameters
@@ -141,7 +139,8 @@ class KVCacheCompressor:
             raise
         if nd == 3:
             k, v = k[None, ...], v[None, ...]
-        fit = {"heads": int(k.shape[1]), "head_dim": int(k.shape[3]), "v_head_dim": int(v.shape[3]), "k": self._fit_one(xp, k),
+        fit = {"heads": int(k.shape[1]), "head_dim": int(k.shape[3]), "v_head_dim": int(v.shape[3]),
+               "k": self._fit_one(xp, k),
                "v": self._fit_one(xp, v)}
         self._fit = fit
         return self

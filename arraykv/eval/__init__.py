@@ -28,8 +28,8 @@ from .long_text import LongTextResult, long_text_quality
 from .needle import FILLER, INTRO, NeedleTask, needle_grid
 from .needle_result import NeedlePrompt, NeedleResult, NeedleRow, NeedleSummary
 from .plot import plot_long_context
-from .teacher_forced import __all__ as _TEACHER_FORCED
 from .teacher_forced import *  # noqa: F403 - EvalRow, TeacherForced, teacher_forced, compare, evaluate, ...
+from .teacher_forced import __all__ as _TEACHER_FORCED
 from .texts import builtin_long_text, builtin_long_token_ids
 
 __all__ = [

@@ -18,8 +18,9 @@ it comes (``prompt_store="chunks"``), so later chunks attend to the compressed e
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .. import _compat
 

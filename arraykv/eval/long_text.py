@@ -13,8 +13,9 @@ and bits per value with ``P + positions`` tokens held.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .exact_prefill import check_common, exact_prefill, held_rows, method_cache, progress_bar, stored_bytes
 from .needle_result import format_markdown

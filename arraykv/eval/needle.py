@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from .exact_prefill import bits_per_value, check_common, exact_prefill, method_cache, progress_bar
 from .needle_result import NeedlePrompt, NeedleResult, NeedleRow

@@ -7,7 +7,8 @@ about 10,050 tokens: enough for a 7,936-token prefix followed by 256 scored posi
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["builtin_text", "builtin_token_ids", "builtin_long_text", "builtin_long_token_ids", "text_token_ids"]
 

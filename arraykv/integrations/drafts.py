@@ -19,7 +19,8 @@ from typing import Any
 
 from .. import _compat
 
-__all__ = ["Block", "LayerDraft", "CacheDraft", "NgramDraft", "draft_from_spec", "run_layers", "RUN_MODES", "argmax_rows",
+__all__ = ["Block", "LayerDraft", "CacheDraft", "NgramDraft", "draft_from_spec", "run_layers", "RUN_MODES",
+           "argmax_rows",
            "require_truncate"]
 
 
@@ -233,7 +234,10 @@ class CacheDraft(_StepDraft):
         self.model = self.cache = self.target = None
 
     def bind(self, model: Any, cache: Any, depth: int = 0) -> None:
-        """Attach to the target ``model``; build or check the draft's cache (``depth``: tokens it may have to take back)."""
+        """Attach to the target ``model``; build or check the draft's cache.
+
+        ``depth`` is how many tokens the draft may have to take back.
+        """
         draft = self._model if self._model is not None else model
         if draft.config.vocab_size != model.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the "

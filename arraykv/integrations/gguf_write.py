@@ -1,4 +1,4 @@
-"""Writing a decoder GGUF file from a :class:`~arraykv.integrations.gguf.ModelConfig` and tensors.
+"""Writing a decoder GGUF file from a :class:`~arraykv.integrations.model_config.ModelConfig` and tensors.
 
 The inverse of :func:`~arraykv.integrations.gguf.read_gguf` for every supported architecture:
 tests and examples build small models of any architecture with random weights
@@ -9,9 +9,10 @@ them with arraykv's decoder or with any other GGUF reader, to compare the two.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
-from .gguf import ModelConfig, require
+from .gguf import require
+from .model_config import ModelConfig
 
 __all__ = ["write_gguf"]
 

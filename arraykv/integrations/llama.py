@@ -7,7 +7,8 @@ separate) input/output embeddings, in float32. What differs between Llama, Qwen 
 layers with their own RoPE base) is read from an
 :class:`~arraykv.integrations.architectures.Architecture`, not written as another decoder.
 Sliding-window layers attend to the last ``sliding_window`` positions; :meth:`DecoderModel.make_cache`
-gives such a model a :class:`~arraykv.HybridCache` whose sliding layers hold only the window. The prompt goes through ``cache.prefill`` (in
+gives such a model a :class:`~arraykv.HybridCache` whose sliding layers hold only the window. The
+prompt goes through ``cache.prefill`` (in
 chunks of ``chunk_size`` tokens for long prompts, each chunk continuing the sequence) and every
 further token through ``cache.decode``, which answers either with the attention output
 (:class:`~arraykv.Fused`) or with keys and values (:class:`~arraykv.Dequantized`, possibly with
@@ -23,21 +24,27 @@ can be limited to the last position (``logits="last"``).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from .. import _compat
 from ..protocol import AttendConfig, Fused
 from .architectures import architecture
-from .gguf import ModelConfig
-from .generation import cache_length as _cache_len
-from .generation import undo_on_failure
-from .generation import check_chunk, check_sampling, generate_tokens, prompt_ids, tokenizer_stops
-from .llama_attention import (apply_rope, attend_chunk, attend_one, causal_mask, plain_numpy, rope_tables,
-                              window_mask)
-from .prompt_stage import PromptStage, serving_cache, stages_layer
+from .generation import (
+    cache_length as _cache_len,
+    check_chunk,
+    check_sampling,
+    generate_tokens,
+    prompt_ids,
+    tokenizer_stops,
+    undo_on_failure,
+)
+from .llama_attention import apply_rope, attend_chunk, attend_one, causal_mask, plain_numpy, rope_tables, window_mask
 from .llama_weights import LayerWeights, layout_gguf_tensors, random_gguf_tensors, unpermute_qk
+from .model_config import ModelConfig
+from .prompt_stage import PromptStage, serving_cache, stages_layer
 
 __all__ = ["DecoderModel", "LlamaModel", "LayerWeights", "random_gguf_tensors", "unpermute_qk"]
 
@@ -411,7 +418,8 @@ class DecoderModel:
     def generate(self, prompt: Any, max_new_tokens: int = 32, *, cache: Any = None, method: str = "dense",
                  eos_id: int | None = None, stop_at_eos: bool = True, temperature: float = 0.0,
                  top_k: int | None = None, seed: int | None = None,
-                 on_token: Callable[[int], None] | None = None, prefill_chunk: int | None = 512) -> list:
+                 on_token: Callable[[int], None] | None = None, prefill_chunk: int | None = 512,
+                 store: Any = None) -> list:
         """Greedy or sampled generation for one sequence.
 
         The convention every engine shares (:mod:`arraykv.integrations.generation`); an
@@ -442,6 +450,10 @@ class DecoderModel:
         prefill_chunk : int or None, default 512
             The prompt goes through :meth:`prefill` in chunks of this many tokens, with the
             output head on its last position only; None feeds it in one piece.
+        store : PrefixStore, folder or ``redis://`` URL, optional
+            Reuse the longest stored prefix of the prompt, prefill only the rest and store new
+            prefixes (:class:`arraykv.store.PrefixStore`: the prompt then runs in its segments,
+            and the result equals that of a run without stored prefixes bit for bit).
 
         Returns
         -------
@@ -462,16 +474,22 @@ class DecoderModel:
             raise ValueError("cache must be empty; call cache.reset() first")
         if eos_id is None:  # every stop token of the model (Gemma: two)
             eos_id = tokenizer_stops(self.tokenizer)
+        prefill_last = lambda p: self.prefill(p, cache, chunk_size=prefill_chunk, logits="last")  # noqa: E731
+        if store is not None:  # the prompt through a prefix store (arraykv.store.prefix)
+            from ..store.prefix import as_prefix_store
+
+            run = as_prefix_store(store).prefill
+            prefill_last = lambda p: run(self, p, cache, chunk_size=prefill_chunk)  # noqa: E731
         return generate_tokens(
-            lambda p: _compat.to_numpy(self.prefill(p, cache, chunk_size=prefill_chunk, logits="last")),
+            lambda p: _compat.to_numpy(prefill_last(p)),
             lambda tok: _compat.to_numpy(self.decode(tok, cache)),
             ids, max_new_tokens, eos=eos_id, stop_at_eos=stop_at_eos, temperature=temperature,
             top_k=top_k, seed=seed, on_token=on_token)
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"DecoderModel({c.arch}: {c.name!r}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}, "
-                f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, vocab={c.vocab_size})")
+        return (f"DecoderModel({c.arch}: {c.name!r}, layers={c.num_layers}, hidden={c.hidden_size}, "
+                f"heads={c.num_heads}, kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, vocab={c.vocab_size})")
 
 
 #: The name the Llama-only releases used.

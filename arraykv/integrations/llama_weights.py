@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .architectures import architecture
-from .gguf import ModelConfig
+from .model_config import ModelConfig
 
 __all__ = ["LayerWeights", "layout_gguf_tensors", "random_gguf_tensors", "tensor_shapes", "unpermute_qk"]
 

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gguf import ModelDownloadError, find_model, pip_failure, run_pip
+from .gguf import find_model, pip_failure, run_pip
 
 __all__ = ["KnownModel", "KNOWN_MODELS", "model_path", "resolve_model"]
 

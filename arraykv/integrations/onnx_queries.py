@@ -117,7 +117,7 @@ def with_query_outputs(src: Any, required: bool) -> tuple:
     """
     import onnx
 
-    from .onnxruntime import discover_kv_names
+    from .onnx_names import discover_kv_names
 
     proto = onnx.load_from_string(bytes(src)) if isinstance(src, (bytes, bytearray)) else onnx.load(src)
     graph_inputs = {i.name: i for i in proto.graph.input}

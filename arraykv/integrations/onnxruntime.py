@@ -59,49 +59,15 @@ every layer, at the SmolLM2 geometry 17 / 51 / 238 ms for pqo4 at 512 / 2048 / 8
 
 from __future__ import annotations
 
-import re
 import weakref
 from typing import Any, Callable, Sequence
 
 from .generation import cache_length, check_sampling, generate_tokens, legacy_generate_args, prompt_ids
 from .gguf import require
+from .onnx_names import PRESENT_NAME, discover_kv_names
 from .onnx_queries import with_query_outputs
 
-__all__ = ["OrtKVDecoder", "discover_kv_names"]
-
-_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
-_PRESENT = "present.{i}.{kind}"
-
-
-def discover_kv_names(input_names: Sequence[str], output_names: Sequence[str]) -> int:
-    """Number of layers whose ``past_key_values.{i}.key/value`` inputs and ``present.*`` outputs exist.
-
-    Raises
-    ------
-    ValueError
-        No KV inputs, a gap in the layer indices, or a missing ``present`` output.
-    """
-    found: dict = {}
-    for name in input_names:
-        m = _PAST.match(name)
-        if m:
-            found.setdefault(int(m.group(1)), set()).add(m.group(2))
-    if not found:
-        raise ValueError(
-            "the ONNX model has no past_key_values.{i}.key/value inputs, so its KV cache cannot be "
-            "managed; export the decoder with KV-cache inputs (for example Optimum's "
-            "'text-generation-with-past' task). Inputs found: " + ", ".join(input_names)
-        )
-    n = max(found) + 1
-    outs = set(output_names)
-    for i in range(n):
-        if found.get(i) != {"key", "value"}:
-            raise ValueError(f"layer {i} lacks past_key_values.{i}.key or .value among the inputs")
-        for kind in ("key", "value"):
-            if _PRESENT.format(i=i, kind=kind) not in outs:
-                raise ValueError(f"the model has past_key_values.{i}.{kind} but no present.{i}.{kind} output")
-    return n
-
+__all__ = ["OrtKVDecoder"]
 
 class OrtKVDecoder:
     """An ONNX Runtime decode loop whose KV cache lives in an arraykv cache.
@@ -282,7 +248,7 @@ class OrtKVDecoder:
         for i, (k, v) in enumerate(self._past(cache, batch)):
             feeds[f"past_key_values.{i}.key"] = k
             feeds[f"past_key_values.{i}.value"] = v
-        names = [self.logits_name] + [_PRESENT.format(i=i, kind=kd) for i in range(self.num_layers)
+        names = [self.logits_name] + [PRESENT_NAME.format(i=i, kind=kd) for i in range(self.num_layers)
                                       for kd in ("key", "value")] + list(self.query_outputs or ())
         res = self.session.run(names, feeds)
         new = self._new_tokens(res, batch, past_len, t, bool(getattr(cache, "check_finite", True)))

@@ -31,13 +31,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .drafts import Block, CacheDraft, LayerDraft, NgramDraft, argmax_rows, require_truncate, run_layers
 from .generation import prompt_ids, stop_tokens, tokenizer_stops
 
-__all__ = ["speculative_generate", "SpeculativeResult", "greedy_agreement", "greedy_with_gaps", "LayerDraft", "CacheDraft",
+__all__ = ["speculative_generate", "SpeculativeResult", "greedy_agreement", "greedy_with_gaps", "LayerDraft",
+           "CacheDraft",
            "NgramDraft", "run_layers"]
 
 #: ``verify`` values: see :func:`arraykv.integrations.drafts.run_layers`; "auto" is "prefill" for

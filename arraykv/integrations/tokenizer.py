@@ -19,7 +19,8 @@ Two kinds are supported (``tokenizer.ggml.model``):
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from .gguf import require
 
@@ -33,7 +34,8 @@ _SPACE = "\u2581"  # how SentencePiece writes a space
 # end-of-turn tokens of chat formats: generation stops after them as after the EOS token
 _END_OF_TURN = ("<end_of_turn>",)
 _LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 
@@ -115,7 +117,8 @@ class GGUFTokenizer:
         if self._tok.token_to_id("<start_of_turn>") is not None:
             head = f"{system}\n\n" if system else ""
             return f"<start_of_turn>user\n{head}{user}<end_of_turn>\n<start_of_turn>model\n"
-        sys_msg = system if system is not None else "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        default = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        sys_msg = system if system is not None else default
         return (f"<|im_start|>system\n{sys_msg}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
                 "<|im_start|>assistant\n")
 

@@ -62,6 +62,8 @@ _transformers = require("transformers", "hf")
 
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402 - after the install hint
 
+from .torch_tensors import float32_numpy, to_torch  # noqa: E402 - after the install hint
+
 __all__ = ["ArraykvCache", "ArraykvLayer"]
 
 #: The arraykv cache methods whose output the model cannot use (a logit bias needs our attention).
@@ -130,7 +132,7 @@ class ArraykvLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, owner: "ArraykvCache", index: int, window: int | None = None):
+    def __init__(self, owner: ArraykvCache, index: int, window: int | None = None):
         super().__init__()
         self._owner = owner
         self.index = index
@@ -296,7 +298,8 @@ class ArraykvCache(Cache):
             self.arraykv_cache = make_cache("hybrid", **geometry, layer_types=self.layer_types, window=window,
                                             full_method=method, full_options=cache_options,
                                             window_options=window_options)
-        if getattr(self.arraykv_cache, "qjl", False) or getattr(getattr(self.arraykv_cache, "full", None), "qjl", False):
+        full = getattr(self.arraykv_cache, "full", None)
+        if getattr(self.arraykv_cache, "qjl", False) or getattr(full, "qjl", False):
             raise ValueError(f"method {method!r} with qjl=True corrects attention logits with a logit_bias, which the "
                              "model's own attention cannot apply; use qjl=False (or a pq/pqo/int/dense method)")
         self.method = method
@@ -350,13 +353,13 @@ class ArraykvCache(Cache):
 
         k, v = pending
         i = module.layer_idx
-        q = _to_numpy(query)
+        q = float32_numpy(query)
         if _hides_a_token(attention_mask):  # padding: the fused kernels attend to every stored token
             r = self.arraykv_cache.prefill(i, k, v, q)
             if self.incremental:
                 self._held.pop(i, None)
             w = int(attention_mask.shape[-1])  # the keys the mask covers (a sliding layer: its window)
-            return base(module, query, _to_torch(r.k[:, :, -w:], query.dtype), _to_torch(r.v[:, :, -w:], query.dtype),
+            return base(module, query, to_torch(r.k[:, :, -w:], query.dtype), to_torch(r.v[:, :, -w:], query.dtype),
                         attention_mask, scaling=scaling, **kwargs)
         scale = float(scaling) if scaling is not None else self.head_dim ** -0.5
         r = self.arraykv_cache.decode(i, k, v, q, AttendConfig(scale, int(q.shape[1]) // self.num_kv_heads))
@@ -365,7 +368,7 @@ class ArraykvCache(Cache):
         if isinstance(r, Fused):
             out = _torch.from_numpy(np.ascontiguousarray(r.output)).to(query.dtype)  # (1, heads, 1, d)
             return out.transpose(1, 2).contiguous(), None
-        kk, vv = _to_torch(r.result.k, query.dtype), _to_torch(r.result.v, query.dtype)
+        kk, vv = to_torch(r.result.k, query.dtype), to_torch(r.result.v, query.dtype)
         return base(module, query, kk, vv, attention_mask, scaling=scaling, **kwargs)
 
     # -- the layers' queries ---------------------------------------------------------------
@@ -429,7 +432,7 @@ class ArraykvCache(Cache):
             if not t.is_floating_point():
                 raise TypeError(f"{name} must be a floating-point tensor, received {t.dtype}")
         dtype = key_states.dtype
-        k, v = _to_numpy(key_states), _to_numpy(value_states)
+        k, v = float32_numpy(key_states), float32_numpy(value_states)
         import numpy as np
 
         if self.fused and k.shape[2] == 1 and self.arraykv_cache.seq_len(i) > 0:
@@ -447,7 +450,7 @@ class ArraykvCache(Cache):
             before = cache.seq_len(i)
             r = cache.prefill(i, k, v, q)
             keep = min(before, self.layers[i].sliding_window - 1) + int(k.shape[2])
-            return _to_torch(r.k[:, :, -keep:], dtype), _to_torch(r.v[:, :, -keep:], dtype)
+            return to_torch(r.k[:, :, -keep:], dtype), to_torch(r.v[:, :, -keep:], dtype)
         if prev is None or not hasattr(cache, "append"):
             r = cache.prefill(i, k, v, q)
             kk, vv = r.k, r.v
@@ -460,7 +463,7 @@ class ArraykvCache(Cache):
             kk = np.concatenate([k_prev[:, :, :stable], tail.k], axis=2)
             vv = np.concatenate([v_prev[:, :, :stable], tail.v], axis=2)
             self._held[i] = (kk, vv, int(cache.seq_len(i)), int(cache.stable_length(i)))
-        return _to_torch(kk, dtype), _to_torch(vv, dtype)
+        return to_torch(kk, dtype), to_torch(vv, dtype)
 
     def _reset_layer(self, i: int) -> None:
         self._held.pop(i, None)
@@ -522,8 +525,9 @@ class ArraykvCache(Cache):
         try:
             cache.truncate_all(low)
         except (AttributeError, ValueError) as exc:
-            raise RuntimeError(f"a failed forward left layers at lengths {sorted(set(lengths))} and the {self.method!r} "
-                               f"cache cannot take the partial step back exactly ({exc}); call cache.reset()") from None
+            raise RuntimeError(f"a failed forward left layers at lengths {sorted(set(lengths))} and the "
+                               f"{self.method!r} cache cannot take the partial step back exactly ({exc}); "
+                               "call cache.reset()") from None
 
     def reset(self) -> None:
         """Forget every token of every layer."""
@@ -553,21 +557,3 @@ def _hides_a_token(mask: Any) -> bool:
     if mask.dtype == _torch.bool:
         return not bool(mask.all())
     return bool((mask < 0).any())
-
-
-def _to_numpy(t: Any) -> Any:
-    """A CPU tensor as float32 NumPy: shares memory when it is float32 already."""
-    t = t.detach()
-    if t.dtype != _torch.float32:
-        t = t.to(_torch.float32)
-    return t.numpy()
-
-
-def _to_torch(a: Any, dtype: Any) -> Any:
-    """A NumPy array as a torch tensor of ``dtype`` (no copy for float32 when the array is writable)."""
-    import numpy as np
-
-    if not a.flags.writeable:
-        a = np.array(a)
-    t = _torch.from_numpy(a)
-    return t if t.dtype == dtype else t.to(dtype)

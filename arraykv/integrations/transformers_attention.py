@@ -156,7 +156,7 @@ def layer_queries(part: Any, k: Any, num_kv_heads: int) -> Any:
     or from a QK-norm applied before ``(b, t, heads, d)`` or after ``(b, heads, t, d)`` the head
     transpose (told apart by the norm input's strides, :func:`_heads_first`).
     """
-    from .transformers import _to_numpy
+    from .torch_tensors import float32_numpy
 
     if not part or part.get("q") is None or part.get("pos") is None:
         return None
@@ -172,7 +172,7 @@ def layer_queries(part: Any, k: Any, num_kv_heads: int) -> Any:
             return None
         q = q.reshape(b, t, -1, d).transpose(1, 2)
     q, _ = part["rope"](q, q, cos, sin)
-    q = _to_numpy(q.contiguous())
+    q = float32_numpy(q.contiguous())
     return q if q.shape[1] % num_kv_heads == 0 else None
 
 

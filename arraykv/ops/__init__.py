@@ -8,17 +8,37 @@ Each op takes exactly the arguments of its reference in :mod:`arraykv.quant` or
 kernel is first used.
 """
 
-from .codecs import (INTQ_KERNEL_BITS, intq_dequantize, intq_group_minmax, intq_quantize_pack, pack_bits,
-                     polar_decode, polar_encode, polar_encode_tokens, polar_store_token, split_outliers, unpack_bits, vq_assign, vq_decode, vq_encode,
-                     vq_update)
-from .fused import (INT_KERNEL_BITS, has_kernel, int_decode_attention, lowrank_decode_attention,
-                    polar_decode_attention, vq_decode_attention)
+from .codecs import (
+    INTQ_KERNEL_BITS,
+    intq_dequantize,
+    intq_group_minmax,
+    intq_quantize_pack,
+    pack_bits,
+    polar_decode,
+    polar_encode,
+    polar_encode_tokens,
+    polar_store_token,
+    split_outliers,
+    unpack_bits,
+    vq_assign,
+    vq_decode,
+    vq_encode,
+    vq_update,
+)
+from .fused import (
+    INT_KERNEL_BITS,
+    has_kernel,
+    int_decode_attention,
+    lowrank_decode_attention,
+    polar_decode_attention,
+    vq_decode_attention,
+)
 from .kernel_files import kernel_names, kernel_source
-from .registry import (implementation, kernels_enabled, lookup, op_names, reference, register_op,
-                       set_kernels_enabled)
+from .registry import implementation, kernels_enabled, lookup, op_names, reference, register_op, set_kernels_enabled
 
 __all__ = [
-    "pack_bits", "unpack_bits", "polar_encode", "polar_encode_tokens", "polar_store_token", "polar_decode", "intq_group_minmax", "intq_quantize_pack",
+    "pack_bits", "unpack_bits", "polar_encode", "polar_encode_tokens", "polar_store_token", "polar_decode",
+    "intq_group_minmax", "intq_quantize_pack",
     "intq_dequantize", "split_outliers", "vq_assign", "vq_update", "vq_encode", "vq_decode",
     "polar_decode_attention", "int_decode_attention", "vq_decode_attention", "lowrank_decode_attention",
     "has_kernel", "lookup", "reference", "implementation", "op_names", "register_op",

@@ -38,7 +38,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["route", "bridged", "dispatching"]
 

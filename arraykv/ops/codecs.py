@@ -15,7 +15,8 @@ from .. import _compat
 from ..quant.bitpack import check_pack_args, check_unpack_args
 from .registry import implementation, reference
 
-__all__ = ["pack_bits", "unpack_bits", "polar_encode", "polar_encode_tokens", "polar_store_token", "polar_decode", "intq_group_minmax", "intq_quantize_pack",
+__all__ = ["pack_bits", "unpack_bits", "polar_encode", "polar_encode_tokens", "polar_store_token", "polar_decode",
+           "intq_group_minmax", "intq_quantize_pack",
            "intq_dequantize", "split_outliers", "vq_assign", "vq_update", "vq_encode", "vq_decode"]
 
 #: Code widths of the integer quantize/dequantize kernels (others run the reference).

@@ -30,8 +30,9 @@ import importlib
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .. import _compat
 

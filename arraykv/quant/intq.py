@@ -31,8 +31,9 @@ stored for it per group.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .. import _compat
 from .._validation import check_int, dtype_name, is_floating

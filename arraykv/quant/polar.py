@@ -24,8 +24,9 @@ Decoding is ``x̂ = n · Mᵀ c[codes]``. Two choices of the stored length ``n``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .. import _compat
 from .._validation import check_int, is_floating

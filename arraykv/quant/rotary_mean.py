@@ -35,13 +35,15 @@ energy ``Σ_t |z_t|²``, which is what candidate conventions are compared by.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from .. import _compat
 from .._validation import check_real
 
-__all__ = ["RotaryMeanPlan", "ROPE_LAYOUTS", "RotaryMean", "rope_pairs", "rope_frequencies", "fit_rotary_mean", "rotary_mean_at",
+__all__ = ["RotaryMeanPlan", "ROPE_LAYOUTS", "RotaryMean", "rope_pairs", "rope_frequencies", "fit_rotary_mean",
+           "rotary_mean_at",
            "check_rope"]
 
 #: Channel pairings of rotary embeddings: ``(j, j + d/2)`` or ``(2j, 2j + 1)``.
@@ -232,7 +234,7 @@ def _detect(x: Any, positions: Any, static: Any) -> tuple:
         sb = xp.take(st, pairs[:, 1], axis=2)
         e_static = (sa * sa + sb * sb)[:, :, None, :]  # (1, h, 1, J)
 
-        def scores(bases: list) -> dict:
+        def scores(bases: list, xa: Any = xa, xb: Any = xb, e_static: Any = e_static) -> dict:
             freq = xp.asarray([rope_frequencies(d, b) for b in bases], dtype=xp.float32, device=dev)  # (C, J)
             c, s = _phases(xp, freq, positions, exact=False)  # (C, n, J); positions < 1024 + start
             ma, mb = _demodulated_means(xa, xb, c, s)  # (1, h, C, J)
@@ -331,7 +333,9 @@ class RotaryMeanPlan:
         return xp.concat([c, s, xp.ones_like(c[:, :1])], axis=-1)
 
     def logits(self, q: Any, start: int, stop: int, phases: Any = None):
-        """``q · R_t μ`` for every query and position ``start .. stop - 1``, without forming ``R_t μ``: (b, h, G, n) float32.
+        """``q · R_t μ`` for every query and position ``start .. stop - 1`` as (b, h, G, n) float32.
+
+        ``R_t μ`` itself is never formed.
 
         Parameters
         ----------

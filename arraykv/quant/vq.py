@@ -14,8 +14,9 @@ accelerated ones (``ops.vq_assign``, ``ops.vq_update``, ``ops.vq_encode``, ``ops
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .. import _compat
 from .._validation import check_float_array, check_int, dtype_name, is_floating
@@ -164,7 +165,7 @@ def train_vq(x: Any, *, codebook_size: int = 256, sub_dim: int = 8, max_iter: in
     converged = False
     prev_idx = None
     it = 0
-    for it in range(1, max_iter + 1):
+    for it in range(1, max_iter + 1):  # noqa: B007 - `it` is read after the loop (iterations)
         idx, err = assign(xg, c)
         history.append(err)
         if len(history) > 1 and (history[-2] - err <= tol * history[-2]):
@@ -260,7 +261,10 @@ def vq_decode(codes: VQCodes, cb: VQCodebook, dtype: Any = None, *, decode: Call
 
 
 def vq_decode_reference(codes: Any, centroids: Any, bits: int):
-    """Vectors that ``codes`` (rows, h, t, bytes or m) name in ``centroids`` (h, m, K, s): float32 (rows, h, t, m · s)."""
+    """Vectors that ``codes`` (rows, h, t, bytes or m) name in ``centroids`` (h, m, K, s).
+
+    float32, (rows, h, t, m · s).
+    """
     xp = _compat.namespace(codes)
     rows, h, t = (int(s) for s in codes.shape[:3])
     _, m, k, sub_dim = (int(s) for s in centroids.shape)
@@ -276,7 +280,7 @@ def vq_decode_reference(codes: Any, centroids: Any, bits: int):
 
 def check_decode_attention_args(q: Any, k_codes: Any, k_centroids: Any, v_codes: Any, v_centroids: Any,
                                 k_extra: Any, v_extra: Any, bits: Any) -> tuple:
-    """Shape and dtype checks of :func:`arraykv.attention.vq_fused.vq_decode_attention_reference` (shared with its kernels).
+    """Shape and dtype checks of :func:`~arraykv.attention.vq_fused.vq_decode_attention_reference` and its kernels.
 
     Returns
     -------

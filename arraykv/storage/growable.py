@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .. import _compat
 
@@ -193,7 +194,7 @@ class TokenBuffers:
         """
         self.commit_truncate(self.truncate_plan(length))
 
-    def copy(self) -> "TokenBuffers":
+    def copy(self) -> TokenBuffers:
         """An independent copy: the in-use tokens in exact-size arrays, same options."""
         out = TokenBuffers(growth=self.growth, min_capacity=self.min_capacity, max_tokens=self.max_tokens)
         if self.length:

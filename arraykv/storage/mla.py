@@ -280,7 +280,8 @@ class MlaCache:
         if buf is not None and buf.length:
             held = buf.view("latent")
             if _compat.namespace(held) is not xp or held.dtype != latent.dtype:
-                raise TypeError(f"seq_id {sid} holds {dtype_name(held.dtype)} latents; received {dtype_name(latent.dtype)}")
+                raise TypeError(f"seq_id {sid} holds {dtype_name(held.dtype)} latents; "
+                                f"received {dtype_name(latent.dtype)}")
         if buf is None:
             buf = TokenBuffers(min_capacity=16)
         buf.append(arrays)
@@ -321,7 +322,7 @@ class MlaCache:
                 k = k_nope
             return k, v
 
-    def fork(self) -> "MlaCache":
+    def fork(self) -> MlaCache:
         """An independent copy: the same sequences (same ids), latents and projections.
 
         The latents are copied (O(``memory_usage()``), under every layer lock); the projection

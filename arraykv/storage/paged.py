@@ -23,7 +23,7 @@ class _Layer:
         self.tables: dict = {}  # seq_id -> list of block ids
         self.lengths: dict = {}  # seq_id -> tokens
 
-    def copy(self) -> "_Layer":
+    def copy(self) -> _Layer:
         out = _Layer()
         if self.k_pool is not None:
             out.k_pool = self.xp.asarray(self.k_pool, copy=True)
@@ -145,7 +145,8 @@ class PagedKVCache:
                 )
             if lay.k_pool is None:
                 dev = _compat.device(k)
-                lay.k_pool = xp.zeros((self.num_blocks, self.num_kv_heads, bs, self.head_dim), dtype=k.dtype, device=dev)
+                lay.k_pool = xp.zeros((self.num_blocks, self.num_kv_heads, bs, self.head_dim), dtype=k.dtype,
+                                      device=dev)
                 lay.v_pool = xp.zeros((self.num_blocks, self.num_kv_heads, bs, self.v_head_dim), dtype=k.dtype,
                                       device=dev)
                 lay.xp = xp
@@ -162,7 +163,7 @@ class PagedKVCache:
             lay.tables[sid] = table
             lay.lengths[sid] = length + t
 
-    def fork(self) -> "PagedKVCache":
+    def fork(self) -> PagedKVCache:
         """An independent copy: the same sequences (same ids), blocks and free lists.
 
         A full copy of every layer's pools (O(``reserved_bytes()``), under every layer lock);
@@ -214,7 +215,8 @@ class PagedKVCache:
             if int(x.shape[2]) != d:
                 raise ValueError(f"{name} must have {d} channels (axis 2), received {int(x.shape[2])}")
         if int(k.shape[1]) != int(v.shape[1]):
-            raise ValueError(f"k and v must hold the same tokens (axis 1), received {int(k.shape[1])} and {int(v.shape[1])}")
+            raise ValueError(f"k and v must hold the same tokens (axis 1), "
+                             f"received {int(k.shape[1])} and {int(v.shape[1])}")
         if int(k.shape[1]) < 1:
             raise ValueError("k must hold at least one token (axis 1), received 0")
         if k.dtype != v.dtype:
@@ -274,8 +276,10 @@ class PagedKVCache:
                 k, v = self._gather(lay, lay.tables[s], n)
                 if n < top:
                     dev = _compat.device(k)
-                    k = xp.concat([k, xp.zeros((self.num_kv_heads, top - n, self.head_dim), dtype=k.dtype, device=dev)], axis=1)
-                    v = xp.concat([v, xp.zeros((self.num_kv_heads, top - n, self.v_head_dim), dtype=v.dtype, device=dev)],
+                    k = xp.concat([k, xp.zeros((self.num_kv_heads, top - n, self.head_dim), dtype=k.dtype, device=dev)],
+                                  axis=1)
+                    v = xp.concat([v, xp.zeros((self.num_kv_heads, top - n, self.v_head_dim), dtype=v.dtype,
+                                               device=dev)],
                                   axis=1)
                 ks.append(k)
                 vs.append(v)
@@ -322,5 +326,5 @@ class PagedKVCache:
         return total
 
     def __repr__(self) -> str:
-        return (f"PagedKVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"block_size={self.block_size}, num_blocks={self.num_blocks})")
+        return (f"PagedKVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, block_size={self.block_size}, num_blocks={self.num_blocks})")

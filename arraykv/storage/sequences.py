@@ -44,7 +44,7 @@ class SequenceIds:
                 raise ValueError(f"seq_id {sid} {state}; allocate_sequence() gives a valid id")
         return sid
 
-    def copy(self) -> "SequenceIds":
+    def copy(self) -> SequenceIds:
         """An independent copy: the same live ids, the same next id."""
         twin = SequenceIds()
         with self._lock:

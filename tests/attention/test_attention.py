@@ -2,11 +2,13 @@ import numpy as np
 import pytest
 
 import arraykv
+
 from conftest import asarray, to_np
 from naive import attention_loops
 
 
-@pytest.mark.parametrize("b,hkv,g,t,s,d", [(1, 1, 1, 1, 1, 4), (2, 2, 3, 4, 9, 8), (1, 3, 2, 1, 17, 16), (3, 1, 4, 5, 5, 8)])
+@pytest.mark.parametrize("b,hkv,g,t,s,d", [(1, 1, 1, 1, 1, 4), (2, 2, 3, 4, 9, 8), (1, 3, 2, 1, 17, 16),
+                                           (3, 1, 4, 5, 5, 8)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
 def test_attention_matches_loops(xp, rng, b, hkv, g, t, s, d, causal, bias):
@@ -43,7 +45,8 @@ def test_attention_on_strided_cache_view(rng):
     big = rng.standard_normal((1, 2, 50, 8)).astype(np.float32)
     k, v = big[:, :, :20], big[:, :, 20:40]
     q = rng.standard_normal((1, 4, 1, 8)).astype(np.float32)
-    np.testing.assert_allclose(arraykv.attention(q, k, v, softmax_scale=0.5), attention_loops(q, k, v, 0.5), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(arraykv.attention(q, k, v, softmax_scale=0.5), attention_loops(q, k, v, 0.5), rtol=1e-5,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("case,exc", [

@@ -12,11 +12,10 @@ import pytest
 
 import arraykv
 from arraykv.attention.int_fused import int_decode_attention_reference
-from arraykv.ops import int_decode_attention
 from arraykv.attention.lowrank_fused import lowrank_decode_attention
 from arraykv.attention.polar_fused import polar_decode_attention_reference
-from arraykv.ops import polar_decode_attention
 from arraykv.compressor import Hybrid, LowRank
+from arraykv.ops import int_decode_attention, polar_decode_attention
 from arraykv.quant.rotary_mean import check_rope
 
 BAD_SCALES = [

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import arraykv
-from conftest import BUILTIN_METHODS
 from arraykv import _compat
 from arraykv.persist import CacheFileError
+
 from cache_contract import assert_same_snapshot, attend, random_kvq, snapshot
-from conftest import asarray, to_np
+from conftest import BUILTIN_METHODS, to_np
 
 METHODS = list(BUILTIN_METHODS)
 HKV, G, D = 2, 2, 64
@@ -261,7 +261,7 @@ def test_damaged_files_are_refused(method, rng, tmp_path):
         "wrong version": data[:8] + struct.pack("<I", 99) + data[12:],
         "not a cache": b"PK\x03\x04" + data[4:],
     }
-    for name, blob in cases.items():
+    for blob in cases.values():
         bad.write_bytes(blob)
         with pytest.raises(CacheFileError):
             arraykv.load(bad)

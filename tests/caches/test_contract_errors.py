@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import arraykv
-from conftest import BUILTIN_METHODS
+
 from cache_contract import assert_same_snapshot, snapshot
+from conftest import BUILTIN_METHODS
 
 H, D, G = 2, 32, 2
 
@@ -33,8 +34,10 @@ def _kvq(b=2, h=H, t=1, d=D, qh=H * G, dtype=np.float32):
 def _bad_calls():
     cfg = arraykv.AttendConfig(0.2, G)
     k, v, q = _kvq()
-    nan = k.copy(); nan[1, 0, 0, 3] = np.nan
-    inf = v.copy(); inf[0, 1, 0, 0] = -np.inf
+    nan = k.copy()
+    nan[1, 0, 0, 3] = np.nan
+    inf = v.copy()
+    inf[0, 1, 0, 0] = -np.inf
     import array_api_strict as xs
     return {
         "k rank 3": (ValueError, lambda c: c.decode(0, k[0], v[0], q, cfg)),
@@ -106,4 +109,5 @@ def test_register_third_party_method():
         return arraykv.DenseCache(**kw)
 
     assert "test-dense-copy" in arraykv.available_methods()
-    assert isinstance(arraykv.make_cache("test-dense-copy", num_layers=1, num_kv_heads=1, head_dim=4), arraykv.DenseCache)
+    assert isinstance(arraykv.make_cache("test-dense-copy", num_layers=1, num_kv_heads=1, head_dim=4),
+                      arraykv.DenseCache)

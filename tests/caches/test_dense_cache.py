@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import arraykv
+
 from cache_contract import assert_same_snapshot, attend, random_kvq, snapshot
 from conftest import asarray, to_np
 
@@ -27,13 +28,15 @@ def test_prefill_then_decodes_match_full_attention(xp, rng, g):
     ks, vs = [], []
     k, v, q = random_kvq(rng, xp, 2, 2, g, 7, 16)
     r = cache.prefill(1, k, v, q)
-    ks.append(to_np(k)); vs.append(to_np(v))
+    ks.append(to_np(k))
+    vs.append(to_np(v))
     np.testing.assert_array_equal(to_np(r.k), ks[0])
     assert r.logit_bias is None
-    for step in range(40):
+    for _ in range(40):
         k, v, q = random_kvq(rng, xp, 2, 2, g, 1, 16)
         out = cache.decode(1, k, v, q, cfg)
-        ks.append(to_np(k)); vs.append(to_np(v))
+        ks.append(to_np(k))
+        vs.append(to_np(v))
         full_k, full_v = np.concatenate(ks, axis=2), np.concatenate(vs, axis=2)
         np.testing.assert_array_equal(to_np(out.result.k), full_k)
         np.testing.assert_array_equal(to_np(out.result.v), full_v)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import arraykv
+
 from cache_contract import assert_same_snapshot, snapshot
 
 HALF = ["pqo4", "pqo3", "pqo2", "pq4", "tq4", "lowrank", "vq"]

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import arraykv
-from conftest import BUILTIN_METHODS
+
 from cache_contract import assert_same_snapshot, random_kvq, snapshot
-from conftest import to_np
+from conftest import BUILTIN_METHODS, to_np
 
 H, D = 2, 64
 METHODS = list(BUILTIN_METHODS)

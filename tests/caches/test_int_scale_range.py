@@ -13,6 +13,7 @@ import arraykv
 from arraykv.attention.int_fused import int_decode_attention_reference
 from arraykv.ops import int_decode_attention
 from arraykv.quant.intq import dequantize_groups, half_exponent, quantize_groups
+
 from conftest import asarray, to_np
 
 H, D, T = 2, 64, 160

@@ -4,8 +4,9 @@ import pytest
 import arraykv
 from arraykv.ops import lookup
 from arraykv.quant.intq import dequantize_groups, quantize_groups
+
 from cache_contract import attend, random_kvq
-from conftest import asarray, to_np
+from conftest import to_np
 
 H, D = 2, 64
 

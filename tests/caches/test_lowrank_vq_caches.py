@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.caches.sliding import SPARE_ROWS
 from arraykv import KVCacheCompressor, LowRank, VectorQuantization
+from arraykv.caches.sliding import SPARE_ROWS
+
 from cache_contract import assert_same_snapshot, attend, random_kvq, snapshot
 from conftest import asarray, to_np
 
@@ -125,7 +126,8 @@ def test_lowrank_memory_is_what_the_rank_says(rng):
     assert cache.memory_usage() == per_token * 1024 + side + rollback + spare
     assert cache.memory_usage() - spare == cache.used_bytes() + cache.rollback_bytes()
     dense16 = 2 * H * D * 2 * 1024
-    assert (cache.memory_usage() - spare - cache.rollback_bytes()) / dense16 < 0.27  # 8 of 32 directions, plus the bases
+    # 8 of 32 directions, plus the bases
+    assert (cache.memory_usage() - spare - cache.rollback_bytes()) / dense16 < 0.27
 
 
 # -- vq ---------------------------------------------------------------------------------------
@@ -191,7 +193,7 @@ def test_fused_decode_is_attention_over_the_dequantized_layer(xp, rng, method, b
     k, v, q = random_kvq(rng, xp, b, H, g, prefill, D)
     cache.prefill(0, k, v, q)
     cfg = arraykv.AttendConfig(D ** -0.5, g)
-    for step in range(4):
+    for _ in range(4):
         k1, v1, q1 = random_kvq(rng, xp, b, H, g, 1, D)
         out = cache.decode(0, k1, v1, q1, cfg)
         assert isinstance(out, arraykv.Fused) and out.output.shape == (b, H * g, 1, D)

@@ -73,3 +73,28 @@ def test_a_registered_subclass_takes_the_registered_name(tmp_path):
     assert cache.get_config()["method"] == "test-dense-subclass"
     cache.save(tmp_path / "s.akv")
     assert type(arraykv.load(tmp_path / "s.akv")) is Sub
+
+
+def test_built_in_methods_are_imported_when_first_made_not_when_listed():
+    import subprocess
+    import sys
+
+    code = ("import sys, arraykv\n"
+            "arraykv.available_methods(generic=True)\n"
+            "assert 'arraykv.caches.vq' not in sys.modules and 'arraykv.caches.intq' not in sys.modules\n"
+            "arraykv.make_cache('int4', num_layers=1, num_kv_heads=1, head_dim=8)\n"
+            "assert 'arraykv.caches.intq' in sys.modules and 'arraykv.caches.vq' not in sys.modules\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def test_a_method_registered_by_path_is_imported_on_first_use():
+    arraykv.register_method("test-lazy-int4", "arraykv.caches.intq:Int4Cache", replace=True)
+    assert "test-lazy-int4" in arraykv.available_methods()
+    assert type(arraykv.make_cache("test-lazy-int4", **GEOM)) is Int4Cache
+    # decorating the very class a path names is that registration, not a second one
+    arraykv.register_method("test-lazy-int4")(Int4Cache)
+    with pytest.raises(ValueError, match="already registered"):
+        arraykv.register_method("test-lazy-int4")(IntQuantCache)
+    with pytest.raises(ValueError, match="'module:attr' path"):
+        arraykv.register_method("test-lazy-bad", "arraykv.caches.intq.Int4Cache")

@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 import arraykv
+from arraykv.caches.polar import PolarCache
 from arraykv.caches.sliding import SPARE_ROWS
 from arraykv.ops import set_kernels_enabled
-from arraykv.caches.polar import PolarCache
 from arraykv.quant.bitpack import unpack_bits
+
 from cache_contract import attend, random_kvq
 from conftest import asarray, to_np
 
@@ -55,7 +56,8 @@ def test_prefill_exact_then_decodes_close(xp, rng, method):
         k, v, q = random_kvq(rng, xp, 1, 2, g, 1, 32)
         out = cache.decode(0, k, v, q, arraykv.AttendConfig(scale, g))
         assert isinstance(out, arraykv.Dequantized)
-        ks.append(to_np(k)); vs.append(to_np(v))
+        ks.append(to_np(k))
+        vs.append(to_np(v))
         fk, fv = np.concatenate(ks, 2), np.concatenate(vs, 2)
         res = out.result
         assert res.k.shape == fk.shape
@@ -202,7 +204,7 @@ def test_window_spills_into_codes_in_order(rng):
     k, v, q = random_kvq(rng, np, 1, 2, 1, 3, 32)
     c.prefill(0, k, v, q)
     assert c.layer_codec_state(0).n_quantized == 0
-    for i in range(6):
+    for _ in range(6):
         kk, vv, qq = random_kvq(rng, np, 1, 2, 1, 1, 32)
         c.decode(0, kk, vv, qq, arraykv.AttendConfig(1.0))
         k, v = np.concatenate([k, kk], 2), np.concatenate([v, vv], 2)

@@ -19,6 +19,7 @@ import arraykv
 from arraykv.caches import window
 from arraykv.caches.polar import PolarCache
 from arraykv.caches.sliding import SlidingRows
+
 from cache_contract import random_kvq
 
 H, G, D = 2, 2, 16

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 import arraykv
-from conftest import BUILTIN_METHODS
 from arraykv.storage import TokenBuffers
+
 from cache_contract import assert_same_snapshot, snapshot
+from conftest import BUILTIN_METHODS
 
 
 def _kvq(r, tokens):
@@ -112,7 +113,7 @@ def test_a_failure_after_the_store_is_taken_back(method, call, tokens, monkeypat
     monkeypatch.setattr(arraykv.ops, "polar_decode_attention", fail)
     monkeypatch.setattr(arraykv.ops, "int_decode_attention", fail)
     k, v, q = _kvq(np.random.default_rng(4), tokens)
-    with pytest.raises(MemoryError) as info:
+    with pytest.raises(MemoryError):
         if call == "decode":
             cache.decode(0, k, v, q, arraykv.AttendConfig(0.25, 2))
         else:

@@ -18,10 +18,10 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import arraykv
+
 from cache_contract import attend
 
 H, D, LAYERS = 2, 16, 2

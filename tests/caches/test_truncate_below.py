@@ -15,12 +15,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import event, given
-from hypothesis import strategies as st
+from hypothesis import event, given, strategies as st
+from test_truncate import (
+    LAYERS,
+    METHODS,
+    ROLLBACK,
+    SETTINGS,
+    assert_next_calls_same,
+    assert_same,
+    cut,
+    make,
+    replay,
+    run,
+    tokens,
+)
 
 import arraykv
-from test_truncate import (CFG, LAYERS, METHODS, ROLLBACK, SETTINGS, assert_next_calls_same, assert_same, cut, make,
-                           replay, run, tokens)
 
 CALLS = st.lists(st.tuples(st.sampled_from(["decode", "decode", "append", "prefill"]), st.integers(1, 9)),
                  min_size=1, max_size=10)

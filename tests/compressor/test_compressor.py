@@ -3,6 +3,7 @@ import pytest
 
 import arraykv
 from arraykv import CompressedKV, Hybrid, KVCacheCompressor, LowRank, VectorQuantization
+
 from conftest import asarray, to_np
 
 
@@ -117,7 +118,8 @@ def test_bad_options(make, exc, match):
 
 def test_bad_arrays(rng):
     k, v = kv(rng, (1, 2, 20, 16))
-    nan = k.copy(); nan[0, 1, 3, 2] = np.nan
+    nan = k.copy()
+    nan[0, 1, 3, 2] = np.nan
     cases = [
         (KVCacheCompressor(LowRank(rank=17)), (k, v), ValueError, "rank must be <= head_dim=16"),
         (KVCacheCompressor(VectorQuantization(sub_dim=5)), (k, v), ValueError, "sub_dim must divide"),

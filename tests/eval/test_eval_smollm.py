@@ -15,6 +15,7 @@ pytest.importorskip("tokenizers", reason="the tokenizers package (extra [model])
 
 import arraykv  # noqa: E402
 from arraykv import eval as ev  # noqa: E402
+
 from smollm import smollm_or_skip  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from arraykv import eval as ev
-from arraykv.integrations.gguf import LlamaConfig
 from arraykv.integrations.llama import LlamaModel, random_gguf_tensors
+from arraykv.integrations.model_config import ModelConfig
 
 
 class CharTokenizer:
@@ -29,7 +29,7 @@ class CharTokenizer:
         return "".join(self.chars[i] for i in ids if i < len(self.chars))
 
 
-CFG = LlamaConfig(num_layers=2, hidden_size=32, ffn_size=64, num_heads=4, num_kv_heads=2, head_dim=8,
+CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_size=64, num_heads=4, num_kv_heads=2, head_dim=8,
                   vocab_size=len(CharTokenizer.chars) + 1, context_length=512, rope_theta=10000.0, rms_eps=1e-5)
 
 SHORT = ev.NeedleTask(intro="Find the key.\n", needle=" Key {key}.", question="\nKey? ", key_digits=3,

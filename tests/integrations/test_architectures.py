@@ -14,10 +14,11 @@ import pytest
 pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not installed")
 
 from arraykv.integrations.architectures import ARCHITECTURES, architecture, periodic_layer_types  # noqa: E402
-from arraykv.integrations.gguf import ModelConfig, read_gguf  # noqa: E402
+from arraykv.integrations.gguf import read_gguf  # noqa: E402
 from arraykv.integrations.gguf_llama import load_model  # noqa: E402
 from arraykv.integrations.gguf_write import write_gguf  # noqa: E402
 from arraykv.integrations.llama import DecoderModel, random_gguf_tensors  # noqa: E402
+from arraykv.integrations.model_config import ModelConfig  # noqa: E402
 
 #: Head sizes transformers can read back for each architecture: it derives llama's and qwen2's
 #: from hidden / heads, takes qwen3's default (128), and reads gemma3's from the file.

@@ -14,16 +14,17 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.integrations.gguf import LlamaConfig
 from arraykv.integrations.llama import LlamaModel, random_gguf_tensors
+from arraykv.integrations.model_config import ModelConfig
 
 _ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
 needs_onnx = pytest.mark.skipif(not _ONNX, reason="onnx and onnxruntime (extra [onnx]) are not installed")
 
 
 def _ort_decoder():
-    from arraykv.integrations.onnxruntime import OrtKVDecoder
     from test_onnx_hook import _decoder_graph
+
+    from arraykv.integrations.onnxruntime import OrtKVDecoder
 
     return OrtKVDecoder(_decoder_graph())
 
@@ -115,7 +116,7 @@ def test_layers_of_different_lengths_are_refused_not_grown_apart():
     assert [cache.seq_len(i) for i in range(dec.num_layers)] == [4, 3]
 
 
-CFG = LlamaConfig(num_layers=3, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
+CFG = ModelConfig(num_layers=3, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
                   vocab_size=60, context_length=64, rope_theta=50000.0, rms_eps=1e-5)
 
 
@@ -154,7 +155,8 @@ def test_llama_step_refused_by_a_later_layer_leaves_every_layer_as_it_was(method
         wk[...] = saved
     # equal caches; the fused kernels' answers over them agree to their last bits (their loop
     # versions depend on where buffers sit in memory)
-    for a, b in ((model.decode(4, cache), model.decode(4, ref)), (model.prefill([5, 6], cache), model.prefill([5, 6], ref))):
+    for a, b in ((model.decode(4, cache), model.decode(4, ref)),
+                 (model.prefill([5, 6], cache), model.prefill([5, 6], ref))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
 
 

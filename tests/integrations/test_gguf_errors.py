@@ -9,11 +9,12 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not installed")
 
-from arraykv.integrations.gguf import LlamaConfig, find_model, read_gguf  # noqa: E402
+from arraykv.integrations.gguf import find_model, read_gguf  # noqa: E402
 from arraykv.integrations.gguf_llama import load_model  # noqa: E402
 from arraykv.integrations.llama import random_gguf_tensors, unpermute_qk  # noqa: E402
+from arraykv.integrations.model_config import ModelConfig  # noqa: E402
 
-CFG = LlamaConfig(num_layers=2, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
+CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
                   vocab_size=60, context_length=64, rope_theta=50000.0, rms_eps=1e-5)
 
 

@@ -7,11 +7,12 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not installed")
 
-from arraykv.integrations.gguf import LlamaConfig, cache_dir, find_model, read_gguf  # noqa: E402
+from arraykv.integrations.gguf import cache_dir, find_model, read_gguf  # noqa: E402
 from arraykv.integrations.gguf_llama import load_model  # noqa: E402
 from arraykv.integrations.llama import LlamaModel, random_gguf_tensors  # noqa: E402
+from arraykv.integrations.model_config import ModelConfig  # noqa: E402
 
-CFG = LlamaConfig(num_layers=2, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
+CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
                   vocab_size=60, context_length=64, rope_theta=50000.0, rms_eps=1e-5)
 
 
@@ -48,7 +49,7 @@ def _byte_tokens(n):
 
 
 def test_written_llama_gguf_loads_with_its_config_weights_and_tokenizer(tmp_path):
-    cfg = LlamaConfig(**{**CFG.__dict__, "vocab_size": 110})
+    cfg = ModelConfig(**{**CFG.__dict__, "vocab_size": 110})
     tensors = random_gguf_tensors(cfg, seed=1)
     path = _write(tmp_path / "tiny.gguf", cfg, tensors, tokens=_byte_tokens(cfg.vocab_size))
     got_cfg, got, _ = read_gguf(path)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.integrations.gguf import LlamaConfig
 from arraykv.integrations.llama import LlamaModel, random_gguf_tensors, unpermute_qk
+from arraykv.integrations.model_config import ModelConfig
 
-CFG = LlamaConfig(num_layers=2, hidden_size=48, ffn_size=80, num_heads=6, num_kv_heads=2, head_dim=8,
+CFG = ModelConfig(num_layers=2, hidden_size=48, ffn_size=80, num_heads=6, num_kv_heads=2, head_dim=8,
                   vocab_size=97, context_length=96, rope_theta=10000.0, rms_eps=1e-5, name="tiny")
 
 
@@ -34,7 +34,7 @@ def _teacher_forced(model, ids, cache, prefill):
 
 def _naive_forward(tensors, cfg, ids):
     """Loop-level Llama forward in float64 with raw GGUF rows and interleaved-pair RoPE."""
-    d, hd = cfg.hidden_size, cfg.head_dim
+    hd = cfg.head_dim
     x = tensors["token_embd.weight"][ids].astype(np.float64)
     n = len(ids)
 

@@ -11,8 +11,10 @@ ort = pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is n
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import arraykv  # noqa: E402
+from arraykv.integrations.onnx_names import discover_kv_names  # noqa: E402
+from arraykv.integrations.onnxruntime import OrtKVDecoder  # noqa: E402
+
 from conftest import BUILTIN_METHODS  # noqa: E402
-from arraykv.integrations.onnxruntime import OrtKVDecoder, discover_kv_names  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB, HIDDEN = 2, 2, 64, 50, 128
 
@@ -48,7 +50,8 @@ def _decoder_graph(seed: int = 0, *, with_kv: bool = True, symbolic_heads: bool 
     const("neg", -1e9, np.float32)
     const("fzero", 0.0, np.float32)
     const("scale", 1.0 / np.sqrt(HEAD_DIM), np.float32)
-    x = node("Add", [node("Gather", ["emb", "input_ids"], ["tok"]), node("Gather", ["pos_emb", "position_ids"], ["pos"])], ["x0"])
+    x = node("Add", [node("Gather", ["emb", "input_ids"], ["tok"]),
+                     node("Gather", ["pos_emb", "position_ids"], ["pos"])], ["x0"])
     # query positions (b, 1, t, 1) for the causal mask
     qpos = node("Unsqueeze", [node("Unsqueeze", ["position_ids", "axes_1"], ["qp1"]), "axes_3"], ["qpos"])
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
@@ -59,8 +62,9 @@ def _decoder_graph(seed: int = 0, *, with_kv: bool = True, symbolic_heads: bool 
     for i in range(LAYERS):
         p = f"l{i}_"
 
-        def heads_of(name, src):
-            y = node("Reshape", [node("MatMul", [src, w(p + name, HIDDEN, HIDDEN)], [p + name + "_mm"]), "split_shape"], [p + name + "_r"])
+        def heads_of(name, src, p=p):
+            y = node("Reshape", [node("MatMul", [src, w(p + name, HIDDEN, HIDDEN)], [p + name + "_mm"]), "split_shape"],
+                     [p + name + "_r"])
             return node("Transpose", [y], [p + name + "_t"], perm=[0, 2, 1, 3])
 
         q, k, v = heads_of("wq", x), heads_of("wk", x), heads_of("wv", x)
@@ -114,7 +118,8 @@ def _plain_ort_loop(sess, prompt, steps):
         names = ["logits"] + [f"present.{i}.{k}" for i in range(LAYERS) for k in ("key", "value")]
         res = sess.run(names, feeds)
         out.append(res[0])
-        past = {f"past_key_values.{i}.{k}": res[1 + 2 * i + j] for i in range(LAYERS) for j, k in enumerate(("key", "value"))}
+        past = {f"past_key_values.{i}.{k}": res[1 + 2 * i + j]
+                for i in range(LAYERS) for j, k in enumerate(("key", "value"))}
         n += t
         ids = np.argmax(res[0][:, -1:], axis=-1).astype(np.int64)
     return out
@@ -202,7 +207,7 @@ def test_incremental_readback_feeds_the_same_past(graph, rng, method):
         cache = dec.make_cache(method)
         if incremental:  # record where each read-back starts
             read = cache.dequantize
-            cache.dequantize = lambda layer, start=0: (starts.append(start), read(layer, start))[1]
+            cache.dequantize = lambda layer, start=0, read=read: (starts.append(start), read(layer, start))[1]
         out = [dec.prefill(prompt, cache)] + [dec.decode(t, cache) for t in follow]
         runs[incremental] = out
     inc, full = runs[True], runs[False]

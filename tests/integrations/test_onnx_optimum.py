@@ -30,6 +30,7 @@ pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not ins
 
 from arraykv import eval as ev  # noqa: E402
 from arraykv.integrations.onnxruntime import OrtKVDecoder  # noqa: E402
+
 from smollm import mean_kl, smollm_or_skip  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -5,13 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from arraykv.integrations.gguf import LlamaConfig
-from arraykv.integrations.llama import LlamaModel, random_gguf_tensors
 from arraykv.integrations.drafts import NgramDraft, run_layers
-from arraykv.integrations.speculative import (CacheDraft, LayerDraft, greedy_agreement, greedy_with_gaps,
-                                              speculative_generate)
+from arraykv.integrations.llama import LlamaModel, random_gguf_tensors
+from arraykv.integrations.model_config import ModelConfig
+from arraykv.integrations.speculative import (
+    CacheDraft,
+    LayerDraft,
+    greedy_agreement,
+    greedy_with_gaps,
+    speculative_generate,
+)
 
-CFG = LlamaConfig(num_layers=4, hidden_size=48, ffn_size=80, num_heads=6, num_kv_heads=2, head_dim=8,
+CFG = ModelConfig(num_layers=4, hidden_size=48, ffn_size=80, num_heads=6, num_kv_heads=2, head_dim=8,
                   vocab_size=97, context_length=256, rope_theta=10000.0, rms_eps=1e-5, name="tiny")
 METHODS = ["dense", "pqo4", "pq3", "tq3", "int4", "int2"]
 

@@ -13,6 +13,7 @@ pytest.importorskip("tokenizers", reason="the tokenizers package (extra [model])
 from arraykv import eval as ev  # noqa: E402
 from arraykv.integrations.drafts import draft_from_spec  # noqa: E402
 from arraykv.integrations.speculative import greedy_agreement, greedy_with_gaps, speculative_generate  # noqa: E402
+
 from smollm import smollm_or_skip  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -30,7 +30,8 @@ _BYTES = [(f"<0x{b:02X}>", 0.0, 6) for b in range(256)]
 _CHARS = [(c, -100.0 - i, 1) for i, c in enumerate("\u2581abcdehlorswu")]
 # "ab" comes before "bc" in the file but scores lower: "abc" must split as "a" + "bc"
 _PIECES = [("ab", -5.0), ("bc", -1.0), ("he", -2.0), ("ll", -3.0), ("llo", -4.0), ("hello", -6.0),
-           ("\u2581hello", -7.0), ("\u2581w", -8.0), ("or", -9.0), ("ld", -9.5), ("orld", -10.0), ("\u2581world", -11.0),
+           ("\u2581hello", -7.0), ("\u2581w", -8.0), ("or", -9.0), ("ld", -9.5), ("orld", -10.0),
+           ("\u2581world", -11.0),
            ("us", -12.0), ("er", -13.0), ("user", -14.0)]
 VOCAB = _HEAD + _BYTES + _CHARS + [(p, s, 1) for p, s in _PIECES]
 ID = {p: i for i, (p, _, _) in enumerate(VOCAB)}
@@ -161,9 +162,11 @@ TEXTS = [
     "The quick brown fox, aged 12.5 years, jumped over 3,141,592 lazy dogs! Isn't that (mostly) true? "
     "Yes: 100% \u2014 \u201cquoted\u201d text.",
     "def f(x):\n    if x > 0:\n        return x ** 2\n\treturn -x  # tab\n\n\nclass A:\n  pass\r\n",
-    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 fa\u00e7ade \u00c6r\u00f8sk\u00f8bing; Stra\u00dfe; \u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac; "
+    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 fa\u00e7ade \u00c6r\u00f8sk\u00f8bing; Stra\u00dfe; "
+    "\u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac; "
     "\u0440\u0443\u0441\u0441\u043a\u0438\u0439 \u0442\u0435\u043a\u0441\u0442.",
-    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8\u3068\u4e2d\u6587\u6587\u672c\uff0c\u8fd8\u6709\ud55c\uad6d\uc5b4 "
+    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8\u3068\u4e2d\u6587\u6587\u672c\uff0c"
+    "\u8fd8\u6709\ud55c\uad6d\uc5b4 "
     "\ubb38\uc7a5\u3002",
     "Emoji: \U0001F600\U0001F389\U0001F44D\U0001F3FD \U0001F468\u200d\U0001F469\u200d\U0001F467 \U0001F1EB\U0001F1F7 "
     "and rare \x00\x07 \U0001D518\U0001D52B\U0001D526 \U0001F9EC",

@@ -1,16 +1,18 @@
 """CUDA sources compile, launch plans are checked, and GPU kernels match the CPU reference."""
 
+import importlib
 import pathlib
+import pkgutil
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
-from arraykv.ops.cuda.loader import DEFAULT_OPTIONS
-from arraykv.ops.cuda.bitpack import _FAMILY as BITPACK_FAMILY
+import arraykv.ops.cuda
 from arraykv.ops.cuda.bitpack import plan_bitpack
-from arraykv.ops.cuda.polar import kernel_names, plan_codec_launch
+from arraykv.ops.cuda.loader import DEFAULT_OPTIONS
+
 from gpu import requires_gpu
 from nvrtc import compile_source, find_nvrtc
 
@@ -26,27 +28,29 @@ def test_cuda_source_compiles_for_hopper(source, tmp_path):
     assert res.returncode == 0, res.stderr
 
 
-def _runtime_names(source):
-    """Name expressions the launchers ask NVRTC for, over the configurations the caches use."""
-    if source == "bitpack.cu":
-        return list(BITPACK_FAMILY)
-    names = []
-    for d, had in ((64, True), (128, True), (256, True), (96, False), (32, True)):
-        for kb, vb, qjl in ((4, 4, False), (3, 3, False), (2, 2, True), (1, 1, False), (3, 2, True)):
-            for pf in (False, True):
-                for bias in (False, True):
-                    names += list(kernel_names(d, kb, vb, qjl, had, pf, bias).values())
-        for kind in ("quantize", "dequantize"):
-            for dt in ("float32", "float16"):
-                names.append(plan_codec_launch(kind, 1, d, 3, had, dt).name)
-    return sorted(set(names))
+def _launcher_names() -> dict:
+    """``{source file: name expressions}`` that the launcher modules export (``SOURCE``, ``name_expressions``)."""
+    found: dict = {}
+    for info in pkgutil.iter_modules(arraykv.ops.cuda.__path__):
+        mod = importlib.import_module(f"arraykv.ops.cuda.{info.name}")
+        if hasattr(mod, "SOURCE"):
+            found.setdefault(mod.SOURCE, set()).update(mod.name_expressions())
+    return {src: sorted(names) for src, names in found.items()}
+
+
+LAUNCHER_NAMES = _launcher_names()
+
+
+def test_every_cuda_source_has_a_launcher_that_names_its_kernels():
+    assert sorted(LAUNCHER_NAMES) == sorted(p.name for p in SOURCES)
+    assert all(LAUNCHER_NAMES.values())
 
 
 @pytest.mark.skipif(find_nvrtc() is None, reason="no NVRTC library found (set ARRAYKV_NVRTC)")
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_cuda_source_compiles_with_nvrtc(source):
     # NVRTC is what cupy.RawModule runs: no CUDA include folder, templates by name expression
-    names = _runtime_names(source.name)
+    names = LAUNCHER_NAMES[source.name]
     ok, log, lowered = compile_source(find_nvrtc(), f'#line 1 "{source}"\n' + source.read_text(), source.name,
                                       names, list(DEFAULT_OPTIONS) + ["-arch=compute_90"])
     assert ok, log

@@ -17,6 +17,7 @@ import pytest
 
 import arraykv
 from arraykv.ops.cuda.polar import MAX_GROUP, TILE, WARPS, plan_codec_launch, plan_decode_attn
+
 from cache_contract import rotary_embed
 from gpu import requires_gpu
 
@@ -53,7 +54,8 @@ def test_plan_decode_attn_checks_and_geometry():
 
 def test_plan_codec_launch_checks():
     assert plan_codec_launch("dequantize", 5, 96, 2, False, "float32").name == "polar_dequantize<float, 96, 2, false>"
-    assert plan_codec_launch("quantize", 5, 64, 3, True, "float16").name == "polar_quantize<unsigned short, 64, 3, true>"
+    want = "polar_quantize<unsigned short, 64, 3, true>"
+    assert plan_codec_launch("quantize", 5, 64, 3, True, "float16").name == want
     with pytest.raises(ValueError, match="power-of-two"):
         plan_codec_launch("quantize", 5, 96, 2, True, "float32")
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -91,7 +93,8 @@ def _pair(method, d, h, g, b, n, seed, rope=False):
 def _rel(got, want):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.all(np.isfinite(got)), "non-finite output (an element was not written?)"
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want)), float(np.abs(got - want).max() / np.abs(want).max())
+    rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    return rel, float(np.abs(got - want).max() / np.abs(want).max())
 
 
 def _check_close(got, want, what):
@@ -210,7 +213,8 @@ def test_rotary_plan_follows_the_codec_namespace():
     codec = cache.layer_codec_state(0)
     assert codec.k_mean_plan is not None and _rotary_plan(codec) is codec.k_mean_plan
     moved = dataclasses.replace(codec, k_mean=xps.asarray(codec.k_mean.astype(np.float32)),  # no float16 there
-                                k_mean_freq=xps.asarray(codec.k_mean_freq), k_mean_pairs=xps.asarray(codec.k_mean_pairs))
+                                k_mean_freq=xps.asarray(codec.k_mean_freq),
+                                k_mean_pairs=xps.asarray(codec.k_mean_pairs))
     plan = _rotary_plan(moved)
     assert plan is not codec.k_mean_plan and plan.xp is xps and plan.shared == codec.k_mean_plan.shared
 
@@ -303,7 +307,8 @@ def _check_decode(method, d, g, b, rope=False):
     vn = cp.asarray(rng.standard_normal((b, h, 1, d)), dtype=cp.float32)
     out = gpu.decode(0, kn, vn, qg, arraykv.AttendConfig(scale, g))
     assert isinstance(out, arraykv.Fused)
-    _check_close(cp.asnumpy(out.output), cp.asnumpy(polar_decode_attention_reference(gpu.layer_codec_state(0), qg, scale)),
+    _check_close(cp.asnumpy(out.output),
+                 cp.asnumpy(polar_decode_attention_reference(gpu.layer_codec_state(0), qg, scale)),
                  "cache decode")
 
 

@@ -11,6 +11,7 @@ import pytest
 import arraykv
 from arraykv.attention.int_fused import int_decode_attention_reference
 from arraykv.ops import int_decode_attention, lookup, set_kernels_enabled
+
 from conftest import asarray, to_np
 from naive import int_decode_attention_loops
 

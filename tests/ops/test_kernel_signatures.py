@@ -66,14 +66,3 @@ def test_optional_module_missing_is_silent():
     assert registry._optional_missing(exc)
     bug = ModuleNotFoundError("No module named 'arraykv.quant.nothing'", name="arraykv.quant.nothing")
     assert not registry._optional_missing(bug)
-
-
-def test_backends_alias_still_answers():
-    import numpy as np
-
-    from arraykv import backends
-
-    assert backends.lookup is registry.lookup and backends.set_kernels_enabled is registry.set_kernels_enabled
-    with backends.set_kernels_enabled(False):
-        assert backends.lookup("pack_bits", np) is None and not backends.kernels_enabled()
-    assert backends.kernel_names() == ops.kernel_names()

@@ -19,13 +19,12 @@ computed in float32 from the same stored arrays are compared relative to the lar
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 import pytest
 
 import arraykv
-from functools import partial
-
 from arraykv import ops
 from arraykv.ops import pack_bits, set_kernels_enabled, split_outliers, unpack_bits
 from arraykv.quant import intq, polar, vq
@@ -33,6 +32,25 @@ from arraykv.quant.codebooks import make_codebook
 from arraykv.quant.intq import IntQuantized
 from arraykv.quant.rotation import make_rotation
 from arraykv.quant.vq import VQCodebook as PQCodebook
+
+from naive import (
+    int_decode_attention_loops,
+    intq_dequantize_loops,
+    intq_quantize_loops,
+    lowrank_decode_attention_loops,
+    pack_bits_loops,
+    polar_decode_attention_loops,
+    polar_decode_loops,
+    polar_encode_loops,
+    polar_rotate_loops,
+    pq_assign_loops,
+    pq_code_bits,
+    pq_decode_attention_loops,
+    pq_decode_loops,
+    pq_encode_loops,
+    split_outliers_loops,
+    unpack_bits_loops,
+)
 
 # The quantizers with the ops layer's passes: a kernel where one serves the namespace and
 # kernels are on, the array-API reference otherwise (what the caches call).
@@ -43,11 +61,6 @@ polar_encode = partial(polar.polar_encode, encode=ops.polar_encode)
 polar_decode = partial(polar.polar_decode, decode=ops.polar_decode)
 pq_encode = partial(vq.vq_encode, encode=ops.vq_encode)
 pq_decode = partial(vq.vq_decode, decode=ops.vq_decode)
-from naive import (int_decode_attention_loops, intq_dequantize_loops, intq_quantize_loops,
-                   lowrank_decode_attention_loops, pack_bits_loops, polar_decode_attention_loops,
-                   polar_decode_loops, polar_encode_loops, polar_rotate_loops, pq_assign_loops, pq_code_bits,
-                   pq_decode_attention_loops, pq_decode_loops, pq_encode_loops, split_outliers_loops,
-                   unpack_bits_loops)
 
 #: Distance to a decision boundary below which a float32 computation may decide either way.
 TIE = 1e-6
@@ -269,7 +282,8 @@ POLAR_CASES = {
     "tq3-d8-plain-mean": ("tq3", dict(b=1, h=2, g=1, d=8), dict(keys="plain", rope=None, outliers=1)),
     "tq3-d16-rotating-mean-gqa": ("tq3", dict(b=2, h=1, g=2, d=16), dict(keys="rope", rope=ROPE, outliers=2)),
     # head dims with kernel steps of their own (fused_driver.build_steps(dims=...)); lengths past one tile
-    "pqo4-d128-rotating-mean-gqa8": ("pqo4", dict(b=1, h=1, g=8, d=128, n=150), dict(keys="rope", rope=ROPE, outliers=2)),
+    "pqo4-d128-rotating-mean-gqa8": ("pqo4", dict(b=1, h=1, g=8, d=128, n=150),
+                                     dict(keys="rope", rope=ROPE, outliers=2)),
     "pqo2-d64-plain-gqa4": ("pqo2", dict(b=1, h=2, g=4, d=64, n=97), dict(keys="plain", rope=None, outliers=1)),
     "tq3-d64-rotating-mean-gqa3": ("tq3", dict(b=1, h=1, g=3, d=64, n=70), dict(keys="rope", rope=ROPE, outliers=1)),
 }

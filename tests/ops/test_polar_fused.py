@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.caches.polar_decode import qjl_logit_bias
 from arraykv.attention.polar_fused import polar_decode_attention_reference
+from arraykv.caches.polar_decode import qjl_logit_bias
 from arraykv.ops import lookup, polar_decode_attention, set_kernels_enabled
 
 MODES = ["pqo2", "pqo3", "pqo4", "pq3", "tq3", "tq4"]

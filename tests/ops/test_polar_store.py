@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from array_api_compat import array_namespace
+from test_polar_tokens import _calib
 
 from arraykv.quant.codebooks import make_codebook
 from arraykv.quant.polar import polar_decode_reference
 from arraykv.quant.polar_store import polar_store_token_reference
 from arraykv.quant.qjl import make_sketch
 from arraykv.quant.rotation import make_rotation
-from test_polar_tokens import _calib
 
 try:
     from arraykv.ops.numba.polar_store import polar_store_token

@@ -7,9 +7,9 @@ import pytest
 from array_api_compat import array_namespace
 
 from arraykv.ops.numba.polar_tokens import polar_encode_tokens
+from arraykv.quant.bitpack import unpack_bits_reference
 from arraykv.quant.codebooks import make_codebook
 from arraykv.quant.polar import polar_decode_reference
-from arraykv.quant.bitpack import unpack_bits_reference
 from arraykv.quant.polar_tokens import polar_encode_tokens_reference
 from arraykv.quant.qjl import make_sketch
 from arraykv.quant.rotary_mean import rope_frequencies, rope_pairs

@@ -7,8 +7,12 @@ import numpy as np
 import pytest
 
 from arraykv.ops.numba.simd import HAVE_PERMPS, table16
-from arraykv.ops.numba.simd3 import (tile_scores_codes_3, tile_scores_codes_3_loop, tile_values_codes_3,
-                                     tile_values_codes_3_loop)
+from arraykv.ops.numba.simd3 import (
+    tile_scores_codes_3,
+    tile_scores_codes_3_loop,
+    tile_values_codes_3,
+    tile_values_codes_3_loop,
+)
 from arraykv.quant.bitpack import pack_bits_reference
 
 pytestmark = pytest.mark.skipif(not HAVE_PERMPS, reason="AVX-512 path (the kernels use the byte tables without it)")

@@ -7,8 +7,12 @@ import numpy as np
 import pytest
 
 from arraykv.ops.numba.simd import HAVE_PERMPS
-from arraykv.ops.numba.simd_int2 import (int2_group_scores, int2_group_scores_loop, tile_values_codes_2_scaled,
-                                         tile_values_codes_2_scaled_loop)
+from arraykv.ops.numba.simd_int2 import (
+    int2_group_scores,
+    int2_group_scores_loop,
+    tile_values_codes_2_scaled,
+    tile_values_codes_2_scaled_loop,
+)
 from arraykv.quant.bitpack import pack_bits_reference
 
 pytestmark = pytest.mark.skipif(not HAVE_PERMPS, reason="AVX-512 path (the kernel keeps its byte tables without it)")

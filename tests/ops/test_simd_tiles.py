@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.ops import polar_decode_attention
 from arraykv.attention.polar_fused import polar_decode_attention_reference
+from arraykv.ops import polar_decode_attention
 from arraykv.ops.numba import simd, simd_lanes
 from arraykv.ops.numba.fused_driver import softmax_tile
 

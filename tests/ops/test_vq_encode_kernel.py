@@ -1,9 +1,9 @@
 """The one-pass Numba VQ encoder against assignment + packing, and the array-API reference."""
 
+from functools import partial
+
 import numpy as np
 import pytest
-
-from functools import partial
 
 from arraykv import ops
 from arraykv.ops import lookup, set_kernels_enabled

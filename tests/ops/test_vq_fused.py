@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import tracemalloc
+from functools import partial
 
 import numpy as np
 import pytest
 
 import arraykv
-from functools import partial
-
 from arraykv.attention.vq_fused import vq_decode_attention_reference
 from arraykv.ops import lookup
 from arraykv.quant.bitpack import pack_bits
 from arraykv.quant.vq import code_bits
+
 from conftest import asarray, to_np
 
 try:

@@ -4,6 +4,7 @@ import pytest
 from arraykv.ops import pack_bits, set_kernels_enabled, unpack_bits
 from arraykv.quant import bitpack
 from arraykv.quant.bitpack import packed_nbytes
+
 from conftest import asarray, to_np
 
 

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from arraykv.quant.codebooks import lloyd_max, make_codebook
+
 from conftest import to_np
 
 # REFERENCE.md section 1 (independently recomputed values).

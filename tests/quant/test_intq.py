@@ -1,18 +1,20 @@
+from functools import partial
+
 import numpy as np
 import pytest
-
-from functools import partial
 
 from arraykv import ops
 from arraykv.ops import set_kernels_enabled
 from arraykv.quant import intq
 from arraykv.quant.intq import IntQuantized
 
-# the quantizers with the accelerated steps (kernels on NumPy; the references with kernels off)
-quantize_groups = partial(intq.quantize_groups, group_minmax=ops.intq_group_minmax, quantize_pack=ops.intq_quantize_pack)
-dequantize_groups = partial(intq.dequantize_groups, dequantize=ops.intq_dequantize)
 from conftest import asarray, to_np
 from naive import intq_quantize_loops
+
+# the quantizers with the accelerated steps (kernels on NumPy; the references with kernels off)
+quantize_groups = partial(intq.quantize_groups, group_minmax=ops.intq_group_minmax,
+                          quantize_pack=ops.intq_quantize_pack)
+dequantize_groups = partial(intq.dequantize_groups, dequantize=ops.intq_dequantize)
 
 
 def loops_reference(x, bits, g, param_dtype):
@@ -29,7 +31,8 @@ def loops_reference(x, bits, g, param_dtype):
             scale = np.float32(np.float32(hi - lo) / np.float32(levels)).astype(param_dtype).astype(np.float32)
             off = np.float32(lo).astype(param_dtype).astype(np.float32)
             for i, val in enumerate(grp):
-                c = 0 if scale == 0 else min(max(np.floor((val - off) * (np.float32(1) / scale) + np.float32(0.5)), 0), levels)
+                c = 0 if scale == 0 else min(max(np.floor((val - off) * (np.float32(1) / scale) + np.float32(0.5)), 0),
+                                             levels)
                 out[r, a + i] = np.float32(c) * scale + off
     return out.reshape(x.shape)
 

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from arraykv.quant.lowrank import choose_rank, eckart_young_error, fit_basis, project, reconstruct
+
 from conftest import asarray, to_np
 
 

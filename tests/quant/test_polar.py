@@ -1,7 +1,7 @@
+from functools import partial
+
 import numpy as np
 import pytest
-
-from functools import partial
 
 from arraykv import ops
 from arraykv.ops import set_kernels_enabled
@@ -9,12 +9,13 @@ from arraykv.quant import polar as _polar
 from arraykv.quant.bitpack import unpack_bits
 from arraykv.quant.codebooks import lloyd_max, make_codebook
 from arraykv.quant.polar import PolarCode
+from arraykv.quant.rotation import make_rotation
+
+from conftest import asarray, to_np
 
 # the quantizers with the accelerated steps (kernels on NumPy; the reference with kernels off)
 polar_encode = partial(_polar.polar_encode, encode=ops.polar_encode)
 polar_decode = partial(_polar.polar_decode, decode=ops.polar_decode)
-from arraykv.quant.rotation import make_rotation
-from conftest import asarray, to_np
 
 
 def encode_loops(x, rot, cents, length="fit"):
@@ -71,7 +72,8 @@ def test_kernel_matches_reference(rng, shape, bits, length):
     assert x.size == 0 or (a != b).mean() <= 1e-3
     if x.size:
         np.testing.assert_allclose(fast.norms.astype(float), ref.norms.astype(float), rtol=2e-3)
-    np.testing.assert_allclose(fast_dec, ref_dec_of_fast, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(x).max(initial=0))))
+    np.testing.assert_allclose(fast_dec, ref_dec_of_fast, rtol=1e-4,
+                               atol=1e-5 * max(1.0, float(np.abs(x).max(initial=0))))
     assert fast.codes.dtype == np.uint8 and fast.norms.dtype == np.float16
 
 
@@ -93,7 +95,8 @@ def test_gaussian_distortion_near_optimum(rng, bits):
 def test_adversarial_inputs_within_2x_of_gaussian(rng, bits):
     d = 128
     rot, cb = make_rotation(d, 0, xp=np), make_codebook(bits, d, xp=np)
-    gauss = rel_mse(g := rng.standard_normal((2000, d)).astype(np.float32), polar_decode(polar_encode(g, cb, rot), cb, rot))
+    g = rng.standard_normal((2000, d)).astype(np.float32)
+    gauss = rel_mse(g, polar_decode(polar_encode(g, cb, rot), cb, rot))
     cases = {
         "constant": np.ones((4, d), np.float32) * np.array([[1.0], [-3.0], [0.01], [1e3]], np.float32),
         "one-hot": np.eye(d, dtype=np.float32) * 7.0,

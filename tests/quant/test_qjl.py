@@ -6,6 +6,7 @@ import pytest
 from arraykv.quant.codebooks import make_codebook
 from arraykv.quant.qjl import make_sketch, prod_decode, prod_encode, qjl_decode, qjl_encode, qjl_inner
 from arraykv.quant.rotation import make_rotation
+
 from conftest import asarray, to_np
 
 

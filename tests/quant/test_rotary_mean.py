@@ -8,7 +8,15 @@ import pytest
 import arraykv
 from arraykv.attention.polar_fused import polar_decode_attention_reference
 from arraykv.ops import set_kernels_enabled
-from arraykv.quant.rotary_mean import RotaryMeanPlan, check_rope, fit_rotary_mean, rotary_mean_at, rope_frequencies, rope_pairs
+from arraykv.quant.rotary_mean import (
+    RotaryMeanPlan,
+    check_rope,
+    fit_rotary_mean,
+    rope_frequencies,
+    rope_pairs,
+    rotary_mean_at,
+)
+
 from conftest import asarray, to_np
 
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from arraykv.quant.rotation import fwht, is_power_of_two, make_rotation, rotate, unrotate
+
 from conftest import asarray, to_np
 
 

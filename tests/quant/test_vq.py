@@ -1,12 +1,13 @@
+from functools import partial
+
 import numpy as np
 import pytest
-
-from functools import partial
 
 from arraykv import ops
 from arraykv.ops import set_kernels_enabled
 from arraykv.quant import vq
 from arraykv.quant.vq import code_bits
+
 from conftest import asarray, to_np
 
 # the quantizers with the accelerated steps (kernels on NumPy; the references with kernels off)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import arraykv
-from conftest import BUILTIN_METHODS
 from arraykv.storage.cache_file import MAGIC, CacheFileError, read_cache_file
+
+from conftest import BUILTIN_METHODS
 
 
 def _file(path, header: dict, data: bytes = b""):

@@ -14,6 +14,7 @@ import pytest
 
 import arraykv
 from arraykv.storage.cache_file import CacheFileError
+
 from cache_contract import assert_same_snapshot, rotary_embed, snapshot
 from cache_files import array_of, edit_file, serialize_file, set_array
 

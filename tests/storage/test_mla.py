@@ -3,6 +3,7 @@ import pytest
 
 import arraykv
 from arraykv import KVCacheCompressor, LowRank, MlaCache
+
 from conftest import asarray, to_np
 
 H, D, R, L = 2, 12, 4, 6  # heads, head_dim, rope_dim, latent_dim
@@ -57,7 +58,8 @@ def test_fit_is_the_best_linear_latent(rng):
     cache.append(0, s, k, v)
     gk, gv = cache.get_kv(0, s)
     z = np.concatenate([k[:, :, :D - R].transpose(1, 0, 2).reshape(300, -1), v.transpose(1, 0, 2).reshape(300, -1)], 1)
-    zr = np.concatenate([gk[:, :, :D - R].transpose(1, 0, 2).reshape(300, -1), gv.transpose(1, 0, 2).reshape(300, -1)], 1)
+    zr = np.concatenate([gk[:, :, :D - R].transpose(1, 0, 2).reshape(300, -1), gv.transpose(1, 0, 2).reshape(300, -1)],
+                        1)
     sv = np.linalg.svd(z.astype(np.float64), compute_uv=False)
     assert np.sum((zr - z) ** 2) == pytest.approx(np.sum(sv[L:] ** 2), rel=1e-3)
 

@@ -5,6 +5,7 @@ import pytest
 
 import arraykv
 from arraykv import Hybrid, KVCacheCompressor, LowRank, PagedKVCache
+
 from conftest import asarray, to_np
 
 H, D = 2, 8
@@ -84,7 +85,8 @@ def test_bad_input(rng):
     cache = make()
     s = cache.allocate_sequence()
     k = rng.standard_normal((H, 2, D)).astype(np.float32)
-    nan = k.copy(); nan[0, 0, 0] = np.nan
+    nan = k.copy()
+    nan[0, 0, 0] = np.nan
     for args, exc in [((k[0], k), ValueError), ((k, k[:, :1]), ValueError), ((k.astype(np.int32),) * 2, TypeError),
                       ((k, k.astype(np.float64)), TypeError), ((nan, k), ValueError), ((k.tolist(), k), TypeError),
                       ((k[:, :, :3], k), ValueError), ((k[:1], k[:1]), ValueError)]:

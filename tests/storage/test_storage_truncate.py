@@ -6,8 +6,7 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from arraykv import MlaCache, PagedKVCache
 from arraykv.storage import TokenBuffers

@@ -92,11 +92,11 @@ def _tiny_llama_gguf(path):
     """A 2-layer random Llama GGUF whose byte-level vocabulary covers printable ASCII and newline."""
     gguf = pytest.importorskip("gguf", reason="extra [model] not installed")
     pytest.importorskip("tokenizers", reason="extra [model] not installed")
-    from arraykv.integrations.gguf import LlamaConfig
     from arraykv.integrations.llama import random_gguf_tensors
+    from arraykv.integrations.model_config import ModelConfig
 
     tokens = ["<|end|>", "Ċ", "Ġ"] + [chr(c) for c in range(33, 127)] + ["ĠT", "he"]
-    cfg = LlamaConfig(num_layers=2, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
+    cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
                       vocab_size=len(tokens), context_length=512, rope_theta=10000.0, rms_eps=1e-5)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(cfg.num_layers)

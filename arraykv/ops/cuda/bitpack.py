@@ -6,10 +6,17 @@ from typing import NamedTuple
 
 from .loader import get_kernel, require_cupy
 
-__all__ = ["pack_bits", "unpack_bits", "pack_bits_into", "unpack_bits_into", "plan_bitpack"]
+__all__ = ["pack_bits", "unpack_bits", "pack_bits_into", "unpack_bits_into", "plan_bitpack", "SOURCE",
+           "name_expressions"]
 
-_SOURCE = "bitpack.cu"
+#: The file under ``kernels/`` these launchers run.
+SOURCE = "bitpack.cu"
 _FAMILY = [f"{kind}<{b}>" for kind in ("pack_bits", "unpack_bits") for b in range(1, 9)]
+
+
+def name_expressions() -> list:
+    """Every kernel name expression these launchers ask the compiler for (all compiled together)."""
+    return list(_FAMILY)
 
 
 class BitpackLaunch(NamedTuple):
@@ -64,7 +71,7 @@ def pack_bits_into(codes, bits: int, out=None):
     plan = plan_bitpack(rows, n, int(bits))
     out = _output(cp, lead + (plan.row_bytes,), out)
     if rows and n:
-        kern = get_kernel(_SOURCE, f"pack_bits<{int(bits)}>", _FAMILY)
+        kern = get_kernel(SOURCE, f"pack_bits<{int(bits)}>", _FAMILY)
         kern(plan.grid, plan.block, (codes, out, cp.int64(rows), cp.int32(n), cp.int32(plan.row_bytes)))
     return out
 
@@ -80,6 +87,6 @@ def unpack_bits_into(packed, bits: int, n: int, out=None):
     plan = plan_bitpack(rows, int(n), int(bits))
     out = _output(cp, lead + (int(n),), out)
     if rows and n:
-        kern = get_kernel(_SOURCE, f"unpack_bits<{int(bits)}>", _FAMILY)
+        kern = get_kernel(SOURCE, f"unpack_bits<{int(bits)}>", _FAMILY)
         kern(plan.grid, plan.block, (packed, out, cp.int64(rows), cp.int32(int(n)), cp.int32(plan.row_bytes)))
     return out

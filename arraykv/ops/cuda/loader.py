@@ -10,7 +10,8 @@ binaries on disk between processes.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ..kernel_files import kernel_source
 

@@ -35,13 +35,42 @@ from .polar_plan import (  # noqa: F401 - re-exported: the launch planning lives
 )
 
 __all__ = ["plan_codec_launch", "plan_decode_attn", "polar_encode", "polar_decode", "polar_decode_attention",
-           "polar_encode_into", "polar_decode_into", "polar_decode_attention_into", "rotary_phase_rows", "scratch_buffers",
-           "unsupported_reason"]
+           "polar_encode_into", "polar_decode_into", "polar_decode_attention_into", "rotary_phase_rows",
+           "scratch_buffers", "unsupported_reason", "SOURCE", "name_expressions"]
 
-_SOURCE = "polar.cu"
+#: The file under ``kernels/`` these launchers run.
+SOURCE = "polar.cu"
 _SCRATCH_ENTRIES = 16
 _scratch = threading.local()
 _SM_COUNT: dict = {}
+#: ``(head_dim, hadamard)`` and ``(key bits, value bits, qjl)`` that :func:`name_expressions`
+#: covers: the head sizes of the supported models, the smallest one and a dense rotation, and
+#: every code width the presets use.
+_BUILD_HEADS = ((64, True), (128, True), (256, True), (96, False), (32, True))
+_BUILD_BITS = ((4, 4, False), (3, 3, False), (2, 2, True), (1, 1, False), (3, 2, True))
+
+
+def name_expressions() -> list:
+    """Kernel name expressions these launchers ask the compiler for, over the configurations the caches use.
+
+    Returns
+    -------
+    list of str
+        Sorted, without repeats: every decode-step kernel (both variants of prefetch and of the
+        logit bias) and the quantize/dequantize kernels for float32 and float16, for each
+        configuration of ``_BUILD_HEADS`` and ``_BUILD_BITS``. A build check compiles them
+        all, so a template that fails to instantiate is caught without a GPU.
+    """
+    names = set()
+    for d, had in _BUILD_HEADS:
+        for kb, vb, qjl in _BUILD_BITS:
+            for pf in (False, True):
+                for bias in (False, True):
+                    names.update(kernel_names(d, kb, vb, qjl, had, pf, bias).values())
+        for kind in ("quantize", "dequantize"):
+            for dt in ("float32", "float16"):
+                names.add(plan_codec_launch(kind, 1, d, 3, had, dt).name)
+    return sorted(names)
 
 
 def _device_sm_count(cp) -> int:
@@ -124,7 +153,7 @@ def polar_encode_into(x, codebook, rotation, *, unbiased=False, codes_out=None, 
     gains = _check_out(cp, norms_out, x.shape[:-1], cp.float16, "norms_out")
     if rows:
         matrix = rotation.matrix if rotation.matrix is not None else rotation.signs
-        kern = get_kernel(_SOURCE, plan.name)
+        kern = get_kernel(SOURCE, plan.name)
         kern(plan.grid, plan.block, (x, cp.int64(rows), rotation.signs, matrix, codebook.thresholds,
                                      codebook.centroids, codes, gains, cp.int32(1 if unbiased else 0)))
     return codes, gains
@@ -141,7 +170,7 @@ def polar_decode_into(codes, norms, codebook, rotation, *, out=None):
     out = _check_out(cp, out, tuple(norms.shape) + (dim,), cp.float32, "out")
     if rows:
         matrix = rotation.matrix if rotation.matrix is not None else rotation.signs
-        kern = get_kernel(_SOURCE, plan.name)
+        kern = get_kernel(SOURCE, plan.name)
         kern(plan.grid, plan.block, (codes, norms, cp.int64(rows), rotation.signs, matrix, codebook.centroids, out))
     return out
 
@@ -236,7 +265,9 @@ def _rotary_plan(codec):
 
 
 def rotary_phase_rows(freq, start: int, n: int, family=None):
-    """GPU :meth:`arraykv.quant.rotary_mean.RotaryMeanPlan.phase_rows`: ``[cos ω t | sin ω t | 1]``, (n, 2J + 1) float32.
+    """GPU :meth:`~arraykv.quant.rotary_mean.RotaryMeanPlan.phase_rows`: float32 ``[cos ω t | sin ω t | 1]``.
+
+    The rows are (n, 2J + 1).
 
     One launch; each angle is reduced to [-π, π] in double precision (positions reach 10⁵).
     ``family``: the kernel names compiled with it in one module (a decode step's).
@@ -249,7 +280,7 @@ def rotary_phase_rows(freq, start: int, n: int, family=None):
         total = out.size
         threads = 256
         blocks = min(-(-total // threads), 65535)
-        get_kernel(_SOURCE, "rotary_phases", family)((blocks,), (threads,), (freq, cp.int32(n_pairs), cp.int64(start),
+        get_kernel(SOURCE, "rotary_phases", family)((blocks,), (threads,), (freq, cp.int32(n_pairs), cp.int64(start),
                                                                       cp.int32(n), out))
     return out
 
@@ -276,7 +307,10 @@ def _half_or_dummy(cp, arr, dummy):
 
 
 def polar_decode_attention(codec, q, scale):
-    """GPU :func:`arraykv.attention.polar_fused.polar_decode_attention_reference` (see :func:`polar_decode_attention_into`)."""
+    """GPU :func:`~arraykv.attention.polar_fused.polar_decode_attention_reference`.
+
+    See :func:`polar_decode_attention_into`.
+    """
     return polar_decode_attention_into(codec, q, scale)
 
 
@@ -326,7 +360,7 @@ def polar_decode_attention_into(codec, q, scale, *, out=None):
     rotating = n > 0 and rplan is not None
     names = kernel_names(d, kb, vb, use_qjl, had, PREFETCH, rotating)
     family = tuple(names.values())
-    attn = get_kernel(_SOURCE, names["attn"], family)
+    attn = get_kernel(SOURCE, names["attn"], family)
     plan = plan_decode_attn(b, h, g, d, n, kb, vb, use_qjl, _device_sm_count(cp),
                             _blocks_per_sm(cp, attn, names["attn"]), PREFETCH, rotating) if n else None
     splits = plan.splits if plan else 0
@@ -343,7 +377,7 @@ def polar_decode_attention_into(codec, q, scale, *, out=None):
     idx = cp.ascontiguousarray(codec.k_outlier_idx) if nout else bufs["dummy_i"]
 
     bias = _key_mean_bias(cp, codec, qc, scale, n, family, plan=rplan) if rotating else df
-    prep = get_kernel(_SOURCE, names[f"prepare_{dtype}"], family)
+    prep = get_kernel(SOURCE, names[f"prepare_{dtype}"], family)
     prep((g, h, b), (d,), (qc, _half_or_dummy(cp, codec.k_scale, dh), _half_or_dummy(cp, codec.k_mean, dh), idx,
                            cp.int32(nout), rot.signs, matrix, sketch, cp.float32(scale), cp.float32(sq_scale),
                            cp.int32(codec.k_scale is not None),
@@ -364,7 +398,7 @@ def polar_decode_attention_into(codec, q, scale, *, out=None):
     n_win = int(codec.n_window)
     kw = cp.ascontiguousarray(codec.k_window) if n_win else dh
     vw = cp.ascontiguousarray(codec.v_window) if n_win else dh
-    merge = get_kernel(_SOURCE, names[f"merge_{dtype}"], family)
+    merge = get_kernel(SOURCE, names[f"merge_{dtype}"], family)
     merge((g, h, b), (d,), (bufs["out_m"], bufs["out_l"], bufs["out_acc"], cp.int32(splits), qc, kw, vw,
                             cp.int32(n_win), _half_or_dummy(cp, codec.v_mean, dh), cp.int32(codec.v_mean is not None),
                             rot.signs, matrix, cp.float32(scale), out))

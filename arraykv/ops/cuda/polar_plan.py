@@ -9,7 +9,8 @@ import functools
 import math
 from typing import NamedTuple
 
-__all__ = ["CodecLaunch", "AttnLaunch", "codec_unsupported_reason", "plan_codec_launch", "plan_decode_attn", "kernel_names",
+__all__ = ["CodecLaunch", "AttnLaunch", "codec_unsupported_reason", "plan_codec_launch", "plan_decode_attn",
+           "kernel_names",
            "MAX_GROUP", "WARPS", "TILE", "BLOCKS_PER_SM", "PREFETCH", "MAX_OUTLIERS", "MAX_HEAD_DIM"]
 
 MAX_GROUP = 8        # query heads served by one attention launch (the mma N dimension)

@@ -45,11 +45,31 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ...attention.int_fused import check_query
-from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, plan, prepare_queries,
-                           ro, run_step, softmax_tile)
+from .fused_driver import (
+    FASTMATH,
+    TILE,
+    alloc_queries,
+    build_steps,
+    merge_splits,
+    merge_top,
+    plan,
+    prepare_queries,
+    ro,
+    run_step,
+    softmax_tile,
+)
 from .polar_rows import HALF_TO_FLOAT
-from .simd import (VECTOR_TILES, channels_to_planar, int4_group_scores, int8_group_scores, planar_to_channels,
-                   softmax_rows, table16, tile_values_codes_4_scaled, tile_values_codes_8_scaled)
+from .simd import (
+    VECTOR_TILES,
+    channels_to_planar,
+    int4_group_scores,
+    int8_group_scores,
+    planar_to_channels,
+    softmax_rows,
+    table16,
+    tile_values_codes_4_scaled,
+    tile_values_codes_8_scaled,
+)
 from .simd_int2 import int2_group_scores, tile_values_codes_2_scaled
 
 __all__ = ["int_decode_attention", "TILE"]

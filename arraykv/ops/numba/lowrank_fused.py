@@ -55,12 +55,21 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ..._validation import check_softmax_scale
-from ...attention.lowrank_fused import check_decode_args
-from ...attention.lowrank_fused import lowrank_decode_attention as _reference
-from .fused_driver import (FASTMATH, build_steps, merge_splits, merge_top, plan, ro, run_step, softmax_tile,
-                           tile_add_rows, tile_dots)
-from .half import HALF_TO_FLOAT, half_to_float
+from ...attention.lowrank_fused import check_decode_args, lowrank_decode_attention as _reference
 from . import simd
+from .fused_driver import (
+    FASTMATH,
+    build_steps,
+    merge_splits,
+    merge_top,
+    plan,
+    ro,
+    run_step,
+    softmax_tile,
+    tile_add_rows,
+    tile_dots,
+)
+from .half import HALF_TO_FLOAT, half_to_float
 from .simd import VECTOR_TILES, softmax_rows
 
 __all__ = ["lowrank_decode_attention", "TILE"]

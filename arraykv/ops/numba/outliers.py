@@ -18,7 +18,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ...quant.outliers import SparseOutliers
-
 from .threads import launch
 
 __all__ = ["split_outliers"]

@@ -36,14 +36,14 @@ def _fwht(v):
     h = 1
     if d >= 8:
         for g in range(0, d, 8):
-            a0 = v[g]; a1 = v[g + 1]; a2 = v[g + 2]; a3 = v[g + 3]
-            a4 = v[g + 4]; a5 = v[g + 5]; a6 = v[g + 6]; a7 = v[g + 7]
-            b0 = a0 + a1; b1 = a0 - a1; b2 = a2 + a3; b3 = a2 - a3
-            b4 = a4 + a5; b5 = a4 - a5; b6 = a6 + a7; b7 = a6 - a7
-            c0 = b0 + b2; c2 = b0 - b2; c1 = b1 + b3; c3 = b1 - b3
-            c4 = b4 + b6; c6 = b4 - b6; c5 = b5 + b7; c7 = b5 - b7
-            v[g] = c0 + c4; v[g + 4] = c0 - c4; v[g + 1] = c1 + c5; v[g + 5] = c1 - c5
-            v[g + 2] = c2 + c6; v[g + 6] = c2 - c6; v[g + 3] = c3 + c7; v[g + 7] = c3 - c7
+            a0, a1, a2, a3 = v[g], v[g + 1], v[g + 2], v[g + 3]
+            a4, a5, a6, a7 = v[g + 4], v[g + 5], v[g + 6], v[g + 7]
+            b0, b1, b2, b3 = a0 + a1, a0 - a1, a2 + a3, a2 - a3
+            b4, b5, b6, b7 = a4 + a5, a4 - a5, a6 + a7, a6 - a7
+            c0, c2, c1, c3 = b0 + b2, b0 - b2, b1 + b3, b1 - b3
+            c4, c6, c5, c7 = b4 + b6, b4 - b6, b5 + b7, b5 - b7
+            v[g], v[g + 4], v[g + 1], v[g + 5] = c0 + c4, c0 - c4, c1 + c5, c1 - c5
+            v[g + 2], v[g + 6], v[g + 3], v[g + 7] = c2 + c6, c2 - c6, c3 + c7, c3 - c7
         h = 8
     while h < d:
         for i in range(0, d, 2 * h):

@@ -30,7 +30,8 @@ head's tokens over Numba's threads (only step 2 is parallel: steps 1 and 3 cost
 float16 state is read through ``uint16`` views (Numba has no float16): the per-token lengths
 and outlier channels in the token loop through :data:`HALF_TO_FLOAT` (a few table lines: the
 lengths of a layer are of like magnitude), the window, means and weights of a call through
-:func:`arraykv.ops.numba.half.half_to_float` (F16C, no table). Functions are compiled for fixed argument types (read-only, any layout) when a call
+:func:`arraykv.ops.numba.half.half_to_float` (F16C, no table). Functions are compiled for fixed
+argument types (read-only, any layout) when a call
 first needs them, with head_dim fixed for 64 and 128 (its loops then unroll into whole vectors;
 :func:`arraykv.ops.numba.fused_driver.build_steps`), and cached on disk.
 """
@@ -48,13 +49,37 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from .fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softmax_tile, tile_add_rows, tile_dots
-from .simd import (VECTOR_TILES, channels_to_planar, softmax_rows, softmax_rows_affine, tile_scores, tile_scores_codes_2,
-                   tile_scores_codes_4, tile_values, tile_values_codes_2, tile_values_codes_4)
 from .polar_query import _finish_head, _prepare_head, _prepare_rotating
+from .polar_rows import (
+    _NO_F32_3,
+    _NO_I32_2,
+    _NO_I32_3,
+    _NO_U8_4,
+    _NO_U16_3,
+    _NO_U16_4,
+    _SIGN_TABLE,
+    _SIGNS,
+    HALF_TO_FLOAT,
+    _bits16,
+    _direct3,
+    _fixed_args,
+    _planar_per,
+    _unpack_rows,
+)
+from .simd import (
+    VECTOR_TILES,
+    channels_to_planar,
+    softmax_rows,
+    softmax_rows_affine,
+    tile_scores,
+    tile_scores_codes_2,
+    tile_scores_codes_4,
+    tile_values,
+    tile_values_codes_2,
+    tile_values_codes_4,
+)
 from .simd3 import tile_scores_codes_3, tile_values_codes_3
 from .simd_signs import tile_sign_scores
-from .polar_rows import (_NO_F32_3, _NO_I32_2, _NO_I32_3, _NO_U8_4, _NO_U16_3, _NO_U16_4, _SIGN_TABLE,
-                         _SIGNS, HALF_TO_FLOAT, _bits16, _direct3, _fixed_args, _planar_per, _unpack_rows)
 
 __all__ = ["polar_decode_attention", "TILE", "HALF_TO_FLOAT"]
 

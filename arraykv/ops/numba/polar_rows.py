@@ -61,7 +61,10 @@ _SIGN_TABLE = _chunk_table(_SIGNS, 1)
 
 @nb.njit(inline="always")
 def _unpack_small(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
-    """:func:`_unpack_rows` for 1 or 2 bits (a literal here): a byte of ``8 / bits`` codes is ``4 / bits`` table words."""
+    """:func:`_unpack_rows` for 1 or 2 bits (a literal here).
+
+    A byte of ``8 / bits`` codes is ``4 / bits`` table words.
+    """
     per = 8 // bits
     words = 4 // bits
     mask = (1 << bits) - 1

@@ -21,8 +21,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .polar import _decode_par, _decode_ser, _encode_par, _encode_ser, _host, _matrix
 from .half import half_to_float
+from .polar import _decode_par, _decode_ser, _encode_par, _encode_ser, _host, _matrix
 from .polar_rows import HALF_TO_FLOAT, _bits16, memo_by_objects
 from .threads import launch, threads_for
 

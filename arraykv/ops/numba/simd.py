@@ -46,7 +46,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 from .fused_driver import FASTMATH, softmax_tile
 
 __all__ = ["HAVE_PERMPS", "planar_per", "table16", "unpack_tile_4", "unpack_tile_2", "unpack_tile_4_loop",
-           "unpack_tile_2_loop", "to_planar", "from_planar", "channels_to_planar", "planar_to_channels", "tile_scores", "tile_values",
+           "unpack_tile_2_loop", "to_planar", "from_planar", "channels_to_planar", "planar_to_channels", "tile_scores",
+           "tile_values",
            "VECTOR_TILES", "tile_scores_codes_4", "tile_scores_codes_2", "tile_values_codes_4", "tile_values_codes_2",
            "tile_scores_codes_4_loop", "tile_scores_codes_2_loop", "tile_values_codes_4_loop",
            "tile_values_codes_2_loop", "PREFETCH_ROWS", "int4_group_scores", "tile_values_codes_4_scaled",
@@ -879,8 +880,10 @@ def tile_values_codes_2_loop(codes, t0, nt, tab, w, acc):
 
 @nb.njit
 def tile_values_codes_4_scaled_loop(codes, t0, nt, tab, w, cscale, acc):
-    """Reference of ``tile_values_codes_4_scaled``: ``acc[g, j] += Σ_r w[g, r] · cscale[r, j // 16] · c[codes[t0 + r]]_j``
-    (planar order)."""
+    """Reference of ``tile_values_codes_4_scaled`` (planar order).
+
+    ``acc[g, j] += Σ_r w[g, r] · cscale[r, j // 16] · c[codes[t0 + r]]_j``.
+    """
     rows = _rows_loop(codes, t0, nt, tab, 4)
     for g in range(acc.shape[0]):
         for r in range(nt):
@@ -890,7 +893,10 @@ def tile_values_codes_4_scaled_loop(codes, t0, nt, tab, w, cscale, acc):
 
 @nb.njit
 def tile_values_codes_8_scaled_loop(codes, t0, nt, tab, w, cscale, acc):
-    """Reference of ``tile_values_codes_8_scaled``: ``acc[g, j] += Σ_r w[g, r] · cscale[r, j // 16] · codes[t0 + r, j]``."""
+    """Reference of ``tile_values_codes_8_scaled``.
+
+    ``acc[g, j] += Σ_r w[g, r] · cscale[r, j // 16] · codes[t0 + r, j]``.
+    """
     for g in range(acc.shape[0]):
         for r in range(nt):
             for j in range(acc.shape[1]):

@@ -24,8 +24,16 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .simd import (_arrays, _c_f32, _emit_row_values, _emit_scores, _g_blocks_any, _vec_helpers,
-                   rows_scores_loop, rows_values_loop)
+from .simd import (
+    _arrays,
+    _c_f32,
+    _emit_row_values,
+    _emit_scores,
+    _g_blocks_any,
+    _vec_helpers,
+    rows_scores_loop,
+    rows_values_loop,
+)
 
 __all__ = ["tile_scores_codes_3", "tile_values_codes_3", "tile_scores_codes_3_loop", "tile_values_codes_3_loop",
            "rows_3_loop"]
@@ -123,7 +131,8 @@ def _typer(gen, name):
 #: ``tile_scores_codes_3(codes, t0, nt, tab, qr, s)``: ``s[g, r] = Σ_j qr[g, j] · tab[code_j(t0 + r)]``
 #: for ``r < nt``; ``codes`` uint8 (T, 3d / 8), rows of contiguous bytes (any row stride), ``tab``
 #: 16 float32 (:func:`arraykv.ops.numba.simd.table16` of the 8 centroids: entries 8..15 repeat
-#: 0..7, since a code is read with the bit above it; any dtype view of its 64 bytes), ``qr`` (G, d), ``s`` (G, ≥ nt) C-contiguous
+#: 0..7, since a code is read with the bit above it; any dtype view of its 64 bytes), ``qr`` (G, d),
+#: ``s`` (G, ≥ nt) C-contiguous
 #: float32, ``d`` a multiple of 16. Not checked at run time.
 #: Needs :data:`~arraykv.ops.numba.simd.HAVE_PERMPS` (AVX-512 or AVX2).
 tile_scores_codes_3 = _typer(_scores3_codegen, "tile_scores_codes_3")

@@ -62,8 +62,18 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ...quant.vq import check_decode_attention_args
-from .fused_driver import (FASTMATH, TILE, alloc_queries, build_steps, merge_splits, merge_top, prepare_queries, ro,
-                           run_step, split_count)
+from .fused_driver import (
+    FASTMATH,
+    TILE,
+    alloc_queries,
+    build_steps,
+    merge_splits,
+    merge_top,
+    prepare_queries,
+    ro,
+    run_step,
+    split_count,
+)
 from .half import half_to_float
 from .simd import VECTOR_TILES, softmax_rows
 from .simd_lanes import codes_to_lanes, lane_sums, lane_table_scores, lane_table_values, lane_tables
