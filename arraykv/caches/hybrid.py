@@ -19,7 +19,8 @@ from typing import Any
 
 from .._validation import check_int
 from ..storage.cache_file import write_cache_file
-from .registry import make_cache, register_method
+from .registry import make_cache
+from .window_cache import OUTLIER_OPTIONS, POLAR_STORAGE
 
 __all__ = ["HybridCache", "LAYER_TYPES", "check_layer_types", "default_window_storage"]
 
@@ -77,7 +78,8 @@ def default_window_storage(full_method: str, full_options: dict | None = None) -
     of 0.0086 at 4.56 bits per value, with 5-bit windows 0.0021 at 4.96 (float16 windows:
     0.00076 at 9.15); ``pqo3`` with 3-bit windows 0.036, with 4-bit ones 0.011. The extra bit
     costs less as the context grows past the window (the windows stay 528 rows): ``pqo4``
-    holds 4.78 bits per value at 8k tokens (4.96 at 4k).
+    holds 4.78 bits per value at 8k tokens (4.96 at 4k); 4.45 since the exact outlier channels
+    are chosen on the weighted keys (``docs/algorithms.md`` §8).
     """
     if full_method == "dense":
         return "exact"
@@ -89,7 +91,6 @@ def default_window_storage(full_method: str, full_options: dict | None = None) -
     return f"pq{bits + 1}" if bits in (2, 3, 4) else "float16"
 
 
-@register_method("hybrid", generic=True)
 class HybridCache:
     """Global layers in one cache method, sliding-window layers in a window cache.
 
@@ -106,8 +107,10 @@ class HybridCache:
         Options of that method.
     window_options : dict, optional
         Options of the :class:`~arraykv.caches.window_cache.SlidingWindowCache`
-        (``storage``, ``exact_tail``, ``decode_path``, ``rollback_tokens``, ``seed``);
-        ``storage`` defaults to :func:`default_window_storage` of the global method.
+        (``storage``, ``exact_tail``, ``decode_path``, ``rollback_tokens``, ``seed``,
+        ``outliers``, ``outlier_threshold``, ``max_outliers``); ``storage`` defaults to
+        :func:`default_window_storage` of the global method, and compressed windows take the
+        outlier options of ``full_options`` unless these name their own.
     check_finite : bool, default True
     max_tokens : int, optional
         Both sub-caches get them.
@@ -135,6 +138,10 @@ class HybridCache:
         self.full_options = dict(full_options or {})
         self.window_options = dict(window_options or {})
         self.window_options.setdefault("storage", default_window_storage(full_method, self.full_options))
+        if self.window_options["storage"] in POLAR_STORAGE:  # the windows' codec takes the global outlier options
+            for name in OUTLIER_OPTIONS:
+                if name in self.full_options:
+                    self.window_options.setdefault(name, self.full_options[name])
         common = dict(num_layers=self.num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       check_finite=check_finite, max_tokens=max_tokens)
         self.full = make_cache(full_method, **common, **self.full_options)
@@ -238,7 +245,7 @@ class HybridCache:
             if any(c.seq_len(i) > length for i in range(self.num_layers)):
                 c.truncate_all(length)
 
-    def fork(self) -> "HybridCache":
+    def fork(self) -> HybridCache:
         """An independent copy (both parts forked)."""
         twin = object.__new__(HybridCache)
         twin.__dict__.update(self.__dict__)

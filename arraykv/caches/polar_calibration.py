@@ -72,7 +72,7 @@ class PolarCalibration:
         return {n: getattr(self, n) for n in self.NAMES if getattr(self, n) is not None}
 
     @classmethod
-    def from_arrays(cls, xp: Any, arrays: dict) -> "PolarCalibration | None":
+    def from_arrays(cls, xp: Any, arrays: dict) -> PolarCalibration | None:
         """Copies of the calibration arrays in ``arrays`` (None when it holds none), checked
         against :func:`calibration_layout` first (``ValueError``): a kernel divides by the key
         channel weights and indexes by the outlier channels and pairs."""
@@ -148,7 +148,8 @@ def calibrate(opts: PolarOptions, xp: Any, k: Any, v: Any, q: Any, start: int) -
     partial = PolarCalibration(k_scale=None, k_outlier_idx=placeholder, **out)
     kc = k - partial.key_mean(xp, start, int(k.shape[2]))
     k_scale = query_scale(opts, xp, q, kc)
-    rms = xp.sqrt(xp.mean(kc * kc, axis=2))  # (b, h, d), of the centered, unweighted keys
+    # (b, h, d): channel RMS of what is quantized, the weighted centered keys s * (k - m_t)
+    rms = xp.sqrt(xp.mean(kc * kc, axis=2)) * xp.astype(k_scale, xp.float32)
     if opts.outliers == "auto" and few:
         n_out = 0
     elif opts.outliers == "auto":

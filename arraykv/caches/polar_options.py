@@ -25,8 +25,11 @@ __all__ = ["PolarOptions", "check_polar_options", "DEFAULT_RESIDUAL_WINDOW", "de
 DEFAULT_RESIDUAL_WINDOW = {1: 24, 2: 24, 3: 24, 4: 20}
 #: First tokens of a sequence kept in float16 (attention sinks; chosen by measurement).
 DEFAULT_SINK_TOKENS = 4
-#: A channel is an outlier when its RMS exceeds this multiple of the head's median channel RMS.
-DEFAULT_OUTLIER_THRESHOLD = 4.0
+#: A key channel is an outlier when its RMS in what is quantized, the weighted centered keys
+#: ``s ⊙ (k − m_t)``, exceeds this multiple of the head's median channel RMS there. With
+#: isotropic queries the weights turn a key channel ``a`` times the others into ``sqrt(a)``
+#: times, so 3.5 protects key channels from about 12x up (docs/algorithms.md §5).
+DEFAULT_OUTLIER_THRESHOLD = 3.5
 #: Largest non-power-of-two head_dim (a dense head_dim² rotation is held).
 MAX_DENSE_HEAD_DIM = 1024
 

@@ -29,10 +29,9 @@ from .polar_calibration import PolarCalibration, calibrate, calibration_layout
 from .polar_codec import PolarFixed, PolarLayerCodec
 from .polar_decode import decode_tokens
 from .polar_options import check_polar_options
-from .registry import register_method
 from .rollback import DEFAULT_ROLLBACK_TOKENS, check_rollback_tokens
 
-__all__ = ["SlidingWindowCache", "WindowLayer", "WINDOW_STORAGE", "POLAR_STORAGE"]
+__all__ = ["SlidingWindowCache", "WindowLayer", "WINDOW_STORAGE", "POLAR_STORAGE", "OUTLIER_OPTIONS"]
 
 #: How a window layer holds its tokens: float16 (half the bytes of float32, range ±65504),
 #: exactly as given, or compressed per token by the calibrated codec of the ``pqo`` caches at
@@ -41,6 +40,8 @@ WINDOW_STORAGE = ("float16", "exact", "pq2", "pq3", "pq4", "pq5", "pq6", "pq8")
 
 #: The compressed storages and their bits per coordinate.
 POLAR_STORAGE = {"pq2": 2, "pq3": 3, "pq4": 4, "pq5": 5, "pq6": 6, "pq8": 8}
+#: Options of the ``pq`` storages' exact outlier key channels (those of the ``pqo`` caches).
+OUTLIER_OPTIONS = ("outliers", "outlier_threshold", "max_outliers")
 #: Most recent tokens a compressed window also holds in float16 by default (measured on
 #: Gemma-3-270M, docs/algorithms.md §11: the last 8 buy what 64 buy, halving pqo4's KL).
 DEFAULT_EXACT_TAIL = 8
@@ -84,7 +85,6 @@ class WindowLayer(LayerState):
         return 0 if self.tail_k is None else int(self.tail_k.shape[2])
 
 
-@register_method("window", generic=True)
 class SlidingWindowCache(LayeredCache):
     """Keys and values of the last ``window + rollback_tokens`` tokens of each layer.
 
@@ -108,6 +108,9 @@ class SlidingWindowCache(LayeredCache):
         truncation.
     seed : int, default 0
         Seed of the ``pq`` storages' rotation.
+    outliers, outlier_threshold, max_outliers
+        ``pq`` storages: the exact outlier key channels, as for the ``pqo`` caches
+        (:class:`~arraykv.caches.polar.PolarCache`).
     decode_path : {"auto", "fused", "dequantized"}, default "auto"
         ``pq`` storages: ``decode`` attends from the codes itself (:class:`~arraykv.Fused`,
         the ``pqo`` fused kernel over the last ``window`` rows) where a kernel serves the
@@ -145,6 +148,7 @@ class SlidingWindowCache(LayeredCache):
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, window: int,
                  rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, storage: str = "float16",
                  exact_tail: int | None = None, seed: int = 0, decode_path: str = "auto",
+                 outliers: Any = "auto", outlier_threshold: float | None = None, max_outliers: int | None = None,
                  check_finite: bool = True, max_tokens: int | None = None):
         super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          check_finite=check_finite, max_tokens=max_tokens)
@@ -158,16 +162,23 @@ class SlidingWindowCache(LayeredCache):
         #: Bits per coordinate of the ``pq`` storages (None: float storage).
         self.bits = POLAR_STORAGE.get(storage)
         if self.bits is None:
-            if exact_tail is not None:
-                raise ValueError(f"exact_tail applies to the pq storages; storage {storage!r} holds every token "
-                                 f"as {'given' if storage == 'exact' else 'float16'}")
+            given = {"exact_tail": exact_tail, "outlier_threshold": outlier_threshold, "max_outliers": max_outliers,
+                     "outliers": None if isinstance(outliers, str) and outliers == "auto" else outliers}
+            for name, value in given.items():
+                if value is not None:
+                    raise ValueError(f"{name} applies to the pq storages; storage {storage!r} holds every token "
+                                     f"as {'given' if storage == 'exact' else 'float16'}")
             self.exact_tail = 0
             self.options = None
         else:
             self.exact_tail = check_int("exact_tail", DEFAULT_EXACT_TAIL if exact_tail is None else exact_tail,
                                         low=0)
             #: The codec's options: those of ``pqoB`` (checks head_dim too).
-            self.options = check_polar_options(self.head_dim, key_bits=self.bits, value_bits=self.bits, seed=seed)
+            outlier_opts = {"outliers": outliers, "max_outliers": max_outliers}
+            if outlier_threshold is not None:
+                outlier_opts["outlier_threshold"] = outlier_threshold
+            self.options = check_polar_options(self.head_dim, key_bits=self.bits, value_bits=self.bits, seed=seed,
+                                               **outlier_opts)
         #: Rows a layer keeps after every call.
         self.keep = self.window + self.rollback_tokens
         #: Float16 tail rows a ``pq`` layer keeps (the exact tail and the rollback margin).
@@ -536,5 +547,8 @@ class SlidingWindowCache(LayeredCache):
         if self.bits is not None:
             out["exact_tail"] = self.exact_tail
             out["decode_path"] = self.decode_path
+            out["outliers"] = self.options.outliers
+            out["outlier_threshold"] = self.options.outlier_threshold
+            out["max_outliers"] = self.options.max_outliers
         return out
 

@@ -17,14 +17,15 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.caches.hybrid import HybridCache
 from arraykv import ops
+from arraykv.caches.hybrid import HybridCache
 from arraykv.caches.polar_calibration import calibrate
 from arraykv.caches.polar_codec import PolarFixed
 from arraykv.caches.polar_decode import decode_tokens
 from arraykv.caches.polar_options import check_polar_options
 from arraykv.caches.window_cache import POLAR_STORAGE, SlidingWindowCache
 from arraykv.storage.cache_file import LayerRecord
+
 from cache_contract import assert_same_snapshot, snapshot
 from conftest import to_np
 
@@ -139,7 +140,7 @@ class Ref:
                 return False
         return self.first == 0 or length >= self.first + max(self.window - 1, 1)
 
-    def truncated(self, length: int) -> "Ref":
+    def truncated(self, length: int) -> Ref:
         """A reference of the first ``length`` positions (the calls replayed, the last one cut)."""
         out = Ref(self.window, self.keep - self.window, self.storage, self.exact_tail or 8)
         left = length
@@ -317,6 +318,33 @@ def test_window_options_refused():
         window_cache(3, 1, storage="int8")
     with pytest.raises(ValueError, match="rollback_tokens"):
         window_cache(3, -1)
+
+
+
+def test_window_outlier_options_reach_the_codec_and_survive_save_load(rng, tmp_path):
+    """``outliers`` / ``max_outliers`` set the pq storage's exact key channels, as for pqo."""
+    d, t = 32, 64
+    k = rng.standard_normal((1, H, t, d)).astype(np.float32)
+    k[..., [3, 17]] *= 40.0  # two key channels far above the others, in every head
+    v = rng.standard_normal((1, H, t, d)).astype(np.float32)
+    q = rng.standard_normal((1, H, t, d)).astype(np.float32)
+    counts = {}
+    for name, opts in (("auto", {}), ("capped", {"max_outliers": 1}), ("none", {"outliers": 0}),
+                       ("fixed", {"outliers": 3})):
+        c = arraykv.make_cache("window", num_layers=1, num_kv_heads=H, head_dim=d, window=t, storage="pq4", **opts)
+        c.prefill(0, k, v, q)
+        counts[name] = c._states[0].calib.n_outliers
+        path = tmp_path / f"{name}.akv"
+        c.save(path)
+        back = arraykv.load(path)
+        assert back.options == c.options
+        np.testing.assert_array_equal(to_np(back.dequantize(0).k), to_np(c.dequantize(0).k))
+    assert counts == {"auto": 2, "capped": 1, "none": 0, "fixed": 3}
+    with pytest.raises(ValueError, match="max_outliers applies to the pq storages"):
+        window_cache(3, 1, storage="float16").__class__(num_layers=1, num_kv_heads=H, head_dim=D, window=3,
+                                                        max_outliers=2)
+    with pytest.raises(ValueError, match="outliers"):
+        arraykv.make_cache("window", num_layers=1, num_kv_heads=H, head_dim=D, window=3, storage="exact", outliers=1)
 
 
 # -- 2. truncate ------------------------------------------------------------------------------
@@ -638,7 +666,8 @@ def test_hybrid_routing_and_memory(rng, full_method):
 
 def test_hybrid_truncate_all_is_all_or_nothing(rng):
     # sliding layers keep 3 + 2 rows; full layers (pqo4, 2 rollback copies) reach back two tokens
-    cache = hybrid("pqo4", full_options={"rollback_tokens": 2}, window_options={"rollback_tokens": 8, "decode_path": "dequantized"})
+    cache = hybrid("pqo4", full_options={"rollback_tokens": 2},
+                   window_options={"rollback_tokens": 8, "decode_path": "dequantized"})
     feed(rng, cache, [("prefill", 40)] + [("decode", 1)] * 10)  # 50 tokens; window layers hold 11
     assert [cache.min_truncate_length(i) for i in range(4)] == [41, 48, 41, 48]
     # a full layer still reaches its uncalibrated first tokens (1 .. rollback copies + 2)
@@ -672,7 +701,8 @@ def test_hybrid_truncate_all_is_all_or_nothing(rng):
 
 def test_hybrid_truncate_then_decode_equals_direct_build(rng):
     cache = hybrid("dense")
-    refs = [Ref(WINDOW, W_ROLLBACK, cache.sliding.storage) if s else Ref(10 ** 9, 0, "exact") for s in (True, False, True, False)]
+    refs = [Ref(WINDOW, W_ROLLBACK, cache.sliding.storage) if s else Ref(10 ** 9, 0, "exact")
+            for s in (True, False, True, False)]
     feed(rng, cache, [("prefill", 5)] + [("decode", 1)] * 6, refs)
     length = cache.min_truncate_length(0)
     assert length == 11 - W_ROLLBACK - 1
@@ -743,6 +773,15 @@ def test_hybrid_restore_refuses_bad_records(rng):
         assert_same_snapshot(snapshot(cache), before)
 
 
+def test_hybrid_windows_take_the_global_outlier_options():
+    c = hybrid("pqo4", full_options={"max_outliers": 1, "outlier_threshold": 6.0})
+    assert c.sliding.options.max_outliers == 1 and c.sliding.options.outlier_threshold == 6.0
+    c = hybrid("pqo4", full_options={"max_outliers": 1}, window_options={"max_outliers": 0})
+    assert c.sliding.options.max_outliers == 0
+    c = hybrid("pqo4", full_options={"max_outliers": 1}, window_options={"storage": "float16"})
+    assert "max_outliers" not in c.window_options  # float16 windows take no codec options
+
+
 def test_hybrid_bad_arguments():
     kw = dict(num_layers=3, num_kv_heads=H, head_dim=D, window=4)
     good = ("sliding_attention", "full_attention", "sliding_attention")
@@ -772,8 +811,8 @@ def test_hybrid_bad_arguments():
 
 # -- 6. end to end: a tiny Gemma-3-like decoder ---------------------------------------------------
 def _model():
-    from arraykv.integrations.gguf import ModelConfig
     from arraykv.integrations.llama import DecoderModel, random_gguf_tensors
+    from arraykv.integrations.model_config import ModelConfig
 
     cfg = ModelConfig(num_layers=3, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
                       vocab_size=100, context_length=256, rope_theta=1e4, rms_eps=1e-6, arch="gemma3",
