@@ -1,4 +1,4 @@
-"""Command line: ``python -m arraykv {demo,bench,inspect,longctx,speculative}``.
+"""Command line: ``python -m arraykv {demo,bench,inspect,longctx,speculative,store}``.
 
 ``demo``
     Fetch SmolLM2-135M if needed, generate text through a compressed cache, and print a quality
@@ -14,6 +14,8 @@
 ``speculative``
     Speculative decoding through a compressed cache beside plain greedy decoding: the text,
     the draft's acceptance and both speeds.
+``store``
+    A prefix store's entries (tokens, bytes, ages) and total, eviction, removal (``docs/store.md``).
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ __all__ = ["main"]
 
 def main(argv: list | None = None) -> int:
     """Entry point of ``python -m arraykv`` (and the ``arraykv`` console script)."""
-    from . import cli_bench, cli_demo, cli_longctx, cli_speculative, inspect_pqo
+    from . import cli_bench, cli_demo, cli_longctx, cli_speculative, cli_store, inspect_pqo
 
     parser = argparse.ArgumentParser(prog="arraykv", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for mod in (cli_demo, cli_bench, inspect_pqo, cli_longctx, cli_speculative):
+    for mod in (cli_demo, cli_bench, inspect_pqo, cli_longctx, cli_speculative, cli_store):
         mod.add_parser(sub)
     args = parser.parse_args(argv)
     from .compile_notice import compile_notice

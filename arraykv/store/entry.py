@@ -1,0 +1,157 @@
+"""A cache as the bytes of a store entry, and back: the checked, versioned cache file format.
+
+An entry's bytes are exactly a cache file (:mod:`arraykv.storage.cache_file`: magic, version,
+JSON header with the cache's full configuration, raw arrays, SHA-256 trailer), so an entry of
+the local store is a file that :func:`arraykv.load` reads, and an entry fetched from a server
+is checked by the same reader: header against data, geometry bounded, every array against the
+layer it claims to be (``restore``), before anything is built.
+
+:func:`restore_entry` puts an entry into an existing, empty cache and also checks that it is
+the entry that was asked for: the configuration it carries equals the cache's own, and every
+layer holds the expected number of tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import tempfile
+from typing import Any
+
+from ..storage.cache_file import FORMAT_VERSION, MAGIC, CacheFileError, read_cache_file, write_cache_file
+from .backend import EntryError
+
+__all__ = ["encode_cache", "restore_entry", "peek_entry", "HEADER_LIMIT"]
+
+#: The longest JSON header :func:`peek_entry` reads (a 64-layer cache's header is about 40 KB).
+HEADER_LIMIT = 1 << 24
+_PREFIX = len(MAGIC) + 12
+
+
+def _scratch_dir() -> str | None:
+    """A memory-backed folder for the transient file where there is one (Linux), else the default."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def encode_cache(cache: Any) -> bytes:
+    """The bytes of ``cache`` saved (what :meth:`~arraykv.caches.LayeredCache.save` writes).
+
+    Parameters
+    ----------
+    cache : LayeredCache or HybridCache
+        Any cache with ``get_config()`` and ``snapshot(host=True)``.
+
+    Returns
+    -------
+    bytes
+    """
+    if not (hasattr(cache, "get_config") and hasattr(cache, "snapshot")):
+        raise TypeError(f"cache must be an arraykv cache (LayeredCache or HybridCache), received {type(cache).__name__}")
+    with tempfile.TemporaryDirectory(prefix="arraykv-entry-", dir=_scratch_dir()) as tmp:
+        path = os.path.join(tmp, "entry")
+        write_cache_file(path, cache.get_config(), cache.snapshot(host=True))
+        with open(path, "rb") as f:
+            return f.read()
+
+
+@contextlib.contextmanager
+def _as_file(data: bytes):
+    """A path from which the cache file reader reads ``data`` (an anonymous memory file on Linux)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("arraykv-entry", os.MFD_CLOEXEC)
+        try:
+            os.write(fd, data) if len(data) < (1 << 30) else _write_all(fd, data)
+            yield f"/proc/self/fd/{fd}"
+        finally:
+            os.close(fd)
+        return
+    with tempfile.TemporaryDirectory(prefix="arraykv-entry-") as tmp:
+        path = os.path.join(tmp, "entry")
+        with open(path, "wb") as f:
+            f.write(data)
+        yield path
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read(data: bytes, what: str):
+    """``(config, layers)`` of entry bytes, or an EntryError saying why not."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"an entry is bytes, received {type(data).__name__}")
+    with _as_file(bytes(data)) as path:
+        try:
+            return read_cache_file(path)
+        except CacheFileError as exc:
+            raise EntryError(f"{what} is not a valid cache file: {str(exc).replace(path, 'the entry')}") from None
+
+
+def restore_entry(cache: Any, data: bytes, *, tokens: int | None = None, what: str = "entry") -> None:
+    """Put the cache saved in ``data`` into ``cache`` (empty, of the same configuration).
+
+    Parameters
+    ----------
+    cache : LayeredCache or HybridCache
+        The cache to fill; its ``get_config()`` must equal the entry's.
+    data : bytes
+        An entry (:func:`encode_cache`).
+    tokens : int, optional
+        Tokens every layer of the entry must hold.
+    what : str
+        How errors name the entry.
+
+    Raises
+    ------
+    EntryError
+        The bytes are not a valid cache file, hold another configuration or another number of
+        tokens, or arrays the cache cannot hold (``restore``'s checks). ``cache`` is unchanged.
+    """
+    config, layers = _read(data, what)
+    mine = json.loads(json.dumps(cache.get_config()))  # as the file spells it: tuples become lists
+    if config != mine:
+        diff = sorted(k for k in set(config) | set(mine) if config.get(k) != mine.get(k))
+        raise EntryError(f"{what} holds a cache of another configuration (differs in {diff[:8]})")
+    lengths = {None if rec is None else rec.length for rec in layers}
+    if tokens is not None and lengths != {tokens}:
+        raise EntryError(f"{what} should hold {tokens} tokens in every layer, holds {sorted(lengths, key=str)}")
+    try:
+        cache.restore(layers)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise EntryError(f"{what} does not describe a valid {config.get('method')!r} cache: {exc}") from None
+
+
+def peek_entry(head: bytes) -> dict | None:
+    """The method and token count an entry declares, from its first bytes (for listings only).
+
+    Parameters
+    ----------
+    head : bytes
+        The entry's first bytes (its 20-byte prefix and JSON header at least).
+
+    Returns
+    -------
+    dict or None
+        ``{"method": str, "tokens": int or None}``, or None when ``head`` does not start a
+        readable cache file. Nothing here is checked beyond parsing: loading an entry goes
+        through :func:`restore_entry`.
+    """
+    if len(head) < _PREFIX or head[: len(MAGIC)] != MAGIC:
+        return None
+    version, hlen = struct.unpack_from("<IQ", head, len(MAGIC))
+    if version != FORMAT_VERSION or hlen > HEADER_LIMIT or _PREFIX + hlen > len(head):
+        return None
+    try:
+        header = json.loads(head[_PREFIX:_PREFIX + hlen].decode("utf-8"))
+        layers = header["layers"]
+        lengths = {rec.get("length") for rec in layers if isinstance(rec, dict)}
+        method = header["config"].get("method")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
+    tokens = next(iter(lengths)) if len(lengths) == 1 else None
+    return {"method": method if isinstance(method, str) else None,
+            "tokens": tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None}

@@ -1,0 +1,342 @@
+"""A prompt's cache computed once and reused: the prefill schedule, the lookup and the storing policy.
+
+What "continue" means
+---------------------
+With a store, a prompt of ``n`` tokens is prefilled in **segments** of ``chunk_tokens`` tokens
+(the last one shorter), each segment one call of the decoder's own chunked prefill::
+
+    for s in range(0, n, chunk_tokens):
+        model.prefill(ids[s:s + chunk_tokens], cache, chunk_size=chunk_size, prompt_store=prompt_store)
+
+(:func:`segmented_prefill`). The cache after the first ``j`` segments depends only on the
+namespace (model, cache configuration, this schedule) and on those ``j · chunk_tokens`` ids, and
+that is what the entry of key ``h_j`` holds (:mod:`arraykv.store.keys`). Restoring it and
+running the remaining segments makes the same calls on the same state as running every
+segment, so the logits, every stored array and everything decoded after are **bit for bit
+those of** :func:`segmented_prefill` **without a store** -- whatever the store holds, whichever
+prefix is found, and whichever process or machine of the same array library wrote it (tested
+on the logits and on every array the cache holds).
+
+Segments are what make that hold. The decoder's default ``prompt_store="exact"`` keeps a
+prompt's keys and values exact while its chunks run and compresses them, calibrating on the
+whole prompt, at its end (:mod:`arraykv.integrations.prompt_stage`). A state in the middle of
+such a prompt is not a compressed cache, and a cache restored there and continued would
+calibrate on, and attend to, other things than one run in a piece: the two differ. So the
+exact staging spans one segment: within a segment the prompt is computed exactly, and each
+segment is stored compressed at its end. A segment of ``chunk_tokens <= chunk_size`` tokens is
+one chunk, stored as it comes. The quality then lies between ``prompt_store="chunks"`` and
+``"exact"`` over the whole prompt: larger ``chunk_tokens`` keep more of it exact and find
+prefixes at a coarser grain.
+
+Lookup
+------
+The longest stored prefix that leaves at least one token to prefill (the logits of the
+prompt's last position come from that prefill): keys from the longest boundary below ``n``
+down to ``chunk_tokens``, the first entry found and accepted is restored. An entry that is
+refused (corrupted, crafted, of another configuration) is skipped with a warning.
+
+Storing policy
+--------------
+``policy="last"`` (default): the prompt's longest whole-chunk prefix, unless stored already
+(so a conversation stores each turn's prompt, at its last boundary, and the next turn finds
+it); ``"every"``: every whole-chunk prefix not stored yet (more reuse between prompts that
+share only a beginning, more bytes and time: each entry is the whole cache up to it);
+``"none"``: look up only. Generated tokens are not stored (the next turn's prompt, which
+includes them, is). An entry is written right after its segment, before the next segment runs.
+
+Failures of the store itself (server down, disk full) do not fail generation: with
+``on_error="warn"`` (default) they are warnings and the prompt is computed; ``"raise"``
+raises them.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._compat import namespace as _namespace
+from ..storage.cache_file import FORMAT_VERSION
+from .backend import EntryError, StoreBackend, StoreError
+from .entry import encode_cache, restore_entry
+from .keys import chain_keys, model_identity, namespace_root
+
+__all__ = ["PrefixStore", "PrefillReport", "StoreWarning", "segmented_prefill", "open_backend", "POLICIES"]
+
+#: The storing policies (module docstring).
+POLICIES = ("last", "every", "none")
+
+
+class StoreWarning(UserWarning):
+    """The store failed or refused an entry; the prompt was computed instead."""
+
+
+@dataclass
+class PrefillReport:
+    """What one :meth:`PrefixStore.prefill` did.
+
+    Attributes
+    ----------
+    tokens : int
+        Prompt tokens.
+    reused : int
+        Tokens restored from the store (0: none found).
+    computed : int
+        Tokens prefilled.
+    stored : list of int
+        Prefix lengths written to the store.
+    restore_s, prefill_s, store_s : float
+        Seconds spent restoring, prefilling and storing.
+    """
+
+    tokens: int = 0
+    reused: int = 0
+    computed: int = 0
+    stored: list = field(default_factory=list)
+    restore_s: float = 0.0
+    prefill_s: float = 0.0
+    store_s: float = 0.0
+
+
+def open_backend(spec: Any) -> StoreBackend:
+    """A backend from ``spec``: a backend object as is, a ``redis://``/``valkey://``/``rediss://``
+    URL (:class:`~arraykv.store.valkey.ValkeyStore`), or a folder (:class:`~arraykv.store.local.LocalStore`)."""
+    if isinstance(spec, (str, os.PathLike)):
+        text = os.fspath(spec)
+        if text.startswith(("redis://", "rediss://", "valkey://", "valkeys://", "unix://")):
+            from .valkey import ValkeyStore
+
+            return ValkeyStore(text.replace("valkey", "redis", 1) if text.startswith("valkey") else text)
+        from .local import LocalStore
+
+        return LocalStore(text)
+    if all(callable(getattr(spec, m, None)) for m in ("get", "put", "contains", "delete", "entries", "evict")):
+        return spec
+    raise TypeError(f"a store backend must offer get/put/contains/delete/entries/evict, or be a folder or a "
+                    f"redis:// URL; received {type(spec).__name__}")
+
+
+def _segments(start: int, n: int, chunk_tokens: int) -> list:
+    return [(s, min(s + chunk_tokens, n)) for s in range(start, n, chunk_tokens)]
+
+
+def segmented_prefill(model: Any, ids: Any, cache: Any, *, chunk_tokens: int = 512, chunk_size: int | None = 512,
+                      prompt_store: str = "exact") -> Any:
+    """The store's prefill schedule without a store: what every store-backed prefill equals.
+
+    Parameters
+    ----------
+    model : DecoderModel
+    ids : sequence of int
+        The prompt (one sequence).
+    cache : CompressedKVCache
+        Empty or holding a whole number of segments of the same schedule.
+    chunk_tokens, chunk_size, prompt_store
+        As :class:`PrefixStore` and :meth:`DecoderModel.prefill`.
+
+    Returns
+    -------
+    array, shape (vocab,), float32
+        Logits of the prompt's last position.
+    """
+    ids = _ids(ids)
+    start = _length(cache)
+    if start % chunk_tokens:
+        raise ValueError(f"the cache holds {start} tokens, not a whole number of {chunk_tokens}-token segments")
+    out = None
+    for s, e in _segments(start, len(ids), chunk_tokens):
+        out = model.prefill(ids[s:e], cache, chunk_size=chunk_size, logits="last", prompt_store=prompt_store)
+    if out is None:
+        raise ValueError("the cache already holds the whole prompt: nothing to prefill")
+    return out
+
+
+class PrefixStore:
+    """Stored prefixes of prompts, for one or many models and cache configurations.
+
+    Parameters
+    ----------
+    backend : StoreBackend, str or path-like
+        Where entries live: a :class:`~arraykv.store.local.LocalStore`, a
+        :class:`~arraykv.store.valkey.ValkeyStore`, any object of the
+        :class:`~arraykv.store.backend.StoreBackend` interface, a folder, or a ``redis://`` URL.
+    chunk_tokens : int, default 512
+        Tokens per chunk of the key chain and per prefill segment (module docstring).
+    policy : {"last", "every", "none"}, default "last"
+        Which prefixes are stored.
+    model_id : str, optional
+        The model's identity; default :func:`~arraykv.store.keys.model_identity` of the model.
+    on_error : {"warn", "raise"}, default "warn"
+        What a failing backend or a refused entry does.
+
+    Attributes
+    ----------
+    backend : StoreBackend
+    last_report : PrefillReport or None
+        What the last :meth:`prefill` did (of the last call in any thread).
+    """
+
+    def __init__(self, backend: Any, *, chunk_tokens: int = 512, policy: str = "last", model_id: str | None = None,
+                 on_error: str = "warn"):
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be a positive integer, received {chunk_tokens!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, received {policy!r}")
+        if on_error not in ("warn", "raise"):
+            raise ValueError(f"on_error must be 'warn' or 'raise', received {on_error!r}")
+        if model_id is not None and (not isinstance(model_id, str) or not model_id):
+            raise ValueError(f"model_id must be a non-empty string or None, received {model_id!r}")
+        self.backend = open_backend(backend)
+        self.chunk_tokens, self.policy, self.model_id, self.on_error = chunk_tokens, policy, model_id, on_error
+        self.last_report: PrefillReport | None = None
+
+    def __repr__(self) -> str:
+        return f"PrefixStore({self.backend!r}, chunk_tokens={self.chunk_tokens}, policy={self.policy!r})"
+
+    # -- keys ---------------------------------------------------------------------------
+    def keys(self, model: Any, cache: Any, ids: Any, *, chunk_size: int | None = 512,
+             prompt_store: str = "exact") -> list:
+        """Keys of ``ids``'s whole-chunk prefixes for this model, cache configuration and schedule
+        (:func:`~arraykv.store.keys.chain_keys`: entry ``j - 1`` names the first ``j · chunk_tokens``)."""
+        model_id = self.model_id if self.model_id is not None else model_identity(model)
+        sample = getattr(model, "embedding", None)
+        lib = _namespace(sample).__name__ if sample is not None else "unknown"
+        schedule = {"chunk_tokens": self.chunk_tokens, "chunk_size": chunk_size, "prompt_store": prompt_store,
+                    "array_library": lib, "arraykv": _arraykv_version(), "format": FORMAT_VERSION}
+        return chain_keys(namespace_root(model_id, cache.get_config(), schedule), _ids(ids), self.chunk_tokens)
+
+    def longest(self, model: Any, cache: Any, ids: Any, **schedule: Any) -> int:
+        """Tokens of the longest stored prefix of ``ids`` that :meth:`prefill` could reuse (0 if none).
+
+        Only looks keys up (``contains``); the entry may still be refused when it is read.
+        """
+        ids = _ids(ids)
+        keys = self.keys(model, cache, ids, **schedule)
+        for j in range(min(len(keys), (len(ids) - 1) // self.chunk_tokens), 0, -1):
+            if self._try(lambda: self.backend.contains(keys[j - 1]), False):
+                return j * self.chunk_tokens
+        return 0
+
+    # -- the prefill --------------------------------------------------------------------
+    def prefill(self, model: Any, ids: Any, cache: Any, *, chunk_size: int | None = 512,
+                prompt_store: str = "exact") -> Any:
+        """Prefill ``ids`` into the empty ``cache``, reusing the longest stored prefix; store by the policy.
+
+        Parameters
+        ----------
+        model : DecoderModel
+        ids : sequence of int
+            The prompt (one sequence).
+        cache : LayeredCache or HybridCache
+            Empty; an arraykv cache (its ``get_config``, ``snapshot`` and ``restore`` are used).
+        chunk_size : int or None, default 512
+            The decoder's prefill chunk within each segment.
+        prompt_store : {"exact", "chunks"}, default "exact"
+            The decoder's staging within each segment.
+
+        Returns
+        -------
+        array, shape (vocab,), float32
+            Logits of the prompt's last position, bit for bit those of :func:`segmented_prefill`.
+        """
+        ids = _ids(ids)
+        if _length(cache) != 0:
+            raise ValueError("cache must be empty; call cache.reset() first")
+        n, S = len(ids), self.chunk_tokens
+        report = PrefillReport(tokens=n)
+        keys = self.keys(model, cache, ids, chunk_size=chunk_size, prompt_store=prompt_store)
+        t0 = time.perf_counter()
+        start = self._restore(cache, keys, min(len(keys), (n - 1) // S))
+        report.restore_s = time.perf_counter() - t0
+        report.reused, report.computed = start, n - start
+        wanted = self._wanted(len(keys), start // S)
+        out = None
+        for s, e in _segments(start, n, S):
+            t0 = time.perf_counter()
+            out = model.prefill(ids[s:e], cache, chunk_size=chunk_size, logits="last", prompt_store=prompt_store)
+            t1 = time.perf_counter()
+            report.prefill_s += t1 - t0
+            if e % S == 0 and e // S in wanted and self._put(keys[e // S - 1], cache, e):
+                report.stored.append(e)
+            report.store_s += time.perf_counter() - t1
+        self.last_report = report
+        return out
+
+    def _wanted(self, boundaries: int, restored: int) -> set:
+        """Chunk counts whose prefixes the policy stores (beyond the ``restored`` one)."""
+        if self.policy == "none" or boundaries <= restored:
+            return set()
+        if self.policy == "last":
+            return {boundaries}
+        return set(range(restored + 1, boundaries + 1))
+
+    def _restore(self, cache: Any, keys: list, top: int) -> int:
+        """Restore the longest acceptable entry among the first ``top`` keys; its tokens (0 if none)."""
+        for j in range(top, 0, -1):
+            data = self._try(lambda: self.backend.get(keys[j - 1]), None)
+            if data is None:
+                continue
+            tokens = j * self.chunk_tokens
+            try:
+                restore_entry(cache, data, tokens=tokens, what=f"the stored {tokens}-token prefix {keys[j - 1][:16]}...")
+                return tokens
+            except EntryError as exc:
+                if self.on_error == "raise":
+                    raise
+                warnings.warn(f"{exc}; computing it instead", StoreWarning, stacklevel=4)
+        return 0
+
+    def _put(self, key: str, cache: Any, tokens: int) -> bool:
+        if self._try(lambda: self.backend.contains(key), True):
+            return False
+        return self._try(lambda: (self.backend.put(key, encode_cache(cache), tokens=tokens), True)[1], False)
+
+    def _try(self, fn, fallback):
+        try:
+            return fn()
+        except (StoreError, EntryError) as exc:
+            if self.on_error == "raise":
+                raise
+            warnings.warn(f"prefix store: {exc}", StoreWarning, stacklevel=4)
+            return fallback
+
+
+def as_prefix_store(store: Any) -> PrefixStore:
+    """``store`` if it is a :class:`PrefixStore`, else one with default settings over it (:func:`open_backend`)."""
+    return store if isinstance(store, PrefixStore) else PrefixStore(store)
+
+
+def _ids(ids: Any) -> list:
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+        raise TypeError(f"ids must be a sequence of token ids, received {type(ids).__name__}")
+    if len(ids) == 0:
+        raise ValueError("ids must hold at least one token")
+    try:
+        if any(isinstance(i, bool) for i in ids):
+            raise TypeError
+        return [operator.index(i) for i in ids]
+    except TypeError:
+        raise TypeError("ids must be integers (one sequence of token ids)") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _arraykv_version() -> str:
+    """The installed arraykv's version (read from its metadata: this layer does not import the package root)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("arraykv")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _length(cache: Any) -> int:
+    if not hasattr(cache, "seq_len"):
+        raise TypeError(f"cache must be a CompressedKVCache, received {type(cache).__name__}")
+    return int(cache.seq_len(0))

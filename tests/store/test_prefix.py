@@ -1,0 +1,213 @@
+"""A stored prefix continued equals a fresh run of the same schedule, bit for bit."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from arraykv.store import (EntryError, LocalStore, PrefixStore, StoreWarning, encode_cache, restore_entry,
+                           segmented_prefill)
+
+S, CHUNK = 64, 32  # tokens per stored segment, the decoder's prefill chunk within a segment
+
+
+def prompt(n: int, seed: int = 0) -> list:
+    return np.random.default_rng(seed).integers(0, 101, n).tolist()
+
+
+def arrays(cache) -> list:
+    """Every array the cache holds, layer by layer, as host copies."""
+    return [None if r is None else (r.length, r.dtype, {k: np.asarray(v) for k, v in r.arrays.items()})
+            for r in cache.snapshot(host=True)]
+
+
+def assert_same_state(a, b):
+    for la, lb in zip(arrays(a), arrays(b)):
+        assert (la is None) == (lb is None)
+        if la is None:
+            continue
+        assert la[:2] == lb[:2] and la[2].keys() == lb[2].keys()
+        for name in la[2]:
+            assert la[2][name].dtype == lb[2][name].dtype and np.array_equal(la[2][name], lb[2][name]), name
+
+
+def decode_steps(model, cache, logits, steps=3) -> list:
+    out = []
+    for _ in range(steps):
+        logits = model.decode(int(np.argmax(logits)), cache)
+        out.append(np.asarray(logits))
+    return out
+
+
+@pytest.mark.parametrize("method", ["pqo4", "int4", "dense", "pqo2"])
+def test_continuing_a_stored_prefix_equals_a_fresh_run(model, tmp_path, method):
+    ids = prompt(3 * S + 17)
+    ref = model.make_cache(method)
+    ref_logits = segmented_prefill(model, ids, ref, chunk_tokens=S, chunk_size=CHUNK)
+    ref_steps = decode_steps(model, ref, ref_logits)
+
+    store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S, policy="every")
+    cold = model.make_cache(method)
+    cold_logits = store.prefill(model, ids, cold, chunk_size=CHUNK)
+    assert store.last_report.reused == 0 and store.last_report.stored == [S, 2 * S, 3 * S]
+    assert np.array_equal(cold_logits, ref_logits)
+
+    for cut in (3 * S + 17, 2 * S + 5, S + 1):  # prompts whose longest stored prefix is 3, 2, 1 segments
+        fresh = model.make_cache(method)
+        want = segmented_prefill(model, ids[:cut], fresh, chunk_tokens=S, chunk_size=CHUNK)
+        warm = model.make_cache(method)
+        got = store.prefill(model, ids[:cut], warm, chunk_size=CHUNK)
+        assert store.last_report.reused == (cut - 1) // S * S
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+        assert_same_state(warm, fresh)
+        if cut == len(ids):
+            steps = decode_steps(model, warm, got)
+            assert all(np.array_equal(a, b) for a, b in zip(steps, ref_steps))
+
+
+def test_a_prompt_that_is_a_whole_number_of_segments_still_prefills_its_last_one(model, tmp_path):
+    ids = prompt(2 * S)
+    store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S)
+    store.prefill(model, ids, model.make_cache("pqo4"), chunk_size=CHUNK)
+    assert store.last_report.stored == [2 * S]
+    warm = model.make_cache("pqo4")
+    got = store.prefill(model, ids, warm, chunk_size=CHUNK)
+    assert store.last_report.reused == 0 and store.last_report.computed == 2 * S  # 2S itself leaves nothing to run
+    longer = ids + prompt(5, seed=1)
+    fresh = model.make_cache("pqo4")
+    want = segmented_prefill(model, longer, fresh, chunk_tokens=S, chunk_size=CHUNK)
+    warm = model.make_cache("pqo4")
+    assert np.array_equal(store.prefill(model, longer, warm, chunk_size=CHUNK), want)
+    assert store.last_report.reused == 2 * S
+    del got
+
+
+def test_policy_last_stores_the_longest_boundary_and_a_conversation_finds_it(model, tmp_path):
+    store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S)
+    turn1 = prompt(S + 40)
+    store.prefill(model, turn1, model.make_cache("int4"), chunk_size=CHUNK)
+    assert store.last_report.stored == [S]
+    turn2 = turn1 + prompt(2 * S, seed=5)
+    store.prefill(model, turn2, model.make_cache("int4"), chunk_size=CHUNK)
+    assert store.last_report.reused == S and store.last_report.stored == [3 * S]
+    assert len(store.backend.entries()) == 2
+    none = PrefixStore(store.backend, chunk_tokens=S, policy="none")
+    none.prefill(model, prompt(4 * S, seed=9), model.make_cache("int4"), chunk_size=CHUNK)
+    assert none.last_report.stored == [] and len(store.backend.entries()) == 2
+
+
+def test_keys_separate_models_methods_options_and_schedules(model, tmp_path):
+    from .tiny_store_model import tiny_model
+
+    store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S)
+    ids = prompt(2 * S)
+    base = store.keys(model, model.make_cache("pqo4"), ids, chunk_size=CHUNK)
+    assert len(base) == 2
+    others = [
+        store.keys(tiny_model(seed=4), model.make_cache("pqo4"), ids, chunk_size=CHUNK),
+        store.keys(model, model.make_cache("pqo3"), ids, chunk_size=CHUNK),
+        store.keys(model, model.make_cache("pqo4", seed=1), ids, chunk_size=CHUNK),
+        store.keys(model, model.make_cache("pqo4"), ids, chunk_size=16),
+        store.keys(model, model.make_cache("pqo4"), ids, chunk_size=CHUNK, prompt_store="chunks"),
+        PrefixStore(store.backend, chunk_tokens=S, model_id="other").keys(model, model.make_cache("pqo4"), ids,
+                                                                        chunk_size=CHUNK),
+    ]
+    for keys in others:
+        assert not set(keys) & set(base)
+    changed = ids[:S] + [(ids[S] + 1) % 101] + ids[S + 1:]
+    k2 = store.keys(model, model.make_cache("pqo4"), changed, chunk_size=CHUNK)
+    assert k2[0] == base[0] and k2[1] != base[1]  # the chain: equal up to the first changed chunk
+
+
+def test_generate_with_a_store_gives_the_tokens_of_the_schedule(model, tmp_path):
+    ids = prompt(2 * S + 30)
+    ref = model.make_cache("pqo4")
+    logits = segmented_prefill(model, ids, ref, chunk_tokens=S, chunk_size=CHUNK)
+    want = [int(np.argmax(logits))] + [int(np.argmax(x)) for x in decode_steps(model, ref, logits, 5)]
+    store = PrefixStore(tmp_path, chunk_tokens=S)
+    cold = model.generate(ids, 6, method="pqo4", store=store, prefill_chunk=CHUNK, stop_at_eos=False)
+    warm = model.generate(ids, 6, method="pqo4", store=store, prefill_chunk=CHUNK, stop_at_eos=False)
+    assert store.last_report.reused == 2 * S
+    assert cold == warm == want[:6]
+    with pytest.raises(TypeError, match="store backend"):
+        model.generate(ids, 2, store=42)
+
+
+def test_a_crafted_or_foreign_entry_is_refused_and_the_prompt_computed(model, tmp_path):
+    ids = prompt(S + 20)
+    store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S)
+    key = store.keys(model, model.make_cache("pqo4"), ids, chunk_size=CHUNK)[0]
+    fresh = model.make_cache("pqo4")
+    want = segmented_prefill(model, ids, fresh, chunk_tokens=S, chunk_size=CHUNK)
+
+    other = model.make_cache("pqo3")  # a valid entry of another configuration under the key
+    model.prefill(ids[:S], other, chunk_size=CHUNK)
+    short = model.make_cache("pqo4")  # the right configuration, the wrong length
+    model.prefill(ids[:S - 1], short, chunk_size=CHUNK)
+    good = encode_cache(fresh)
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x40
+    for bad, why in ((b"not a cache file", "not a valid cache file"), (bytes(flipped), "checksum"),
+                     (encode_cache(other), "another configuration"), (encode_cache(short), f"should hold {S}")):
+        store.backend.put(key, bad)
+        warm = model.make_cache("pqo4")
+        with pytest.warns(StoreWarning, match=why):
+            got = store.prefill(model, ids, warm, chunk_size=CHUNK)
+        assert store.last_report.reused == 0 and np.array_equal(got, want)
+        strict = PrefixStore(store.backend, chunk_tokens=S, on_error="raise")
+        store.backend.put(key, bad)
+        empty = model.make_cache("pqo4")
+        with pytest.raises(EntryError, match=why):
+            strict.prefill(model, ids, empty, chunk_size=CHUNK)
+        assert empty.seq_len(0) == 0  # a refused entry leaves the cache as it was
+
+
+def test_restore_entry_checks(model):
+    ids = prompt(40)
+    c = model.make_cache("int4")
+    model.prefill(ids, c)
+    data = encode_cache(c)
+    target = model.make_cache("int4")
+    restore_entry(target, data, tokens=40)
+    assert_same_state(target, c)
+    with pytest.raises(EntryError, match="should hold 41"):
+        restore_entry(model.make_cache("int4"), data, tokens=41)
+    with pytest.raises(TypeError, match="bytes"):
+        restore_entry(model.make_cache("int4"), "text")
+    with pytest.raises(TypeError, match="arraykv cache"):
+        encode_cache(object())
+
+
+def test_bad_arguments(model, tmp_path):
+    for kwargs, match in (({"chunk_tokens": 0}, "chunk_tokens"), ({"policy": "all"}, "policy"),
+                          ({"on_error": "ignore"}, "on_error"), ({"model_id": ""}, "model_id")):
+        with pytest.raises(ValueError, match=match):
+            PrefixStore(tmp_path, **kwargs)
+    store = PrefixStore(tmp_path, chunk_tokens=S)
+    c = model.make_cache("dense")
+    model.prefill([1, 2, 3], c)
+    with pytest.raises(ValueError, match="empty"):
+        store.prefill(model, [1, 2, 3], c)
+    with pytest.raises(ValueError, match="at least one"):
+        store.prefill(model, [], model.make_cache("dense"))
+    with pytest.raises(TypeError, match="integers"):
+        store.prefill(model, [1.5, 2], model.make_cache("dense"))
+
+
+def test_a_failing_server_is_a_warning_not_a_failed_generation(model, valkey_server):
+    """The server stops: lookups and stores fail with a warning, the prompt is computed."""
+    from arraykv.store import ValkeyServer, ValkeyStore
+
+    ids = prompt(S + 10)
+    fresh = model.make_cache("pqo4")
+    want = segmented_prefill(model, ids, fresh, chunk_tokens=S, chunk_size=CHUNK)
+    server = ValkeyServer().start()
+    store = PrefixStore(ValkeyStore(server.url), chunk_tokens=S)
+    server.stop()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = store.prefill(model, ids, model.make_cache("pqo4"), chunk_size=CHUNK)
+    assert np.array_equal(got, want) and store.last_report.stored == []
+    assert any(issubclass(w.category, StoreWarning) and "could not" in str(w.message) for w in caught)
