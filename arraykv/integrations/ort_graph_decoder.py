@@ -1,0 +1,253 @@
+"""An ONNX Runtime decoder whose attention over the past runs inside the graph, from an arraykv cache.
+
+:class:`OrtGraphDecoder` rewrites a decoder graph exported "with past"
+(:func:`arraykv.integrations.ort_graph.rewrite_with_cache_op`): each layer's ``Concat`` of
+past and new K/V and the attention over it become one ``ArrayKVAttention`` custom operator
+(:mod:`arraykv.integrations.ort_cache_op`, run by ``onnxruntime-extensions``) that stores the
+new tokens in layer ``i`` of the cache the decoder is given and returns attention computed from
+it: a prompt through ``cache.prefill`` and causal attention over what it returns, a decode step
+through ``cache.decode`` (the cache's fused kernel where it has one). The rewritten graph has no
+``past_key_values.*`` inputs and no ``present.*`` outputs, so during a loop the only K/V held is
+the cache's: what a compressed cache saves, it saves during the loop too (the hook,
+:class:`~arraykv.integrations.onnxruntime.OrtKVDecoder`, must feed ONNX Runtime a float past
+every step).
+
+The cache is an ordinary Python object outside the session: one decoder serves any number of
+caches (conversations), and truncating, forking, saving and loading a cache between calls work
+as they do with the NumPy decoder.
+
+Graphs the rewriter does not recognize (a fused attention operator, the past concatenated
+elsewhere) raise :class:`~arraykv.integrations.ort_graph.GraphRewriteError` here; the hook
+drives those.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Callable, Sequence
+
+from .generation import cache_length, check_sampling, generate_tokens, prompt_ids, undo_on_failure
+from .gguf import require
+from .ort_cache_op import CacheSlot, register, session_options
+from .ort_graph import load_model_proto, rewrite_with_cache_op
+
+__all__ = ["OrtGraphDecoder"]
+
+
+class OrtGraphDecoder:
+    """ONNX Runtime decoding with the KV cache inside the graph, held by an arraykv cache.
+
+    Parameters
+    ----------
+    model : str, PathLike, bytes or onnx.ModelProto
+        A decoder with ``past_key_values.{i}.key/value`` inputs and ``present.{i}.*`` outputs
+        (float32), for example ``build_llama_onnx`` of ``examples/export_smollm2_onnx.py``.
+    num_kv_heads, head_dim : int, optional
+        Needed only when the past inputs have symbolic head dimensions.
+    providers : list of str, optional
+        Execution providers (default: CPU). The custom operator runs on the CPU.
+    options : onnxruntime.SessionOptions, optional
+        Session options to start from (the extensions library is registered on them). By
+        default, new options with ``session.intra_op.allow_spinning = "0"``: ONNX Runtime's
+        threads otherwise keep spinning while the operator's kernels run (measured on SmolLM2,
+        pqo4 at 512 tokens, 2 cores: 4.0 tokens/s spinning, 5.2-6.2 not).
+
+    Attributes
+    ----------
+    num_layers, num_kv_heads, head_dim : int
+    sites : list of AttentionSite
+        What was replaced in each layer (the rewritten graph itself is
+        :func:`~arraykv.integrations.ort_graph.rewrite_with_cache_op` of the model; it is not
+        kept, the session holds its weights).
+    session : onnxruntime.InferenceSession
+
+    Raises
+    ------
+    GraphRewriteError
+        The graph's attention cannot be replaced (see :mod:`arraykv.integrations.ort_graph`).
+    ImportError
+        ``onnxruntime`` or ``onnxruntime-extensions`` is missing.
+
+    Examples
+    --------
+    >>> dec = OrtGraphDecoder("decoder.onnx")                # doctest: +SKIP
+    >>> cache = dec.make_cache("pqo4")                       # doctest: +SKIP
+    >>> logits = dec.prefill([[1, 2, 3]], cache)             # (1, 3, vocab)  doctest: +SKIP
+    >>> logits = dec.decode([4], cache)                      # (1, 1, vocab)  doctest: +SKIP
+    """
+
+    def __init__(self, model: Any, *, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 providers: Sequence[str] | None = None, options: Any = None):
+        ort = require("onnxruntime", "onnx")
+        proto = load_model_proto(model)
+        past = next((vi for vi in proto.graph.input if vi.name == "past_key_values.0.key"), None)
+        self._handle = f"arraykv-{uuid.uuid4().hex}"
+        graph, self.sites = rewrite_with_cache_op(proto, self._handle)  # refuses graphs without a past
+        del proto
+        dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in past.type.tensor_type.shape.dim]
+        if len(dims) != 4:
+            raise ValueError(f"past_key_values.0.key must have 4 dimensions (batch, kv_heads, past, head_dim), "
+                             f"the model declares {dims}")
+        self.num_layers = len(self.sites)
+        self.num_kv_heads = _dim(dims[1], num_kv_heads, "num_kv_heads")
+        self.head_dim = _dim(dims[3], head_dim, "head_dim")
+        self._slot = CacheSlot()
+        register(self._handle, self._slot)
+        if options is None:
+            options = ort.SessionOptions()
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(graph.SerializeToString(), session_options(options),
+                                            providers=list(providers or ["CPUExecutionProvider"]))
+        del graph  # the session holds the weights; keeping the proto would hold them twice
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        if "input_ids" not in inputs:
+            raise ValueError("the ONNX model has no input_ids input; only token-id decoders are supported")
+        outputs = [o.name for o in self.session.get_outputs()]
+        self.logits_name = "logits" if "logits" in outputs else outputs[0]
+        import numpy as np
+
+        self._int_type = {name: (np.int32 if inputs[name].type == "tensor(int32)" else np.int64)
+                          for name in ("input_ids", "attention_mask", "position_ids") if name in inputs}
+
+    def make_cache(self, method: str = "dense", **options: Any):
+        """A cache of this decoder's geometry (``arraykv.make_cache`` with layers/heads/head_dim filled)."""
+        from ..caches import make_cache
+
+        return make_cache(method, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                          head_dim=self.head_dim, **options)
+
+    def step(self, input_ids: Any, cache: Any, *, mode: str = "prefill") -> Any:
+        """Run the graph on ``input_ids`` after the tokens ``cache`` holds, storing their K/V in it.
+
+        Parameters
+        ----------
+        input_ids : array-like of int, shape (batch, new_tokens)
+        cache : CompressedKVCache
+            Of this decoder's geometry, holding the same number of tokens for every sequence of
+            the batch; continued from the length of its layer 0.
+        mode : {"prefill", "decode"}, default "prefill"
+            "prefill": every layer stores the tokens with ``cache.prefill`` and attends causally
+            over what it returns. "decode": one token per sequence, stored with ``cache.decode``.
+
+        Returns
+        -------
+        numpy.ndarray, float32, shape (batch, new_tokens, vocab)
+
+        Notes
+        -----
+        If the run fails (for example a layer's cache refuses non-finite keys), the tokens
+        already stored in earlier layers are taken back (``cache.truncate_all``) and the
+        operator's own exception is raised.
+        """
+        import numpy as np
+
+        if mode not in ("prefill", "decode"):
+            raise ValueError(f"mode must be 'prefill' or 'decode', received {mode!r}")
+        ids = np.asarray(input_ids)
+        if ids.ndim == 1:
+            ids = ids[None, :]
+        if ids.ndim != 2 or ids.shape[1] == 0 or ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids must be integers of shape (batch, new_tokens), received {ids.shape} {ids.dtype}")
+        batch, t = ids.shape
+        if mode == "decode" and t != 1:
+            raise ValueError(f"a decode step takes one token per sequence, received {t}")
+        past_len = cache_length(cache, self.num_layers)
+        if mode == "decode" and past_len == 0:
+            raise ValueError("decode needs a cache holding earlier tokens; call prefill first")
+        feeds = {"input_ids": ids.astype(self._int_type["input_ids"])}
+        if "attention_mask" in self._int_type:
+            feeds["attention_mask"] = np.ones((batch, past_len + t), dtype=self._int_type["attention_mask"])
+        if "position_ids" in self._int_type:
+            pos = np.arange(past_len, past_len + t, dtype=self._int_type["position_ids"])
+            feeds["position_ids"] = np.broadcast_to(pos, (batch, t)).copy()
+        self._check_geometry(cache)
+        slot = self._slot
+        slot.cache, slot.mode, slot.error = cache, mode, None
+        try:
+            with undo_on_failure(cache, past_len):
+                logits = self.session.run([self.logits_name], feeds)[0]
+                if slot.error is not None:  # the operator cannot raise (see ort_cache_op)
+                    raise slot.error
+        finally:
+            slot.cache, slot.error = None, None
+        return logits
+
+    def _check_geometry(self, cache: Any) -> None:
+        """A ValueError, before anything runs, when ``cache`` declares another geometry than the graph's."""
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            have = getattr(cache, name, None)
+            want = getattr(self, name)
+            if isinstance(have, int) and (have < want if name == "num_layers" else have != want):
+                raise ValueError(f"the cache has {name}={have}, this graph needs {want}; "
+                                 "make it with decoder.make_cache(method)")
+
+    def prefill(self, input_ids: Any, cache: Any) -> Any:
+        """The tokens ``input_ids`` (batch, tokens) after what ``cache`` holds; logits (batch, tokens, vocab)."""
+        return self.step(input_ids, cache, mode="prefill")
+
+    def decode(self, input_ids: Any, cache: Any) -> Any:
+        """One token per sequence (an int, or shape (batch,) or (batch, 1)); logits (batch, 1, vocab)."""
+        import numpy as np
+
+        ids = np.asarray(input_ids).reshape(-1, 1)
+        return self.step(ids, cache, mode="decode")
+
+    def generate(self, prompt: Any, max_new_tokens: int = 32, *, cache: Any = None, method: str = "dense",
+                 eos_id: int | None = None, stop_at_eos: bool = True, temperature: float = 0.0,
+                 top_k: int | None = None, seed: int | None = None,
+                 on_token: Callable[[int], None] | None = None, prefill_chunk: int | None = 512) -> list:
+        """Greedy or sampled generation for one sequence.
+
+        The convention every engine shares (:mod:`arraykv.integrations.generation`): the same
+        arguments as :meth:`arraykv.integrations.llama.DecoderModel.generate`.
+
+        Parameters
+        ----------
+        prompt : sequence of int
+            Token ids (a graph has no tokenizer).
+        max_new_tokens : int, default 32
+        cache : CompressedKVCache, optional
+            An empty cache of this decoder's geometry; by default ``self.make_cache(method)``.
+        method : str, default "dense"
+        eos_id : int or collection of int, optional
+            None: generation runs for ``max_new_tokens``.
+        stop_at_eos, temperature, top_k, seed, on_token
+            As in :meth:`DecoderModel.generate <arraykv.integrations.llama.DecoderModel.generate>`.
+        prefill_chunk : int or None, default 512
+            The prompt goes through :meth:`prefill` in chunks of this many tokens (each chunk
+            attends to the cache's stored form of the earlier ones); None feeds it in one piece.
+
+        Returns
+        -------
+        list of int
+            The new token ids (the prompt excluded).
+        """
+        import numpy as np
+
+        ids = prompt_ids(prompt, None)
+        temperature = check_sampling(max_new_tokens, temperature, top_k, prefill_chunk)
+        if cache is None:
+            cache = self.make_cache(method)
+        elif cache_length(cache, self.num_layers) != 0:
+            raise ValueError("cache must be empty; call cache.reset() first")
+
+        def prefill_last(p: list) -> Any:
+            a = np.asarray([p], dtype=np.int64)
+            step = a.shape[1] if prefill_chunk is None else prefill_chunk
+            for s in range(0, a.shape[1], step):
+                logits = self.prefill(a[:, s:s + step], cache)
+            return logits[0, -1]
+
+        return generate_tokens(prefill_last, lambda tok: self.decode([tok], cache)[0, -1],
+                               ids, max_new_tokens, eos=eos_id, stop_at_eos=stop_at_eos,
+                               temperature=temperature, top_k=top_k, seed=seed, on_token=on_token)
+
+
+def _dim(declared: Any, given: int | None, name: str) -> int:
+    if isinstance(declared, int) and declared > 0:
+        if given is not None and given != declared:
+            raise ValueError(f"{name}={given} disagrees with the model's past_key_values shape ({declared})")
+        return declared
+    if given is None:
+        raise ValueError(f"the model's past_key_values inputs have a symbolic {name} ({declared!r}); pass {name}=")
+    return int(given)

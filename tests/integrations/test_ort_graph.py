@@ -1,0 +1,235 @@
+"""The arraykv cache inside an ONNX Runtime graph, on a 2-layer random decoder built by the project's exporter.
+
+The same model runs as the NumPy decoder (the reference), as its ONNX graph with the past fed
+back (plain ORT), rewritten with the ``ArrayKVAttention`` operator (:class:`OrtGraphDecoder`)
+and rewritten with ORT's ``GroupQueryAttention``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx", reason="onnx (extra [onnx]) is not installed")
+pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not installed")
+pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (extra [onnx]) is not installed")
+
+import arraykv  # noqa: E402
+from arraykv.integrations.llama import LlamaModel, random_gguf_tensors  # noqa: E402
+from arraykv.integrations.model_config import ModelConfig  # noqa: E402
+from arraykv.integrations.ort_gqa import OrtPastLoop, calibrate_kv_scales, rewrite_with_gqa  # noqa: E402
+from arraykv.integrations.ort_graph import (CACHE_OP, GraphRewriteError, find_attention_sites,  # noqa: E402
+                                            rewrite_with_cache_op)
+from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG = ModelConfig(num_layers=2, hidden_size=128, ffn_size=192, num_heads=4, num_kv_heads=2, head_dim=64,
+                  vocab_size=97, context_length=512, rope_theta=10000.0, rms_eps=1e-5, name="tiny")
+PROMPT, STEPS = 24, 12
+
+
+def _exporter():
+    spec = importlib.util.spec_from_file_location("export_smollm2_onnx", ROOT / "examples" / "export_smollm2_onnx.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=3))
+
+
+@pytest.fixture(scope="module")
+def graph(model):
+    return _exporter().build_llama_onnx(model)
+
+
+@pytest.fixture(scope="module")
+def dec(graph):
+    return OrtGraphDecoder(graph)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return np.random.default_rng(7).integers(0, CFG.vocab_size, PROMPT + STEPS)
+
+
+def _run(engine, ids, cache):
+    """Logits (PROMPT + STEPS, vocab): the prompt in one prefill, then one decode per token."""
+    first = np.asarray(engine.prefill(ids[:PROMPT], cache)).reshape(PROMPT, -1)
+    rest = [np.asarray(engine.decode(int(t), cache)).reshape(-1) for t in ids[PROMPT:]]
+    return np.concatenate([first, np.stack(rest)])
+
+
+def test_rewritten_graph_has_no_past_and_one_op_per_layer(graph, dec):
+    rewritten, sites = rewrite_with_cache_op(graph, "some-handle")
+    names_in = [i.name for i in dec.session.get_inputs()]
+    names_out = [o.name for o in dec.session.get_outputs()]
+    assert names_in == ["input_ids", "attention_mask", "position_ids"]
+    assert names_out == ["logits"]
+    ops = [n for n in rewritten.graph.node if n.op_type == CACHE_OP]
+    assert [next(a.i for a in n.attribute if a.name == "layer") for n in ops] == [0, 1]
+    assert (dec.num_layers, dec.num_kv_heads, dec.head_dim) == (2, 2, 64)
+    assert [s.scale for s in sites] == [s.scale for s in dec.sites] == pytest.approx([1 / 8, 1 / 8])
+    assert {a.s for n in ops for a in n.attribute if a.name == "handle"} == {b"some-handle"}
+    # the score/softmax/concat nodes are gone, the graph is smaller
+    assert not any(n.op_type in ("Softmax", "Concat") and "present" in "".join(n.output) for n in rewritten.graph.node)
+    assert sum(n.op_type == "Softmax" for n in rewritten.graph.node) == 0 < sum(n.op_type == "Softmax" for n in graph.graph.node)
+    assert len(rewritten.graph.node) < len(graph.graph.node)
+    onnx.checker.check_model(rewritten)
+
+
+def test_dense_in_the_graph_matches_the_numpy_decoder_and_the_float_graph(model, graph, dec, ids):
+    ref = _run(model, ids, model.make_cache("dense"))
+    cache = dec.make_cache("dense")
+    got = _run(dec, ids, cache)
+    assert cache.seq_len(0) == cache.seq_len(1) == len(ids)
+    assert np.abs(got - ref).max() < 2e-4
+    plain = OrtPastLoop(graph)
+    assert np.abs(got - _run(plain, ids, plain.make_cache())).max() < 2e-4
+
+
+@pytest.mark.parametrize("method", ["pqo4", "pqo2", "int4"])
+def test_compressed_cache_in_the_graph_is_the_numpy_decoders(model, dec, ids, method):
+    exact = _run(model, ids, model.make_cache("dense"))
+    ref = _run(model, ids, model.make_cache(method))
+    cache = dec.make_cache(method)
+    got = _run(dec, ids, cache)
+    lossy = np.abs(ref - exact).max()
+    assert lossy > 1e-3  # the method changes the logits ...
+    assert np.abs(got - ref).max() < 0.1 * lossy  # ... and the graph changes them the same way
+
+
+def test_decode_uses_the_caches_fused_attention(dec, ids, monkeypatch):
+    """pqo4 answers decode with Fused: the graph's node must hand that output on."""
+    cache = dec.make_cache("pqo4")
+    dec.prefill(ids[:PROMPT], cache)
+    seen = []
+    real = type(cache).decode
+
+    def spy(self, *a, **k):
+        out = real(self, *a, **k)
+        seen.append(type(out).__name__)
+        return out
+
+    monkeypatch.setattr(type(cache), "decode", spy)
+    dec.decode(int(ids[PROMPT]), cache)
+    assert seen == ["Fused", "Fused"]
+
+
+@pytest.mark.parametrize("method", ["dense", "pqo4"])
+def test_batch_of_two_is_two_single_runs(dec, ids, method):
+    other = np.random.default_rng(8).integers(0, CFG.vocab_size, len(ids))
+    both = np.stack([ids, other])
+    cache = dec.make_cache(method)
+    first = dec.prefill(both[:, :PROMPT], cache)
+    steps = [dec.decode(both[:, PROMPT + j], cache) for j in range(4)]
+    for row, seq in enumerate((ids, other)):
+        single = dec.make_cache(method)
+        f1 = dec.prefill(seq[:PROMPT], single)
+        s1 = [dec.decode([int(seq[PROMPT + j])], single) for j in range(4)]
+        assert np.abs(first[row] - f1[0]).max() < 1e-4
+        assert max(np.abs(a[row] - b[0]).max() for a, b in zip(steps, s1)) < 1e-4
+
+
+def test_truncate_and_fork_continue_like_a_fresh_run(dec, ids):
+    cache = dec.make_cache("pqo4")
+    dec.prefill(ids[:PROMPT], cache)
+    first = [dec.decode(int(t), cache)[0, 0] for t in ids[PROMPT:PROMPT + 4]]
+    twin = cache.fork()
+    cache.truncate_all(PROMPT)
+    again = [dec.decode(int(t), cache)[0, 0] for t in ids[PROMPT:PROMPT + 4]]
+    assert max(np.abs(a - b).max() for a, b in zip(first, again)) < 1e-5
+    nxt = int(ids[PROMPT + 4])
+    assert np.abs(dec.decode(nxt, twin) - dec.decode(nxt, cache)).max() < 1e-5
+    assert twin.seq_len(0) == cache.seq_len(0) == PROMPT + 5
+
+
+def test_save_and_load_continue_the_conversation(dec, ids, tmp_path):
+    cache = dec.make_cache("pqo4")
+    dec.prefill(ids[:PROMPT], cache)
+    path = tmp_path / "conversation.akv"
+    cache.save(path)
+    loaded = arraykv.load(path)
+    a = [dec.decode(int(t), cache) for t in ids[PROMPT:]]
+    b = [dec.decode(int(t), loaded) for t in ids[PROMPT:]]
+    assert max(np.abs(x - y).max() for x, y in zip(a, b)) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["dense", "pqo4"])
+def test_generate_follows_the_numpy_decoders_convention(model, dec, ids, method):
+    prompt = [int(t) for t in ids[:PROMPT]]
+    want = model.generate(prompt, 8, method=method)
+    assert dec.generate(prompt, 8, method=method) == want
+    streamed = []
+    cache = dec.make_cache(method)
+    assert dec.generate(prompt, 8, cache=cache, on_token=streamed.append, prefill_chunk=10) == streamed
+    assert cache.seq_len(0) == PROMPT + 7  # the last token is produced, not stored
+    with pytest.raises(ValueError, match="empty"):
+        dec.generate(prompt, 2, cache=cache)
+
+
+def test_errors_inside_the_graph_reach_the_caller_and_leave_the_cache_as_it_was(dec, ids):
+    """The operator cannot raise (it would end the process); the decoder raises its error after the run."""
+    cache = dec.make_cache("pqo4", max_tokens=PROMPT + 1)
+    dec.prefill(ids[:PROMPT], cache)
+    dec.decode(int(ids[PROMPT]), cache)
+    with pytest.raises(ValueError, match="max_tokens|hold|tokens"):  # raised by layer 0's cache, inside ORT
+        dec.decode(int(ids[PROMPT + 1]), cache)
+    assert [cache.seq_len(i) for i in range(2)] == [PROMPT + 1, PROMPT + 1]
+    cache.truncate_all(PROMPT)
+    assert np.isfinite(dec.decode(int(ids[PROMPT]), cache)).all()  # the decoder still works
+    bad = arraykv.make_cache("dense", num_layers=2, num_kv_heads=2, head_dim=32)  # refused before the run
+    with pytest.raises(ValueError, match="head_dim=32"):
+        dec.prefill(ids[:PROMPT], bad)
+    with pytest.raises(ValueError, match="one token"):
+        dec.step(ids[None, :3], cache, mode="decode")
+    with pytest.raises(ValueError, match="earlier tokens"):
+        dec.decode(1, dec.make_cache("dense"))
+
+
+def test_graphs_it_cannot_rewrite_are_refused(graph):
+    no_past = onnx.ModelProto()
+    no_past.CopyFrom(graph)
+    for node in no_past.graph.node:  # present.0.key from an Add instead of the Concat with the past
+        if node.output[0] == "present.0.key":
+            node.op_type = "Add"
+            del node.attribute[:]
+    with pytest.raises(GraphRewriteError, match="layer 0: present.0.key is computed by Add"):
+        find_attention_sites(no_past)
+    fused = onnx.ModelProto()
+    fused.CopyFrom(graph)
+    for node in fused.graph.node:  # the value MatMul replaced by a fused op
+        if node.op_type == "Softmax":
+            node.op_type = "LogSoftmax"
+    with pytest.raises(GraphRewriteError, match="LogSoftmax between the score MatMul and the Softmax"):
+        rewrite_with_cache_op(fused, "h")
+    plain = onnx.ModelProto()
+    plain.CopyFrom(graph)
+    kept = [i for i in plain.graph.input if not i.name.startswith("past_key_values")]
+    del plain.graph.input[:]
+    plain.graph.input.extend(kept)
+    with pytest.raises(GraphRewriteError, match="no past_key_values"):
+        OrtGraphDecoder(plain)
+
+
+def test_gqa_float_path_matches_and_quantized_paths_hold_fewer_bytes(graph, ids):
+    plain = OrtPastLoop(graph)
+    st = plain.make_cache()
+    ref = _run(plain, ids, st)
+    gqa = OrtPastLoop(rewrite_with_gqa(graph, num_heads=4, bits=None))
+    assert np.abs(_run(gqa, ids, gqa.make_cache()) - ref).max() < 2e-4
+    calib = np.random.default_rng(9).integers(0, CFG.vocab_size, 64)
+    errs = {}
+    for bits, dtype, width in ((8, np.int8, 64), (4, np.uint8, 32)):
+        loop = OrtPastLoop(rewrite_with_gqa(graph, num_heads=4, bits=bits,
+                                            scales=calibrate_kv_scales(graph, calib, bits)))
+        q = loop.make_cache()
+        errs[bits] = np.abs(_run(loop, ids, q) - ref).max()
+        assert q.past[0][0].dtype == dtype and q.past[0][0].shape == (1, 2, len(ids), width)
+        assert q.memory_usage() * 32 == st.memory_usage() * bits
+    assert 0 < errs[8] < errs[4]
