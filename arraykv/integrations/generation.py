@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 __all__ = ["cache_length", "undo_on_failure", "check_chunk", "prompt_ids", "check_sampling", "generate_tokens",
-           "pick_token",
+           "pick_token", "chunked_logits",
            "legacy_generate_args"]
 
 
@@ -111,6 +111,20 @@ def check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, prefill_ch
         raise ValueError(f"top_k must be a positive integer or None, received {top_k!r}")
     check_chunk("prefill_chunk", prefill_chunk)
     return temperature
+
+
+def chunked_logits(run: Callable[[Any], Any], ids: list, chunk: int | None) -> Any:
+    """The logits of the last of ``run``'s calls over one sequence's ``ids`` fed in chunks.
+
+    ``run`` takes an int64 array (1, t) of token ids; ``chunk`` tokens per call (None: one call).
+    """
+    import numpy as np
+
+    a = np.asarray([ids], dtype=np.int64)
+    step = a.shape[1] if chunk is None else chunk
+    for s in range(0, a.shape[1], step):
+        logits = run(a[:, s:s + step])
+    return logits
 
 
 def pick_token(logits: Any, temperature: float, top_k: int | None, rng: Any) -> int:

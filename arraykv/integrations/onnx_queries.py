@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["find_query_outputs", "expose_outputs", "with_query_outputs", "QUERY_PASS_OPS"]
+__all__ = ["node_consumers", "find_query_outputs", "expose_outputs", "with_query_outputs", "QUERY_PASS_OPS"]
 
 #: Operators the keys pass through between ``present.{i}.key`` and the score ``MatMul``.
 QUERY_PASS_OPS = frozenset({"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Tile", "Identity",
@@ -30,7 +30,8 @@ QUERY_PASS_OPS = frozenset({"Transpose", "Reshape", "Expand", "Unsqueeze", "Sque
 _MAX_DEPTH = 16
 
 
-def _consumers(graph: Any) -> dict:
+def node_consumers(graph: Any) -> dict:
+    """Name of every value -> the nodes of ``graph`` that take it as an input."""
     out: dict = {}
     for node in graph.node:
         for name in node.input:
@@ -73,7 +74,7 @@ def find_query_outputs(model: Any, num_layers: int) -> list | None:
         One tensor name per layer, or None when some layer's queries are not found (a fused
         attention operator, or a pattern this search does not follow).
     """
-    consumers = _consumers(model.graph)
+    consumers = node_consumers(model.graph)
     names = []
     for i in range(num_layers):
         q = _query_of_layer(consumers, f"present.{i}.key")

@@ -62,7 +62,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Sequence
 
-from .generation import cache_length, check_sampling, generate_tokens, legacy_generate_args, prompt_ids
+from .generation import cache_length, check_sampling, chunked_logits, generate_tokens, legacy_generate_args, prompt_ids
 from .gguf import require
 from .onnx_names import PRESENT_NAME, discover_kv_names
 from .onnx_queries import with_query_outputs
@@ -369,7 +369,6 @@ class OrtKVDecoder:
         ``generate(prompt_ids, n, cache)`` (the cache third and positional) and
         ``prompt_ids=``.
         """
-        import numpy as np
 
         from .._compat import to_numpy
 
@@ -383,11 +382,7 @@ class OrtKVDecoder:
             raise ValueError("cache must be empty; call cache.reset() first")
 
         def prefill_last(p: list) -> Any:
-            a = np.asarray([p], dtype=np.int64)
-            step = a.shape[1] if prefill_chunk is None else prefill_chunk
-            for s in range(0, a.shape[1], step):
-                logits = self.step(a[:, s:s + step], cache)
-            return to_numpy(logits)[0, -1]
+            return to_numpy(chunked_logits(lambda a: self.step(a, cache), p, prefill_chunk))[0, -1]
 
         return generate_tokens(prefill_last, lambda tok: to_numpy(self.decode([tok], cache))[0, -1],
                                ids, max_new_tokens, eos=eos_id, stop_at_eos=stop_at_eos,

@@ -39,6 +39,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from .onnx_queries import node_consumers
+
 __all__ = ["AttentionSite", "GraphRewriteError", "find_attention_sites", "rewrite_with_cache_op",
            "replace_sites", "load_model_proto", "CACHE_OP", "CACHE_OP_DOMAIN"]
 
@@ -115,15 +117,6 @@ def _scalar(consts: dict, name: str) -> float | None:
     if a is None or a.size != 1 or a.dtype.kind != "f":
         return None
     return float(a.reshape(()))
-
-
-def _consumers(graph: Any) -> dict:
-    out: dict = {}
-    for node in graph.node:
-        for name in node.input:
-            if name:
-                out.setdefault(name, []).append(node)
-    return out
 
 
 def _producers(graph: Any) -> dict:
@@ -271,7 +264,7 @@ def find_attention_sites(model: Any) -> list:
         if _PAST.match(vi.name) and vi.type.tensor_type.elem_type != 1:
             raise GraphRewriteError(f"{vi.name} has element type {vi.type.tensor_type.elem_type}; "
                                     "only float32 K/V (type 1) can be rewritten")
-    consumers, producers, consts = _consumers(g), _producers(g), _constants(g)
+    consumers, producers, consts = node_consumers(g), _producers(g), _constants(g)
     return [_site(g, consumers, producers, consts, i) for i in range(n)]
 
 

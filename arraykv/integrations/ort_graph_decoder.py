@@ -26,7 +26,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Callable, Sequence
 
-from .generation import cache_length, check_sampling, generate_tokens, prompt_ids, undo_on_failure
+from .generation import cache_length, check_sampling, chunked_logits, generate_tokens, prompt_ids, undo_on_failure
 from .gguf import require
 from .ort_cache_op import CacheSlot, register, session_options
 from .ort_graph import load_model_proto, rewrite_with_cache_op
@@ -222,7 +222,6 @@ class OrtGraphDecoder:
         list of int
             The new token ids (the prompt excluded).
         """
-        import numpy as np
 
         ids = prompt_ids(prompt, None)
         temperature = check_sampling(max_new_tokens, temperature, top_k, prefill_chunk)
@@ -232,11 +231,7 @@ class OrtGraphDecoder:
             raise ValueError("cache must be empty; call cache.reset() first")
 
         def prefill_last(p: list) -> Any:
-            a = np.asarray([p], dtype=np.int64)
-            step = a.shape[1] if prefill_chunk is None else prefill_chunk
-            for s in range(0, a.shape[1], step):
-                logits = self.prefill(a[:, s:s + step], cache)
-            return logits[0, -1]
+            return chunked_logits(lambda a: self.prefill(a, cache), p, prefill_chunk)[0, -1]
 
         return generate_tokens(prefill_last, lambda tok: self.decode([tok], cache)[0, -1],
                                ids, max_new_tokens, eos=eos_id, stop_at_eos=stop_at_eos,
