@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
     p.add_argument("--prefix-lengths", nargs="+", type=positive_int, default=[3840, 7936],
                    help="long-text prefix lengths (each + --positions must fit the context)")
+    p.add_argument("--text", default="book",
+                   help="long text of the KL table: 'book' (the shipped novel, about 10k tokens), 'pydoc' (the "
+                        "Python language reference topics the interpreter ships, over 100k tokens: for prefixes "
+                        "beyond 9k) or the path of a UTF-8 file")
     p.add_argument("--positions", type=positive_int, default=256, help="decoded positions scored after each prefix")
     p.add_argument("--chunk-size", type=positive_int, default=512, help="tokens per prefill chunk")
     p.add_argument("--prefill-mode", choices=["cache", "exact", "cache-chunks"], default="cache",
@@ -63,6 +67,7 @@ def run(args: argparse.Namespace, *, out=print) -> int:
     """Run ``longctx`` with parsed ``args``; ``out`` prints a line."""
     from . import __version__, eval as ev
     from .caches import available_methods
+    from .eval.texts import long_text_by_name, text_token_ids
     from .integrations.gguf_llama import load_model
 
     if args.no_needle and args.no_kl:
@@ -77,6 +82,7 @@ def run(args: argparse.Namespace, *, out=print) -> int:
             import matplotlib  # noqa: F401
         except ImportError as exc:
             raise ImportError('--plot needs matplotlib: pip install "arraykv[plot]"') from exc
+    text, label = long_text_by_name(args.text) if not args.no_kl else (None, None)
     haystack = ev.FILLER if args.haystack == "filler" else args.haystack
     task = ev.NeedleTask(haystack=haystack, seed=args.seed)
     progress = not args.no_progress and sys.stderr.isatty()
@@ -105,10 +111,12 @@ def run(args: argparse.Namespace, *, out=print) -> int:
         out("\n✓ retrieved / ✗ missed, then log p(key) in nats (teacher-forced); in parentheses where the "
             "exact cache missed (not counted in 'where exact').")
     if not args.no_kl:
+        need = max(args.prefix_lengths) + args.positions + 1
+        token_ids = text_token_ids(model, need, lambda: text, label)
         kl = ev.long_text_quality(model, methods, prefix_lengths=args.prefix_lengths, positions=args.positions,
-                                  chunk_size=args.chunk_size, prefill_mode=args.prefill_mode, progress=progress)
-        out(f"\n## Long-text quality ({args.positions} teacher-forced positions after each prefix, "
-            "Pride and Prejudice ch. 1-6)\n")
+                                  token_ids=token_ids, chunk_size=args.chunk_size, prefill_mode=args.prefill_mode,
+                                  progress=progress)
+        out(f"\n## Long-text quality ({args.positions} teacher-forced positions after each prefix, {label})\n")
         out(kl.format_table())
         out("\nbits/value = used_bytes() * 8 / (2 * layers * kv_heads * tokens * head_dim) with prefix + "
             "positions tokens held (a sliding-window layer: the tokens of its window); dense holds float32.")

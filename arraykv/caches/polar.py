@@ -19,6 +19,7 @@ from .. import ops
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype
+from ..quant.polar_encoder import PolarEncoder
 from ..storage import TokenBuffers
 from .base import LayeredCache
 from .layout import Layout, Spec, join
@@ -212,14 +213,12 @@ class PolarCache(WindowRollback, LayeredCache):
     def _encode(self, xp: Any, fixed: PolarFixed, calib: PolarCalibration, k: Any, v: Any, start: int) -> dict:
         """Quantize float32 tokens (b, h, t, d) at positions ``start ..`` -> the per-token arrays to append
         (centring, weights, outliers, both encodes and a ``tq`` key's QJL sketch in one op)."""
-        return ops.polar_encode_tokens(k, v, *self._encode_args(fixed, calib, start))
+        return ops.polar_encode_tokens(k, v, self._encoder(fixed, calib), start)
 
-    def _encode_args(self, fixed: PolarFixed, calib: PolarCalibration, start: int) -> tuple:
-        """What the encode ops take after the tokens: the calibration, the position of the first
-        token, the codebooks and rotation, the length rules and the QJL sketch (or None)."""
-        return (calib.k_mean, calib.v_mean, calib.k_scale, calib.k_outlier_idx, calib.k_mean_freq, calib.k_mean_pairs,
-                start, fixed.k_codebook, fixed.v_codebook, fixed.rotation, self.key_length == "unbiased",
-                self.value_length == "unbiased", fixed.qjl if self.qjl else None)
+    def _encoder(self, fixed: PolarFixed, calib: PolarCalibration) -> PolarEncoder:
+        """What the encode ops take besides the tokens and their position: the calibration, the
+        codebooks and rotation, the length rules and the QJL sketch (or None)."""
+        return fixed.encoder(calib, key_length=self.key_length, value_length=self.value_length, qjl=self.qjl)
 
     def _store(self, st: PolarLayer, k: Any, v: Any, q: Any) -> None:
         """Append new tokens: sinks, then the window, its overflow quantized (computed, then committed)."""
@@ -270,7 +269,7 @@ class PolarCache(WindowRollback, LayeredCache):
         if k.dtype != xp.float32:  # float16, bfloat16: exact in float32
             k, v = xp.astype(k, xp.float32), xp.astype(v, xp.float32)
         if not ops.polar_store_token(k, v, window.key_rows, window.value_rows, window.offset + ns, arriving,
-                                     *self._encode_args(fixed, calib, ns + at), rows, at):
+                                     self._encoder(fixed, calib), ns + at, rows, at):
             return False
         if self.rollback_tokens:  # the leaving row becomes the newest rollback copy (before the window slides over it)
             margin, mrow, push = rollback_room(st, 1, self.rollback_tokens)

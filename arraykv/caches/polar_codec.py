@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..quant.codebooks import Codebook, make_codebook
+from ..quant.polar_encoder import PolarEncoder
 from ..quant.qjl import QJLSketch, make_sketch
 from ..quant.rotation import Rotation, make_rotation
 
@@ -136,6 +137,19 @@ class PolarFixed:
                    k_codebook=make_codebook(key_bits, head_dim, xp=xp, device=dev),
                    v_codebook=make_codebook(value_bits, head_dim, xp=xp, device=dev),
                    qjl=make_sketch(head_dim, seed, xp=xp, device=dev) if qjl else None)
+
+    def encoder(self, calib: Any, *, key_length: str, value_length: str, qjl: bool) -> PolarEncoder:
+        """The encode ops' argument object for a layer calibrated with ``calib``
+        (a :class:`~arraykv.caches.polar_calibration.PolarCalibration`).
+
+        ``key_length``/``value_length`` are the options' ``"unbiased"`` or ``"norm"``; ``qjl``
+        says whether the keys' residual is sketched (this set's sketch then).
+        """
+        return PolarEncoder(k_mean=calib.k_mean, v_mean=calib.v_mean, k_scale=calib.k_scale,
+                            k_outlier_idx=calib.k_outlier_idx, k_mean_freq=calib.k_mean_freq,
+                            k_mean_pairs=calib.k_mean_pairs, k_codebook=self.k_codebook, v_codebook=self.v_codebook,
+                            rotation=self.rotation, key_unbiased=key_length == "unbiased",
+                            value_unbiased=value_length == "unbiased", qjl=self.qjl if qjl else None)
 
     def nbytes(self) -> int:
         """Bytes held (a codebook shared by keys and values counted once)."""

@@ -256,9 +256,8 @@ class SlidingWindowCache(LayeredCache):
         if st.calib is None:
             new = calibrate(self.options, xp, kf, vf, xp.astype(q, xp.float32), start)
         c = st.calib if new is None else new
-        out = ops.polar_encode_tokens(kf, vf, c.k_mean, c.v_mean, c.k_scale, c.k_outlier_idx, c.k_mean_freq,
-                                      c.k_mean_pairs, start, fixed.k_codebook, fixed.v_codebook, fixed.rotation,
-                                      self.options.key_length == "unbiased", self.options.value_length == "unbiased")
+        enc = fixed.encoder(c, key_length=self.options.key_length, value_length=self.options.value_length, qjl=False)
+        out = ops.polar_encode_tokens(kf, vf, enc, start)
         t = int(k.shape[2])
         m = min(t, self.tail_keep)
         tail = (xp.astype(k[:, :, t - m:, :], xp.float16), xp.astype(v[:, :, t - m:, :], xp.float16)) if m else None

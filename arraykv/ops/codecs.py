@@ -49,24 +49,18 @@ def polar_encode(x: Any, codebook: Any, rotation: Any, *, unbiased: bool = False
     return _impl("polar_encode", x)(x, codebook, rotation, unbiased=unbiased)
 
 
-def polar_encode_tokens(k: Any, v: Any, k_mean: Any, v_mean: Any, k_scale: Any, k_outlier_idx: Any, k_mean_freq: Any,
-                        k_mean_pairs: Any, start: int, k_codebook: Any, v_codebook: Any, rotation: Any,
-                        key_unbiased: bool, value_unbiased: bool, qjl: Any = None) -> dict:
-    """:func:`arraykv.quant.polar_tokens.polar_encode_tokens_reference`: a polar cache's spilled tokens, encoded
-    (with their keys' QJL residual sketch when ``qjl`` is given)."""
-    return _impl("polar_encode_tokens", k)(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs,
-                                           start, k_codebook, v_codebook, rotation, key_unbiased, value_unbiased, qjl)
+def polar_encode_tokens(k: Any, v: Any, enc: Any, start: int) -> dict:
+    """:func:`arraykv.quant.polar_tokens.polar_encode_tokens_reference`: a polar cache's spilled tokens
+    at positions ``start ..``, encoded with ``enc`` (a :class:`arraykv.quant.polar_encoder.PolarEncoder`;
+    with their keys' QJL residual sketch when it holds one)."""
+    return _impl("polar_encode_tokens", k)(k, v, enc, start)
 
 
-def polar_store_token(k: Any, v: Any, window_k: Any, window_v: Any, leaving: int, arriving: int, k_mean: Any,
-                      v_mean: Any, k_scale: Any, k_outlier_idx: Any, k_mean_freq: Any, k_mean_pairs: Any, start: int,
-                      k_codebook: Any, v_codebook: Any, rotation: Any, key_unbiased: bool, value_unbiased: bool,
-                      qjl: Any, rows: dict, at: int) -> bool:
+def polar_store_token(k: Any, v: Any, window_k: Any, window_v: Any, leaving: int, arriving: int, enc: Any,
+                      start: int, rows: dict, at: int) -> bool:
     """:func:`arraykv.quant.polar_store.polar_store_token_reference`: one decode step of a full polar
     window, written into preallocated rows; False (nothing to commit) when a float16 result overflows."""
-    return _impl("polar_store_token", k)(k, v, window_k, window_v, leaving, arriving, k_mean, v_mean, k_scale,
-                                         k_outlier_idx, k_mean_freq, k_mean_pairs, start, k_codebook, v_codebook,
-                                         rotation, key_unbiased, value_unbiased, qjl, rows, at)
+    return _impl("polar_store_token", k)(k, v, window_k, window_v, leaving, arriving, enc, start, rows, at)
 
 
 def polar_decode(codes: Any, norms: Any, codebook: Any, rotation: Any):

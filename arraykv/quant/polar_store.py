@@ -18,15 +18,14 @@ from typing import Any
 
 from .. import _compat
 from .polar import half_dtype
+from .polar_encoder import PolarEncoder
 from .polar_tokens import polar_encode_tokens_reference
 
 __all__ = ["polar_store_token_reference"]
 
 
 def polar_store_token_reference(k: Any, v: Any, window_k: Any, window_v: Any, leaving: int, arriving: int,
-                                k_mean: Any, v_mean: Any, k_scale: Any, k_outlier_idx: Any, k_mean_freq: Any,
-                                k_mean_pairs: Any, start: int, k_codebook: Any, v_codebook: Any, rotation: Any,
-                                key_unbiased: bool, value_unbiased: bool, qjl: Any, rows: dict, at: int) -> bool:
+                                enc: PolarEncoder, start: int, rows: dict, at: int) -> bool:
     """Encode window row ``leaving`` into token index ``at`` and write ``k``, ``v`` to window row ``arriving``.
 
     Parameters
@@ -38,9 +37,9 @@ def polar_store_token_reference(k: Any, v: Any, window_k: Any, window_v: Any, le
     leaving, arriving : int
         Rows of the window buffers: the token to encode, and where the new token goes
         (``leaving != arriving``).
-    k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs, k_codebook, v_codebook, rotation,
-    key_unbiased, value_unbiased, qjl
-        As :func:`arraykv.quant.polar_tokens.polar_encode_tokens_reference` takes them.
+    enc : PolarEncoder
+        The layer's encoding state, as :func:`arraykv.quant.polar_tokens.polar_encode_tokens_reference`
+        takes it.
     start : int
         Position of the token being encoded.
     rows : dict of str to array
@@ -61,14 +60,12 @@ def polar_store_token_reference(k: Any, v: Any, window_k: Any, window_v: Any, le
     f32, half = xp.float32, half_dtype(xp)
     old_k = xp.astype(window_k[:, :, leaving:leaving + 1, :], f32)
     old_v = xp.astype(window_v[:, :, leaving:leaving + 1, :], f32)
-    enc = polar_encode_tokens_reference(old_k, old_v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq,
-                                        k_mean_pairs, start, k_codebook, v_codebook, rotation, key_unbiased,
-                                        value_unbiased, qjl)
+    coded = polar_encode_tokens_reference(old_k, old_v, enc, start)
     kh, vh = xp.astype(k, half), xp.astype(v, half)
-    floats = [kh, vh] + [a for a in enc.values() if a.dtype == half]
+    floats = [kh, vh] + [a for a in coded.values() if a.dtype == half]
     if not _compat.all_finite(xp, floats):
         return False
-    for name, a in enc.items():
+    for name, a in coded.items():
         rows[name][:, :, at:at + 1, ...] = a
     window_k[:, :, arriving:arriving + 1, :] = kh
     window_v[:, :, arriving:arriving + 1, :] = vh

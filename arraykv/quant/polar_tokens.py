@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import _compat
 from .polar import half_dtype, polar_decode_reference, polar_encode_reference
+from .polar_encoder import PolarEncoder
 from .qjl import qjl_encode
 from .rotary_mean import RotaryMeanPlan
 
@@ -53,51 +54,42 @@ def center_tokens(k: Any, v: Any, key_mean: Any, v_mean: Any, k_scale: Any, k_ou
     return kc * keep, vc, xp.astype(xp.matmul(kc, sel), half_dtype(xp)), keep
 
 
-def polar_encode_tokens_reference(k: Any, v: Any, k_mean: Any, v_mean: Any, k_scale: Any, k_outlier_idx: Any,
-                                  k_mean_freq: Any, k_mean_pairs: Any, start: int, k_codebook: Any, v_codebook: Any,
-                                  rotation: Any, key_unbiased: bool, value_unbiased: bool, qjl: Any = None) -> dict:
+def polar_encode_tokens_reference(k: Any, v: Any, enc: PolarEncoder, start: int) -> dict:
     """Quantize float32 tokens ``k``, ``v`` (b, h, t, d) at positions ``start .. start + t - 1``.
 
     Parameters
     ----------
     k, v : float32 (b, h, t, d)
-    k_mean, v_mean, k_scale : float16 (b, h, d)
-        The layer's calibration (:class:`arraykv.caches.polar_calibration.PolarCalibration`).
-    k_outlier_idx : int32 (b, h, n_out)
-        Channels kept exactly (``n_out`` may be 0).
-    k_mean_freq : float32 (b, h, d // 2) or None
-        A rotating key mean's frequencies (None: ``k_mean`` is a plain mean).
-    k_mean_pairs : int32 (d // 2, 2) or None
+    enc : PolarEncoder
+        The layer's calibration, the codebooks and rotation, the length rules and, for ``tq``
+        keys, the QJL sketch: then each key's residual ``r = k_c − k̂_c`` (the coded part minus
+        its reconstruction from the stored codes and float16 length, zero on the outlier
+        channels) is sketched too.
     start : int
         Position of the first token.
-    k_codebook, v_codebook : Codebook
-    rotation : Rotation
-    key_unbiased, value_unbiased : bool
-        Stored lengths (:func:`arraykv.quant.polar.polar_encode_reference`).
-    qjl : QJLSketch, optional
-        Also sketch each key's residual ``r = k_c − k̂_c`` (the coded part minus its
-        reconstruction from the stored codes and float16 length, zero on the outlier channels).
 
     Returns
     -------
     dict
         ``k_codes``, ``v_codes`` uint8 (b, h, t, packed), ``k_norms``, ``v_norms`` float16
-        (b, h, t); when ``n_out > 0``, ``k_outliers`` float16 (b, h, t, n_out); with ``qjl``,
+        (b, h, t); when ``n_out > 0``, ``k_outliers`` float16 (b, h, t, n_out); with a sketch,
         ``k_qjl`` uint8 (b, h, t, ceil(m / 8)) (the packed signs of ``S r``) and
         ``k_qjl_norms`` float16 (b, h, t) (``‖r‖``).
     """
     xp = _compat.namespace(k)
-    if k_mean_freq is None:
-        mean = xp.astype(k_mean, xp.float32)[:, :, None, :]
+    if enc.k_mean_freq is None:
+        mean = xp.astype(enc.k_mean, xp.float32)[:, :, None, :]
     else:
         pos = xp.arange(start, start + int(k.shape[2]), dtype=xp.float64, device=_compat.device(k))
-        mean = RotaryMeanPlan(k_mean, k_mean_freq, k_mean_pairs).at(pos)
-    kc, vc, k_outliers, keep = center_tokens(k, v, mean, v_mean, k_scale, k_outlier_idx)
+        mean = RotaryMeanPlan(enc.k_mean, enc.k_mean_freq, enc.k_mean_pairs).at(pos)
+    kc, vc, k_outliers, keep = center_tokens(k, v, mean, enc.v_mean, enc.k_scale, enc.k_outlier_idx)
     out = {} if k_outliers is None else {"k_outliers": k_outliers}
-    out["k_codes"], out["k_norms"] = polar_encode_reference(kc, k_codebook, rotation, unbiased=key_unbiased)
-    out["v_codes"], out["v_norms"] = polar_encode_reference(vc, v_codebook, rotation, unbiased=value_unbiased)
-    if qjl is not None:
-        resid = kc - polar_decode_reference(out["k_codes"], out["k_norms"], k_codebook, rotation)
-        sketch = qjl_encode(resid if keep is None else resid * keep, qjl)
+    out["k_codes"], out["k_norms"] = polar_encode_reference(kc, enc.k_codebook, enc.rotation,
+                                                            unbiased=enc.key_unbiased)
+    out["v_codes"], out["v_norms"] = polar_encode_reference(vc, enc.v_codebook, enc.rotation,
+                                                            unbiased=enc.value_unbiased)
+    if enc.qjl is not None:
+        resid = kc - polar_decode_reference(out["k_codes"], out["k_norms"], enc.k_codebook, enc.rotation)
+        sketch = qjl_encode(resid if keep is None else resid * keep, enc.qjl)
         out["k_qjl"], out["k_qjl_norms"] = sketch.signs, sketch.norms
     return out

@@ -24,6 +24,7 @@ from arraykv.caches.polar_codec import PolarFixed
 from arraykv.caches.polar_decode import decode_tokens
 from arraykv.caches.polar_options import check_polar_options
 from arraykv.caches.window_cache import POLAR_STORAGE, SlidingWindowCache
+from arraykv.quant.polar_encoder import PolarEncoder
 from arraykv.storage.cache_file import LayerRecord
 
 from cache_contract import assert_same_snapshot, snapshot
@@ -87,9 +88,9 @@ class Ref:
         if self.calib is None:
             self.calib = calibrate(opts, np, k32, v32, q.astype(np.float32), self.length)
         c = self.calib
-        codes = ops.polar_encode_tokens(k32, v32, c.k_mean, c.v_mean, c.k_scale, c.k_outlier_idx, c.k_mean_freq,
-                                        c.k_mean_pairs, self.length, fixed.k_codebook, fixed.v_codebook,
-                                        fixed.rotation, True, True)
+        enc = PolarEncoder(c.k_mean, c.v_mean, c.k_scale, c.k_outlier_idx, c.k_mean_freq, c.k_mean_pairs,
+                           fixed.k_codebook, fixed.v_codebook, fixed.rotation, True, True)
+        codes = ops.polar_encode_tokens(k32, v32, enc, self.length)
         kd, vd = decode_tokens(codes, c, fixed, bits, bits, self.length)
         return np.asarray(kd).astype(k.dtype), np.asarray(vd).astype(v.dtype)
 

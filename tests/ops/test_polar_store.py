@@ -10,6 +10,7 @@ from test_polar_tokens import _calib
 
 from arraykv.quant.codebooks import make_codebook
 from arraykv.quant.polar import polar_decode_reference
+from arraykv.quant.polar_encoder import PolarEncoder
 from arraykv.quant.polar_store import polar_store_token_reference
 from arraykv.quant.qjl import make_sketch
 from arraykv.quant.rotation import make_rotation
@@ -36,8 +37,8 @@ def _case(rng, d, bits, n_out, rotating, qjl, b=2, h=3):
     vb = make_codebook(5 - bits if bits < 4 else bits, d, xp=xp)
     rot = make_rotation(d, 3, xp=xp)
     sketch = make_sketch(d, 7, rows=64, xp=xp) if qjl else None
-    enc = polar_encode_tokens(wk[:, :, :1].astype(np.float32), wv[:, :, :1].astype(np.float32), *calib, 0, kb, vb,
-                              rot, True, False, sketch)
+    first = PolarEncoder(*calib, kb, vb, rot, True, False, sketch)
+    enc = polar_encode_tokens(wk[:, :, :1].astype(np.float32), wv[:, :, :1].astype(np.float32), first, 0)
     rows = {}
     for name, a in enc.items():  # buffers of the encode's names, dtypes and trailing shapes, filled with noise
         shape = a.shape[:2] + (CAP,) + a.shape[3:]
@@ -59,11 +60,11 @@ def test_kernel_is_the_general_sequence_bit_for_bit(d, bits, n_out, rotating, qj
     k, v, wk, wv, calib, kb, vb, rot, sketch, rows = _case(rng, d, bits, n_out, rotating, qjl)
     leaving, arriving, at, start = 2, 5, 4, 31000
     got_rows, got_wk, got_wv = _copy(rows), wk.copy(), wv.copy()
-    assert polar_store_token(k, v, got_wk, got_wv, leaving, arriving, *calib, start, kb, vb, rot, True, False, sketch,
-                             got_rows, at) is True
+    encoder = PolarEncoder(*calib, kb, vb, rot, True, False, sketch)
+    assert polar_store_token(k, v, got_wk, got_wv, leaving, arriving, encoder, start, got_rows, at) is True
     enc = polar_encode_tokens(wk[:, :, leaving:leaving + 1].astype(np.float32),
-                              wv[:, :, leaving:leaving + 1].astype(np.float32), *calib, start, kb, vb, rot, True,
-                              False, sketch)
+                              wv[:, :, leaving:leaving + 1].astype(np.float32),
+                              encoder, start)
     assert sorted(enc) == sorted(rows)
     for name, a in rows.items():
         want = a.copy()
@@ -83,7 +84,7 @@ def test_kernel_equals_reference(d, bits, n_out, rotating, qjl, rng):
     outs = []
     for fn in (polar_store_token, polar_store_token_reference):
         r, a, b = _copy(rows), wk.copy(), wv.copy()
-        assert fn(k, v, a, b, 6, 0, *calib, 500, kb, vb, rot, False, True, sketch, r, 8) is True
+        assert fn(k, v, a, b, 6, 0, PolarEncoder(*calib, kb, vb, rot, False, True, sketch), 500, r, 8) is True
         outs.append((r, a, b))
     (gr, ga, gb), (wr, wa, wb) = outs
     np.testing.assert_array_equal(ga, wa)  # float16 of the new token: exact in both
@@ -121,6 +122,7 @@ def test_overflowing_float16_result_is_refused(where, fn, rng):
             wk[:, :, leaving] = np.float16(3.0)
     f = polar_store_token if fn == "kernel" else polar_store_token_reference
     r = _copy(rows)
-    assert f(k, v, wk.copy(), wv.copy(), leaving, 4, *calib, 9, kb, vb, rot, True, True, sketch, r, 3) is False
+    encoder = PolarEncoder(*calib, kb, vb, rot, True, True, sketch)
+    assert f(k, v, wk.copy(), wv.copy(), leaving, 4, encoder, 9, r, 3) is False
     for name in rows:  # whatever was written lies outside the rows a cache holds (index 3 and up)
         np.testing.assert_array_equal(r[name][:, :, :3], rows[name][:, :, :3])

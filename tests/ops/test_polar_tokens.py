@@ -10,6 +10,7 @@ from arraykv.ops.numba.polar_tokens import polar_encode_tokens
 from arraykv.quant.bitpack import unpack_bits_reference
 from arraykv.quant.codebooks import make_codebook
 from arraykv.quant.polar import polar_decode_reference
+from arraykv.quant.polar_encoder import PolarEncoder
 from arraykv.quant.polar_tokens import polar_encode_tokens_reference
 from arraykv.quant.qjl import make_sketch
 from arraykv.quant.rotary_mean import rope_frequencies, rope_pairs
@@ -44,7 +45,7 @@ def test_kernel_equals_reference(d, bits, n_out, rotating, t, rng):
     kb = make_codebook(bits, d, xp=xp)
     vb = make_codebook(5 - bits if bits < 4 else bits, d, xp=xp)
     rot = make_rotation(d, 3, xp=xp)
-    args = (k, v, *calib, start, kb, vb, rot, True, False)
+    args = (k, v, PolarEncoder(*calib, kb, vb, rot, True, False), start)
     got = polar_encode_tokens(*args)
     want = polar_encode_tokens_reference(*args)
     assert sorted(got) == sorted(want)
@@ -76,7 +77,7 @@ def test_qjl_sketch_kernel_equals_reference(d, bits, rows, n_out, t, rng):
     kb, vb = make_codebook(bits, d, xp=xp), make_codebook(bits, d, xp=xp)
     rot = make_rotation(d, 5, xp=xp)
     sketch = make_sketch(d, 11, rows=rows, xp=xp)
-    args = (k, v, *calib, start, kb, vb, rot, False, False, sketch)
+    args = (k, v, PolarEncoder(*calib, kb, vb, rot, False, False, sketch), start)
     got = polar_encode_tokens(*args)
     want = polar_encode_tokens_reference(*args)
     assert sorted(got) == sorted(want)

@@ -157,11 +157,28 @@ def test_longctx_benchmark_script_traces_memory(tmp_path, capsys):
     assert "tracemalloc peak of the run" in out and "## Needle retrieval" not in out
 
 
+@pytest.mark.parametrize("text", ["pydoc", "file"])
+def test_longctx_reads_the_long_text_named(tmp_path, capsys, text):
+    model = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    if text == "file":
+        text = str(tmp_path / "story.txt")
+        (tmp_path / "story.txt").write_text("The sky is blue and the grass is green.\n" * 40, encoding="utf-8")
+        label = f"the file {text}"
+    else:
+        label = "language reference topics"
+    assert main(["longctx", "--model", str(model), "--methods", "int8", "--no-needle", "--text", text,
+                 "--prefix-lengths", "300", "--positions", "4", "--chunk-size", "64", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "## Long-text quality (4 teacher-forced positions after each prefix, " in out and label in out
+
+
 def test_longctx_rejects_bad_options(capsys):
     assert main(["longctx", "--methods", "nope"]) == 2
     assert "unknown methods ['nope']" in capsys.readouterr().err
     assert main(["longctx", "--no-needle", "--no-kl"]) == 2
     assert "nothing to run" in capsys.readouterr().err
+    assert main(["longctx", "--no-needle", "--text", "/nonexistent/text.txt"]) == 2
+    assert "text must be 'book', 'pydoc' or a readable UTF-8 file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("draft", ["ngram:3", "layers:1", "cache:pqo2"])

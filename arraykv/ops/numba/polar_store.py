@@ -25,7 +25,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 from .half import float_to_half, half_is_finite, half_to_float
 from .polar import _encode_ser
 from .polar_rows import _bits16
-from .polar_tokens import _center, _fixed, _sketch_stored, calibration_args
+from .polar_tokens import _center, _sketch_stored, encoder_args
 
 __all__ = ["polar_store_token"]
 
@@ -105,18 +105,15 @@ def _store_token(k, v, wk, wv, leaving, arriving, start, k_mean, v_mean, k_scale
     return finite
 
 
-def polar_store_token(k, v, window_k, window_v, leaving, arriving, k_mean, v_mean, k_scale, k_outlier_idx,
-                      k_mean_freq, k_mean_pairs, start, k_codebook, v_codebook, rotation, key_unbiased,
-                      value_unbiased, qjl, rows, at):
+def polar_store_token(k, v, window_k, window_v, leaving, arriving, enc, start, rows, at):
     """Kernel of :func:`arraykv.quant.polar_store.polar_store_token_reference` (same arguments and result)."""
     k = np.asarray(k, np.float32)
     v = np.asarray(v, np.float32)
-    calib = calibration_args(k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs)
-    signs, matrix, hadamard, k_tabs, v_tabs, sketch_t = _fixed(rotation, k_codebook, v_codebook, qjl)
+    calib, (signs, matrix, hadamard, k_tabs, v_tabs, sketch_t), key_unbiased, value_unbiased = encoder_args(enc)
     outliers = rows.get("k_outliers")
     return bool(_store_token(
         k, v, _bits16(window_k), _bits16(window_v), int(leaving), int(arriving), int(start), *calib, signs,
-        matrix, hadamard, *k_tabs, bool(key_unbiased), *v_tabs, bool(value_unbiased),
+        matrix, hadamard, *k_tabs, key_unbiased, *v_tabs, value_unbiased,
         _NO_SKETCH if sketch_t is None else sketch_t,
         rows["k_codes"], _bits16(rows["k_norms"]), rows["v_codes"], _bits16(rows["v_norms"]),
         _NO_ROWS_U16_4 if outliers is None else _bits16(outliers), rows.get("k_qjl", _NO_ROWS_U8),

@@ -156,30 +156,35 @@ def _run(serial, parallel, x, *args):
             parallel(x, *args)
 
 
-def calibration_args(k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs) -> tuple:
-    """A layer's calibration as :func:`_center` takes it: ``(k_mean, v_mean, k_scale)`` as uint16
-    views, the outlier channels int32, the rotating mean's frequencies and pairs (empty arrays
-    for a plain mean), and the float16 table."""
-    if k_mean_freq is None:
+def encoder_args(enc) -> tuple:
+    """A :class:`~arraykv.quant.polar_encoder.PolarEncoder` unpacked into what the kernels take, in
+    one place: ``(calib, fixed, key_unbiased, value_unbiased)``.
+
+    ``calib`` is the calibration as :func:`_center` takes it (``k_mean``, ``v_mean``,
+    ``k_scale`` as uint16 views, the outlier channels int32, the rotating mean's frequencies and
+    pairs, empty arrays for a plain mean, and the float16 table); ``fixed`` is :func:`_fixed`'s
+    tuple of the rotation, codebooks and sketch.
+    """
+    if enc.k_mean_freq is None:
         freq, pairs = _NO_F32_3, _NO_I32_2
     else:
-        freq = np.asarray(k_mean_freq, np.float32)
-        pairs = np.ascontiguousarray(k_mean_pairs, np.int32)
-    return (_bits16(k_mean), _bits16(v_mean), _bits16(k_scale), np.asarray(k_outlier_idx, np.int32), freq, pairs,
-            HALF_TO_FLOAT)
+        freq = np.asarray(enc.k_mean_freq, np.float32)
+        pairs = np.ascontiguousarray(enc.k_mean_pairs, np.int32)
+    calib = (_bits16(enc.k_mean), _bits16(enc.v_mean), _bits16(enc.k_scale), np.asarray(enc.k_outlier_idx, np.int32),
+             freq, pairs, HALF_TO_FLOAT)
+    fixed = _fixed(enc.rotation, enc.k_codebook, enc.v_codebook, enc.qjl)
+    return calib, fixed, bool(enc.key_unbiased), bool(enc.value_unbiased)
 
 
-def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs, start, k_codebook,
-                        v_codebook, rotation, key_unbiased, value_unbiased, qjl=None):
+def polar_encode_tokens(k, v, enc, start):
     """Kernel of :func:`arraykv.quant.polar_tokens.polar_encode_tokens_reference` (same arguments and result)."""
     k = np.asarray(k, np.float32)
     v = np.asarray(v, np.float32)
     b, h, t, d = k.shape
     n = b * h * t
-    calib = calibration_args(k_mean, v_mean, k_scale, k_outlier_idx, k_mean_freq, k_mean_pairs)
+    calib, (signs, matrix, hadamard, k_tabs, v_tabs, sketch_t), key_unbiased, value_unbiased = encoder_args(enc)
     idx = calib[3]
     n_out = idx.shape[2]
-    signs, matrix, hadamard, k_tabs, v_tabs, sketch_t = _fixed(rotation, k_codebook, v_codebook, qjl)
     kc = np.empty((n, d), np.float32)
     vc = np.empty((n, d), np.float32)
     k_out = np.empty((n, n_out), np.float32)
@@ -189,11 +194,11 @@ def polar_encode_tokens(k, v, k_mean, v_mean, k_scale, k_outlier_idx, k_mean_fre
     serial = threads_for(kc.size) == 1  # a decode step: on this thread, few calls
     if serial:  # centring and both encodes in one call
         _encode_tokens_ser(k, v, int(start), *calib, kc, vc, k_out, signs, matrix, hadamard, *k_tabs,
-                           bool(key_unbiased), k_codes, k_len, *v_tabs, bool(value_unbiased), v_codes, v_len)
+                           key_unbiased, k_codes, k_len, *v_tabs, value_unbiased, v_codes, v_len)
     else:
         _center(k, v, int(start), *calib, kc, vc, k_out)
-        _run(_encode_ser, _encode_par, kc, signs, matrix, hadamard, *k_tabs, bool(key_unbiased), k_codes, k_len)
-        _run(_encode_ser, _encode_par, vc, signs, matrix, hadamard, *v_tabs, bool(value_unbiased), v_codes, v_len)
+        _run(_encode_ser, _encode_par, kc, signs, matrix, hadamard, *k_tabs, key_unbiased, k_codes, k_len)
+        _run(_encode_ser, _encode_par, vc, signs, matrix, hadamard, *v_tabs, value_unbiased, v_codes, v_len)
     k_norms = k_len.astype(np.float16)
     out = {"k_codes": k_codes.reshape(b, h, t, -1), "k_norms": k_norms.reshape(b, h, t)}
     if sketch_t is not None:  # the residual of the key as stored (float16 length)
