@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -9,6 +12,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package (extra [model]) is n
 
 from arraykv.integrations.gguf import cache_dir, find_model, read_gguf  # noqa: E402
 from arraykv.integrations.gguf_llama import load_model  # noqa: E402
+from arraykv.integrations.gguf_write import write_gguf  # noqa: E402
 from arraykv.integrations.llama import LlamaModel, random_gguf_tensors  # noqa: E402
 from arraykv.integrations.model_config import ModelConfig  # noqa: E402
 
@@ -17,29 +21,8 @@ CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_size=48, num_heads=4, num_kv
 
 
 def _write(path, cfg, tensors, *, arch="llama", tokens=None):
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_layers)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.ffn_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_context_length(cfg.context_length)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_eps)
-    if tokens is not None:
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("smollm")
-        w.add_token_list(tokens)
-        w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-        w.add_token_merges(["h e", "l l", "he ll"])
-        w.add_eos_token_id(0)
-    for name, a in tensors.items():
-        w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    cfg = dataclasses.replace(cfg, arch=arch)
+    return Path(write_gguf(path, cfg, tensors, tokens=tokens, merges=["h e", "l l", "he ll"]))
 
 
 def _byte_tokens(n):

@@ -90,35 +90,16 @@ def test_demo_rejects_unknown_methods(capsys):
 
 def _tiny_llama_gguf(path):
     """A 2-layer random Llama GGUF whose byte-level vocabulary covers printable ASCII and newline."""
-    gguf = pytest.importorskip("gguf", reason="extra [model] not installed")
+    pytest.importorskip("gguf", reason="extra [model] not installed")
     pytest.importorskip("tokenizers", reason="extra [model] not installed")
+    from arraykv.integrations.gguf_write import write_gguf
     from arraykv.integrations.llama import random_gguf_tensors
     from arraykv.integrations.model_config import ModelConfig
 
     tokens = ["<|end|>", "Ċ", "Ġ"] + [chr(c) for c in range(33, 127)] + ["ĠT", "he"]
     cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
                       vocab_size=len(tokens), context_length=512, rope_theta=10000.0, rms_eps=1e-5)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_layers)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.ffn_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_context_length(cfg.context_length)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_eps)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    w.add_token_merges(["Ġ T", "h e"])
-    w.add_eos_token_id(0)
-    for name, a in random_gguf_tensors(cfg, seed=2).items():
-        w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(path, cfg, random_gguf_tensors(cfg, seed=2), tokens=tokens, merges=["Ġ T", "h e"])
     return path
 
 
