@@ -70,9 +70,7 @@ def namespace(*arrays: Any):
         xp = _aac.array_namespace(*arrays)
     except TypeError as exc:
         kinds = sorted({type(a).__module__ + "." + type(a).__name__ for a in arrays})
-        raise TypeError(
-            "all arrays must come from the same array library; received " + ", ".join(kinds)
-        ) from exc
+        raise TypeError("all arrays must come from the same array library; received " + ", ".join(kinds)) from exc
     if len(_BY_TYPES) < 256:
         _BY_TYPES[key] = xp
     return xp
@@ -140,8 +138,9 @@ def float_dtypes(xp: Any) -> tuple:
     """The real floating dtypes that ``xp`` offers (float16 only where it exists); looked up once per namespace."""
     out = _FLOATS.get(id(xp))
     if out is None:
-        out = _FLOATS[id(xp)] = tuple(dt for dt in (getattr(xp, n, None) for n in ("float16", "float32", "float64"))
-                                      if dt is not None)
+        out = _FLOATS[id(xp)] = tuple(
+            dt for dt in (getattr(xp, n, None) for n in ("float16", "float32", "float64")) if dt is not None
+        )
     return out
 
 

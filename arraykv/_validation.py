@@ -87,8 +87,15 @@ def check_int(name: str, value: Any, *, low: int | None = None, high: int | None
     return iv
 
 
-def check_real(name: str, value: Any, *, low: float | None = None, high: float | None = None,
-               low_open: bool = False, high_open: bool = False) -> float:
+def check_real(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
     """Return ``value`` as a finite Python ``float`` after checking it lies within the bounds.
 
     Parameters
@@ -147,12 +154,13 @@ def _check_array(name: str, x: Any) -> None:
     except TypeError:
         raise TypeError(f"{name} must be an array, received {type(x).__name__}") from None
     if getattr(x, "requires_grad", False) is True:  # a PyTorch tensor in an autograd graph
-        raise TypeError(f"{name} requires grad; a cache stores values and is not differentiable: pass "
-                        f"{name}.detach() or call it under torch.no_grad()")
+        raise TypeError(
+            f"{name} requires grad; a cache stores values and is not differentiable: pass "
+            f"{name}.detach() or call it under torch.no_grad()"
+        )
     layout = getattr(x, "layout", None)
     if layout is not None and "strided" not in str(layout):  # a sparse PyTorch tensor
-        raise TypeError(f"{name} must be a dense (strided) tensor, received layout {layout}; "
-                        f"pass {name}.to_dense()")
+        raise TypeError(f"{name} must be a dense (strided) tensor, received layout {layout}; pass {name}.to_dense()")
     if getattr(getattr(x, "device", None), "type", None) == "meta":
         raise ValueError(f"{name} is a meta tensor (a shape without data); pass a tensor that holds values")
 

@@ -28,8 +28,9 @@ def find_benchmarks(root: str | None = None) -> list:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="run the benchmark scripts (benchmarks/*.py) and print their tables",
-                       description=__doc__)
+    p = sub.add_parser(
+        "bench", help="run the benchmark scripts (benchmarks/*.py) and print their tables", description=__doc__
+    )
     p.add_argument("--only", nargs="+", default=None, help="script names to run (e.g. quality)")
     p.add_argument("--dir", default=None, help="the benchmarks folder (default: the checkout's benchmarks/)")
     p.add_argument("--list", action="store_true", help="list the scripts and exit")

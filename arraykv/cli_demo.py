@@ -27,18 +27,29 @@ DEFAULT_PROMPT = "Write one sentence about the sea."
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="generate with SmolLM2-135M through a compressed cache and print a quality table",
-                       description=__doc__)
-    p.add_argument("--model", default=None,
-                   help="a .gguf file (llama, qwen2, qwen3, gemma3) or a known model: smollm2-135m, "
-                        "gemma3-270m (fetched once; default: smollm2-135m)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT,
-                   help="user message for a chat model; text to continue for a base model")
+    p = sub.add_parser(
+        "demo",
+        help="generate with SmolLM2-135M through a compressed cache and print a quality table",
+        description=__doc__,
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file (llama, qwen2, qwen3, gemma3) or a known model: smollm2-135m, "
+        "gemma3-270m (fetched once; default: smollm2-135m)",
+    )
+    p.add_argument(
+        "--prompt", default=DEFAULT_PROMPT, help="user message for a chat model; text to continue for a base model"
+    )
     p.add_argument("--generate-with", default=None, help="cache method for the generation (default: pqo4, else dense)")
     p.add_argument("--max-new-tokens", type=positive_int, default=40)
     p.add_argument("--methods", nargs="+", default=None, help="methods in the table (default: dense, pqo*, int*)")
-    p.add_argument("--tokens", type=positive_int, default=256,
-                   help="tokens of the built-in text for the table (512 in docs/quality.md)")
+    p.add_argument(
+        "--tokens",
+        type=positive_int,
+        default=256,
+        help="tokens of the built-in text for the table (512 in docs/quality.md)",
+    )
     p.add_argument("--prefill", type=positive_int, default=64)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(run=run)
@@ -83,12 +94,17 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     new = model.generate(prompt, args.max_new_tokens, cache=cache, on_token=show)
     dt = time.perf_counter() - t0
-    print(f"\n  ({len(new)} tokens in {dt:.1f} s, prompt included; KV cache {cache.memory_usage() / 1024:.0f} KiB "
-          f"for {cache.seq_len(0)} tokens)\n")
+    print(
+        f"\n  ({len(new)} tokens in {dt:.1f} s, prompt included; KV cache {cache.memory_usage() / 1024:.0f} KiB "
+        f"for {cache.seq_len(0)} tokens)\n"
+    )
 
     ids = ev.builtin_token_ids(model, args.tokens)
-    print(f"Teacher-forced quality on {args.tokens} tokens of Pride and Prejudice (prefill {args.prefill}, "
-          f"then {args.tokens - args.prefill - 1} decode steps per method):", flush=True)
+    print(
+        f"Teacher-forced quality on {args.tokens} tokens of Pride and Prejudice (prefill {args.prefill}, "
+        f"then {args.tokens - args.prefill - 1} decode steps per method):",
+        flush=True,
+    )
     rows = ev.evaluate(model, ids, methods, prefill=args.prefill, progress=not args.no_progress)
     print(ev.format_table(rows, markdown=False))
     print("\nbits/value = used_bytes() * 8 / (2 * layers * kv_heads * tokens * head_dim); dense holds float32.")

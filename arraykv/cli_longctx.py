@@ -23,43 +23,67 @@ DEFAULT_METHODS = ("dense", "pqo4", "pqo3", "pqo2", "int8", "int4")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("longctx", help="needle retrieval and KL of cache methods at 2k-8k tokens",
-                       description=__doc__)
+    p = sub.add_parser("longctx", help="needle retrieval and KL of cache methods at 2k-8k tokens", description=__doc__)
     add_arguments(p)
     p.set_defaults(run=run)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``longctx`` (shared with ``benchmarks/long_context.py``)."""
-    p.add_argument("--model", default=None,
-                   help="a .gguf file (llama, qwen2, qwen3, gemma3) or a known model: smollm2-135m, "
-                        "gemma3-270m (fetched once; default: smollm2-135m)")
-    p.add_argument("--methods", nargs="+", default=None,
-                   help="cache methods (default: dense, pqo4, pqo3, pqo2, int8, int4); dense is always run")
-    p.add_argument("--lengths", nargs="+", type=positive_int, default=[2048, 4096, 8192],
-                   help="needle context lengths in tokens (prompt + question)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file (llama, qwen2, qwen3, gemma3) or a known model: smollm2-135m, "
+        "gemma3-270m (fetched once; default: smollm2-135m)",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="cache methods (default: dense, pqo4, pqo3, pqo2, int8, int4); dense is always run",
+    )
+    p.add_argument(
+        "--lengths",
+        nargs="+",
+        type=positive_int,
+        default=[2048, 4096, 8192],
+        help="needle context lengths in tokens (prompt + question)",
+    )
     p.add_argument("--depths", nargs="+", type=fraction, default=[0.1, 0.5, 0.9], help="needle depths in [0, 1]")
-    p.add_argument("--haystack", default="filler",
-                   help="filler text: 'filler' (the classic grass/sky/sun lines), 'book' (the shipped novel) "
-                        "or any text")
+    p.add_argument(
+        "--haystack",
+        default="filler",
+        help="filler text: 'filler' (the classic grass/sky/sun lines), 'book' (the shipped novel) or any text",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
-    p.add_argument("--prefix-lengths", nargs="+", type=positive_int, default=[3840, 7936],
-                   help="long-text prefix lengths (each + --positions must fit the context)")
-    p.add_argument("--text", default="book",
-                   help="long text of the KL table: 'book' (the shipped novel, about 10k tokens), 'pydoc' (the "
-                        "Python language reference topics the interpreter ships, over 100k tokens: for prefixes "
-                        "beyond 9k) or the path of a UTF-8 file")
+    p.add_argument(
+        "--prefix-lengths",
+        nargs="+",
+        type=positive_int,
+        default=[3840, 7936],
+        help="long-text prefix lengths (each + --positions must fit the context)",
+    )
+    p.add_argument(
+        "--text",
+        default="book",
+        help="long text of the KL table: 'book' (the shipped novel, about 10k tokens), 'pydoc' (the "
+        "Python language reference topics the interpreter ships, over 100k tokens: for prefixes "
+        "beyond 9k) or the path of a UTF-8 file",
+    )
     p.add_argument("--positions", type=positive_int, default=256, help="decoded positions scored after each prefix")
     p.add_argument("--chunk-size", type=positive_int, default=512, help="tokens per prefill chunk")
-    p.add_argument("--prefill-mode", choices=["cache", "exact", "cache-chunks"], default="cache",
-                   help="cache (default, the path users run): the model's chunked prefill with each method's "
-                        "cache; exact: every method starts from one exact prefill; cache-chunks: chunked "
-                        "prefill storing each chunk compressed as it comes")
+    p.add_argument(
+        "--prefill-mode",
+        choices=["cache", "exact", "cache-chunks"],
+        default="cache",
+        help="cache (default, the path users run): the model's chunked prefill with each method's "
+        "cache; exact: every method starts from one exact prefill; cache-chunks: chunked "
+        "prefill storing each chunk compressed as it comes",
+    )
     p.add_argument("--plot", default=None, metavar="PATH", help="save a PNG of the grids and the KL curve")
     p.add_argument("--no-needle", action="store_true", help="skip the needle grid")
     p.add_argument("--no-kl", action="store_true", help="skip the long-text quality table")
-    p.add_argument("--trace-memory", action="store_true",
-                   help="also report the tracemalloc peak of the run (slower)")
+    p.add_argument("--trace-memory", action="store_true", help="also report the tracemalloc peak of the run (slower)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -91,9 +115,11 @@ def run(args: argparse.Namespace, *, out=print) -> int:
     if model.tokenizer is None:
         raise ValueError("this GGUF file has no tokenizer; longctx needs one")
     c = model.config
-    out(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+    out(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"arraykv {__version__}; model {c.name} ({c.num_layers} layers, {c.num_kv_heads} KV heads, "
-        f"head_dim {c.head_dim}, context {c.context_length})")
+        f"head_dim {c.head_dim}, context {c.context_length})"
+    )
     out(f"prefill: {args.prefill_mode}, chunks of {args.chunk_size} tokens")
     if args.trace_memory:
         import tracemalloc
@@ -102,24 +128,45 @@ def run(args: argparse.Namespace, *, out=print) -> int:
     t0 = time.perf_counter()
     grid = kl = None
     if not args.no_needle:
-        grid = ev.needle_grid(model, methods, lengths=args.lengths, depths=args.depths, task=task,
-                              chunk_size=args.chunk_size, prefill_mode=args.prefill_mode, progress=progress)
+        grid = ev.needle_grid(
+            model,
+            methods,
+            lengths=args.lengths,
+            depths=args.depths,
+            task=task,
+            chunk_size=args.chunk_size,
+            prefill_mode=args.prefill_mode,
+            progress=progress,
+        )
         kind = {"book": "the book", "filler": "filler"}.get(args.haystack, "custom")
-        out(f"\n## Needle retrieval ({kind} haystack, "
-            f"{task.key_digits}-digit keys, {task.answer_tokens} greedy answer tokens)\n")
+        out(
+            f"\n## Needle retrieval ({kind} haystack, "
+            f"{task.key_digits}-digit keys, {task.answer_tokens} greedy answer tokens)\n"
+        )
         out(grid.format_grid())
-        out("\n✓ retrieved / ✗ missed, then log p(key) in nats (teacher-forced); in parentheses where the "
-            "exact cache missed (not counted in 'where exact').")
+        out(
+            "\n✓ retrieved / ✗ missed, then log p(key) in nats (teacher-forced); in parentheses where the "
+            "exact cache missed (not counted in 'where exact')."
+        )
     if not args.no_kl:
         need = max(args.prefix_lengths) + args.positions + 1
         token_ids = text_token_ids(model, need, lambda: text, label)
-        kl = ev.long_text_quality(model, methods, prefix_lengths=args.prefix_lengths, positions=args.positions,
-                                  token_ids=token_ids, chunk_size=args.chunk_size, prefill_mode=args.prefill_mode,
-                                  progress=progress)
+        kl = ev.long_text_quality(
+            model,
+            methods,
+            prefix_lengths=args.prefix_lengths,
+            positions=args.positions,
+            token_ids=token_ids,
+            chunk_size=args.chunk_size,
+            prefill_mode=args.prefill_mode,
+            progress=progress,
+        )
         out(f"\n## Long-text quality ({args.positions} teacher-forced positions after each prefix, {label})\n")
         out(kl.format_table())
-        out("\nbits/value = used_bytes() * 8 / (2 * layers * kv_heads * tokens * head_dim) with prefix + "
-            "positions tokens held (a sliding-window layer: the tokens of its window); dense holds float32.")
+        out(
+            "\nbits/value = used_bytes() * 8 / (2 * layers * kv_heads * tokens * head_dim) with prefix + "
+            "positions tokens held (a sliding-window layer: the tokens of its window); dense holds float32."
+        )
     wall = time.perf_counter() - t0
     out(f"\nwall time: {wall:.1f} s")
     peak = _max_rss_mib()
@@ -129,7 +176,7 @@ def run(args: argparse.Namespace, *, out=print) -> int:
 
         _, traced = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        line += f", tracemalloc peak of the run {traced / 2 ** 20:.0f} MiB"
+        line += f", tracemalloc peak of the run {traced / 2**20:.0f} MiB"
     out(line)
     if args.plot:
         ev.plot_long_context(args.plot, needle=grid, long_text=kl, title=f"{c.name}: long-context quality")
@@ -144,4 +191,4 @@ def _max_rss_mib() -> float | None:
     except ImportError:
         return None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2 ** 20 if sys.platform == "darwin" else rss / 1024
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024

@@ -15,13 +15,18 @@ from .cli_args import nonnegative_int, positive_int
 
 __all__ = ["add_parser", "run"]
 
-_PROMPT = ("Repeat this list exactly, then repeat it once more: apples, pears, plums, figs, "
-           "grapes, cherries, lemons, limes, melons, dates.")
+_PROMPT = (
+    "Repeat this list exactly, then repeat it once more: apples, pears, plums, figs, "
+    "grapes, cherries, lemons, limes, melons, dates."
+)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("speculative", help="speculative decoding through a compressed cache, beside plain decoding",
-                       description=__doc__)
+    p = sub.add_parser(
+        "speculative",
+        help="speculative decoding through a compressed cache, beside plain decoding",
+        description=__doc__,
+    )
     p.add_argument("--model", default=None, help="a .gguf file or a known model (default: smollm2-135m, fetched once)")
     p.add_argument("--prompt", default=_PROMPT, help="user message for the chat model")
     p.add_argument("--method", default="pqo4", help="the target's cache method")
@@ -44,19 +49,35 @@ def run(args: argparse.Namespace, *, out=print) -> int:
     model = load_model(args.model)
     ids = model.tokenizer.chat_prompt(args.prompt)
     stamps: list = []
-    plain = model.generate(ids, args.max_new_tokens, cache=model.make_cache(args.method),
-                           on_token=lambda _: stamps.append(time.perf_counter()))
+    plain = model.generate(
+        ids,
+        args.max_new_tokens,
+        cache=model.make_cache(args.method),
+        on_token=lambda _: stamps.append(time.perf_counter()),
+    )
     plain_tps = (len(plain) - 1) / (stamps[-1] - stamps[0]) if len(plain) > 1 else 0.0
-    r = speculative_generate(model, ids, args.max_new_tokens, cache=model.make_cache(args.method), draft=draft,
-                             k=args.k, concurrent=args.concurrent)
+    r = speculative_generate(
+        model,
+        ids,
+        args.max_new_tokens,
+        cache=model.make_cache(args.method),
+        draft=draft,
+        k=args.k,
+        concurrent=args.concurrent,
+    )
     out(model.tokenizer.decode(r.tokens))
     out("")
     out(f"target cache {args.method}, draft {draft!r}, k={args.k}{', concurrent' if args.concurrent else ''}")
     out(f"acceptance {r.acceptance_rate:.0%} ({r.accepted} of {r.drafted} proposals, {r.rounds} passes)")
     speed = r.tokens_per_second
-    out(f"decoding (prompt excluded): plain {plain_tps:.1f} tokens/s, speculative {speed:.1f} tokens/s"
-        + (f" ({speed / plain_tps:.2f}x)" if plain_tps > 0 else ""))
+    out(
+        f"decoding (prompt excluded): plain {plain_tps:.1f} tokens/s, speculative {speed:.1f} tokens/s"
+        + (f" ({speed / plain_tps:.2f}x)" if plain_tps > 0 else "")
+    )
     same = plain == r.tokens
-    out("same tokens as plain greedy decoding" if same else
-        "differs from plain greedy decoding (a near-tie between the two best logits; see docs/speculative.md)")
+    out(
+        "same tokens as plain greedy decoding"
+        if same
+        else "differs from plain greedy decoding (a near-tie between the two best logits; see docs/speculative.md)"
+    )
     return 0

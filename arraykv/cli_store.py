@@ -47,8 +47,10 @@ def format_entries(entries: list, now: float | None = None) -> str:
     rows = ["| key | tokens | bytes | created | last used | expires in |", "|---|---|---|---|---|---|"]
     for e in sorted(entries, key=lambda e: -e.last_used):
         expires = "-" if e.expires is None else _age(e.expires - now)
-        rows.append(f"| {e.key[:16]} | {'?' if e.tokens is None else e.tokens} | {_size(e.nbytes)} | "
-                    f"{_age(now - e.created)} ago | {_age(now - e.last_used)} ago | {expires} |")
+        rows.append(
+            f"| {e.key[:16]} | {'?' if e.tokens is None else e.tokens} | {_size(e.nbytes)} | "
+            f"{_age(now - e.created)} ago | {_age(now - e.last_used)} ago | {expires} |"
+        )
     total = sum(e.nbytes for e in entries)
     rows.append(f"\n{len(entries)} entries, {_size(total)} ({total} bytes)")
     return "\n".join(rows)

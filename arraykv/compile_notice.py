@@ -50,8 +50,9 @@ class _Notice:
                 self.timer = None
             if self.printed:
                 took = time.perf_counter() - self.started
-                print(f"arraykv: compiled in {took:.0f} s (cached on disk for later runs)", file=self.stream,
-                      flush=True)
+                print(
+                    f"arraykv: compiled in {took:.0f} s (cached on disk for later runs)", file=self.stream, flush=True
+                )
                 self.printed = False
 
     def _say(self, name: str) -> None:
@@ -59,8 +60,11 @@ class _Notice:
             if self.depth == 0:
                 return
             self.printed = True
-        print(f"arraykv: compiling the CPU kernel {name} (first use on this machine; "
-              "this can take a few minutes) ...", file=self.stream, flush=True)
+        print(
+            f"arraykv: compiling the CPU kernel {name} (first use on this machine; this can take a few minutes) ...",
+            file=self.stream,
+            flush=True,
+        )
 
 
 def _kernel_name(ev: Any) -> str:
@@ -94,10 +98,14 @@ def compile_notice(after: float = 3.0, stream: TextIO | None = None):
         return
 
     notice = _Notice(after, stream if stream is not None else sys.stderr)
-    listener = type("_CompileListener", (event.Listener,), {
-        "on_start": lambda self, ev: notice.on_start(ev),
-        "on_end": lambda self, ev: notice.on_end(ev),
-    })()
+    listener = type(
+        "_CompileListener",
+        (event.Listener,),
+        {
+            "on_start": lambda self, ev: notice.on_start(ev),
+            "on_end": lambda self, ev: notice.on_end(ev),
+        },
+    )()
     event.register("numba:compile", listener)
     try:
         yield

@@ -29,12 +29,18 @@ __all__ = ["add_parser", "run", "stages", "distortion_curve", "layer_errors"]
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("inspect", help="follow one vector through a PolarQuant cache and save plots",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "inspect",
+        help="follow one vector through a PolarQuant cache and save plots",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--bits", type=code_bits, default=3, help="bits per coordinate (1-4), default 3")
     p.add_argument("--layer", type=nonnegative_int, default=5, help="layer of the real key vector, default 5")
-    p.add_argument("--synthetic", action="store_true", help="use a random vector with two outlier channels "
-                   "instead of loading the model")
+    p.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="use a random vector with two outlier channels instead of loading the model",
+    )
     p.add_argument("--model", default=None, help="a Llama .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", default="arraykv-inspect", help="folder for the plots (default ./arraykv-inspect)")
     p.add_argument("--no-plots", action="store_true")
@@ -73,8 +79,15 @@ def stages(x, bits: int, *, seed: int = 0) -> dict:
     idx = np.searchsorted(np.asarray(cb.thresholds), y)
     code = polar_encode(x[None, :], cb, rot)
     rec = np.asarray(polar_decode(code, cb, rot, dtype=np.float32))[0]
-    return {"unit": unit, "rotated": y, "codebook": cb, "indices": idx, "code": code,
-            "reconstruction": rec, "rel_error": float(np.sum((x - rec) ** 2) / np.sum(x * x))}
+    return {
+        "unit": unit,
+        "rotated": y,
+        "codebook": cb,
+        "indices": idx,
+        "code": code,
+        "reconstruction": rec,
+        "rel_error": float(np.sum((x - rec) ** 2) / np.sum(x * x)),
+    }
 
 
 def distortion_curve(dim: int = 64, n: int = 4000, *, seed: int = 0) -> list:
@@ -98,7 +111,7 @@ def distortion_curve(dim: int = 64, n: int = 4000, *, seed: int = 0) -> list:
     for b in range(1, 5):
         cb = make_codebook(b, dim, like=u)
         rec = np.asarray(polar_decode(polar_encode(u, cb, rot), cb, rot, dtype=np.float32))
-        out.append((b, float(np.mean(np.sum((u - rec) ** 2, axis=1))), float(cb.mse), 4.0 ** -b))
+        out.append((b, float(np.mean(np.sum((u - rec) ** 2, axis=1))), float(cb.mse), 4.0**-b))
     return out
 
 
@@ -162,22 +175,29 @@ def run(args: argparse.Namespace) -> int:
     print(f"TurboQuant-MSE at {bits} bits on one {d}-dim vector ({source})\n")
     print(f"1. input x                     {_fmt(x)}   |x| = {np.linalg.norm(x):.3f}")
     print(f"2. unit direction x/|x|        {_fmt(s['unit'])}")
-    print(f"   rotated y = M x/|x|         {_fmt(s['rotated'])}   (randomized Hadamard; max |y| = "
-          f"{np.abs(s['rotated']).max():.3f}, vs max |x/|x|| = {np.abs(s['unit']).max():.3f})")
-    print(f"3. Lloyd-Max codebook, {2 ** bits} levels for density (1-y^2)^((d-3)/2):")
+    print(
+        f"   rotated y = M x/|x|         {_fmt(s['rotated'])}   (randomized Hadamard; max |y| = "
+        f"{np.abs(s['rotated']).max():.3f}, vs max |x/|x|| = {np.abs(s['unit']).max():.3f})"
+    )
+    print(f"3. Lloyd-Max codebook, {2**bits} levels for density (1-y^2)^((d-3)/2):")
     print(f"   centroids                   {_fmt(np.asarray(cb.centroids), 16)}")
     print(f"   indices of y                {list(map(int, s['indices'][:16]))} ...")
     packed = np.asarray(code.codes).reshape(-1)
     print(f"4. packed codes                {packed.size} bytes: {packed[:12].tobytes().hex(' ')} ...")
     print(f"   stored length (float16)     {float(np.asarray(code.norms).reshape(-1)[0]):.4f}")
-    print(f"   total                       {packed.size + 2} bytes vs {2 * d} in float16 "
-          f"({(packed.size + 2) * 8 / d:.2f} bits/value)")
+    print(
+        f"   total                       {packed.size + 2} bytes vs {2 * d} in float16 "
+        f"({(packed.size + 2) * 8 / d:.2f} bits/value)"
+    )
     print(f"5. reconstruction x^           {_fmt(s['reconstruction'])}")
-    print(f"   relative error |x-x^|^2/|x|^2 = {s['rel_error']:.4f}   "
-          f"(codebook optimum for a unit vector: {cb.mse:.4f})")
-    print("\n   Note: before this step the pqo caches center K/V per channel, weight key channels by"
-          " sqrt(rms_q/rms_k)\n   and keep outlier key channels exactly; the first tokens and the most"
-          " recent ones stay float16\n   (docs/algorithms.md).")
+    print(
+        f"   relative error |x-x^|^2/|x|^2 = {s['rel_error']:.4f}   (codebook optimum for a unit vector: {cb.mse:.4f})"
+    )
+    print(
+        "\n   Note: before this step the pqo caches center K/V per channel, weight key channels by"
+        " sqrt(rms_q/rms_k)\n   and keep outlier key channels exactly; the first tokens and the most"
+        " recent ones stay float16\n   (docs/algorithms.md)."
+    )
 
     curve = distortion_curve(d)
     print(f"\nDistortion E|u-u^|^2 of random unit vectors (d={d}):")
@@ -193,8 +213,10 @@ def run(args: argparse.Namespace) -> int:
         if method in available_methods():
             per_layer = layer_errors(model, method, ev.builtin_token_ids(model, 256))
             worst = max(per_layer, key=lambda r: r[1])
-            print(f"\n{method} cache on 256 tokens: mean K error {np.mean([r[1] for r in per_layer]):.4f}, "
-                  f"V error {np.mean([r[2] for r in per_layer]):.4f}; worst K layer {worst[0]} ({worst[1]:.4f})")
+            print(
+                f"\n{method} cache on 256 tokens: mean K error {np.mean([r[1] for r in per_layer]):.4f}, "
+                f"V error {np.mean([r[2] for r in per_layer]):.4f}; worst K layer {worst[0]} ({worst[1]:.4f})"
+            )
     if not args.no_plots:
         _plots(Path(args.out), s, keys, curve, per_layer, bits, method)
     return 0
@@ -225,7 +247,7 @@ def _plots(out: Path, s: dict, keys, curve, per_layer, bits: int, method: str) -
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.hist(y, bins=120, density=True, alpha=0.5, label="rotated coordinates")
     grid = np.linspace(-4 / math.sqrt(d), 4 / math.sqrt(d), 400)
-    dens = (1 - grid ** 2) ** ((d - 3) / 2)
+    dens = (1 - grid**2) ** ((d - 3) / 2)
     ax.plot(grid, dens / (dens.sum() * (grid[1] - grid[0])), label="(1-y²)^((d-3)/2)")
     for c in np.asarray(cb.centroids):
         ax.axvline(float(c), color="k", lw=0.8)

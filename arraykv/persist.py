@@ -44,8 +44,9 @@ def save_cache(cache: Any, path: str | os.PathLike) -> int:
         Target file; replaced atomically.
     """
     if not isinstance(cache, (LayeredCache, HybridCache)):
-        raise TypeError(f"cache must be a LayeredCache (any built-in method) or a HybridCache, "
-                        f"received {type(cache).__name__}")
+        raise TypeError(
+            f"cache must be a LayeredCache (any built-in method) or a HybridCache, received {type(cache).__name__}"
+        )
     return cache.save(path)
 
 
@@ -89,4 +90,3 @@ def load_cache(path: str | os.PathLike, *, xp: Any = None):
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise CacheFileError(f"{path} does not describe a valid {method!r} cache: {exc}") from None
     return cache
-

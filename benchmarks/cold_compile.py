@@ -47,8 +47,10 @@ def main(which: str) -> None:
         t0 = time.perf_counter()
         (polar_decode_attention if which.startswith("pq") else int_decode_attention)(codec, q, 0.1)
     t_call = time.perf_counter() - t0
-    print(f"{which}: import {t_import:.1f} s, setup {t_setup:.1f} s, first call {t_call:.1f} s, "
-          f"total {time.perf_counter() - t_start:.1f} s")
+    print(
+        f"{which}: import {t_import:.1f} s, setup {t_setup:.1f} s, first call {t_call:.1f} s, "
+        f"total {time.perf_counter() - t_start:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -107,8 +107,14 @@ def measured_fma(threads: int) -> float:
             simd.tile_values(buf, 64, w, acc)
 
     rng = np.random.default_rng(0)
-    work = [(rng.standard_normal((64, 128)).astype(np.float32), rng.random((4, 64)).astype(np.float32) * 1e-3,
-             np.zeros((4, 128), np.float32)) for _ in range(threads)]
+    work = [
+        (
+            rng.standard_normal((64, 128)).astype(np.float32),
+            rng.random((4, 64)).astype(np.float32) * 1e-3,
+            np.zeros((4, 128), np.float32),
+        )
+        for _ in range(threads)
+    ]
     reps = 20000
     run(*work[0], 10)
     best = float("inf")
@@ -136,9 +142,11 @@ def floor_seconds(nbytes: float, fmas: float = 0.0, lookups: float = 0.0, thread
 def describe(threads: int) -> str:
     """One line: the machine and the two rates the floor divides by."""
     c = cpu_info()
-    return (f"# floor: {c['model']}, {c['cores']} cores at {c['mhz']:.0f} MHz; read bandwidth "
-            f"{bandwidth(threads) / 1e9:.1f} GB/s with {threads} thread(s) (measured); peak "
-            f"{peak_fma(threads) / 1e9:.0f} G float32 FMA/s, the larger of {isa_fma(threads) / 1e9:.0f} "
-            f"(= {c['lanes']} lanes x {c['fma_units']} FMA units (assumed) x nominal clock x {threads}) and "
-            f"{measured_fma(threads) / 1e9:.0f} (measured: the vector tile loop on data in L1); "
-            f"scalar table lookups at 2 loads/cycle/core")
+    return (
+        f"# floor: {c['model']}, {c['cores']} cores at {c['mhz']:.0f} MHz; read bandwidth "
+        f"{bandwidth(threads) / 1e9:.1f} GB/s with {threads} thread(s) (measured); peak "
+        f"{peak_fma(threads) / 1e9:.0f} G float32 FMA/s, the larger of {isa_fma(threads) / 1e9:.0f} "
+        f"(= {c['lanes']} lanes x {c['fma_units']} FMA units (assumed) x nominal clock x {threads}) and "
+        f"{measured_fma(threads) / 1e9:.0f} (measured: the vector tile loop on data in L1); "
+        f"scalar table lookups at 2 loads/cycle/core"
+    )

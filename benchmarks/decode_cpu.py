@@ -94,8 +94,10 @@ def load_baseline(rev):
 
     Revisions from before the ``ops`` layer had it at ``arraykv/backends/_numba_fused.py``.
     """
-    for path, package in (("arraykv/ops/numba/polar_fused.py", "arraykv.ops.numba"),  # noqa: B007 - read after the loop
-                          ("arraykv/backends/_numba_fused.py", "arraykv.backends")):
+    for path, package in (  # noqa: B007 - package is read after the loop
+        ("arraykv/ops/numba/polar_fused.py", "arraykv.ops.numba"),
+        ("arraykv/backends/_numba_fused.py", "arraykv.backends"),
+    ):
         out = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
         if out.returncode == 0:
             break
@@ -119,14 +121,19 @@ def first_n(codec, n):
 def dequantize(codec):
     """Float32 K/V of every quantized token of ``codec`` (what a dequantizing cache builds each step)."""
     d = codec.rotation.dim
-    k = polar_decode(PolarCode(codec.k_codes, codec.k_norms, codec.k_codebook.bits, d), codec.k_codebook,
-                     codec.rotation)
-    v = polar_decode(PolarCode(codec.v_codes, codec.v_norms, codec.v_codebook.bits, d), codec.v_codebook,
-                     codec.rotation)
+    k = polar_decode(
+        PolarCode(codec.k_codes, codec.k_norms, codec.k_codebook.bits, d), codec.k_codebook, codec.rotation
+    )
+    v = polar_decode(
+        PolarCode(codec.v_codes, codec.v_norms, codec.v_codebook.bits, d), codec.v_codebook, codec.rotation
+    )
     if codec.k_outlier_idx is not None and codec.k_outlier_idx.shape[-1]:
-        np.put_along_axis(k, np.broadcast_to(codec.k_outlier_idx[:, :, None, :],
-                                             codec.k_outliers.shape).astype(np.int64),
-                          codec.k_outliers.astype(np.float32), axis=-1)
+        np.put_along_axis(
+            k,
+            np.broadcast_to(codec.k_outlier_idx[:, :, None, :], codec.k_outliers.shape).astype(np.int64),
+            codec.k_outliers.astype(np.float32),
+            axis=-1,
+        )
     if getattr(codec, "k_scale", None) is not None:
         k = k / codec.k_scale.astype(np.float32)[:, :, None, :]
     if codec.k_mean is not None:
@@ -159,21 +166,25 @@ def small(args, baseline):
     k1 = rng.standard_normal((b, h, 1, d)).astype(np.float32)
     scale = d**-0.5
     cfg = arraykv.AttendConfig(scale, g)
-    print(f"\n## Per call, SmolLM2-135M shape: batch {b}, {h * g} query heads, {h} KV heads, head_dim {d}, "
-          f"{sinks} sink + {quantized} quantized + {window} recent tokens; microseconds, "
-          f"median (min) of {args.repeat_small}")
+    print(
+        f"\n## Per call, SmolLM2-135M shape: batch {b}, {h * g} query heads, {h} KV heads, head_dim {d}, "
+        f"{sinks} sink + {quantized} quantized + {window} recent tokens; microseconds, "
+        f"median (min) of {args.repeat_small}"
+    )
     cols = ["fused"] + (["before"] if baseline else []) + ["dense attention", "cache.decode", "dense cache.decode"]
     print("| mode | " + " | ".join(cols) + " | fused / dense | decode / dense decode |")
     print("|---" * (len(cols) + 3) + "|")
     for mode in args.modes:
         dense_cache = arraykv.make_cache("dense", num_layers=1, num_kv_heads=h, head_dim=d)
         dense_cache.prefill(0, k, v, q_pre)
-        cache = arraykv.make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d, residual_window=window,
-                                   sink_tokens=sinks)
+        cache = arraykv.make_cache(
+            mode, num_layers=1, num_kv_heads=h, head_dim=d, residual_window=window, sink_tokens=sinks
+        )
         cache.prefill(0, k, v, q_pre)
         codec = cache.layer_codec_state(0)
-        stepping = arraykv.make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d, residual_window=window,
-                                      sink_tokens=sinks)
+        stepping = arraykv.make_cache(
+            mode, num_layers=1, num_kv_heads=h, head_dim=d, residual_window=window, sink_tokens=sinks
+        )
         stepping.prefill(0, k, v, q_pre)
         assert (codec.n_quantized, codec.n_window) == (quantized, sinks + window)
         fns = {"fused": lambda: polar_decode_attention(codec, q, scale)}
@@ -186,9 +197,12 @@ def small(args, baseline):
         fns["dense cache.decode"] = lambda: decode_and_attend(dense_cache, k1, q, cfg)
         t = interleaved(fns, args.repeat_small, inner=20)
         med = {name: np.median(ts) for name, ts in t.items()}
-        print(f"| {mode} | " + " | ".join(cell(t[c], 1e6) for c in cols)
-              + f" | {med['fused'] / med['dense attention']:.2f}"
-              + f" | {med['cache.decode'] / med['dense cache.decode']:.2f} |")
+        print(
+            f"| {mode} | "
+            + " | ".join(cell(t[c], 1e6) for c in cols)
+            + f" | {med['fused'] / med['dense attention']:.2f}"
+            + f" | {med['cache.decode'] / med['dense cache.decode']:.2f} |"
+        )
 
 
 def model_steps(args, baseline):
@@ -201,8 +215,7 @@ def model_steps(args, baseline):
     context, steps = args.model_context, args.model_steps
     # the long shipped text (10k tokens) for contexts the short one cannot fill
     need = context + steps
-    ids = (ev.builtin_token_ids(model, need) if need <= 2048 else
-           ev.texts.builtin_long_token_ids(model.tokenizer, need))
+    ids = ev.builtin_token_ids(model, need) if need <= 2048 else ev.texts.builtin_long_token_ids(model.tokenizer, need)
     key = ("polar_decode_attention", "numpy")
     registry.lookup("polar_decode_attention", np)  # resolved once, then swapped per variant
     now = registry._RESOLVED[key]
@@ -215,11 +228,13 @@ def model_steps(args, baseline):
     for name, method, _ in variants:
         caches[name] = model.make_cache(method)
         model.prefill(ids[:context], caches[name], chunk_size=512, logits="last")
-    print(f"\n## SmolLM2-135M decode, {context} tokens of context, one step of every cache in turn; "
-          f"ms per token, median (min) of {steps - 1} (the first step is a warm-up)")
+    print(
+        f"\n## SmolLM2-135M decode, {context} tokens of context, one step of every cache in turn; "
+        f"ms per token, median (min) of {steps - 1} (the first step is a warm-up)"
+    )
     times = {name: [] for name, _, _ in variants}
     try:
-        for i, t in enumerate(ids[context:context + steps]):
+        for i, t in enumerate(ids[context : context + steps]):
             for name, _, fused in variants:
                 registry._RESOLVED[key] = fused or now
                 t0 = time.perf_counter()
@@ -244,16 +259,21 @@ def long(args, baseline):
     get_blas, set_blas = blas_threads()
     blas_default = get_blas() if get_blas else None
     blas_settings = [1, blas_default] if blas_default and blas_default > 1 else [None]
-    print(f"\n## Long contexts: batch {b}, {hkv * g} query heads, {hkv} KV heads, head_dim {d}, float32 queries, "
-          f"no window; milliseconds, median (min) of {args.repeat} (deq+attn: {max(1, args.repeat // 2)}); "
-          f"dense = best of OpenBLAS threads {blas_settings}")
+    print(
+        f"\n## Long contexts: batch {b}, {hkv * g} query heads, {hkv} KV heads, head_dim {d}, float32 queries, "
+        f"no window; milliseconds, median (min) of {args.repeat} (deq+attn: {max(1, args.repeat // 2)}); "
+        f"dense = best of OpenBLAS threads {blas_settings}"
+    )
     k = rng.standard_normal((b, hkv, top, d), dtype=np.float32)
     v = rng.standard_normal((b, hkv, top, d), dtype=np.float32)
     q = rng.standard_normal((b, hkv * g, 1, d), dtype=np.float32)
     cols = ["fused"] + (["before"] if baseline else []) + ["dense", "deq+attn"]
-    print("| mode | context | " + " | ".join(f"{c} ms" for c in cols)
-          + " | fused ns / token·head | dense / fused | deq+attn / fused |"
-          + (" before / fused |" if baseline else ""))
+    print(
+        "| mode | context | "
+        + " | ".join(f"{c} ms" for c in cols)
+        + " | fused ns / token·head | dense / fused | deq+attn / fused |"
+        + (" before / fused |" if baseline else "")
+    )
     print("|---" * (len(cols) + 5 + bool(baseline)) + "|")
     compile_ms = None
     for mode in args.modes:
@@ -273,6 +293,7 @@ def long(args, baseline):
             if baseline:
                 fns["before"] = lambda: baseline.polar_decode_attention(codec, q, scale)
             for threads in blas_settings:
+
                 def dense(threads=threads):
                     if threads is not None:
                         set_blas(threads)
@@ -281,6 +302,7 @@ def long(args, baseline):
                     finally:
                         if threads is not None:
                             set_blas(blas_default)
+
                 fns[f"dense@{threads}"] = dense
             t = interleaved(fns, args.repeat)
             best = min(blas_settings, key=lambda th: np.median(t[f"dense@{th}"]))
@@ -294,9 +316,12 @@ def long(args, baseline):
                 if best is not None:
                     set_blas(blas_default)
             med = {name: np.median(ts) for name, ts in t.items()}
-            row = (f"| {mode} | {n} | " + " | ".join(cell(t[c], 1e3) for c in cols)
-                   + f" | {med['fused'] * 1e9 / (n * b * hkv):.0f} | {med['dense'] / med['fused']:.2f}"
-                   + f" | {med['deq+attn'] / med['fused']:.1f} |")
+            row = (
+                f"| {mode} | {n} | "
+                + " | ".join(cell(t[c], 1e3) for c in cols)
+                + f" | {med['fused'] * 1e9 / (n * b * hkv):.0f} | {med['dense'] / med['fused']:.2f}"
+                + f" | {med['deq+attn'] / med['fused']:.1f} |"
+            )
             if baseline:
                 row += f" {med['before'] / med['fused']:.2f} |"
             print(row, flush=True)
@@ -321,6 +346,7 @@ def _steps(method, k, v, q, scale, rng, baseline=None):
             s -= s.max(axis=-1, keepdims=True)
             np.exp(s, out=s)
             return (s @ v) / s.sum(axis=-1, keepdims=True)
+
         return blas, k.nbytes + v.nbytes, None
     if method == "vq":  # codes of the vq cache's defaults (16 centroids of 2 channels: 4-bit codes), random
         m, kk = d // 2, 16
@@ -328,17 +354,24 @@ def _steps(method, k, v, q, scale, rng, baseline=None):
         cent = rng.standard_normal((h, m, kk, 2)).astype(np.float32)
         e = np.zeros((b, h, 0, d), np.float32)
         q3 = q[:, :, 0]
-        return (lambda: arraykv.ops.vq_decode_attention(q3, kc, cent, vc, cent, e, e, bits=4, softmax_scale=scale),
-                kc.nbytes + vc.nbytes + 2 * cent.nbytes, None)
+        return (
+            lambda: arraykv.ops.vq_decode_attention(q3, kc, cent, vc, cent, e, e, bits=4, softmax_scale=scale),
+            kc.nbytes + vc.nbytes + 2 * cent.nbytes,
+            None,
+        )
     if method == "lowrank":  # coefficients of the lowrank cache's defaults (rank head_dim / 2, float16), random
         r = d // 2
         kc, vc = (rng.standard_normal((b, h, n, r)).astype(np.float16) for _ in "kv")
         basis = np.linalg.qr(rng.standard_normal((h, d, r)))[0].astype(np.float32)
         mean = np.zeros((h, d), np.float32)
         e = np.zeros((b, h, 0, d), np.float16)
-        return (lambda: arraykv.ops.lowrank_decode_attention(q, kc, basis, mean, vc, basis, mean, e, e,
-                                                             softmax_scale=scale),
-                kc.nbytes + vc.nbytes + 2 * (basis.nbytes + mean.nbytes), None)
+        return (
+            lambda: arraykv.ops.lowrank_decode_attention(
+                q, kc, basis, mean, vc, basis, mean, e, e, softmax_scale=scale
+            ),
+            kc.nbytes + vc.nbytes + 2 * (basis.nbytes + mean.nbytes),
+            None,
+        )
     polar = method.startswith(("pq", "tq"))
     opts = dict(residual_window=0, sink_tokens=0) if polar else dict(residual_window=0)
     cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=h, head_dim=d, **opts)
@@ -357,8 +390,10 @@ def floor_table(args, baseline=None):
     threads = numba.get_num_threads()
     get_blas, _ = blas_threads()
     n = args.floor_context
-    print(f"\n## Decode attention vs the floor: batch 1, {n} tokens, no window, Numba threads {threads}, "
-          f"OpenBLAS threads {get_blas() if get_blas else '?'}; ms, median (min-max) of {args.repeat}")
+    print(
+        f"\n## Decode attention vs the floor: batch 1, {n} tokens, no window, Numba threads {threads}, "
+        f"OpenBLAS threads {get_blas() if get_blas else '?'}; ms, median (min-max) of {args.repeat}"
+    )
     print(cpu_floor.describe(threads))
     print("| shape | method | ms | floor ms (memory / compute) | time / floor | best dense / time |")
     print("|---|---|---|---|---|---|")
@@ -369,8 +404,9 @@ def floor_table(args, baseline=None):
         q = rng.standard_normal((1, h * g, 1, d), dtype=np.float32)
         fns, floors = {}, {}
         for method in args.floor_methods:
-            fns[method], nbytes, before = _steps(method, k, v, q, d**-0.5, rng,
-                                                 baseline if method.startswith("pq") else None)
+            fns[method], nbytes, before = _steps(
+                method, k, v, q, d**-0.5, rng, baseline if method.startswith("pq") else None
+            )
             if before is not None:
                 fns[f"{method} before"] = before
                 floors[f"{method} before"] = cpu_floor.floor_seconds(nbytes, fmas=n * h * g * 2 * d, threads=threads)
@@ -385,9 +421,12 @@ def floor_table(args, baseline=None):
         for method, ts in t.items():
             f = floors[method]
             vs_dense = f"{dense / med[method]:.2f}" if dense else "-"
-            print(f"| {label} | {method} | {np.median(ts) * 1e3:.2f} ({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f}) "
-                  f"| {f['floor'] * 1e3:.2f} ({f['memory'] * 1e3:.2f} / {f['compute'] * 1e3:.2f}) "
-                  f"| {med[method] / f['floor']:.1f} | {vs_dense} |", flush=True)
+            print(
+                f"| {label} | {method} | {np.median(ts) * 1e3:.2f} ({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f}) "
+                f"| {f['floor'] * 1e3:.2f} ({f['memory'] * 1e3:.2f} / {f['compute'] * 1e3:.2f}) "
+                f"| {med[method] / f['floor']:.1f} | {vs_dense} |",
+                flush=True,
+            )
 
 
 def main(argv=None):
@@ -396,13 +435,19 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", default=["pqo2", "pqo3", "pqo4", "tq3"])
     ap.add_argument("--repeat", type=int, default=5, help="rounds per long-context row")
     ap.add_argument("--repeat-small", type=int, default=15, help="rounds (of 20 calls) per SmolLM2-shape row")
-    ap.add_argument("--baseline-rev", default=None,
-                    help="git revision whose polar fused kernel is timed as 'before'")
-    ap.add_argument("--model-steps", type=int, default=0,
-                    help="decode steps of SmolLM2-135M per cache (0: skip; needs the GGUF, see docs/quality.md)")
+    ap.add_argument("--baseline-rev", default=None, help="git revision whose polar fused kernel is timed as 'before'")
+    ap.add_argument(
+        "--model-steps",
+        type=int,
+        default=0,
+        help="decode steps of SmolLM2-135M per cache (0: skip; needs the GGUF, see docs/quality.md)",
+    )
     ap.add_argument("--model-context", type=int, default=512)
-    ap.add_argument("--floor", action="store_true",
-                    help="only the table of every method beside its floor (see benchmarks/cpu_floor.py)")
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="only the table of every method beside its floor (see benchmarks/cpu_floor.py)",
+    )
     ap.add_argument("--floor-context", type=int, default=32768)
     ap.add_argument("--floor-methods", nargs="+", default=["pqo4", "pqo2", "int4", "int8", "vq", "dense", "dense blas"])
     ap.add_argument("--skip-small", action="store_true")
@@ -412,10 +457,12 @@ def main(argv=None):
     import numba
 
     blas_get, _ = blas_threads()
-    print(f"# machine: {platform.machine()}, {os.cpu_count()} cores, OpenBLAS threads "
-          f"{blas_get() if blas_get else '?'}, load average "
-          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, numpy {np.__version__}, numba {numba.__version__} "
-          f"({numba.get_num_threads()} threads)")
+    print(
+        f"# machine: {platform.machine()}, {os.cpu_count()} cores, OpenBLAS threads "
+        f"{blas_get() if blas_get else '?'}, load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, numpy {np.__version__}, numba {numba.__version__} "
+        f"({numba.get_num_threads()} threads)"
+    )
     baseline = load_baseline(args.baseline_rev) if args.baseline_rev else None
     if args.floor:
         floor_table(args, baseline)

@@ -52,8 +52,17 @@ def cuda_ms(cp, fn, repeat=30, flush=None):
 def used_nbytes(codec) -> int:
     """Bytes a fused decode step reads: the in-use parts of the packed arrays and the window."""
     total = 0
-    for name in ("k_codes", "k_norms", "v_codes", "v_norms", "k_outliers", "k_qjl", "k_qjl_norms",
-                 "k_window", "v_window"):
+    for name in (
+        "k_codes",
+        "k_norms",
+        "v_codes",
+        "v_norms",
+        "k_outliers",
+        "k_qjl",
+        "k_qjl_norms",
+        "k_window",
+        "v_window",
+    ):
         a = getattr(codec, name)
         if a is not None:
             total += int(a.size) * a.itemsize
@@ -66,7 +75,7 @@ def rope_keys(cp, rng, b, hkv, n, d, theta=10000.0):
     k = mu + rng.standard_normal((b, hkv, n, d), dtype=cp.float32)
     ang = cp.arange(n, dtype=cp.float64)[:, None] * (theta ** (-2.0 * cp.arange(d // 2) / d))[None, :]
     c, s = cp.cos(ang).astype(cp.float32), cp.sin(ang).astype(cp.float32)
-    a, bb = k[..., : d // 2], k[..., d // 2:]
+    a, bb = k[..., : d // 2], k[..., d // 2 :]
     return cp.concatenate([a * c - bb * s, bb * c + a * s], axis=-1).astype(cp.float16)
 
 
@@ -113,19 +122,27 @@ def main(argv=None):
     ap.add_argument("--mode", default="pqo4")
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--json", default=None, help="also write the rows as JSON lines to this file")
-    ap.add_argument("--reference", action="store_true",
-                    help="also time the array-API path (what a step falls back to when the kernel declines it)")
-    ap.add_argument("--rope", action="store_true",
-                    help="keys of a rotary model (the cache fits a rotating key mean, a logit term per token)")
+    ap.add_argument(
+        "--reference",
+        action="store_true",
+        help="also time the array-API path (what a step falls back to when the kernel declines it)",
+    )
+    ap.add_argument(
+        "--rope",
+        action="store_true",
+        help="keys of a rotary model (the cache fits a rotating key mean, a logit term per token)",
+    )
     args = ap.parse_args(argv)
     b, hkv, g, d = 8, 8, 4, 128
     scale = d**-0.5
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
     gpu = props["name"].decode()
-    print(f"# GPU: {gpu}, {props['multiProcessorCount']} SMs, L2 {props['l2CacheSize'] / 2**20:.0f} MiB; "
-          f"shape: batch {b}, {hkv * g} q heads, {hkv} kv heads, head_dim {d}, mode {args.mode}"
-          f"{', rotary keys (rotating key mean)' if args.rope else ''}")
+    print(
+        f"# GPU: {gpu}, {props['multiProcessorCount']} SMs, L2 {props['l2CacheSize'] / 2**20:.0f} MiB; "
+        f"shape: batch {b}, {hkv * g} q heads, {hkv} kv heads, head_dim {d}, mode {args.mode}"
+        f"{', rotary keys (rotating key mean)' if args.rope else ''}"
+    )
     big = cp.empty(1 << 30, dtype=cp.uint8)
     big.fill(3)
     dst = cp.empty_like(big)
@@ -172,8 +189,11 @@ def main(argv=None):
         finally:
             _cuda_polar.PREFETCH = default
         occ = {k[1]: v for k, v in _cuda_polar._OCCUPANCY.items()}
-        print(f"# n={n}: prefetch={default}: {t_fused:.4f} ms, prefetch={not default}: {t_other:.4f} ms; "
-              f"blocks per SM {occ}", flush=True)
+        print(
+            f"# n={n}: prefetch={default}: {t_fused:.4f} ms, prefetch={not default}: {t_other:.4f} ms; "
+            f"blocks per SM {occ}",
+            flush=True,
+        )
         if args.reference:
             t_ref, _ = cuda_ms(cp, lambda: polar_decode_attention_reference(codec, q, scale), 5, flush)
             print(f"# n={n}: array-API path {t_ref:.4f} ms ({t_ref / t_fused:.1f}x the fused step)", flush=True)
@@ -192,24 +212,42 @@ def main(argv=None):
         t_quant, _ = cuda_ms(cp, lambda: polar_encode(k16, codec.k_codebook, codec.rotation), 10)
         quant_rate = k16.size / (t_quant * 1e-3)
         floor = comp_bytes / bw * 1e3
-        row = dict(gpu=gpu, mode=args.mode, rope=args.rope, context=n, fused_ms=t_fused, fused_min_ms=t_fused_min,
-                   fused_back_to_back_ms=t_fused_tp, fused_other_variant_ms=t_other, floor_ms=floor,
-                   bw_share=floor / t_fused, dense_cupy_ms=t_dense, dense_sdpa_ms=t_sdpa,
-                   dense_floor_ms=dense_bytes / bw * 1e3, cupy_speedup=t_dense / t_fused,
-                   sdpa_speedup=t_sdpa / t_fused, quant_gvals=quant_rate / 1e9, comp_mb=comp_bytes / 1e6,
-                   copy_gbs=bw / 1e9)
+        row = dict(
+            gpu=gpu,
+            mode=args.mode,
+            rope=args.rope,
+            context=n,
+            fused_ms=t_fused,
+            fused_min_ms=t_fused_min,
+            fused_back_to_back_ms=t_fused_tp,
+            fused_other_variant_ms=t_other,
+            floor_ms=floor,
+            bw_share=floor / t_fused,
+            dense_cupy_ms=t_dense,
+            dense_sdpa_ms=t_sdpa,
+            dense_floor_ms=dense_bytes / bw * 1e3,
+            cupy_speedup=t_dense / t_fused,
+            sdpa_speedup=t_sdpa / t_fused,
+            quant_gvals=quant_rate / 1e9,
+            comp_mb=comp_bytes / 1e6,
+            copy_gbs=bw / 1e9,
+        )
         rows.append(row)
         print("# " + json.dumps(row), flush=True)
         k16 = v16 = cache = codec = None  # freed before the next context is built
         cp.get_default_memory_pool().free_all_blocks()
     print()
-    print("| context | fused ms | floor ms | share of copy BW | dense cupy ms | dense sdpa ms | dense floor ms "
-          "| cupy/fused | sdpa/fused | quantize G values/s |")
+    print(
+        "| context | fused ms | floor ms | share of copy BW | dense cupy ms | dense sdpa ms | dense floor ms "
+        "| cupy/fused | sdpa/fused | quantize G values/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['context']} | {r['fused_ms']:.3f} | {r['floor_ms']:.3f} | {r['bw_share']:.0%} | "
-              f"{r['dense_cupy_ms']:.3f} | {r['dense_sdpa_ms']:.3f} | {r['dense_floor_ms']:.3f} | "
-              f"{r['cupy_speedup']:.2f} | {r['sdpa_speedup']:.2f} | {r['quant_gvals']:.1f} |")
+        print(
+            f"| {r['context']} | {r['fused_ms']:.3f} | {r['floor_ms']:.3f} | {r['bw_share']:.0%} | "
+            f"{r['dense_cupy_ms']:.3f} | {r['dense_sdpa_ms']:.3f} | {r['dense_floor_ms']:.3f} | "
+            f"{r['cupy_speedup']:.2f} | {r['sdpa_speedup']:.2f} | {r['quant_gvals']:.1f} |"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             for r in rows:

@@ -42,8 +42,7 @@ def whole_step(contexts, ghz, rng, mode="pqo4"):
     b, hkv, g, d = 1, 8, 4, 128
     rows = []
     for n in contexts:
-        cache = arraykv.make_cache(mode, num_layers=1, num_kv_heads=hkv, head_dim=d, residual_window=0,
-                                   sink_tokens=0)
+        cache = arraykv.make_cache(mode, num_layers=1, num_kv_heads=hkv, head_dim=d, residual_window=0, sink_tokens=0)
         k = rng.standard_normal((b, hkv, n, d), dtype=np.float32)
         v = rng.standard_normal((b, hkv, n, d), dtype=np.float32)
         cache.prefill(0, k, v, rng.standard_normal((b, hkv * g, n, d), dtype=np.float32))
@@ -110,11 +109,18 @@ def parts(ghz, rng, n=32768, bits=4):
     m, l = np.full(g, -np.inf, np.float32), np.zeros(g, np.float32)
     norms = rng.integers(0x3000, 0x3C00, (2, 1, n), dtype=np.uint16)  # float16 lengths of like magnitude
     per_row = ghz * 1e9 / n
-    return [(f"scores (tile_scores_codes_{bits})", _median_seconds(scores, codes, tab, qr, s) * per_row),
-            (f"values (tile_values_codes_{bits})", _median_seconds(values, codes, tab, w, acc) * per_row),
-            ("softmax (softmax_rows)", _median_seconds(softmax, s.copy(), m, l, acc, n // TILE) * per_row),
-            ("small per-tile loops", _median_seconds(small_loops, norms, HALF_TO_FLOAT, s, np.zeros(g, np.float32),
-                                                     np.zeros((g, TILE), np.float32)) * per_row)]
+    return [
+        (f"scores (tile_scores_codes_{bits})", _median_seconds(scores, codes, tab, qr, s) * per_row),
+        (f"values (tile_values_codes_{bits})", _median_seconds(values, codes, tab, w, acc) * per_row),
+        ("softmax (softmax_rows)", _median_seconds(softmax, s.copy(), m, l, acc, n // TILE) * per_row),
+        (
+            "small per-tile loops",
+            _median_seconds(
+                small_loops, norms, HALF_TO_FLOAT, s, np.zeros(g, np.float32), np.zeros((g, TILE), np.float32)
+            )
+            * per_row,
+        ),
+    ]
 
 
 def main(argv=None):
@@ -127,8 +133,10 @@ def main(argv=None):
     import numba
 
     rng = np.random.default_rng(args.seed)
-    print(f"# Numba threads {numba.get_num_threads()}; cycles per row at {args.ghz} GHz "
-          f"(64 FMA instructions per row = 32 cycles on two FMA pipes); {args.mode}")
+    print(
+        f"# Numba threads {numba.get_num_threads()}; cycles per row at {args.ghz} GHz "
+        f"(64 FMA instructions per row = 32 cycles on two FMA pipes); {args.mode}"
+    )
     print("| part | cycles per row |")
     print("|---|---|")
     bits = int(args.mode[-1])

@@ -35,8 +35,7 @@ def main(argv=None) -> int:
     cli_longctx.add_arguments(ap)
     ap.set_defaults(trace_memory=True)
     args = ap.parse_args(argv)
-    print(f"command: python benchmarks/long_context.py {' '.join(argv if argv is not None else sys.argv[1:])}"
-          .rstrip())
+    print(f"command: python benchmarks/long_context.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
     return cli_longctx.run(args)
 
 

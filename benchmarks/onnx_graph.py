@@ -25,8 +25,9 @@ steps. Engines run one after another in one process.
 
 Every engine first runs a short prompt and two decode steps (kernel compilation is neither timed
 nor counted). Peak memory (``--memory-prompt``, ``--memory-loop``, ``--memory-engines``): each
-engine in a child process of its own, reading the graphs written to ``--workdir``: the resident set before the prompt (after the
-heap's free pages are given back, see :func:`_trim_heap`), then the peak resident set (``VmHWM``, reset after the prompt) during a loop of ``--memory-loop``
+engine in a child process of its own, reading the graphs written to ``--workdir``: the resident
+set before the prompt (after the heap's free pages are given back, see :func:`_trim_heap`), then
+the peak resident set (``VmHWM``, reset after the prompt) during a loop of ``--memory-loop``
 decode steps after a ``--memory-prompt``-token prompt.
 
 Run (2-core machine shared with other work: run it niced, once)::
@@ -52,8 +53,15 @@ ROOT = Path(__file__).resolve().parent.parent
 GRAPH_METHODS = ["dense", "pqo4", "pqo3", "pqo2", "int4"]
 HOOK_METHODS = ["pqo4"]
 GQA = {"ORT GQA float32": None, "ORT GQA int8": 8, "ORT GQA int4": 4}
-MEMORY_ENGINES = ["ORT float", "in graph, pqo4", "in graph, pqo2", "in graph, int4", "hook, pqo4", "ORT GQA int8",
-                  "ORT GQA int4"]
+MEMORY_ENGINES = [
+    "ORT float",
+    "in graph, pqo4",
+    "in graph, pqo2",
+    "in graph, int4",
+    "hook, pqo4",
+    "ORT GQA int8",
+    "ORT GQA int4",
+]
 CHUNK = 512
 
 
@@ -114,9 +122,9 @@ class Engine:
         a = np.asarray([ids], dtype=np.int64)
         for s in range(0, a.shape[1], CHUNK):
             if self.kind == "hook":
-                self.engine.step(a[:, s:s + CHUNK], self.state)
+                self.engine.step(a[:, s : s + CHUNK], self.state)
             else:
-                self.engine.prefill(a[:, s:s + CHUNK], self.state)
+                self.engine.prefill(a[:, s : s + CHUNK], self.state)
 
     def step(self, token: int):
         import numpy as np
@@ -158,9 +166,9 @@ def quality_run(eng: Engine, ids: list, n: int, d: int) -> dict:
     import numpy as np
 
     eng.reset()
-    eng.prompt(ids[:n - d])
+    eng.prompt(ids[: n - d])
     logits, seconds = [], 0.0
-    for t in ids[n - d:n]:
+    for t in ids[n - d : n]:
         t0 = time.perf_counter()
         logits.append(eng.step(t))
         seconds += time.perf_counter() - t0
@@ -205,15 +213,24 @@ def memory_child(args) -> int:
     warm_up(eng, ids)
     _trim_heap()
     before = status("VmRSS")
-    eng.prompt(ids[:args.memory_prompt])
+    eng.prompt(ids[: args.memory_prompt])
     after_prompt = status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
     t0 = time.perf_counter()
-    for t in ids[args.memory_prompt:args.memory_prompt + args.memory_loop]:
+    for t in ids[args.memory_prompt : args.memory_prompt + args.memory_loop]:
         eng.step(t)
     dt = time.perf_counter() - t0
-    print(json.dumps({"before": before, "after_prompt": after_prompt, "peak_loop": status("VmHWM"),
-                      "held": eng.held_bytes(), "tok_s": args.memory_loop / dt}))
+    print(
+        json.dumps(
+            {
+                "before": before,
+                "after_prompt": after_prompt,
+                "peak_loop": status("VmHWM"),
+                "held": eng.held_bytes(),
+                "tok_s": args.memory_loop / dt,
+            }
+        )
+    )
     return 0
 
 
@@ -243,8 +260,14 @@ def prepare(args, model) -> tuple:
     def save(p, name):
         for old in (work / name, work / (name + ".data")):  # onnx appends to an existing data file
             old.unlink(missing_ok=True)
-        onnx.save_model(p, str(work / name), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=name + ".data", size_threshold=1024)
+        onnx.save_model(
+            p,
+            str(work / name),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=name + ".data",
+            size_threshold=1024,
+        )
 
     if args.calib_source == "builtin":
         calib = ev.builtin_token_ids(model, args.calib)
@@ -272,13 +295,21 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-methods", nargs="+", default=GRAPH_METHODS)
     ap.add_argument("--hook-methods", nargs="+", default=HOOK_METHODS)
     ap.add_argument("--calib", type=int, default=1024, help="calibration tokens of the built-in text (ORT GQA scales)")
-    ap.add_argument("--calib-source", choices=["builtin", "long-tail"], default="builtin",
-                    help="ORT GQA scales from the built-in text, or from the long text after the measured tokens")
+    ap.add_argument(
+        "--calib-source",
+        choices=["builtin", "long-tail"],
+        default="builtin",
+        help="ORT GQA scales from the built-in text, or from the long text after the measured tokens",
+    )
     ap.add_argument("--engines", nargs="+", default=None, help="measure only these (and the float reference)")
     ap.add_argument("--memory-prompt", type=int, default=3840)
     ap.add_argument("--memory-loop", type=int, default=256)
-    ap.add_argument("--memory-engines", nargs="+", default=MEMORY_ENGINES,
-                    help="engines whose peak memory is measured (each in a process of its own)")
+    ap.add_argument(
+        "--memory-engines",
+        nargs="+",
+        default=MEMORY_ENGINES,
+        help="engines whose peak memory is measured (each in a process of its own)",
+    )
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-only", action="store_true", help="skip the quality and speed tables")
     ap.add_argument("--workdir", default=str(cache_dir() / "onnx_graph_bench"))
@@ -295,8 +326,10 @@ def main(argv=None) -> int:
     from arraykv.integrations.gguf_llama import load_model
 
     print(f"command: python benchmarks/onnx_graph.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs (shared with other work); onnxruntime "
-          f"{ort.__version__}, onnxruntime-extensions {ox.__version__}, arraykv {arraykv.__version__}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs (shared with other work); onnxruntime "
+        f"{ort.__version__}, onnxruntime-extensions {ox.__version__}, arraykv {arraykv.__version__}"
+    )
     model = load_model()
     paths, geometry = prepare(args, model)
     ids = ev.builtin_long_token_ids(model, max(max(args.contexts), args.memory_prompt + args.memory_loop))
@@ -314,9 +347,11 @@ def main(argv=None) -> int:
         print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
     for n in [] if args.memory_only else args.contexts:
         ref = logp(results[("ORT float", n)]["logits"])
-        print(f"\ncontext {n}: prompt {n - args.decode} tokens in chunks of {CHUNK}, then {args.decode} "
-              "teacher-forced decode steps")
-        print(f"| engine | KV bits/value held | KV MiB held | mean KL vs float | top-1 | decode tokens/s |")
+        print(
+            f"\ncontext {n}: prompt {n - args.decode} tokens in chunks of {CHUNK}, then {args.decode} "
+            "teacher-forced decode steps"
+        )
+        print("| engine | KV bits/value held | KV MiB held | mean KL vs float | top-1 | decode tokens/s |")
         print("|---|---|---|---|---|---|")
         for name in names:
             r = results[(name, n)]
@@ -324,27 +359,47 @@ def main(argv=None) -> int:
             kl = float((np.exp(ref) * (ref - lq)).sum(axis=-1).mean())
             top1 = float((ref.argmax(-1) == lq.argmax(-1)).mean())
             bits = r["bytes"] * 8 / r["values"]
-            print(f"| {name} | {bits:.2f} | {r['bytes'] / 2**20:.1f} | {kl:.2e} | {100 * top1:.1f} % | "
-                  f"{r['tok_s']:.1f} |")
+            print(
+                f"| {name} | {bits:.2f} | {r['bytes'] / 2**20:.1f} | {kl:.2e} | {100 * top1:.1f} % | {r['tok_s']:.1f} |"
+            )
     if args.no_memory:
         return 0
-    print(f"\npeak resident set, each engine in its own process: prompt {args.memory_prompt} tokens, "
-          f"then a {args.memory_loop}-step decode loop")
-    print("| engine | RSS before prompt MiB | RSS after prompt MiB | peak RSS in loop MiB | peak - before MiB | "
-          "KV MiB held at end | loop tokens/s |")
+    print(
+        f"\npeak resident set, each engine in its own process: prompt {args.memory_prompt} tokens, "
+        f"then a {args.memory_loop}-step decode loop"
+    )
+    print(
+        "| engine | RSS before prompt MiB | RSS after prompt MiB | peak RSS in loop MiB | peak - before MiB | "
+        "KV MiB held at end | loop tokens/s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name in args.memory_engines:
-        cmd = [sys.executable, __file__, "--memory-child", name, "--workdir", args.workdir,
-               "--memory-prompt", str(args.memory_prompt), "--memory-loop", str(args.memory_loop)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--memory-child",
+            name,
+            "--workdir",
+            args.workdir,
+            "--memory-prompt",
+            str(args.memory_prompt),
+            "--memory-loop",
+            str(args.memory_loop),
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
-            print(f"| {name} | failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode} |")
+            print(
+                f"| {name} | failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode} |"
+            )
             continue
         m = json.loads(out.stdout.strip().splitlines()[-1])
-        mib = 2 ** 20
-        print(f"| {name} | {m['before'] / mib:.0f} | {m['after_prompt'] / mib:.0f} | {m['peak_loop'] / mib:.0f} "
-              f"| {(m['peak_loop'] - m['before']) / mib:.0f} "
-              f"| {m['held'] / mib:.1f} | {m['tok_s']:.1f} |", flush=True)
+        mib = 2**20
+        print(
+            f"| {name} | {m['before'] / mib:.0f} | {m['after_prompt'] / mib:.0f} | {m['peak_loop'] / mib:.0f} "
+            f"| {(m['peak_loop'] - m['before']) / mib:.0f} "
+            f"| {m['held'] / mib:.1f} | {m['tok_s']:.1f} |",
+            flush=True,
+        )
     return 0
 
 

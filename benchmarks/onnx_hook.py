@@ -58,13 +58,21 @@ def main(argv=None) -> int:
     if not path.exists() or not Path(str(path) + ".data").exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        onnx.save_model(export_module().build_llama_onnx(model), str(path), save_as_external_data=True,
-                        all_tensors_to_one_file=True, location=path.name + ".data", size_threshold=1024)
+        onnx.save_model(
+            export_module().build_llama_onnx(model),
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=path.name + ".data",
+            size_threshold=1024,
+        )
         print(f"exported {path} in {time.perf_counter() - t0:.0f} s")
     dec = OrtKVDecoder(str(path))
     dec_full = OrtKVDecoder(dec.session, incremental=False)  # reconstructs every layer's whole past each step
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; onnxruntime {ort.__version__}, "
-          f"arraykv {arraykv.__version__}; model {model.config.name}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs; onnxruntime {ort.__version__}, "
+        f"arraykv {arraykv.__version__}; model {model.config.name}"
+    )
     print(f"command: python benchmarks/onnx_hook.py {' '.join(argv if argv is not None else os.sys.argv[1:])}".rstrip())
 
     ids = ev.builtin_token_ids(model, args.context + args.steps)
@@ -78,22 +86,24 @@ def main(argv=None) -> int:
         for name, (engine, method) in runs.items():
             if engine == "numpy":
                 cache = model.make_cache(method)
-                model.prefill(ids[:args.context], cache)
+                model.prefill(ids[: args.context], cache)
                 step = lambda t, c=cache: model.decode(t, c)  # noqa: E731
             else:
                 d = dec if engine == "ort" else dec_full
                 cache = d.make_cache(method)
-                d.prefill([ids[:args.context]], cache)
+                d.prefill([ids[: args.context]], cache)
                 step = lambda t, c=cache, d=d: d.decode([t], c)  # noqa: E731
             step(ids[args.context])  # warm-up
             t0 = time.perf_counter()
-            for t in ids[args.context + 1: args.context + args.steps]:
+            for t in ids[args.context + 1 : args.context + args.steps]:
                 step(t)
             times[name].append((time.perf_counter() - t0) / (args.steps - 1))
     med = {n: statistics.median(v) for n, v in times.items()}
     base = med[f"onnxruntime, {args.methods[0]}"]
-    print(f"\n## Decode with {args.context} tokens cached ({args.steps - 1} steps, median of {args.rounds} "
-          f"interleaved rounds)\n")
+    print(
+        f"\n## Decode with {args.context} tokens cached ({args.steps - 1} steps, median of {args.rounds} "
+        f"interleaved rounds)\n"
+    )
     print(f"| engine, cache | tokens/s | ms per token | vs onnxruntime, {args.methods[0]} |")
     print("|---|---|---|---|")
     for n in runs:

@@ -76,8 +76,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 8192], help="stored prefix lengths")
     ap.add_argument("--method", default="pqo4", help="cache method of the TTFT table (NAME[:OPTION=VALUE,...])")
-    ap.add_argument("--methods", nargs="+", default=["pqo4", "pqo4:max_outliers=2", "int4", "dense"],
-                    help="methods of the bytes/throughput table (NAME[:OPTION=VALUE,...])")
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        default=["pqo4", "pqo4:max_outliers=2", "int4", "dense"],
+        help="methods of the bytes/throughput table (NAME[:OPTION=VALUE,...])",
+    )
     ap.add_argument("--bytes-length", type=int, default=2048, help="prefix tokens of the bytes/throughput table")
     ap.add_argument("--suffix", type=int, default=16, help="new prompt tokens after the stored prefix")
     ap.add_argument("--chunk-tokens", type=int, default=512, help="the store's segment (chunk) length")
@@ -97,24 +101,31 @@ def main(argv=None) -> int:
 
     def ttft_cache():
         return model.make_cache(ttft_name, **ttft_options)
+
     c = model.config
     f16_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
     longest = max(args.lengths + [args.bytes_length]) + args.suffix
     all_ids = ev.builtin_long_token_ids(model, longest)
     print("# prefix store, SmolLM2-135M; command: " + " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]))
-    print(f"# {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cpus, numpy {np.__version__}, "
-          f"python {platform.python_version()}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
+    print(
+        f"# {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cpus, numpy {np.__version__}, "
+        f"python {platform.python_version()}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"
+    )
     with tempfile.TemporaryDirectory(prefix="arraykv-bench-store-") as folder, ValkeyServer() as server:
         print(f"# local stores under {folder}; Valkey {server.binary} on 127.0.0.1:{server.port}")
         print()
         warm_up = PrefixStore(LocalStore(os.path.join(folder, "warm-up")), chunk_tokens=args.chunk_tokens)
         for _ in range(2):  # compiles every kernel of the paths timed below, outside the timings
-            warm_up.prefill(model, all_ids[:args.chunk_tokens + args.suffix], ttft_cache())
-        print(f"## time to first token, {args.method}, prefix + {args.suffix} new tokens, segments of "
-              f"{args.chunk_tokens}")
+            warm_up.prefill(model, all_ids[: args.chunk_tokens + args.suffix], ttft_cache())
+        print(
+            f"## time to first token, {args.method}, prefix + {args.suffix} new tokens, segments of {args.chunk_tokens}"
+        )
         print()
-        print("| prefix tokens (segments) | plain s | cold s (store part) | local s (restore part) | valkey s (restore part) | "
-              "speed-up local | speed-up valkey | entry MB | float16 MB | float16 / entry | same |")
+        print(
+            "| prefix tokens (segments) | plain s | cold s (store part) | local s (restore part) | "
+            "valkey s (restore part) | "
+            "speed-up local | speed-up valkey | entry MB | float16 MB | float16 / entry | same |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for row, L in enumerate(args.lengths):
             # the prompt fits the context: an 8192-token prefix becomes 16 segments of 511 tokens
@@ -122,7 +133,7 @@ def main(argv=None) -> int:
             segments = max(1, round(L / args.chunk_tokens))
             seg = L // segments
             L = seg * segments
-            ids = all_ids[:L + args.suffix]
+            ids = all_ids[: L + args.suffix]
             local = LocalStore(os.path.join(folder, f"row{row}"))  # nothing stored by an earlier row
             valkey = ValkeyStore(server.url, prefix=f"row{row}:")
             t0 = time.perf_counter()
@@ -145,10 +156,14 @@ def main(argv=None) -> int:
                 warm[name], restore[name] = secs, ps.last_report.restore_s
                 same &= bool(np.array_equal(logits, cold_logits))
             f16 = L * f16_per_token
-            print(f"| {L} ({segments} x {seg}) | {plain:.2f} | {cold:.2f} ({store_part:.2f}) | {warm['local']:.2f} ({restore['local']:.2f}) | "
-                  f"{warm['valkey']:.2f} ({restore['valkey']:.2f}) | "
-                  f"{plain / warm['local']:.1f}x | {plain / warm['valkey']:.1f}x | {len(entry) / 1e6:.1f} | "
-                  f"{f16 / 1e6:.1f} | {f16 / len(entry):.2f} | {'yes' if same else 'NO'} |", flush=True)
+            print(
+                f"| {L} ({segments} x {seg}) | {plain:.2f} | {cold:.2f} ({store_part:.2f}) | "
+                f"{warm['local']:.2f} ({restore['local']:.2f}) | "
+                f"{warm['valkey']:.2f} ({restore['valkey']:.2f}) | "
+                f"{plain / warm['local']:.1f}x | {plain / warm['valkey']:.1f}x | {len(entry) / 1e6:.1f} | "
+                f"{f16 / 1e6:.1f} | {f16 / len(entry):.2f} | {'yes' if same else 'NO'} |",
+                flush=True,
+            )
 
         L = args.bytes_length
         ids = all_ids[:L]
@@ -156,11 +171,15 @@ def main(argv=None) -> int:
         valkey = ValkeyStore(server.url, prefix="bytes:")
         f16 = L * f16_per_token
         print()
-        print(f"## bytes and throughput per method, {L}-token prefix (float16: {f16 / 1e6:.1f} MB); "
-              "GB/s of float16-equivalent bytes")
+        print(
+            f"## bytes and throughput per method, {L}-token prefix (float16: {f16 / 1e6:.1f} MB); "
+            "GB/s of float16-equivalent bytes"
+        )
         print()
-        print("| method | entry MB | float16 / entry | encode GB/s | local put GB/s | local get GB/s | valkey put GB/s | "
-              "valkey get GB/s | restore GB/s |")
+        print(
+            "| method | entry MB | float16 / entry | encode GB/s | local put GB/s | local get GB/s | valkey put GB/s | "
+            "valkey get GB/s | restore GB/s |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for method in args.methods:
             name, options = _spec(method)
@@ -182,8 +201,11 @@ def main(argv=None) -> int:
 
             t_res, _ = _median_time(restore, args.repeats)
             gb = f16 / 1e9
-            print(f"| {method} | {len(data) / 1e6:.2f} | {f16 / len(data):.2f} | {gb / t_enc:.2f} | {gb / t_lput:.2f} | "
-                  f"{gb / t_lget:.2f} | {gb / t_vput:.2f} | {gb / t_vget:.2f} | {gb / t_res:.2f} |", flush=True)
+            print(
+                f"| {method} | {len(data) / 1e6:.2f} | {f16 / len(data):.2f} | {gb / t_enc:.2f} | {gb / t_lput:.2f} | "
+                f"{gb / t_lget:.2f} | {gb / t_vput:.2f} | {gb / t_vget:.2f} | {gb / t_res:.2f} |",
+                flush=True,
+            )
             local.delete(key)
             valkey.delete(key)
     return 0
@@ -205,15 +227,17 @@ def quality(args) -> int:
             model.prefill(ids[:P], cache, chunk_size=512, logits="last")
         else:
             segmented_prefill(model, ids[:P], cache, chunk_tokens=chunk_tokens, chunk_size=512)
-        return np.stack([np.asarray(model.decode(t, cache), dtype=np.float64) for t in ids[P:P + N]])
+        return np.stack([np.asarray(model.decode(t, cache), dtype=np.float64) for t in ids[P : P + N]])
 
     def log_softmax(z: np.ndarray) -> np.ndarray:
         z = z - z.max(axis=-1, keepdims=True)
         return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
     print("# prefix store quality, SmolLM2-135M; command: " + " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]))
-    print(f"# {P}-token prefix, {N} teacher-forced positions; KL and top-1 against a dense cache; "
-          f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
+    print(
+        f"# {P}-token prefix, {N} teacher-forced positions; KL and top-1 against a dense cache; "
+        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"
+    )
     print()
     print("| cache | prefill | KL | top-1 |")
     print("|---|---|---|---|")

@@ -46,7 +46,7 @@ def speed_at_context(model, methods, *, context: int = 512, steps: int = 32, rou
             model.prefill(ids[:context], cache)
             model.decode(ids[context], cache)  # warm-up (first decode may build kernels)
             t0 = time.perf_counter()
-            for t in ids[context + 1: context + steps]:
+            for t in ids[context + 1 : context + steps]:
                 model.decode(t, cache)
             times[m].append((time.perf_counter() - t0) / (steps - 1))
     med = {m: statistics.median(v) for m, v in times.items()}
@@ -67,11 +67,13 @@ def calibrated_rows(model, ids, prefill: int, exact) -> list:
     c = model.config
     geometry = dict(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
     rows = []
-    for name, fitted in (("lowrank", LowRank(rank=c.head_dim // 2)),
-                         ("vq", VectorQuantization(codebook_size=16, sub_dim=2))):
+    for name, fitted in (
+        ("lowrank", LowRank(rank=c.head_dim // 2)),
+        ("vq", VectorQuantization(codebook_size=16, sub_dim=2)),
+    ):
         cache = model.make_cache(name, calibration=ev.calibrate(model, cal_ids, fitted))
         run = ev.teacher_forced(model, ids, cache, prefill=prefill, method=f"{name} (calibrated)")
-        rows.append(ev.compare(run, exact, ids[prefill + 1:], **geometry))
+        rows.append(ev.compare(run, exact, ids[prefill + 1 :], **geometry))
     return rows
 
 
@@ -89,33 +91,41 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the speed table (median reported)")
     ap.add_argument("--no-speed", action="store_true")
     ap.add_argument("--no-quality", action="store_true", help="only the decode-speed table")
-    ap.add_argument("--calibrated", action="store_true",
-                    help="also run lowrank and vq with bases/codebooks fitted on another part of the text")
+    ap.add_argument(
+        "--calibrated",
+        action="store_true",
+        help="also run lowrank and vq with bases/codebooks fitted on another part of the text",
+    )
     ap.add_argument("--model", default=None)
     args = ap.parse_args(argv)
 
     methods = args.methods or ["dense"] + [m for m in arraykv.available_methods() if m != "dense"]
     model = load_model(args.model)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-          f"arraykv {arraykv.__version__}; model {model.config.name}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"arraykv {arraykv.__version__}; model {model.config.name}"
+    )
     print(f"command: python benchmarks/quality.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
     if not args.no_quality:
         ids = ev.builtin_token_ids(model, args.tokens)
-        print(f"\n## Quality: {args.tokens} tokens, prefill {args.prefill}, "
-              f"{args.tokens - args.prefill - 1} decode steps\n")
+        print(
+            f"\n## Quality: {args.tokens} tokens, prefill {args.prefill}, "
+            f"{args.tokens - args.prefill - 1} decode steps\n"
+        )
         exact = ev.teacher_forced(model, ids, model.make_cache("dense"), prefill=args.prefill)
         rows = ev.evaluate(model, ids, methods, prefill=args.prefill, progress=sys.stderr.isatty(), exact=exact)
         if args.calibrated:
             rows += calibrated_rows(model, ids, args.prefill, exact)
         print(ev.format_table(rows))
     if not args.no_speed:
-        print(f"\n## Decode speed with {args.context} tokens cached ({args.steps - 1} steps timed, "
-              f"median of {args.rounds} interleaved rounds)\n")
+        print(
+            f"\n## Decode speed with {args.context} tokens cached ({args.steps - 1} steps timed, "
+            f"median of {args.rounds} interleaved rounds)\n"
+        )
         print("| method | tokens/s | time per token vs dense |")
         print("|---|---|---|")
         order = ["dense"] + [m for m in methods if m != "dense"]
-        for m, tps, ratio in speed_at_context(model, order, context=args.context, steps=args.steps,
-                                              rounds=args.rounds):
+        for m, tps, ratio in speed_at_context(model, order, context=args.context, steps=args.steps, rounds=args.rounds):
             print(f"| {m} | {tps:.1f} | {ratio:.2f}x |")
     return 0
 

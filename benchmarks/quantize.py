@@ -31,7 +31,7 @@ OPT128 = {2: 0.1160, 3: 0.03397, 4: 0.00932}
 
 
 def rel_mse(x, y):
-    return float(((x - y) ** 2).sum() / (x ** 2).sum())
+    return float(((x - y) ** 2).sum() / (x**2).sum())
 
 
 def cos(a, b):
@@ -53,8 +53,9 @@ def gaussian(rng, n):
         c.prefill(0, x, x, x)
         c.prefill(0, x[:, :, :1], x[:, :, :1], x[:, :, :1])
         bpv = c.used_bytes() * 8 / (2 * 8 * (n + 1) * d)
-        print(f"| pqo{b} | {err:.5f} | {OPT128[b]:.5f} | {err / OPT128[b]:.3f} | {code.bits_per_value:.3f} "
-              f"| {bpv:.3f} |")
+        print(
+            f"| pqo{b} | {err:.5f} | {OPT128[b]:.5f} | {err / OPT128[b]:.3f} | {code.bits_per_value:.3f} | {bpv:.3f} |"
+        )
 
 
 def adversarial(rng):
@@ -90,14 +91,17 @@ def outlier_keys(rng, t):
     scale = 1 / math.sqrt(d)
     qq = q[:, :, -64:]
     exact = arraykv.attention(qq, k, v, softmax_scale=scale)
-    print("| method | default (outlier channels auto, key weights) | rotation only (outliers=0, key_scale=False) "
-          "| bits/value (default, no window, no sinks) |")
+    print(
+        "| method | default (outlier channels auto, key weights) | rotation only (outliers=0, key_scale=False) "
+        "| bits/value (default, no window, no sinks) |"
+    )
     print("|---|---|---|---|")
     for m in ("pqo2", "pqo3", "pqo4", "tq3", "tq4"):
         row = []
         for opts in ({}, {"outliers": 0, "key_scale": False}):
-            c = arraykv.make_cache(m, num_layers=1, num_kv_heads=h, head_dim=d, residual_window=0, sink_tokens=0,
-                                   **opts)
+            c = arraykv.make_cache(
+                m, num_layers=1, num_kv_heads=h, head_dim=d, residual_window=0, sink_tokens=0, **opts
+            )
             row.append(cos(_attend_last(c, q, k, v, 64, scale), exact))
             if not opts:
                 bpv = c.used_bytes() * 8 / (2 * h * t * d)
@@ -112,8 +116,7 @@ def _attend_last(cache, q, k, v, n, scale):
 
 
 def tq_stats(rng, n):
-    print("\n## TurboQuant-prod inner products, unit vectors, d = 128, "
-          f"{n} pairs (error = ⟨q, x̂⟩ − ⟨q, x⟩)")
+    print(f"\n## TurboQuant-prod inner products, unit vectors, d = 128, {n} pairs (error = ⟨q, x̂⟩ − ⟨q, x⟩)")
     print("| bits | mean error | 3 standard errors | variance × d | REFERENCE variance × d |")
     print("|---|---|---|---|---|")
     d = 128
@@ -149,8 +152,9 @@ def tq_vs_pqo(rng, t):
         for bits in (2, 3, 4):
             out = []
             for m in (f"tq{bits}", f"pqo{bits}"):
-                c = arraykv.make_cache(m, num_layers=1, num_kv_heads=h, head_dim=d, residual_window=0, value_bits=8,
-                                       softmax_scale=scale)
+                c = arraykv.make_cache(
+                    m, num_layers=1, num_kv_heads=h, head_dim=d, residual_window=0, value_bits=8, softmax_scale=scale
+                )
                 out.append(cos(_attend_last(c, q, k, v, 64, scale), exact))
             cells.append(f"{out[0]:.4f} / {out[1]:.4f}")
         print(f"| {name} | " + " | ".join(cells) + " |")

@@ -41,8 +41,12 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64, help="tokens generated per run")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-concurrent", action="store_true", help="skip the two-thread runs")
-    ap.add_argument("--verify", default="auto", choices=["auto", "decode", "batched", "prefill"],
-                    help="how the target runs a block (speculative_generate's verify)")
+    ap.add_argument(
+        "--verify",
+        default="auto",
+        choices=["auto", "decode", "batched", "prefill"],
+        help="how the target runs a block (speculative_generate's verify)",
+    )
     ap.add_argument("--model", default=None)
     args = ap.parse_args(argv)
 
@@ -54,9 +58,11 @@ def main(argv=None) -> int:
     modes = [False] if args.no_concurrent else [False, True]
     # a prompt-lookup draft runs no model, so it has nothing to run beside the target
     configs = [(d, k, c) for d in args.drafts for k in args.k for c in modes if not (c and d.startswith("ngram"))]
-    print(f"# speculative decoding, SmolLM2-135M, {len(ids)}-token prompt, {args.new} new tokens, "
-          f"{args.rounds} rounds, verify={args.verify}; {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cpus")
+    print(
+        f"# speculative decoding, SmolLM2-135M, {len(ids)}-token prompt, {args.new} new tokens, "
+        f"{args.rounds} rounds, verify={args.verify}; {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cpus"
+    )
     print()
     print("| method | draft | k | threads | acceptance | tokens/s | vs plain | equals plain greedy |")
     print("|---|---|---|---|---|---|---|---|")
@@ -70,8 +76,17 @@ def main(argv=None) -> int:
             plain_t.append(secs)
             for cfg in configs:
                 d, k, conc = cfg
-                r = speculative_generate(model, ids, args.new, cache=model.make_cache(method), draft=draft_from_spec(d),
-                                         k=k, concurrent=conc, verify=args.verify, stop_at_eos=False)
+                r = speculative_generate(
+                    model,
+                    ids,
+                    args.new,
+                    cache=model.make_cache(method),
+                    draft=draft_from_spec(d),
+                    k=k,
+                    concurrent=conc,
+                    verify=args.verify,
+                    stop_at_eos=False,
+                )
                 spec_t[cfg].append(r.seconds)
                 stats[cfg] = r
                 v = greedy_agreement(ref, gaps, r.tokens)
@@ -84,10 +99,19 @@ def main(argv=None) -> int:
             d, k, conc = cfg
             s = statistics.median(spec_t[cfg])
             v = verdicts[cfg]
-            eq = "yes" if v["equal"] else (f"tie@{v['first_difference']}" if v["tie"] else
-                                            f"NO@{v['first_difference']} (gap {v['margin']:.2g})")
-            print(f"| {method} | {d} | {k} | {2 if conc else 1} | {stats[cfg].acceptance_rate:.0%} | "
-                  f"{(args.new - 1) / s:.1f} | {plain_s / s:.2f}x | {eq} |")
+            eq = (
+                "yes"
+                if v["equal"]
+                else (
+                    f"tie@{v['first_difference']}"
+                    if v["tie"]
+                    else f"NO@{v['first_difference']} (gap {v['margin']:.2g})"
+                )
+            )
+            print(
+                f"| {method} | {d} | {k} | {2 if conc else 1} | {stats[cfg].acceptance_rate:.0%} | "
+                f"{(args.new - 1) / s:.1f} | {plain_s / s:.2f}x | {eq} |"
+            )
     return 0
 
 

@@ -43,14 +43,22 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "gemma3-270m"))
-    ap.add_argument("--rows", nargs="+", default=None,
-                    help="only the rows whose name contains one of these words (DynamicCache always runs first)")
+    ap.add_argument(
+        "--rows",
+        nargs="+",
+        default=None,
+        help="only the rows whose name contains one of these words (DynamicCache always runs first)",
+    )
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--residual", type=int, default=16,
-                    help="the short residual length of the QuantizedCache rows (float tokens kept unquantized); "
-                         "it must be below --new for the residual to be flushed into the quantized part")
+    ap.add_argument(
+        "--residual",
+        type=int,
+        default=16,
+        help="the short residual length of the QuantizedCache rows (float tokens kept unquantized); "
+        "it must be below --new for the residual to be flushed into the quantized part",
+    )
     args = ap.parse_args()
 
     import torch
@@ -62,7 +70,8 @@ def main() -> None:
 
     path = model_path(args.model)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     tok = load_model(path).tokenizer
     text = open(__file__.replace("benchmarks/transformers_caches.py", "README.md"), encoding="utf-8").read()
     ids = tok.encode(text * 4)[: args.prompt]
@@ -95,8 +104,15 @@ def main() -> None:
         cache = make()
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(prompt, cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
+            out = model.generate(
+                prompt,
+                cache=cache,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         seconds = time.perf_counter() - t0
         if hasattr(cache, "detach"):
             cache.detach()  # the query hooks of this cache off the model before the next one
@@ -105,9 +121,9 @@ def main() -> None:
     def stepped(make, seq):
         cache = make()
         with torch.no_grad():
-            out = [model(seq[:, :args.prompt], cache=cache).logits[0, -1]]
+            out = [model(seq[:, : args.prompt], cache=cache).logits[0, -1]]
             for j in range(args.prompt, seq.shape[1] - 1):
-                out.append(model(seq[:, j:j + 1], cache=cache).logits[0, -1])
+                out.append(model(seq[:, j : j + 1], cache=cache).logits[0, -1])
         if hasattr(cache, "detach"):
             cache.detach()
         return torch.log_softmax(torch.stack(out).double(), -1)
@@ -124,22 +140,29 @@ def main() -> None:
         lp = stepped(make, reference)
         reserved, used = _held(cache)
         bits = 8 * used / (values_per_row * prompt.shape[0] * _held_rows(cache))
-        rows.append((name, (args.new - 1) / (t_full - t_one), t_one, reserved, bits, lp,
-                     bool(torch.equal(out, reference))))
+        rows.append(
+            (name, (args.new - 1) / (t_full - t_one), t_one, reserved, bits, lp, bool(torch.equal(out, reference)))
+        )
 
     ref_lp = rows[0][5]
     base_speed = rows[0][1]
-    print(f"{args.model} float32, transformers {transformers.__version__}, torch {torch.__version__}, "
-          f"{platform.machine()} {torch.get_num_threads()} threads; prompt {args.prompt}, {args.new} new tokens, "
-          f"best of {args.repeats}")
+    print(
+        f"{args.model} float32, transformers {transformers.__version__}, torch {torch.__version__}, "
+        f"{platform.machine()} {torch.get_num_threads()} threads; prompt {args.prompt}, {args.new} new tokens, "
+        f"best of {args.repeats}"
+    )
     print(quanto_note)
-    print(f"{'cache':40s} {'decode tok/s':>12s} {'ratio':>6s} {'prefill s':>9s} {'held MiB':>9s} {'bits/val':>8s} "
-          f"{'KL vs Dyn':>10s} {'top-1':>6s} {'same tokens':>11s}")
+    print(
+        f"{'cache':40s} {'decode tok/s':>12s} {'ratio':>6s} {'prefill s':>9s} {'held MiB':>9s} {'bits/val':>8s} "
+        f"{'KL vs Dyn':>10s} {'top-1':>6s} {'same tokens':>11s}"
+    )
     for name, speed, t_one, nbytes, bits, lp, same in rows:
         kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).mean().item()
         top = (lp.argmax(-1) == ref_lp.argmax(-1)).double().mean().item()
-        print(f"{name:40s} {speed:12.1f} {speed / base_speed:6.2f} {t_one:9.2f} {nbytes / 2**20:9.2f} {bits:8.2f} "
-              f"{kl:10.2e} {100 * top:5.1f}% {str(same):>11s}")
+        print(
+            f"{name:40s} {speed:12.1f} {speed / base_speed:6.2f} {t_one:9.2f} {nbytes / 2**20:9.2f} {bits:8.2f} "
+            f"{kl:10.2e} {100 * top:5.1f}% {str(same):>11s}"
+        )
 
 
 def _quanto_rows(transformers, config, residual, configs) -> str:
@@ -154,13 +177,19 @@ def _quanto_rows(transformers, config, residual, configs) -> str:
         for length in (None, residual):
             kw = {} if length is None else {"residual_length": length}
             label = layer.residual_length if length is None else length
-            configs.append((f"QuantizedCache quanto int{nbits}, residual {label}",
-                            lambda nbits=nbits, kw=kw: make("quanto", config=config, nbits=nbits, **kw)))
+            configs.append(
+                (
+                    f"QuantizedCache quanto int{nbits}, residual {label}",
+                    lambda nbits=nbits, kw=kw: make("quanto", config=config, nbits=nbits, **kw),
+                )
+            )
     from importlib.metadata import version
 
-    return (f"QuantizedCache: optimum-quanto {version('optimum-quanto')}, defaults axis_key={layer.axis_key} "
-            f"axis_value={layer.axis_value} q_group_size={layer.q_group_size} "
-            f"residual_length={layer.residual_length} (float residual in the model's dtype)")
+    return (
+        f"QuantizedCache: optimum-quanto {version('optimum-quanto')}, defaults axis_key={layer.axis_key} "
+        f"axis_value={layer.axis_value} q_group_size={layer.q_group_size} "
+        f"residual_length={layer.residual_length} (float residual in the model's dtype)"
+    )
 
 
 def _held(cache) -> tuple:
@@ -171,8 +200,11 @@ def _held(cache) -> tuple:
         floats = cache.memory_usage() - cache.arraykv_cache.memory_usage()  # incremental float pasts
         return cache.memory_usage(), cache.arraykv_cache.used_bytes() + floats
     if isinstance(cache, transformers.QuantizedCache):
-        n = sum(_nbytes(t) for layer in cache.layers
-                for t in (layer._quantized_keys, layer._quantized_values, layer.keys, layer.values))
+        n = sum(
+            _nbytes(t)
+            for layer in cache.layers
+            for t in (layer._quantized_keys, layer._quantized_values, layer.keys, layer.values)
+        )
         return n, n
     n = sum(_nbytes(layer.keys) + _nbytes(layer.values) for layer in cache.layers)
     return n, n

@@ -98,8 +98,10 @@ def build_llama_onnx(model, *, opset: int = 17):
     # query positions per row of the grouped query layout (b, 1, g * t, 1)
     qpos = op("Tile", [op("Unsqueeze", [op("Unsqueeze", ["position_ids", "ax1"]), "ax_last"]), "tile_g"])
     x = op("Gather", ["emb", "input_ids"])
-    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", s])
-              for n, s in (("input_ids", "seq"), ("attention_mask", "total"), ("position_ids", "seq"))]
+    inputs = [
+        helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", s])
+        for n, s in (("input_ids", "seq"), ("attention_mask", "total"), ("position_ids", "seq"))
+    ]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", c.vocab_size])]
     for i, lw in enumerate(model.layers):
         p = f"blk{i}_"
@@ -114,10 +116,14 @@ def build_llama_onnx(model, *, opset: int = 17):
         nodes.append(helper.make_node("Concat", [f"past_key_values.{i}.key", k], [kk], axis=2))
         nodes.append(helper.make_node("Concat", [f"past_key_values.{i}.value", v], [vv], axis=2))
         for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", TensorProto.FLOAT,
-                                                        ["batch", Hkv, "past", d]))
-            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", TensorProto.FLOAT,
-                                                         ["batch", Hkv, "total", d]))
+            inputs.append(
+                helper.make_tensor_value_info(
+                    f"past_key_values.{i}.{kind}", TensorProto.FLOAT, ["batch", Hkv, "past", d]
+                )
+            )
+            outputs.append(
+                helper.make_tensor_value_info(f"present.{i}.{kind}", TensorProto.FLOAT, ["batch", Hkv, "total", d])
+            )
         total = op("Squeeze", [op("Gather", [op("Shape", [kk]), "idx2"])])
         kpos = op("Range", ["i0", total, "i1"])
         bias = op("Where", [op("LessOrEqual", [kpos, qpos]), "fzero", "neg"])  # (b, 1, g*t, S)
@@ -156,8 +162,14 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     proto = build_llama_onnx(model)
-    onnx.save_model(proto, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=out.name + ".data", size_threshold=1024)
+    onnx.save_model(
+        proto,
+        str(out),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=out.name + ".data",
+        size_threshold=1024,
+    )
     onnx.checker.check_model(str(out))
     print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
 

@@ -22,7 +22,7 @@ def rotary_embed(x, theta=10000.0):
     n, d = x.shape[-2:]
     ang = np.arange(n)[:, None] * theta ** (-2.0 * np.arange(d // 2) / d)[None, :]
     c, s = np.cos(ang), np.sin(ang)
-    a, b = x[..., : d // 2], x[..., d // 2:]
+    a, b = x[..., : d // 2], x[..., d // 2 :]
     return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
 
 
@@ -37,8 +37,9 @@ def attend(out, q, scale):
 
 def snapshot(cache):
     """Everything a cache holds, as NumPy arrays, plus its lengths."""
-    return [(cache.seq_len(i), {n: to_np(a) for n, a in cache.layer_arrays(i).items()})
-            for i in range(cache.num_layers)]
+    return [
+        (cache.seq_len(i), {n: to_np(a) for n, a in cache.layer_arrays(i).items()}) for i in range(cache.num_layers)
+    ]
 
 
 def assert_same_snapshot(a, b):

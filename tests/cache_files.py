@@ -23,11 +23,11 @@ _PREFIX = len(MAGIC) + 12
 def parse_file(data: bytes) -> dict:
     """The structure of the bytes of a cache file."""
     hlen = struct.unpack_from("<IQ", data, len(MAGIC))[1]
-    header = json.loads(data[_PREFIX:_PREFIX + hlen])
-    payload = data[_PREFIX + hlen:-32]
+    header = json.loads(data[_PREFIX : _PREFIX + hlen])
+    payload = data[_PREFIX + hlen : -32]
     arrays = []
     for e in header["arrays"]:
-        a = np.frombuffer(payload[e["offset"]:e["offset"] + e["nbytes"]], dtype=np.dtype(e["dtype"]))
+        a = np.frombuffer(payload[e["offset"] : e["offset"] + e["nbytes"]], dtype=np.dtype(e["dtype"]))
         arrays.append([e["layer"], e["name"], a.reshape(e["shape"]).copy()])
     return {"config": header["config"], "layers": header["layers"], "arrays": arrays}
 
@@ -37,8 +37,16 @@ def serialize_file(f: dict) -> bytes:
     entries, blobs, offset = [], [], 0
     for layer, name, a in f["arrays"]:
         blob = np.ascontiguousarray(a).tobytes()
-        entries.append({"layer": layer, "name": name, "dtype": a.dtype.str, "shape": list(a.shape),
-                        "offset": offset, "nbytes": len(blob)})
+        entries.append(
+            {
+                "layer": layer,
+                "name": name,
+                "dtype": a.dtype.str,
+                "shape": list(a.shape),
+                "offset": offset,
+                "nbytes": len(blob),
+            }
+        )
         blobs.append(blob)
         offset += len(blob)
     header = json.dumps({"config": f["config"], "layers": f["layers"], "arrays": entries}).encode()

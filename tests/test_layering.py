@@ -33,20 +33,28 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "arraykv"
 
 LAYERS = {
-    "_compat": 0, "_types": 0, "_validation": 0, "protocol": 0,
-    "quant": 1, "attention": 1,
+    "_compat": 0,
+    "_types": 0,
+    "_validation": 0,
+    "protocol": 0,
+    "quant": 1,
+    "attention": 1,
     "ops": 2,
-    "storage": 3, "compressor": 3,
+    "storage": 3,
+    "compressor": 3,
     "caches": 4,
-    "persist": 5, "store": 5,
+    "persist": 5,
+    "store": 5,
     "integrations": 6,
-    "eval": 7, "data": 7, "__main__": 7, "compile_notice": 7,
+    "eval": 7,
+    "data": 7,
+    "__main__": 7,
+    "compile_notice": 7,
 }
 
 #: Known violations in other layers' modules, each to be removed by that module's owner.
 #: Entries are (importing module, imported module) as dotted names.
-KNOWN_EXCEPTIONS: set = {
-}
+KNOWN_EXCEPTIONS: set = {}
 
 
 def _layer(parts: tuple) -> int | None:
@@ -99,8 +107,9 @@ def test_every_module_has_a_layer():
     assert not missing, f"modules without a layer in tests/test_layering.py: {missing}"
 
 
-@pytest.mark.parametrize("path,parts", [(p, m) for p, m in MODULES if m],
-                         ids=lambda v: ".".join(v) if isinstance(v, tuple) else "")
+@pytest.mark.parametrize(
+    "path,parts", [(p, m) for p, m in MODULES if m], ids=lambda v: ".".join(v) if isinstance(v, tuple) else ""
+)
 def test_imports_go_to_the_same_or_a_lower_layer(path, parts):
     mine = _layer(parts)
     bad = []
@@ -119,8 +128,11 @@ def test_imports_go_to_the_same_or_a_lower_layer(path, parts):
     assert not bad, f"{'.'.join(parts)} (layer {mine}) imports upwards: {bad}"
 
 
-@pytest.mark.parametrize("path,parts", [(p, m) for p, m in MODULES if m and _layer(m) in (0, 1) and m[0] != "_compat"],
-                         ids=lambda v: ".".join(v) if isinstance(v, tuple) else "")
+@pytest.mark.parametrize(
+    "path,parts",
+    [(p, m) for p, m in MODULES if m and _layer(m) in (0, 1) and m[0] != "_compat"],
+    ids=lambda v: ".".join(v) if isinstance(v, tuple) else "",
+)
 def test_array_api_layers_never_import_numpy(path, parts):
     bad = [line for name, line in _imports(path, parts) if name == "numpy" or name.startswith("numpy.")]
     assert not bad, f"{'.'.join(parts)} imports numpy at lines {bad}"
@@ -199,8 +211,10 @@ def test_the_circle_check_names_each_circle():
 
 def test_the_import_graph_resolves_submodules_and_names(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("from arraykv.caches import registry\nfrom ..ops.registry import lookup\n"
-                   "def f():\n    from .polar import PolarCache\n")
+    src.write_text(
+        "from arraykv.caches import registry\nfrom ..ops.registry import lookup\n"
+        "def f():\n    from .polar import PolarCache\n"
+    )
     names = set(_imports(src, ("caches", "m")))
     assert ("arraykv.caches.registry", 1) in names and ("arraykv.ops.registry", 2) in names
     assert ("arraykv.caches.polar", 4) in names

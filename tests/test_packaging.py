@@ -27,7 +27,9 @@ def test_kernel_sources_found_from_this_install():
 def test_wheel_contains_modules_and_kernels(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     (wheel,) = tmp_path.glob("arraykv-*.whl")
@@ -42,8 +44,9 @@ def test_wheel_contains_modules_and_kernels(tmp_path):
         z.extractall(target)
     code = "import arraykv, arraykv.ops as b; print(arraykv.__file__); print(','.join(b.kernel_names()))"
     env = dict(os.environ, PYTHONPATH=str(target))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+    )
     assert res.returncode == 0, res.stderr
     file_line, kernels_line = res.stdout.strip().splitlines()
     assert file_line.startswith(str(target))

@@ -87,9 +87,13 @@ def _results(out):
 def _numpy_copy(cache):
     """A NumPy cache holding exactly ``cache``'s state (through snapshot and restore)."""
     out = arraykv.make_cache(**cache.get_config())
-    out.restore([None if r is None else dataclasses.replace(r, arrays={n: a.numpy().copy()
-                                                                       for n, a in r.arrays.items()})
-                 for r in cache.snapshot()], xp=xnp)
+    out.restore(
+        [
+            None if r is None else dataclasses.replace(r, arrays={n: a.numpy().copy() for n, a in r.arrays.items()})
+            for r in cache.snapshot()
+        ],
+        xp=xnp,
+    )
     return out
 
 
@@ -184,6 +188,7 @@ def no_implicit_host_copies(monkeypatch):
     ``numpy.asarray`` of a device tensor in the rotary-mean fit) then fails on any machine.
     The library's own conversions are explicit (``.cpu().numpy()``, DLPack) and still work.
     """
+
     def refuse(self, *args, **kwargs):
         raise TypeError("implicit conversion of a torch tensor to NumPy")
 
@@ -257,6 +262,7 @@ def test_saved_file_names_the_dtype_not_the_library(tmp_path):
 @pytest.mark.parametrize("method", ["pqo3", "int4", "vq", "dense"])
 def test_non_contiguous_tensors(method, rng):
     """Strided tensors (every other element of a wider one) give what contiguous NumPy input gives."""
+
     def strided(a):
         t = torch.from_numpy(np.repeat(a, 2, axis=-1))[..., ::2]
         assert not t.is_contiguous() and torch.equal(t, torch.from_numpy(a))
@@ -285,6 +291,7 @@ def test_reference_path_runs_on_torch(rng):
 
 # -- the bridge itself ----------------------------------------------------------------------------
 
+
 def _spy_reference(x, state, scale):
     """Reference of the spy op (never run here)."""
     raise AssertionError("the spy op's reference ran instead of its kernel")
@@ -300,8 +307,17 @@ class _Holder:
 
 def _spy_kernel(x, state, scale):
     """A NumPy 'kernel' that records what it received and returns a fresh array and a view."""
-    SEEN.append((type(x), x.ctypes.data, x.strides, x.flags.writeable, type(state.rotation.signs),
-                 state.rotation.signs.ctypes.data, scale))
+    SEEN.append(
+        (
+            type(x),
+            x.ctypes.data,
+            x.strides,
+            x.flags.writeable,
+            type(state.rotation.signs),
+            state.rotation.signs.ctypes.data,
+            scale,
+        )
+    )
     out = np.arange(6, dtype=np.float32).reshape(2, 3)
     SEEN.append(out.ctypes.data)
     return out, x[:, :1]
@@ -378,11 +394,13 @@ def test_ops_on_tensors_equal_numpy_kernels(bits, rng):
 
 # -- refusals ---------------------------------------------------------------------------------------
 
+
 def test_bfloat16_is_refused_with_the_dtypes_allowed():
     cache = arraykv.make_cache("pqo4", num_layers=1, num_kv_heads=2, head_dim=64)
     k = torch.randn(1, 2, 4, 64, dtype=torch.bfloat16)
-    with pytest.raises(TypeError,
-                       match=r"k must have a floating dtype \(float16, float32, float64\), received bfloat16"):
+    with pytest.raises(
+        TypeError, match=r"k must have a floating dtype \(float16, float32, float64\), received bfloat16"
+    ):
         cache.prefill(0, k, k, k)
     assert cache.seq_len(0) == 0
 
@@ -401,6 +419,7 @@ def test_tensors_that_require_grad_are_refused():
 
 
 # -- CUDA (not run without a GPU) -------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA_OK, reason="torch has no CUDA device here")

@@ -24,24 +24,34 @@ __all__ = ["int_decode_attention_reference", "check_query", "layer_exponents"]
 def check_query(codec: Any, q: Any) -> tuple:
     """Check ``q`` against the layer ``codec`` (shared with the kernels); return ``(b, h, g, d)``."""
     if q.ndim != 4 or int(q.shape[2]) != 1:
-        raise ValueError(f"q must hold one new token per head (batch, q_heads, 1, head_dim), received "
-                         f"shape {tuple(q.shape)}")
+        raise ValueError(
+            f"q must hold one new token per head (batch, q_heads, 1, head_dim), received shape {tuple(q.shape)}"
+        )
     b, qh, _, d = (int(s) for s in q.shape)
     kb, h = (int(s) for s in codec.v_codes.shape[:2])
     if kb != b or qh % h or int(codec.k_residual.shape[3]) != d:
-        raise ValueError(f"q must have shape (batch={kb}, a multiple of kv_heads={h}, 1, "
-                         f"head_dim={int(codec.k_residual.shape[3])}), received {tuple(q.shape)}")
+        raise ValueError(
+            f"q must have shape (batch={kb}, a multiple of kv_heads={h}, 1, "
+            f"head_dim={int(codec.k_residual.shape[3])}), received {tuple(q.shape)}"
+        )
     if codec.n_tokens < 1:
         raise ValueError("the layer holds no token to attend to")
     n, G, nw = int(codec.n_tokens), int(codec.group_size), int(getattr(codec, "n_window", 0) or 0)
     ng, nr, nv = int(codec.n_groups), int(codec.n_residual), int(codec.v_codes.shape[2])
     wrows = int(codec.v_window.shape[2]) if nw else 0
-    if (ng * G + nr != n or nv + nw != n or int(codec.k_codes.shape[2]) != ng
-            or int(codec.k_residual.shape[2]) != nr or wrows != nw):
-        raise ValueError(f"codec counts disagree: n_tokens={n}, keys {ng} groups of {G} + {nr} exact "
-                         f"(k_codes {int(codec.k_codes.shape[2])} groups, k_residual "
-                         f"{int(codec.k_residual.shape[2])} rows), values {nv} quantized + {nw} exact "
-                         f"(v_window {wrows} rows)")
+    if (
+        ng * G + nr != n
+        or nv + nw != n
+        or int(codec.k_codes.shape[2]) != ng
+        or int(codec.k_residual.shape[2]) != nr
+        or wrows != nw
+    ):
+        raise ValueError(
+            f"codec counts disagree: n_tokens={n}, keys {ng} groups of {G} + {nr} exact "
+            f"(k_codes {int(codec.k_codes.shape[2])} groups, k_residual "
+            f"{int(codec.k_residual.shape[2])} rows), values {nv} quantized + {nw} exact "
+            f"(v_window {wrows} rows)"
+        )
     return b, h, qh // h, d
 
 
@@ -77,7 +87,7 @@ def int_decode_attention_reference(codec: Any, q: Any, scale: float):
     G, bits = int(codec.group_size), int(codec.bits)
     ng, n = int(codec.n_groups), int(codec.n_tokens)
     k_exp, v_exp = layer_exponents(codec)
-    qf = xp.reshape(xp.astype(q, f32), (b, h, g, d)) * (float(scale) * 2.0 ** k_exp)
+    qf = xp.reshape(xp.astype(q, f32), (b, h, g, d)) * (float(scale) * 2.0**k_exp)
     parts = []
     if ng:
         kc = xp.astype(unpack_bits(codec.k_codes, bits, G), f32)  # (b, h, ng, d, G)
@@ -114,7 +124,7 @@ def int_decode_attention_reference(codec: Any, q: Any, scale: float):
         num = num + xp.matmul(p[..., nv:], xp.astype(codec.v_window, f32))  # (b, h, g, d)
     out = num / den[..., None]
     if v_exp:
-        out = out * 2.0 ** v_exp
+        out = out * 2.0**v_exp
     return xp.astype(xp.reshape(out, (b, h * g, 1, d)), q.dtype)
 
 

@@ -38,8 +38,9 @@ def _lead(x: Any) -> tuple | None:
     return s[0], s[1], s[3]
 
 
-def check_decode_args(q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_coef: Any, v_basis: Any, v_mean: Any,
-                      k_extra: Any, v_extra: Any) -> tuple:
+def check_decode_args(
+    q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_coef: Any, v_basis: Any, v_mean: Any, k_extra: Any, v_extra: Any
+) -> tuple:
     """Shape checks of :func:`lowrank_decode_attention` (shared with its kernels).
 
     Returns
@@ -61,16 +62,19 @@ def check_decode_args(q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_coef: An
         raise ValueError(f"q must have shape (batch, a multiple of kv_heads={h}, 1, head_dim), received {_shape(q)}")
     for name, x in (("k_extra", k_extra), ("v_extra", v_extra)):
         if _lead(x) != (b, h, d):
-            raise ValueError(f"{name} must have shape (batch={b}, kv_heads={h}, extra, head_dim={d}), "
-                             f"received {_shape(x)}")
+            raise ValueError(
+                f"{name} must have shape (batch={b}, kv_heads={h}, extra, head_dim={d}), received {_shape(x)}"
+            )
     n_e = k_extra.shape[2]
     if v_extra.shape[2] != n_e:
         raise ValueError(f"v_extra must hold {n_e} tokens like k_extra, received {v_extra.shape[2]}")
     for name, c in (("k_coef", k_coef), ("v_coef", v_coef)):
         lead = _lead(c)
         if lead is None or lead[:2] != (b, h):
-            raise ValueError(f"{name} must have shape (batch={b}, kv_heads={h}, tokens, rank), received "
-                             f"{None if c is None else _shape(c)}")
+            raise ValueError(
+                f"{name} must have shape (batch={b}, kv_heads={h}, tokens, rank), received "
+                f"{None if c is None else _shape(c)}"
+            )
     n_t = k_coef.shape[2]
     if v_coef.shape[2] != n_t:
         raise ValueError(f"v_coef must hold {n_t} tokens like k_coef, received {v_coef.shape[2]}")
@@ -81,16 +85,31 @@ def check_decode_args(q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_coef: An
     r_k, r_v = k_coef.shape[3], v_coef.shape[3]
     for p, r, basis, mean in (("k", r_k, k_basis, k_mean), ("v", r_v, v_basis, v_mean)):
         if basis is None or basis.ndim != 3 or basis.shape != (h, d, r):
-            raise ValueError(f"{p}_basis must have shape (kv_heads={h}, head_dim={d}, rank={r}) for {p}_coef of "
-                             f"rank {r}, received {None if basis is None else _shape(basis)}")
+            raise ValueError(
+                f"{p}_basis must have shape (kv_heads={h}, head_dim={d}, rank={r}) for {p}_coef of "
+                f"rank {r}, received {None if basis is None else _shape(basis)}"
+            )
         if mean is None or mean.ndim != 2 or mean.shape != (h, d):
-            raise ValueError(f"{p}_mean must have shape (kv_heads={h}, head_dim={d}), received "
-                             f"{None if mean is None else _shape(mean)}")
+            raise ValueError(
+                f"{p}_mean must have shape (kv_heads={h}, head_dim={d}), received "
+                f"{None if mean is None else _shape(mean)}"
+            )
     return b, h, hq // h, d, n_t, n_e, r_k, r_v
 
 
-def lowrank_decode_attention(q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_coef: Any, v_basis: Any,
-                             v_mean: Any, k_extra: Any, v_extra: Any, *, softmax_scale: float):
+def lowrank_decode_attention(
+    q: Any,
+    k_coef: Any,
+    k_basis: Any,
+    k_mean: Any,
+    v_coef: Any,
+    v_basis: Any,
+    v_mean: Any,
+    k_extra: Any,
+    v_extra: Any,
+    *,
+    softmax_scale: float,
+):
     """One decode step of attention over a low-rank layer.
 
     Parameters
@@ -128,8 +147,9 @@ def lowrank_decode_attention(q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_c
     """
     softmax_scale = check_softmax_scale(softmax_scale)
     xp = _compat.namespace(q)
-    b, h, g, d, n_t, n_e, _, _ = check_decode_args(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra,
-                                                   v_extra)
+    b, h, g, d, n_t, n_e, _, _ = check_decode_args(
+        q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra
+    )
     hq = h * g
     qs = xp.reshape(_f32(xp, q), (b, h, g, d)) * float(softmax_scale)
     parts = []

@@ -18,8 +18,7 @@ from ..quant.qjl import QJL_SCALE
 from ..quant.rotary_mean import rotary_mean_at
 from ..quant.rotation import rotate, unrotate
 
-__all__ = ["polar_decode_attention_reference", "prepare_queries", "key_mean_logits",
-           "merge_window"]
+__all__ = ["polar_decode_attention_reference", "prepare_queries", "key_mean_logits", "merge_window"]
 
 
 def prepare_queries(codec: Any, q: Any, scale: float) -> dict:
@@ -154,8 +153,10 @@ def polar_decode_attention_reference(codec: Any, q: Any, scale: float):
         l = xp.zeros((b, h, g), dtype=xp.float32, device=dev)
         acc = xp.zeros((b, h, g, d), dtype=xp.float32, device=dev)
         return merge_window(codec, prep, scale, m, l, acc, q.dtype)
-    kc = xp.take(codec.k_codebook.centroids, xp.reshape(xp.astype(unpack_bits(codec.k_codes, codec.k_codebook.bits, d),
-                                                                  xp.int64), (-1,)))
+    kc = xp.take(
+        codec.k_codebook.centroids,
+        xp.reshape(xp.astype(unpack_bits(codec.k_codes, codec.k_codebook.bits, d), xp.int64), (-1,)),
+    )
     ky = xp.reshape(kc, (b, h, n, d)) * xp.astype(codec.k_norms, xp.float32)[..., None]
     s = xp.matmul(prep["qr"], xp.matrix_transpose(ky)) + prep["qconst"][..., None]  # (b, h, G, n)
     if getattr(codec, "k_mean_freq", None) is not None:
@@ -168,8 +169,10 @@ def polar_decode_attention_reference(codec: Any, q: Any, scale: float):
     m = xp.max(s, axis=-1)
     e = xp.exp(s - m[..., None])
     l = xp.sum(e, axis=-1)
-    vc = xp.take(codec.v_codebook.centroids, xp.reshape(xp.astype(unpack_bits(codec.v_codes, codec.v_codebook.bits, d),
-                                                                  xp.int64), (-1,)))
+    vc = xp.take(
+        codec.v_codebook.centroids,
+        xp.reshape(xp.astype(unpack_bits(codec.v_codes, codec.v_codebook.bits, d), xp.int64), (-1,)),
+    )
     vy = xp.reshape(vc, (b, h, n, d)) * xp.astype(codec.v_norms, xp.float32)[..., None]
     acc = xp.matmul(e, vy)
     return merge_window(codec, prep, scale, m, l, acc, q.dtype)

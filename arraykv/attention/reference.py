@@ -78,8 +78,9 @@ def attention(q: Any, k: Any, v: Any, *, softmax_scale: float, logit_bias: Any =
 def _check_shapes(xp: Any, q: Any, k: Any, v: Any, logit_bias: Any) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, heads, tokens, head_dim), "
-                             f"received shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name} must have 4 dimensions (batch, heads, tokens, head_dim), received shape {tuple(x.shape)}"
+            )
         if not is_floating(xp, x.dtype):
             raise TypeError(f"{name} must have a floating dtype, received {dtype_name(x.dtype)}")
     b, hq, t, d = (int(s) for s in q.shape)

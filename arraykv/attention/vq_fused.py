@@ -16,8 +16,18 @@ from .reference import attention
 __all__ = ["vq_decode_attention_reference"]
 
 
-def vq_decode_attention_reference(q: Any, k_codes: Any, k_centroids: Any, v_codes: Any, v_centroids: Any,
-                                  k_extra: Any, v_extra: Any, *, bits: int, softmax_scale: float):
+def vq_decode_attention_reference(
+    q: Any,
+    k_codes: Any,
+    k_centroids: Any,
+    v_codes: Any,
+    v_centroids: Any,
+    k_extra: Any,
+    v_extra: Any,
+    *,
+    bits: int,
+    softmax_scale: float,
+):
     """One decode step of attention over VQ-coded (product-quantized) keys and values plus a few dense tokens.
 
     Decodes every key and value with :func:`~arraykv.quant.vq.vq_decode`, appends the dense tokens and runs
@@ -57,8 +67,9 @@ def vq_decode_attention_reference(q: Any, k_codes: Any, k_centroids: Any, v_code
     decoding: see :mod:`arraykv.ops.numba.vq_fused`.
     """
     xp = _compat.namespace(q)
-    b, hq, h, t, e, d, m, bits = check_decode_attention_args(q, k_codes, k_centroids, v_codes, v_centroids,
-                                                             k_extra, v_extra, bits)
+    b, hq, h, t, e, d, m, bits = check_decode_attention_args(
+        q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits
+    )
     f32 = xp.float32
     ks, vs = [], []
     if t > 0:

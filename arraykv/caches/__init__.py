@@ -6,5 +6,12 @@ from .hybrid import HybridCache
 from .registry import available_methods, make_cache, register_method
 from .window_cache import SlidingWindowCache
 
-__all__ = ["LayeredCache", "DenseCache", "HybridCache", "SlidingWindowCache", "make_cache", "available_methods",
-           "register_method"]
+__all__ = [
+    "LayeredCache",
+    "DenseCache",
+    "HybridCache",
+    "SlidingWindowCache",
+    "make_cache",
+    "available_methods",
+    "register_method",
+]

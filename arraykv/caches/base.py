@@ -74,8 +74,15 @@ class LayeredCache(LayerSnapshots, LayerRollback):
     #: exact staging while it runs (:mod:`arraykv.integrations.prompt_stage`).
     stores_exactly: bool = False
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                 check_finite: bool = True, max_tokens: int | None = None):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        check_finite: bool = True,
+        max_tokens: int | None = None,
+    ):
         self.num_layers = check_int("num_layers", num_layers, low=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, low=1)
         self.head_dim = check_int("head_dim", head_dim, low=1)
@@ -271,8 +278,14 @@ class LayeredCache(LayerSnapshots, LayerRollback):
 
     def get_config(self) -> dict:
         """Constructor arguments that rebuild this cache: ``make_cache(**cfg)`` (method included)."""
-        cfg = {"method": self.method, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-               "head_dim": self.head_dim, "check_finite": self.check_finite, "max_tokens": self.max_tokens}
+        cfg = {
+            "method": self.method,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "check_finite": self.check_finite,
+            "max_tokens": self.max_tokens,
+        }
         cfg.update(self._extra_config())
         return cfg
 
@@ -319,8 +332,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
             held = 0 if st is None else st.length
             if held + tokens > self.max_tokens:
                 raise ValueError(
-                    f"layer {layer} holds {held} tokens and max_tokens is {self.max_tokens}; "
-                    f"{tokens} more do not fit"
+                    f"layer {layer} holds {held} tokens and max_tokens is {self.max_tokens}; {tokens} more do not fit"
                 )
         if self.check_finite:
             check_finite(xp, k=k, v=v)
@@ -375,8 +387,10 @@ class LayeredCache(LayerSnapshots, LayerRollback):
             except Exception:  # noqa: BLE001 - the original failure is the one to report
                 reachable = False
             if not reachable:
-                exc.add_note(f"arraykv: layer {layer} keeps this call's {tokens} tokens (seq_len {state.length}): "
-                             f"they were stored before the failure and could not be taken back")
+                exc.add_note(
+                    f"arraykv: layer {layer} keeps this call's {tokens} tokens (seq_len {state.length}): "
+                    f"they were stored before the failure and could not be taken back"
+                )
             raise
 
     # -- hooks -------------------------------------------------------------------
@@ -415,8 +429,11 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         return sum(b.used_nbytes() for b in state.buffers()) + self._side_nbytes(state)
 
     def _layer_reserved_nbytes(self, state: LayerState) -> int:
-        return sum(b.reserved_nbytes() for b in state.buffers()) + self._side_nbytes(state) + \
-            self._side_spare_nbytes(state)
+        return (
+            sum(b.reserved_nbytes() for b in state.buffers())
+            + self._side_nbytes(state)
+            + self._side_spare_nbytes(state)
+        )
 
     def _side_spare_nbytes(self, state: LayerState) -> int:
         """Bytes of spare room in what :meth:`_side_nbytes` counts (counted by :meth:`memory_usage` only)."""
@@ -464,5 +481,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         pass
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(method={self.method!r}, num_layers={self.num_layers}, "
-                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim})")
+        return (
+            f"{type(self).__name__}(method={self.method!r}, num_layers={self.num_layers}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"
+        )

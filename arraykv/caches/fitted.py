@@ -97,12 +97,27 @@ class FittedCache(WindowRollback, LayeredCache):
     #: Vectors per head the fit may use at most (None: all); see the ``vq`` option.
     max_calibration: int | None = None
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, calibration: Any = None,
-                 residual_window: int = DEFAULT_WINDOW, sink_tokens: int = DEFAULT_SINKS,
-                 rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, decode_path: str = "auto", check_finite: bool = True,
-                 max_tokens: int | None = None):
-        super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         check_finite=check_finite, max_tokens=max_tokens)
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        calibration: Any = None,
+        residual_window: int = DEFAULT_WINDOW,
+        sink_tokens: int = DEFAULT_SINKS,
+        rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
+        decode_path: str = "auto",
+        check_finite: bool = True,
+        max_tokens: int | None = None,
+    ):
+        super().__init__(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            check_finite=check_finite,
+            max_tokens=max_tokens,
+        )
         self.residual_window = check_int("residual_window", residual_window, low=0)
         self.sink_tokens = check_int("sink_tokens", sink_tokens, low=0)
         self.rollback_tokens = check_rollback_tokens(rollback_tokens)
@@ -127,12 +142,15 @@ class FittedCache(WindowRollback, LayeredCache):
             out = []
             for i, item in enumerate(calibration):
                 if item is not None and not self._is_item(item):
-                    raise TypeError(f"calibration[{i}] must be {self._item_help()} or None, "
-                                    f"received {type(item).__name__}")
+                    raise TypeError(
+                        f"calibration[{i}] must be {self._item_help()} or None, received {type(item).__name__}"
+                    )
                 out.append(None if item is None else self._convert(item, where=f"calibration[{i}]"))
             return out
-        raise TypeError(f"calibration must be None, {self._item_help()}, or a sequence of num_layers of them, "
-                        f"received {type(calibration).__name__}")
+        raise TypeError(
+            f"calibration must be None, {self._item_help()}, or a sequence of num_layers of them, "
+            f"received {type(calibration).__name__}"
+        )
 
     def _is_item(self, x: Any) -> bool:
         if isinstance(x, KVCacheCompressor):
@@ -143,8 +161,10 @@ class FittedCache(WindowRollback, LayeredCache):
         """(k model, v model) of a fitted compressor or a pair."""
         if isinstance(item, KVCacheCompressor):
             if not isinstance(item.method, method_type):
-                raise TypeError(f"{where} must be a KVCacheCompressor with a {method_type.__name__} method, "
-                                f"received one with {type(item.method).__name__}")
+                raise TypeError(
+                    f"{where} must be a KVCacheCompressor with a {method_type.__name__} method, "
+                    f"received one with {type(item.method).__name__}"
+                )
             if not item.fitted:
                 raise ValueError(f"{where} must be a fitted KVCacheCompressor (call fit(k, v) first)")
             return item.fitted_models()
@@ -154,19 +174,32 @@ class FittedCache(WindowRollback, LayeredCache):
         """``a`` must be (num_kv_heads, head_dim, ...)."""
         shape = tuple(int(s) for s in a.shape)
         if shape[:2] != (self.num_kv_heads, self.head_dim):
-            raise ValueError(f"{where}: {what} must be for num_kv_heads={self.num_kv_heads} and "
-                             f"head_dim={self.head_dim}, received shape {shape}")
+            raise ValueError(
+                f"{where}: {what} must be for num_kv_heads={self.num_kv_heads} and "
+                f"head_dim={self.head_dim}, received shape {shape}"
+            )
 
     def _extra_config(self) -> dict:
-        return {"min_calibration": self.min_calibration, "residual_window": self.residual_window,
-                "sink_tokens": self.sink_tokens, "rollback_tokens": self.rollback_tokens,
-                "decode_path": self.decode_path}
+        return {
+            "min_calibration": self.min_calibration,
+            "residual_window": self.residual_window,
+            "sink_tokens": self.sink_tokens,
+            "rollback_tokens": self.rollback_tokens,
+            "decode_path": self.decode_path,
+        }
 
     # -- layer state ----------------------------------------------------------------------
     def _new_layer(self, xp, dev, batch, dtype) -> FittedLayer:
         empty = ExactTokens.empty(xp, dev, batch, self.num_kv_heads, self.head_dim)
-        return FittedLayer(xp=xp, device=dev, batch=batch, dtype=dtype, codes=TokenBuffers(max_tokens=self.max_tokens),
-                           exact=empty, rollback=empty)
+        return FittedLayer(
+            xp=xp,
+            device=dev,
+            batch=batch,
+            dtype=dtype,
+            codes=TokenBuffers(max_tokens=self.max_tokens),
+            exact=empty,
+            rollback=empty,
+        )
 
     def _admit(self, layer, xp, k, v, tokens):
         st = super()._admit(layer, xp, k, v, tokens)
@@ -190,8 +223,9 @@ class FittedCache(WindowRollback, LayeredCache):
         arrays = None
         if spill:  # the oldest tokens of window + new leave the window: encode them
             arrays = self._encode(xp, calib, *step.first(spill))
-        commit_store(xp, self.method, st, step, spill, arrays, calib, {} if calib is st.calib else calib,
-                     self.rollback_tokens)
+        commit_store(
+            xp, self.method, st, step, spill, arrays, calib, {} if calib is st.calib else calib, self.rollback_tokens
+        )
 
     def _fit_sample(self, xp: Any, k: Any, v: Any) -> tuple:
         """The tokens the fit sees: all of them, or ``max_calibration // batch`` evenly spaced ones."""
@@ -211,7 +245,7 @@ class FittedCache(WindowRollback, LayeredCache):
         c0 = min(max(0, start - n_s), buf.length)
         w0 = max(0, start - n_s - buf.length)
         (ks, vs), (kw, vw) = st.exact.sinks(), st.exact.recent()
-        ks, vs = ks[:, :, min(start, n_s):, :], vs[:, :, min(start, n_s):, :]
+        ks, vs = ks[:, :, min(start, n_s) :, :], vs[:, :, min(start, n_s) :, :]
         kw, vw = kw[:, :, w0:, :], vw[:, :, w0:, :]
         if buf.length > c0:
             kd, vd = self._decode_tokens(xp, st.calib, buf, c0)
@@ -267,14 +301,26 @@ class FittedCache(WindowRollback, LayeredCache):
         (a fit given or made: the arrays of the fit are held)."""
         b, h, d = batch, self.num_kv_heads, self.head_dim
         half = half_dtype(xp)
-        exact = {"k_sink": Spec(half, (b, h, "sinks", d)), "v_sink": Spec(half, (b, h, "sinks", d)),
-                 "k_window": Spec(half, (b, h, "window", d)), "v_window": Spec(half, (b, h, "window", d))}
+        exact = {
+            "k_sink": Spec(half, (b, h, "sinks", d)),
+            "v_sink": Spec(half, (b, h, "sinks", d)),
+            "k_window": Spec(half, (b, h, "window", d)),
+            "v_window": Spec(half, (b, h, "window", d)),
+        }
         tokens = self._token_specs(xp, b)
         fit = self._fit_layout(xp)
 
         def counts(sizes: dict, held: frozenset):
-            return token_counts(self, length, sizes["sinks"], sizes["window"], sizes.get("codes", 0),
-                                sizes.get("copies", 0), self._calib_names[0] in held, spill_calibrates=False)
+            return token_counts(
+                self,
+                length,
+                sizes["sinks"],
+                sizes["window"],
+                sizes.get("codes", 0),
+                sizes.get("copies", 0),
+                self._calib_names[0] in held,
+                spill_calibrates=False,
+            )
 
         parts = Layout(arrays={**tokens, **exact}, groups=(tuple(tokens), self._calib_names))
         return join(fit, parts, rollback_layout(xp, b, h, d), sizes={"length": length}, rules=(counts,))
@@ -309,5 +355,3 @@ class FittedCache(WindowRollback, LayeredCache):
     def is_fitted(self, layer: int) -> bool:
         """Whether ``layer`` holds its basis/codebooks (given, fitted, or loaded)."""
         return bool(self._with_layer(layer, lambda st: st.calib is not None))
-
-

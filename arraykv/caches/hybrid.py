@@ -87,7 +87,7 @@ def default_window_storage(full_method: str, full_options: dict | None = None) -
     if full_method == "polar":
         bits = (full_options or {}).get("key_bits")
     elif full_method[-1:].isdigit() and full_method.rstrip("0123456789") in ("pq", "pqo", "tq", "int"):
-        bits = int(full_method[len(full_method.rstrip("0123456789")):])
+        bits = int(full_method[len(full_method.rstrip("0123456789")) :])
     return f"pq{bits + 1}" if bits in (2, 3, 4) else "float16"
 
 
@@ -123,9 +123,20 @@ class HybridCache:
 
     method = "hybrid"
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, layer_types: Any, window: int,
-                 full_method: str = "dense", full_options: dict | None = None,
-                 window_options: dict | None = None, check_finite: bool = True, max_tokens: int | None = None):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_types: Any,
+        window: int,
+        full_method: str = "dense",
+        full_options: dict | None = None,
+        window_options: dict | None = None,
+        check_finite: bool = True,
+        max_tokens: int | None = None,
+    ):
         self.num_layers = check_int("num_layers", num_layers, low=1)
         self.layer_types = check_layer_types(layer_types, self.num_layers)
         self.window = check_int("window", window, low=1)
@@ -142,8 +153,13 @@ class HybridCache:
             for name in OUTLIER_OPTIONS:
                 if name in self.full_options:
                     self.window_options.setdefault(name, self.full_options[name])
-        common = dict(num_layers=self.num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                      check_finite=check_finite, max_tokens=max_tokens)
+        common = dict(
+            num_layers=self.num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            check_finite=check_finite,
+            max_tokens=max_tokens,
+        )
         self.full = make_cache(full_method, **common, **self.full_options)
         self.sliding = make_cache("window", window=self.window, **common, **self.window_options)
         self.num_kv_heads = self.full.num_kv_heads
@@ -256,11 +272,19 @@ class HybridCache:
     # -- persistence -------------------------------------------------------------------
     def get_config(self) -> dict:
         """Arguments that rebuild this cache: ``make_cache(**cfg)``."""
-        return {"method": "hybrid", "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "layer_types": list(self.layer_types), "window": self.window,
-                "full_method": self.full_method, "full_options": dict(self.full_options),
-                "window_options": dict(self.window_options), "check_finite": self.check_finite,
-                "max_tokens": self.max_tokens}
+        return {
+            "method": "hybrid",
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "layer_types": list(self.layer_types),
+            "window": self.window,
+            "full_method": self.full_method,
+            "full_options": dict(self.full_options),
+            "window_options": dict(self.window_options),
+            "check_finite": self.check_finite,
+            "max_tokens": self.max_tokens,
+        }
 
     def snapshot(self, *, host: bool = False) -> list:
         """Per layer the record of the part that serves it (see :meth:`LayeredCache.snapshot`)."""
@@ -288,5 +312,7 @@ class HybridCache:
 
     def __repr__(self) -> str:
         n_win = sum(1 for k in self.layer_types if k == "sliding_attention")
-        return (f"HybridCache(full_method={self.full_method!r}, window={self.window}, "
-                f"global_layers={self.num_layers - n_win}, sliding_layers={n_win})")
+        return (
+            f"HybridCache(full_method={self.full_method!r}, window={self.window}, "
+            f"global_layers={self.num_layers - n_win}, sliding_layers={n_win})"
+        )

@@ -131,8 +131,21 @@ def codec_state(st: IntLayer, bits: int, group_size: int, param_dtype: Any) -> I
     residual, window = st.k_residual, st.v_window
     n_window = int(window.shape[2])
     ek, ev = (e or 0 for e in st.exp)
-    return IntLayerCodec(bits=bits, group_size=g, n_tokens=vq.length + n_window, n_groups=kq.length,
-                         n_residual=int(residual.shape[2]), k_codes=k_codes, k_scale=k_scale,
-                         k_offset=k_offset, k_residual=residual, v_codes=v_codes, v_scale=v_scale,
-                         v_offset=v_offset, n_window=n_window, v_window=window if n_window else None,
-                         k_exp=ek, v_exp=ev)
+    return IntLayerCodec(
+        bits=bits,
+        group_size=g,
+        n_tokens=vq.length + n_window,
+        n_groups=kq.length,
+        n_residual=int(residual.shape[2]),
+        k_codes=k_codes,
+        k_scale=k_scale,
+        k_offset=k_offset,
+        k_residual=residual,
+        v_codes=v_codes,
+        v_scale=v_scale,
+        v_offset=v_offset,
+        n_window=n_window,
+        v_window=window if n_window else None,
+        k_exp=ek,
+        v_exp=ev,
+    )

@@ -27,12 +27,20 @@ def decode_int_layer(st: IntLayer, bits: int, group_size: int, windowed: bool, s
     parts = []
     g0 = min(start // g, kq.length)  # first key group holding a token from ``start`` on
     if kq.length > g0:
+
         def kview(name):
             a = kq.view(name)
             return a if g0 == 0 else a[:, :, g0:, ...]
 
-        q = IntQuantized(codes=kview("k_codes"), scale=kview("k_scale")[..., None],
-                         offset=kview("k_offset")[..., None], bits=bits, group_size=g, n=g, exponent=ek)
+        q = IntQuantized(
+            codes=kview("k_codes"),
+            scale=kview("k_scale")[..., None],
+            offset=kview("k_offset")[..., None],
+            bits=bits,
+            group_size=g,
+            n=g,
+            exponent=ek,
+        )
         blk = dequantize_groups(q, st.dtype, dequantize=ops.intq_dequantize)  # (b, h, groups, d, G)
         b, h, ng = (int(s) for s in blk.shape[:3])
         kd = xp.reshape(xp.permute_dims(blk, (0, 1, 2, 4, 3)), (b, h, ng * g, d))
@@ -43,12 +51,20 @@ def decode_int_layer(st: IntLayer, bits: int, group_size: int, windowed: bool, s
     k = parts[0] if len(parts) == 1 else xp.concat(parts, axis=2)
     parts = []
     if vq.length > start:
+
         def vview(name):
             a = vq.view(name)
             return a if start == 0 else a[:, :, start:, ...]
 
-        qv = IntQuantized(codes=vview("v_codes"), scale=vview("v_scale"), offset=vview("v_offset"),
-                          bits=bits, group_size=g, n=d, exponent=ev)
+        qv = IntQuantized(
+            codes=vview("v_codes"),
+            scale=vview("v_scale"),
+            offset=vview("v_offset"),
+            bits=bits,
+            group_size=g,
+            n=d,
+            exponent=ev,
+        )
         parts.append(dequantize_groups(qv, st.dtype, dequantize=ops.intq_dequantize))
     if windowed or not parts:
         parts.append(_exact(st, st.v_window, max(0, start - vq.length), ev))
@@ -63,5 +79,5 @@ def _exact(st: IntLayer, a: Any, skip: int, exp: int = 0):
     """
     a = a[:, :, skip:, :]
     if exp:
-        return st.xp.astype(st.xp.astype(a, st.xp.float32) * 2.0 ** exp, st.dtype)
+        return st.xp.astype(st.xp.astype(a, st.xp.float32) * 2.0**exp, st.dtype)
     return st.xp.asarray(a, copy=True) if a.dtype == st.dtype else st.xp.astype(a, st.dtype)

@@ -24,8 +24,16 @@ from ..quant.intq import MIN_EXPONENT
 from .int_codec import IntLayer
 from .layout import Layout, Spec, bounded, fixed_end_spec
 
-__all__ = ["layer_arrays", "restore_layer", "int_layout", "NO_EXP", "MAX_EXPONENT", "key_copies", "truncate_floor",
-           "truncate_plan"]
+__all__ = [
+    "layer_arrays",
+    "restore_layer",
+    "int_layout",
+    "NO_EXP",
+    "MAX_EXPONENT",
+    "key_copies",
+    "truncate_floor",
+    "truncate_plan",
+]
 
 #: Saved in place of an exponent not fixed yet (the layer has held only zeros).
 NO_EXP = -(1 << 20)
@@ -54,8 +62,9 @@ def layer_arrays(st: IntLayer, windowed: bool) -> dict:
     return out
 
 
-def int_layout(cache: Any, xp: Any, batch: int, length: int, layer_dtype: Any, param_dtype: Any,
-               exact_dtype: Any) -> Layout:
+def int_layout(
+    cache: Any, xp: Any, batch: int, length: int, layer_dtype: Any, param_dtype: Any, exact_dtype: Any
+) -> Layout:
     """The :class:`~arraykv.caches.layout.Layout` of a saved layer of ``cache`` (see the module docstring).
 
     ``layer_dtype`` is the dtype the layer returns, ``param_dtype`` that of the scales and
@@ -76,28 +85,36 @@ def int_layout(cache: Any, xp: Any, batch: int, length: int, layer_dtype: Any, p
     }
     if r:
         arrays["v_window"] = bounded(exact_dtype, (b, h, "window", d))
-    arrays.update(exp=Spec(xp.int32, (2,), required=False),
-                  k_rollback=bounded(exact_dtype, (b, h, "k_copies", d), required=False),
-                  v_rollback=bounded(exact_dtype, (b, h, "v_copies", d), required=False),
-                  fixed_end=fixed_end_spec(xp))
+    arrays.update(
+        exp=Spec(xp.int32, (2,), required=False),
+        k_rollback=bounded(exact_dtype, (b, h, "k_copies", d), required=False),
+        v_rollback=bounded(exact_dtype, (b, h, "v_copies", d), required=False),
+        fixed_end=fixed_end_spec(xp),
+    )
 
     def counts(sizes: dict, held: frozenset):
         keys, values = sizes.get("groups", 0) * g, sizes.get("values", 0)
         exact_keys, window = sizes["residual"], sizes.get("window", 0)
         if keys != length // chunk * chunk or keys + exact_keys != length:
-            return (f"stored arrays hold {keys} quantized and {exact_keys} exact keys; a layer of {length} tokens "
-                    f"holds {length // chunk * chunk} and {length % chunk}")
+            return (
+                f"stored arrays hold {keys} quantized and {exact_keys} exact keys; a layer of {length} tokens "
+                f"holds {length // chunk * chunk} and {length % chunk}"
+            )
         if window != min(length, r) or values + window != length:
-            return (f"stored arrays hold {values} quantized and {window} exact values; a layer of {length} tokens "
-                    f"holds {length - min(length, r)} and {min(length, r)}")
+            return (
+                f"stored arrays hold {values} quantized and {window} exact values; a layer of {length} tokens "
+                f"holds {length - min(length, r)} and {min(length, r)}"
+            )
         return None
 
     def copies(sizes: dict, held: frozenset):
         keys, values = sizes.get("groups", 0) * g, sizes.get("values", 0)
         kc, vc = sizes.get("k_copies", 0), sizes.get("v_copies", 0)
         if kc % chunk or kc > min(key_copies(cache), keys):
-            return (f"stored 'k_rollback' holds {kc} keys; at most {min(key_copies(cache), keys)} in whole chunks of "
-                    f"{chunk}")
+            return (
+                f"stored 'k_rollback' holds {kc} keys; at most {min(key_copies(cache), keys)} in whole chunks of "
+                f"{chunk}"
+            )
         if vc > (min(cache.rollback_tokens, values) if r else 0):
             return f"stored 'v_rollback' holds {vc} values; at most {min(cache.rollback_tokens, values) if r else 0}"
         return None
@@ -126,13 +143,19 @@ def int_layout(cache: Any, xp: Any, batch: int, length: int, layer_dtype: Any, p
             unit = 2.0 ** (0 if exp == NO_EXP else exp)
             for a in parts:
                 if math.prod(int(n) for n in a.shape) and float(xp.max(a)) * unit > limit:
-                    return (f"stored {side} groups or exact tokens reconstruct to magnitudes beyond {limit:g}, the "
-                            f"range of the layer's dtype")
+                    return (
+                        f"stored {side} groups or exact tokens reconstruct to magnitudes beyond {limit:g}, the "
+                        f"range of the layer's dtype"
+                    )
         return None
 
-    return Layout(arrays=arrays, groups=(("k_codes", "k_scale", "k_offset"), ("v_codes", "v_scale", "v_offset"),
-                                         ("k_rollback", "v_rollback")),
-                  sizes={"length": length}, rules=(counts, copies), value_rules=(exponents, reconstruction))
+    return Layout(
+        arrays=arrays,
+        groups=(("k_codes", "k_scale", "k_offset"), ("v_codes", "v_scale", "v_offset"), ("k_rollback", "v_rollback")),
+        sizes={"length": length},
+        rules=(counts, copies),
+        value_rules=(exponents, reconstruction),
+    )
 
 
 def restore_layer(st: IntLayer, arrays: dict, length: int, group_size: int) -> IntLayer:
@@ -216,12 +239,12 @@ def truncate_plan(cache: Any, st: IntLayer, length: int):
     kt2, k_lo, vt2, v_lo, _ = _cut(cache, st, length)
     kr, vr = st.k_rollback, st.v_rollback
     ek = xp.concat([kr, st.k_residual], axis=2) if int(kr.shape[2]) else st.k_residual
-    residual = ek[:, :, kt2 - k_lo: length - k_lo, :] if length > kt2 else st.k_residual[:, :, :0, :]
+    residual = ek[:, :, kt2 - k_lo : length - k_lo, :] if length > kt2 else st.k_residual[:, :, :0, :]
     k_keep = kr[:, :, : max(0, int(kr.shape[2]) - (st.kq.length * g - kt2)), :]
     window, v_keep = st.v_window, vr
     if cache.residual_window:
         ev = xp.concat([vr, st.v_window], axis=2) if int(vr.shape[2]) else st.v_window
-        window = ev[:, :, vt2 - v_lo: length - v_lo, :] if length > vt2 else st.v_window[:, :, :0, :]
+        window = ev[:, :, vt2 - v_lo : length - v_lo, :] if length > vt2 else st.v_window[:, :, :0, :]
         v_keep = vr[:, :, : max(0, int(vr.shape[2]) - (st.vq.length - vt2)), :]
     kplan = st.kq.truncate_plan(kt2 // g)
     vplan = st.vq.truncate_plan(vt2)
@@ -230,4 +253,5 @@ def truncate_plan(cache: Any, st: IntLayer, length: int):
         st.kq.commit_truncate(kplan)
         st.vq.commit_truncate(vplan)
         st.k_residual, st.v_window, st.k_rollback, st.v_rollback = residual, window, k_keep, v_keep
+
     return commit

@@ -114,16 +114,34 @@ class IntQuantCache(LayeredCache):
     #: ``residual_window`` when the constructor is given None.
     default_residual_window = 0
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, bits: int | None = None,
-                 group_size: int = 32, scale_dtype: str = "float16", residual_window: int | None = None,
-                 rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, decode_path: str = "auto", check_finite: bool = True,
-                 max_tokens: int | None = None):
-        super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         check_finite=check_finite, max_tokens=max_tokens)
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bits: int | None = None,
+        group_size: int = 32,
+        scale_dtype: str = "float16",
+        residual_window: int | None = None,
+        rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
+        decode_path: str = "auto",
+        check_finite: bool = True,
+        max_tokens: int | None = None,
+    ):
+        super().__init__(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            check_finite=check_finite,
+            max_tokens=max_tokens,
+        )
         if bits is not None:
             if type(self).method != "int":
-                raise TypeError(f"method {self.method!r} does not take bits (it fixes bits={type(self).bits}; "
-                                "method 'int' takes it)")
+                raise TypeError(
+                    f"method {self.method!r} does not take bits (it fixes bits={type(self).bits}; "
+                    "method 'int' takes it)"
+                )
             bits = check_int("bits", bits, low=2, high=8)
             if bits not in _BITS:
                 raise ValueError(f"bits must be one of {_BITS}, received {bits}")
@@ -136,16 +154,22 @@ class IntQuantCache(LayeredCache):
             residual_window = self.default_residual_window
         self.residual_window = check_int("residual_window", residual_window, low=0)
         if self.residual_window % self.group_size:
-            raise ValueError(f"residual_window must be 0 or a multiple of group_size={self.group_size}, "
-                             f"received {self.residual_window}")
+            raise ValueError(
+                f"residual_window must be 0 or a multiple of group_size={self.group_size}, "
+                f"received {self.residual_window}"
+            )
         self.rollback_tokens = check_rollback_tokens(rollback_tokens)
         self.decode_path = check_decode_path(decode_path)
 
     def _extra_config(self) -> dict:
         cfg = {"bits": self.bits} if type(self).method == "int" else {}
-        cfg.update(group_size=self.group_size, scale_dtype=self.scale_dtype,
-                   residual_window=self.residual_window, rollback_tokens=self.rollback_tokens,
-                   decode_path=self.decode_path)
+        cfg.update(
+            group_size=self.group_size,
+            scale_dtype=self.scale_dtype,
+            residual_window=self.residual_window,
+            rollback_tokens=self.rollback_tokens,
+            decode_path=self.decode_path,
+        )
         return cfg
 
     def _pdt(self, xp: Any) -> str:
@@ -159,10 +183,18 @@ class IntQuantCache(LayeredCache):
     def _new_layer(self, xp, dev, batch, dtype) -> IntLayer:
         mt = self.max_tokens
         empty = xp.zeros((batch, self.num_kv_heads, 0, self.head_dim), dtype=self._exact_dtype(xp, dtype), device=dev)
-        return IntLayer(xp=xp, device=dev, batch=batch, dtype=dtype,
-                        kq=TokenBuffers(max_tokens=None if mt is None else -(-mt // self.group_size), min_capacity=4),
-                        vq=TokenBuffers(max_tokens=mt), k_residual=empty, v_window=empty, k_rollback=empty,
-                        v_rollback=empty)
+        return IntLayer(
+            xp=xp,
+            device=dev,
+            batch=batch,
+            dtype=dtype,
+            kq=TokenBuffers(max_tokens=None if mt is None else -(-mt // self.group_size), min_capacity=4),
+            vq=TokenBuffers(max_tokens=mt),
+            k_residual=empty,
+            v_window=empty,
+            k_rollback=empty,
+            v_rollback=empty,
+        )
 
     def _encode(self, st: IntLayer, k: Any, v: Any) -> tuple:
         """Everything a store writes, computed before anything changes.
@@ -222,13 +254,14 @@ class IntQuantCache(LayeredCache):
             if e is None and m > 0.0:
                 e = half_exponent(m)
             if e:
-                x = x * 2.0 ** -e
+                x = x * 2.0**-e
             if math.isfinite(m) and m * 2.0 ** -(e or 0) > HALF_MAX and self._holds_half(xp):
                 raise ValueError(
                     f"{name} holds values up to {m:.4g}, beyond what this layer's float16 scales and exact "
                     f"tokens hold in the units its first tokens fixed (2**{e or 0}, largest |{name}| "
                     f"{HALF_MAX:g} · 2**{e or 0}); reset the cache, or use scale_dtype='float32' "
-                    "and residual_window=0")
+                    "and residual_window=0"
+                )
             out.append(x)
             exps.append(e)
         return out, tuple(exps)

@@ -78,12 +78,17 @@ def refuse_overflow(xp: Any, method: str, arrays: dict) -> None:
     name to report.
     """
     floats = _compat.float_dtypes(xp)
-    named = [(name, a) for name, value in arrays.items() for a in (value if isinstance(value, list) else [value])
-             if a is not None and a.dtype in floats]
+    named = [
+        (name, a)
+        for name, value in arrays.items()
+        for a in (value if isinstance(value, list) else [value])
+        if a is not None and a.dtype in floats
+    ]
     if _compat.all_finite(xp, [a for _, a in named]):
         return
     name = next(name for name, a in named if not _compat.all_finite(xp, [a]))
     raise ValueError(
         f"these keys/values overflow the float16 {name!r} of method {method!r} (magnitudes above 65504, "
         f"after centering and channel weights); scale them down, or use method 'dense' or an int method "
-        f"('int8', 'int4', 'int2', which hold any magnitude)")
+        f"('int8', 'int4', 'int2', which hold any magnitude)"
+    )

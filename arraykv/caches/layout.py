@@ -55,7 +55,7 @@ __all__ = ["Spec", "Layout", "check_layout", "join", "MAX_MAGNITUDE", "bounded",
 #: Largest magnitude a float32 (or float64) parameter of a codec may hold: ``2**32``. The
 #: float16 parts are bounded by their dtype (65504); a product of two parameters at this bound,
 #: summed over 4096 channels and 4096 ranks, is ``2**88``, far below float32's ``2**128``.
-MAX_MAGNITUDE = 2.0 ** 32
+MAX_MAGNITUDE = 2.0**32
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,13 @@ def join(*layouts: Layout, sizes: dict | None = None, rules: tuple = ()) -> Layo
     known = dict(sizes or {})
     for part in layouts:
         known.update(part.sizes)
-    return Layout(arrays=arrays, sizes=known, groups=sum((p.groups for p in layouts), ()),
-                  rules=sum((p.rules for p in layouts), ()) + tuple(rules),
-                  value_rules=sum((p.value_rules for p in layouts), ()))
+    return Layout(
+        arrays=arrays,
+        sizes=known,
+        groups=sum((p.groups for p in layouts), ()),
+        rules=sum((p.rules for p in layouts), ()) + tuple(rules),
+        value_rules=sum((p.value_rules for p in layouts), ()),
+    )
 
 
 def bounded(dtype: Any, shape: tuple, *, required: bool = True) -> Spec:
@@ -200,8 +204,7 @@ def _check_shape(name: str, a: Any, spec: Spec, sizes: dict) -> None:
     dt = getattr(a, "dtype", None)
     shape = getattr(a, "shape", None)
     if dt is None or shape is None or not any(dt == want for want in dtypes):
-        raise ValueError(f"stored array {name!r} must have dtype {' or '.join(str(d) for d in dtypes)}, "
-                         f"received {dt}")
+        raise ValueError(f"stored array {name!r} must have dtype {' or '.join(str(d) for d in dtypes)}, received {dt}")
     got = tuple(int(s) for s in shape)
     if len(got) != len(spec.shape):
         raise ValueError(f"stored array {name!r} must have {len(spec.shape)} axes, received shape {got}")

@@ -109,11 +109,25 @@ class LowRankCache(FittedCache):
     _calib_names = ("k_basis", "k_mean", "v_basis", "v_mean")
     _item_kinds = (LowRankBasis,)
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, rank: int | None = None,
-                 energy: float | None = None, center: bool = True, coeff_dtype: str = "float16",
-                 calibration: Any = None, min_calibration: int | None = None, residual_window: int = DEFAULT_WINDOW,
-                 sink_tokens: int = DEFAULT_SINKS, rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
-                 decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rank: int | None = None,
+        energy: float | None = None,
+        center: bool = True,
+        coeff_dtype: str = "float16",
+        calibration: Any = None,
+        min_calibration: int | None = None,
+        residual_window: int = DEFAULT_WINDOW,
+        sink_tokens: int = DEFAULT_SINKS,
+        rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
+        decode_path: str = "auto",
+        check_finite: bool = True,
+        max_tokens: int | None = None,
+    ):
         d = check_int("head_dim", head_dim, low=1)
         if rank is None and energy is None:
             rank = max(1, d // 2)
@@ -122,16 +136,27 @@ class LowRankCache(FittedCache):
         if not isinstance(coeff_dtype, str) or coeff_dtype not in _COEFF_DTYPES:
             raise ValueError(f"coeff_dtype must be one of {', '.join(_COEFF_DTYPES)}, received {coeff_dtype!r}")
         self.coeff_dtype = coeff_dtype
-        self.min_calibration = d if min_calibration is None else check_int("min_calibration", min_calibration,
-                                                                           low=2)
-        super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         calibration=calibration, residual_window=residual_window, sink_tokens=sink_tokens,
-                         rollback_tokens=rollback_tokens, decode_path=decode_path, check_finite=check_finite,
-                         max_tokens=max_tokens)
+        self.min_calibration = d if min_calibration is None else check_int("min_calibration", min_calibration, low=2)
+        super().__init__(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            calibration=calibration,
+            residual_window=residual_window,
+            sink_tokens=sink_tokens,
+            rollback_tokens=rollback_tokens,
+            decode_path=decode_path,
+            check_finite=check_finite,
+            max_tokens=max_tokens,
+        )
 
     def _extra_config(self) -> dict:
-        return super()._extra_config() | {"rank": self.rank, "energy": self.energy, "center": self.center,
-                                          "coeff_dtype": self.coeff_dtype}
+        return super()._extra_config() | {
+            "rank": self.rank,
+            "energy": self.energy,
+            "center": self.center,
+            "coeff_dtype": self.coeff_dtype,
+        }
 
     def _item_help(self) -> str:
         return "a fitted KVCacheCompressor(LowRank(...)) or a pair (k_basis, v_basis) of LowRankBasis"
@@ -142,14 +167,17 @@ class LowRankCache(FittedCache):
             if not isinstance(b, LowRankBasis):
                 raise TypeError(f"{where} must hold LowRankBasis, received {type(b).__name__}")
             if b.basis.ndim != 3:
-                raise ValueError(f"{where}: the {name} basis must be (heads, head_dim, rank), "
-                                 f"received shape {tuple(int(s) for s in b.basis.shape)}")
+                raise ValueError(
+                    f"{where}: the {name} basis must be (heads, head_dim, rank), "
+                    f"received shape {tuple(int(s) for s in b.basis.shape)}"
+                )
             self._check_heads(where, b.basis, f"the {name} basis")
             xp = _compat.namespace(b.basis)
             out[f"{name}_basis"] = xp.asarray(_f32(xp, b.basis), copy=True)
             if b.mean is None:
-                out[f"{name}_mean"] = xp.zeros((self.num_kv_heads, self.head_dim), dtype=xp.float32,
-                                              device=_compat.device(b.basis))
+                out[f"{name}_mean"] = xp.zeros(
+                    (self.num_kv_heads, self.head_dim), dtype=xp.float32, device=_compat.device(b.basis)
+                )
             else:
                 self._check_heads(where, b.mean, f"the {name} mean")
                 out[f"{name}_mean"] = xp.asarray(_f32(xp, b.mean), copy=True)
@@ -182,8 +210,11 @@ class LowRankCache(FittedCache):
         for name, x in (("k", k), ("v", v)):
             b = fit_basis(samples_by_head(xp, x), rank=self.rank, energy=self.energy, center=self.center)
             out[f"{name}_basis"] = b.basis
-            out[f"{name}_mean"] = b.mean if b.mean is not None else xp.zeros(
-                (self.num_kv_heads, self.head_dim), dtype=xp.float32, device=_compat.device(x))
+            out[f"{name}_mean"] = (
+                b.mean
+                if b.mean is not None
+                else xp.zeros((self.num_kv_heads, self.head_dim), dtype=xp.float32, device=_compat.device(x))
+            )
         return out
 
     def _encode(self, xp, calib, k, v) -> dict:
@@ -201,11 +232,21 @@ class LowRankCache(FittedCache):
         buf, calib = st.codes, st.calib
         ke, ve = self._extras(st)
         if calib is None or not buf.length:
-            return ops.lowrank_decode_attention(q, ke[:, :, :0, :], None, None, ve[:, :, :0, :], None, None, ke, ve,
-                                                softmax_scale=scale)
-        return ops.lowrank_decode_attention(q, buf.view("k_coef"), calib["k_basis"], calib["k_mean"],
-                                            buf.view("v_coef"), calib["v_basis"], calib["v_mean"], ke, ve,
-                                            softmax_scale=scale)
+            return ops.lowrank_decode_attention(
+                q, ke[:, :, :0, :], None, None, ve[:, :, :0, :], None, None, ke, ve, softmax_scale=scale
+            )
+        return ops.lowrank_decode_attention(
+            q,
+            buf.view("k_coef"),
+            calib["k_basis"],
+            calib["k_mean"],
+            buf.view("v_coef"),
+            calib["v_basis"],
+            calib["v_mean"],
+            ke,
+            ve,
+            softmax_scale=scale,
+        )
 
     def _decode_tokens(self, xp, calib, buf: TokenBuffers, start: int = 0) -> tuple:
         out = []
@@ -213,5 +254,3 @@ class LowRankCache(FittedCache):
             c = _f32(xp, buf.view(f"{name}_coef")[:, :, start:, :])
             out.append(xp.matmul(c, xp.matrix_transpose(calib[f"{name}_basis"])) + calib[f"{name}_mean"][:, None, :])
         return out[0], out[1]
-
-

@@ -49,9 +49,22 @@ from .window import (
     token_counts,
 )
 
-__all__ = ["PolarCache", "PolarLayerCodec", "PolarLayer", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window",
-           "Pqo2Cache", "Pqo3Cache", "Pqo4Cache", "Pq2Cache", "Pq3Cache", "Pq4Cache", "Tq2Cache", "Tq3Cache",
-           "Tq4Cache"]
+__all__ = [
+    "PolarCache",
+    "PolarLayerCodec",
+    "PolarLayer",
+    "DEFAULT_RESIDUAL_WINDOW",
+    "default_residual_window",
+    "Pqo2Cache",
+    "Pqo3Cache",
+    "Pqo4Cache",
+    "Pq2Cache",
+    "Pq3Cache",
+    "Pq4Cache",
+    "Tq2Cache",
+    "Tq3Cache",
+    "Tq4Cache",
+]
 
 #: Per-token arrays of the encoded tokens (their names in saved files).
 _PER_TOKEN = ("k_codes", "k_norms", "v_codes", "v_norms", "k_outliers", "k_qjl", "k_qjl_norms")
@@ -155,27 +168,64 @@ class PolarCache(WindowRollback, LayeredCache):
     and queries of RoPE models do.
     """
 
-
     method = "polar"
     _calibration_given = False  # only a spilling window calibrates a layer
     #: Options a subclass fixes (its method name says them); not constructor arguments there.
     _fixed_options: dict = {}
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, key_bits: int, value_bits: int,
-                 qjl: bool = False, seed: int = 0, residual_window: int | None = None,
-                 center: Any = "auto", outliers: Any = "auto", outlier_threshold: float = DEFAULT_OUTLIER_THRESHOLD,
-                 max_outliers: int | None = None, key_scale: bool = True, sink_tokens: int = DEFAULT_SINK_TOKENS,
-                 key_length: str = "unbiased", value_length: str = "unbiased", rope: Any = "auto",
-                 softmax_scale: float | None = None, rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
-                 decode_path: str = "auto", check_finite: bool = True, max_tokens: int | None = None):
-        super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         check_finite=check_finite, max_tokens=max_tokens)
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        key_bits: int,
+        value_bits: int,
+        qjl: bool = False,
+        seed: int = 0,
+        residual_window: int | None = None,
+        center: Any = "auto",
+        outliers: Any = "auto",
+        outlier_threshold: float = DEFAULT_OUTLIER_THRESHOLD,
+        max_outliers: int | None = None,
+        key_scale: bool = True,
+        sink_tokens: int = DEFAULT_SINK_TOKENS,
+        key_length: str = "unbiased",
+        value_length: str = "unbiased",
+        rope: Any = "auto",
+        softmax_scale: float | None = None,
+        rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
+        decode_path: str = "auto",
+        check_finite: bool = True,
+        max_tokens: int | None = None,
+    ):
+        super().__init__(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            check_finite=check_finite,
+            max_tokens=max_tokens,
+        )
         self.options: PolarOptions = check_polar_options(
-            self.head_dim, key_bits=key_bits, value_bits=value_bits, qjl=qjl, seed=seed,
-            residual_window=residual_window, center=center, outliers=outliers, outlier_threshold=outlier_threshold,
-            max_outliers=max_outliers, key_scale=key_scale, sink_tokens=sink_tokens, key_length=key_length,
-            value_length=value_length, rope=rope, softmax_scale=softmax_scale, decode_path=decode_path,
-            rollback_tokens=rollback_tokens)
+            self.head_dim,
+            key_bits=key_bits,
+            value_bits=value_bits,
+            qjl=qjl,
+            seed=seed,
+            residual_window=residual_window,
+            center=center,
+            outliers=outliers,
+            outlier_threshold=outlier_threshold,
+            max_outliers=max_outliers,
+            key_scale=key_scale,
+            sink_tokens=sink_tokens,
+            key_length=key_length,
+            value_length=value_length,
+            rope=rope,
+            softmax_scale=softmax_scale,
+            decode_path=decode_path,
+            rollback_tokens=rollback_tokens,
+        )
         self._fixed: dict = {}
 
     # -- fixed state (rotation, codebooks, sketch), one set per namespace and device ------
@@ -183,8 +233,15 @@ class PolarCache(WindowRollback, LayeredCache):
         key = (id(xp), str(dev))
         c = self._fixed.get(key)
         if c is None:
-            c = PolarFixed.build(xp, dev, head_dim=self.head_dim, key_bits=self.key_bits,
-                                 value_bits=self.value_bits, seed=self.seed, qjl=self.qjl)
+            c = PolarFixed.build(
+                xp,
+                dev,
+                head_dim=self.head_dim,
+                key_bits=self.key_bits,
+                value_bits=self.value_bits,
+                seed=self.seed,
+                qjl=self.qjl,
+            )
             self._fixed[key] = c
         return c
 
@@ -207,8 +264,15 @@ class PolarCache(WindowRollback, LayeredCache):
     def _new_layer(self, xp, dev, batch, dtype) -> PolarLayer:
         self._codec(xp, dev)  # the rotation/codebooks are held from a layer's first token on
         empty = ExactTokens.empty(xp, dev, batch, self.num_kv_heads, self.head_dim)
-        return PolarLayer(xp=xp, device=dev, batch=batch, dtype=dtype, codes=TokenBuffers(max_tokens=self.max_tokens),
-                          exact=empty, rollback=empty)
+        return PolarLayer(
+            xp=xp,
+            device=dev,
+            batch=batch,
+            dtype=dtype,
+            codes=TokenBuffers(max_tokens=self.max_tokens),
+            exact=empty,
+            rollback=empty,
+        )
 
     def _encode(self, xp: Any, fixed: PolarFixed, calib: PolarCalibration, k: Any, v: Any, start: int) -> dict:
         """Quantize float32 tokens (b, h, t, d) at positions ``start ..`` -> the per-token arrays to append
@@ -238,8 +302,17 @@ class PolarCache(WindowRollback, LayeredCache):
             else:  # only the tokens that leave the window are converted
                 ek, ev = step.first(spill)
             arrays = self._encode(xp, self._codec(xp, st.device), calib, ek, ev, first)
-        commit_store(xp, self.method, st, step, spill, arrays, calib, {} if calib is st.calib else calib.arrays(),
-                     self.rollback_tokens)
+        commit_store(
+            xp,
+            self.method,
+            st,
+            step,
+            spill,
+            arrays,
+            calib,
+            {} if calib is st.calib else calib.arrays(),
+            self.rollback_tokens,
+        )
 
     def _slide_one(self, st: PolarLayer, k: Any, v: Any) -> bool:
         """Store one token in a layer whose sinks and window are full, in place; False (nothing
@@ -256,8 +329,13 @@ class PolarCache(WindowRollback, LayeredCache):
         exact = st.exact
         ns = exact.n_sink
         calib = st.calib
-        if calib is None or not self.residual_window or ns < self.sink_tokens \
-                or exact.count - ns != self.residual_window or not st.codes.capacity:
+        if (
+            calib is None
+            or not self.residual_window
+            or ns < self.sink_tokens
+            or exact.count - ns != self.residual_window
+            or not st.codes.capacity
+        ):
             return False
         xp = st.xp
         if k.dtype == xp.float64:  # float64 -> float32 -> float16 could round twice: the general path
@@ -268,13 +346,23 @@ class PolarCache(WindowRollback, LayeredCache):
         fixed = self._codec(xp, st.device)
         if k.dtype != xp.float32:  # float16, bfloat16: exact in float32
             k, v = xp.astype(k, xp.float32), xp.astype(v, xp.float32)
-        if not ops.polar_store_token(k, v, window.key_rows, window.value_rows, window.offset + ns, arriving,
-                                     self._encoder(fixed, calib), ns + at, rows, at):
+        if not ops.polar_store_token(
+            k,
+            v,
+            window.key_rows,
+            window.value_rows,
+            window.offset + ns,
+            arriving,
+            self._encoder(fixed, calib),
+            ns + at,
+            rows,
+            at,
+        ):
             return False
         if self.rollback_tokens:  # the leaving row becomes the newest rollback copy (before the window slides over it)
             margin, mrow, push = rollback_room(st, 1, self.rollback_tokens)
-            margin.key_rows[:, :, mrow:mrow + 1, ...] = window.k[:, :, ns:ns + 1, :]
-            margin.value_rows[:, :, mrow:mrow + 1, ...] = window.v[:, :, ns:ns + 1, :]
+            margin.key_rows[:, :, mrow : mrow + 1, ...] = window.k[:, :, ns : ns + 1, :]
+            margin.value_rows[:, :, mrow : mrow + 1, ...] = window.v[:, :, ns : ns + 1, :]
             push()
         st.codes.advance(1)
         slide(1)
@@ -293,8 +381,11 @@ class PolarCache(WindowRollback, LayeredCache):
         xp = st.xp
         k, v = decode_layer(st, self._codec(xp, st.device), self.options)
         bias = qjl_logit_bias(st, self._codec(st.xp, st.device), q, scale) if self.qjl and st.codes.length else None
-        return DequantResult(k=xp.astype(k, st.dtype, copy=False), v=xp.astype(v, st.dtype, copy=False),
-                             logit_bias=None if bias is None else xp.astype(bias, q.dtype, copy=False))
+        return DequantResult(
+            k=xp.astype(k, st.dtype, copy=False),
+            v=xp.astype(v, st.dtype, copy=False),
+            logit_bias=None if bias is None else xp.astype(bias, q.dtype, copy=False),
+        )
 
     # -- hooks -----------------------------------------------------------------------
     def _prefill(self, st, k, v, q):
@@ -340,15 +431,19 @@ class PolarCache(WindowRollback, LayeredCache):
         b, h, d = batch, self.num_kv_heads, self.head_dim
         half = half_dtype(xp)
         tok = (b, h, "codes")
-        per_token = {"k_codes": Spec(xp.uint8, tok + (packed_nbytes(d, self.key_bits),), required=False),
-                     "k_norms": Spec(half, tok, required=False),
-                     "v_codes": Spec(xp.uint8, tok + (packed_nbytes(d, self.value_bits),), required=False),
-                     "v_norms": Spec(half, tok, required=False),
-                     "k_outliers": Spec(half, tok + ("n_out",), required=False)}
+        per_token = {
+            "k_codes": Spec(xp.uint8, tok + (packed_nbytes(d, self.key_bits),), required=False),
+            "k_norms": Spec(half, tok, required=False),
+            "v_codes": Spec(xp.uint8, tok + (packed_nbytes(d, self.value_bits),), required=False),
+            "v_norms": Spec(half, tok, required=False),
+            "k_outliers": Spec(half, tok + ("n_out",), required=False),
+        }
         group = ("k_codes", "k_norms", "v_codes", "v_norms")
         if self.qjl:
-            per_token.update(k_qjl=Spec(xp.uint8, tok + (packed_nbytes(d, 1),), required=False),
-                             k_qjl_norms=Spec(half, tok, required=False))
+            per_token.update(
+                k_qjl=Spec(xp.uint8, tok + (packed_nbytes(d, 1),), required=False),
+                k_qjl_norms=Spec(half, tok, required=False),
+            )
             group += ("k_qjl", "k_qjl_norms")
         exact = {"k_window": Spec(half, (b, h, "exact", d)), "v_window": Spec(half, (b, h, "exact", d))}
         sinks = min(self.sink_tokens, length)
@@ -356,21 +451,39 @@ class PolarCache(WindowRollback, LayeredCache):
         def counts(sizes: dict, held: frozenset):
             calibrated = "k_mean" in held
             codes = sizes.get("codes", 0)
-            msg = token_counts(self, length, sinks, sizes["exact"] - sinks, codes, sizes.get("copies", 0), calibrated,
-                               spill_calibrates=True)
+            msg = token_counts(
+                self,
+                length,
+                sinks,
+                sizes["exact"] - sinks,
+                codes,
+                sizes.get("copies", 0),
+                calibrated,
+                spill_calibrates=True,
+            )
             if msg is None and ("k_outliers" in held) != ("k_codes" in held and sizes.get("n_out", 0) > 0):
-                msg = ("stored 'k_outliers' must come with the encoded tokens exactly when the calibration keeps "
-                       "outlier channels")
+                msg = (
+                    "stored 'k_outliers' must come with the encoded tokens exactly when the calibration keeps "
+                    "outlier channels"
+                )
             return msg
 
         parts = Layout(arrays={**per_token, **exact}, groups=(group,))
-        return join(calibration_layout(xp, b, h, d), parts, rollback_layout(xp, b, h, d), sizes={"length": length},
-                    rules=(counts,))
+        return join(
+            calibration_layout(xp, b, h, d),
+            parts,
+            rollback_layout(xp, b, h, d),
+            sizes={"length": length},
+            rules=(counts,),
+        )
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> PolarLayer:
         st = self._new_layer(xp, dev, batch, dtype)
-        exact = ExactTokens(k=xp.asarray(arrays["k_window"], copy=True), v=xp.asarray(arrays["v_window"], copy=True),
-                            n_sink=min(self.sink_tokens, length))
+        exact = ExactTokens(
+            k=xp.asarray(arrays["k_window"], copy=True),
+            v=xp.asarray(arrays["v_window"], copy=True),
+            n_sink=min(self.sink_tokens, length),
+        )
         restore_tokens(st, arrays, _PER_TOKEN, exact, length)
         st.calib = PolarCalibration.from_arrays(xp, arrays)
         restore_rollback(st, arrays)
@@ -398,26 +511,36 @@ class PolarCache(WindowRollback, LayeredCache):
             if name in buf.names():
                 return buf.view(name)
             shape = (st.batch, self.num_kv_heads, 0) + tail
-            return st.xp.zeros(shape, dtype=st.xp.uint8 if "codes" in name or name == "k_qjl"
-                               else half_dtype(st.xp), device=st.device)
+            return st.xp.zeros(
+                shape, dtype=st.xp.uint8 if "codes" in name or name == "k_qjl" else half_dtype(st.xp), device=st.device
+            )
 
         has_out = calib is not None and calib.n_outliers > 0
         return PolarLayerCodec(
-            n_sink=st.exact.n_sink, n_quantized=buf.length, n_window=st.exact.count,
-            rotation=fixed.rotation, k_codebook=fixed.k_codebook, v_codebook=fixed.v_codebook,
-            k_codes=view("k_codes", (packed_nbytes(d, self.key_bits),)), k_norms=view("k_norms", ()),
-            v_codes=view("v_codes", (packed_nbytes(d, self.value_bits),)), v_norms=view("v_norms", ()),
-            k_mean=None if calib is None else calib.k_mean, v_mean=None if calib is None else calib.v_mean,
+            n_sink=st.exact.n_sink,
+            n_quantized=buf.length,
+            n_window=st.exact.count,
+            rotation=fixed.rotation,
+            k_codebook=fixed.k_codebook,
+            v_codebook=fixed.v_codebook,
+            k_codes=view("k_codes", (packed_nbytes(d, self.key_bits),)),
+            k_norms=view("k_norms", ()),
+            v_codes=view("v_codes", (packed_nbytes(d, self.value_bits),)),
+            v_norms=view("v_norms", ()),
+            k_mean=None if calib is None else calib.k_mean,
+            v_mean=None if calib is None else calib.v_mean,
             k_scale=None if calib is None else calib.k_scale,
             k_mean_freq=None if calib is None else calib.k_mean_freq,
             k_mean_pairs=None if calib is None else calib.k_mean_pairs,
             k_outlier_idx=calib.k_outlier_idx if has_out else None,
             k_outliers=buf.view("k_outliers") if has_out and "k_outliers" in buf.names() else None,
-            k_window=st.exact.k, v_window=st.exact.v,
+            k_window=st.exact.k,
+            v_window=st.exact.v,
             qjl=fixed.qjl,
             k_qjl=view("k_qjl", (packed_nbytes(d, 1),)) if self.qjl else None,
             k_qjl_norms=view("k_qjl_norms", ()) if self.qjl else None,
-            k_mean_plan=None if calib is None else calib.rotary_plan())
+            k_mean_plan=None if calib is None else calib.rotary_plan(),
+        )
 
 
 def _option(name: str) -> property:
@@ -432,16 +555,40 @@ del _f
 def _preset(name: str, key_bits: int, value_bits: int, qjl: bool) -> type:
     """The class of method ``name``: a :class:`PolarCache` with these bits and ``qjl`` fixed."""
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, key_bits: int = key_bits,
-                 value_bits: int = value_bits, **options: Any):
-        PolarCache.__init__(self, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                            key_bits=key_bits, value_bits=value_bits, qjl=qjl, **options)
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        key_bits: int = key_bits,
+        value_bits: int = value_bits,
+        **options: Any,
+    ):
+        PolarCache.__init__(
+            self,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            key_bits=key_bits,
+            value_bits=value_bits,
+            qjl=qjl,
+            **options,
+        )
 
     what = f"keys {key_bits} bits{' + 1-bit QJL' if qjl else ''}, values {value_bits} bits"
-    cls = type(f"{name.capitalize()}Cache", (PolarCache,), {
-        "__init__": __init__, "method": name, "_fixed_options": {"qjl": qjl}, "__module__": __name__,
-        "__doc__": f"``{name}``: {what} (``key_bits``/``value_bits`` may be overridden); options of "
-                   ":class:`PolarCache` except ``qjl``."})
+    cls = type(
+        f"{name.capitalize()}Cache",
+        (PolarCache,),
+        {
+            "__init__": __init__,
+            "method": name,
+            "_fixed_options": {"qjl": qjl},
+            "__module__": __name__,
+            "__doc__": f"``{name}``: {what} (``key_bits``/``value_bits`` may be overridden); options of "
+            ":class:`PolarCache` except ``qjl``.",
+        },
+    )
     return cls
 
 

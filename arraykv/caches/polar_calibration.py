@@ -27,8 +27,14 @@ from ..quant.rotary_mean import ROPE_LAYOUTS, RotaryMeanPlan, fit_rotary_mean, r
 from .layout import Layout, Spec, check_layout
 from .polar_options import PolarOptions
 
-__all__ = ["PolarCalibration", "calibrate", "calibration_layout", "CENTER_MIN_SHARE", "MIN_CALIBRATION_TOKENS",
-           "KEY_SCALE_RANGE"]
+__all__ = [
+    "PolarCalibration",
+    "calibrate",
+    "calibration_layout",
+    "CENTER_MIN_SHARE",
+    "MIN_CALIBRATION_TOKENS",
+    "KEY_SCALE_RANGE",
+]
 
 #: Centering is used when the mean carries more than this share of the vectors' energy.
 CENTER_MIN_SHARE = 0.02
@@ -202,12 +208,14 @@ def calibration_layout(xp: Any, batch: int, heads: int, head_dim: int) -> Layout
     """
     half, d = half_dtype(xp), head_dim
     lead = (batch, heads)
-    arrays = {"k_mean": Spec(half, lead + (d,), required=False),
-              "v_mean": Spec(half, lead + (d,), required=False),
-              "k_scale": Spec(half, lead + (d,), required=False, low=KEY_SCALE_RANGE[0], high=KEY_SCALE_RANGE[1]),
-              "k_outlier_idx": Spec(xp.int32, lead + ("n_out",), required=False, low=0, high=d - 1, ascending=True),
-              "k_mean_freq": Spec(xp.float32, lead + (d // 2,), required=False, low=0.0, high=math.pi),
-              "k_mean_pairs": Spec(xp.int32, (d // 2, 2), required=False)}
+    arrays = {
+        "k_mean": Spec(half, lead + (d,), required=False),
+        "v_mean": Spec(half, lead + (d,), required=False),
+        "k_scale": Spec(half, lead + (d,), required=False, low=KEY_SCALE_RANGE[0], high=KEY_SCALE_RANGE[1]),
+        "k_outlier_idx": Spec(xp.int32, lead + ("n_out",), required=False, low=0, high=d - 1, ascending=True),
+        "k_mean_freq": Spec(xp.float32, lead + (d // 2,), required=False, low=0.0, high=math.pi),
+        "k_mean_pairs": Spec(xp.int32, (d // 2, 2), required=False),
+    }
 
     def pieces(sizes: dict, held: frozenset):
         if "k_mean_freq" in held and "k_mean" not in held:
@@ -220,10 +228,15 @@ def calibration_layout(xp: Any, batch: int, heads: int, head_dim: int) -> Layout
         got = arrays.get("k_mean_pairs")
         if got is None:
             return None
-        if d % 2 == 0 and any(bool(xp.all(got == rope_pairs(d, layout, xp=xp, device=_compat.device(got))))
-                              for layout in ROPE_LAYOUTS):
+        if d % 2 == 0 and any(
+            bool(xp.all(got == rope_pairs(d, layout, xp=xp, device=_compat.device(got)))) for layout in ROPE_LAYOUTS
+        ):
             return None
         return f"stored 'k_mean_pairs' must be the channel pairs of a rotary layout ({', '.join(ROPE_LAYOUTS)})"
 
-    return Layout(arrays=arrays, groups=(PolarCalibration.NAMES[:4], ("k_mean_freq", "k_mean_pairs")),
-                  rules=(pieces,), value_rules=(pairs,))
+    return Layout(
+        arrays=arrays,
+        groups=(PolarCalibration.NAMES[:4], ("k_mean_freq", "k_mean_pairs")),
+        rules=(pieces,),
+        value_rules=(pairs,),
+    )

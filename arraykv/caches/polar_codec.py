@@ -130,13 +130,16 @@ class PolarFixed:
     qjl: QJLSketch | None
 
     @classmethod
-    def build(cls, xp: Any, dev: Any, *, head_dim: int, key_bits: int, value_bits: int, seed: int,
-              qjl: bool) -> PolarFixed:
+    def build(
+        cls, xp: Any, dev: Any, *, head_dim: int, key_bits: int, value_bits: int, seed: int, qjl: bool
+    ) -> PolarFixed:
         """The arrays for one namespace and device (same seed, same arrays)."""
-        return cls(rotation=make_rotation(head_dim, seed, xp=xp, device=dev),
-                   k_codebook=make_codebook(key_bits, head_dim, xp=xp, device=dev),
-                   v_codebook=make_codebook(value_bits, head_dim, xp=xp, device=dev),
-                   qjl=make_sketch(head_dim, seed, xp=xp, device=dev) if qjl else None)
+        return cls(
+            rotation=make_rotation(head_dim, seed, xp=xp, device=dev),
+            k_codebook=make_codebook(key_bits, head_dim, xp=xp, device=dev),
+            v_codebook=make_codebook(value_bits, head_dim, xp=xp, device=dev),
+            qjl=make_sketch(head_dim, seed, xp=xp, device=dev) if qjl else None,
+        )
 
     def encoder(self, calib: Any, *, key_length: str, value_length: str, qjl: bool) -> PolarEncoder:
         """The encode ops' argument object for a layer calibrated with ``calib``
@@ -145,11 +148,20 @@ class PolarFixed:
         ``key_length``/``value_length`` are the options' ``"unbiased"`` or ``"norm"``; ``qjl``
         says whether the keys' residual is sketched (this set's sketch then).
         """
-        return PolarEncoder(k_mean=calib.k_mean, v_mean=calib.v_mean, k_scale=calib.k_scale,
-                            k_outlier_idx=calib.k_outlier_idx, k_mean_freq=calib.k_mean_freq,
-                            k_mean_pairs=calib.k_mean_pairs, k_codebook=self.k_codebook, v_codebook=self.v_codebook,
-                            rotation=self.rotation, key_unbiased=key_length == "unbiased",
-                            value_unbiased=value_length == "unbiased", qjl=self.qjl if qjl else None)
+        return PolarEncoder(
+            k_mean=calib.k_mean,
+            v_mean=calib.v_mean,
+            k_scale=calib.k_scale,
+            k_outlier_idx=calib.k_outlier_idx,
+            k_mean_freq=calib.k_mean_freq,
+            k_mean_pairs=calib.k_mean_pairs,
+            k_codebook=self.k_codebook,
+            v_codebook=self.v_codebook,
+            rotation=self.rotation,
+            key_unbiased=key_length == "unbiased",
+            value_unbiased=value_length == "unbiased",
+            qjl=self.qjl if qjl else None,
+        )
 
     def nbytes(self) -> int:
         """Bytes held (a codebook shared by keys and values counted once)."""

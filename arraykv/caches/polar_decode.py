@@ -37,8 +37,14 @@ def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0)
         parts_v.append(vx[:, :, start:n_s, :])
     c0 = min(max(0, start - n_s), buf.length)
     if buf.length > c0:
-        kd, vd = decode_tokens({n: buf.view(n)[:, :, c0:, ...] for n in buf.names()}, st.calib, fixed,
-                               opts.key_bits, opts.value_bits, n_s + c0)
+        kd, vd = decode_tokens(
+            {n: buf.view(n)[:, :, c0:, ...] for n in buf.names()},
+            st.calib,
+            fixed,
+            opts.key_bits,
+            opts.value_bits,
+            n_s + c0,
+        )
         parts_k.append(kd)
         parts_v.append(vd)
     w0 = n_s + max(0, start - n_s - buf.length)
@@ -49,8 +55,7 @@ def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0)
     return xp.concat(parts_k, axis=2), xp.concat(parts_v, axis=2)
 
 
-def decode_tokens(codes: dict, calib: Any, fixed: PolarFixed, key_bits: int, value_bits: int,
-                  position: int) -> tuple:
+def decode_tokens(codes: dict, calib: Any, fixed: PolarFixed, key_bits: int, value_bits: int, position: int) -> tuple:
     """float32 K/V, (b, h, t, d) each, of tokens encoded by ``ops.polar_encode_tokens``.
 
     Parameters

@@ -16,8 +16,15 @@ from ..quant.rotation import is_power_of_two
 from .layer import check_decode_path
 from .rollback import DEFAULT_ROLLBACK_TOKENS, check_rollback_tokens
 
-__all__ = ["PolarOptions", "check_polar_options", "DEFAULT_RESIDUAL_WINDOW", "default_residual_window",
-           "DEFAULT_SINK_TOKENS", "DEFAULT_OUTLIER_THRESHOLD", "MAX_DENSE_HEAD_DIM"]
+__all__ = [
+    "PolarOptions",
+    "check_polar_options",
+    "DEFAULT_RESIDUAL_WINDOW",
+    "default_residual_window",
+    "DEFAULT_SINK_TOKENS",
+    "DEFAULT_OUTLIER_THRESHOLD",
+    "MAX_DENSE_HEAD_DIM",
+]
 
 #: Recent tokens kept in float16 by default, by key bits (chosen by measurement, see
 #: docs/algorithms.md §8): 4-bit codes are accurate enough that four more exact tokens buy
@@ -66,12 +73,27 @@ class PolarOptions:
         return asdict(self)
 
 
-def check_polar_options(head_dim: int, *, key_bits: Any, value_bits: Any, qjl: Any = False, seed: Any = 0,
-                        residual_window: Any = None, center: Any = "auto", outliers: Any = "auto",
-                        outlier_threshold: Any = DEFAULT_OUTLIER_THRESHOLD, max_outliers: Any = None,
-                        key_scale: Any = True, sink_tokens: Any = DEFAULT_SINK_TOKENS, key_length: Any = "unbiased",
-                        value_length: Any = "unbiased", rope: Any = "auto", softmax_scale: Any = None,
-                        decode_path: Any = "auto", rollback_tokens: Any = DEFAULT_ROLLBACK_TOKENS) -> PolarOptions:
+def check_polar_options(
+    head_dim: int,
+    *,
+    key_bits: Any,
+    value_bits: Any,
+    qjl: Any = False,
+    seed: Any = 0,
+    residual_window: Any = None,
+    center: Any = "auto",
+    outliers: Any = "auto",
+    outlier_threshold: Any = DEFAULT_OUTLIER_THRESHOLD,
+    max_outliers: Any = None,
+    key_scale: Any = True,
+    sink_tokens: Any = DEFAULT_SINK_TOKENS,
+    key_length: Any = "unbiased",
+    value_length: Any = "unbiased",
+    rope: Any = "auto",
+    softmax_scale: Any = None,
+    decode_path: Any = "auto",
+    rollback_tokens: Any = DEFAULT_ROLLBACK_TOKENS,
+) -> PolarOptions:
     """Check every option of a polar cache with ``head_dim`` channels per head.
 
     Returns
@@ -89,8 +111,9 @@ def check_polar_options(head_dim: int, *, key_bits: Any, value_bits: Any, qjl: A
     if d < 4:
         raise ValueError(f"head_dim must be >= 4 for the rotated quantizers, received {d}")
     if not is_power_of_two(d) and d > MAX_DENSE_HEAD_DIM:
-        raise ValueError(f"head_dim must be a power of two or at most {MAX_DENSE_HEAD_DIM} (a dense rotation is "
-                         f"held), received {d}")
+        raise ValueError(
+            f"head_dim must be a power of two or at most {MAX_DENSE_HEAD_DIM} (a dense rotation is held), received {d}"
+        )
     key_bits = check_int("key_bits", key_bits, low=1, high=8)
     value_bits = check_int("value_bits", value_bits, low=1, high=8)
     qjl = check_bool("qjl", qjl)
@@ -111,8 +134,21 @@ def check_polar_options(head_dim: int, *, key_bits: Any, value_bits: Any, qjl: A
         if not isinstance(value, str) or value not in LENGTHS:
             raise ValueError(f"{name} must be one of {', '.join(LENGTHS)}, received {value!r}")
     return PolarOptions(
-        key_bits=key_bits, value_bits=value_bits, qjl=qjl, seed=seed, residual_window=residual_window,
-        center=center, outliers=outliers, outlier_threshold=float(outlier_threshold), max_outliers=max_outliers,
-        key_scale=key_scale, sink_tokens=check_int("sink_tokens", sink_tokens, low=0), key_length=key_length,
-        value_length=value_length, rope=check_rope(rope), softmax_scale=softmax_scale,
-        decode_path=check_decode_path(decode_path), rollback_tokens=check_rollback_tokens(rollback_tokens))
+        key_bits=key_bits,
+        value_bits=value_bits,
+        qjl=qjl,
+        seed=seed,
+        residual_window=residual_window,
+        center=center,
+        outliers=outliers,
+        outlier_threshold=float(outlier_threshold),
+        max_outliers=max_outliers,
+        key_scale=key_scale,
+        sink_tokens=check_int("sink_tokens", sink_tokens, low=0),
+        key_length=key_length,
+        value_length=value_length,
+        rope=check_rope(rope),
+        softmax_scale=softmax_scale,
+        decode_path=check_decode_path(decode_path),
+        rollback_tokens=check_rollback_tokens(rollback_tokens),
+    )

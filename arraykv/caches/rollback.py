@@ -51,10 +51,10 @@ def keep_last(xp: Any, held: Any, new: Any, cap: int):
     if cap <= 0:
         return held[:, :, :0, :]
     if int(new.shape[2]) >= cap:
-        return xp.asarray(new[:, :, int(new.shape[2]) - cap:, :], copy=True)
+        return xp.asarray(new[:, :, int(new.shape[2]) - cap :, :], copy=True)
     both = xp.concat([held, new], axis=2)
     n = int(both.shape[2])
-    return both if n <= cap else both[:, :, n - cap:, :]
+    return both if n <= cap else both[:, :, n - cap :, :]
 
 
 class LayerRollback:
@@ -137,8 +137,9 @@ class LayerRollback:
                 self._states = [None] * self.num_layers
                 self._on_reset()
                 return
-            commits = [self._plan_truncate(i, min(length, 0 if st is None else st.length))
-                       for i, st in enumerate(self._states)]
+            commits = [
+                self._plan_truncate(i, min(length, 0 if st is None else st.length)) for i, st in enumerate(self._states)
+            ]
             for commit in commits:
                 if commit is not None:
                     commit()
@@ -220,6 +221,7 @@ class LayerRollback:
         def apply():
             commit()
             st.length = length
+
         return apply
 
     def _refusal(self, layer: int, st: LayerState, length: int) -> str:
@@ -234,8 +236,10 @@ class LayerRollback:
             if not st.fixed_known and getattr(self, "_calibration_given", True):
                 why += "the file it was loaded from does not record that call (it may have been given)"
             elif getattr(self, "_uncalibrated_at", lambda s, n: False)(st, length):
-                why += (f"the uncalibrated layer a direct build holds there needs tokens deeper than its rollback "
-                        f"copies reach ({copies})")
+                why += (
+                    f"the uncalibrated layer a direct build holds there needs tokens deeper than its rollback "
+                    f"copies reach ({copies})"
+                )
             else:
                 why += "a direct build would calibrate on other tokens"
         return f"cannot truncate layer {layer} to {length} exactly: it can reach {reach}; {length} is {why}"

@@ -111,8 +111,8 @@ class SlidingRows:
             _move(self._vb, off + drop, off, head)
         off += drop
         self._off = off
-        self.k = self._kb[:, :, off:end + t, ...]
-        self.v = self._vb[:, :, off:end + t, ...]
+        self.k = self._kb[:, :, off : end + t, ...]
+        self.v = self._vb[:, :, off : end + t, ...]
         return self.k, self.v
 
     def slide(self, head: int, drop: int, k_new: Any, v_new: Any) -> tuple:
@@ -123,8 +123,8 @@ class SlidingRows:
         """
         t = int(k_new.shape[2])
         row = self.room(t)
-        self._kb[:, :, row:row + t, ...] = k_new
-        self._vb[:, :, row:row + t, ...] = v_new
+        self._kb[:, :, row : row + t, ...] = k_new
+        self._vb[:, :, row : row + t, ...] = v_new
         return self.advance(head, drop, t)
 
     def _grow(self, rows: int) -> None:
@@ -143,7 +143,7 @@ def _move(buf: Any, dst: int, src: int, rows: int) -> None:
     NumPy's assignment reads overlapping operands as if copied first; other libraries get an
     explicit copy of the source rows when the ranges overlap.
     """
-    part = buf[:, :, src:src + rows, ...]
+    part = buf[:, :, src : src + rows, ...]
     if abs(dst - src) < rows and type(buf).__module__ != "numpy":
         part = namespace(buf).asarray(part, copy=True)
-    buf[:, :, dst:dst + rows, ...] = part
+    buf[:, :, dst : dst + rows, ...] = part

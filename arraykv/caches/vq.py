@@ -134,15 +134,31 @@ class VQCache(FittedCache):
     _calib_names = ("k_centroids", "v_centroids")
     _item_kinds = (VQCodebook,)
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, codebook_size: int = 16,
-                 sub_dim: int = 2, max_iter: int = 25, tol: float = 1e-4, seed: int = 0, calibration: Any = None,
-                 min_calibration: int | None = None, max_calibration: int | None = None,
-                 residual_window: int = DEFAULT_WINDOW, sink_tokens: int = DEFAULT_SINKS,
-                 rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, decode_path: str = "auto",
-                 check_finite: bool = True, max_tokens: int | None = None):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        codebook_size: int = 16,
+        sub_dim: int = 2,
+        max_iter: int = 25,
+        tol: float = 1e-4,
+        seed: int = 0,
+        calibration: Any = None,
+        min_calibration: int | None = None,
+        max_calibration: int | None = None,
+        residual_window: int = DEFAULT_WINDOW,
+        sink_tokens: int = DEFAULT_SINKS,
+        rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
+        decode_path: str = "auto",
+        check_finite: bool = True,
+        max_tokens: int | None = None,
+    ):
         d = check_int("head_dim", head_dim, low=1)
         self.codebook_size, self.sub_dim, self.max_iter, self.tol = check_vq_options(
-            codebook_size, sub_dim, d, max_iter, tol)
+            codebook_size, sub_dim, d, max_iter, tol
+        )
         self.seed = check_int("seed", seed, low=0)
         if min_calibration is None:
             min_calibration = VQ_VECTORS_PER_CENTROID * self.codebook_size
@@ -150,10 +166,18 @@ class VQCache(FittedCache):
         if max_calibration is None:
             max_calibration = max(VQ_FIT_VECTORS_PER_CENTROID * self.codebook_size, self.min_calibration)
         self.max_calibration = check_int("max_calibration", max_calibration, low=self.min_calibration)
-        super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         calibration=calibration, residual_window=residual_window, sink_tokens=sink_tokens,
-                         rollback_tokens=rollback_tokens, decode_path=decode_path, check_finite=check_finite,
-                         max_tokens=max_tokens)
+        super().__init__(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            calibration=calibration,
+            residual_window=residual_window,
+            sink_tokens=sink_tokens,
+            rollback_tokens=rollback_tokens,
+            decode_path=decode_path,
+            check_finite=check_finite,
+            max_tokens=max_tokens,
+        )
 
     def _item_help(self) -> str:
         return "a fitted KVCacheCompressor(VectorQuantization(...)) or a pair (k_codebook, v_codebook) of VQCodebook"
@@ -165,33 +189,45 @@ class VQCache(FittedCache):
                 raise TypeError(f"{where} must hold VQCodebook, received {type(cb).__name__}")
             c = cb.centroids
             if c.ndim != 4 or int(c.shape[0]) != self.num_kv_heads or cb.subspaces * cb.sub_dim != self.head_dim:
-                raise ValueError(f"{where}: the {name} codebook must be (num_kv_heads={self.num_kv_heads}, "
-                                 f"subspaces, codebook_size, sub_dim) with subspaces × sub_dim = head_dim="
-                                 f"{self.head_dim}, received shape {tuple(int(s) for s in c.shape)}")
+                raise ValueError(
+                    f"{where}: the {name} codebook must be (num_kv_heads={self.num_kv_heads}, "
+                    f"subspaces, codebook_size, sub_dim) with subspaces × sub_dim = head_dim="
+                    f"{self.head_dim}, received shape {tuple(int(s) for s in c.shape)}"
+                )
             xp = _compat.namespace(c)
             out[f"{name}_centroids"] = xp.asarray(_f32(xp, c), copy=True)
         return out
 
     def _extra_config(self) -> dict:
-        return super()._extra_config() | {"codebook_size": self.codebook_size, "sub_dim": self.sub_dim,
-                                          "max_iter": self.max_iter, "tol": self.tol, "seed": self.seed,
-                                          "max_calibration": self.max_calibration}
+        return super()._extra_config() | {
+            "codebook_size": self.codebook_size,
+            "sub_dim": self.sub_dim,
+            "max_iter": self.max_iter,
+            "tol": self.tol,
+            "seed": self.seed,
+            "max_calibration": self.max_calibration,
+        }
 
     def _fit_layout(self, xp: Any) -> Layout:
         """``k_centroids``, ``v_centroids``: float32 (h, m, K, s), bounded, ``m · s = head_dim``,
         ``2 <= K <= 65536`` (the codebook sizes and sub_dim of a given calibration win over the
         options, so they are read from the arrays)."""
         h, d = self.num_kv_heads, self.head_dim
-        arrays = {f"{n}_centroids": bounded(xp.float32, (h, f"{n}_m", f"{n}_size", f"{n}_sub"), required=False)
-                  for n in ("k", "v")}
+        arrays = {
+            f"{n}_centroids": bounded(xp.float32, (h, f"{n}_m", f"{n}_size", f"{n}_sub"), required=False)
+            for n in ("k", "v")
+        }
 
         def books(sizes: dict, held: frozenset):
             for n in ("k", "v"):
-                if f"{n}_m" in sizes and (sizes[f"{n}_m"] * sizes[f"{n}_sub"] != d or
-                                          not 2 <= sizes[f"{n}_size"] <= MAX_CODEBOOK_SIZE):
-                    return (f"stored '{n}_centroids' must be (heads, subspaces, codebook_size, sub_dim) with subspaces "
-                            f"× sub_dim = head_dim={d} and 2 <= codebook_size <= {MAX_CODEBOOK_SIZE}, received "
-                            f"({h}, {sizes[f'{n}_m']}, {sizes[f'{n}_size']}, {sizes[f'{n}_sub']})")
+                if f"{n}_m" in sizes and (
+                    sizes[f"{n}_m"] * sizes[f"{n}_sub"] != d or not 2 <= sizes[f"{n}_size"] <= MAX_CODEBOOK_SIZE
+                ):
+                    return (
+                        f"stored '{n}_centroids' must be (heads, subspaces, codebook_size, sub_dim) with subspaces "
+                        f"× sub_dim = head_dim={d} and 2 <= codebook_size <= {MAX_CODEBOOK_SIZE}, received "
+                        f"({h}, {sizes[f'{n}_m']}, {sizes[f'{n}_size']}, {sizes[f'{n}_sub']})"
+                    )
             return None
 
         return Layout(arrays=arrays, rules=(books,))
@@ -203,12 +239,14 @@ class VQCache(FittedCache):
         tok = (batch, self.num_kv_heads, "codes")
         out = {}
         for n in ("k", "v"):
+
             def dtype(sizes, n=n):
                 return xp.uint8 if code_bits(sizes[f"{n}_size"]) <= 8 else xp.uint16
 
             def width(sizes, n=n):
                 bits, m = code_bits(sizes[f"{n}_size"]), sizes[f"{n}_m"]
                 return packed_nbytes(m, bits) if bits <= 8 else m
+
             out[f"{n}_codes"] = Spec(dtype, tok + (width,), required=False)
         return out
 
@@ -217,15 +255,25 @@ class VQCache(FittedCache):
         return join(base, Layout(arrays={}, value_rules=(_codes_in_range,)))
 
     def _fit(self, xp, k, v) -> dict:
-        return {f"{name}_centroids": train_vq(samples_by_head(xp, x), codebook_size=self.codebook_size,
-                                              sub_dim=self.sub_dim, max_iter=self.max_iter, tol=self.tol,
-                                              seed=self.seed, assign=ops.vq_assign, update=ops.vq_update).centroids
-                for name, x in (("k", k), ("v", v))}
+        return {
+            f"{name}_centroids": train_vq(
+                samples_by_head(xp, x),
+                codebook_size=self.codebook_size,
+                sub_dim=self.sub_dim,
+                max_iter=self.max_iter,
+                tol=self.tol,
+                seed=self.seed,
+                assign=ops.vq_assign,
+                update=ops.vq_update,
+            ).centroids
+            for name, x in (("k", k), ("v", v))
+        }
 
     def _encode(self, xp, calib, k, v) -> dict:
-        return {f"{name}_codes": vq_encode(x, VQCodebook(centroids=calib[f"{name}_centroids"]),
-                                           encode=ops.vq_encode).codes
-                for name, x in (("k", k), ("v", v))}
+        return {
+            f"{name}_codes": vq_encode(x, VQCodebook(centroids=calib[f"{name}_centroids"]), encode=ops.vq_encode).codes
+            for name, x in (("k", k), ("v", v))
+        }
 
     def _fused_auto(self, xp: Any) -> bool:
         return ops.has_kernel("vq_decode_attention", xp)
@@ -241,8 +289,17 @@ class VQCache(FittedCache):
             r = self._decoded(st)
             return attention(q, r.k, r.v, softmax_scale=scale, causal=False)
         b, hq, _, d = (int(s) for s in q.shape)
-        out = ops.vq_decode_attention(xp.reshape(q, (b, hq, d)), buf.view("k_codes"), kc, buf.view("v_codes"), vc,
-                                      ke, ve, bits=bits, softmax_scale=scale)
+        out = ops.vq_decode_attention(
+            xp.reshape(q, (b, hq, d)),
+            buf.view("k_codes"),
+            kc,
+            buf.view("v_codes"),
+            vc,
+            ke,
+            ve,
+            bits=bits,
+            softmax_scale=scale,
+        )
         out = xp.reshape(out, (b, hq, 1, d))
         return out if out.dtype == q.dtype else xp.astype(out, q.dtype)
 
@@ -250,7 +307,10 @@ class VQCache(FittedCache):
         out = []
         for name in ("k", "v"):
             cb = VQCodebook(centroids=calib[f"{name}_centroids"])
-            codes = VQCodes(codes=buf.view(f"{name}_codes")[:, :, start:, :], bits=code_bits(cb.codebook_size),
-                            subspaces=cb.subspaces)
+            codes = VQCodes(
+                codes=buf.view(f"{name}_codes")[:, :, start:, :],
+                bits=code_bits(cb.codebook_size),
+                subspaces=cb.subspaces,
+            )
             out.append(vq_decode(codes, cb, decode=ops.vq_decode))
         return out[0], out[1]

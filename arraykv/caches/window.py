@@ -32,9 +32,21 @@ from .layout import Layout, Spec, fixed_end_spec
 from .rollback import RECORD_NBYTES, keep_last
 from .sliding import SlidingRows
 
-__all__ = ["ExactTokens", "WindowStep", "WindowLayer", "WindowRollback", "commit_store", "restore_tokens",
-           "rollback_arrays", "restore_rollback", "sliding_rows", "block_room", "rollback_room", "rollback_layout",
-           "token_counts"]
+__all__ = [
+    "ExactTokens",
+    "WindowStep",
+    "WindowLayer",
+    "WindowRollback",
+    "commit_store",
+    "restore_tokens",
+    "rollback_arrays",
+    "restore_rollback",
+    "sliding_rows",
+    "block_room",
+    "rollback_room",
+    "rollback_layout",
+    "token_counts",
+]
 
 
 def _f32(xp: Any, x: Any):
@@ -113,8 +125,7 @@ class ExactTokens:
             if q is not None:
                 q = q[:, :, take:, :]
         kw, vw = self.recent()
-        return WindowStep(xp=xp, k_sink=ks, v_sink=vs, k_recent=kw, v_recent=vw, k=k, v=v, q=q,
-                          taken=max(0, take))
+        return WindowStep(xp=xp, k_sink=ks, v_sink=vs, k_recent=kw, v_recent=vw, k=k, v=v, q=q, taken=max(0, take))
 
 
 @dataclass(frozen=True)
@@ -176,10 +187,12 @@ class WindowStep:
         n_w, t = self.n_recent, self.n_new
         drop = min(spill, n_w)
         keep_new = t - max(0, spill - n_w)
-        k = xp.concat([self.k_sink, self.k_recent[:, :, drop:, :], xp.astype(self.k[:, :, t - keep_new:, :], half)],
-                      axis=2)
-        v = xp.concat([self.v_sink, self.v_recent[:, :, drop:, :], xp.astype(self.v[:, :, t - keep_new:, :], half)],
-                      axis=2)
+        k = xp.concat(
+            [self.k_sink, self.k_recent[:, :, drop:, :], xp.astype(self.k[:, :, t - keep_new :, :], half)], axis=2
+        )
+        v = xp.concat(
+            [self.v_sink, self.v_recent[:, :, drop:, :], xp.astype(self.v[:, :, t - keep_new :, :], half)], axis=2
+        )
         return ExactTokens(k=k, v=v, n_sink=self.n_sink)
 
     def half_rows(self, lo: int, hi: int) -> tuple:
@@ -187,12 +200,12 @@ class WindowStep:
         xp = self.xp
         half = half_dtype(xp)
         n_w = self.n_recent
-        ks = [self.k_recent[:, :, min(lo, n_w):min(hi, n_w), :]]
-        vs = [self.v_recent[:, :, min(lo, n_w):min(hi, n_w), :]]
+        ks = [self.k_recent[:, :, min(lo, n_w) : min(hi, n_w), :]]
+        vs = [self.v_recent[:, :, min(lo, n_w) : min(hi, n_w), :]]
         if hi > n_w:
             a = max(0, lo - n_w)
-            ks.append(xp.astype(self.k[:, :, a:hi - n_w, :], half))
-            vs.append(xp.astype(self.v[:, :, a:hi - n_w, :], half))
+            ks.append(xp.astype(self.k[:, :, a : hi - n_w, :], half))
+            vs.append(xp.astype(self.v[:, :, a : hi - n_w, :], half))
         if len(ks) == 1:
             return ks[0], vs[0]
         return xp.concat(ks, axis=2), xp.concat(vs, axis=2)
@@ -203,11 +216,11 @@ class WindowStep:
         keep_new = self.n_new - max(0, spill - self.n_recent)
         ks, vs = [], []
         if self.taken:
-            ks.append(exact.k[:, :, self.n_sink - self.taken: self.n_sink, :])
-            vs.append(exact.v[:, :, self.n_sink - self.taken: self.n_sink, :])
+            ks.append(exact.k[:, :, self.n_sink - self.taken : self.n_sink, :])
+            vs.append(exact.v[:, :, self.n_sink - self.taken : self.n_sink, :])
         if keep_new:
-            ks.append(exact.k[:, :, exact.count - keep_new:, :])
-            vs.append(exact.v[:, :, exact.count - keep_new:, :])
+            ks.append(exact.k[:, :, exact.count - keep_new :, :])
+            vs.append(exact.v[:, :, exact.count - keep_new :, :])
         return ks, vs
 
 
@@ -284,8 +297,17 @@ def rollback_room(st: WindowLayer, rows: int, keep: int):
     return block, row, lambda: push(max(0, st.rollback.count + rows - keep))
 
 
-def commit_store(xp: Any, method: str, st: WindowLayer, step: WindowStep, spill: int, arrays: dict | None,
-                 calib: Any, new_calib: dict, rollback: int = 0) -> None:
+def commit_store(
+    xp: Any,
+    method: str,
+    st: WindowLayer,
+    step: WindowStep,
+    spill: int,
+    arrays: dict | None,
+    calib: Any,
+    new_calib: dict,
+    rollback: int = 0,
+) -> None:
     """Commit a planned store to layer ``st``.
 
     ``step`` is the plan (:meth:`ExactTokens.step`) and ``spill`` the tokens of ``recent ++
@@ -320,8 +342,16 @@ def commit_store(xp: Any, method: str, st: WindowLayer, step: WindowStep, spill:
     st.calib = calib
 
 
-def _new_block(xp: Any, method: str, st: WindowLayer, step: WindowStep, spill: int, arrays: dict | None,
-               new_calib: dict, rollback: int):
+def _new_block(
+    xp: Any,
+    method: str,
+    st: WindowLayer,
+    step: WindowStep,
+    spill: int,
+    arrays: dict | None,
+    new_calib: dict,
+    rollback: int,
+):
     """:func:`commit_store`'s window and rollback copies by concatenation; returns the commit."""
     exact = step.block(spill)
     k_new, v_new = step.added_rows(exact, spill)
@@ -335,18 +365,27 @@ def _new_block(xp: Any, method: str, st: WindowLayer, step: WindowStep, spill: i
 
     def finish():
         st.exact, st.rollback = exact, margin
+
     return finish
 
 
-def _sliding_block(xp: Any, method: str, st: WindowLayer, step: WindowStep, spill: int, arrays: dict | None,
-                   new_calib: dict, rollback: int):
+def _sliding_block(
+    xp: Any,
+    method: str,
+    st: WindowLayer,
+    step: WindowStep,
+    spill: int,
+    arrays: dict | None,
+    new_calib: dict,
+    rollback: int,
+):
     """:func:`commit_store`'s window and rollback copies slid in place (no sink taken): the
     checks and every allocation; returns the commit, which allocates nothing."""
     half = half_dtype(xp)
     n_w, t = step.n_recent, step.n_new
     keep_new = t - max(0, spill - n_w)  # new tokens that stay in the window
-    k_new = xp.astype(step.k[:, :, t - keep_new:, :], half)
-    v_new = xp.astype(step.v[:, :, t - keep_new:, :], half)
+    k_new = xp.astype(step.k[:, :, t - keep_new :, :], half)
+    v_new = xp.astype(step.v[:, :, t - keep_new :, :], half)
     k_check, v_check = [k_new], [v_new]
     kr = vr = None
     if spill and rollback:
@@ -358,16 +397,17 @@ def _sliding_block(xp: Any, method: str, st: WindowLayer, step: WindowStep, spil
     if kr is not None:  # copied into the spare rows before the window's buffer moves
         r = int(kr.shape[2])
         margin, mrow, push = rollback_room(st, r, rollback)
-        margin.key_rows[:, :, mrow:mrow + r, ...] = kr
-        margin.value_rows[:, :, mrow:mrow + r, ...] = vr
+        margin.key_rows[:, :, mrow : mrow + r, ...] = kr
+        margin.value_rows[:, :, mrow : mrow + r, ...] = vr
     window, row, slide = block_room(st, "exact", keep_new)
 
     def finish():
         if push is not None:
             push()
-        window.key_rows[:, :, row:row + keep_new, ...] = k_new
-        window.value_rows[:, :, row:row + keep_new, ...] = v_new
+        window.key_rows[:, :, row : row + keep_new, ...] = k_new
+        window.value_rows[:, :, row : row + keep_new, ...] = v_new
         slide(min(spill, n_w))
+
     return finish
 
 
@@ -479,7 +519,7 @@ class WindowRollback:
             held = st.rollback.count
             kw = xp.concat([st.rollback.k, kw], axis=2) if held else kw
             vw = xp.concat([st.rollback.v, vw], axis=2) if held else vw
-            kw, vw = kw[:, :, ns2 + c2 - lo: length - lo, :], vw[:, :, ns2 + c2 - lo: length - lo, :]
+            kw, vw = kw[:, :, ns2 + c2 - lo : length - lo, :], vw[:, :, ns2 + c2 - lo : length - lo, :]
         else:
             kw, vw = kw[:, :, :0, :], vw[:, :, :0, :]
         exact = ExactTokens.from_parts(xp, ks[:, :, :ns2, :], vs[:, :, :ns2, :], kw, vw)
@@ -492,6 +532,7 @@ class WindowRollback:
             st.exact, st.rollback = exact, margin
             if uncal:  # the direct build has not calibrated: a later spill calibrates as it would
                 st.calib, st.fixed_end, st.fixed_known = None, 0, True
+
         return commit
 
     def _rollback_nbytes(self, st: Any) -> int:
@@ -499,8 +540,11 @@ class WindowRollback:
 
     def _side_spare_nbytes(self, st: WindowLayer) -> int:
         """The spare rows of the buffers the window and the rollback copies slide in."""
-        return sum(rows.spare_nbytes() for rows, held in ((st.window_rows, st.exact), (st.rollback_rows, st.rollback))
-                   if rows is not None and rows.holds(held.k))
+        return sum(
+            rows.spare_nbytes()
+            for rows, held in ((st.window_rows, st.exact), (st.rollback_rows, st.rollback))
+            if rows is not None and rows.holds(held.k)
+        )
 
 
 def rollback_arrays(st: Any) -> dict:
@@ -522,8 +566,9 @@ def restore_rollback(st: Any, arrays: dict) -> None:
     truncation)."""
     xp = st.xp
     if "k_rollback" in arrays:
-        st.rollback = ExactTokens(k=xp.asarray(arrays["k_rollback"], copy=True),
-                                  v=xp.asarray(arrays["v_rollback"], copy=True))
+        st.rollback = ExactTokens(
+            k=xp.asarray(arrays["k_rollback"], copy=True), v=xp.asarray(arrays["v_rollback"], copy=True)
+        )
     if "fixed_end" in arrays:
         st.fixed_end = int(arrays["fixed_end"][0])
     elif st.calib is not None:
@@ -535,13 +580,27 @@ def rollback_layout(xp: Any, batch: int, heads: int, head_dim: int) -> Layout:
     ``k_rollback``, ``v_rollback`` (half, (b, h, ``"copies"``, d), together; absent in files
     written before rollback copies existed) and ``fixed_end``."""
     half = half_dtype(xp)
-    return Layout(arrays={"k_rollback": Spec(half, (batch, heads, "copies", head_dim), required=False),
-                          "v_rollback": Spec(half, (batch, heads, "copies", head_dim), required=False),
-                          "fixed_end": fixed_end_spec(xp)}, groups=(("k_rollback", "v_rollback"),))
+    return Layout(
+        arrays={
+            "k_rollback": Spec(half, (batch, heads, "copies", head_dim), required=False),
+            "v_rollback": Spec(half, (batch, heads, "copies", head_dim), required=False),
+            "fixed_end": fixed_end_spec(xp),
+        },
+        groups=(("k_rollback", "v_rollback"),),
+    )
 
 
-def token_counts(cache: Any, length: int, n_sink: int, n_recent: int, n_codes: int, copies: int,
-                 calibrated: bool, *, spill_calibrates: bool) -> str | None:
+def token_counts(
+    cache: Any,
+    length: int,
+    n_sink: int,
+    n_recent: int,
+    n_codes: int,
+    copies: int,
+    calibrated: bool,
+    *,
+    spill_calibrates: bool,
+) -> str | None:
     """A message when a saved window layer's token counts are not those of a layer of ``length``
     tokens of ``cache`` (``sink_tokens``, ``residual_window``, ``rollback_tokens``), else None.
 
@@ -550,16 +609,24 @@ def token_counts(cache: Any, length: int, n_sink: int, n_recent: int, n_codes: i
     """
     window, sinks = cache.residual_window, min(cache.sink_tokens, length)
     if n_sink != sinks or n_recent < 0 or n_sink + n_codes + n_recent != length:
-        return (f"stored arrays hold {n_sink} sink, {n_codes} encoded and {n_recent} window tokens; a layer of "
-                f"{length} tokens holds {sinks} sinks and {length - sinks} more")
+        return (
+            f"stored arrays hold {n_sink} sink, {n_codes} encoded and {n_recent} window tokens; a layer of "
+            f"{length} tokens holds {sinks} sinks and {length - sinks} more"
+        )
     if calibrated and n_recent != min(window, length - sinks):
-        return (f"stored window holds {n_recent} tokens; a calibrated layer of {length} tokens holds "
-                f"{min(window, length - sinks)}")
+        return (
+            f"stored window holds {n_recent} tokens; a calibrated layer of {length} tokens holds "
+            f"{min(window, length - sinks)}"
+        )
     if not calibrated and (n_codes or copies or (spill_calibrates and n_recent > window)):
-        return ("stored arrays hold encoded tokens, rollback copies or a spilled window but no calibration"
-                if n_codes or copies else f"an uncalibrated layer holds at most residual_window={window} window "
-                f"tokens, received {n_recent}")
+        return (
+            "stored arrays hold encoded tokens, rollback copies or a spilled window but no calibration"
+            if n_codes or copies
+            else f"an uncalibrated layer holds at most residual_window={window} window tokens, received {n_recent}"
+        )
     if copies > min(cache.rollback_tokens, n_codes):
-        return (f"stored rollback copies hold {copies} tokens; at most {min(cache.rollback_tokens, n_codes)} "
-                f"(rollback_tokens={cache.rollback_tokens}, {n_codes} encoded)")
+        return (
+            f"stored rollback copies hold {copies} tokens; at most {min(cache.rollback_tokens, n_codes)} "
+            f"(rollback_tokens={cache.rollback_tokens}, {n_codes} encoded)"
+        )
     return None

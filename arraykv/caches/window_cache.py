@@ -78,7 +78,7 @@ class WindowLayer(LayerState):
 
     def held(self) -> dict:
         """Views of the held rows by name, each ``(batch, kv_heads, n, ...)``."""
-        return {name: b[:, :, self.off:self.off + self.n, ...] for name, b in self.rows.items()}
+        return {name: b[:, :, self.off : self.off + self.n, ...] for name, b in self.rows.items()}
 
     def tail_rows(self) -> int:
         """Rows of the float16 tail (the last positions, ``pq`` storages); 0 without one."""
@@ -145,13 +145,31 @@ class SlidingWindowCache(LayeredCache):
 
     method = "window"
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, window: int,
-                 rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, storage: str = "float16",
-                 exact_tail: int | None = None, seed: int = 0, decode_path: str = "auto",
-                 outliers: Any = "auto", outlier_threshold: float | None = None, max_outliers: int | None = None,
-                 check_finite: bool = True, max_tokens: int | None = None):
-        super().__init__(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         check_finite=check_finite, max_tokens=max_tokens)
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        window: int,
+        rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
+        storage: str = "float16",
+        exact_tail: int | None = None,
+        seed: int = 0,
+        decode_path: str = "auto",
+        outliers: Any = "auto",
+        outlier_threshold: float | None = None,
+        max_outliers: int | None = None,
+        check_finite: bool = True,
+        max_tokens: int | None = None,
+    ):
+        super().__init__(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            check_finite=check_finite,
+            max_tokens=max_tokens,
+        )
         self.window = check_int("window", window, low=1)
         self.rollback_tokens = check_rollback_tokens(rollback_tokens)
         if not isinstance(storage, str) or storage not in WINDOW_STORAGE:
@@ -162,23 +180,29 @@ class SlidingWindowCache(LayeredCache):
         #: Bits per coordinate of the ``pq`` storages (None: float storage).
         self.bits = POLAR_STORAGE.get(storage)
         if self.bits is None:
-            given = {"exact_tail": exact_tail, "outlier_threshold": outlier_threshold, "max_outliers": max_outliers,
-                     "outliers": None if isinstance(outliers, str) and outliers == "auto" else outliers}
+            given = {
+                "exact_tail": exact_tail,
+                "outlier_threshold": outlier_threshold,
+                "max_outliers": max_outliers,
+                "outliers": None if isinstance(outliers, str) and outliers == "auto" else outliers,
+            }
             for name, value in given.items():
                 if value is not None:
-                    raise ValueError(f"{name} applies to the pq storages; storage {storage!r} holds every token "
-                                     f"as {'given' if storage == 'exact' else 'float16'}")
+                    raise ValueError(
+                        f"{name} applies to the pq storages; storage {storage!r} holds every token "
+                        f"as {'given' if storage == 'exact' else 'float16'}"
+                    )
             self.exact_tail = 0
             self.options = None
         else:
-            self.exact_tail = check_int("exact_tail", DEFAULT_EXACT_TAIL if exact_tail is None else exact_tail,
-                                        low=0)
+            self.exact_tail = check_int("exact_tail", DEFAULT_EXACT_TAIL if exact_tail is None else exact_tail, low=0)
             #: The codec's options: those of ``pqoB`` (checks head_dim too).
             outlier_opts = {"outliers": outliers, "max_outliers": max_outliers}
             if outlier_threshold is not None:
                 outlier_opts["outlier_threshold"] = outlier_threshold
-            self.options = check_polar_options(self.head_dim, key_bits=self.bits, value_bits=self.bits, seed=seed,
-                                               **outlier_opts)
+            self.options = check_polar_options(
+                self.head_dim, key_bits=self.bits, value_bits=self.bits, seed=seed, **outlier_opts
+            )
         #: Rows a layer keeps after every call.
         self.keep = self.window + self.rollback_tokens
         #: Float16 tail rows a ``pq`` layer keeps (the exact tail and the rollback margin).
@@ -200,8 +224,9 @@ class SlidingWindowCache(LayeredCache):
         key = (id(xp), str(dev))
         got = self._fixed.get(key)
         if got is None:
-            got = PolarFixed.build(xp, dev, head_dim=self.head_dim, key_bits=self.bits, value_bits=self.bits,
-                                   seed=self.seed, qjl=False)
+            got = PolarFixed.build(
+                xp, dev, head_dim=self.head_dim, key_bits=self.bits, value_bits=self.bits, seed=self.seed, qjl=False
+            )
             self._fixed[key] = got
         return got
 
@@ -260,9 +285,12 @@ class SlidingWindowCache(LayeredCache):
         out = ops.polar_encode_tokens(kf, vf, enc, start)
         t = int(k.shape[2])
         m = min(t, self.tail_keep)
-        tail = (xp.astype(k[:, :, t - m:, :], xp.float16), xp.astype(v[:, :, t - m:, :], xp.float16)) if m else None
-        refuse_overflow(xp, self.method, {**out, "tail": [] if tail is None else list(tail),
-                                          **({} if new is None else new.arrays())})
+        tail = (xp.astype(k[:, :, t - m :, :], xp.float16), xp.astype(v[:, :, t - m :, :], xp.float16)) if m else None
+        refuse_overflow(
+            xp,
+            self.method,
+            {**out, "tail": [] if tail is None else list(tail), **({} if new is None else new.arrays())},
+        )
         return out, new, tail
 
     def _apply(self, st: WindowLayer, rows: dict, calib: Any, tail: Any, end: int) -> None:
@@ -293,10 +321,12 @@ class SlidingWindowCache(LayeredCache):
             if lo < first + n:
                 t0 = st.tail_rows() - (end - lo)
                 m = first + n - lo
-                k[:, :, n - m:, :] = st.tail_k[:, :, t0:t0 + m, :]
-                v[:, :, n - m:, :] = st.tail_v[:, :, t0:t0 + m, :]
-        return (k if k.dtype == st.dtype else xp.astype(k, st.dtype),
-                v if v.dtype == st.dtype else xp.astype(v, st.dtype))
+                k[:, :, n - m :, :] = st.tail_k[:, :, t0 : t0 + m, :]
+                v[:, :, n - m :, :] = st.tail_v[:, :, t0 : t0 + m, :]
+        return (
+            k if k.dtype == st.dtype else xp.astype(k, st.dtype),
+            v if v.dtype == st.dtype else xp.astype(v, st.dtype),
+        )
 
     def _push(self, st: WindowLayer, rows: dict) -> None:
         """Append stored rows and drop the oldest beyond ``keep``: amortized O(rows) per call."""
@@ -312,11 +342,14 @@ class SlidingWindowCache(LayeredCache):
             held = st.held()
             bufs = {}
             for name, a in rows.items():
-                b = xp.empty((st.batch, self.num_kv_heads, cap) + tuple(int(x) for x in a.shape[3:]),
-                             dtype=a.dtype, device=st.device)
+                b = xp.empty(
+                    (st.batch, self.num_kv_heads, cap) + tuple(int(x) for x in a.shape[3:]),
+                    dtype=a.dtype,
+                    device=st.device,
+                )
                 if old:
-                    b[:, :, :old, ...] = held[name][:, :, st.n - old:, ...]
-                b[:, :, old:old + m, ...] = a[:, :, t - m:, ...]
+                    b[:, :, :old, ...] = held[name][:, :, st.n - old :, ...]
+                b[:, :, old : old + m, ...] = a[:, :, t - m :, ...]
                 bufs[name] = b
             st.rows, st.off, st.n = bufs, 0, old + m
             return
@@ -324,11 +357,11 @@ class SlidingWindowCache(LayeredCache):
             old = min(st.n, keep - t)
             src = st.off + st.n - old
             for b in st.rows.values():
-                b[:, :, :old, ...] = xp.asarray(b[:, :, src:src + old, ...], copy=True)
+                b[:, :, :old, ...] = xp.asarray(b[:, :, src : src + old, ...], copy=True)
             st.off, st.n = 0, old
         end = st.off + st.n
         for name, b in st.rows.items():
-            b[:, :, end:end + t, ...] = rows[name]
+            b[:, :, end : end + t, ...] = rows[name]
         st.n += t
         if st.n > keep:
             st.off += st.n - keep
@@ -362,7 +395,7 @@ class SlidingWindowCache(LayeredCache):
         w = min(st.n, self.window)
         if self._fused(st.xp):
             return Fused(ops.polar_decode_attention(self._window_codec(st, w, end), q, config.softmax_scale))
-        last = {name: a[:, :, st.n - w:, ...] for name, a in st.held().items()}
+        last = {name: a[:, :, st.n - w :, ...] for name, a in st.held().items()}
         rk, rv = self._decode_rows(st, last, end - w, end)
         return Dequantized(DequantResult(k=rk, v=rv))
 
@@ -377,7 +410,7 @@ class SlidingWindowCache(LayeredCache):
         xp = st.xp
         e = min(st.tail_rows(), self.exact_tail, w)
         t0 = st.tail_rows() - e
-        rows = {name: a[:, :, st.n - w:st.n - e, ...] for name, a in st.held().items()}
+        rows = {name: a[:, :, st.n - w : st.n - e, ...] for name, a in st.held().items()}
         calib = st.calib
         k_mean = calib.k_mean
         if calib.k_mean_freq is not None:
@@ -385,14 +418,29 @@ class SlidingWindowCache(LayeredCache):
         fixed = self._codec(xp, st.device)
         has_out = calib.n_outliers > 0
         return PolarLayerCodec(
-            n_sink=0, n_quantized=w - e, n_window=e, rotation=fixed.rotation, k_codebook=fixed.k_codebook,
-            v_codebook=fixed.v_codebook, k_codes=rows["k_codes"], k_norms=rows["k_norms"],
-            v_codes=rows["v_codes"], v_norms=rows["v_norms"], k_mean=k_mean, v_mean=calib.v_mean,
-            k_scale=calib.k_scale, k_mean_freq=calib.k_mean_freq, k_mean_pairs=calib.k_mean_pairs,
+            n_sink=0,
+            n_quantized=w - e,
+            n_window=e,
+            rotation=fixed.rotation,
+            k_codebook=fixed.k_codebook,
+            v_codebook=fixed.v_codebook,
+            k_codes=rows["k_codes"],
+            k_norms=rows["k_norms"],
+            v_codes=rows["v_codes"],
+            v_norms=rows["v_norms"],
+            k_mean=k_mean,
+            v_mean=calib.v_mean,
+            k_scale=calib.k_scale,
+            k_mean_freq=calib.k_mean_freq,
+            k_mean_pairs=calib.k_mean_pairs,
             k_outlier_idx=calib.k_outlier_idx if has_out else None,
             k_outliers=rows["k_outliers"] if has_out else None,
-            k_window=st.tail_k[:, :, t0:, :], v_window=st.tail_v[:, :, t0:, :], qjl=None, k_qjl=None,
-            k_qjl_norms=None)
+            k_window=st.tail_k[:, :, t0:, :],
+            v_window=st.tail_v[:, :, t0:, :],
+            qjl=None,
+            k_qjl=None,
+            k_qjl_norms=None,
+        )
 
     def _decoded(self, st, start: int = 0) -> DequantResult:
         rk, rv = self._decode_rows(st, st.held(), st.length - st.n, st.length)
@@ -401,9 +449,11 @@ class SlidingWindowCache(LayeredCache):
     def _dequantize_from(self, st, start: int) -> DequantResult:
         first = st.length - st.n  # position of the oldest held row
         if start < first:
-            raise ValueError(f"start must be at least {first}: a window layer holds positions {first} .. "
-                             f"{st.length - 1} only, received {start}")
-        rows = {name: a[:, :, start - first:, ...] for name, a in st.held().items()}
+            raise ValueError(
+                f"start must be at least {first}: a window layer holds positions {first} .. "
+                f"{st.length - 1} only, received {start}"
+            )
+        rows = {name: a[:, :, start - first :, ...] for name, a in st.held().items()}
         rk, rv = self._decode_rows(st, rows, start, st.length)
         return DequantResult(k=rk, v=rv)
 
@@ -512,9 +562,12 @@ class SlidingWindowCache(LayeredCache):
         if self.bits is None:
             return Layout(arrays=arrays, rules=(rows,))
         half, d = half_dtype(xp), self.head_dim
-        arrays.update(k_outliers=Spec(half, (b, h, "rows", "n_out"), required=False),
-                      k_tail=Spec(half, (b, h, "tail", d)), v_tail=Spec(half, (b, h, "tail", d)),
-                      fixed_end=Spec(xp.int64, (1,), low=1, high="length"))
+        arrays.update(
+            k_outliers=Spec(half, (b, h, "rows", "n_out"), required=False),
+            k_tail=Spec(half, (b, h, "tail", d)),
+            v_tail=Spec(half, (b, h, "tail", d)),
+            fixed_end=Spec(xp.int64, (1,), low=1, high="length"),
+        )
 
         def codec(sizes: dict, held: frozenset):
             if "k_mean" not in held:
@@ -524,11 +577,14 @@ class SlidingWindowCache(LayeredCache):
             n, t = sizes["rows"], sizes["tail"]
             if min(n, self.exact_tail) <= t <= min(n, self.tail_keep):
                 return None
-            return (f"a window layer of {n} rows holds between {min(n, self.exact_tail)} and "
-                    f"{min(n, self.tail_keep)} tail rows, received {t}")
+            return (
+                f"a window layer of {n} rows holds between {min(n, self.exact_tail)} and "
+                f"{min(n, self.tail_keep)} tail rows, received {t}"
+            )
 
-        return join(calibration_layout(xp, b, h, d), Layout(arrays=arrays), sizes={"length": length},
-                    rules=(rows, codec))
+        return join(
+            calibration_layout(xp, b, h, d), Layout(arrays=arrays), sizes={"length": length}, rules=(rows, codec)
+        )
 
     def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> WindowLayer:
         st = WindowLayer(xp=xp, device=dev, batch=batch, dtype=dtype, length=length)
@@ -541,8 +597,12 @@ class SlidingWindowCache(LayeredCache):
         return st
 
     def _extra_config(self) -> dict:
-        out = {"window": self.window, "rollback_tokens": self.rollback_tokens, "storage": self.storage,
-               "seed": self.seed}
+        out = {
+            "window": self.window,
+            "rollback_tokens": self.rollback_tokens,
+            "storage": self.storage,
+            "seed": self.seed,
+        }
         if self.bits is not None:
             out["exact_tail"] = self.exact_tail
             out["decode_path"] = self.decode_path
@@ -550,4 +610,3 @@ class SlidingWindowCache(LayeredCache):
             out["outlier_threshold"] = self.options.outlier_threshold
             out["max_outliers"] = self.options.max_outliers
         return out
-

@@ -6,15 +6,25 @@ dataclasses: :class:`LowRank`, :class:`VectorQuantization`, :class:`Hybrid`.
 """
 
 from .kv_compressor import (
-                            KVCacheCompressor,
-                            compress_mla_cache,
-                            compress_paged_cache,
-                            decompress_to_mla_cache,
-                            decompress_to_paged_cache,
-                            samples_by_head,
+    KVCacheCompressor,
+    compress_mla_cache,
+    compress_paged_cache,
+    decompress_to_mla_cache,
+    decompress_to_paged_cache,
+    samples_by_head,
 )
 from .methods import CompressedKV, CompressedTensor, Hybrid, LowRank, VectorQuantization
 
-__all__ = ["LowRank", "VectorQuantization", "Hybrid", "CompressedTensor", "CompressedKV", "KVCacheCompressor",
-           "compress_paged_cache", "decompress_to_paged_cache", "compress_mla_cache", "decompress_to_mla_cache",
-           "samples_by_head"]
+__all__ = [
+    "LowRank",
+    "VectorQuantization",
+    "Hybrid",
+    "CompressedTensor",
+    "CompressedKV",
+    "KVCacheCompressor",
+    "compress_paged_cache",
+    "decompress_to_paged_cache",
+    "compress_mla_cache",
+    "decompress_to_mla_cache",
+    "samples_by_head",
+]

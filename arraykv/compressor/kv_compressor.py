@@ -17,8 +17,14 @@ from ..quant.outliers import SparseOutliers, scatter_outliers
 from ..quant.vq import VQCodebook, VQCodes, train_vq, vq_decode, vq_encode
 from .methods import CompressedKV, CompressedTensor, Hybrid, LowRank, VectorQuantization, _check_quant_bits
 
-__all__ = ["KVCacheCompressor", "samples_by_head", "compress_paged_cache", "decompress_to_paged_cache",
-           "compress_mla_cache", "decompress_to_mla_cache"]
+__all__ = [
+    "KVCacheCompressor",
+    "samples_by_head",
+    "compress_paged_cache",
+    "decompress_to_paged_cache",
+    "compress_mla_cache",
+    "decompress_to_mla_cache",
+]
 
 
 class KVCacheCompressor:
@@ -51,9 +57,7 @@ class KVCacheCompressor:
 
     def __init__(self, method: Any, quant_bits: int | None = None):
         if not isinstance(method, (LowRank, VectorQuantization, Hybrid)):
-            raise TypeError(
-                f"method must be LowRank, VectorQuantization or Hybrid, received {type(method).__name__}"
-            )
+            raise TypeError(f"method must be LowRank, VectorQuantization or Hybrid, received {type(method).__name__}")
         if quant_bits is None:
             quant_bits = method.quant_bits if isinstance(method, Hybrid) else 8
         quant_bits = _check_quant_bits(quant_bits)
@@ -88,13 +92,19 @@ class KVCacheCompressor:
             if any(int(s) < 1 for s in x.shape):
                 raise ValueError(f"{name} must have no empty axis, received shape {tuple(x.shape)}")
         if tuple(k.shape[:-1]) != tuple(v.shape[:-1]):
-            raise ValueError(f"k and v shapes must match (except head_dim, for MLA-style values), received "
-                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+            raise ValueError(
+                f"k and v shapes must match (except head_dim, for MLA-style values), received "
+                f"{tuple(k.shape)} and {tuple(v.shape)}"
+            )
         if k.dtype != v.dtype:
             raise TypeError(f"k and v must share one dtype, received {dtype_name(k.dtype)} and {dtype_name(v.dtype)}")
         check_finite(xp, k=k, v=v)
-        self._check_geometry(int(k.shape[-1]), int(v.shape[-1]), int(k.shape[-3]),
-                             int(k.shape[-2]) * (int(k.shape[0]) if ndim == 4 else 1))
+        self._check_geometry(
+            int(k.shape[-1]),
+            int(v.shape[-1]),
+            int(k.shape[-3]),
+            int(k.shape[-2]) * (int(k.shape[0]) if ndim == 4 else 1),
+        )
         return xp
 
     def _check_geometry(self, dk: int, dv: int, heads: int, samples: int) -> None:
@@ -139,9 +149,13 @@ class KVCacheCompressor:
             raise
         if nd == 3:
             k, v = k[None, ...], v[None, ...]
-        fit = {"heads": int(k.shape[1]), "head_dim": int(k.shape[3]), "v_head_dim": int(v.shape[3]),
-               "k": self._fit_one(xp, k),
-               "v": self._fit_one(xp, v)}
+        fit = {
+            "heads": int(k.shape[1]),
+            "head_dim": int(k.shape[3]),
+            "v_head_dim": int(v.shape[3]),
+            "k": self._fit_one(xp, k),
+            "v": self._fit_one(xp, v),
+        }
         self._fit = fit
         return self
 
@@ -165,12 +179,21 @@ class KVCacheCompressor:
     def _fit_one(self, xp: Any, x: Any, dense: Any = None):
         m = self.method
         if isinstance(m, VectorQuantization):
-            return train_vq(samples_by_head(xp, x), codebook_size=m.codebook_size, sub_dim=m.sub_dim,
-                            max_iter=m.max_iter, tol=m.tol, seed=m.seed, assign=ops.vq_assign, update=ops.vq_update)
+            return train_vq(
+                samples_by_head(xp, x),
+                codebook_size=m.codebook_size,
+                sub_dim=m.sub_dim,
+                max_iter=m.max_iter,
+                tol=m.tol,
+                seed=m.seed,
+                assign=ops.vq_assign,
+                update=ops.vq_update,
+            )
         src = x if dense is None else dense
         if isinstance(m, LowRank):
-            return fit_basis(samples_by_head(xp, src), rank=m.rank, energy=m.energy, center=m.center,
-                             per_head=m.per_head)
+            return fit_basis(
+                samples_by_head(xp, src), rank=m.rank, energy=m.energy, center=m.center, per_head=m.per_head
+            )
         if dense is None and m.outlier_threshold is not None:
             src, _ = ops.split_outliers(x, m.outlier_threshold)
         return fit_basis(samples_by_head(xp, src), rank=m.rank, center=m.center)
@@ -192,14 +215,19 @@ class KVCacheCompressor:
             ``codebook_size`` for an unfitted VQ compressor, a geometry unlike the fitted one.
         """
         xp = self._check_pair(k, v, 4)
-        return CompressedKV(k=self._compress_one(xp, k, "k"), v=self._compress_one(xp, v, "v"), layout="bhsd",
-                            method=self.kind)
+        return CompressedKV(
+            k=self._compress_one(xp, k, "k"), v=self._compress_one(xp, v, "v"), layout="bhsd", method=self.kind
+        )
 
     def compress_kv_3d(self, k: Any, v: Any) -> CompressedKV:
         """Compress keys and values of shape (heads, seq, head_dim); ``layout="hsd"``."""
         xp = self._check_pair(k, v, 3)
-        return CompressedKV(k=self._compress_one(xp, k[None, ...], "k"), v=self._compress_one(xp, v[None, ...], "v"),
-                            layout="hsd", method=self.kind)
+        return CompressedKV(
+            k=self._compress_one(xp, k[None, ...], "k"),
+            v=self._compress_one(xp, v[None, ...], "v"),
+            layout="hsd",
+            method=self.kind,
+        )
 
     def decompress_kv(self, c: CompressedKV) -> tuple:
         """Reconstruct ``(k, v)`` in the layout, dtype and namespace they were given in."""
@@ -230,14 +258,17 @@ class KVCacheCompressor:
             cb, shared = self._model(xp, x, which)
             codes = vq_encode(x, cb, encode=ops.vq_encode)
             parts = {"codes": codes.codes, "centroids": cb.centroids}
-            meta = {"bits": codes.bits, "subspaces": codes.subspaces, "iterations": cb.iterations,
-                    "objective": cb.objective}
+            meta = {
+                "bits": codes.bits,
+                "subspaces": codes.subspaces,
+                "iterations": cb.iterations,
+                "objective": cb.objective,
+            }
             return CompressedTensor("pq", shape, x.dtype, parts, frozenset({"centroids"} if shared else ()), meta)
         if isinstance(m, LowRank):
             basis, shared = self._model(xp, x, which)
             coeffs = project(x, basis)
-            parts = {"coeffs": xp.astype(coeffs, x.dtype) if coeffs.dtype != x.dtype else coeffs,
-                     "basis": basis.basis}
+            parts = {"coeffs": xp.astype(coeffs, x.dtype) if coeffs.dtype != x.dtype else coeffs, "basis": basis.basis}
             if basis.mean is not None:
                 parts["mean"] = basis.mean
             names = frozenset(n for n in ("basis", "mean") if shared and n in parts)
@@ -251,8 +282,9 @@ class KVCacheCompressor:
         basis, shared = self._model(xp, x, which, dense)
         coeffs_t = _project_t(xp, dense, basis)  # (b, h, r, s)
         group = m.group_size
-        q = quantize_groups(coeffs_t, self.quant_bits, group, group_minmax=ops.intq_group_minmax,
-                            quantize_pack=ops.intq_quantize_pack)
+        q = quantize_groups(
+            coeffs_t, self.quant_bits, group, group_minmax=ops.intq_group_minmax, quantize_pack=ops.intq_quantize_pack
+        )
         parts = {"codes": q.codes, "scale": q.scale, "offset": q.offset, "basis": basis.basis}
         if basis.mean is not None:
             parts["mean"] = basis.mean
@@ -260,8 +292,12 @@ class KVCacheCompressor:
             parts["outlier_index"] = outl.index
             parts["outlier_value"] = outl.value
         names = frozenset(n for n in ("basis", "mean") if shared and n in parts)
-        meta = {"rank": basis.rank, "bits": self.quant_bits, "group_size": group,
-                "outliers": 0 if outl is None else outl.count}
+        meta = {
+            "rank": basis.rank,
+            "bits": self.quant_bits,
+            "group_size": group,
+            "outliers": 0 if outl is None else outl.count,
+        }
         return CompressedTensor("hybrid", shape, x.dtype, parts, names, meta)
 
     def _decompress_one(self, t: CompressedTensor):
@@ -271,16 +307,26 @@ class KVCacheCompressor:
         xp = _compat.namespace(*p.values())
         if t.kind == "pq":
             cb = VQCodebook(centroids=p["centroids"])
-            return vq_decode(VQCodes(codes=p["codes"], bits=t.meta["bits"], subspaces=t.meta["subspaces"]), cb,
-                             dtype=t.dtype, decode=ops.vq_decode)
+            return vq_decode(
+                VQCodes(codes=p["codes"], bits=t.meta["bits"], subspaces=t.meta["subspaces"]),
+                cb,
+                dtype=t.dtype,
+                decode=ops.vq_decode,
+            )
         basis = LowRankBasis(basis=p["basis"], mean=p.get("mean"), variance=None, rank=int(p["basis"].shape[-1]))
         if t.kind == "lowrank":
             coeffs = p["coeffs"]
             coeffs = xp.astype(coeffs, xp.float32) if coeffs.dtype != xp.float32 else coeffs
             out = xp.matmul(coeffs, xp.matrix_transpose(basis.basis))
         elif t.kind == "hybrid":
-            q = IntQuantized(codes=p["codes"], scale=p["scale"], offset=p["offset"], bits=t.meta["bits"],
-                             group_size=t.meta["group_size"], n=t.shape[2])
+            q = IntQuantized(
+                codes=p["codes"],
+                scale=p["scale"],
+                offset=p["offset"],
+                bits=t.meta["bits"],
+                group_size=t.meta["group_size"],
+                n=t.shape[2],
+            )
             coeffs_t = dequantize_groups(q, dequantize=ops.intq_dequantize)  # (b, h, r, s)
             out = xp.matrix_transpose(xp.matmul(basis.basis, coeffs_t))  # (b, h, s, d)
         else:
@@ -340,8 +386,9 @@ def compress_paged_cache(compressor: KVCacheCompressor, cache: Any, layer: int, 
     return compressor.compress_paged_cache(cache, layer, seq_id)
 
 
-def decompress_to_paged_cache(compressor: KVCacheCompressor, c: CompressedKV, cache: Any, layer: int,
-                              seq_id: int) -> None:
+def decompress_to_paged_cache(
+    compressor: KVCacheCompressor, c: CompressedKV, cache: Any, layer: int, seq_id: int
+) -> None:
     """Function form of :meth:`KVCacheCompressor.decompress_to_paged_cache`."""
     compressor.decompress_to_paged_cache(c, cache, layer, seq_id)
 
@@ -351,7 +398,8 @@ def compress_mla_cache(compressor: KVCacheCompressor, cache: Any, layer: int, se
     return compressor.compress_mla_cache(cache, layer, seq_id)
 
 
-def decompress_to_mla_cache(compressor: KVCacheCompressor, c: CompressedKV, cache: Any, layer: int,
-                            seq_id: int) -> None:
+def decompress_to_mla_cache(
+    compressor: KVCacheCompressor, c: CompressedKV, cache: Any, layer: int, seq_id: int
+) -> None:
     """Function form of :meth:`KVCacheCompressor.decompress_to_mla_cache`."""
     compressor.decompress_to_mla_cache(c, cache, layer, seq_id)

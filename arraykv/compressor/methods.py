@@ -17,7 +17,6 @@ from ..quant.vq import check_vq_options
 __all__ = ["LowRank", "VectorQuantization", "Hybrid", "CompressedTensor", "CompressedKV"]
 
 
-
 def _check_bool(name: str, value: Any) -> bool:
     return check_bool(name, value)
 
@@ -232,5 +231,3 @@ class CompressedKV:
         out = {f"k.{n}": a for n, a in self.k.parts.items()}
         out.update({f"v.{n}": a for n, a in self.v.parts.items()})
         return out
-
-

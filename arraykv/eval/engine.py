@@ -28,8 +28,10 @@ def geometry(engine: Any) -> dict:
     try:
         return {name: int(getattr(src, name)) for name in ("num_layers", "num_kv_heads", "head_dim")}
     except AttributeError:
-        raise TypeError(f"model must be a LlamaModel or an OrtKVDecoder (num_layers, num_kv_heads, head_dim), "
-                        f"received {type(engine).__name__}") from None
+        raise TypeError(
+            f"model must be a LlamaModel or an OrtKVDecoder (num_layers, num_kv_heads, head_dim), "
+            f"received {type(engine).__name__}"
+        ) from None
 
 
 def context_length(engine: Any) -> int | None:

@@ -152,13 +152,23 @@ def exact_prefill(model: Any, token_ids: Any, *, chunk_size: int | None = 512, r
     logits = model.prefill(ids, target, chunk_size=chunk_size, logits="last")
     seconds = time.perf_counter() - t0
     layers = tuple(target.joined()) if record else None
-    return ExactPrefill(tokens=len(ids), cache=dense, logits=np.asarray(_compat.to_numpy(logits), dtype=np.float32),
-                        layers=layers, seconds=seconds)
+    return ExactPrefill(
+        tokens=len(ids),
+        cache=dense,
+        logits=np.asarray(_compat.to_numpy(logits), dtype=np.float32),
+        layers=layers,
+        seconds=seconds,
+    )
 
 
 # -- shared by the long-context evaluations -------------------------------------------------
-def check_common(model: Any, methods: Sequence[str], cache_options: Mapping[str, Mapping[str, Any]] | None,
-                 chunk_size: Any, prefill_mode: Any) -> tuple:
+def check_common(
+    model: Any,
+    methods: Sequence[str],
+    cache_options: Mapping[str, Mapping[str, Any]] | None,
+    chunk_size: Any,
+    prefill_mode: Any,
+) -> tuple:
     """Validate the arguments every long-context evaluation takes.
 
     Returns
@@ -197,8 +207,15 @@ def check_common(model: Any, methods: Sequence[str], cache_options: Mapping[str,
     return ["dense"] + [m for m in methods if m != "dense"], opts
 
 
-def method_cache(model: Any, method: str, options: Mapping[str, Any], exact: ExactPrefill, prompt: list,
-                 prefill_mode: str, chunk_size: int | None) -> Any:
+def method_cache(
+    model: Any,
+    method: str,
+    options: Mapping[str, Any],
+    exact: ExactPrefill,
+    prompt: list,
+    prefill_mode: str,
+    chunk_size: int | None,
+) -> Any:
     """A new cache of ``method`` holding ``prompt``, filled as ``prefill_mode`` says."""
     cache = model.make_cache(method, **dict(options))
     if prefill_mode == "exact" and exact.layers is not None:

@@ -66,16 +66,34 @@ class LongTextResult:
     def format_table(self, *, markdown: bool = True) -> str:
         """One line per (prefix length, method): bits/value, perplexity and its change, KL, top-1, tokens/s."""
         head = ["method", "prefix", "bits/value", "perplexity", "ppl change", "mean KL", "top-1 agree", "tokens/s"]
-        body = [[r.method, str(r.tokens - r.decoded), f"{r.bits_per_value:.2f}", f"{r.perplexity:.3f}",
-                 f"{r.ppl_change_pct:+.2f}%", f"{r.mean_kl:.5f}", f"{r.top1_agreement:.1%}",
-                 f"{r.decode_tokens_per_s:.1f}"] for r in self.rows]
+        body = [
+            [
+                r.method,
+                str(r.tokens - r.decoded),
+                f"{r.bits_per_value:.2f}",
+                f"{r.perplexity:.3f}",
+                f"{r.ppl_change_pct:+.2f}%",
+                f"{r.mean_kl:.5f}",
+                f"{r.top1_agreement:.1%}",
+                f"{r.decode_tokens_per_s:.1f}",
+            ]
+            for r in self.rows
+        ]
         return format_markdown(head, body, markdown=markdown)
 
 
-def long_text_quality(model: Any, methods: Sequence[str], *, prefix_lengths: Sequence[int] = (3840, 7936),
-                      positions: int = 256, token_ids: Any = None, chunk_size: int | None = 512,
-                      prefill_mode: str = "exact", cache_options: Mapping[str, Mapping[str, Any]] | None = None,
-                      progress: bool = False) -> LongTextResult:
+def long_text_quality(
+    model: Any,
+    methods: Sequence[str],
+    *,
+    prefix_lengths: Sequence[int] = (3840, 7936),
+    positions: int = 256,
+    token_ids: Any = None,
+    chunk_size: int | None = 512,
+    prefill_mode: str = "exact",
+    cache_options: Mapping[str, Mapping[str, Any]] | None = None,
+    progress: bool = False,
+) -> LongTextResult:
     """Teacher-forced quality of each method after long prefixes, against the exact cache.
 
     Parameters
@@ -117,8 +135,9 @@ def long_text_quality(model: Any, methods: Sequence[str], *, prefix_lengths: Seq
     limit = model.config.context_length
     over = [p for p in prefix_lengths if p + positions > limit]
     if over:
-        raise ValueError(f"prefix_lengths {over} plus positions={positions} exceed the model's context length "
-                         f"of {limit}")
+        raise ValueError(
+            f"prefix_lengths {over} plus positions={positions} exceed the model's context length of {limit}"
+        )
     need = max(prefix_lengths) + positions + 1
     if token_ids is None:
         ids = builtin_long_token_ids(model, need)
@@ -127,8 +146,9 @@ def long_text_quality(model: Any, methods: Sequence[str], *, prefix_lengths: Seq
 
         ids = [int(i) for i in (_compat.to_numpy(token_ids).tolist() if hasattr(token_ids, "shape") else token_ids)]
         if len(ids) < need:
-            raise ValueError(f"token_ids must hold at least max(prefix_lengths) + positions + 1 = {need} tokens, "
-                             f"received {len(ids)}")
+            raise ValueError(
+                f"token_ids must hold at least max(prefix_lengths) + positions + 1 = {need} tokens, received {len(ids)}"
+            )
     c = model.config
     geometry = dict(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
     record = prefill_mode == "exact" and len(methods) > 1
@@ -137,8 +157,8 @@ def long_text_quality(model: Any, methods: Sequence[str], *, prefix_lengths: Seq
     try:
         for p in prefix_lengths:
             exact = exact_prefill(model, ids[:p], chunk_size=chunk_size, record=record)
-            targets = ids[p + 1:p + positions + 1]
-            ref = _decode(model, ids[p:p + positions], exact.cache, "dense")
+            targets = ids[p + 1 : p + positions + 1]
+            ref = _decode(model, ids[p : p + positions], exact.cache, "dense")
             rows.append(compare(ref, ref, targets, **geometry))
             if bar is not None:
                 bar.update(1)
@@ -146,7 +166,7 @@ def long_text_quality(model: Any, methods: Sequence[str], *, prefix_lengths: Seq
                 if bar is not None:
                     bar.set_postfix_str(f"{m} @ {p}")
                 cache = method_cache(model, m, opts.get(m, {}), exact, ids[:p], prefill_mode, chunk_size)
-                run = _decode(model, ids[p:p + positions], cache, m)
+                run = _decode(model, ids[p : p + positions], cache, m)
                 del cache
                 rows.append(compare(run, ref, targets, **geometry))
                 if bar is not None:
@@ -155,8 +175,13 @@ def long_text_quality(model: Any, methods: Sequence[str], *, prefix_lengths: Seq
     finally:
         if bar is not None:
             bar.close()
-    return LongTextResult(prefix_lengths=tuple(prefix_lengths), positions=positions, methods=tuple(methods),
-                          rows=tuple(rows), prefill_mode=prefill_mode)
+    return LongTextResult(
+        prefix_lengths=tuple(prefix_lengths),
+        positions=positions,
+        methods=tuple(methods),
+        rows=tuple(rows),
+        prefill_mode=prefill_mode,
+    )
 
 
 def _decode(model: Any, ids: list, cache: Any, method: str) -> TeacherForced:
@@ -172,5 +197,11 @@ def _decode(model: Any, ids: list, cache: Any, method: str) -> TeacherForced:
         lg = model.decode(t, cache)
         seconds += time.perf_counter() - t0
         out[j] = _compat.to_numpy(lg)
-    return TeacherForced(method=method, logits=out, seconds=seconds, kv_bytes=stored_bytes(cache),
-                         tokens=int(cache.seq_len(0)), held_rows=held_rows(cache))
+    return TeacherForced(
+        method=method,
+        logits=out,
+        seconds=seconds,
+        kv_bytes=stored_bytes(cache),
+        tokens=int(cache.seq_len(0)),
+        held_rows=held_rows(cache),
+    )

@@ -36,8 +36,10 @@ __all__ = ["NeedleTask", "NeedlePrompt", "needle_grid", "FILLER", "INTRO"]
 #: The classic filler of pass-key retrieval tests.
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 #: The default instruction before the filler.
-INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-         "I will quiz you about the important information there.\n\n")
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n\n"
+)
 _SENTENCE_ENDS = (".", "!", "?", "\n")
 
 
@@ -123,7 +125,7 @@ class NeedleTask:
             if not isinstance(key, str) or not key:
                 raise TypeError(f"key_format must return a non-empty str, returned {key!r}")
             return key
-        return str(int(rng.integers(10 ** (self.key_digits - 1), 10 ** self.key_digits)))
+        return str(int(rng.integers(10 ** (self.key_digits - 1), 10**self.key_digits)))
 
     def haystack_text(self) -> str:
         """The filler text (the shipped book for ``haystack="book"``)."""
@@ -167,17 +169,23 @@ class NeedleTask:
         n_hay = total - len(intro) - len(needle) - len(question)
         if n_hay < 1:
             raise ValueError(
-                f"length {total} leaves no room for filler: intro, needle and question take "
-                f"{total - n_hay} tokens"
+                f"length {total} leaves no room for filler: intro, needle and question take {total - n_hay} tokens"
             )
         hay = self._haystack_ids(tok, n_hay)
         at = int(round(depth * n_hay))
         if self.align == "sentence":
             at = _sentence_start(tok, hay, at)
         ids = intro + hay[:at] + needle + hay[at:]
-        return NeedlePrompt(prompt_ids=ids, question_ids=question, target_ids=target, key=key,
-                            needle_start=len(intro) + at, needle_tokens=len(needle), haystack_tokens=n_hay,
-                            depth=depth)
+        return NeedlePrompt(
+            prompt_ids=ids,
+            question_ids=question,
+            target_ids=target,
+            key=key,
+            needle_start=len(intro) + at,
+            needle_tokens=len(needle),
+            haystack_tokens=n_hay,
+            depth=depth,
+        )
 
     def _haystack_ids(self, tok: Any, n: int) -> list:
         text = self.haystack_text().strip()
@@ -204,7 +212,7 @@ def _plain_ids(tok: Any, text: str) -> list:
 def _bos(tok: Any) -> list:
     """``[bos_id]`` when the tokenizer starts a text with its BOS token, else ``[]``."""
     ids, plain = list(tok.encode("a")), _plain_ids(tok, "a")
-    return ids[:len(ids) - len(plain)]
+    return ids[: len(ids) - len(plain)]
 
 
 def _continuation(tok: Any, context: str, text: str) -> list:
@@ -212,8 +220,8 @@ def _continuation(tok: Any, context: str, text: str) -> list:
     produce after the context's tokens), or ``text``'s own ids where the two tokenizations
     part before the context ends."""
     ctx, joint = _plain_ids(tok, context), _plain_ids(tok, context + text)
-    if joint[:len(ctx)] == ctx and len(joint) > len(ctx):
-        return joint[len(ctx):]
+    if joint[: len(ctx)] == ctx and len(joint) > len(ctx):
+        return joint[len(ctx) :]
     return _plain_ids(tok, text)
 
 
@@ -241,11 +249,18 @@ def _check_depth(depth: Any) -> float:
     return float(depth)
 
 
-def needle_grid(model: Any, methods: Sequence[str], *, lengths: Sequence[int] = (2048, 4096, 8192),
-                depths: Sequence[float] = (0.1, 0.5, 0.9), task: NeedleTask | None = None,
-                chunk_size: int | None = 512, prefill_mode: str = "exact",
-                cache_options: Mapping[str, Mapping[str, Any]] | None = None,
-                progress: bool = False) -> NeedleResult:
+def needle_grid(
+    model: Any,
+    methods: Sequence[str],
+    *,
+    lengths: Sequence[int] = (2048, 4096, 8192),
+    depths: Sequence[float] = (0.1, 0.5, 0.9),
+    task: NeedleTask | None = None,
+    chunk_size: int | None = 512,
+    prefill_mode: str = "exact",
+    cache_options: Mapping[str, Mapping[str, Any]] | None = None,
+    progress: bool = False,
+) -> NeedleResult:
     """Pass-key retrieval of each cache method over a grid of context lengths and needle depths.
 
     Parameters
@@ -326,8 +341,14 @@ def needle_grid(model: Any, methods: Sequence[str], *, lengths: Sequence[int] = 
     finally:
         if bar is not None:
             bar.close()
-    return NeedleResult(rows=tuple(rows), methods=tuple(methods), lengths=tuple(lengths), depths=tuple(depths),
-                        prefill_mode=prefill_mode, task=task)
+    return NeedleResult(
+        rows=tuple(rows),
+        methods=tuple(methods),
+        lengths=tuple(lengths),
+        depths=tuple(depths),
+        prefill_mode=prefill_mode,
+        task=task,
+    )
 
 
 def _check_seq(name: str, values: Any, check: Callable) -> list:
@@ -353,8 +374,16 @@ def _log_softmax(logits: Any) -> Any:
     return z - math.log(float(np.exp(z).sum()))
 
 
-def _answer(model: Any, task: NeedleTask, p: NeedlePrompt, method: str, length: int, cache: Any,
-            fresh: Callable[[], Any], exact_hit: bool | None) -> NeedleRow:
+def _answer(
+    model: Any,
+    task: NeedleTask,
+    p: NeedlePrompt,
+    method: str,
+    length: int,
+    cache: Any,
+    fresh: Callable[[], Any],
+    exact_hit: bool | None,
+) -> NeedleRow:
     """Question, greedy answer and key score of one method in one cell."""
     import numpy as np
 
@@ -399,7 +428,18 @@ def _answer(model: Any, task: NeedleTask, p: NeedlePrompt, method: str, length: 
         del again
     text = model.tokenizer.decode([t for t in answer if t != eos])
     hit = p.key in text
-    return NeedleRow(method=method, length=length, depth=p.depth, key=p.key, answer=text, retrieved=hit,
-                     exact_retrieved=hit if exact_hit is None else exact_hit, key_logprob=float(sum(scores)),
-                     bits_per_value=bits, kv_bytes=kv_bytes, tokens=tokens, needle_start=p.needle_start,
-                     seconds=time.perf_counter() - t0)
+    return NeedleRow(
+        method=method,
+        length=length,
+        depth=p.depth,
+        key=p.key,
+        answer=text,
+        retrieved=hit,
+        exact_retrieved=hit if exact_hit is None else exact_hit,
+        key_logprob=float(sum(scores)),
+        bits_per_value=bits,
+        kv_bytes=kv_bytes,
+        tokens=tokens,
+        needle_start=p.needle_start,
+        seconds=time.perf_counter() - t0,
+    )

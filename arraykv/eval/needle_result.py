@@ -168,16 +168,18 @@ class NeedleResult:
         for m in self.methods:
             rs = [r for r in self.rows if r.method == m]
             at = [r.bits_per_value for r in rs if r.length == longest]
-            out.append(NeedleSummary(
-                method=m,
-                cells=len(rs),
-                retrieved=sum(r.retrieved for r in rs),
-                exact_cells=sum(r.exact_retrieved for r in rs),
-                retrieved_where_exact=sum(r.retrieved and r.exact_retrieved for r in rs),
-                mean_key_logprob=math.fsum(r.key_logprob for r in rs) / len(rs) if rs else float("nan"),
-                length=longest,
-                bits_per_value=math.fsum(at) / len(at) if at else float("nan"),
-            ))
+            out.append(
+                NeedleSummary(
+                    method=m,
+                    cells=len(rs),
+                    retrieved=sum(r.retrieved for r in rs),
+                    exact_cells=sum(r.exact_retrieved for r in rs),
+                    retrieved_where_exact=sum(r.retrieved and r.exact_retrieved for r in rs),
+                    mean_key_logprob=math.fsum(r.key_logprob for r in rs) / len(rs) if rs else float("nan"),
+                    length=longest,
+                    bits_per_value=math.fsum(at) / len(at) if at else float("nan"),
+                )
+            )
         return out
 
     def format_grid(self, *, markdown: bool = True) -> str:
@@ -190,8 +192,11 @@ class NeedleResult:
         """
         cells = [(n, d) for n in self.lengths for d in self.depths]
         longest = max(self.lengths)
-        head = (["method"] + [f"{n}@{_pct(d)}" for n, d in cells]
-                + ["retrieved", "where exact", "mean log p(key)", f"bits/value @{longest}"])
+        head = (
+            ["method"]
+            + [f"{n}@{_pct(d)}" for n, d in cells]
+            + ["retrieved", "where exact", "mean log p(key)", f"bits/value @{longest}"]
+        )
         body = []
         for s in self.summary():
             row = [s.method]
@@ -199,8 +204,12 @@ class NeedleResult:
                 r = self.row(s.method, n, d)
                 mark = f"{'✓' if r.retrieved else '✗'} {r.key_logprob:.2f}"
                 row.append(mark if r.exact_retrieved else f"({mark})")
-            row += [f"{s.retrieved}/{s.cells}", f"{s.retrieved_where_exact}/{s.exact_cells}",
-                    f"{s.mean_key_logprob:.3f}", f"{s.bits_per_value:.2f}"]
+            row += [
+                f"{s.retrieved}/{s.cells}",
+                f"{s.retrieved_where_exact}/{s.exact_cells}",
+                f"{s.mean_key_logprob:.3f}",
+                f"{s.bits_per_value:.2f}",
+            ]
             body.append(row)
         return format_markdown(head, body, markdown=markdown)
 

@@ -13,8 +13,9 @@ __all__ = ["plot_long_context"]
 _GREEN, _RED, _GREY = "#4caf50", "#e53935", "#bdbdbd"
 
 
-def plot_long_context(path: str | os.PathLike, *, needle: Any = None, long_text: Any = None,
-                      title: str | None = None) -> str:
+def plot_long_context(
+    path: str | os.PathLike, *, needle: Any = None, long_text: Any = None, title: str | None = None
+) -> str:
     """Save a PNG of a needle grid and/or a long-text KL curve.
 
     Parameters
@@ -105,8 +106,10 @@ def _draw_grid(ax: Any, result: Any, method: str) -> None:
     if method == result.methods[0]:
         ax.set_ylabel("context length (tokens)")
     got = [s for s in result.summary() if s.method == method][0]
-    ax.set_title(f"{method}\n{got.retrieved}/{got.cells} retrieved, {got.retrieved_where_exact}/{got.exact_cells} "
-                 "where exact", fontsize=9)
+    ax.set_title(
+        f"{method}\n{got.retrieved}/{got.cells} retrieved, {got.retrieved_where_exact}/{got.exact_cells} where exact",
+        fontsize=9,
+    )
 
 
 def _draw_kl(ax: Any, result: Any) -> None:
@@ -123,8 +126,7 @@ def _draw_kl(ax: Any, result: Any) -> None:
         ax.set_yscale("log")
         ax.legend(fontsize=8)
     else:
-        ax.text(0.5, 0.5, "no method differs from the exact cache", ha="center", va="center",
-                transform=ax.transAxes)
+        ax.text(0.5, 0.5, "no method differs from the exact cache", ha="center", va="center", transform=ax.transAxes)
     ax.set_xticks(list(result.prefix_lengths))
     ax.set_xlabel("prefix length (tokens)")
     ax.set_ylabel(f"mean KL(exact || method), nats\nover {result.positions} decoded positions")

@@ -125,8 +125,9 @@ def _check_ids(model: Any, token_ids: Any, prefill: int) -> list:
     return _as_ids(model, token_ids, prefill + 2, f"prefill + 2 = {prefill + 2}")
 
 
-def teacher_forced(model: Any, token_ids: Any, cache: Any = None, *, prefill: int = 64, method: str | None = None,
-                   progress: Any = None) -> TeacherForced:
+def teacher_forced(
+    model: Any, token_ids: Any, cache: Any = None, *, prefill: int = 64, method: str | None = None, progress: Any = None
+) -> TeacherForced:
     """Run ``token_ids`` through ``model`` with ``cache``: prefill, then one decode per token.
 
     Parameters
@@ -177,8 +178,14 @@ def teacher_forced(model: Any, token_ids: Any, cache: Any = None, *, prefill: in
         out[j] = lg
         if progress is not None:
             progress(j + 1)
-    return TeacherForced(method=label, logits=out, seconds=seconds, kv_bytes=stored_bytes(cache),
-                         tokens=int(cache.seq_len(0)), held_rows=held_rows(cache))
+    return TeacherForced(
+        method=label,
+        logits=out,
+        seconds=seconds,
+        kv_bytes=stored_bytes(cache),
+        tokens=int(cache.seq_len(0)),
+        held_rows=held_rows(cache),
+    )
 
 
 def calibrate(model: Any, token_ids: Any, method: Any) -> list:
@@ -228,8 +235,15 @@ def _log_softmax(z: Any) -> Any:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def compare(run: TeacherForced, exact: TeacherForced, targets: Sequence[int], *, num_layers: int,
-            num_kv_heads: int, head_dim: int) -> EvalRow:
+def compare(
+    run: TeacherForced,
+    exact: TeacherForced,
+    targets: Sequence[int],
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> EvalRow:
     """Metrics of ``run`` against ``exact`` (see the module docstring).
 
     Parameters
@@ -256,15 +270,15 @@ def compare(run: TeacherForced, exact: TeacherForced, targets: Sequence[int], *,
     max_diff = 0.0
     chunk = 64
     for s in range(0, n, chunk):
-        lr = _log_softmax(run.logits[s:s + chunk])
-        le = _log_softmax(exact.logits[s:s + chunk])
+        lr = _log_softmax(run.logits[s : s + chunk])
+        le = _log_softmax(exact.logits[s : s + chunk])
         rows = np.arange(lr.shape[0])
-        t = tgt[s:s + chunk]
+        t = tgt[s : s + chunk]
         nll_r -= float(lr[rows, t].sum())
         nll_e -= float(le[rows, t].sum())
         kl += float((np.exp(le) * (le - lr)).sum())
-        agree += int((run.logits[s:s + chunk].argmax(-1) == exact.logits[s:s + chunk].argmax(-1)).sum())
-        max_diff = max(max_diff, float(np.abs(run.logits[s:s + chunk] - exact.logits[s:s + chunk]).max()))
+        agree += int((run.logits[s : s + chunk].argmax(-1) == exact.logits[s : s + chunk].argmax(-1)).sum())
+        max_diff = max(max_diff, float(np.abs(run.logits[s : s + chunk] - exact.logits[s : s + chunk]).max()))
     ppl = math.exp(nll_r / n)
     ppl_e = math.exp(nll_e / n)
     rows = num_layers * run.tokens if run.held_rows is None else run.held_rows
@@ -287,9 +301,16 @@ def compare(run: TeacherForced, exact: TeacherForced, targets: Sequence[int], *,
     )
 
 
-def evaluate(model: Any, token_ids: Any, methods: Sequence[str], *, prefill: int = 64,
-             cache_options: Mapping[str, Mapping[str, Any]] | None = None, progress: bool = False,
-             exact: TeacherForced | None = None) -> list:
+def evaluate(
+    model: Any,
+    token_ids: Any,
+    methods: Sequence[str],
+    *,
+    prefill: int = 64,
+    cache_options: Mapping[str, Mapping[str, Any]] | None = None,
+    progress: bool = False,
+    exact: TeacherForced | None = None,
+) -> list:
     """Teacher-forced quality of each cache method against the exact dense cache.
 
     Parameters
@@ -334,7 +355,7 @@ def evaluate(model: Any, token_ids: Any, methods: Sequence[str], *, prefill: int
     if stray:
         raise ValueError(f"cache_options names methods that are not evaluated: {stray}")
     shape = geometry(model)
-    targets = ids[prefill + 1:]
+    targets = ids[prefill + 1 :]
     if exact is None:
         exact = _run(model, ids, "dense", {}, prefill, progress)
     elif exact.logits.shape[0] != len(targets):
@@ -351,8 +372,14 @@ def _run(model: Any, ids: list, method: str, options: Mapping[str, Any], prefill
     n = len(ids) - prefill - 1
     bar = _bar(progress, n, method)
     try:
-        return teacher_forced(model, ids, cache, prefill=prefill, method=method,
-                              progress=None if bar is None else (lambda _j: bar.update(1)))
+        return teacher_forced(
+            model,
+            ids,
+            cache,
+            prefill=prefill,
+            method=method,
+            progress=None if bar is None else (lambda _j: bar.update(1)),
+        )
     finally:
         if bar is not None:
             bar.close()

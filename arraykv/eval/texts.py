@@ -10,8 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["builtin_text", "builtin_token_ids", "builtin_long_text", "builtin_long_token_ids", "text_token_ids",
-           "python_reference_text", "long_text_by_name"]
+__all__ = [
+    "builtin_text",
+    "builtin_token_ids",
+    "builtin_long_text",
+    "builtin_long_token_ids",
+    "text_token_ids",
+    "python_reference_text",
+    "long_text_by_name",
+]
 
 
 def builtin_text() -> str:

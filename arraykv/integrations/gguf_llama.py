@@ -40,8 +40,15 @@ __all__ = [
 _LOADED: dict = {}
 
 
-def load_model(path: str | os.PathLike | None = None, *, xp: Any = None, tokenizer: bool = True,
-               download: bool = True, quiet: bool = False, reuse: bool = True) -> DecoderModel:
+def load_model(
+    path: str | os.PathLike | None = None,
+    *,
+    xp: Any = None,
+    tokenizer: bool = True,
+    download: bool = True,
+    quiet: bool = False,
+    reuse: bool = True,
+) -> DecoderModel:
     """Load a decoder GGUF file into a float32 :class:`DecoderModel`.
 
     Parameters

@@ -17,9 +17,17 @@ from .model_config import ModelConfig
 __all__ = ["write_gguf"]
 
 
-def write_gguf(path: str | os.PathLike, config: ModelConfig, tensors: dict, *,
-               tokens: Sequence[str] | None = None, merges: Sequence[str] = (), tokenizer_pre: str = "smollm",
-               eos_id: int = 0, meta: dict | None = None) -> str:
+def write_gguf(
+    path: str | os.PathLike,
+    config: ModelConfig,
+    tensors: dict,
+    *,
+    tokens: Sequence[str] | None = None,
+    merges: Sequence[str] = (),
+    tokenizer_pre: str = "smollm",
+    eos_id: int = 0,
+    meta: dict | None = None,
+) -> str:
     """Write a GGUF file of ``config``'s architecture holding ``tensors`` (stored as float32).
 
     Parameters

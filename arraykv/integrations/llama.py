@@ -71,8 +71,15 @@ class DecoderModel:
         ``xp`` is the array namespace of the weights.
     """
 
-    def __init__(self, config: ModelConfig, layers: list, embedding: Any, output_norm: Any,
-                 lm_head: Any = None, tokenizer: Any = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layers: list,
+        embedding: Any,
+        output_norm: Any,
+        lm_head: Any = None,
+        tokenizer: Any = None,
+    ):
         self.config = config
         self.arch = architecture(config.arch)
         self.layers = layers
@@ -140,8 +147,15 @@ class DecoderModel:
         wopts = dict(window_options or {})
         if "rollback_tokens" in options:
             wopts.setdefault("rollback_tokens", options["rollback_tokens"])
-        return make_cache("hybrid", **geometry, layer_types=c.layer_types, window=c.sliding_window,
-                          full_method=method, full_options=options, window_options=wopts)
+        return make_cache(
+            "hybrid",
+            **geometry,
+            layer_types=c.layer_types,
+            window=c.sliding_window,
+            full_method=method,
+            full_options=options,
+            window_options=wopts,
+        )
 
     # -- building blocks -------------------------------------------------------------
     def _ensure_rope(self, length: int) -> None:
@@ -168,8 +182,8 @@ class DecoderModel:
             qkv = qkv + lw.bqkv
         qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q = xp.permute_dims(xp.reshape(qkv[..., :qd], (b, t, c.num_heads, c.head_dim)), (0, 2, 1, 3))
-        k = xp.permute_dims(xp.reshape(qkv[..., qd:qd + kd], (b, t, c.num_kv_heads, c.head_dim)), (0, 2, 1, 3))
-        v = xp.permute_dims(xp.reshape(qkv[..., qd + kd:], (b, t, c.num_kv_heads, c.head_dim)), (0, 2, 1, 3))
+        k = xp.permute_dims(xp.reshape(qkv[..., qd : qd + kd], (b, t, c.num_kv_heads, c.head_dim)), (0, 2, 1, 3))
+        v = xp.permute_dims(xp.reshape(qkv[..., qd + kd :], (b, t, c.num_kv_heads, c.head_dim)), (0, 2, 1, 3))
         if lw.q_norm is not None:
             q, k = self._rmsnorm(q, lw.q_norm), self._rmsnorm(k, lw.k_norm)  # per head, over its channels
         cos, sin = self._rope[self._kinds[layer]]
@@ -206,8 +220,16 @@ class DecoderModel:
         if window and n > window:  # the last query sees the last `window` keys: some key is out of reach
             m = window_mask(self.xp, self._dev, t, n, start + t - n, start, window)
             return attend_chunk(self._ops, q, k, v, bias, self._scale, in_place=self._numpy, full_mask=m)
-        return attend_chunk(self._ops, q, k, v, bias, self._scale, in_place=self._numpy,
-                            mask=lambda t, total: causal_mask(self.xp, self._dev, t, total))
+        return attend_chunk(
+            self._ops,
+            q,
+            k,
+            v,
+            bias,
+            self._scale,
+            in_place=self._numpy,
+            mask=lambda t, total: causal_mask(self.xp, self._dev, t, total),
+        )
 
     def _logits(self, x: Any) -> Any:
         xp = self._ops
@@ -273,8 +295,15 @@ class DecoderModel:
             return self.decode(token_ids, cache)
         return self.prefill(token_ids, cache)
 
-    def prefill(self, token_ids: Any, cache: Any, *, chunk_size: int | None = None, logits: str = "all",
-                prompt_store: str = "exact") -> Any:
+    def prefill(
+        self,
+        token_ids: Any,
+        cache: Any,
+        *,
+        chunk_size: int | None = None,
+        logits: str = "all",
+        prompt_store: str = "exact",
+    ) -> Any:
         """Run ``token_ids`` through the model, storing their K/V with ``cache.prefill``.
 
         Parameters
@@ -361,13 +390,14 @@ class DecoderModel:
         q, k, v = self._qkv(lw, self._rmsnorm(x, lw.attn_norm), start, i)
         outs = []
         for j in range(int(x.shape[1])):
-            qj, kj, vj = q[:, :, j:j + 1, :], k[:, :, j:j + 1, :], v[:, :, j:j + 1, :]
+            qj, kj, vj = q[:, :, j : j + 1, :], k[:, :, j : j + 1, :], v[:, :, j : j + 1, :]
             res = cache.decode(i, kj, vj, qj, self._attend)
             if isinstance(res, Fused):
                 if window and start + j + 1 > window and not _holds_window(cache, i, window):
                     raise ValueError(
                         f"layer {i} attends through a window of {window} tokens, but the cache attended over all "
-                        f"{start + j + 1}; use model.make_cache(method), which holds the window")
+                        f"{start + j + 1}; use model.make_cache(method), which holds the window"
+                    )
                 outs.append(res.output)
             else:
                 r = res.result
@@ -415,11 +445,22 @@ class DecoderModel:
         return out[0] if single else out
 
     # -- text generation ---------------------------------------------------------------
-    def generate(self, prompt: Any, max_new_tokens: int = 32, *, cache: Any = None, method: str = "dense",
-                 eos_id: int | None = None, stop_at_eos: bool = True, temperature: float = 0.0,
-                 top_k: int | None = None, seed: int | None = None,
-                 on_token: Callable[[int], None] | None = None, prefill_chunk: int | None = 512,
-                 store: Any = None) -> list:
+    def generate(
+        self,
+        prompt: Any,
+        max_new_tokens: int = 32,
+        *,
+        cache: Any = None,
+        method: str = "dense",
+        eos_id: int | None = None,
+        stop_at_eos: bool = True,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        on_token: Callable[[int], None] | None = None,
+        prefill_chunk: int | None = 512,
+        store: Any = None,
+    ) -> list:
         """Greedy or sampled generation for one sequence.
 
         The convention every engine shares (:mod:`arraykv.integrations.generation`); an
@@ -483,13 +524,22 @@ class DecoderModel:
         return generate_tokens(
             lambda p: _compat.to_numpy(prefill_last(p)),
             lambda tok: _compat.to_numpy(self.decode(tok, cache)),
-            ids, max_new_tokens, eos=eos_id, stop_at_eos=stop_at_eos, temperature=temperature,
-            top_k=top_k, seed=seed, on_token=on_token)
+            ids,
+            max_new_tokens,
+            eos=eos_id,
+            stop_at_eos=stop_at_eos,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            on_token=on_token,
+        )
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"DecoderModel({c.arch}: {c.name!r}, layers={c.num_layers}, hidden={c.hidden_size}, "
-                f"heads={c.num_heads}, kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, vocab={c.vocab_size})")
+        return (
+            f"DecoderModel({c.arch}: {c.name!r}, layers={c.num_layers}, hidden={c.hidden_size}, "
+            f"heads={c.num_heads}, kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, vocab={c.vocab_size})"
+        )
 
 
 #: The name the Llama-only releases used.

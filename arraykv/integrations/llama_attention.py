@@ -15,8 +15,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["plain_numpy", "rope_tables", "apply_rope", "attend_one", "attend_chunk", "causal_block", "causal_mask",
-           "window_mask"]
+__all__ = [
+    "plain_numpy",
+    "rope_tables",
+    "apply_rope",
+    "attend_one",
+    "attend_chunk",
+    "causal_block",
+    "causal_mask",
+    "window_mask",
+]
 
 
 def plain_numpy():
@@ -46,16 +54,18 @@ def rope_tables(xp: Any, device: Any, length: int, head_dim: int, theta: float):
     half = head_dim // 2
     inv = 1.0 / (theta ** (np.arange(half, dtype=np.float64) * 2.0 / head_dim))
     ang = np.arange(length, dtype=np.float64)[:, None] * inv[None, :]
-    return (xp.asarray(np.cos(ang).astype(np.float32), device=device),
-            xp.asarray(np.sin(ang).astype(np.float32), device=device))
+    return (
+        xp.asarray(np.cos(ang).astype(np.float32), device=device),
+        xp.asarray(np.sin(ang).astype(np.float32), device=device),
+    )
 
 
 def apply_rope(xp: Any, x: Any, cos: Any, sin: Any, start: int) -> Any:
     """Rotate ``x`` of shape (batch, heads, t, head_dim) for positions ``start .. start+t-1`` (rotate-half layout)."""
     t = int(x.shape[2])
     half = int(x.shape[3]) // 2
-    c = cos[start:start + t, :]
-    s = sin[start:start + t, :]
+    c = cos[start : start + t, :]
+    s = sin[start : start + t, :]
     x1, x2 = x[..., :half], x[..., half:]
     return xp.concat([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
@@ -98,8 +108,9 @@ def attend_one(xp: Any, q: Any, k: Any, v: Any, bias: Any, scale: float) -> Any:
     return xp.reshape(xp.matmul(p, v), (b, hq, 1, int(v.shape[3])))
 
 
-def attend_chunk(xp: Any, q: Any, k: Any, v: Any, bias: Any, scale: float, *, in_place: bool,
-                 mask: Any = None, full_mask: Any = None) -> Any:
+def attend_chunk(
+    xp: Any, q: Any, k: Any, v: Any, bias: Any, scale: float, *, in_place: bool, mask: Any = None, full_mask: Any = None
+) -> Any:
     """Causal attention of ``t`` new query tokens, the last ``t`` of ``total`` keys (the prefill case).
 
     The same math as :func:`arraykv.attention` with ``causal=True``, in fewer passes over the
@@ -144,7 +155,7 @@ def attend_chunk(xp: Any, q: Any, k: Any, v: Any, bias: Any, scale: float, *, in
         import numpy as np
 
         if t > 1:
-            np.reshape(s, (b, hkv, g, t, total))[..., total - t:] += causal_block(t)
+            np.reshape(s, (b, hkv, g, t, total))[..., total - t :] += causal_block(t)
         s -= np.max(s, axis=-1, keepdims=True)
         np.exp(s, out=s)
     else:

@@ -121,20 +121,23 @@ def layout_gguf_tensors(config: ModelConfig, tensors: dict, xp: Any) -> tuple:
             wq, wk = unpermute_qk(wq, c.num_heads), unpermute_qk(wk, c.num_kv_heads)
         if wq.shape != (qd, c.hidden_size) or wk.shape != (kd, c.hidden_size) or wv.shape != (kd, c.hidden_size):
             raise ValueError(f"layer {i}: Q/K/V shapes {wq.shape}, {wk.shape}, {wv.shape} do not match the metadata")
-        layers.append(LayerWeights(
-            attn_norm=put(get(p + "attn_norm.weight")),
-            wqkv=put(np.concatenate([wq, wk, wv], axis=0).T),
-            wo=put(get(p + "attn_output.weight").T),
-            ffn_norm=put(get(p + "ffn_norm.weight")),
-            wgu=put(np.concatenate([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")], axis=0).T),
-            wdown=put(get(p + "ffn_down.weight").T),
-            bqkv=put(np.concatenate([get(p + "attn_q.bias"), get(p + "attn_k.bias"), get(p + "attn_v.bias")]))
-            if arch.qkv_bias else None,
-            q_norm=put(get(p + "attn_q_norm.weight")) if arch.qk_norm else None,
-            k_norm=put(get(p + "attn_k_norm.weight")) if arch.qk_norm else None,
-            post_attn_norm=put(get(p + "post_attention_norm.weight")) if arch.sandwich_norms else None,
-            post_ffn_norm=put(get(p + "post_ffw_norm.weight")) if arch.sandwich_norms else None,
-        ))
+        layers.append(
+            LayerWeights(
+                attn_norm=put(get(p + "attn_norm.weight")),
+                wqkv=put(np.concatenate([wq, wk, wv], axis=0).T),
+                wo=put(get(p + "attn_output.weight").T),
+                ffn_norm=put(get(p + "ffn_norm.weight")),
+                wgu=put(np.concatenate([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")], axis=0).T),
+                wdown=put(get(p + "ffn_down.weight").T),
+                bqkv=put(np.concatenate([get(p + "attn_q.bias"), get(p + "attn_k.bias"), get(p + "attn_v.bias")]))
+                if arch.qkv_bias
+                else None,
+                q_norm=put(get(p + "attn_q_norm.weight")) if arch.qk_norm else None,
+                k_norm=put(get(p + "attn_k_norm.weight")) if arch.qk_norm else None,
+                post_attn_norm=put(get(p + "post_attention_norm.weight")) if arch.sandwich_norms else None,
+                post_ffn_norm=put(get(p + "post_ffw_norm.weight")) if arch.sandwich_norms else None,
+            )
+        )
     head = tensors.get("output.weight")
     return layers, put(get("token_embd.weight")), put(get("output_norm.weight")), None if head is None else put(head)
 

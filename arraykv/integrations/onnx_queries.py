@@ -24,8 +24,9 @@ from typing import Any
 __all__ = ["node_consumers", "find_query_outputs", "expose_outputs", "with_query_outputs", "QUERY_PASS_OPS"]
 
 #: Operators the keys pass through between ``present.{i}.key`` and the score ``MatMul``.
-QUERY_PASS_OPS = frozenset({"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Tile", "Identity",
-                            "Cast", "Mul", "Div", "Flatten"})
+QUERY_PASS_OPS = frozenset(
+    {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Tile", "Identity", "Cast", "Mul", "Div", "Flatten"}
+)
 #: How many operators deep the search follows the keys.
 _MAX_DEPTH = 16
 
@@ -129,13 +130,17 @@ def with_query_outputs(src: Any, required: bool) -> tuple:
     names = find_query_outputs(proto, n)
     if names is None:
         if required:
-            raise ValueError("queries=True, but the graph has no MatMul taking a layer's keys (a fused attention "
-                             "operator?); construct the decoder with queries='auto' or False")
+            raise ValueError(
+                "queries=True, but the graph has no MatMul taking a layer's keys (a fused attention "
+                "operator?); construct the decoder with queries='auto' or False"
+            )
         return src, None
     elem = graph_inputs["past_key_values.0.key"].type.tensor_type.elem_type
     try:
         return expose_outputs(proto, names, elem).SerializeToString(), names
     except Exception as exc:  # over protobuf's 2 GiB (ValueError or EncodeError): keep the model as it is
         if required:
-            raise ValueError(f"queries=True, but the model with its queries exposed cannot be serialized: {exc}") from exc
+            raise ValueError(
+                f"queries=True, but the model with its queries exposed cannot be serialized: {exc}"
+            ) from exc
         return src, None

@@ -60,7 +60,8 @@ every layer, at the SmolLM2 geometry 17 / 51 / 238 ms for pqo4 at 512 / 2048 / 8
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .generation import cache_length, check_sampling, chunked_logits, generate_tokens, legacy_generate_args, prompt_ids
 from .gguf import require
@@ -68,6 +69,7 @@ from .onnx_names import PRESENT_NAME, discover_kv_names
 from .onnx_queries import with_query_outputs
 
 __all__ = ["OrtKVDecoder"]
+
 
 class OrtKVDecoder:
     """An ONNX Runtime decode loop whose KV cache lives in an arraykv cache.
@@ -106,8 +108,16 @@ class OrtKVDecoder:
     >>> logits = dec.decode([[4]], cache)                    # (1, 1, vocab)  doctest: +SKIP
     """
 
-    def __init__(self, model: Any, *, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 providers: Sequence[str] | None = None, incremental: bool = True, queries: Any = "auto"):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        providers: Sequence[str] | None = None,
+        incremental: bool = True,
+        queries: Any = "auto",
+    ):
         ort = require("onnxruntime", "onnx")
         import numpy as np
 
@@ -116,8 +126,9 @@ class OrtKVDecoder:
         self.query_outputs = None
         if isinstance(model, ort.InferenceSession):
             if queries is True:
-                raise ValueError("queries=True needs the model as a file or bytes: a ready session's outputs "
-                                 "cannot be extended")
+                raise ValueError(
+                    "queries=True needs the model as a file or bytes: a ready session's outputs cannot be extended"
+                )
             sess = model
         else:
             src = model if isinstance(model, (bytes, bytearray)) else str(model)
@@ -135,8 +146,10 @@ class OrtKVDecoder:
         past = inputs["past_key_values.0.key"]
         shape = list(past.shape)
         if len(shape) != 4:
-            raise ValueError(f"past_key_values.0.key must have 4 dimensions (batch, kv_heads, past, head_dim), "
-                             f"the model declares {shape}")
+            raise ValueError(
+                f"past_key_values.0.key must have 4 dimensions (batch, kv_heads, past, head_dim), "
+                f"the model declares {shape}"
+            )
         self.num_kv_heads = _dim(shape[1], num_kv_heads, "num_kv_heads")
         self.head_dim = _dim(shape[3], head_dim, "head_dim")
         types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
@@ -148,16 +161,20 @@ class OrtKVDecoder:
         self.incremental = incremental
         # cache -> {layer: (k, v, tokens, stable)}: the past fed last, how many tokens it covers,
         # and how many of its leading tokens the cache will never reconstruct differently.
-        self._held: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        self._int_type = {name: (np.int32 if inputs[name].type == "tensor(int32)" else np.int64)
-                          for name in ("input_ids", "attention_mask", "position_ids") if name in inputs}
+        self._held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._int_type = {
+            name: (np.int32 if inputs[name].type == "tensor(int32)" else np.int64)
+            for name in ("input_ids", "attention_mask", "position_ids")
+            if name in inputs
+        }
 
     def make_cache(self, method: str = "dense", **options: Any):
         """A cache of this decoder's geometry (``arraykv.make_cache`` with layers/heads/head_dim filled)."""
         from ..caches import make_cache
 
-        return make_cache(method, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                          head_dim=self.head_dim, **options)
+        return make_cache(
+            method, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, **options
+        )
 
     def held_bytes(self, cache: Any) -> int:
         """Bytes of the float past this decoder keeps for ``cache`` between steps (0 when none)."""
@@ -204,8 +221,9 @@ class OrtKVDecoder:
 
         from .._compat import to_numpy
 
-        incremental = (self.incremental and prev is not None and hasattr(cache, "append")
-                       and hasattr(cache, "stable_length"))
+        incremental = (
+            self.incremental and prev is not None and hasattr(cache, "append") and hasattr(cache, "stable_length")
+        )
         if not incremental:
             r = cache.prefill(i, k_new, v_new, q)
             return to_numpy(r.k), to_numpy(r.v), int(cache.seq_len(i)), 0
@@ -236,7 +254,9 @@ class OrtKVDecoder:
         if ids.ndim == 1:
             ids = ids[None, :]
         if ids.ndim != 2 or ids.shape[1] == 0 or ids.dtype.kind not in "iu":
-            raise ValueError(f"input_ids must be integers of shape (batch, new_tokens), received {ids.shape} {ids.dtype}")
+            raise ValueError(
+                f"input_ids must be integers of shape (batch, new_tokens), received {ids.shape} {ids.dtype}"
+            )
         batch, t = ids.shape
         past_len = cache_length(cache, self.num_layers)
         feeds = {"input_ids": ids.astype(self._int_type["input_ids"])}
@@ -248,11 +268,14 @@ class OrtKVDecoder:
         for i, (k, v) in enumerate(self._past(cache, batch)):
             feeds[f"past_key_values.{i}.key"] = k
             feeds[f"past_key_values.{i}.value"] = v
-        names = [self.logits_name] + [PRESENT_NAME.format(i=i, kind=kd) for i in range(self.num_layers)
-                                      for kd in ("key", "value")] + list(self.query_outputs or ())
+        names = (
+            [self.logits_name]
+            + [PRESENT_NAME.format(i=i, kind=kd) for i in range(self.num_layers) for kd in ("key", "value")]
+            + list(self.query_outputs or ())
+        )
         res = self.session.run(names, feeds)
         new = self._new_tokens(res, batch, past_len, t, bool(getattr(cache, "check_finite", True)))
-        queries = self._queries(res[1 + 2 * self.num_layers:], batch, t)
+        queries = self._queries(res[1 + 2 * self.num_layers :], batch, t)
         before = self._held.get(cache, {})
         held = {}
         for i, (k_new, v_new) in enumerate(new):
@@ -274,12 +297,19 @@ class OrtKVDecoder:
         for i, q in enumerate(found):
             q = np.asarray(q)
             # (batch, heads, t, d), or a KV head's group folded into the rows: (batch, kv_heads, g·t, d)
-            if (q.ndim != 4 or q.shape[0] != batch or q.shape[3] != self.head_dim or q.shape[1] % self.num_kv_heads
-                    or q.shape[2] % t):
-                raise ValueError(f"the graph's queries of layer {i} ({self.query_outputs[i]}) have shape {q.shape}, "
-                                 f"not (batch {batch}, a multiple of {self.num_kv_heads} heads, a multiple of {t} "
-                                 f"tokens, {self.head_dim}); construct the decoder with queries=False; nothing was "
-                                 "stored")
+            if (
+                q.ndim != 4
+                or q.shape[0] != batch
+                or q.shape[3] != self.head_dim
+                or q.shape[1] % self.num_kv_heads
+                or q.shape[2] % t
+            ):
+                raise ValueError(
+                    f"the graph's queries of layer {i} ({self.query_outputs[i]}) have shape {q.shape}, "
+                    f"not (batch {batch}, a multiple of {self.num_kv_heads} heads, a multiple of {t} "
+                    f"tokens, {self.head_dim}); construct the decoder with queries=False; nothing was "
+                    "stored"
+                )
             heads = q.shape[1] * (q.shape[2] // t)
             out.append(np.ascontiguousarray(q, dtype=self.dtype).reshape(batch, heads, t, self.head_dim))
         return out
@@ -300,14 +330,18 @@ class OrtKVDecoder:
             pair = []
             for kind, a in (("key", res[1 + 2 * i]), ("value", res[2 + 2 * i])):
                 if a.ndim != 4 or a.shape[2] != past_len + t:
-                    raise ValueError(f"present.{i}.{kind} has shape {a.shape}: {a.shape[2] if a.ndim == 4 else '?'} "
-                                     f"tokens, expected past {past_len} + new {t}; nothing was stored")
+                    raise ValueError(
+                        f"present.{i}.{kind} has shape {a.shape}: {a.shape[2] if a.ndim == 4 else '?'} "
+                        f"tokens, expected past {past_len} + new {t}; nothing was stored"
+                    )
                 if tuple(a.shape) != want:
                     raise ValueError(f"present.{i}.{kind} has shape {a.shape}, expected {want}; nothing was stored")
                 x = np.ascontiguousarray(a[:, :, past_len:, :])
                 if finite and not np.isfinite(x).all():
-                    raise ValueError(f"present.{i}.{kind} holds non-finite values (NaN or Inf) for the new tokens; "
-                                     "nothing was stored, every layer of the cache is as it was")
+                    raise ValueError(
+                        f"present.{i}.{kind} holds non-finite values (NaN or Inf) for the new tokens; "
+                        "nothing was stored, every layer of the cache is as it was"
+                    )
                 pair.append(x)
             new.append(tuple(pair))
         return new
@@ -327,11 +361,22 @@ class OrtKVDecoder:
             raise ValueError("decode needs a cache holding earlier tokens; call prefill first")
         return self.step(ids, cache)
 
-    def generate(self, prompt: Any = None, max_new_tokens: int = 32, *args: Any, cache: Any = None,
-                 method: str = "dense", eos_id: int | None = None, stop_at_eos: bool = True,
-                 temperature: float = 0.0, top_k: int | None = None, seed: int | None = None,
-                 on_token: Callable[[int], None] | None = None, prefill_chunk: int | None = 512,
-                 **legacy: Any) -> list:
+    def generate(
+        self,
+        prompt: Any = None,
+        max_new_tokens: int = 32,
+        *args: Any,
+        cache: Any = None,
+        method: str = "dense",
+        eos_id: int | None = None,
+        stop_at_eos: bool = True,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        on_token: Callable[[int], None] | None = None,
+        prefill_chunk: int | None = 512,
+        **legacy: Any,
+    ) -> list:
         """Greedy or sampled generation for one sequence.
 
         The convention every engine shares (:mod:`arraykv.integrations.generation`): the same
@@ -372,8 +417,9 @@ class OrtKVDecoder:
 
         from .._compat import to_numpy
 
-        prompt, max_new_tokens, cache = legacy_generate_args("OrtKVDecoder", prompt, max_new_tokens, args,
-                                                             cache, legacy)
+        prompt, max_new_tokens, cache = legacy_generate_args(
+            "OrtKVDecoder", prompt, max_new_tokens, args, cache, legacy
+        )
         ids = prompt_ids(prompt, None)
         temperature = check_sampling(max_new_tokens, temperature, top_k, prefill_chunk)
         if cache is None:
@@ -384,9 +430,18 @@ class OrtKVDecoder:
         def prefill_last(p: list) -> Any:
             return to_numpy(chunked_logits(lambda a: self.step(a, cache), p, prefill_chunk))[0, -1]
 
-        return generate_tokens(prefill_last, lambda tok: to_numpy(self.decode([tok], cache))[0, -1],
-                               ids, max_new_tokens, eos=eos_id, stop_at_eos=stop_at_eos,
-                               temperature=temperature, top_k=top_k, seed=seed, on_token=on_token)
+        return generate_tokens(
+            prefill_last,
+            lambda tok: to_numpy(self.decode([tok], cache))[0, -1],
+            ids,
+            max_new_tokens,
+            eos=eos_id,
+            stop_at_eos=stop_at_eos,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            on_token=on_token,
+        )
 
 
 def _dim(declared: Any, given: int | None, name: str) -> int:
@@ -397,4 +452,3 @@ def _dim(declared: Any, given: int | None, name: str) -> int:
     if given is None:
         raise ValueError(f"the model's past_key_values inputs have a symbolic {name} ({declared!r}); pass {name}=")
     return int(given)
-

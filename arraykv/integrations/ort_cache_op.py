@@ -39,7 +39,7 @@ from .gguf import require
 
 __all__ = ["CacheSlot", "register", "ensure_registered", "session_options", "attend_from_cache"]
 
-_SLOTS: "weakref.WeakValueDictionary[str, CacheSlot]" = weakref.WeakValueDictionary()
+_SLOTS: weakref.WeakValueDictionary[str, CacheSlot] = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()
 _REGISTERED = [False]
 
@@ -93,13 +93,16 @@ def attend_from_cache(slot: CacheSlot, layer: int, scale: float, q: Any, k: Any,
 
     cache = slot.cache
     if cache is None:
-        raise RuntimeError("the ArrayKVAttention node ran with no cache attached; run the graph through "
-                           "OrtGraphDecoder")
+        raise RuntimeError(
+            "the ArrayKVAttention node ran with no cache attached; run the graph through OrtGraphDecoder"
+        )
     b, hkv, t, d = (int(s) for s in k.shape)
     heads = int(q.size) // (b * t * d)
     if heads * b * t * d != q.size or heads % hkv:
-        raise ValueError(f"layer {layer}: queries of shape {q.shape} do not hold a whole number of query heads "
-                         f"for keys of shape {k.shape}")
+        raise ValueError(
+            f"layer {layer}: queries of shape {q.shape} do not hold a whole number of query heads "
+            f"for keys of shape {k.shape}"
+        )
     q4 = np.ascontiguousarray(q, dtype=np.float32).reshape(b, heads, t, d)
     k = np.ascontiguousarray(k, dtype=np.float32)
     v = np.ascontiguousarray(v, dtype=np.float32)
@@ -111,12 +114,20 @@ def attend_from_cache(slot: CacheSlot, layer: int, scale: float, q: Any, k: Any,
             out = to_numpy(res.output)
         else:
             r = res.result
-            out = attend_one(np, q4, to_numpy(r.k), to_numpy(r.v),
-                             None if r.logit_bias is None else to_numpy(r.logit_bias), scale)
+            out = attend_one(
+                np, q4, to_numpy(r.k), to_numpy(r.v), None if r.logit_bias is None else to_numpy(r.logit_bias), scale
+            )
     else:
         r = cache.prefill(layer, k, v, q4)
-        out = attend_chunk(np, q4, to_numpy(r.k), to_numpy(r.v),
-                           None if r.logit_bias is None else to_numpy(r.logit_bias), scale, in_place=True)
+        out = attend_chunk(
+            np,
+            q4,
+            to_numpy(r.k),
+            to_numpy(r.v),
+            None if r.logit_bias is None else to_numpy(r.logit_bias),
+            scale,
+            in_place=True,
+        )
     return np.ascontiguousarray(out, dtype=np.float32).reshape(q.shape)
 
 
@@ -136,8 +147,12 @@ def ensure_registered() -> None:
 
         P = ox.PyCustomOpDef
 
-        @ox.onnx_op(op_type=CACHE_OP, inputs=[P.dt_float, P.dt_float, P.dt_float], outputs=[P.dt_float],
-                    attrs={"handle": P.dt_string, "layer": P.dt_int64, "scale": P.dt_float})
+        @ox.onnx_op(
+            op_type=CACHE_OP,
+            inputs=[P.dt_float, P.dt_float, P.dt_float],
+            outputs=[P.dt_float],
+            attrs={"handle": P.dt_string, "layer": P.dt_int64, "scale": P.dt_float},
+        )
         def _arraykv_attention(q, k, v, **attrs):
             # An exception escaping a Python operator terminates the process (onnxruntime-extensions
             # 0.15.2 under onnxruntime 1.32: "terminate called after throwing an instance of

@@ -24,7 +24,8 @@ both widths.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .gguf import require
 from .ort_graph import AttentionSite, find_attention_sites, load_model_proto, replace_sites
@@ -104,8 +105,10 @@ def rewrite_with_gqa(model: Any, *, num_heads: int, bits: int | None, scales: li
         raise ValueError(f"bits must be 4, 8 or None, received {bits!r}")
     sites = find_attention_sites(model)
     if bits is not None and (scales is None or len(scales) != len(sites)):
-        raise ValueError(f"bits={bits} needs one (k_scale, v_scale) pair per layer ({len(sites)}), "
-                         f"received {None if scales is None else len(scales)}")
+        raise ValueError(
+            f"bits={bits} needs one (k_scale, v_scale) pair per layer ({len(sites)}), "
+            f"received {None if scales is None else len(scales)}"
+        )
     g = model.graph
     if "attention_mask" not in {vi.name for vi in g.input}:
         raise ValueError("GroupQueryAttention needs the sequence lengths; the graph has no attention_mask input")
@@ -154,14 +157,29 @@ def rewrite_with_gqa(model: Any, *, num_heads: int, bits: int | None, scales: li
             helper.make_node("Transpose", [site.new_value], [p + "vt"], perm=[0, 2, 1, 3]),
             helper.make_node("Reshape", [p + "vt", "gqa_kv3"], [p + "v3"]),
         ]
-        ins = [p + "q3", p + "k3", p + "v3", f"past_key_values.{i}.key", f"past_key_values.{i}.value",
-               "gqa_seqlens_k", "gqa_total"]
+        ins = [
+            p + "q3",
+            p + "k3",
+            p + "v3",
+            f"past_key_values.{i}.key",
+            f"past_key_values.{i}.value",
+            "gqa_seqlens_k",
+            "gqa_total",
+        ]
         if bits is not None:
             ins += ["", "", "", "", "", f"gqa_k_scale_{i}", f"gqa_v_scale_{i}"]
         nodes += [
-            helper.make_node("GroupQueryAttention", ins, [p + "o3", f"present.{i}.key", f"present.{i}.value"],
-                             name=f"gqa_{i}", domain="com.microsoft", num_heads=num_heads, kv_num_heads=hkv,
-                             scale=site.scale, **attrs),
+            helper.make_node(
+                "GroupQueryAttention",
+                ins,
+                [p + "o3", f"present.{i}.key", f"present.{i}.value"],
+                name=f"gqa_{i}",
+                domain="com.microsoft",
+                num_heads=num_heads,
+                kv_num_heads=hkv,
+                scale=site.scale,
+                **attrs,
+            ),
             helper.make_node("Reshape", [p + "o3", "gqa_o4"], [p + "o4"]),
             helper.make_node("Transpose", [p + "o4"], [p + "ot"], perm=[0, 2, 1, 3]),
             helper.make_node("Shape", [site.query], [p + "qshape"]),
@@ -230,8 +248,9 @@ class OrtPastLoop:
             sess = ort.InferenceSession(str(model), providers=list(providers or ["CPUExecutionProvider"]))
         else:
             proto = load_model_proto(model)
-            sess = ort.InferenceSession(proto.SerializeToString(),
-                                        providers=list(providers or ["CPUExecutionProvider"]))
+            sess = ort.InferenceSession(
+                proto.SerializeToString(), providers=list(providers or ["CPUExecutionProvider"])
+            )
         self.session = sess
         self._inputs = {i.name: i for i in sess.get_inputs()}
         self.num_layers = sum(1 for n in self._inputs if n.startswith("past_key_values.") and n.endswith(".key"))
@@ -239,8 +258,12 @@ class OrtPastLoop:
             raise ValueError("the model has no past_key_values.{i}.key inputs")
         self._outputs = [o.name for o in sess.get_outputs()]
         self.logits_name = "logits" if "logits" in self._outputs else self._outputs[0]
-        types = {"tensor(float)": "float32", "tensor(int8)": "int8", "tensor(uint8)": "uint8",
-                 "tensor(float16)": "float16"}
+        types = {
+            "tensor(float)": "float32",
+            "tensor(int8)": "int8",
+            "tensor(uint8)": "uint8",
+            "tensor(float16)": "float16",
+        }
         past = self._inputs["past_key_values.0.key"]
         self._past_dtype = types[past.type]
         self._past_shape = [s if isinstance(s, int) else None for s in past.shape]

@@ -41,8 +41,16 @@ from typing import Any
 
 from .onnx_queries import node_consumers
 
-__all__ = ["AttentionSite", "GraphRewriteError", "find_attention_sites", "rewrite_with_cache_op",
-           "replace_sites", "load_model_proto", "CACHE_OP", "CACHE_OP_DOMAIN"]
+__all__ = [
+    "AttentionSite",
+    "GraphRewriteError",
+    "find_attention_sites",
+    "rewrite_with_cache_op",
+    "replace_sites",
+    "load_model_proto",
+    "CACHE_OP",
+    "CACHE_OP_DOMAIN",
+]
 
 #: The custom operator that :func:`rewrite_with_cache_op` inserts, and its domain.
 CACHE_OP = "ArrayKVAttention"
@@ -131,8 +139,10 @@ def _past_layers(graph: Any) -> int:
             found.setdefault(int(m.group(1)), set()).add(m.group(2))
     if not found:
         names = ", ".join(vi.name for vi in graph.input)
-        raise GraphRewriteError("the graph has no past_key_values.{i}.key/value inputs, so there is no attention "
-                                f"over a past to replace; inputs found: {names}")
+        raise GraphRewriteError(
+            "the graph has no past_key_values.{i}.key/value inputs, so there is no attention "
+            f"over a past to replace; inputs found: {names}"
+        )
     n = max(found) + 1
     for i in range(n):
         if found.get(i) != {"key", "value"}:
@@ -151,7 +161,8 @@ def _new_tokens(producers: dict, layer: int, kind: str) -> str:
     if node.op_type != "Concat" or list(node.input[:1]) != [past] or len(node.input) != 2 or axis not in (2, -2):
         raise GraphRewriteError(
             f"layer {layer}: {name} is computed by {node.op_type}({', '.join(node.input)}), not by "
-            f"Concat({past}, new, axis=2); this graph cannot be rewritten (the hook OrtKVDecoder still drives it)")
+            f"Concat({past}, new, axis=2); this graph cannot be rewritten (the hook OrtKVDecoder still drives it)"
+        )
     return node.input[1]
 
 
@@ -199,9 +210,11 @@ def _site(graph: Any, consumers: dict, producers: dict, consts: dict, layer: int
     new_v = _new_tokens(producers, layer, "value")
     score, k_factor = _follow_to_matmul(consumers, consts, f"present.{layer}.key", True)
     if score is None:
-        raise GraphRewriteError(f"layer {layer}: no MatMul takes present.{layer}.key (through transposes, reshapes "
-                                "and constant scales) as its right operand: a fused attention operator or a "
-                                "pattern the rewriter does not know")
+        raise GraphRewriteError(
+            f"layer {layer}: no MatMul takes present.{layer}.key (through transposes, reshapes "
+            "and constant scales) as its right operand: a fused attention operator or a "
+            "pattern the rewriter does not know"
+        )
     factor = k_factor
     name = score.output[0]
     for _ in range(_MAX_DEPTH):  # scores -> Softmax through scales and masks
@@ -234,10 +247,12 @@ def _site(graph: Any, consumers: dict, producers: dict, consts: dict, layer: int
             raise GraphRewriteError(f"layer {layer}: {node.op_type} between the Softmax and the value MatMul")
         name = node.output[0]
     if values is None or node is not values or node.input[0] != name:
-        raise GraphRewriteError(f"layer {layer}: the attention probabilities are not multiplied with "
-                                f"present.{layer}.value")
-    return AttentionSite(layer=layer, query=score.input[0], new_key=new_k, new_value=new_v,
-                         output=node.output[0], scale=float(factor))
+        raise GraphRewriteError(
+            f"layer {layer}: the attention probabilities are not multiplied with present.{layer}.value"
+        )
+    return AttentionSite(
+        layer=layer, query=score.input[0], new_key=new_k, new_value=new_v, output=node.output[0], scale=float(factor)
+    )
 
 
 def find_attention_sites(model: Any) -> list:
@@ -262,14 +277,15 @@ def find_attention_sites(model: Any) -> list:
     n = _past_layers(g)
     for vi in g.input:
         if _PAST.match(vi.name) and vi.type.tensor_type.elem_type != 1:
-            raise GraphRewriteError(f"{vi.name} has element type {vi.type.tensor_type.elem_type}; "
-                                    "only float32 K/V (type 1) can be rewritten")
+            raise GraphRewriteError(
+                f"{vi.name} has element type {vi.type.tensor_type.elem_type}; "
+                "only float32 K/V (type 1) can be rewritten"
+            )
     consumers, producers, consts = node_consumers(g), _producers(g), _constants(g)
     return [_site(g, consumers, producers, consts, i) for i in range(n)]
 
 
-def replace_sites(model: Any, sites: list, make_nodes: Any, *, keep_kv_io: bool = False,
-                  domains: dict | None = None):
+def replace_sites(model: Any, sites: list, make_nodes: Any, *, keep_kv_io: bool = False, domains: dict | None = None):
     """A copy of ``model`` with each site's attention replaced by ``make_nodes(site)``.
 
     Parameters
@@ -324,8 +340,10 @@ def replace_sites(model: Any, sites: list, make_nodes: Any, *, keep_kv_io: bool 
     if not keep_kv_io:
         stale = sorted(n for n in needed if _PAST.match(n) or n in concat_outs)
         if stale:
-            raise GraphRewriteError(f"{', '.join(stale)} are still used outside the attention after the rewrite; "
-                                    "this graph cannot lose its past inputs (the hook OrtKVDecoder still drives it)")
+            raise GraphRewriteError(
+                f"{', '.join(stale)} are still used outside the attention after the rewrite; "
+                "this graph cannot lose its past inputs (the hook OrtKVDecoder still drives it)"
+            )
     inits = [t for t in g.initializer if t.name in needed]
     del g.initializer[:]
     g.initializer.extend(inits)
@@ -367,8 +385,17 @@ def rewrite_with_cache_op(model: Any, handle: str):
     sites = find_attention_sites(model)
 
     def make(site: AttentionSite) -> list:
-        return [helper.make_node(CACHE_OP, [site.query, site.new_key, site.new_value], [site.output],
-                                 name=f"arraykv_attention_{site.layer}", domain=CACHE_OP_DOMAIN,
-                                 handle=handle, layer=site.layer, scale=site.scale)]
+        return [
+            helper.make_node(
+                CACHE_OP,
+                [site.query, site.new_key, site.new_value],
+                [site.output],
+                name=f"arraykv_attention_{site.layer}",
+                domain=CACHE_OP_DOMAIN,
+                handle=handle,
+                layer=site.layer,
+                scale=site.scale,
+            )
+        ]
 
     return replace_sites(model, sites, make, domains={CACHE_OP_DOMAIN: 1}), sites

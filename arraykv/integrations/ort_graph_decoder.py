@@ -24,7 +24,8 @@ drives those.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .generation import cache_length, check_sampling, chunked_logits, generate_tokens, prompt_ids, undo_on_failure
 from .gguf import require
@@ -76,8 +77,15 @@ class OrtGraphDecoder:
     >>> logits = dec.decode([4], cache)                      # (1, 1, vocab)  doctest: +SKIP
     """
 
-    def __init__(self, model: Any, *, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 providers: Sequence[str] | None = None, options: Any = None):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        providers: Sequence[str] | None = None,
+        options: Any = None,
+    ):
         ort = require("onnxruntime", "onnx")
         proto = load_model_proto(model)
         past = next((vi for vi in proto.graph.input if vi.name == "past_key_values.0.key"), None)
@@ -86,8 +94,10 @@ class OrtGraphDecoder:
         del proto
         dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in past.type.tensor_type.shape.dim]
         if len(dims) != 4:
-            raise ValueError(f"past_key_values.0.key must have 4 dimensions (batch, kv_heads, past, head_dim), "
-                             f"the model declares {dims}")
+            raise ValueError(
+                f"past_key_values.0.key must have 4 dimensions (batch, kv_heads, past, head_dim), "
+                f"the model declares {dims}"
+            )
         self.num_layers = len(self.sites)
         self.num_kv_heads = _dim(dims[1], num_kv_heads, "num_kv_heads")
         self.head_dim = _dim(dims[3], head_dim, "head_dim")
@@ -96,8 +106,9 @@ class OrtGraphDecoder:
         if options is None:
             options = ort.SessionOptions()
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(graph.SerializeToString(), session_options(options),
-                                            providers=list(providers or ["CPUExecutionProvider"]))
+        self.session = ort.InferenceSession(
+            graph.SerializeToString(), session_options(options), providers=list(providers or ["CPUExecutionProvider"])
+        )
         del graph  # the session holds the weights; keeping the proto would hold them twice
         inputs = {i.name: i for i in self.session.get_inputs()}
         if "input_ids" not in inputs:
@@ -106,15 +117,19 @@ class OrtGraphDecoder:
         self.logits_name = "logits" if "logits" in outputs else outputs[0]
         import numpy as np
 
-        self._int_type = {name: (np.int32 if inputs[name].type == "tensor(int32)" else np.int64)
-                          for name in ("input_ids", "attention_mask", "position_ids") if name in inputs}
+        self._int_type = {
+            name: (np.int32 if inputs[name].type == "tensor(int32)" else np.int64)
+            for name in ("input_ids", "attention_mask", "position_ids")
+            if name in inputs
+        }
 
     def make_cache(self, method: str = "dense", **options: Any):
         """A cache of this decoder's geometry (``arraykv.make_cache`` with layers/heads/head_dim filled)."""
         from ..caches import make_cache
 
-        return make_cache(method, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                          head_dim=self.head_dim, **options)
+        return make_cache(
+            method, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, **options
+        )
 
     def step(self, input_ids: Any, cache: Any, *, mode: str = "prefill") -> Any:
         """Run the graph on ``input_ids`` after the tokens ``cache`` holds, storing their K/V in it.
@@ -147,7 +162,9 @@ class OrtGraphDecoder:
         if ids.ndim == 1:
             ids = ids[None, :]
         if ids.ndim != 2 or ids.shape[1] == 0 or ids.dtype.kind not in "iu":
-            raise ValueError(f"input_ids must be integers of shape (batch, new_tokens), received {ids.shape} {ids.dtype}")
+            raise ValueError(
+                f"input_ids must be integers of shape (batch, new_tokens), received {ids.shape} {ids.dtype}"
+            )
         batch, t = ids.shape
         if mode == "decode" and t != 1:
             raise ValueError(f"a decode step takes one token per sequence, received {t}")
@@ -178,8 +195,9 @@ class OrtGraphDecoder:
             have = getattr(cache, name, None)
             want = getattr(self, name)
             if isinstance(have, int) and (have < want if name == "num_layers" else have != want):
-                raise ValueError(f"the cache has {name}={have}, this graph needs {want}; "
-                                 "make it with decoder.make_cache(method)")
+                raise ValueError(
+                    f"the cache has {name}={have}, this graph needs {want}; make it with decoder.make_cache(method)"
+                )
 
     def prefill(self, input_ids: Any, cache: Any) -> Any:
         """The tokens ``input_ids`` (batch, tokens) after what ``cache`` holds; logits (batch, tokens, vocab)."""
@@ -192,10 +210,21 @@ class OrtGraphDecoder:
         ids = np.asarray(input_ids).reshape(-1, 1)
         return self.step(ids, cache, mode="decode")
 
-    def generate(self, prompt: Any, max_new_tokens: int = 32, *, cache: Any = None, method: str = "dense",
-                 eos_id: int | None = None, stop_at_eos: bool = True, temperature: float = 0.0,
-                 top_k: int | None = None, seed: int | None = None,
-                 on_token: Callable[[int], None] | None = None, prefill_chunk: int | None = 512) -> list:
+    def generate(
+        self,
+        prompt: Any,
+        max_new_tokens: int = 32,
+        *,
+        cache: Any = None,
+        method: str = "dense",
+        eos_id: int | None = None,
+        stop_at_eos: bool = True,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        on_token: Callable[[int], None] | None = None,
+        prefill_chunk: int | None = 512,
+    ) -> list:
         """Greedy or sampled generation for one sequence.
 
         The convention every engine shares (:mod:`arraykv.integrations.generation`): the same
@@ -233,9 +262,18 @@ class OrtGraphDecoder:
         def prefill_last(p: list) -> Any:
             return chunked_logits(lambda a: self.prefill(a, cache), p, prefill_chunk)[0, -1]
 
-        return generate_tokens(prefill_last, lambda tok: self.decode([tok], cache)[0, -1],
-                               ids, max_new_tokens, eos=eos_id, stop_at_eos=stop_at_eos,
-                               temperature=temperature, top_k=top_k, seed=seed, on_token=on_token)
+        return generate_tokens(
+            prefill_last,
+            lambda tok: self.decode([tok], cache)[0, -1],
+            ids,
+            max_new_tokens,
+            eos=eos_id,
+            stop_at_eos=stop_at_eos,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            on_token=on_token,
+        )
 
 
 def _dim(declared: Any, given: int | None, name: str) -> int:

@@ -89,8 +89,9 @@ class PromptStage:
         self.total = int(total)
         self._staged = [stages_layer(cache, i) for i in range(num_layers)]
         #: Rows a staged sliding layer keeps between chunks (None: a global layer keeps all).
-        self._keep = [getattr(serving_cache(cache, i), "keep", None) if self._staged[i] else None
-                      for i in range(num_layers)]
+        self._keep = [
+            getattr(serving_cache(cache, i), "keep", None) if self._staged[i] else None for i in range(num_layers)
+        ]
         self._held: list = [None] * num_layers  # per staged layer: a _Staged once its first chunk came
         self._before: list = [None] * num_layers  # earlier tokens of the target, float (k, v)
         self._start = [cache.seq_len(i) for i in range(num_layers)]
@@ -139,8 +140,8 @@ class PromptStage:
         if n + n_before <= keep:
             return
         if n >= keep:
-            held.k = xp.asarray(held.k[:, :, n - keep:, :], copy=True)
-            held.v = xp.asarray(held.v[:, :, n - keep:, :], copy=True)
+            held.k = xp.asarray(held.k[:, :, n - keep :, :], copy=True)
+            held.v = xp.asarray(held.v[:, :, n - keep :, :], copy=True)
             self._before[layer] = None
         else:
             cut = n_before - (keep - n)
@@ -162,10 +163,10 @@ class PromptStage:
             sample = xp.concat(held.queries, axis=2) if len(held.queries) > 1 else held.queries[0]
             k, v = xp.astype(held.k, sample.dtype), xp.astype(held.v, sample.dtype)
             reps = math.ceil(held.seen / max(1, int(sample.shape[2])))
-            q = (xp.concat([sample] * reps, axis=2) if reps > 1 else sample)[:, :, :held.seen, :]
+            q = (xp.concat([sample] * reps, axis=2) if reps > 1 else sample)[:, :, : held.seen, :]
             self._held[layer] = None
             if self._keep[layer] is None:
                 self.cache.append(layer, k, v, q)
             else:  # the last rows of a sliding layer's prompt; its length counts every token
                 rows = int(k.shape[2])
-                serving_cache(self.cache, layer).append_last(layer, k, v, q[:, :, held.seen - rows:, :], held.seen)
+                serving_cache(self.cache, layer).append_last(layer, k, v, q[:, :, held.seen - rows :, :], held.seen)

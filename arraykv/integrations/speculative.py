@@ -38,9 +38,16 @@ from typing import Any
 from .drafts import Block, CacheDraft, LayerDraft, NgramDraft, argmax_rows, require_truncate, run_layers
 from .generation import prompt_ids, stop_tokens, tokenizer_stops
 
-__all__ = ["speculative_generate", "SpeculativeResult", "greedy_agreement", "greedy_with_gaps", "LayerDraft",
-           "CacheDraft",
-           "NgramDraft", "run_layers"]
+__all__ = [
+    "speculative_generate",
+    "SpeculativeResult",
+    "greedy_agreement",
+    "greedy_with_gaps",
+    "LayerDraft",
+    "CacheDraft",
+    "NgramDraft",
+    "run_layers",
+]
 
 #: ``verify`` values: see :func:`arraykv.integrations.drafts.run_layers`; "auto" is "prefill" for
 #: the ``dense`` cache and "decode" for every other.
@@ -88,11 +95,21 @@ class SpeculativeResult:
         return (len(self.tokens) - 1) / self.seconds if self.seconds > 0 and len(self.tokens) > 1 else 0.0
 
 
-def speculative_generate(model: Any, prompt: Any, max_new_tokens: int = 32, *, cache: Any, draft: Any,
-                         k: int = 4, eos_id: int | None = None, stop_at_eos: bool = True,
-                         concurrent: bool = False, verify: str = "auto",
-                         on_token: Callable[[int], None] | None = None,
-                         prefill_chunk: int | None = 512) -> SpeculativeResult:
+def speculative_generate(
+    model: Any,
+    prompt: Any,
+    max_new_tokens: int = 32,
+    *,
+    cache: Any,
+    draft: Any,
+    k: int = 4,
+    eos_id: int | None = None,
+    stop_at_eos: bool = True,
+    concurrent: bool = False,
+    verify: str = "auto",
+    on_token: Callable[[int], None] | None = None,
+    prefill_chunk: int | None = 512,
+) -> SpeculativeResult:
     """Greedy generation of ``model`` through ``cache``, accelerated by a ``draft``.
 
     Parameters
@@ -148,8 +165,10 @@ def speculative_generate(model: Any, prompt: Any, max_new_tokens: int = 32, *, c
     require_truncate(cache, "cache", depth)
     ids = prompt_ids(prompt, model.tokenizer)
     if len(ids) + max_new_tokens + 2 * k > model.config.context_length:
-        raise ValueError(f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) and 2k drafted "
-                         f"tokens exceed the context length of {model.config.context_length}")
+        raise ValueError(
+            f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) and 2k drafted "
+            f"tokens exceed the context length of {model.config.context_length}"
+        )
     if cache.seq_len(0) != 0:
         raise ValueError("cache must be empty; call cache.reset() first")
     draft.bind(model, cache, depth)
@@ -192,7 +211,7 @@ def speculative_generate(model: Any, prompt: Any, max_new_tokens: int = 32, *, c
         while a < m and block.proposals[a] == target[a]:
             a += 1
         accepted += a
-        for tok in target[:min(a + 1, n)]:
+        for tok in target[: min(a + 1, n)]:
             if emit(tok):
                 done = True
                 break
@@ -219,8 +238,9 @@ def _verify(model: Any, cache: Any, draft: Any, block: Block, mode: str) -> list
     return argmax_rows(model._logits(h)[0])
 
 
-def _verify_beside_draft(model: Any, cache: Any, draft: Any, block: Block, n_ahead: int, mode: str,
-                         history: list) -> tuple:
+def _verify_beside_draft(
+    model: Any, cache: Any, draft: Any, block: Block, n_ahead: int, mode: str, history: list
+) -> tuple:
     """Verify ``block`` in a thread while drafting, here, the block after it (assuming all is accepted)."""
     box: dict = {}
 
@@ -234,8 +254,7 @@ def _verify_beside_draft(model: Any, cache: Any, draft: Any, block: Block, n_ahe
     th.start()
     try:
         nxt = block.proposals[-1]
-        ahead = draft.propose(nxt, block.position + len(block.tokens), n_ahead,
-                              history + block.proposals)
+        ahead = draft.propose(nxt, block.position + len(block.tokens), n_ahead, history + block.proposals)
     finally:
         th.join()
     if "error" in box:
@@ -299,5 +318,4 @@ def greedy_agreement(reference: list, margins: list, candidate: list, *, toleran
         first = n
     margin = None if first is None or first >= len(margins) else float(margins[first])
     tie = margin is not None and margin < tolerance
-    return {"equal": first is None, "first_difference": first, "margin": margin, "tie": tie,
-            "ok": first is None or tie}
+    return {"equal": first is None, "first_difference": first, "margin": margin, "tie": tie, "ok": first is None or tie}

@@ -61,8 +61,16 @@ class GGUFTokenizer:
         ``eos_id`` first (when there is one), then the other stop tokens, without repeats.
     """
 
-    def __init__(self, tokenizer: Any, *, bos_id: int | None, eos_id: int | None, add_bos: bool,
-                 chat_template: str | None = None, stop_ids: Iterable[int] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos: bool,
+        chat_template: str | None = None,
+        stop_ids: Iterable[int] | None = None,
+    ):
         self._tok = tokenizer
         self.bos_id = bos_id
         self.eos_id = eos_id
@@ -119,8 +127,7 @@ class GGUFTokenizer:
             return f"<start_of_turn>user\n{head}{user}<end_of_turn>\n<start_of_turn>model\n"
         default = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
         sys_msg = system if system is not None else default
-        return (f"<|im_start|>system\n{sys_msg}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
-                "<|im_start|>assistant\n")
+        return f"<|im_start|>system\n{sys_msg}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def _field(reader: Any, key: str, default: Any = None):
@@ -191,7 +198,8 @@ def _byte_level_bpe(tk: Any, reader: Any, tokens: list, types: list) -> Any:
     elif pre in ("llama-bpe", "llama3", "smaug-bpe", "dbrx"):
         split = tk.pre_tokenizers.Split(tk.Regex(_LLAMA3_PATTERN), behavior="isolated", invert=False)
         tok.pre_tokenizer = tk.pre_tokenizers.Sequence(
-            [split, tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            [split, tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
     else:  # GPT-2 pattern: right for _GPT2_LIKE, the closest known behaviour otherwise
         tok.pre_tokenizer = bl
     tok.decoder = tk.decoders.ByteLevel()
@@ -260,8 +268,11 @@ def _sentencepiece_bpe(tk: Any, reader: Any, tokens: list, types: list) -> Any:
     tok.decoder = tk.decoders.Sequence(steps)
     # control (3) and unknown (2) tokens are special; user-defined ones (4) are plain text
     # pieces, such as runs of newlines, that are nonetheless matched whole
-    added = [tk.AddedToken(tokens[i], special=int(t) != 4, normalized=False)
-             for i, t in enumerate(types) if int(t) in (2, 3, 4)]
+    added = [
+        tk.AddedToken(tokens[i], special=int(t) != 4, normalized=False)
+        for i, t in enumerate(types)
+        if int(t) in (2, 3, 4)
+    ]
     tok.add_special_tokens([a for a in added if a.special])
     tok.add_tokens([a for a in added if not a.special])
     return tok

@@ -55,9 +55,11 @@ from .gguf import require
 try:
     import torch as _torch
 except ImportError as _exc:
-    raise ImportError("torch is needed for ArraykvCache and is not installed by arraykv: install the torch build "
-                      "you want (e.g. the CPU wheel from https://pytorch.org), then "
-                      'python -m pip install "arraykv[hf]"') from _exc
+    raise ImportError(
+        "torch is needed for ArraykvCache and is not installed by arraykv: install the torch build "
+        "you want (e.g. the CPU wheel from https://pytorch.org), then "
+        'python -m pip install "arraykv[hf]"'
+    ) from _exc
 _transformers = require("transformers", "hf")
 
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402 - after the install hint
@@ -93,14 +95,15 @@ def _geometry(config: Any) -> tuple:
     kv = getattr(config, "num_key_value_heads", None)
     kv = heads if kv is None else kv
     if not isinstance(kv, int) or kv < 1 or heads % kv:
-        raise ValueError(f"config ({name}) num_key_value_heads must divide num_attention_heads={heads}, "
-                         f"it is {kv!r}")
+        raise ValueError(f"config ({name}) num_key_value_heads must divide num_attention_heads={heads}, it is {kv!r}")
     hd = getattr(config, "head_dim", None)
     if hd is None:
         hidden = getattr(config, "hidden_size", None)
         if not isinstance(hidden, int) or hidden % heads:
-            raise ValueError(f"config ({name}) has no head_dim and hidden_size={hidden!r} is not a multiple of "
-                             f"num_attention_heads={heads}")
+            raise ValueError(
+                f"config ({name}) has no head_dim and hidden_size={hidden!r} is not a multiple of "
+                f"num_attention_heads={heads}"
+            )
         hd = hidden // heads
     if not isinstance(hd, int) or hd < 1:
         raise ValueError(f"config ({name}) head_dim must be a positive int, it is {hd!r}")
@@ -196,12 +199,15 @@ class ArraykvLayer(CacheLayerMixin):
         if self.get_seq_length() > 0:
             raise NotImplementedError(
                 "ArraykvCache does not reorder its batch (beam search): an arraykv cache's batch rows "
-                "cannot be permuted in place; use greedy or sampled decoding (num_beams=1)")
+                "cannot be permuted in place; use greedy or sampled decoding (num_beams=1)"
+            )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.get_seq_length() > 0 and repeats != 1:
-            raise NotImplementedError("ArraykvCache cannot repeat its batch rows once filled "
-                                      "(contrastive search, num_return_sequences after prefill)")
+            raise NotImplementedError(
+                "ArraykvCache cannot repeat its batch rows once filled "
+                "(contrastive search, num_return_sequences after prefill)"
+            )
 
     def batch_select_indices(self, indices: Any) -> None:
         if self.get_seq_length() > 0:
@@ -276,15 +282,25 @@ class ArraykvCache(Cache):
     queries mean for the ``pqo`` methods and what is held in memory.
     """
 
-    def __init__(self, method: str, *, config: Any, incremental: bool = False, model: Any = None,
-                 fused: bool | None = None, **cache_options: Any):
+    def __init__(
+        self,
+        method: str,
+        *,
+        config: Any,
+        incremental: bool = False,
+        model: Any = None,
+        fused: bool | None = None,
+        **cache_options: Any,
+    ):
         from ..caches import make_cache
 
         if not isinstance(method, str):
             raise TypeError(f"method must be a string (an arraykv cache method), received {type(method).__name__}")
         if method.startswith(_LOGIT_BIAS_PREFIXES):
-            raise ValueError(f"method {method!r} corrects attention logits with a logit_bias, which the model's "
-                             "own attention cannot apply; use a pq/pqo/int/dense method")
+            raise ValueError(
+                f"method {method!r} corrects attention logits with a logit_bias, which the model's "
+                "own attention cannot apply; use a pq/pqo/int/dense method"
+            )
         if not isinstance(incremental, bool):
             raise TypeError(f"incremental must be a bool, received {type(incremental).__name__}")
         self.num_layers, self.num_kv_heads, self.head_dim, self.layer_types, window = _geometry(config)
@@ -295,20 +311,32 @@ class ArraykvCache(Cache):
             window_options = dict(cache_options.pop("window_options", None) or {})
             if "rollback_tokens" in cache_options:
                 window_options.setdefault("rollback_tokens", cache_options["rollback_tokens"])
-            self.arraykv_cache = make_cache("hybrid", **geometry, layer_types=self.layer_types, window=window,
-                                            full_method=method, full_options=cache_options,
-                                            window_options=window_options)
+            self.arraykv_cache = make_cache(
+                "hybrid",
+                **geometry,
+                layer_types=self.layer_types,
+                window=window,
+                full_method=method,
+                full_options=cache_options,
+                window_options=window_options,
+            )
         full = getattr(self.arraykv_cache, "full", None)
         if getattr(self.arraykv_cache, "qjl", False) or getattr(full, "qjl", False):
-            raise ValueError(f"method {method!r} with qjl=True corrects attention logits with a logit_bias, which the "
-                             "model's own attention cannot apply; use qjl=False (or a pq/pqo/int/dense method)")
+            raise ValueError(
+                f"method {method!r} with qjl=True corrects attention logits with a logit_bias, which the "
+                "model's own attention cannot apply; use qjl=False (or a pq/pqo/int/dense method)"
+            )
         self.method = method
         self.incremental = incremental
         # layer -> (k, v, tokens, stable): the float32 past returned last (incremental mode only)
         self._held: dict = {}
         self.hooked_layers = 0
-        super().__init__(layers=[ArraykvLayer(self, i, window if kind == "sliding_attention" else None)
-                                 for i, kind in enumerate(self.layer_types)])
+        super().__init__(
+            layers=[
+                ArraykvLayer(self, i, window if kind == "sliding_attention" else None)
+                for i, kind in enumerate(self.layer_types)
+            ]
+        )
         # layer -> the attention module's captured q projection and (cos, sin) of its current call
         self._q_parts: dict = {}
         self._hooks: list = []
@@ -335,8 +363,10 @@ class ArraykvCache(Cache):
 
         if self.hooked_layers != self.num_layers:
             self.detach()
-            raise ValueError(f"fused=True needs every layer's attention module hooked; found {self.hooked_layers} "
-                             f"of {self.num_layers} (modules with layer_idx, q_proj and apply_rotary_pos_emb)")
+            raise ValueError(
+                f"fused=True needs every layer's attention module hooked; found {self.hooked_layers} "
+                f"of {self.num_layers} (modules with layer_idx, q_proj and apply_rotary_pos_emb)"
+            )
         current = getattr(model.config, "_attn_implementation", None)
         self._base_attention = current if current not in (FUSED_NAME, None) else "sdpa"
         register_fused_attention(self._base_attention)
@@ -344,8 +374,9 @@ class ArraykvCache(Cache):
         self._model = weakref.ref(model)
         self.fused = True
 
-    def _fused_step(self, module: Any, pending: tuple, query: Any, attention_mask: Any, scaling: Any, base: Any,
-                    kwargs: dict) -> tuple:
+    def _fused_step(
+        self, module: Any, pending: tuple, query: Any, attention_mask: Any, scaling: Any, base: Any, kwargs: dict
+    ) -> tuple:
         """Store the held token with the arraykv cache's ``decode`` and return the attention output."""
         import numpy as np
 
@@ -359,9 +390,16 @@ class ArraykvCache(Cache):
             if self.incremental:
                 self._held.pop(i, None)
             w = int(attention_mask.shape[-1])  # the keys the mask covers (a sliding layer: its window)
-            return base(module, query, to_torch(r.k[:, :, -w:], query.dtype), to_torch(r.v[:, :, -w:], query.dtype),
-                        attention_mask, scaling=scaling, **kwargs)
-        scale = float(scaling) if scaling is not None else self.head_dim ** -0.5
+            return base(
+                module,
+                query,
+                to_torch(r.k[:, :, -w:], query.dtype),
+                to_torch(r.v[:, :, -w:], query.dtype),
+                attention_mask,
+                scaling=scaling,
+                **kwargs,
+            )
+        scale = float(scaling) if scaling is not None else self.head_dim**-0.5
         r = self.arraykv_cache.decode(i, k, v, q, AttendConfig(scale, int(q.shape[1]) // self.num_kv_heads))
         if self.incremental:
             self._held.pop(i, None)
@@ -417,7 +455,8 @@ class ArraykvCache(Cache):
             raise RuntimeError(
                 f"layer {i}: the hooked attention module did not hand over the queries of this update "
                 f"({int(k.shape[2])} tokens); its layout is not one ArraykvCache knows. Build the cache "
-                "without model= (key channels then get weights of 1) or call cache.detach()")
+                "without model= (key channels then get weights of 1) or call cache.detach()"
+            )
         return q
 
     # -- the work of one update ----------------------------------------------------------
@@ -427,8 +466,9 @@ class ArraykvCache(Cache):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, received {type(t).__name__}")
             if t.device.type != "cpu":
-                raise NotImplementedError(f"{name} is on {t.device}; ArraykvCache holds NumPy caches and "
-                                          "accepts CPU tensors only")
+                raise NotImplementedError(
+                    f"{name} is on {t.device}; ArraykvCache holds NumPy caches and accepts CPU tensors only"
+                )
             if not t.is_floating_point():
                 raise TypeError(f"{name} must be a floating-point tensor, received {t.dtype}")
         dtype = key_states.dtype
@@ -475,8 +515,10 @@ class ArraykvCache(Cache):
 
     def _crop(self, i: int, tokens_to_remove: int) -> None:
         if not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative number of tokens to remove (transformers' convention), "
-                             f"received {tokens_to_remove!r}")
+            raise ValueError(
+                f"crop takes a negative number of tokens to remove (transformers' convention), "
+                f"received {tokens_to_remove!r}"
+            )
         n = self.arraykv_cache.seq_len(i)
         if tokens_to_remove == 0 or n == 0:
             return
@@ -486,7 +528,8 @@ class ArraykvCache(Cache):
         if not self.arraykv_cache.can_truncate(i, target):
             raise NotImplementedError(
                 f"the {self.method!r} cache of layer {i} cannot go back exactly from {n} to {target} tokens "
-                f"(it can reach {self.arraykv_cache.min_truncate_length(i)} and up); nothing was removed")
+                f"(it can reach {self.arraykv_cache.min_truncate_length(i)} and up); nothing was removed"
+            )
         self.arraykv_cache.truncate(i, target)
         self._held.pop(i, None)
 
@@ -494,8 +537,10 @@ class ArraykvCache(Cache):
     def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple:
         """Store the new K/V of layer ``layer_idx`` (transformers' ``Cache.update``), checked."""
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"the model updates layer {layer_idx!r}, but this ArraykvCache was built for "
-                             f"{self.num_layers} layers; build it from the model's own config (model.config)")
+            raise ValueError(
+                f"the model updates layer {layer_idx!r}, but this ArraykvCache was built for "
+                f"{self.num_layers} layers; build it from the model's own config (model.config)"
+            )
         if layer_idx == 0:
             self._take_back_a_torn_step()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -525,9 +570,11 @@ class ArraykvCache(Cache):
         try:
             cache.truncate_all(low)
         except (AttributeError, ValueError) as exc:
-            raise RuntimeError(f"a failed forward left layers at lengths {sorted(set(lengths))} and the "
-                               f"{self.method!r} cache cannot take the partial step back exactly ({exc}); "
-                               "call cache.reset()") from None
+            raise RuntimeError(
+                f"a failed forward left layers at lengths {sorted(set(lengths))} and the "
+                f"{self.method!r} cache cannot take the partial step back exactly ({exc}); "
+                "call cache.reset()"
+            ) from None
 
     def reset(self) -> None:
         """Forget every token of every layer."""
@@ -546,8 +593,10 @@ class ArraykvCache(Cache):
         return int(self.arraykv_cache.memory_usage()) + held
 
     def __repr__(self) -> str:
-        return (f"ArraykvCache({self.method!r}, layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, tokens={self.get_seq_length()})")
+        return (
+            f"ArraykvCache({self.method!r}, layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, tokens={self.get_seq_length()})"
+        )
 
 
 def _hides_a_token(mask: Any) -> bool:

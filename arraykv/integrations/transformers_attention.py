@@ -54,8 +54,9 @@ def _base(name: str):
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
-def fused_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,
-                    **kwargs: Any) -> tuple:
+def fused_attention(
+    module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None, **kwargs: Any
+) -> tuple:
     """The attention of ``module`` for transformers: the arraykv cache's fused decode where it has one.
 
     Parameters
@@ -111,8 +112,10 @@ def hook_queries(cache: Any, model: Any) -> tuple:
         cfg = get_text(decoder=True)
     n = getattr(cfg, "num_hidden_layers", None)
     if isinstance(n, int) and n != cache.num_layers:
-        raise ValueError(f"the model has {n} layers but the cache was built for {cache.num_layers}; "
-                         "build it from the model's own config (model.config)")
+        raise ValueError(
+            f"the model has {n} layers but the cache was built for {cache.num_layers}; "
+            "build it from the model's own config (model.config)"
+        )
     me = weakref.ref(cache)
     hooks, found = [], 0
     for module in model.modules():
@@ -130,8 +133,9 @@ def hook_queries(cache: Any, model: Any) -> tuple:
         def keep_q(mod, args, out, i=i, head_dim=head_dim, rope=rope):
             owner = me()
             if owner is not None:
-                owner._q_parts.setdefault(i, {}).update(q=out, head_dim=head_dim, rope=rope,
-                                                        heads_first=_heads_first(args[0] if args else out))
+                owner._q_parts.setdefault(i, {}).update(
+                    q=out, head_dim=head_dim, rope=rope, heads_first=_heads_first(args[0] if args else out)
+                )
 
         def keep_pos(mod, args, kwargs, i=i):
             owner = me()

@@ -117,8 +117,10 @@ def _convert(obj: Any, leaf: Callable, is_leaf: Callable, depth: int = 0) -> Any
             new = _convert(val, leaf, is_leaf, depth + 1)
             if new is not val:
                 if not f.init:
-                    raise TypeError(f"{type(obj).__name__}.{f.name} holds an array but is not an __init__ field; "
-                                    "the torch bridge cannot rebuild it")
+                    raise TypeError(
+                        f"{type(obj).__name__}.{f.name} holds an array but is not an __init__ field; "
+                        "the torch bridge cannot rebuild it"
+                    )
                 changed[f.name] = new
         return dataclasses.replace(obj, **changed) if changed else obj
     return obj

@@ -15,9 +15,22 @@ from .. import _compat
 from ..quant.bitpack import check_pack_args, check_unpack_args
 from .registry import implementation, reference
 
-__all__ = ["pack_bits", "unpack_bits", "polar_encode", "polar_encode_tokens", "polar_store_token", "polar_decode",
-           "intq_group_minmax", "intq_quantize_pack",
-           "intq_dequantize", "split_outliers", "vq_assign", "vq_update", "vq_encode", "vq_decode"]
+__all__ = [
+    "pack_bits",
+    "unpack_bits",
+    "polar_encode",
+    "polar_encode_tokens",
+    "polar_store_token",
+    "polar_decode",
+    "intq_group_minmax",
+    "intq_quantize_pack",
+    "intq_dequantize",
+    "split_outliers",
+    "vq_assign",
+    "vq_update",
+    "vq_encode",
+    "vq_decode",
+]
 
 #: Code widths of the integer quantize/dequantize kernels (others run the reference).
 INTQ_KERNEL_BITS = (2, 4, 8)
@@ -56,8 +69,9 @@ def polar_encode_tokens(k: Any, v: Any, enc: Any, start: int) -> dict:
     return _impl("polar_encode_tokens", k)(k, v, enc, start)
 
 
-def polar_store_token(k: Any, v: Any, window_k: Any, window_v: Any, leaving: int, arriving: int, enc: Any,
-                      start: int, rows: dict, at: int) -> bool:
+def polar_store_token(
+    k: Any, v: Any, window_k: Any, window_v: Any, leaving: int, arriving: int, enc: Any, start: int, rows: dict, at: int
+) -> bool:
     """:func:`arraykv.quant.polar_store.polar_store_token_reference`: one decode step of a full polar
     window, written into preallocated rows; False (nothing to commit) when a float16 result overflows."""
     return _impl("polar_store_token", k)(k, v, window_k, window_v, leaving, arriving, enc, start, rows, at)

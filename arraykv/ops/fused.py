@@ -16,8 +16,14 @@ from .._validation import check_softmax_scale
 from ..attention.int_fused import layer_exponents
 from .registry import implementation, lookup, reference
 
-__all__ = ["polar_decode_attention", "int_decode_attention", "vq_decode_attention", "lowrank_decode_attention",
-           "has_kernel", "INT_KERNEL_BITS"]
+__all__ = [
+    "polar_decode_attention",
+    "int_decode_attention",
+    "vq_decode_attention",
+    "lowrank_decode_attention",
+    "has_kernel",
+    "INT_KERNEL_BITS",
+]
 
 #: Code widths of the integer fused kernel (others run the reference).
 INT_KERNEL_BITS = (2, 4, 8)
@@ -87,12 +93,22 @@ def int_decode_attention(codec: Any, q: Any, scale: float):
     if fast is None:
         return reference("int_decode_attention")(codec, q, scale)
     k_exp, v_exp = layer_exponents(codec)
-    out = fast(codec, q, scale * 2.0 ** k_exp)  # the kernels read keys and values in their stored units
-    return out * 2.0 ** v_exp if v_exp else out
+    out = fast(codec, q, scale * 2.0**k_exp)  # the kernels read keys and values in their stored units
+    return out * 2.0**v_exp if v_exp else out
 
 
-def vq_decode_attention(q: Any, k_codes: Any, k_centroids: Any, v_codes: Any, v_centroids: Any, k_extra: Any,
-                        v_extra: Any, *, bits: int, softmax_scale: float):
+def vq_decode_attention(
+    q: Any,
+    k_codes: Any,
+    k_centroids: Any,
+    v_codes: Any,
+    v_centroids: Any,
+    k_extra: Any,
+    v_extra: Any,
+    *,
+    bits: int,
+    softmax_scale: float,
+):
     """One decode step of attention over VQ-coded keys and values plus a few dense tokens.
 
     Arguments and result of :func:`arraykv.attention.vq_fused.vq_decode_attention_reference`:
@@ -105,8 +121,19 @@ def vq_decode_attention(q: Any, k_codes: Any, k_centroids: Any, v_codes: Any, v_
     return fn(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits=bits, softmax_scale=softmax_scale)
 
 
-def lowrank_decode_attention(q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_coef: Any, v_basis: Any, v_mean: Any,
-                             k_extra: Any, v_extra: Any, *, softmax_scale: float):
+def lowrank_decode_attention(
+    q: Any,
+    k_coef: Any,
+    k_basis: Any,
+    k_mean: Any,
+    v_coef: Any,
+    v_basis: Any,
+    v_mean: Any,
+    k_extra: Any,
+    v_extra: Any,
+    *,
+    softmax_scale: float,
+):
     """One decode step of attention over a low-rank layer, in coefficient space.
 
     Arguments and result of :func:`arraykv.attention.lowrank_fused.lowrank_decode_attention`:

@@ -36,8 +36,18 @@ from typing import Any
 
 from .. import _compat
 
-__all__ = ["register_op", "lookup", "reference", "implementation", "op_names", "kernel_target",
-           "kernels_enabled", "set_kernels_enabled", "BACKENDS", "OPTIONAL_MODULES"]
+__all__ = [
+    "register_op",
+    "lookup",
+    "reference",
+    "implementation",
+    "op_names",
+    "kernel_target",
+    "kernels_enabled",
+    "set_kernels_enabled",
+    "BACKENDS",
+    "OPTIONAL_MODULES",
+]
 
 #: Backends a kernel may be registered for, by the namespace it serves.
 BACKENDS = ("numpy", "cupy")
@@ -162,9 +172,12 @@ def _resolve(name: str, backend: str) -> Callable | None:
             fn = _load(target)
         except ImportError as exc:
             if not _optional_missing(exc):
-                warnings.warn(f"arraykv kernel {name!r} ({target}) could not be imported and the array-API "
-                              f"reference is used instead: {type(exc).__name__}: {exc}", RuntimeWarning,
-                              stacklevel=3)
+                warnings.warn(
+                    f"arraykv kernel {name!r} ({target}) could not be imported and the array-API "
+                    f"reference is used instead: {type(exc).__name__}: {exc}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
     with _LOCK:
         _RESOLVED[key] = fn
     return fn
@@ -188,8 +201,11 @@ def _resolve_torch(name: str, device: Any) -> Callable | None:
         return _RESOLVED[key]
     if backend is None:
         op = _op(name)
-        fn = (bridge.dispatching(lambda b: _resolve(name, b), reference(name))
-              if any(b in op.targets for b in BACKENDS) else None)
+        fn = (
+            bridge.dispatching(lambda b: _resolve(name, b), reference(name))
+            if any(b in op.targets for b in BACKENDS)
+            else None
+        )
     else:
         kernel = _resolve(name, backend)
         fn = None if kernel is None else bridge.bridged(kernel, backend)
@@ -230,18 +246,35 @@ def implementation(name: str, xp: Any, device: Any = None) -> Callable:
 
 
 _Q, _A, _N, _C = "arraykv.quant", "arraykv.attention", "arraykv.ops.numba", "arraykv.ops.cuda"
-register_op("pack_bits", f"{_Q}.bitpack:pack_bits_reference", numpy=f"{_N}.bitpack:pack_bits",
-            cupy=f"{_C}.bitpack:pack_bits")
-register_op("unpack_bits", f"{_Q}.bitpack:unpack_bits_reference", numpy=f"{_N}.bitpack:unpack_bits",
-            cupy=f"{_C}.bitpack:unpack_bits")
-register_op("polar_encode", f"{_Q}.polar:polar_encode_reference", numpy=f"{_N}.polar:polar_encode",
-            cupy=f"{_C}.polar:polar_encode")
-register_op("polar_encode_tokens", f"{_Q}.polar_tokens:polar_encode_tokens_reference",
-            numpy=f"{_N}.polar_tokens:polar_encode_tokens")
-register_op("polar_store_token", f"{_Q}.polar_store:polar_store_token_reference",
-            numpy=f"{_N}.polar_store:polar_store_token")
-register_op("polar_decode", f"{_Q}.polar:polar_decode_reference", numpy=f"{_N}.polar:polar_decode",
-            cupy=f"{_C}.polar:polar_decode")
+register_op(
+    "pack_bits", f"{_Q}.bitpack:pack_bits_reference", numpy=f"{_N}.bitpack:pack_bits", cupy=f"{_C}.bitpack:pack_bits"
+)
+register_op(
+    "unpack_bits",
+    f"{_Q}.bitpack:unpack_bits_reference",
+    numpy=f"{_N}.bitpack:unpack_bits",
+    cupy=f"{_C}.bitpack:unpack_bits",
+)
+register_op(
+    "polar_encode",
+    f"{_Q}.polar:polar_encode_reference",
+    numpy=f"{_N}.polar:polar_encode",
+    cupy=f"{_C}.polar:polar_encode",
+)
+register_op(
+    "polar_encode_tokens",
+    f"{_Q}.polar_tokens:polar_encode_tokens_reference",
+    numpy=f"{_N}.polar_tokens:polar_encode_tokens",
+)
+register_op(
+    "polar_store_token", f"{_Q}.polar_store:polar_store_token_reference", numpy=f"{_N}.polar_store:polar_store_token"
+)
+register_op(
+    "polar_decode",
+    f"{_Q}.polar:polar_decode_reference",
+    numpy=f"{_N}.polar:polar_decode",
+    cupy=f"{_C}.polar:polar_decode",
+)
 register_op("intq_group_minmax", f"{_Q}.intq:group_minmax_reference", numpy=f"{_N}.intq:group_minmax")
 register_op("intq_quantize_pack", f"{_Q}.intq:quantize_pack_reference", numpy=f"{_N}.intq:quantize_pack")
 register_op("intq_dequantize", f"{_Q}.intq:dequantize_reference", numpy=f"{_N}.intq:dequantize")
@@ -250,11 +283,22 @@ register_op("vq_assign", f"{_Q}.vq:assign_reference", numpy=f"{_N}.vq:assign")
 register_op("vq_update", f"{_Q}.vq:update_reference", numpy=f"{_N}.vq:update")
 register_op("vq_encode", f"{_Q}.vq:vq_encode_reference", numpy=f"{_N}.vq:encode")
 register_op("vq_decode", f"{_Q}.vq:vq_decode_reference", numpy=f"{_N}.vq:decode")
-register_op("polar_decode_attention", f"{_A}.polar_fused:polar_decode_attention_reference",
-            numpy=f"{_N}.polar_fused:polar_decode_attention", cupy=f"{_C}.polar:polar_decode_attention")
-register_op("int_decode_attention", f"{_A}.int_fused:int_decode_attention_reference",
-            numpy=f"{_N}.int_fused:int_decode_attention")
-register_op("vq_decode_attention", f"{_A}.vq_fused:vq_decode_attention_reference",
-            numpy=f"{_N}.vq_fused:vq_decode_attention")
-register_op("lowrank_decode_attention", f"{_A}.lowrank_fused:lowrank_decode_attention",
-            numpy=f"{_N}.lowrank_fused:lowrank_decode_attention")
+register_op(
+    "polar_decode_attention",
+    f"{_A}.polar_fused:polar_decode_attention_reference",
+    numpy=f"{_N}.polar_fused:polar_decode_attention",
+    cupy=f"{_C}.polar:polar_decode_attention",
+)
+register_op(
+    "int_decode_attention",
+    f"{_A}.int_fused:int_decode_attention_reference",
+    numpy=f"{_N}.int_fused:int_decode_attention",
+)
+register_op(
+    "vq_decode_attention", f"{_A}.vq_fused:vq_decode_attention_reference", numpy=f"{_N}.vq_fused:vq_decode_attention"
+)
+register_op(
+    "lowrank_decode_attention",
+    f"{_A}.lowrank_fused:lowrank_decode_attention",
+    numpy=f"{_N}.lowrank_fused:lowrank_decode_attention",
+)

@@ -18,8 +18,15 @@ from typing import Any
 from .. import _compat
 from .._validation import check_int
 
-__all__ = ["packed_nbytes", "pack_bits", "unpack_bits", "pack_bits_reference", "unpack_bits_reference",
-           "check_pack_args", "check_unpack_args"]
+__all__ = [
+    "packed_nbytes",
+    "pack_bits",
+    "unpack_bits",
+    "pack_bits_reference",
+    "unpack_bits_reference",
+    "check_pack_args",
+    "check_unpack_args",
+]
 
 
 def packed_nbytes(n: int, bits: int) -> int:

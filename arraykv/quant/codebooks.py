@@ -120,7 +120,7 @@ def _host_lloyd_max(bits: int, dim: int | None) -> tuple:
         def logf(u):
             return expo * np.log1p(-np.minimum(u * u / dim, 1.0 - 1e-15)) if expo else np.zeros_like(u)
 
-    levels = 2 ** bits
+    levels = 2**bits
     gx, gw = np.polynomial.legendre.leggauss(16)
     pieces = 8
 
@@ -161,8 +161,9 @@ def _host_lloyd_max(bits: int, dim: int | None) -> tuple:
     return tuple(float(x) * scale for x in c), mse
 
 
-def make_codebook(bits: int, dim: int | None = None, *, like: Any = None, xp: Any = None,
-                  device: Any = None) -> Codebook:
+def make_codebook(
+    bits: int, dim: int | None = None, *, like: Any = None, xp: Any = None, device: Any = None
+) -> Codebook:
     """The Lloyd-Max :class:`Codebook` in the namespace of ``like`` (or ``xp``/``device``).
 
     Parameters
@@ -188,7 +189,10 @@ def make_codebook(bits: int, dim: int | None = None, *, like: Any = None, xp: An
     elif xp is None:
         raise TypeError("make_codebook needs like= (an array) or xp= (an array namespace)")
     thr = [0.5 * (a + b) for a, b in zip(cents[:-1], cents[1:])]
-    return Codebook(bits=bits, dim=dim,
-                    centroids=xp.asarray(cents, dtype=xp.float32, device=device),
-                    thresholds=xp.asarray(thr, dtype=xp.float32, device=device),
-                    mse=mse)
+    return Codebook(
+        bits=bits,
+        dim=dim,
+        centroids=xp.asarray(cents, dtype=xp.float32, device=device),
+        thresholds=xp.asarray(thr, dtype=xp.float32, device=device),
+        mse=mse,
+    )

@@ -39,12 +39,19 @@ from .. import _compat
 from .._validation import check_int, dtype_name, is_floating
 from .bitpack import pack_bits_reference, packed_nbytes, unpack_bits_reference
 
-__all__ = ["IntQuantized", "quantize_groups", "dequantize_groups", "half_exponent", "group_minmax_reference",
-           "quantize_pack_reference", "dequantize_reference"]
+__all__ = [
+    "IntQuantized",
+    "quantize_groups",
+    "dequantize_groups",
+    "half_exponent",
+    "group_minmax_reference",
+    "quantize_pack_reference",
+    "dequantize_reference",
+]
 
 _PARAM_DTYPES = ("float16", "float32")
 #: Data whose largest magnitude lies in this range keeps ``exponent = 0`` (see :func:`half_exponent`).
-HALF_SAFE_RANGE = (2.0 ** -6, 2.0 ** 12)
+HALF_SAFE_RANGE = (2.0**-6, 2.0**12)
 #: The largest finite float16.
 HALF_MAX = 65504.0
 #: The smallest exponent :func:`half_exponent` returns (``2**-120`` is a normal float32 and its
@@ -145,9 +152,16 @@ def _param_dtype(xp: Any, name: Any):
     return dt
 
 
-def quantize_groups(x: Any, bits: int, group_size: int, *, param_dtype: str = "float32",
-                    exponent: int | None = None, group_minmax: Callable | None = None,
-                    quantize_pack: Callable | None = None) -> IntQuantized:
+def quantize_groups(
+    x: Any,
+    bits: int,
+    group_size: int,
+    *,
+    param_dtype: str = "float32",
+    exponent: int | None = None,
+    group_minmax: Callable | None = None,
+    quantize_pack: Callable | None = None,
+) -> IntQuantized:
     """Quantize ``x`` group-wise along its last axis.
 
     Parameters
@@ -195,7 +209,7 @@ def quantize_groups(x: Any, bits: int, group_size: int, *, param_dtype: str = "f
         exponent = half_exponent(float(xp.max(xp.abs(x32)))) if pdt != xp.float32 else 0
     exponent = check_int("exponent", exponent, low=-140, high=140)
     if exponent:
-        x32 = x32 * 2.0 ** -exponent
+        x32 = x32 * 2.0**-exponent
     levels = (1 << bits) - 1
     mn, mx = (group_minmax or group_minmax_reference)(x32, group_size)
     scale = xp.astype((mx - mn) / float(levels), pdt)
@@ -204,8 +218,9 @@ def quantize_groups(x: Any, bits: int, group_size: int, *, param_dtype: str = "f
     off32 = xp.astype(offset, xp.float32)
     inv = xp.where(scale32 > 0.0, 1.0 / xp.where(scale32 > 0.0, scale32, 1.0), 0.0)
     codes = (quantize_pack or quantize_pack_reference)(x32, group_size, bits, off32, inv)
-    return IntQuantized(codes=codes, scale=scale, offset=offset, bits=bits, group_size=group_size,
-                        n=int(x.shape[-1]), exponent=exponent)
+    return IntQuantized(
+        codes=codes, scale=scale, offset=offset, bits=bits, group_size=group_size, n=int(x.shape[-1]), exponent=exponent
+    )
 
 
 def dequantize_groups(q: IntQuantized, dtype: Any = None, *, dequantize: Callable | None = None):
@@ -232,13 +247,14 @@ def dequantize_groups(q: IntQuantized, dtype: Any = None, *, dequantize: Callabl
     o32 = xp.astype(q.offset, xp.float32)
     out = (dequantize or dequantize_reference)(q.codes, q.bits, q.group_size, q.n, s32, o32)
     if q.exponent:
-        out = out * 2.0 ** q.exponent
+        out = out * 2.0**q.exponent
     if dtype is not None and out.dtype != dtype:
         out = xp.astype(out, dtype)
     return out
 
 
 # -- array-API references (what the Numba kernels are tested against) -----------------
+
 
 def _padded_groups(x: Any, group_size: int):
     """``x`` (..., n) as (..., groups, group_size), the last group padded with its last value."""

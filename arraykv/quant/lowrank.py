@@ -78,8 +78,9 @@ def choose_rank(variance: Any, energy: float) -> int:
     return min(d, int(xp.max(below)) + 1)
 
 
-def fit_basis(x: Any, *, rank: int | None = None, energy: float | None = None, center: bool = True,
-              per_head: bool = True) -> LowRankBasis:
+def fit_basis(
+    x: Any, *, rank: int | None = None, energy: float | None = None, center: bool = True, per_head: bool = True
+) -> LowRankBasis:
     """Fit the principal directions of ``x`` per head.
 
     Parameters
@@ -173,7 +174,7 @@ def row_products(x: Any, w: Any):
     d = int(x.shape[-1])
     out = x[..., :, 0:1] * w[..., None, 0, :]
     for i in range(1, d):
-        out = out + x[..., :, i:i + 1] * w[..., None, i, :]
+        out = out + x[..., :, i : i + 1] * w[..., None, i, :]
     return out
 
 
@@ -218,5 +219,5 @@ def eckart_young_error(x: Any, rank: int) -> float:
     x64 = xp.astype(x, xp.float64)
     s = xp.linalg.svdvals(x64)
     tail = float(xp.sum(s[:, rank:] ** 2))
-    total = float(xp.sum(s ** 2))
+    total = float(xp.sum(s**2))
     return (tail / total) ** 0.5 if total > 0 else 0.0

@@ -34,8 +34,15 @@ from .bitpack import pack_bits_reference, packed_nbytes, unpack_bits_reference
 from .codebooks import Codebook
 from .rotation import Rotation, rotate, unrotate
 
-__all__ = ["half_dtype", "LENGTHS", "PolarCode", "polar_encode", "polar_decode", "polar_encode_reference",
-           "polar_decode_reference"]
+__all__ = [
+    "half_dtype",
+    "LENGTHS",
+    "PolarCode",
+    "polar_encode",
+    "polar_decode",
+    "polar_encode_reference",
+    "polar_decode_reference",
+]
 
 #: Choices of the stored length (see the module notes).
 LENGTHS = ("fit", "unbiased")
@@ -96,8 +103,9 @@ def _check(x: Any, codebook: Codebook, rotation: Rotation) -> Any:
     return xp
 
 
-def polar_encode(x: Any, codebook: Codebook, rotation: Rotation, *, length: str = "fit",
-                 encode: Callable | None = None) -> PolarCode:
+def polar_encode(
+    x: Any, codebook: Codebook, rotation: Rotation, *, length: str = "fit", encode: Callable | None = None
+) -> PolarCode:
     """Quantize vectors along the last axis.
 
     Parameters
@@ -166,8 +174,9 @@ def polar_encode_reference(x: Any, codebook: Codebook, rotation: Rotation, *, un
     return pack_bits_reference(idx, codebook.bits), xp.astype(scale, half_dtype(xp))
 
 
-def polar_decode(code: PolarCode, codebook: Codebook, rotation: Rotation, *, dtype: Any = None,
-                 decode: Callable | None = None):
+def polar_decode(
+    code: PolarCode, codebook: Codebook, rotation: Rotation, *, dtype: Any = None, decode: Callable | None = None
+):
     """Reconstruct vectors from a :class:`PolarCode`.
 
     Parameters

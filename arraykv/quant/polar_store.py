@@ -24,8 +24,18 @@ from .polar_tokens import polar_encode_tokens_reference
 __all__ = ["polar_store_token_reference"]
 
 
-def polar_store_token_reference(k: Any, v: Any, window_k: Any, window_v: Any, leaving: int, arriving: int,
-                                enc: PolarEncoder, start: int, rows: dict, at: int) -> bool:
+def polar_store_token_reference(
+    k: Any,
+    v: Any,
+    window_k: Any,
+    window_v: Any,
+    leaving: int,
+    arriving: int,
+    enc: PolarEncoder,
+    start: int,
+    rows: dict,
+    at: int,
+) -> bool:
     """Encode window row ``leaving`` into token index ``at`` and write ``k``, ``v`` to window row ``arriving``.
 
     Parameters
@@ -58,15 +68,15 @@ def polar_store_token_reference(k: Any, v: Any, window_k: Any, window_v: Any, le
     """
     xp = _compat.namespace(k)
     f32, half = xp.float32, half_dtype(xp)
-    old_k = xp.astype(window_k[:, :, leaving:leaving + 1, :], f32)
-    old_v = xp.astype(window_v[:, :, leaving:leaving + 1, :], f32)
+    old_k = xp.astype(window_k[:, :, leaving : leaving + 1, :], f32)
+    old_v = xp.astype(window_v[:, :, leaving : leaving + 1, :], f32)
     coded = polar_encode_tokens_reference(old_k, old_v, enc, start)
     kh, vh = xp.astype(k, half), xp.astype(v, half)
     floats = [kh, vh] + [a for a in coded.values() if a.dtype == half]
     if not _compat.all_finite(xp, floats):
         return False
     for name, a in coded.items():
-        rows[name][:, :, at:at + 1, ...] = a
-    window_k[:, :, arriving:arriving + 1, :] = kh
-    window_v[:, :, arriving:arriving + 1, :] = vh
+        rows[name][:, :, at : at + 1, ...] = a
+    window_k[:, :, arriving : arriving + 1, :] = kh
+    window_v[:, :, arriving : arriving + 1, :] = vh
     return True

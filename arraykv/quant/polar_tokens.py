@@ -84,10 +84,10 @@ def polar_encode_tokens_reference(k: Any, v: Any, enc: PolarEncoder, start: int)
         mean = RotaryMeanPlan(enc.k_mean, enc.k_mean_freq, enc.k_mean_pairs).at(pos)
     kc, vc, k_outliers, keep = center_tokens(k, v, mean, enc.v_mean, enc.k_scale, enc.k_outlier_idx)
     out = {} if k_outliers is None else {"k_outliers": k_outliers}
-    out["k_codes"], out["k_norms"] = polar_encode_reference(kc, enc.k_codebook, enc.rotation,
-                                                            unbiased=enc.key_unbiased)
-    out["v_codes"], out["v_norms"] = polar_encode_reference(vc, enc.v_codebook, enc.rotation,
-                                                            unbiased=enc.value_unbiased)
+    out["k_codes"], out["k_norms"] = polar_encode_reference(kc, enc.k_codebook, enc.rotation, unbiased=enc.key_unbiased)
+    out["v_codes"], out["v_norms"] = polar_encode_reference(
+        vc, enc.v_codebook, enc.rotation, unbiased=enc.value_unbiased
+    )
     if enc.qjl is not None:
         resid = kc - polar_decode_reference(out["k_codes"], out["k_norms"], enc.k_codebook, enc.rotation)
         sketch = qjl_encode(resid if keep is None else resid * keep, enc.qjl)

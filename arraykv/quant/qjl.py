@@ -21,8 +21,16 @@ from .polar import PolarCode, half_dtype, polar_decode, polar_encode
 from .rotation import Rotation
 
 __all__ = [
-    "QJLSketch", "QJLCode", "ProdCode", "make_sketch", "qjl_encode", "qjl_decode", "qjl_inner",
-    "prod_encode", "prod_decode", "QJL_SCALE",
+    "QJLSketch",
+    "QJLCode",
+    "ProdCode",
+    "make_sketch",
+    "qjl_encode",
+    "qjl_decode",
+    "qjl_inner",
+    "prod_encode",
+    "prod_decode",
+    "QJL_SCALE",
 ]
 
 #: ``√(π/2)``: ``E|⟨s, r⟩| = √(2/π) ‖r‖`` for a Gaussian row ``s``; its inverse unbiases the sketch.
@@ -120,8 +128,9 @@ def _host_sketch(rows: int, dim: int, seed: int):
     return s
 
 
-def make_sketch(dim: int, seed: int = 0, *, rows: int | None = None, like: Any = None, xp: Any = None,
-                device: Any = None) -> QJLSketch:
+def make_sketch(
+    dim: int, seed: int = 0, *, rows: int | None = None, like: Any = None, xp: Any = None, device: Any = None
+) -> QJLSketch:
     """A seeded ``rows × dim`` Gaussian sketch (``rows`` defaults to ``dim``) in ``like``'s namespace."""
     dim = check_int("dim", dim, low=1)
     rows = dim if rows is None else check_int("rows", rows, low=1)

@@ -42,9 +42,16 @@ from typing import Any
 from .. import _compat
 from .._validation import check_real
 
-__all__ = ["RotaryMeanPlan", "ROPE_LAYOUTS", "RotaryMean", "rope_pairs", "rope_frequencies", "fit_rotary_mean",
-           "rotary_mean_at",
-           "check_rope"]
+__all__ = [
+    "RotaryMeanPlan",
+    "ROPE_LAYOUTS",
+    "RotaryMean",
+    "rope_pairs",
+    "rope_frequencies",
+    "fit_rotary_mean",
+    "rotary_mean_at",
+    "check_rope",
+]
 
 #: Channel pairings of rotary embeddings: ``(j, j + d/2)`` or ``(2j, 2j + 1)``.
 ROPE_LAYOUTS = ("half", "interleaved")
@@ -187,8 +194,13 @@ def fit_rotary_mean(x: Any, start: int, *, rope: Any = "auto") -> RotaryMean:
     positions = xp.arange(start, start + n, dtype=xp.float64, device=dev)
     static = xp.mean(x, axis=2)  # (b, h, d)
     if d % 2 or half == 0:
-        return RotaryMean(static, xp.zeros((b, h, half), dtype=xp.float32, device=dev),
-                          xp.zeros((half, 2), dtype=xp.int32, device=dev), None, None)
+        return RotaryMean(
+            static,
+            xp.zeros((b, h, half), dtype=xp.float32, device=dev),
+            xp.zeros((half, 2), dtype=xp.int32, device=dev),
+            None,
+            None,
+        )
     layout, base = None, None
     if rope is not None and n >= MIN_TOKENS:
         if isinstance(rope, Mapping):
@@ -245,8 +257,8 @@ def _detect(x: Any, positions: Any, static: Any) -> tuple:
         top = max(tried, key=tried.get)
         step = 10.0 ** (1.0 / 4.0)
         for _ in range(2):  # refine around the best: a grid 4x finer each round
-            step = step ** 0.25
-            tried.update(scores([top * step ** k for k in range(-4, 5) if k]))
+            step = step**0.25
+            tried.update(scores([top * step**k for k in range(-4, 5) if k]))
             top = max(tried, key=tried.get)
         if tried[top] > best[0]:
             best = (tried[top], layout, top)

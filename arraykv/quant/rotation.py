@@ -142,8 +142,13 @@ def make_rotation(dim: int, seed: int = 0, *, like: Any = None, xp: Any = None, 
         device = _compat.device(like)
     elif xp is None:
         raise TypeError("make_rotation needs like= (an array) or xp= (an array namespace)")
-    return Rotation(kind=kind, dim=dim, seed=seed, signs=_compat.from_host(xp, signs, device=device),
-                    matrix=None if kind == "hadamard" else _compat.from_host(xp, matrix, device=device))
+    return Rotation(
+        kind=kind,
+        dim=dim,
+        seed=seed,
+        signs=_compat.from_host(xp, signs, device=device),
+        matrix=None if kind == "hadamard" else _compat.from_host(xp, matrix, device=device),
+    )
 
 
 def fwht(x: Any):

@@ -24,9 +24,21 @@ from ._dims import axis_length
 from .bitpack import pack_bits_reference, unpack_bits_reference
 from .kmeans import assign_reference, gather_rows, kmeans_pp, split_subspaces, update_reference
 
-__all__ = ["VQCodebook", "VQCodes", "check_vq_options", "train_vq", "vq_encode", "vq_decode", "code_bits",
-           "assign_reference", "update_reference", "vq_encode_reference", "vq_decode_reference",
-           "check_decode_attention_args"]
+__all__ = [
+    "VQCodebook",
+    "VQCodes",
+    "check_vq_options",
+    "train_vq",
+    "vq_encode",
+    "vq_decode",
+    "code_bits",
+    "assign_reference",
+    "update_reference",
+    "vq_encode_reference",
+    "vq_decode_reference",
+    "check_decode_attention_args",
+]
+
 
 @dataclass(frozen=True)
 class VQCodebook:
@@ -88,8 +100,9 @@ def code_bits(codebook_size: int) -> int:
     return max(1, math.ceil(math.log2(codebook_size)))
 
 
-def check_vq_options(codebook_size: Any, sub_dim: Any, head_dim: int | None = None,
-                     max_iter: Any = 25, tol: Any = 1e-4) -> tuple:
+def check_vq_options(
+    codebook_size: Any, sub_dim: Any, head_dim: int | None = None, max_iter: Any = 25, tol: Any = 1e-4
+) -> tuple:
     """Validate VQ options; return ``(codebook_size, sub_dim, max_iter, tol)``."""
     codebook_size = check_int("codebook_size", codebook_size, low=2, high=65536)
     sub_dim = check_int("sub_dim", sub_dim, low=1)
@@ -103,8 +116,17 @@ def check_vq_options(codebook_size: Any, sub_dim: Any, head_dim: int | None = No
     return codebook_size, sub_dim, max_iter, float(tol)
 
 
-def train_vq(x: Any, *, codebook_size: int = 256, sub_dim: int = 8, max_iter: int = 25, tol: float = 1e-4,
-             seed: int = 0, assign: Callable = assign_reference, update: Callable = update_reference) -> VQCodebook:
+def train_vq(
+    x: Any,
+    *,
+    codebook_size: int = 256,
+    sub_dim: int = 8,
+    max_iter: int = 25,
+    tol: float = 1e-4,
+    seed: int = 0,
+    assign: Callable = assign_reference,
+    update: Callable = update_reference,
+) -> VQCodebook:
     """Train one codebook per (head, sub-space) on ``x``.
 
     Parameters
@@ -278,8 +300,9 @@ def vq_decode_reference(codes: Any, centroids: Any, bits: int):
     return xp.reshape(vec, (rows, h, t, m * sub_dim))
 
 
-def check_decode_attention_args(q: Any, k_codes: Any, k_centroids: Any, v_codes: Any, v_centroids: Any,
-                                k_extra: Any, v_extra: Any, bits: Any) -> tuple:
+def check_decode_attention_args(
+    q: Any, k_codes: Any, k_centroids: Any, v_codes: Any, v_centroids: Any, k_extra: Any, v_extra: Any, bits: Any
+) -> tuple:
     """Shape and dtype checks of :func:`~arraykv.attention.vq_fused.vq_decode_attention_reference` and its kernels.
 
     Returns
@@ -290,17 +313,23 @@ def check_decode_attention_args(q: Any, k_codes: Any, k_centroids: Any, v_codes:
     xp = _compat.namespace(q)
     bits = check_int("bits", bits, low=1, high=16)
     if q.ndim != 3 or not is_floating(xp, q.dtype):
-        raise ValueError(f"q must be a float array of shape (batch, q_heads, head_dim), received "
-                         f"{dtype_name(q.dtype)} shape {tuple(q.shape)}")
+        raise ValueError(
+            f"q must be a float array of shape (batch, q_heads, head_dim), received "
+            f"{dtype_name(q.dtype)} shape {tuple(q.shape)}"
+        )
     b, hq, d = (int(s) for s in q.shape)
     for name, c in (("k_centroids", k_centroids), ("v_centroids", v_centroids)):
         if c.ndim != 4 or not is_floating(xp, c.dtype):
-            raise ValueError(f"{name} must be a float array of shape (heads, subspaces, codebook_size, sub_dim), "
-                             f"received {dtype_name(c.dtype)} shape {tuple(c.shape)}")
+            raise ValueError(
+                f"{name} must be a float array of shape (heads, subspaces, codebook_size, sub_dim), "
+                f"received {dtype_name(c.dtype)} shape {tuple(c.shape)}"
+            )
     h, m, _, s = (int(v) for v in k_centroids.shape)
     if (int(v_centroids.shape[0]), int(v_centroids.shape[1]), int(v_centroids.shape[3])) != (h, m, s):
-        raise ValueError(f"v_centroids must have (heads, subspaces, sub_dim) = {(h, m, s)} like k_centroids, "
-                         f"received shape {tuple(v_centroids.shape)}")
+        raise ValueError(
+            f"v_centroids must have (heads, subspaces, sub_dim) = {(h, m, s)} like k_centroids, "
+            f"received shape {tuple(v_centroids.shape)}"
+        )
     if m * s != d:
         raise ValueError(f"subspaces * sub_dim of the codebooks ({m} * {s}) must equal head_dim {d} of q")
     if h < 1 or hq % h != 0:
@@ -308,16 +337,20 @@ def check_decode_attention_args(q: Any, k_codes: Any, k_centroids: Any, v_codes:
     width, want = ((m * bits + 7) // 8, xp.uint8) if bits <= 8 else (m, xp.uint16)
     for name, c in (("k_codes", k_codes), ("v_codes", v_codes)):
         if c.ndim != 4 or c.dtype != want or (int(c.shape[0]), int(c.shape[1]), int(c.shape[3])) != (b, h, width):
-            raise ValueError(f"{name} must be {dtype_name(want)} of shape (batch={b}, heads={h}, tokens, {width}) "
-                             f"for {m} codes of {bits} bits, received {dtype_name(c.dtype)} shape {tuple(c.shape)}")
+            raise ValueError(
+                f"{name} must be {dtype_name(want)} of shape (batch={b}, heads={h}, tokens, {width}) "
+                f"for {m} codes of {bits} bits, received {dtype_name(c.dtype)} shape {tuple(c.shape)}"
+            )
     t = int(k_codes.shape[2])
     if int(v_codes.shape[2]) != t:
         raise ValueError(f"v_codes must hold {t} tokens like k_codes, received {int(v_codes.shape[2])}")
     for name, x in (("k_extra", k_extra), ("v_extra", v_extra)):
         lead = (int(x.shape[0]), int(x.shape[1]), int(x.shape[3])) if x.ndim == 4 else None
         if lead != (b, h, d) or not is_floating(xp, x.dtype):
-            raise ValueError(f"{name} must be a float array of shape (batch={b}, heads={h}, extra, {d}), "
-                             f"received {dtype_name(x.dtype)} shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name} must be a float array of shape (batch={b}, heads={h}, extra, {d}), "
+                f"received {dtype_name(x.dtype)} shape {tuple(x.shape)}"
+            )
     e = int(k_extra.shape[2])
     if int(v_extra.shape[2]) != e:
         raise ValueError(f"v_extra must hold {e} tokens like k_extra, received {int(v_extra.shape[2])}")

@@ -52,9 +52,20 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CacheFileError", "LayerRecord", "write_cache_file", "read_cache_file", "FORMAT_VERSION",
-           "LAYER_DTYPES", "MAX_HEAD_DIM", "MAX_KV_HEADS", "MAX_LAYERS", "MAX_TOKENS", "MAX_ROW_VALUES",
-           "MAX_RESERVED_BYTES"]
+__all__ = [
+    "CacheFileError",
+    "LayerRecord",
+    "write_cache_file",
+    "read_cache_file",
+    "FORMAT_VERSION",
+    "LAYER_DTYPES",
+    "MAX_HEAD_DIM",
+    "MAX_KV_HEADS",
+    "MAX_LAYERS",
+    "MAX_TOKENS",
+    "MAX_ROW_VALUES",
+    "MAX_RESERVED_BYTES",
+]
 
 MAGIC = b"ARRAYKV\x00"
 FORMAT_VERSION = 1
@@ -117,13 +128,22 @@ def write_cache_file(path: str | os.PathLike, config: dict, layers: list) -> int
         if rec is None:
             records.append(None)
             continue
-        records.append({"length": int(rec.length), "batch": int(rec.batch), "dtype": rec.dtype,
-                        "arrays": list(rec.arrays)})
+        records.append(
+            {"length": int(rec.length), "batch": int(rec.batch), "dtype": rec.dtype, "arrays": list(rec.arrays)}
+        )
         for name, a in rec.arrays.items():
             host = np.ascontiguousarray(a)
             blob = host.tobytes()
-            arrays.append({"layer": i, "name": name, "dtype": host.dtype.str, "shape": list(host.shape),
-                           "offset": offset, "nbytes": len(blob)})
+            arrays.append(
+                {
+                    "layer": i,
+                    "name": name,
+                    "dtype": host.dtype.str,
+                    "shape": list(host.shape),
+                    "offset": offset,
+                    "nbytes": len(blob),
+                }
+            )
             blobs.append(blob)
             offset += len(blob)
     header = json.dumps({"config": config, "layers": records, "arrays": arrays}, sort_keys=True).encode("utf-8")
@@ -229,9 +249,14 @@ def read_cache_file(path: str | os.PathLike) -> tuple:
             raise CacheFileError(f"{path}: layer {i} lists arrays {meta['arrays']} but holds {sorted(held)}")
         if meta.get("dtype") not in LAYER_DTYPES:
             raise CacheFileError(f"{path}: layer {i} has dtype {meta.get('dtype')!r}; expected one of {LAYER_DTYPES}")
-        out.append(LayerRecord(length=_int(f"{path}: layer {i} length", meta.get("length"), 1, MAX_TOKENS),
-                               batch=_int(f"{path}: layer {i} batch", meta.get("batch"), 1),
-                               dtype=meta["dtype"], arrays=held))
+        out.append(
+            LayerRecord(
+                length=_int(f"{path}: layer {i} length", meta.get("length"), 1, MAX_TOKENS),
+                batch=_int(f"{path}: layer {i} batch", meta.get("batch"), 1),
+                dtype=meta["dtype"],
+                arrays=held,
+            )
+        )
     _check_geometry(path, config, out, len(payload))
     return config, out
 
@@ -242,6 +267,7 @@ def _check_geometry(path: Any, config: dict, layers: list, nbytes: int) -> None:
     Only integers above a bound are refused here; values of another type or below 1 are left
     to the cache's constructor, which names what it accepts.
     """
+
     def bounded(name: str, high: int):
         value = config.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -260,11 +286,15 @@ def _check_geometry(path: Any, config: dict, layers: list, nbytes: int) -> None:
         batch = 1 if rec is None else rec.batch
         row = batch * heads * head_dim
         if row > row_limit:
-            raise CacheFileError(f"{path}: layer {i} declares batch {batch} × num_kv_heads {heads} × head_dim "
-                                 f"{head_dim} = {row} values per token, more than {row_limit} (the file's bytes "
-                                 f"hold far fewer)")
+            raise CacheFileError(
+                f"{path}: layer {i} declares batch {batch} × num_kv_heads {heads} × head_dim "
+                f"{head_dim} = {row} values per token, more than {row_limit} (the file's bytes "
+                f"hold far fewer)"
+            )
         if cap is not None and rec is not None and rec.length > cap:
             raise CacheFileError(f"{path}: layer {i} holds {rec.length} tokens, more than max_tokens={cap}")
         if cap is not None and cap * row * 4 > MAX_RESERVED_BYTES:
-            raise CacheFileError(f"{path}: max_tokens={cap} would reserve {cap * row * 4} bytes for layer {i} "
-                                 f"(batch {batch}), more than {MAX_RESERVED_BYTES}")
+            raise CacheFileError(
+                f"{path}: max_tokens={cap} would reserve {cap * row * 4} bytes for layer {i} "
+                f"(batch {batch}), more than {MAX_RESERVED_BYTES}"
+            )

@@ -57,8 +57,18 @@ class MlaCache:
     Bytes per token: ``latent_dim + rope_heads * rope_dim`` values.
     """
 
-    def __init__(self, *, num_layers: int, num_heads: int, head_dim: int, latent_dim: int, rope_dim: int = 0,
-                 v_head_dim: int | None = None, shared_rope: bool = False, check_finite: bool = True):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_heads: int,
+        head_dim: int,
+        latent_dim: int,
+        rope_dim: int = 0,
+        v_head_dim: int | None = None,
+        shared_rope: bool = False,
+        check_finite: bool = True,
+    ):
         self.num_layers = check_int("num_layers", num_layers, low=1)
         self.num_heads = check_int("num_heads", num_heads, low=1)
         self.head_dim = check_int("head_dim", head_dim, low=1)
@@ -98,8 +108,10 @@ class MlaCache:
         """
         layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
         xp = _compat.namespace(up_k, up_v)
-        for name, w, shape in (("up_k", up_k, (self.num_heads, self.nope_dim, self.latent_dim)),
-                               ("up_v", up_v, (self.num_heads, self.v_head_dim, self.latent_dim))):
+        for name, w, shape in (
+            ("up_k", up_k, (self.num_heads, self.nope_dim, self.latent_dim)),
+            ("up_v", up_v, (self.num_heads, self.v_head_dim, self.latent_dim)),
+        ):
             if tuple(int(s) for s in w.shape) != shape:
                 raise ValueError(f"{name} must have shape {shape}, received {tuple(w.shape)}")
             if not is_floating(xp, w.dtype):
@@ -151,8 +163,10 @@ class MlaCache:
         """Raise ``ValueError`` if ``layer`` (whose lock the caller holds) holds any token."""
         held = sorted(sid for sid, buf in self._data[layer].items() if buf.length)
         if held:
-            raise ValueError(f"{what}() would change how the latents already stored in layer {layer} "
-                             f"(seq_ids {held}) decode; call reset_layer({layer}) first, then append them again")
+            raise ValueError(
+                f"{what}() would change how the latents already stored in layer {layer} "
+                f"(seq_ids {held}) decode; call reset_layer({layer}) first, then append them again"
+            )
 
     def reset_layer(self, layer: int) -> None:
         """Forget the tokens of every sequence in ``layer``; its projections and the sequence ids stay.
@@ -202,8 +216,10 @@ class MlaCache:
             if not is_floating(xp, x.dtype):
                 raise TypeError(f"{name} must have a floating dtype, received {dtype_name(x.dtype)}")
         if int(k.shape[1]) != int(v.shape[1]) or int(k.shape[1]) < 1:
-            raise ValueError(f"k and v must hold the same number (>= 1) of tokens, received shapes "
-                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+            raise ValueError(
+                f"k and v must hold the same number (>= 1) of tokens, received shapes "
+                f"{tuple(k.shape)} and {tuple(v.shape)}"
+            )
         if k.dtype != v.dtype:
             raise TypeError(f"k and v must share one dtype, received {dtype_name(k.dtype)} and {dtype_name(v.dtype)}")
         if self.check_finite:
@@ -225,7 +241,7 @@ class MlaCache:
             p = self._need_proj(layer)
             z = self._stack_tokens(xp, xp.astype(k, xp.float32), xp.astype(v, xp.float32))
             latent = xp.astype(xp.matmul(z, xp.matrix_transpose(p.down)), k.dtype)  # (t, latent)
-            rope = k[:, :, self.nope_dim:]
+            rope = k[:, :, self.nope_dim :]
             if self.shared_rope:
                 if self.rope_dim and not bool(xp.all(rope == rope[:1, ...])):
                     raise ValueError("shared_rope=True needs the RoPE channels of every head to be equal")
@@ -255,16 +271,20 @@ class MlaCache:
             if _compat.namespace(k_rope) is not xp or tuple(int(s) for s in k_rope.shape) != want:
                 raise ValueError(f"k_rope must have shape {want} in latent's library, received {tuple(k_rope.shape)}")
             if k_rope.dtype != latent.dtype:
-                raise TypeError(f"k_rope must have latent's dtype {dtype_name(latent.dtype)}, "
-                                f"received {dtype_name(k_rope.dtype)}")
+                raise TypeError(
+                    f"k_rope must have latent's dtype {dtype_name(latent.dtype)}, received {dtype_name(k_rope.dtype)}"
+                )
         elif k_rope is not None:
             raise ValueError("k_rope must be None when rope_dim is 0")
         if self.check_finite:
             check_finite(xp, latent=latent, **({} if k_rope is None else {"k_rope": k_rope}))
         with self._locks[layer]:
             self._need_proj(layer)
-            rope = k_rope if self.rope_dim else xp.zeros((self.rope_heads, t, 0), dtype=latent.dtype,
-                                                             device=_compat.device(latent))
+            rope = (
+                k_rope
+                if self.rope_dim
+                else xp.zeros((self.rope_heads, t, 0), dtype=latent.dtype, device=_compat.device(latent))
+            )
             self._store(layer, xp, seq_id, latent, rope)
 
     def _need_proj(self, layer: int) -> _Projection:
@@ -280,8 +300,9 @@ class MlaCache:
         if buf is not None and buf.length:
             held = buf.view("latent")
             if _compat.namespace(held) is not xp or held.dtype != latent.dtype:
-                raise TypeError(f"seq_id {sid} holds {dtype_name(held.dtype)} latents; "
-                                f"received {dtype_name(latent.dtype)}")
+                raise TypeError(
+                    f"seq_id {sid} holds {dtype_name(held.dtype)} latents; received {dtype_name(latent.dtype)}"
+                )
         if buf is None:
             buf = TokenBuffers(min_capacity=16)
         buf.append(arrays)
@@ -377,5 +398,7 @@ class MlaCache:
         return total
 
     def __repr__(self) -> str:
-        return (f"MlaCache(num_layers={self.num_layers}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-                f"latent_dim={self.latent_dim}, rope_dim={self.rope_dim})")
+        return (
+            f"MlaCache(num_layers={self.num_layers}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+            f"latent_dim={self.latent_dim}, rope_dim={self.rope_dim})"
+        )

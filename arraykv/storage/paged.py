@@ -64,8 +64,17 @@ class PagedKVCache:
     taken after a layer lock, never before).
     """
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int = 16,
-                 num_blocks: int = 256, v_head_dim: int | None = None, check_finite: bool = True):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int = 16,
+        num_blocks: int = 256,
+        v_head_dim: int | None = None,
+        check_finite: bool = True,
+    ):
         self.num_layers = check_int("num_layers", num_layers, low=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, low=1)
         self.head_dim = check_int("head_dim", head_dim, low=1)
@@ -130,8 +139,10 @@ class PagedKVCache:
                 if lay.xp is not xp:
                     raise TypeError(f"layer {layer} pools hold arrays of another library")
                 if lay.k_pool.dtype != k.dtype:
-                    raise TypeError(f"k must have dtype {dtype_name(lay.k_pool.dtype)} like layer {layer}'s pool, "
-                                    f"received {dtype_name(k.dtype)}")
+                    raise TypeError(
+                        f"k must have dtype {dtype_name(lay.k_pool.dtype)} like layer {layer}'s pool, "
+                        f"received {dtype_name(k.dtype)}"
+                    )
                 if _compat.device(lay.k_pool) != _compat.device(k):
                     raise ValueError(f"k must be on device {_compat.device(lay.k_pool)}, received {_compat.device(k)}")
             length = lay.lengths.get(sid, 0)
@@ -145,10 +156,12 @@ class PagedKVCache:
                 )
             if lay.k_pool is None:
                 dev = _compat.device(k)
-                lay.k_pool = xp.zeros((self.num_blocks, self.num_kv_heads, bs, self.head_dim), dtype=k.dtype,
-                                      device=dev)
-                lay.v_pool = xp.zeros((self.num_blocks, self.num_kv_heads, bs, self.v_head_dim), dtype=k.dtype,
-                                      device=dev)
+                lay.k_pool = xp.zeros(
+                    (self.num_blocks, self.num_kv_heads, bs, self.head_dim), dtype=k.dtype, device=dev
+                )
+                lay.v_pool = xp.zeros(
+                    (self.num_blocks, self.num_kv_heads, bs, self.v_head_dim), dtype=k.dtype, device=dev
+                )
                 lay.xp = xp
             new_blocks = [lay.free.pop() for _ in range(need)]
             table = table + new_blocks
@@ -156,8 +169,8 @@ class PagedKVCache:
             while src < t:
                 blk, off = table[pos // bs], pos % bs
                 n = min(bs - off, t - src)
-                lay.k_pool[blk, :, off:off + n, :] = k[:, src:src + n, :]
-                lay.v_pool[blk, :, off:off + n, :] = v[:, src:src + n, :]
+                lay.k_pool[blk, :, off : off + n, :] = k[:, src : src + n, :]
+                lay.v_pool[blk, :, off : off + n, :] = v[:, src : src + n, :]
                 pos += n
                 src += n
             lay.tables[sid] = table
@@ -206,8 +219,9 @@ class PagedKVCache:
         xp = array_namespace(k=k, v=v)
         for name, x, d in (("k", k, self.head_dim), ("v", v, self.v_head_dim)):
             if x.ndim != 3:
-                raise ValueError(f"{name} must have shape (num_kv_heads, new_tokens, head_dim), "
-                                 f"received shape {tuple(x.shape)}")
+                raise ValueError(
+                    f"{name} must have shape (num_kv_heads, new_tokens, head_dim), received shape {tuple(x.shape)}"
+                )
             if not is_floating(xp, x.dtype):
                 raise TypeError(f"{name} must have a floating dtype, received {dtype_name(x.dtype)}")
             if int(x.shape[0]) != self.num_kv_heads:
@@ -215,8 +229,9 @@ class PagedKVCache:
             if int(x.shape[2]) != d:
                 raise ValueError(f"{name} must have {d} channels (axis 2), received {int(x.shape[2])}")
         if int(k.shape[1]) != int(v.shape[1]):
-            raise ValueError(f"k and v must hold the same tokens (axis 1), "
-                             f"received {int(k.shape[1])} and {int(v.shape[1])}")
+            raise ValueError(
+                f"k and v must hold the same tokens (axis 1), received {int(k.shape[1])} and {int(v.shape[1])}"
+            )
         if int(k.shape[1]) < 1:
             raise ValueError("k must hold at least one token (axis 1), received 0")
         if k.dtype != v.dtype:
@@ -276,11 +291,12 @@ class PagedKVCache:
                 k, v = self._gather(lay, lay.tables[s], n)
                 if n < top:
                     dev = _compat.device(k)
-                    k = xp.concat([k, xp.zeros((self.num_kv_heads, top - n, self.head_dim), dtype=k.dtype, device=dev)],
-                                  axis=1)
-                    v = xp.concat([v, xp.zeros((self.num_kv_heads, top - n, self.v_head_dim), dtype=v.dtype,
-                                               device=dev)],
-                                  axis=1)
+                    k = xp.concat(
+                        [k, xp.zeros((self.num_kv_heads, top - n, self.head_dim), dtype=k.dtype, device=dev)], axis=1
+                    )
+                    v = xp.concat(
+                        [v, xp.zeros((self.num_kv_heads, top - n, self.v_head_dim), dtype=v.dtype, device=dev)], axis=1
+                    )
                 ks.append(k)
                 vs.append(v)
             return xp.stack(ks, axis=0), xp.stack(vs, axis=0), lengths
@@ -326,5 +342,7 @@ class PagedKVCache:
         return total
 
     def __repr__(self) -> str:
-        return (f"PagedKVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, block_size={self.block_size}, num_blocks={self.num_blocks})")
+        return (
+            f"PagedKVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, block_size={self.block_size}, num_blocks={self.num_blocks})"
+        )

@@ -19,8 +19,23 @@ from .server import ValkeyServer
 from .valkey import ValkeyStore
 
 __all__ = [
-    "PrefixStore", "PrefillReport", "StoreWarning", "POLICIES", "segmented_prefill", "open_backend",
-    "StoreBackend", "EntryInfo", "StoreError", "EntryError", "DEFAULT_MAX_ENTRY_BYTES",
-    "LocalStore", "ValkeyStore", "ValkeyServer",
-    "encode_cache", "restore_entry", "model_identity", "gguf_identity", "chain_keys",
+    "PrefixStore",
+    "PrefillReport",
+    "StoreWarning",
+    "POLICIES",
+    "segmented_prefill",
+    "open_backend",
+    "StoreBackend",
+    "EntryInfo",
+    "StoreError",
+    "EntryError",
+    "DEFAULT_MAX_ENTRY_BYTES",
+    "LocalStore",
+    "ValkeyStore",
+    "ValkeyServer",
+    "encode_cache",
+    "restore_entry",
+    "model_identity",
+    "gguf_identity",
+    "chain_keys",
 ]

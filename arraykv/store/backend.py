@@ -21,8 +21,15 @@ import re
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["StoreBackend", "EntryInfo", "StoreError", "EntryError", "check_key", "check_limit",
-           "DEFAULT_MAX_ENTRY_BYTES"]
+__all__ = [
+    "StoreBackend",
+    "EntryInfo",
+    "StoreError",
+    "EntryError",
+    "check_key",
+    "check_limit",
+    "DEFAULT_MAX_ENTRY_BYTES",
+]
 
 #: The largest entry a backend reads unless told otherwise (4 GiB: an 8k-token float32 dense
 #: cache of a 1B model is about 1 GiB).

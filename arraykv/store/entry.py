@@ -48,7 +48,9 @@ def encode_cache(cache: Any) -> bytes:
     bytes
     """
     if not (hasattr(cache, "get_config") and hasattr(cache, "snapshot")):
-        raise TypeError(f"cache must be an arraykv cache (LayeredCache or HybridCache), received {type(cache).__name__}")
+        raise TypeError(
+            f"cache must be an arraykv cache (LayeredCache or HybridCache), received {type(cache).__name__}"
+        )
     with tempfile.TemporaryDirectory(prefix="arraykv-entry-", dir=_scratch_dir()) as tmp:
         path = os.path.join(tmp, "entry")
         write_cache_file(path, cache.get_config(), cache.snapshot(host=True))
@@ -77,7 +79,7 @@ def _as_file(data: bytes):
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _read(data: bytes, what: str):
@@ -146,12 +148,14 @@ def peek_entry(head: bytes) -> dict | None:
     if version != FORMAT_VERSION or hlen > HEADER_LIMIT or _PREFIX + hlen > len(head):
         return None
     try:
-        header = json.loads(head[_PREFIX:_PREFIX + hlen].decode("utf-8"))
+        header = json.loads(head[_PREFIX : _PREFIX + hlen].decode("utf-8"))
         layers = header["layers"]
         lengths = {rec.get("length") for rec in layers if isinstance(rec, dict)}
         method = header["config"].get("method")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
     tokens = next(iter(lengths)) if len(lengths) == 1 else None
-    return {"method": method if isinstance(method, str) else None,
-            "tokens": tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None}
+    return {
+        "method": method if isinstance(method, str) else None,
+        "tokens": tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None,
+    }

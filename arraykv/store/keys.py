@@ -35,7 +35,7 @@ __all__ = ["model_identity", "gguf_identity", "namespace_root", "chain_keys", "S
 #: Values of each weight tensor that :func:`model_identity` hashes (evenly spaced).
 SAMPLE_VALUES = 4096
 
-_IDENTITIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _tensors(model: Any):
@@ -75,8 +75,10 @@ def model_identity(model: Any) -> str:
         pass
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "embedding") or not hasattr(model, "layers"):
-        raise TypeError(f"model must be a DecoderModel (config, embedding, layers), received {type(model).__name__}; "
-                        "pass model_id= for another engine")
+        raise TypeError(
+            f"model must be a DecoderModel (config, embedding, layers), received {type(model).__name__}; "
+            "pass model_id= for another engine"
+        )
     h = hashlib.sha256()
     cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(vars(config))
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
@@ -148,6 +150,6 @@ def chain_keys(root: bytes, ids: Any, chunk_tokens: int) -> list:
     keys = []
     h = root
     for j in range(len(a) // chunk_tokens):
-        h = hashlib.sha256(h + a[j * chunk_tokens:(j + 1) * chunk_tokens].tobytes()).digest()
+        h = hashlib.sha256(h + a[j * chunk_tokens : (j + 1) * chunk_tokens].tobytes()).digest()
         keys.append(h.hex())
     return keys

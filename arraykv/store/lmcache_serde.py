@@ -37,8 +37,17 @@ from ..caches.registry import make_cache
 from .backend import EntryError
 from .entry import encode_cache, restore_entry
 
-__all__ = ["encode_chunk", "decode_chunk", "serialized_size", "chunk_cache", "serde_classes", "register",
-           "DEFAULT_OPTIONS", "MAGIC", "SERDE_NAME"]
+__all__ = [
+    "encode_chunk",
+    "decode_chunk",
+    "serialized_size",
+    "chunk_cache",
+    "serde_classes",
+    "register",
+    "DEFAULT_OPTIONS",
+    "MAGIC",
+    "SERDE_NAME",
+]
 
 MAGIC = b"AKVLMC01"
 SERDE_NAME = "arraykv"
@@ -90,8 +99,9 @@ def encode_chunk(kv: Any, *, head_dim: int, method: str = "pqo4", options: dict 
     layers, tokens, heads = _geometry(kv.shape, head_dim)
     cache = chunk_cache(kv.shape, head_dim=head_dim, method=method, options=options)
     for layer in range(layers):
-        k, v = (np.ascontiguousarray(kv[i, layer].reshape(tokens, heads, head_dim).transpose(1, 0, 2))[None]
-                for i in (0, 1))
+        k, v = (
+            np.ascontiguousarray(kv[i, layer].reshape(tokens, heads, head_dim).transpose(1, 0, 2))[None] for i in (0, 1)
+        )
         cache.append(layer, k, v, k)  # no queries: keys stand in (unused with key_scale=False)
     data = encode_cache(cache)
     return MAGIC + struct.pack("<Q", len(data)) + data
@@ -103,8 +113,9 @@ def _measured(shape: tuple, dtype: str, head_dim: int, method: str, options_json
     return len(encode_chunk(probe, head_dim=head_dim, method=method, options=json.loads(options_json)))
 
 
-def serialized_size(shape: tuple, dtype: Any, *, head_dim: int, method: str = "pqo4",
-                    options: dict | None = None) -> int:
+def serialized_size(
+    shape: tuple, dtype: Any, *, head_dim: int, method: str = "pqo4", options: dict | None = None
+) -> int:
     """An upper bound of :func:`encode_chunk`'s size for any chunk of ``shape`` and ``dtype``.
 
     Measured once per shape, dtype and configuration by encoding a random chunk, plus a margin
@@ -116,10 +127,14 @@ def serialized_size(shape: tuple, dtype: Any, *, head_dim: int, method: str = "p
     name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
     if name not in ("float16", "float32"):
         name = "float32"  # bfloat16 and others are encoded as float32
-    return _measured(tuple(int(s) for s in shape), name, int(head_dim), method, json.dumps(opts, sort_keys=True)) + _MARGIN
+    return (
+        _measured(tuple(int(s) for s in shape), name, int(head_dim), method, json.dumps(opts, sort_keys=True)) + _MARGIN
+    )
 
 
-def decode_chunk(buf: Any, shape: tuple, *, head_dim: int, method: str = "pqo4", options: dict | None = None) -> np.ndarray:
+def decode_chunk(
+    buf: Any, shape: tuple, *, head_dim: int, method: str = "pqo4", options: dict | None = None
+) -> np.ndarray:
     """The keys and values of a serialized chunk, shape ``shape`` (``[2, L, T, hidden]``), float32.
 
     Parameters
@@ -136,14 +151,14 @@ def decode_chunk(buf: Any, shape: tuple, *, head_dim: int, method: str = "pqo4",
         a token count other than the shape's. Nothing larger than ``buf`` is allocated for it.
     """
     view = memoryview(buf).cast("B")
-    if len(view) < _FRAME or bytes(view[:len(MAGIC)]) != MAGIC:
+    if len(view) < _FRAME or bytes(view[: len(MAGIC)]) != MAGIC:
         raise EntryError("not an arraykv KV chunk (bad magic or too short)")
-    (length,) = struct.unpack("<Q", bytes(view[len(MAGIC):_FRAME]))
+    (length,) = struct.unpack("<Q", bytes(view[len(MAGIC) : _FRAME]))
     if length > len(view) - _FRAME:
         raise EntryError(f"the chunk declares {length} bytes but its buffer holds {len(view) - _FRAME}")
     layers, tokens, heads = _geometry(tuple(shape), head_dim)
     cache = chunk_cache(shape, head_dim=head_dim, method=method, options=options)
-    restore_entry(cache, bytes(view[_FRAME:_FRAME + length]), tokens=tokens, what="the KV chunk")
+    restore_entry(cache, bytes(view[_FRAME : _FRAME + length]), tokens=tokens, what="the KV chunk")
     out = np.empty((2, layers, tokens, heads * head_dim), dtype=np.float32)
     for layer in range(layers):
         r = cache.dequantize(layer)
@@ -174,16 +189,17 @@ def serde_classes():
             flat = dst.tensor.reshape(-1)
             if len(data) > flat.numel():
                 raise ValueError(f"the chunk takes {len(data)} bytes, more than the {flat.numel()}-byte buffer")
-            flat[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            flat[len(data):].zero_()
+            flat[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            flat[len(data) :].zero_()
             return len(data)
 
         def estimate_serialized_size(self, layout_desc: Any) -> int:
             total = 0
             for shape, dtype in zip(layout_desc.shapes, layout_desc.dtypes):
                 name = str(dtype).removeprefix("torch.")
-                total += serialized_size(tuple(shape), name, head_dim=self.head_dim, method=self.method,
-                                         options=self.options)
+                total += serialized_size(
+                    tuple(shape), name, head_dim=self.head_dim, method=self.method, options=self.options
+                )
             return total
 
     class ArraykvDeserializer(Deserializer):
@@ -193,10 +209,14 @@ def serde_classes():
             self.head_dim, self.method, self.options = int(head_dim), method, options
 
         def deserialize(self, src: Any, dst: Any, key: Any) -> None:
-            buf = host(src.tensor.reshape(-1)).tobytes() if src.tensor.dtype != torch.uint8 else \
-                src.tensor.reshape(-1).cpu().numpy().tobytes()
-            out = decode_chunk(buf, tuple(dst.tensor.shape), head_dim=self.head_dim, method=self.method,
-                               options=self.options)
+            buf = (
+                host(src.tensor.reshape(-1)).tobytes()
+                if src.tensor.dtype != torch.uint8
+                else src.tensor.reshape(-1).cpu().numpy().tobytes()
+            )
+            out = decode_chunk(
+                buf, tuple(dst.tensor.shape), head_dim=self.head_dim, method=self.method, options=self.options
+            )
             dst.tensor.copy_(torch.from_numpy(out).to(dst.tensor.dtype))
 
     return ArraykvSerializer, ArraykvDeserializer
@@ -218,8 +238,11 @@ def register(name: str = SERDE_NAME) -> None:
     def factory(kwargs: dict) -> Any:
         if "head_dim" not in kwargs:
             raise ValueError(f"the {name!r} serde needs head_dim in its config")
-        args = {"head_dim": int(kwargs["head_dim"]), "method": str(kwargs.get("method", "pqo4")),
-                "options": kwargs.get("options")}
+        args = {
+            "head_dim": int(kwargs["head_dim"]),
+            "method": str(kwargs.get("method", "pqo4")),
+            "options": kwargs.get("options"),
+        }
         return AsyncSerdeProcessor(ser(**args), de(**args), max_workers=int(kwargs.get("max_workers", 1)))
 
     register_serde_factory(name, factory)

@@ -55,8 +55,15 @@ class LocalStore:
         checked format refuses).
     """
 
-    def __init__(self, root: str | os.PathLike, *, max_bytes: int | None = None, ttl: float | None = None,
-                 max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES, fsync: bool = True):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        max_bytes: int | None = None,
+        ttl: float | None = None,
+        max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
+        fsync: bool = True,
+    ):
         self.max_bytes = check_limit("max_bytes", max_bytes)
         self.ttl = check_limit("ttl", ttl)
         self.max_entry_bytes = int(check_limit("max_entry_bytes", max_entry_bytes, allow_none=False))
@@ -89,8 +96,10 @@ class LocalStore:
                 return None
             size = st.st_size
             if size > self.max_entry_bytes:
-                raise EntryError(f"entry {key[:16]}... declares {size} bytes, more than max_entry_bytes="
-                                 f"{self.max_entry_bytes}; not read")
+                raise EntryError(
+                    f"entry {key[:16]}... declares {size} bytes, more than max_entry_bytes="
+                    f"{self.max_entry_bytes}; not read"
+                )
             data = f.read(size)  # never more than the size checked above
         if len(data) != size:
             raise EntryError(f"entry {key[:16]}... holds {len(data)} bytes, its file declares {size}")
@@ -149,9 +158,16 @@ class LocalStore:
             with contextlib.suppress(OSError):
                 with open(path, "rb") as f:
                     info = peek_entry(_head(f))
-            out.append(EntryInfo(key=key, nbytes=st.st_size, tokens=None if info is None else info["tokens"],
-                                 created=st.st_mtime, last_used=max(st.st_atime, st.st_mtime),
-                                 expires=None if self.ttl is None else st.st_mtime + self.ttl))
+            out.append(
+                EntryInfo(
+                    key=key,
+                    nbytes=st.st_size,
+                    tokens=None if info is None else info["tokens"],
+                    created=st.st_mtime,
+                    last_used=max(st.st_atime, st.st_mtime),
+                    expires=None if self.ttl is None else st.st_mtime + self.ttl,
+                )
+            )
         return out
 
     def evict(self, max_bytes: int | None = None) -> list:

@@ -116,16 +116,25 @@ def open_backend(spec: Any) -> StoreBackend:
         return LocalStore(text)
     if all(callable(getattr(spec, m, None)) for m in ("get", "put", "contains", "delete", "entries", "evict")):
         return spec
-    raise TypeError(f"a store backend must offer get/put/contains/delete/entries/evict, or be a folder or a "
-                    f"redis:// URL; received {type(spec).__name__}")
+    raise TypeError(
+        f"a store backend must offer get/put/contains/delete/entries/evict, or be a folder or a "
+        f"redis:// URL; received {type(spec).__name__}"
+    )
 
 
 def _segments(start: int, n: int, chunk_tokens: int) -> list:
     return [(s, min(s + chunk_tokens, n)) for s in range(start, n, chunk_tokens)]
 
 
-def segmented_prefill(model: Any, ids: Any, cache: Any, *, chunk_tokens: int = 512, chunk_size: int | None = 512,
-                      prompt_store: str = "exact") -> Any:
+def segmented_prefill(
+    model: Any,
+    ids: Any,
+    cache: Any,
+    *,
+    chunk_tokens: int = 512,
+    chunk_size: int | None = 512,
+    prompt_store: str = "exact",
+) -> Any:
     """The store's prefill schedule without a store: what every store-backed prefill equals.
 
     Parameters
@@ -180,8 +189,15 @@ class PrefixStore:
         What the last :meth:`prefill` did (of the last call in any thread).
     """
 
-    def __init__(self, backend: Any, *, chunk_tokens: int = 512, policy: str = "last", model_id: str | None = None,
-                 on_error: str = "warn"):
+    def __init__(
+        self,
+        backend: Any,
+        *,
+        chunk_tokens: int = 512,
+        policy: str = "last",
+        model_id: str | None = None,
+        on_error: str = "warn",
+    ):
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be a positive integer, received {chunk_tokens!r}")
         if policy not in POLICIES:
@@ -198,15 +214,22 @@ class PrefixStore:
         return f"PrefixStore({self.backend!r}, chunk_tokens={self.chunk_tokens}, policy={self.policy!r})"
 
     # -- keys ---------------------------------------------------------------------------
-    def keys(self, model: Any, cache: Any, ids: Any, *, chunk_size: int | None = 512,
-             prompt_store: str = "exact") -> list:
+    def keys(
+        self, model: Any, cache: Any, ids: Any, *, chunk_size: int | None = 512, prompt_store: str = "exact"
+    ) -> list:
         """Keys of ``ids``'s whole-chunk prefixes for this model, cache configuration and schedule
         (:func:`~arraykv.store.keys.chain_keys`: entry ``j - 1`` names the first ``j · chunk_tokens``)."""
         model_id = self.model_id if self.model_id is not None else model_identity(model)
         sample = getattr(model, "embedding", None)
         lib = _namespace(sample).__name__ if sample is not None else "unknown"
-        schedule = {"chunk_tokens": self.chunk_tokens, "chunk_size": chunk_size, "prompt_store": prompt_store,
-                    "array_library": lib, "arraykv": _arraykv_version(), "format": FORMAT_VERSION}
+        schedule = {
+            "chunk_tokens": self.chunk_tokens,
+            "chunk_size": chunk_size,
+            "prompt_store": prompt_store,
+            "array_library": lib,
+            "arraykv": _arraykv_version(),
+            "format": FORMAT_VERSION,
+        }
         return chain_keys(namespace_root(model_id, cache.get_config(), schedule), _ids(ids), self.chunk_tokens)
 
     def longest(self, model: Any, cache: Any, ids: Any, **schedule: Any) -> int:
@@ -217,13 +240,14 @@ class PrefixStore:
         ids = _ids(ids)
         keys = self.keys(model, cache, ids, **schedule)
         for j in range(min(len(keys), (len(ids) - 1) // self.chunk_tokens), 0, -1):
-            if self._try(lambda: self.backend.contains(keys[j - 1]), False):
+            if self._try(lambda key=keys[j - 1]: self.backend.contains(key), False):
                 return j * self.chunk_tokens
         return 0
 
     # -- the prefill --------------------------------------------------------------------
-    def prefill(self, model: Any, ids: Any, cache: Any, *, chunk_size: int | None = 512,
-                prompt_store: str = "exact") -> Any:
+    def prefill(
+        self, model: Any, ids: Any, cache: Any, *, chunk_size: int | None = 512, prompt_store: str = "exact"
+    ) -> Any:
         """Prefill ``ids`` into the empty ``cache``, reusing the longest stored prefix; store by the policy.
 
         Parameters
@@ -277,12 +301,14 @@ class PrefixStore:
     def _restore(self, cache: Any, keys: list, top: int) -> int:
         """Restore the longest acceptable entry among the first ``top`` keys; its tokens (0 if none)."""
         for j in range(top, 0, -1):
-            data = self._try(lambda: self.backend.get(keys[j - 1]), None)
+            data = self._try(lambda key=keys[j - 1]: self.backend.get(key), None)
             if data is None:
                 continue
             tokens = j * self.chunk_tokens
             try:
-                restore_entry(cache, data, tokens=tokens, what=f"the stored {tokens}-token prefix {keys[j - 1][:16]}...")
+                restore_entry(
+                    cache, data, tokens=tokens, what=f"the stored {tokens}-token prefix {keys[j - 1][:16]}..."
+                )
                 return tokens
             except EntryError as exc:
                 if self.on_error == "raise":
@@ -325,7 +351,7 @@ def _ids(ids: Any) -> list:
         raise TypeError("ids must be integers (one sequence of token ids)") from None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _arraykv_version() -> str:
     """The installed arraykv's version (read from its metadata: this layer does not import the package root)."""
     from importlib import metadata

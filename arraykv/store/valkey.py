@@ -62,13 +62,17 @@ def connect(url: str, **kwargs: Any) -> Any:
     """
     try:
         import valkey as lib
+
         cls = lib.Valkey
     except ImportError:
         try:
             import redis as lib
+
             cls = lib.Redis
         except ImportError:
-            raise ImportError('the Valkey backend needs the valkey (or redis) client: pip install "arraykv[store]"') from None
+            raise ImportError(
+                'the Valkey backend needs the valkey (or redis) client: pip install "arraykv[store]"'
+            ) from None
     return cls.from_url(url, **kwargs)
 
 
@@ -110,10 +114,19 @@ class ValkeyStore:
         ``put``.
     """
 
-    def __init__(self, client: Any, *, prefix: str = "arraykv:", ttl: float | None = None,
-                 max_bytes: int | None = None, max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES):
+    def __init__(
+        self,
+        client: Any,
+        *,
+        prefix: str = "arraykv:",
+        ttl: float | None = None,
+        max_bytes: int | None = None,
+        max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
+    ):
         if not isinstance(prefix, str) or not prefix or any(c.isspace() or c in "*?[]" for c in prefix):
-            raise ValueError(f"prefix must be a non-empty string without spaces or glob characters, received {prefix!r}")
+            raise ValueError(
+                f"prefix must be a non-empty string without spaces or glob characters, received {prefix!r}"
+            )
         self.ttl = check_limit("ttl", ttl)
         self.max_bytes = check_limit("max_bytes", max_bytes)
         self.max_entry_bytes = int(check_limit("max_entry_bytes", max_entry_bytes, allow_none=False))
@@ -158,8 +171,13 @@ class ValkeyStore:
         data = bytes(data)
         if len(data) > self.max_entry_bytes:
             raise EntryError(f"an entry of {len(data)} bytes is more than max_entry_bytes={self.max_entry_bytes}")
-        fields = {"data": data, "nbytes": str(len(data)), "sha256": hashlib.sha256(data).hexdigest(),
-                  "tokens": "" if tokens is None else str(int(tokens)), "created": repr(time.time())}
+        fields = {
+            "data": data,
+            "nbytes": str(len(data)),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "tokens": "" if tokens is None else str(int(tokens)),
+            "created": repr(time.time()),
+        }
         pipe = self.client.pipeline(transaction=True)  # MULTI ... EXEC: all fields or none
         pipe.delete(name)
         pipe.hset(name, mapping=fields)
@@ -176,10 +194,11 @@ class ValkeyStore:
     def entries(self) -> list:
         out = []
         now = time.time()
-        names = list(self._call("list entries", lambda: list(self.client.scan_iter(match=f"{self.prefix}e:*",
-                                                                                        count=1000))))
+        names = list(
+            self._call("list entries", lambda: list(self.client.scan_iter(match=f"{self.prefix}e:*", count=1000)))
+        )
         for i in range(0, len(names), 256):
-            batch = names[i:i + 256]
+            batch = names[i : i + 256]
             pipe = self.client.pipeline(transaction=False)
             pipe.execute_command("CLIENT", "NO-TOUCH", "ON")  # listing is not a use: LRU order stays
             for n in batch:
@@ -190,16 +209,23 @@ class ValkeyStore:
             pipe.execute_command("CLIENT", "NO-TOUCH", "OFF")
             replies = self._call("list entries", pipe.execute, raise_on_error=False)[1:-1]
             for j, n in enumerate(batch):
-                idle, size, fields, pttl = replies[4 * j:4 * j + 4]
+                idle, size, fields, pttl = replies[4 * j : 4 * j + 4]
                 if isinstance(size, Exception) or isinstance(fields, Exception) or pttl == -2:
                     continue  # gone meanwhile, or not an entry
                 tokens, created = fields
-                key = (n.decode() if isinstance(n, bytes) else n)[len(self.prefix) + 2:]
+                key = (n.decode() if isinstance(n, bytes) else n)[len(self.prefix) + 2 :]
                 created = _float(created, now)
                 idle = idle if isinstance(idle, int) else 0
-                out.append(EntryInfo(key=key, nbytes=int(size), tokens=_int(tokens), created=created,
-                                     last_used=now - idle,
-                                     expires=None if not isinstance(pttl, int) or pttl < 0 else now + pttl / 1000))
+                out.append(
+                    EntryInfo(
+                        key=key,
+                        nbytes=int(size),
+                        tokens=_int(tokens),
+                        created=created,
+                        last_used=now - idle,
+                        expires=None if not isinstance(pttl, int) or pttl < 0 else now + pttl / 1000,
+                    )
+                )
         return out
 
     def evict(self, max_bytes: int | None = None) -> list:

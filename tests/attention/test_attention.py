@@ -7,8 +7,9 @@ from conftest import asarray, to_np
 from naive import attention_loops
 
 
-@pytest.mark.parametrize("b,hkv,g,t,s,d", [(1, 1, 1, 1, 1, 4), (2, 2, 3, 4, 9, 8), (1, 3, 2, 1, 17, 16),
-                                           (3, 1, 4, 5, 5, 8)])
+@pytest.mark.parametrize(
+    "b,hkv,g,t,s,d", [(1, 1, 1, 1, 1, 4), (2, 2, 3, 4, 9, 8), (1, 3, 2, 1, 17, 16), (3, 1, 4, 5, 5, 8)]
+)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
 def test_attention_matches_loops(xp, rng, b, hkv, g, t, s, d, causal, bias):
@@ -17,8 +18,14 @@ def test_attention_matches_loops(xp, rng, b, hkv, g, t, s, d, causal, bias):
     v = rng.standard_normal((b, hkv, s, d))
     lb = rng.standard_normal((b, hkv * g, t, s)) if bias else None
     want = attention_loops(q, k, v, 0.37, lb, causal)
-    got = arraykv.attention(asarray(xp, q), asarray(xp, k), asarray(xp, v), softmax_scale=0.37,
-                            logit_bias=None if lb is None else asarray(xp, lb), causal=causal)
+    got = arraykv.attention(
+        asarray(xp, q),
+        asarray(xp, k),
+        asarray(xp, v),
+        softmax_scale=0.37,
+        logit_bias=None if lb is None else asarray(xp, lb),
+        causal=causal,
+    )
     assert tuple(got.shape) == (b, hkv * g, t, d)
     np.testing.assert_allclose(to_np(got), want, rtol=1e-10, atol=1e-12)
 
@@ -45,18 +52,22 @@ def test_attention_on_strided_cache_view(rng):
     big = rng.standard_normal((1, 2, 50, 8)).astype(np.float32)
     k, v = big[:, :, :20], big[:, :, 20:40]
     q = rng.standard_normal((1, 4, 1, 8)).astype(np.float32)
-    np.testing.assert_allclose(arraykv.attention(q, k, v, softmax_scale=0.5), attention_loops(q, k, v, 0.5), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        arraykv.attention(q, k, v, softmax_scale=0.5), attention_loops(q, k, v, 0.5), rtol=1e-5, atol=1e-6
+    )
 
 
-@pytest.mark.parametrize("case,exc", [
-    (dict(q=(1, 3, 1, 8)), ValueError),          # 3 q heads vs 2 kv heads
-    (dict(k=(1, 2, 6, 4)), ValueError),          # head_dim mismatch
-    (dict(v=(1, 2, 5, 8)), ValueError),          # k/v token mismatch
-    (dict(q=(1, 4, 8, 8)), ValueError),          # more queries than keys
-    (dict(q=(4, 8)), ValueError),                # wrong rank
-    (dict(k=(2, 2, 6, 8), v=(2, 2, 6, 8)), ValueError),  # batch mismatch
-])
+@pytest.mark.parametrize(
+    "case,exc",
+    [
+        (dict(q=(1, 3, 1, 8)), ValueError),  # 3 q heads vs 2 kv heads
+        (dict(k=(1, 2, 6, 4)), ValueError),  # head_dim mismatch
+        (dict(v=(1, 2, 5, 8)), ValueError),  # k/v token mismatch
+        (dict(q=(1, 4, 8, 8)), ValueError),  # more queries than keys
+        (dict(q=(4, 8)), ValueError),  # wrong rank
+        (dict(k=(2, 2, 6, 8), v=(2, 2, 6, 8)), ValueError),  # batch mismatch
+    ],
+)
 def test_attention_rejects_bad_shapes(rng, case, exc):
     shapes = dict(q=(1, 4, 1, 8), k=(1, 2, 6, 8), v=(1, 2, 6, 8))
     shapes.update(case)

@@ -92,15 +92,28 @@ def test_attend_config_takes_numpy_scalars_as_python_numbers():
             arraykv.AttendConfig(0.125, bad)
 
 
-@pytest.mark.parametrize("method,opts", [
-    ("pqo4", {"center": np.bool_(True), "outlier_threshold": np.float32(4), "softmax_scale": np.float64(0.25),
-              "key_scale": np.bool_(True), "seed": np.int64(3), "outliers": np.int32(2),
-              "rope": {"theta": np.float32(10000), "layout": "half"}, "check_finite": np.bool_(True)}),
-    ("tq4", {"center": np.bool_(False), "residual_window": np.int64(0)}),
-    ("int4", {"group_size": np.int64(16), "max_tokens": np.int32(64)}),
-    ("lowrank", {"center": np.bool_(False), "rank": np.int64(4)}),
-    ("lowrank", {"energy": np.float32(0.5)}),
-])
+@pytest.mark.parametrize(
+    "method,opts",
+    [
+        (
+            "pqo4",
+            {
+                "center": np.bool_(True),
+                "outlier_threshold": np.float32(4),
+                "softmax_scale": np.float64(0.25),
+                "key_scale": np.bool_(True),
+                "seed": np.int64(3),
+                "outliers": np.int32(2),
+                "rope": {"theta": np.float32(10000), "layout": "half"},
+                "check_finite": np.bool_(True),
+            },
+        ),
+        ("tq4", {"center": np.bool_(False), "residual_window": np.int64(0)}),
+        ("int4", {"group_size": np.int64(16), "max_tokens": np.int32(64)}),
+        ("lowrank", {"center": np.bool_(False), "rank": np.int64(4)}),
+        ("lowrank", {"energy": np.float32(0.5)}),
+    ],
+)
 def test_numpy_scalar_options_build_and_save_as_plain_json(tmp_path, rng, method, opts):
     d = 16
     cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=2, head_dim=d, **opts)
@@ -126,15 +139,18 @@ def test_numpy_scalars_in_compressor_methods_and_rope():
     assert check_rope({"theta": np.float32(500000), "layout": "half"}) == {"theta": 500000.0, "layout": "half"}
 
 
-@pytest.mark.parametrize("opts,exc,match", [
-    ({"center": 1}, ValueError, "center"),
-    ({"center": 1.0}, ValueError, "center"),
-    ({"center": np.int64(1)}, ValueError, "center"),
-    ({"outlier_threshold": "4"}, TypeError, "outlier_threshold"),
-    ({"outlier_threshold": np.float32("nan")}, ValueError, "outlier_threshold"),
-    ({"key_scale": 1}, TypeError, "key_scale"),
-    ({"check_finite": np.int64(1)}, TypeError, "check_finite"),
-])
+@pytest.mark.parametrize(
+    "opts,exc,match",
+    [
+        ({"center": 1}, ValueError, "center"),
+        ({"center": 1.0}, ValueError, "center"),
+        ({"center": np.int64(1)}, ValueError, "center"),
+        ({"outlier_threshold": "4"}, TypeError, "outlier_threshold"),
+        ({"outlier_threshold": np.float32("nan")}, ValueError, "outlier_threshold"),
+        ({"key_scale": 1}, TypeError, "key_scale"),
+        ({"check_finite": np.int64(1)}, TypeError, "check_finite"),
+    ],
+)
 def test_values_that_only_compare_equal_to_a_bool_are_still_refused(opts, exc, match):
     with pytest.raises(exc, match=match):
         arraykv.make_cache("pqo4", num_layers=1, num_kv_heads=1, head_dim=16, **opts)

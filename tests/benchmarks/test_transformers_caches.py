@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("transformers_caches_bench",
-                                                  ROOT / "benchmarks" / "transformers_caches.py")
+    spec = importlib.util.spec_from_file_location(
+        "transformers_caches_bench", ROOT / "benchmarks" / "transformers_caches.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -27,16 +28,24 @@ def bench():
 def tiny():
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
 def _generate(model, cache, prompt: int, new: int):
     ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        model.generate(ids, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       eos_token_id=None, pad_token_id=0)
+        model.generate(
+            ids, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
 
 
 def test_quanto_rows_count_codes_scales_shifts_and_residual(bench, tiny):
@@ -45,11 +54,13 @@ def test_quanto_rows_count_codes_scales_shifts_and_residual(bench, tiny):
     note = bench._quanto_rows(transformers, tiny.config, 4, configs)
     assert "q_group_size=64" in note and "residual_length=128" in note
     assert [name for name, _ in configs] == [
-        "QuantizedCache quanto int4, residual 128", "QuantizedCache quanto int4, residual 4",
-        "QuantizedCache quanto int2, residual 128", "QuantizedCache quanto int2, residual 4"]
+        "QuantizedCache quanto int4, residual 128",
+        "QuantizedCache quanto int4, residual 4",
+        "QuantizedCache quanto int2, residual 128",
+        "QuantizedCache quanto int2, residual 4",
+    ]
     layers, heads, d = 2, 2, 16
-    for (name, make), nbits, (quantized, residual) in zip(configs, (4, 4, 2, 2),
-                                                          ((8, 7), (12, 3), (8, 7), (12, 3))):
+    for (name, make), nbits, (quantized, residual) in zip(configs, (4, 4, 2, 2), ((8, 7), (12, 3), (8, 7), (12, 3))):
         cache = make()
         _generate(tiny, cache, prompt=8, new=8)  # the cache holds 8 + 7 tokens
         assert cache.get_seq_length() == quantized + residual

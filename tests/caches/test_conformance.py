@@ -179,6 +179,7 @@ def test_16_threads_match_a_sequential_run_bit_for_bit(method):
     def job(i):
         def run():
             got[i] = _script(par, i, 1000 + i)
+
         return run
 
     _run_threads([job(i) for i in range(layers)])
@@ -202,6 +203,7 @@ def test_reset_during_decodes_never_leaves_a_half_reset_layer(method):
             while not stop.is_set():
                 out = cache.decode(layer, k, v, q, cfg)
                 assert np.all(np.isfinite(np.asarray(attend(out, q, SCALE))))
+
         return run
 
     def resetter():

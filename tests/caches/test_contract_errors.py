@@ -27,8 +27,11 @@ def _filled(method):
 
 def _kvq(b=2, h=H, t=1, d=D, qh=H * G, dtype=np.float32):
     rng = np.random.default_rng(2)
-    return (rng.standard_normal((b, h, t, d)).astype(dtype), rng.standard_normal((b, h, t, d)).astype(dtype),
-            rng.standard_normal((b, qh, t, d)).astype(dtype))
+    return (
+        rng.standard_normal((b, h, t, d)).astype(dtype),
+        rng.standard_normal((b, h, t, d)).astype(dtype),
+        rng.standard_normal((b, qh, t, d)).astype(dtype),
+    )
 
 
 def _bad_calls():
@@ -39,6 +42,7 @@ def _bad_calls():
     inf = v.copy()
     inf[0, 1, 0, 0] = -np.inf
     import array_api_strict as xs
+
     return {
         "k rank 3": (ValueError, lambda c: c.decode(0, k[0], v[0], q, cfg)),
         "q rank 3": (ValueError, lambda c: c.decode(0, k, v, q[0], cfg)),
@@ -109,5 +113,6 @@ def test_register_third_party_method():
         return arraykv.DenseCache(**kw)
 
     assert "test-dense-copy" in arraykv.available_methods()
-    assert isinstance(arraykv.make_cache("test-dense-copy", num_layers=1, num_kv_heads=1, head_dim=4),
-                      arraykv.DenseCache)
+    assert isinstance(
+        arraykv.make_cache("test-dense-copy", num_layers=1, num_kv_heads=1, head_dim=4), arraykv.DenseCache
+    )

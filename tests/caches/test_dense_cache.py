@@ -183,7 +183,7 @@ def test_buffers_are_sized_exactly_for_a_prompt_and_within_ten_percent_after_chu
     assert cache.memory_usage() == cache.used_bytes()  # one prompt: no spare room
     chunked = make(num_layers=1)
     for i in range(0, 1000, 100):
-        chunked.prefill(0, k[:, :, i:i + 100], v[:, :, i:i + 100], q[:, :, i:i + 100])
+        chunked.prefill(0, k[:, :, i : i + 100], v[:, :, i : i + 100], q[:, :, i : i + 100])
     assert chunked.used_bytes() == cache.used_bytes()
     assert chunked.memory_usage() <= 1.1 * chunked.used_bytes() + 64 * 2 * 2 * 16 * 4
     assert chunked._states[0].buf.reallocations <= 10

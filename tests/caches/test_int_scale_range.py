@@ -29,8 +29,9 @@ def _fill(cache, k, v, q, prompt=96):
     cache.prefill(0, k[:, :, :prompt, :], v[:, :, :prompt, :], q[:, :, :prompt, :])
     out = None
     for t in range(prompt, int(k.shape[2])):
-        out = cache.decode(0, k[:, :, t:t + 1, :], v[:, :, t:t + 1, :], q[:, :, t:t + 1, :],
-                           arraykv.AttendConfig(D ** -0.5))
+        out = cache.decode(
+            0, k[:, :, t : t + 1, :], v[:, :, t : t + 1, :], q[:, :, t : t + 1, :], arraykv.AttendConfig(D**-0.5)
+        )
     return out
 
 
@@ -83,11 +84,11 @@ def test_fused_decode_attends_over_what_the_layer_holds(method, scale, data):
     out = _fill(cache, k0 * scale, v0 * scale, q)
     r = cache.dequantize(0)
     q1 = q[:, :, -1:]
-    want = arraykv.attention(q1, r.k, r.v, softmax_scale=D ** -0.5)
+    want = arraykv.attention(q1, r.k, r.v, softmax_scale=D**-0.5)
     assert rel(out.output, want) < 1e-4
     codec = cache.layer_codec_state(0)
-    assert rel(int_decode_attention(codec, q1, D ** -0.5), want) < 1e-4
-    assert rel(int_decode_attention_reference(codec, q1, D ** -0.5), want) < 1e-4
+    assert rel(int_decode_attention(codec, q1, D**-0.5), want) < 1e-4
+    assert rel(int_decode_attention_reference(codec, q1, D**-0.5), want) < 1e-4
 
 
 def test_other_namespaces_store_the_same_units(xp, rng):
@@ -109,7 +110,7 @@ def test_save_and_load_keep_the_units(tmp_path, scale, data):
     back = arraykv.load(tmp_path / "c.akv")
     np.testing.assert_array_equal(back.dequantize(0).k, cache.dequantize(0).k)
     step = [a[:, :, -1:] for a in (k0 * scale, v0 * scale, q)]
-    cfg = arraykv.AttendConfig(D ** -0.5)
+    cfg = arraykv.AttendConfig(D**-0.5)
     a, b = back.decode(0, *step, cfg).output, cache.decode(0, *step, cfg).output  # fused: to the last bits
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
 
@@ -164,7 +165,7 @@ def test_quantize_groups_with_float16_parameters_at_any_scale(rng, bits):
 
 def test_half_exponent():
     assert half_exponent(0.0) == 0 and half_exponent(1.0) == 0 and half_exponent(4096.0) == 0
-    assert half_exponent(2.0 ** -6) == 0 and half_exponent(2.0 ** -7) == -7
+    assert half_exponent(2.0**-6) == 0 and half_exponent(2.0**-7) == -7
     assert half_exponent(3e-6) == -19 and half_exponent(1e5) == 16
 
 

@@ -19,7 +19,7 @@ def make(method="int4", **kw):
 
 def rel_mse(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(((a - b) ** 2).sum() / (b ** 2).sum())
+    return float(((a - b) ** 2).sum() / (b**2).sum())
 
 
 def per_token_baseline(x, bits, g):
@@ -53,7 +53,7 @@ def test_at_least_as_good_as_per_token(rng, method, bits, outlier_channels):
 def test_residual_then_groups_and_tokens_in_order(xp, rng):
     cache = make("int8", group_size=8)
     ks = []
-    cfg = arraykv.AttendConfig(D ** -0.5, 2)
+    cfg = arraykv.AttendConfig(D**-0.5, 2)
     for t in (5, 1, 1, 1, 10, 1):
         k, v, q = random_kvq(rng, xp, 2, H, 2, t, D)
         ks.append(to_np(k))
@@ -84,8 +84,11 @@ def test_int4_packing_and_memory(rng):
     assert cache.memory_usage() == held
     # 96 quantized key tokens and 100 value tokens at 4 + 32/32 bits, 4 float32 residual keys
     # (and the rollback copies: the 32 float32 keys of the last group, the 8-byte record)
-    assert held == (96 + 100) * H * D * 5 // 8 + 4 * H * D * 4 + 32 * H * D * 4 + 8 == \
-        (96 + 100) * H * D * 5 // 8 + 4 * H * D * 4 + cache.rollback_bytes()
+    assert (
+        held
+        == (96 + 100) * H * D * 5 // 8 + 4 * H * D * 4 + 32 * H * D * 4 + 8
+        == (96 + 100) * H * D * 5 // 8 + 4 * H * D * 4 + cache.rollback_bytes()
+    )
 
 
 def test_config_round_trip_and_options():
@@ -120,7 +123,7 @@ def test_attention_close_to_exact(rng):
     k, v, q = random_kvq(rng, np, 1, H, 2, 200, D)
     cache.prefill(0, k, v, q)
     k1, v1, q1 = random_kvq(rng, np, 1, H, 2, 1, D)
-    scale = D ** -0.5
+    scale = D**-0.5
     got = attend(cache.decode(0, k1, v1, q1, arraykv.AttendConfig(scale, 2)), q1, scale)
     want = arraykv.attention(q1, np.concatenate([k, k1], 2), np.concatenate([v, v1], 2), softmax_scale=scale)
     assert rel_mse(got, want) < 1e-3
@@ -128,13 +131,14 @@ def test_attention_close_to_exact(rng):
 
 # -- int2: KIVI-2 with a float16 residual ---------------------------------------------------
 
+
 def test_int2_layout_schedule_and_memory(rng):
     """Keys gather in float16 until 32 are held, then become one 2-bit group; the last 32 values slide."""
     cache = make("int2")
     assert cache.residual_window == 32 and cache.get_config()["residual_window"] == 32
     k, v, q = random_kvq(rng, np, 1, H, 1, 45, D)
     cache.prefill(0, k, v, q)
-    cfg = arraykv.AttendConfig(D ** -0.5, 1)
+    cfg = arraykv.AttendConfig(D**-0.5, 1)
     ks, vs = [k], [v]
     for n in range(46, 46 + 40):
         k1, v1, q1 = random_kvq(rng, np, 1, H, 1, 1, D)
@@ -157,7 +161,7 @@ def test_int2_layout_schedule_and_memory(rng):
     r = cache.dequantize(0)
     assert r.k.dtype == np.float32 and r.k.shape == (1, H, n, D)
     np.testing.assert_array_equal(r.k[:, :, 64:], k[:, :, 64:].astype(np.float16))  # the key residual
-    np.testing.assert_array_equal(r.v[:, :, n - 32:], v[:, :, n - 32:].astype(np.float16))  # the value window
+    np.testing.assert_array_equal(r.v[:, :, n - 32 :], v[:, :, n - 32 :].astype(np.float16))  # the value window
     assert rel_mse(r.k[:, :, :64], k[:, :, :64]) < 0.25 and rel_mse(r.v[:, :, :53], v[:, :, :53]) < 0.25
 
 
@@ -168,9 +172,9 @@ def test_int2_what_is_stored_does_not_depend_on_the_calls(rng):
     whole.prefill(0, k, v, q)
     for a, b in ((0, 30), (30, 31), (31, 64), (64, 77)):
         pieces.append(0, k[:, :, a:b], v[:, :, a:b], q[:, :, a:b])
-    cfg = arraykv.AttendConfig(D ** -0.5, 2)
+    cfg = arraykv.AttendConfig(D**-0.5, 2)
     for t in range(77):
-        tokens.decode(0, k[:, :, t:t + 1], v[:, :, t:t + 1], q[:, :, t:t + 1], cfg)
+        tokens.decode(0, k[:, :, t : t + 1], v[:, :, t : t + 1], q[:, :, t : t + 1], cfg)
     for other in (pieces, tokens):
         a, b = whole.layer_arrays(0), other.layer_arrays(0)
         assert a.keys() == b.keys()

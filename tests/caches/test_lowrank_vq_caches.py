@@ -22,7 +22,7 @@ def make(method, **kw):
 
 def rel_err(got, want):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(((got - want) ** 2).sum() / (want ** 2).sum())
+    return float(((got - want) ** 2).sum() / (want**2).sum())
 
 
 def low_rank_data(rng, b, t, rank=6, noise=0.05):
@@ -63,7 +63,7 @@ def test_lowrank_before_its_fit_keeps_float16_then_encodes_everything(rng):
     cache.prefill(0, k, v, q)
     assert not cache.is_fitted(0)
     np.testing.assert_array_equal(to_np(cache.dequantize(0).k), k.astype(np.float16).astype(np.float32))
-    cfg = arraykv.AttendConfig(D ** -0.5)
+    cfg = arraykv.AttendConfig(D**-0.5)
     ks = [k]
     for _ in range(12):  # decodes reach 32 vectors: the layer fits on all 32 and encodes them
         k1, v1, q1 = random_kvq(rng, np, 1, H, 1, 1, D)
@@ -82,7 +82,7 @@ def test_lowrank_window_and_sinks_stay_float16(rng):
     cache = make("lowrank", rank=4, residual_window=5, sink_tokens=3)
     k, v, q = random_kvq(rng, np, 1, H, 1, 64, D)
     cache.prefill(0, k, v, q)
-    cfg = arraykv.AttendConfig(D ** -0.5)
+    cfg = arraykv.AttendConfig(D**-0.5)
     ks = [k]
     for _ in range(7):
         k1, v1, q1 = random_kvq(rng, np, 1, H, 1, 1, D)
@@ -157,12 +157,12 @@ def test_vq_given_codebooks_and_decode_attention(rng):
     cache.prefill(1, k, v, q)
     assert cache.is_fitted(0) and not cache.is_fitted(1)
     k1, v1, q1 = random_kvq(rng, np, 1, H, 2, 1, D)
-    cfg = arraykv.AttendConfig(D ** -0.5, 2)
+    cfg = arraykv.AttendConfig(D**-0.5, 2)
     out = cache.decode(0, k1, v1, q1, cfg)
     assert isinstance(out, (arraykv.Fused, arraykv.Dequantized))
     ck, cv = comp.decompress_kv(comp.compress_kv(np.concatenate([k, k1], 2), np.concatenate([v, v1], 2)))
-    want = arraykv.attention(q1, ck, cv, softmax_scale=D ** -0.5)
-    np.testing.assert_allclose(to_np(attend(out, q1, D ** -0.5)), want, rtol=1e-4, atol=1e-5)
+    want = arraykv.attention(q1, ck, cv, softmax_scale=D**-0.5)
+    np.testing.assert_allclose(to_np(attend(out, q1, D**-0.5)), want, rtol=1e-4, atol=1e-5)
 
 
 def test_vq_save_load_continues_exactly(tmp_path, rng):
@@ -173,11 +173,11 @@ def test_vq_save_load_continues_exactly(tmp_path, rng):
     cache.save(path)
     loaded = arraykv.load(path)
     assert_same_snapshot(snapshot(cache), snapshot(loaded))
-    cfg = arraykv.AttendConfig(D ** -0.5)
+    cfg = arraykv.AttendConfig(D**-0.5)
     for _ in range(3):
         k1, v1, q1 = random_kvq(rng, np, 2, H, 1, 1, D)
         a, b = cache.decode(0, k1, v1, q1, cfg), loaded.decode(0, k1, v1, q1, cfg)
-        np.testing.assert_array_equal(to_np(attend(a, q1, D ** -0.5)), to_np(attend(b, q1, D ** -0.5)))
+        np.testing.assert_array_equal(to_np(attend(a, q1, D**-0.5)), to_np(attend(b, q1, D**-0.5)))
     assert_same_snapshot(snapshot(cache), snapshot(loaded))
 
 
@@ -192,13 +192,13 @@ def test_fused_decode_is_attention_over_the_dequantized_layer(xp, rng, method, b
     cache = make(method, **opts)
     k, v, q = random_kvq(rng, xp, b, H, g, prefill, D)
     cache.prefill(0, k, v, q)
-    cfg = arraykv.AttendConfig(D ** -0.5, g)
+    cfg = arraykv.AttendConfig(D**-0.5, g)
     for _ in range(4):
         k1, v1, q1 = random_kvq(rng, xp, b, H, g, 1, D)
         out = cache.decode(0, k1, v1, q1, cfg)
         assert isinstance(out, arraykv.Fused) and out.output.shape == (b, H * g, 1, D)
         r = cache.dequantize(0)
-        want = to_np(arraykv.attention(q1, r.k, r.v, softmax_scale=D ** -0.5))
+        want = to_np(arraykv.attention(q1, r.k, r.v, softmax_scale=D**-0.5))
         np.testing.assert_allclose(to_np(out.output), want, rtol=1e-4, atol=2e-5)
     assert cache.is_fitted(0) == (b * prefill >= cache.min_calibration)
 
@@ -213,11 +213,11 @@ def test_energy_rank_differs_for_keys_and_values_and_decode_still_matches(rng):
     cache.prefill(0, k, v, k)
     a = cache.layer_arrays(0)
     assert a["k_coef"].shape[-1] == 3 and a["v_coef"].shape[-1] > 20
-    cfg = arraykv.AttendConfig(D ** -0.5, 2)
+    cfg = arraykv.AttendConfig(D**-0.5, 2)
     k1, v1, q1 = random_kvq(rng, np, 1, H, 2, 1, D)
     out = cache.decode(0, k1, v1, q1, cfg)
     r = cache.dequantize(0)
-    want = arraykv.attention(q1, r.k, r.v, softmax_scale=D ** -0.5)
+    want = arraykv.attention(q1, r.k, r.v, softmax_scale=D**-0.5)
     np.testing.assert_allclose(out.output, want, rtol=1e-4, atol=2e-5)
 
 
@@ -225,14 +225,14 @@ def test_energy_rank_differs_for_keys_and_values_and_decode_still_matches(rng):
 def test_decode_paths(rng, method):
     k, v, q = random_kvq(rng, np, 1, H, 2, 80, D)
     k1, v1, q1 = random_kvq(rng, np, 1, H, 2, 1, D)
-    cfg = arraykv.AttendConfig(D ** -0.5, 2)
+    cfg = arraykv.AttendConfig(D**-0.5, 2)
     outs = {}
     for path in ("auto", "fused", "dequantized"):
         cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=H, head_dim=D, decode_path=path)
         assert cache.get_config()["decode_path"] == path
         cache.prefill(0, k, v, q)
         out = cache.decode(0, k1, v1, q1, cfg)
-        outs[path] = to_np(attend(out, q1, D ** -0.5))
+        outs[path] = to_np(attend(out, q1, D**-0.5))
         if path == "dequantized":
             assert isinstance(out, arraykv.Dequantized)
         elif path == "fused" or method == "lowrank":
@@ -256,23 +256,26 @@ def test_defaults_keep_a_window_and_sinks(rng):
 
 
 # -- bad input ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("method,opts,err", [
-    ("lowrank", dict(rank=0), ValueError),
-    ("lowrank", dict(rank=D + 1), ValueError),
-    ("lowrank", dict(rank=4, energy=0.9), ValueError),
-    ("lowrank", dict(coeff_dtype="int8"), ValueError),
-    ("lowrank", dict(min_calibration=1), ValueError),
-    ("lowrank", dict(residual_window=-1), ValueError),
-    ("lowrank", dict(calibration="basis"), TypeError),
-    ("lowrank", dict(calibration=[None]), ValueError),
-    ("lowrank", dict(calibration=KVCacheCompressor(LowRank(rank=2))), ValueError),  # not fitted
-    ("lowrank", dict(calibration=KVCacheCompressor(VectorQuantization(codebook_size=4))), TypeError),
-    ("vq", dict(codebook_size=1), ValueError),
-    ("vq", dict(codebook_size=65537), ValueError),
-    ("vq", dict(sub_dim=5), ValueError),
-    ("vq", dict(codebook_size=64, min_calibration=32), ValueError),
-    ("vq", dict(sink_tokens=-2), ValueError),
-])
+@pytest.mark.parametrize(
+    "method,opts,err",
+    [
+        ("lowrank", dict(rank=0), ValueError),
+        ("lowrank", dict(rank=D + 1), ValueError),
+        ("lowrank", dict(rank=4, energy=0.9), ValueError),
+        ("lowrank", dict(coeff_dtype="int8"), ValueError),
+        ("lowrank", dict(min_calibration=1), ValueError),
+        ("lowrank", dict(residual_window=-1), ValueError),
+        ("lowrank", dict(calibration="basis"), TypeError),
+        ("lowrank", dict(calibration=[None]), ValueError),
+        ("lowrank", dict(calibration=KVCacheCompressor(LowRank(rank=2))), ValueError),  # not fitted
+        ("lowrank", dict(calibration=KVCacheCompressor(VectorQuantization(codebook_size=4))), TypeError),
+        ("vq", dict(codebook_size=1), ValueError),
+        ("vq", dict(codebook_size=65537), ValueError),
+        ("vq", dict(sub_dim=5), ValueError),
+        ("vq", dict(codebook_size=64, min_calibration=32), ValueError),
+        ("vq", dict(sink_tokens=-2), ValueError),
+    ],
+)
 def test_bad_options_are_refused(method, opts, err):
     with pytest.raises(err):
         make(method, **opts)
@@ -298,7 +301,7 @@ def test_a_rejected_decode_changes_nothing(method, rng):
     k1, v1, q1 = random_kvq(rng, np, 1, H, 1, 1, D)
     k1[0, 0, 0, 5] = np.nan
     with pytest.raises(ValueError):
-        cache.decode(0, k1, v1, q1, arraykv.AttendConfig(D ** -0.5))
+        cache.decode(0, k1, v1, q1, arraykv.AttendConfig(D**-0.5))
     assert_same_snapshot(before, snapshot(cache))
 
 
@@ -309,8 +312,9 @@ def test_vq_fits_a_long_prefill_on_an_even_subsample(rng):
     cache.prefill(0, k, v, q)
     idx = np.round(np.linspace(0, 299, 20)).astype(np.int64)  # 40 vectors per head over batch 2
     comp = KVCacheCompressor(VectorQuantization(codebook_size=4, sub_dim=2, seed=1)).fit(k[:, :, idx], v[:, :, idx])
-    np.testing.assert_allclose(to_np(cache.layer_arrays(0)["k_centroids"]), comp._fit["k"].centroids, rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        to_np(cache.layer_arrays(0)["k_centroids"]), comp._fit["k"].centroids, rtol=1e-5, atol=1e-6
+    )
     assert cache.layer_arrays(0)["k_codes"].shape[2] == 300  # every token is still encoded
     default = arraykv.make_cache("vq", num_layers=1, num_kv_heads=H, head_dim=D, codebook_size=16)
     assert default.max_calibration == 1024
@@ -318,8 +322,10 @@ def test_vq_fits_a_long_prefill_on_an_even_subsample(rng):
         make("vq", codebook_size=4, min_calibration=16, max_calibration=8)
 
 
-@pytest.mark.parametrize("method, head_dim", [("lowrank", 16), ("lowrank", 48), ("vq", 16), ("vq", 24),
-                                              ("pqo4", 24), ("tq3", 24), ("pq2", 48)])
+@pytest.mark.parametrize(
+    "method, head_dim",
+    [("lowrank", 16), ("lowrank", 48), ("vq", 16), ("vq", 24), ("pqo4", 24), ("tq3", 24), ("pq2", 48)],
+)
 def test_a_tokens_codes_do_not_depend_on_the_call_that_brought_it(rng, method, head_dim):
     """The same tokens stored in one call or one by one give the same bits (truncation promises
     the state of a direct build, whatever call a cut falls in): lowrank's projection, vq's
@@ -335,7 +341,7 @@ def test_a_tokens_codes_do_not_depend_on_the_call_that_brought_it(rng, method, h
     many.prefill(0, k[:, :, :260], v[:, :, :260], q[:, :, :260])
     one.prefill(0, k[:, :, 260:], v[:, :, 260:], q[:, :, 260:])
     for t in range(260, 300):
-        many.prefill(0, k[:, :, t:t + 1], v[:, :, t:t + 1], q[:, :, t:t + 1])
+        many.prefill(0, k[:, :, t : t + 1], v[:, :, t : t + 1], q[:, :, t : t + 1])
     a, b = one.layer_arrays(0), many.layer_arrays(0)
     assert sorted(a) == sorted(b)
     for name in a:

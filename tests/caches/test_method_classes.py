@@ -23,9 +23,12 @@ def _fill(cache, seed=0):
 
 @pytest.mark.parametrize("method", arraykv.available_methods(generic=True))
 def test_make_cache_of_get_config_rebuilds_the_same_class(method):
-    opts = {"polar": dict(key_bits=3, value_bits=2), "int": dict(bits=4), "window": dict(window=8),
-            "hybrid": dict(layer_types=["sliding_attention", "full_attention"], window=8, full_method="pqo4")
-            }.get(method, {})
+    opts = {
+        "polar": dict(key_bits=3, value_bits=2),
+        "int": dict(bits=4),
+        "window": dict(window=8),
+        "hybrid": dict(layer_types=["sliding_attention", "full_attention"], window=8, full_method="pqo4"),
+    }.get(method, {})
     cache = arraykv.make_cache(method, **GEOM, **opts)
     cfg = cache.get_config()
     assert cfg["method"] == method == type(cache).method
@@ -33,13 +36,17 @@ def test_make_cache_of_get_config_rebuilds_the_same_class(method):
     assert type(again) is type(cache) and again.get_config() == cfg
 
 
-@pytest.mark.parametrize("build", [
-    lambda: PolarCache(**GEOM, key_bits=3, value_bits=2, qjl=True),
-    lambda: Pqo3Cache(**GEOM),
-    lambda: Tq4Cache(**GEOM, residual_window=8),
-    lambda: IntQuantCache(**GEOM, bits=2),
-    lambda: Int4Cache(**GEOM),
-], ids=["PolarCache", "Pqo3Cache", "Tq4Cache", "IntQuantCache", "Int4Cache"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: PolarCache(**GEOM, key_bits=3, value_bits=2, qjl=True),
+        lambda: Pqo3Cache(**GEOM),
+        lambda: Tq4Cache(**GEOM, residual_window=8),
+        lambda: IntQuantCache(**GEOM, bits=2),
+        lambda: Int4Cache(**GEOM),
+    ],
+    ids=["PolarCache", "Pqo3Cache", "Tq4Cache", "IntQuantCache", "Int4Cache"],
+)
 def test_a_cache_built_directly_saves_and_loads(tmp_path, build):
     cache = _fill(build())
     path = tmp_path / "c.akv"
@@ -55,8 +62,10 @@ def test_presets_fix_what_their_name_says():
         Tq4Cache(**GEOM, qjl=False)
     with pytest.raises(TypeError, match="does not take"):
         arraykv.make_cache("int4", **GEOM, bits=8)
-    assert "qjl" not in Tq4Cache(**GEOM).get_config() and "qjl" in PolarCache(**GEOM, key_bits=2,
-                                                                                  value_bits=2).get_config()
+    assert (
+        "qjl" not in Tq4Cache(**GEOM).get_config()
+        and "qjl" in PolarCache(**GEOM, key_bits=2, value_bits=2).get_config()
+    )
 
 
 def test_generic_families_are_listed_apart():
@@ -79,11 +88,13 @@ def test_built_in_methods_are_imported_when_first_made_not_when_listed():
     import subprocess
     import sys
 
-    code = ("import sys, arraykv\n"
-            "arraykv.available_methods(generic=True)\n"
-            "assert 'arraykv.caches.vq' not in sys.modules and 'arraykv.caches.intq' not in sys.modules\n"
-            "arraykv.make_cache('int4', num_layers=1, num_kv_heads=1, head_dim=8)\n"
-            "assert 'arraykv.caches.intq' in sys.modules and 'arraykv.caches.vq' not in sys.modules\n")
+    code = (
+        "import sys, arraykv\n"
+        "arraykv.available_methods(generic=True)\n"
+        "assert 'arraykv.caches.vq' not in sys.modules and 'arraykv.caches.intq' not in sys.modules\n"
+        "arraykv.make_cache('int4', num_layers=1, num_kv_heads=1, head_dim=8)\n"
+        "assert 'arraykv.caches.intq' in sys.modules and 'arraykv.caches.vq' not in sys.modules\n"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
 

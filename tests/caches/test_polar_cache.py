@@ -93,7 +93,7 @@ def test_tq_bias_corrects_logits_without_bias(rng):
     # key weights off: they would tune the MSE part to this one query and hide its bias
     c = make("tq3", head_dim=d, num_kv_heads=1, residual_window=0, softmax_scale=1.0, key_scale=False)
     k = rng.standard_normal((1, 1, 4000, d)).astype(np.float32)
-    q = (k[:, :, :1] + rng.standard_normal((1, 1, 1, d)).astype(np.float32))
+    q = k[:, :, :1] + rng.standard_normal((1, 1, 1, d)).astype(np.float32)
     c.prefill(0, k[:, :, :1], k[:, :, :1], q)
     r = c.prefill(0, k[:, :, 1:], k[:, :, 1:], np.repeat(q, 3999, axis=2))
     est = (np.asarray(r.k[0, 0], float) @ q[0, 0, 0]) + np.asarray(r.logit_bias[0, 0, 0], float)
@@ -139,8 +139,9 @@ def test_outlier_key_channels_are_protected(rng, bits, floor):
         c.prefill(0, k, v, q)
         r = c.dequantize(0)
         qq = q[:, :, -32:]
-        got[name] = cos(arraykv.attention(qq, r.k, r.v, softmax_scale=scale),
-                        arraykv.attention(qq, k, v, softmax_scale=scale))
+        got[name] = cos(
+            arraykv.attention(qq, r.k, r.v, softmax_scale=scale), arraykv.attention(qq, k, v, softmax_scale=scale)
+        )
     assert got["default"] >= floor
     assert got["rotation only"] < got["default"] - 0.02
     st = c.layer_codec_state(0)
@@ -154,7 +155,7 @@ def _profiled(rng, profile, shape):
 def test_key_weights_follow_query_and_key_energy(rng):
     """``k_scale = sqrt(rms_q / rms_k)`` per channel, mean square 1; ones for silent queries."""
     b, h, g, d, t = 1, 2, 3, 64, 200
-    a = np.exp(np.linspace(-1.0, 1.0, d))          # key channel RMS
+    a = np.exp(np.linspace(-1.0, 1.0, d))  # key channel RMS
     p = np.exp(np.linspace(1.0, -1.0, d))[::-1] ** 2  # query channel RMS
     k = _profiled(rng, a, (b, h, t, d))
     q = _profiled(rng, p, (b, h * g, t, d))
@@ -164,7 +165,7 @@ def test_key_weights_follow_query_and_key_energy(rng):
     rq = np.sqrt(np.mean(q.reshape(b, h, g * t, d).astype(np.float64) ** 2, axis=2))
     rk = np.sqrt(np.mean(k.astype(np.float64) ** 2, axis=2))
     want = np.sqrt(rq / rk)
-    want /= np.sqrt(np.mean(want ** 2, axis=-1, keepdims=True))
+    want /= np.sqrt(np.mean(want**2, axis=-1, keepdims=True))
     np.testing.assert_allclose(s, np.clip(want, 1 / 16, 16), rtol=2e-3)
     # queries that carry nothing (an ONNX graph passes zeros): no weighting
     c = make("pqo4", head_dim=d, residual_window=0, sink_tokens=0)
@@ -233,7 +234,7 @@ def test_codec_state_decodes_as_documented(rng):
             kd[bb, hh][:, s.k_outlier_idx[bb, hh]] = s.k_outliers[bb, hh].astype(float)
     kd = kd / s.k_scale.astype(float)[:, :, None, :] + s.k_mean.astype(float)[:, :, None, :]
     kw = s.k_window.astype(float)
-    kd = np.concatenate([kw[:, :, :s.n_sink], kd, kw[:, :, s.n_sink:]], axis=2)
+    kd = np.concatenate([kw[:, :, : s.n_sink], kd, kw[:, :, s.n_sink :]], axis=2)
     np.testing.assert_allclose(kd, c.dequantize(0).k, rtol=1e-4, atol=1e-4)
     assert s.k_qjl.shape == (2, 2, 33, d // 8) and s.n_sink == 4 and s.k_qjl_norms.dtype == np.float16
     assert np.median(np.abs(s.k_mean.astype(float) - 3.0)) < 0.5  # the offset was found and removed
@@ -282,22 +283,25 @@ def test_head_dim_sizes(rng):
         assert cos(c.dequantize(0).k, k) > 0.97
 
 
-@pytest.mark.parametrize("opts,exc,match", [
-    ({"key_bits": 9}, ValueError, "key_bits"),
-    ({"value_bits": 0}, ValueError, "value_bits"),
-    ({"key_bits": 2.5}, TypeError, "key_bits"),
-    ({"head_dim": 2}, ValueError, "head_dim"),
-    ({"head_dim": 1500}, ValueError, "power of two"),
-    ({"residual_window": -1}, ValueError, "residual_window"),
-    ({"outliers": "many"}, ValueError, "outliers"),
-    ({"outliers": 32}, ValueError, "outliers"),
-    ({"center": "yes"}, ValueError, "center"),
-    ({"outlier_threshold": 0.5}, ValueError, "outlier_threshold"),
-    ({"softmax_scale": -1.0}, ValueError, "softmax_scale"),
-    ({"seed": -3}, ValueError, "seed"),
-    ({"key_scale": "yes"}, TypeError, "key_scale"),
-    ({"sink_tokens": -1}, ValueError, "sink_tokens"),
-])
+@pytest.mark.parametrize(
+    "opts,exc,match",
+    [
+        ({"key_bits": 9}, ValueError, "key_bits"),
+        ({"value_bits": 0}, ValueError, "value_bits"),
+        ({"key_bits": 2.5}, TypeError, "key_bits"),
+        ({"head_dim": 2}, ValueError, "head_dim"),
+        ({"head_dim": 1500}, ValueError, "power of two"),
+        ({"residual_window": -1}, ValueError, "residual_window"),
+        ({"outliers": "many"}, ValueError, "outliers"),
+        ({"outliers": 32}, ValueError, "outliers"),
+        ({"center": "yes"}, ValueError, "center"),
+        ({"outlier_threshold": 0.5}, ValueError, "outlier_threshold"),
+        ({"softmax_scale": -1.0}, ValueError, "softmax_scale"),
+        ({"seed": -3}, ValueError, "seed"),
+        ({"key_scale": "yes"}, TypeError, "key_scale"),
+        ({"sink_tokens": -1}, ValueError, "sink_tokens"),
+    ],
+)
 def test_bad_options(opts, exc, match):
     with pytest.raises(exc, match=match):
         make("pqo3", **opts)

@@ -17,8 +17,12 @@ SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[Healt
 
 
 @SETTINGS
-@given(bits=st.integers(1, 8), lead=st.lists(st.integers(1, 4), max_size=2), n=st.integers(0, 70),
-       seed=st.integers(0, 2**31))
+@given(
+    bits=st.integers(1, 8),
+    lead=st.lists(st.integers(1, 4), max_size=2),
+    n=st.integers(0, 70),
+    seed=st.integers(0, 2**31),
+)
 def test_bitpack_round_trip(bits, lead, n, seed):
     codes = np.random.default_rng(seed).integers(0, 2**bits, size=tuple(lead) + (n,), dtype=np.uint8)
     packed = pack_bits(codes, bits)
@@ -27,15 +31,27 @@ def test_bitpack_round_trip(bits, lead, n, seed):
 
 
 @SETTINGS
-@given(b=st.integers(1, 2), hkv=st.integers(1, 3), g=st.integers(1, 3), t=st.integers(1, 4), extra=st.integers(0, 6),
-       d=st.integers(1, 9), causal=st.booleans(), seed=st.integers(0, 2**31))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 3),
+    g=st.integers(1, 3),
+    t=st.integers(1, 4),
+    extra=st.integers(0, 6),
+    d=st.integers(1, 9),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
 def test_attention_matches_loops(b, hkv, g, t, extra, d, causal, seed):
     rng = np.random.default_rng(seed)
     s = t + extra
     q = rng.standard_normal((b, hkv * g, t, d))
     k, v = rng.standard_normal((b, hkv, s, d)), rng.standard_normal((b, hkv, s, d))
-    np.testing.assert_allclose(arraykv.attention(q, k, v, softmax_scale=0.7, causal=causal),
-                               attention_loops(q, k, v, 0.7, causal=causal), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(
+        arraykv.attention(q, k, v, softmax_scale=0.7, causal=causal),
+        attention_loops(q, k, v, 0.7, causal=causal),
+        rtol=1e-9,
+        atol=1e-12,
+    )
 
 
 @SETTINGS
@@ -57,10 +73,15 @@ def test_token_buffers_equal_concatenation(chunks, tail):
 
 @pytest.mark.parametrize("method", BUILTIN_METHODS)
 @SETTINGS
-@given(head_dim=st.sampled_from([8, 16, 24, 32, 40, 48, 64, 96, 128]), kv_heads=st.integers(1, 3),
-       groups=st.integers(1, 3),
-       batch=st.integers(1, 3), dtype=st.sampled_from(["float16", "float32"]),
-       steps=st.lists(st.integers(1, 20), min_size=1, max_size=6), seed=st.integers(0, 2**31))
+@given(
+    head_dim=st.sampled_from([8, 16, 24, 32, 40, 48, 64, 96, 128]),
+    kv_heads=st.integers(1, 3),
+    groups=st.integers(1, 3),
+    batch=st.integers(1, 3),
+    dtype=st.sampled_from(["float16", "float32"]),
+    steps=st.lists(st.integers(1, 20), min_size=1, max_size=6),
+    seed=st.integers(0, 2**31),
+)
 @example(head_dim=48, kv_heads=1, groups=3, batch=1, dtype="float16", steps=[20, 18], seed=0)
 @example(head_dim=96, kv_heads=1, groups=1, batch=1, dtype="float16", steps=[14, 19], seed=0)
 def test_random_geometry_works_or_is_refused_clearly(method, head_dim, kv_heads, groups, batch, dtype, steps, seed):

@@ -35,8 +35,8 @@ def test_slide_equals_concatenation(rng, head):
         drop = int(rng.integers(0, 3)) if int(ref_k.shape[2]) >= head + 2 else 0
         t = int(rng.integers(0, 3))
         nk = rng.standard_normal((1, 2, t, 3)).astype(np.float16)
-        ref_k = np.concatenate([ref_k[:, :, :head], ref_k[:, :, head + drop:], nk], axis=2)
-        ref_v = np.concatenate([ref_v[:, :, :head], ref_v[:, :, head + drop:], nk - 1], axis=2)
+        ref_k = np.concatenate([ref_k[:, :, :head], ref_k[:, :, head + drop :], nk], axis=2)
+        ref_v = np.concatenate([ref_v[:, :, :head], ref_v[:, :, head + drop :], nk - 1], axis=2)
         got_k, got_v = rows.slide(head, drop, nk, nk - 1)
         assert rows.holds(got_k) and not rows.holds(ref_k)
         np.testing.assert_array_equal(got_k, ref_k)
@@ -84,14 +84,17 @@ def _same(a, b):
     assert a.rollback_bytes() == b.rollback_bytes()
 
 
-@pytest.mark.parametrize("method,options", [
-    ("pqo4", {}),
-    ("pqo2", {"residual_window": 3, "sink_tokens": 0, "rollback_tokens": 2}),
-    ("tq3", {"residual_window": 5, "sink_tokens": 2, "rollback_tokens": 0}),
-    ("pqo3", {"residual_window": 1, "sink_tokens": 1, "rollback_tokens": 7}),
-    ("pqo4", {"outliers": 2, "residual_window": 4}),
-    ("tq3", {"outliers": 1, "residual_window": 2, "sink_tokens": 3}),
-])
+@pytest.mark.parametrize(
+    "method,options",
+    [
+        ("pqo4", {}),
+        ("pqo2", {"residual_window": 3, "sink_tokens": 0, "rollback_tokens": 2}),
+        ("tq3", {"residual_window": 5, "sink_tokens": 2, "rollback_tokens": 0}),
+        ("pqo3", {"residual_window": 1, "sink_tokens": 1, "rollback_tokens": 7}),
+        ("pqo4", {"outliers": 2, "residual_window": 4}),
+        ("tq3", {"outliers": 1, "residual_window": 2, "sink_tokens": 3}),
+    ],
+)
 @pytest.mark.parametrize("kernels", [True, False])
 def test_in_place_store_holds_and_answers_what_concatenation_does(rng, method, options, kernels):
     """With kernels on, the step is one compiled op; off, its array-API reference: either way the
@@ -153,12 +156,15 @@ def _in_place_equals_concatenation(rng, method, options, first=40):
     _same(twin, slow)
 
 
-@pytest.mark.parametrize("method,options", [
-    ("lowrank", {"rank": 4, "min_calibration": 16}),
-    ("lowrank", {"rank": 6, "min_calibration": 16, "residual_window": 3, "sink_tokens": 0, "rollback_tokens": 2}),
-    ("vq", {"codebook_size": 16, "sub_dim": 4, "min_calibration": 16, "residual_window": 5, "sink_tokens": 2}),
-    ("vq", {"codebook_size": 8, "sub_dim": 2, "min_calibration": 16, "residual_window": 1, "rollback_tokens": 7}),
-])
+@pytest.mark.parametrize(
+    "method,options",
+    [
+        ("lowrank", {"rank": 4, "min_calibration": 16}),
+        ("lowrank", {"rank": 6, "min_calibration": 16, "residual_window": 3, "sink_tokens": 0, "rollback_tokens": 2}),
+        ("vq", {"codebook_size": 16, "sub_dim": 4, "min_calibration": 16, "residual_window": 5, "sink_tokens": 2}),
+        ("vq", {"codebook_size": 8, "sub_dim": 2, "min_calibration": 16, "residual_window": 1, "rollback_tokens": 7}),
+    ],
+)
 def test_fitted_caches_slide_what_concatenation_builds(rng, method, options):
     """lowrank and vq: every store without a new sink slides in place (the general store)."""
     _in_place_equals_concatenation(rng, method, options)

@@ -82,8 +82,11 @@ def _outputs(cache, r, steps):
     out = []
     for _ in range(steps):
         res = cache.decode(0, *_kvq(r, 1), cfg)
-        out.append(np.asarray(res.output) if isinstance(res, arraykv.Fused)
-                   else np.concatenate([np.asarray(res.result.k), np.asarray(res.result.v)], axis=2))
+        out.append(
+            np.asarray(res.output)
+            if isinstance(res, arraykv.Fused)
+            else np.concatenate([np.asarray(res.result.k), np.asarray(res.result.v)], axis=2)
+        )
     return out
 
 
@@ -106,6 +109,7 @@ def test_a_failure_after_the_store_is_taken_back(method, call, tokens, monkeypat
 
     def fail(*a, **k):
         raise MemoryError("injected after the store")
+
     # (a window layer's prefill decodes its held rows before it stores: a failure there changes nothing)
     for name in ("_decoded", "_attend", "_result", "_window_codec") + (("_decode_rows",) if call == "prefill" else ()):
         if hasattr(type(cache), name):

@@ -31,8 +31,10 @@ ROLLBACK = ("k_rollback", "v_rollback")
 #: and margins (label "method/variant") so that the short sequences drawn here cut through
 #: encoded tokens, key groups and rollback copies often.
 METHODS = {
-    **{m: ("m", {}) for m in ("dense", "pq2", "pq3", "pq4", "pqo2", "pqo3", "pqo4", "tq2", "tq3", "tq4", "int2",
-                             "int4", "int8")},
+    **{
+        m: ("m", {})
+        for m in ("dense", "pq2", "pq3", "pq4", "pqo2", "pqo3", "pqo4", "tq2", "tq3", "tq4", "int2", "int4", "int8")
+    },
     "int": ("int", {"bits": 4, "group_size": 8, "residual_window": 16}),
     "polar": ("polar", {"key_bits": 3, "value_bits": 2, "residual_window": 6, "sink_tokens": 2, "rollback_tokens": 5}),
     "lowrank": ("lowrank", {"rank": 4}),
@@ -42,8 +44,18 @@ METHODS = {
     "int2/small": ("int2", {"group_size": 4, "residual_window": 8, "rollback_tokens": 5}),
     "int8/small": ("int8", {"group_size": 4, "rollback_tokens": 7}),
     "lowrank/small": ("lowrank", {"rank": 4, "residual_window": 2, "sink_tokens": 1, "rollback_tokens": 6}),
-    "vq/small": ("vq", {"codebook_size": 4, "sub_dim": 4, "min_calibration": 16, "max_iter": 5,
-                        "residual_window": 1, "sink_tokens": 2, "rollback_tokens": 4}),
+    "vq/small": (
+        "vq",
+        {
+            "codebook_size": 4,
+            "sub_dim": 4,
+            "min_calibration": 16,
+            "max_iter": 5,
+            "residual_window": 1,
+            "sink_tokens": 2,
+            "rollback_tokens": 4,
+        },
+    ),
 }
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,8 +63,9 @@ SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[Healt
 
 def make(label, **extra):
     method, options = METHODS[label]
-    return arraykv.make_cache(label if method == "m" else method, num_layers=LAYERS, num_kv_heads=H, head_dim=D,
-                              **{**options, **extra})
+    return arraykv.make_cache(
+        label if method == "m" else method, num_layers=LAYERS, num_kv_heads=H, head_dim=D, **{**options, **extra}
+    )
 
 
 def tokens(rng, batch, t):
@@ -62,7 +75,7 @@ def tokens(rng, batch, t):
     return k, v, q
 
 
-CFG = arraykv.AttendConfig(D ** -0.5, 1)
+CFG = arraykv.AttendConfig(D**-0.5, 1)
 
 
 def run(cache, layer, call):
@@ -104,7 +117,7 @@ def assert_same(got, want, *, rollback_suffix=True):
         for name in b:
             if name in ROLLBACK and rollback_suffix:  # a suffix: the copies of dropped tokens are gone
                 m = a[name].shape[2]
-                np.testing.assert_array_equal(a[name], b[name][:, :, b[name].shape[2] - m:], err_msg=name)
+                np.testing.assert_array_equal(a[name], b[name][:, :, b[name].shape[2] - m :], err_msg=name)
             else:
                 np.testing.assert_array_equal(a[name], b[name], err_msg=name)
         ra, rb = got.dequantize(i), want.dequantize(i)
@@ -138,9 +151,16 @@ def assert_next_calls_same(got, want, rng, batch):
             np.testing.assert_array_equal(rg.logit_bias, rw.logit_bias)
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["prefill", "append", "decode", "truncate", "truncate_all", "fork"]),
-                         st.integers(0, LAYERS - 1), st.integers(1, 24), st.floats(0.0, 1.0)),
-               min_size=3, max_size=14)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["prefill", "append", "decode", "truncate", "truncate_all", "fork"]),
+        st.integers(0, LAYERS - 1),
+        st.integers(1, 24),
+        st.floats(0.0, 1.0),
+    ),
+    min_size=3,
+    max_size=14,
+)
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -168,14 +188,15 @@ def test_random_interleavings_match_the_direct_build(method, ops, prompt, batch,
             assert twin.seq_len(layer) == cache.seq_len(layer) + 2
             cache, twin = twin, cache
             histories[layer].append(("append", k, v, q))
-            assert_same(twin, replay(method, [cut(h, twin.seq_len(i)) for i, h in enumerate(histories)]),
-                        rollback_suffix=True)
+            assert_same(
+                twin, replay(method, [cut(h, twin.seq_len(i)) for i, h in enumerate(histories)]), rollback_suffix=True
+            )
             continue
         layers = range(LAYERS) if op == "truncate_all" else [layer]
         n = max(cache.seq_len(i) for i in layers)
         lows = [cache.min_truncate_length(i) for i in layers]
         low = max(lows)
-        length = 0 if frac < 0.05 else low + int(frac ** 2 * (n - low))  # mostly deep
+        length = 0 if frac < 0.05 else low + int(frac**2 * (n - low))  # mostly deep
         below = [m for m in range(1, low) if all(cache.can_truncate(i, min(m, cache.seq_len(i))) for i in layers)]
         if below and 0.05 <= frac < 0.35:  # under the floor: back before the calibrating call
             length = below[int((frac - 0.05) / 0.3 * len(below))]
@@ -267,9 +288,18 @@ def test_bad_layers_and_lengths_are_refused_before_anything_changes(method):
     k, v, q = tokens(rng, 1, 30)
     cache.prefill(0, k, v, q)
     before = cache.layer_arrays(0)
-    for layer, length, exc in ((2, 1, ValueError), (-1, 1, ValueError), ("0", 1, TypeError), (0.0, 1, TypeError),
-                               (0, 31, ValueError), (0, -1, ValueError), (0, 3.0, TypeError), (0, "3", TypeError),
-                               (0, True, TypeError), (1, 1, ValueError)):
+    for layer, length, exc in (
+        (2, 1, ValueError),
+        (-1, 1, ValueError),
+        ("0", 1, TypeError),
+        (0.0, 1, TypeError),
+        (0, 31, ValueError),
+        (0, -1, ValueError),
+        (0, 3.0, TypeError),
+        (0, "3", TypeError),
+        (0, True, TypeError),
+        (1, 1, ValueError),
+    ):
         with pytest.raises(exc, match="layer|length"):
             cache.truncate(layer, length)
     for length, exc in ((31, ValueError), (-1, ValueError), (2.5, TypeError), (None, TypeError)):
@@ -292,7 +322,7 @@ def test_truncate_all_is_all_or_none():
     cache.prefill(0, k, v, q)  # layer 0 calibrated on 40 tokens
     cache.prefill(1, k[:, :, :10], v[:, :, :10], q[:, :, :10])
     for t in range(30):
-        cache.append(1, k[:, :, 10 + t:11 + t], v[:, :, 10 + t:11 + t], q[:, :, 10 + t:11 + t])
+        cache.append(1, k[:, :, 10 + t : 11 + t], v[:, :, 10 + t : 11 + t], q[:, :, 10 + t : 11 + t])
     before = [cache.layer_arrays(i) for i in range(LAYERS)]
     with pytest.raises(ValueError, match="layer 0"):
         cache.truncate_all(35)  # layer 1 could; layer 0 cannot: neither changes
@@ -367,10 +397,17 @@ def test_files_from_before_rollback_copies_still_load():
         k, v, q = tokens(rng, 1, 50)
         cache.prefill(0, k, v, q)
         records = cache.snapshot()
-        old = [None if r is None else type(r)(length=r.length, batch=r.batch, dtype=r.dtype,
-                                               arrays={n: a for n, a in r.arrays.items()
-                                                       if n not in ROLLBACK + ("fixed_end",)})
-               for r in records]
+        old = [
+            None
+            if r is None
+            else type(r)(
+                length=r.length,
+                batch=r.batch,
+                dtype=r.dtype,
+                arrays={n: a for n, a in r.arrays.items() if n not in ROLLBACK + ("fixed_end",)},
+            )
+            for r in records
+        ]
         back = make(method)
         back.restore(old)
         np.testing.assert_array_equal(back.dequantize(0).k, cache.dequantize(0).k)
@@ -396,7 +433,7 @@ def test_truncate_and_fork_in_every_namespace(xp, method):
     cache.truncate(0, length)
     direct = make(method)
     direct.prefill(0, *calls[0])
-    for c in calls[1:length - 19]:
+    for c in calls[1 : length - 19]:
         direct.decode(0, *c, CFG)
     a, b = cache.layer_arrays(0), direct.layer_arrays(0)
     assert sorted(a) == sorted(b)

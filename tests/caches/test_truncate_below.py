@@ -32,8 +32,9 @@ from test_truncate import (
 
 import arraykv
 
-CALLS = st.lists(st.tuples(st.sampled_from(["decode", "decode", "append", "prefill"]), st.integers(1, 9)),
-                 min_size=1, max_size=10)
+CALLS = st.lists(
+    st.tuples(st.sampled_from(["decode", "decode", "append", "prefill"]), st.integers(1, 9)), min_size=1, max_size=10
+)
 
 
 def _lengths(cache, layer):
@@ -65,10 +66,17 @@ def _check_reach(cache, layer):
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 @SETTINGS
-@given(prompt=st.integers(1, 30), calls=CALLS, batch=st.integers(1, 2), seed=st.integers(0, 2**31),
-       pick=st.floats(0.0, 1.0), everywhere=st.booleans())
-def test_cuts_below_the_calibrating_call_match_the_direct_build(method, prompt, calls, batch, seed, pick, everywhere,
-                                                                tmp_path_factory):
+@given(
+    prompt=st.integers(1, 30),
+    calls=CALLS,
+    batch=st.integers(1, 2),
+    seed=st.integers(0, 2**31),
+    pick=st.floats(0.0, 1.0),
+    everywhere=st.booleans(),
+)
+def test_cuts_below_the_calibrating_call_match_the_direct_build(
+    method, prompt, calls, batch, seed, pick, everywhere, tmp_path_factory
+):
     rng = np.random.default_rng(seed)
     cache = make(method)
     histories = [[] for _ in range(LAYERS)]
@@ -171,9 +179,17 @@ def test_a_fit_by_a_call_is_undone_but_a_given_or_unrecorded_one_is_not():
     # a file written before the record existed: the fit may have been given, so it stays
     fitted, _ = _short_prompt("lowrank", rng, prompt=10, decodes=20)
     records = fitted.snapshot()
-    old = [None if r is None else type(r)(length=r.length, batch=r.batch, dtype=r.dtype,
-                                           arrays={n: a for n, a in r.arrays.items() if n != "fixed_end"})
-           for r in records]
+    old = [
+        None
+        if r is None
+        else type(r)(
+            length=r.length,
+            batch=r.batch,
+            dtype=r.dtype,
+            arrays={n: a for n, a in r.arrays.items() if n != "fixed_end"},
+        )
+        for r in records
+    ]
     back = make("lowrank")
     back.restore(old)
     for twin in (back, back.fork()):
@@ -185,10 +201,19 @@ def test_a_fit_by_a_call_is_undone_but_a_given_or_unrecorded_one_is_not():
     # either, so its prompt's uncalibrated layer is gone past the sinks
     polar, calls = _short_prompt("pqo4", rng, prompt=10, decodes=20)
     back = make("pqo4")
-    back.restore([None if r is None else type(r)(length=r.length, batch=r.batch, dtype=r.dtype,
-                                                 arrays={n: a for n, a in r.arrays.items()
-                                                         if n not in ROLLBACK + ("fixed_end",)})
-                  for r in polar.snapshot()])
+    back.restore(
+        [
+            None
+            if r is None
+            else type(r)(
+                length=r.length,
+                batch=r.batch,
+                dtype=r.dtype,
+                arrays={n: a for n, a in r.arrays.items() if n not in ROLLBACK + ("fixed_end",)},
+            )
+            for r in polar.snapshot()
+        ]
+    )
     assert _lengths(back, 0) == [0, 1, 2, 3, 4, 30]
     back.truncate(0, 4)
     assert_same(back, replay("pqo4", [cut(calls, 4), []]), rollback_suffix=False)

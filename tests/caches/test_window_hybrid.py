@@ -64,7 +64,7 @@ class Ref:
             return a
         out = a.copy()
         r = min(self.exact_tail, self.length)
-        out[:, :, self.length - r:] = a16[:, :, self.length - r:]
+        out[:, :, self.length - r :] = a16[:, :, self.length - r :]
         return out
 
     @property
@@ -88,8 +88,19 @@ class Ref:
         if self.calib is None:
             self.calib = calibrate(opts, np, k32, v32, q.astype(np.float32), self.length)
         c = self.calib
-        enc = PolarEncoder(c.k_mean, c.v_mean, c.k_scale, c.k_outlier_idx, c.k_mean_freq, c.k_mean_pairs,
-                           fixed.k_codebook, fixed.v_codebook, fixed.rotation, True, True)
+        enc = PolarEncoder(
+            c.k_mean,
+            c.v_mean,
+            c.k_scale,
+            c.k_outlier_idx,
+            c.k_mean_freq,
+            c.k_mean_pairs,
+            fixed.k_codebook,
+            fixed.v_codebook,
+            fixed.rotation,
+            True,
+            True,
+        )
         codes = ops.polar_encode_tokens(k32, v32, enc, self.length)
         kd, vd = decode_tokens(codes, c, fixed, bits, bits, self.length)
         return np.asarray(kd).astype(k.dtype), np.asarray(vd).astype(v.dtype)
@@ -107,8 +118,8 @@ class Ref:
 
     def prefill(self, k, v, q=None):
         """The rows held before the call, as read then, and the new ones (as given for pq)."""
-        held_k = None if self.kd is None else self.k[:, :, self.first:]
-        held_v = None if self.kd is None else self.v[:, :, self.first:]
+        held_k = None if self.kd is None else self.k[:, :, self.first :]
+        held_v = None if self.kd is None else self.v[:, :, self.first :]
         self._push(k, v, q)
         t = int(k.shape[2])
         nk, nv = (k, v) if self.storage in POLAR_STORAGE else (self.kd[:, :, -t:], self.vd[:, :, -t:])
@@ -168,13 +179,21 @@ def kvq(rng, batch, t, groups=1, dtype=np.float32, scale=1.0):
 
 
 def config(groups):
-    return arraykv.AttendConfig(softmax_scale=D ** -0.5, n_kv_groups=groups)
+    return arraykv.AttendConfig(softmax_scale=D**-0.5, n_kv_groups=groups)
 
 
 def window_cache(window, rollback, storage="float16", layers=1, decode_path="dequantized"):
     """A window cache; its decode returns K/V (the fused decode is checked on its own)."""
-    return arraykv.make_cache("window", num_layers=layers, num_kv_heads=H, head_dim=D, window=window,
-                              rollback_tokens=rollback, storage=storage, decode_path=decode_path)
+    return arraykv.make_cache(
+        "window",
+        num_layers=layers,
+        num_kv_heads=H,
+        head_dim=D,
+        window=window,
+        rollback_tokens=rollback,
+        storage=storage,
+        decode_path=decode_path,
+    )
 
 
 def random_ops(rng, keep, n):
@@ -247,14 +266,14 @@ def test_window_matches_reference(rng, window, rollback, batch, groups, storage,
             assert cache.held_tokens(i) == ref.held == min(ref.length, keep)
             d = cache.dequantize(i)
             if ref.length:
-                check_same((to_np(d.k), to_np(d.v)), (ref.k[:, :, ref.first:], ref.v[:, :, ref.first:]))
+                check_same((to_np(d.k), to_np(d.v)), (ref.k[:, :, ref.first :], ref.v[:, :, ref.first :]))
             else:
                 assert d is None
     # reading from a held position gives the tail; an older one is refused
     ref = refs[0]
     if ref.length:
         tail = cache.dequantize(0, ref.length - 1)
-        check_same((to_np(tail.k),), (ref.k[:, :, ref.length - 1:],))
+        check_same((to_np(tail.k),), (ref.k[:, :, ref.length - 1 :],))
         if ref.first:
             with pytest.raises(ValueError, match="start"):
                 cache.dequantize(0, ref.first - 1)
@@ -262,8 +281,14 @@ def test_window_matches_reference(rng, window, rollback, batch, groups, storage,
 
 #: Bytes of one held row of keys (or values) per storage, float32 input: float16, as given,
 #: packed codes plus a float16 length.
-ROW_BYTES = {"float16": 2 * D, "exact": 4 * D, "pq5": 5 * D // 8 + 2, "pq4": D // 2 + 2, "pq3": 3 * D // 8 + 2,
-             "pq2": D // 4 + 2}
+ROW_BYTES = {
+    "float16": 2 * D,
+    "exact": 4 * D,
+    "pq5": 5 * D // 8 + 2,
+    "pq4": D // 2 + 2,
+    "pq3": 3 * D // 8 + 2,
+    "pq2": D // 4 + 2,
+}
 
 
 @pytest.mark.parametrize("storage, row_bytes", [(s, ROW_BYTES[s]) for s in ("float16", "exact", "pq4", "pq3")])
@@ -321,7 +346,6 @@ def test_window_options_refused():
         window_cache(3, -1)
 
 
-
 def test_window_outlier_options_reach_the_codec_and_survive_save_load(rng, tmp_path):
     """``outliers`` / ``max_outliers`` set the pq storage's exact key channels, as for pqo."""
     d, t = 32, 64
@@ -330,8 +354,12 @@ def test_window_outlier_options_reach_the_codec_and_survive_save_load(rng, tmp_p
     v = rng.standard_normal((1, H, t, d)).astype(np.float32)
     q = rng.standard_normal((1, H, t, d)).astype(np.float32)
     counts = {}
-    for name, opts in (("auto", {}), ("capped", {"max_outliers": 1}), ("none", {"outliers": 0}),
-                       ("fixed", {"outliers": 3})):
+    for name, opts in (
+        ("auto", {}),
+        ("capped", {"max_outliers": 1}),
+        ("none", {"outliers": 0}),
+        ("fixed", {"outliers": 3}),
+    ):
         c = arraykv.make_cache("window", num_layers=1, num_kv_heads=H, head_dim=d, window=t, storage="pq4", **opts)
         c.prefill(0, k, v, q)
         counts[name] = c._states[0].calib.n_outliers
@@ -342,15 +370,24 @@ def test_window_outlier_options_reach_the_codec_and_survive_save_load(rng, tmp_p
         np.testing.assert_array_equal(to_np(back.dequantize(0).k), to_np(c.dequantize(0).k))
     assert counts == {"auto": 2, "capped": 1, "none": 0, "fixed": 3}
     with pytest.raises(ValueError, match="max_outliers applies to the pq storages"):
-        window_cache(3, 1, storage="float16").__class__(num_layers=1, num_kv_heads=H, head_dim=D, window=3,
-                                                        max_outliers=2)
+        window_cache(3, 1, storage="float16").__class__(
+            num_layers=1, num_kv_heads=H, head_dim=D, window=3, max_outliers=2
+        )
     with pytest.raises(ValueError, match="outliers"):
         arraykv.make_cache("window", num_layers=1, num_kv_heads=H, head_dim=D, window=3, storage="exact", outliers=1)
 
 
 # -- 2. truncate ------------------------------------------------------------------------------
-TRUNC_CASES = [(1, 0, "float16"), (1, 2, "exact"), (2, 0, "float16"), (3, 2, "exact"), (4, 3, "float16"),
-               (5, 0, "exact"), (3, 2, "pq4"), (2, 1, "pq2")]
+TRUNC_CASES = [
+    (1, 0, "float16"),
+    (1, 2, "exact"),
+    (2, 0, "float16"),
+    (3, 2, "exact"),
+    (4, 3, "float16"),
+    (5, 0, "exact"),
+    (3, 2, "pq4"),
+    (2, 1, "pq2"),
+]
 
 
 def build(rng, window, rollback, storage, ops, batch=1, groups=2):
@@ -535,13 +572,28 @@ def _bad_records(rec, storage):
     }
 
 
-BAD = ["head_dim", "kv_heads", "batch", "3-d", "k and v differ", "too many rows", "more rows than tokens",
-       "too few rows", "no rows", "array dtype", "record dtype", "unknown dtype", "missing v", "too few layers",
-       "too many layers"]
+BAD = [
+    "head_dim",
+    "kv_heads",
+    "batch",
+    "3-d",
+    "k and v differ",
+    "too many rows",
+    "more rows than tokens",
+    "too few rows",
+    "no rows",
+    "array dtype",
+    "record dtype",
+    "unknown dtype",
+    "missing v",
+    "too few layers",
+    "too many layers",
+]
 
 
-@pytest.mark.parametrize("storage, what", [(s, w) for s in ("float16", "exact") for w in BAD
-                                           if (s, w) != ("float16", "record dtype")])  # float16 rows serve any dtype
+@pytest.mark.parametrize(
+    "storage, what", [(s, w) for s in ("float16", "exact") for w in BAD if (s, w) != ("float16", "record dtype")]
+)  # float16 rows serve any dtype
 def test_restore_refuses_bad_records(rng, storage, what):
     cache = window_cache(4, 2, storage, layers=2)
     for layer, t in [(0, 9), (1, 9)]:
@@ -597,8 +649,16 @@ WINDOW, W_ROLLBACK = 3, 2
 
 def hybrid(full_method="dense", layer_types=TYPES, **options):
     options.setdefault("window_options", {"rollback_tokens": W_ROLLBACK, "decode_path": "dequantized"})
-    return arraykv.make_cache("hybrid", num_layers=len(layer_types), num_kv_heads=H, head_dim=D,
-                              layer_types=list(layer_types), window=WINDOW, full_method=full_method, **options)
+    return arraykv.make_cache(
+        "hybrid",
+        num_layers=len(layer_types),
+        num_kv_heads=H,
+        head_dim=D,
+        layer_types=list(layer_types),
+        window=WINDOW,
+        full_method=full_method,
+        **options,
+    )
 
 
 def feed(rng, cache, ops, refs=None, groups=2):
@@ -628,7 +688,7 @@ def test_hybrid_routing_and_memory(rng, full_method):
     # the reference of a full layer keeps everything (keep = infinity), as given
     storage = cache.sliding.storage
     assert storage == arraykv.caches.hybrid.default_window_storage(full_method)
-    refs = [Ref(WINDOW, W_ROLLBACK, storage) if s else Ref(10 ** 9, 0, "exact") for s in (True, False, True, False)]
+    refs = [Ref(WINDOW, W_ROLLBACK, storage) if s else Ref(10**9, 0, "exact") for s in (True, False, True, False)]
     keep = WINDOW + W_ROLLBACK
     feed(rng, cache, [("prefill", 4)], refs)
     first = cache.memory_by_kind()
@@ -667,8 +727,9 @@ def test_hybrid_routing_and_memory(rng, full_method):
 
 def test_hybrid_truncate_all_is_all_or_nothing(rng):
     # sliding layers keep 3 + 2 rows; full layers (pqo4, 2 rollback copies) reach back two tokens
-    cache = hybrid("pqo4", full_options={"rollback_tokens": 2},
-                   window_options={"rollback_tokens": 8, "decode_path": "dequantized"})
+    cache = hybrid(
+        "pqo4", full_options={"rollback_tokens": 2}, window_options={"rollback_tokens": 8, "decode_path": "dequantized"}
+    )
     feed(rng, cache, [("prefill", 40)] + [("decode", 1)] * 10)  # 50 tokens; window layers hold 11
     assert [cache.min_truncate_length(i) for i in range(4)] == [41, 48, 41, 48]
     # a full layer still reaches its uncalibrated first tokens (1 .. rollback copies + 2)
@@ -702,8 +763,10 @@ def test_hybrid_truncate_all_is_all_or_nothing(rng):
 
 def test_hybrid_truncate_then_decode_equals_direct_build(rng):
     cache = hybrid("dense")
-    refs = [Ref(WINDOW, W_ROLLBACK, cache.sliding.storage) if s else Ref(10 ** 9, 0, "exact")
-            for s in (True, False, True, False)]
+    refs = [
+        Ref(WINDOW, W_ROLLBACK, cache.sliding.storage) if s else Ref(10**9, 0, "exact")
+        for s in (True, False, True, False)
+    ]
     feed(rng, cache, [("prefill", 5)] + [("decode", 1)] * 6, refs)
     length = cache.min_truncate_length(0)
     assert length == 11 - W_ROLLBACK - 1
@@ -762,13 +825,20 @@ def test_hybrid_restore_refuses_bad_records(rng):
     recs = cache.snapshot()
     feed(rng, cache, [("decode", 1)])
     before = snapshot(cache)
-    bad_window = LayerRecord(length=9, batch=1, dtype="float32", arrays={"k": recs[0].arrays["k"][:, :, :1],
-                                                                          "v": recs[0].arrays["v"][:, :, :1]})
+    bad_window = LayerRecord(
+        length=9,
+        batch=1,
+        dtype="float32",
+        arrays={"k": recs[0].arrays["k"][:, :, :1], "v": recs[0].arrays["v"][:, :, :1]},
+    )
     bad_full = LayerRecord(length=8, batch=1, dtype="float32", arrays=recs[1].arrays)  # 9 rows for 8 tokens
-    for bad in ([bad_window, *recs[1:]],  # the full part restores first, then must be put back
-                [recs[0], bad_full, *recs[2:]],
-                [recs[1], recs[0], *recs[2:]],  # records of the other kind
-                recs[:3], recs + [None]):
+    for bad in (
+        [bad_window, *recs[1:]],  # the full part restores first, then must be put back
+        [recs[0], bad_full, *recs[2:]],
+        [recs[1], recs[0], *recs[2:]],  # records of the other kind
+        recs[:3],
+        recs + [None],
+    ):
         with pytest.raises(ValueError):
             cache.restore(bad)
         assert_same_snapshot(snapshot(cache), before)
@@ -815,9 +885,21 @@ def _model():
     from arraykv.integrations.llama import DecoderModel, random_gguf_tensors
     from arraykv.integrations.model_config import ModelConfig
 
-    cfg = ModelConfig(num_layers=3, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
-                      vocab_size=100, context_length=256, rope_theta=1e4, rms_eps=1e-6, arch="gemma3",
-                      layer_types=("sliding_attention", "sliding_attention", "full_attention"), sliding_window=5)
+    cfg = ModelConfig(
+        num_layers=3,
+        hidden_size=32,
+        ffn_size=48,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=100,
+        context_length=256,
+        rope_theta=1e4,
+        rms_eps=1e-6,
+        arch="gemma3",
+        layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+        sliding_window=5,
+    )
     return DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg))
 
 
@@ -826,9 +908,17 @@ def model():
     return _model()
 
 
-@pytest.mark.parametrize("prompt, chunk, window_options", [
-    (1, 1, None), (4, 3, None), (9, 2, None), (24, 7, None), (12, 5, {"rollback_tokens": 0}), (30, None, None),
-])
+@pytest.mark.parametrize(
+    "prompt, chunk, window_options",
+    [
+        (1, 1, None),
+        (4, 3, None),
+        (9, 2, None),
+        (24, 7, None),
+        (12, 5, {"rollback_tokens": 0}),
+        (30, None, None),
+    ],
+)
 def test_decoder_chunked_prefill_and_decode_equal_forward(model, prompt, chunk, window_options):
     ids = np.random.default_rng(prompt).integers(0, 100, size=36).tolist()
     full = to_np(model.forward(ids))
@@ -869,8 +959,9 @@ def rotating_keys(rng, batch, heads, start, t, d, mean_scale=3.0):
     theta = 10000.0 ** (-np.arange(half) / half)
     ang = np.arange(start, start + t)[:, None] * theta[None, :]
     m = mean_scale * np.ones(d)
-    mean = np.concatenate([m[:half] * np.cos(ang) - m[half:] * np.sin(ang),
-                           m[:half] * np.sin(ang) + m[half:] * np.cos(ang)], axis=-1)
+    mean = np.concatenate(
+        [m[:half] * np.cos(ang) - m[half:] * np.sin(ang), m[:half] * np.sin(ang) + m[half:] * np.cos(ang)], axis=-1
+    )
     return (mean[None, None] + rng.standard_normal((batch, heads, t, d))).astype(np.float32)
 
 
@@ -883,14 +974,22 @@ def attend(q, k, v, scale):
     return np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v)
 
 
-@pytest.mark.parametrize("storage, window, rollback, batch, groups, d", [
-    ("pq4", 6, 2, 1, 2, 16), ("pq3", 9, 4, 2, 1, 32), ("pq2", 5, 0, 1, 3, 16), ("pq4", 40, 3, 2, 2, 64),
-    ("pq5", 7, 2, 1, 2, 32), ("pq6", 5, 1, 2, 2, 16)])
+@pytest.mark.parametrize(
+    "storage, window, rollback, batch, groups, d",
+    [
+        ("pq4", 6, 2, 1, 2, 16),
+        ("pq3", 9, 4, 2, 1, 32),
+        ("pq2", 5, 0, 1, 3, 16),
+        ("pq4", 40, 3, 2, 2, 64),
+        ("pq5", 7, 2, 1, 2, 32),
+        ("pq6", 5, 1, 2, 2, 16),
+    ],
+)
 def test_fused_window_decode_equals_attention_over_its_rows(rng, storage, window, rollback, batch, groups, d):
     kw = dict(num_layers=1, num_kv_heads=2, head_dim=d, window=window, rollback_tokens=rollback, storage=storage)
     fused = arraykv.make_cache("window", decode_path="fused", **kw)
     plain = arraykv.make_cache("window", decode_path="dequantized", **kw)
-    scale = d ** -0.5
+    scale = d**-0.5
     cfg = arraykv.AttendConfig(softmax_scale=scale, n_kv_groups=groups)
     pos = 0
     first = max(2 * window + 3, 40)  # enough tokens (>= 32) to fit a turning key mean

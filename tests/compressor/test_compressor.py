@@ -18,8 +18,13 @@ def rel_mse(a, b):
     return float(np.mean((np.asarray(a, np.float64) - b) ** 2) / np.mean(np.asarray(b, np.float64) ** 2))
 
 
-METHODS = [LowRank(rank=8), LowRank(energy=0.8), VectorQuantization(codebook_size=16, sub_dim=4, max_iter=5),
-           Hybrid(rank=16, quant_bits=4), Hybrid(rank=16, quant_bits=8, group_size=16)]
+METHODS = [
+    LowRank(rank=8),
+    LowRank(energy=0.8),
+    VectorQuantization(codebook_size=16, sub_dim=4, max_iter=5),
+    Hybrid(rank=16, quant_bits=4),
+    Hybrid(rank=16, quant_bits=8, group_size=16),
+]
 
 
 @pytest.mark.parametrize("method", METHODS, ids=repr)
@@ -98,19 +103,22 @@ def test_quant_bits_resolution():
         KVCacheCompressor(Hybrid(8, quant_bits=8), quant_bits=4)
 
 
-@pytest.mark.parametrize("make,exc,match", [
-    (lambda: LowRank(rank=0), ValueError, "rank"),
-    (lambda: LowRank(), ValueError, "exactly one"),
-    (lambda: LowRank(energy=0.0), ValueError, "energy"),
-    (lambda: VectorQuantization(codebook_size=1), ValueError, "codebook_size"),
-    (lambda: VectorQuantization(codebook_size=65537), ValueError, "codebook_size"),
-    (lambda: VectorQuantization(sub_dim=0), ValueError, "sub_dim"),
-    (lambda: Hybrid(rank=4, quant_bits=3), ValueError, "quant_bits"),
-    (lambda: Hybrid(rank=4, outlier_threshold=-1.0), ValueError, "outlier_threshold"),
-    (lambda: Hybrid(rank=4, group_size=0), ValueError, "group_size"),
-    (lambda: KVCacheCompressor("lowrank"), TypeError, "method"),
-    (lambda: KVCacheCompressor(LowRank(rank=2), quant_bits=2), ValueError, "quant_bits"),
-])
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [
+        (lambda: LowRank(rank=0), ValueError, "rank"),
+        (lambda: LowRank(), ValueError, "exactly one"),
+        (lambda: LowRank(energy=0.0), ValueError, "energy"),
+        (lambda: VectorQuantization(codebook_size=1), ValueError, "codebook_size"),
+        (lambda: VectorQuantization(codebook_size=65537), ValueError, "codebook_size"),
+        (lambda: VectorQuantization(sub_dim=0), ValueError, "sub_dim"),
+        (lambda: Hybrid(rank=4, quant_bits=3), ValueError, "quant_bits"),
+        (lambda: Hybrid(rank=4, outlier_threshold=-1.0), ValueError, "outlier_threshold"),
+        (lambda: Hybrid(rank=4, group_size=0), ValueError, "group_size"),
+        (lambda: KVCacheCompressor("lowrank"), TypeError, "method"),
+        (lambda: KVCacheCompressor(LowRank(rank=2), quant_bits=2), ValueError, "quant_bits"),
+    ],
+)
 def test_bad_options(make, exc, match):
     with pytest.raises(exc, match=match):
         make()

@@ -12,8 +12,18 @@ from arraykv import eval as ev
 from arraykv.integrations.llama import LlamaModel, random_gguf_tensors
 from arraykv.integrations.model_config import ModelConfig
 
-CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_size=64, num_heads=4, num_kv_heads=2, head_dim=8,
-                  vocab_size=71, context_length=128, rope_theta=10000.0, rms_eps=1e-5)
+CFG = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    ffn_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    vocab_size=71,
+    context_length=128,
+    rope_theta=10000.0,
+    rms_eps=1e-5,
+)
 
 
 @arraykv.register_method("test-noisy-f16", replace=True)

@@ -76,7 +76,13 @@ def test_tokenizer_round_trips_the_text(model):
 def test_model_geometry_matches_smollm2(model):
     c = model.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (
-        30, 576, 9, 3, 64, 49152)
+        30,
+        576,
+        9,
+        3,
+        64,
+        49152,
+    )
     assert c.rope_theta == 100000.0
 
 
@@ -106,8 +112,10 @@ def test_compressed_cache_quality_thresholds(rows, method):
         pytest.skip(f"method {method!r} is not registered in this build")
     max_bits, max_kl, min_top1 = THRESHOLDS[method]
     r = rows(method)
-    report = (f"{method}: {r.bits_per_value:.2f} bits/value, KL {r.mean_kl:.4f}, top-1 {r.top1_agreement:.1%}, "
-              f"ppl change {r.ppl_change_pct:+.2f}%")
+    report = (
+        f"{method}: {r.bits_per_value:.2f} bits/value, KL {r.mean_kl:.4f}, top-1 {r.top1_agreement:.1%}, "
+        f"ppl change {r.ppl_change_pct:+.2f}%"
+    )
     assert r.bits_per_value <= max_bits, report
     assert r.mean_kl <= max_kl, report
     assert r.top1_agreement >= min_top1, report

@@ -29,11 +29,20 @@ class CharTokenizer:
         return "".join(self.chars[i] for i in ids if i < len(self.chars))
 
 
-CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_size=64, num_heads=4, num_kv_heads=2, head_dim=8,
-                  vocab_size=len(CharTokenizer.chars) + 1, context_length=512, rope_theta=10000.0, rms_eps=1e-5)
+CFG = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    ffn_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    vocab_size=len(CharTokenizer.chars) + 1,
+    context_length=512,
+    rope_theta=10000.0,
+    rms_eps=1e-5,
+)
 
-SHORT = ev.NeedleTask(intro="Find the key.\n", needle=" Key {key}.", question="\nKey? ", key_digits=3,
-                      answer_tokens=4)
+SHORT = ev.NeedleTask(intro="Find the key.\n", needle=" Key {key}.", question="\nKey? ", key_digits=3, answer_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +67,13 @@ def test_needle_goes_at_its_depth_and_the_length_is_exact(length, depth):
     assert p.length == length == len(p.prompt_ids) + len(p.question_ids)
     intro = tok.encode(task.intro)
     needle = tok.encode(task.needle.format(key=p.key))
-    assert p.prompt_ids[:len(intro)] == intro
-    assert p.prompt_ids[p.needle_start:p.needle_start + p.needle_tokens] == needle
+    assert p.prompt_ids[: len(intro)] == intro
+    assert p.prompt_ids[p.needle_start : p.needle_start + p.needle_tokens] == needle
     assert p.needle_start - len(intro) == round(depth * p.haystack_tokens)
     assert p.haystack_tokens == length - len(intro) - len(needle) - len(p.question_ids)
     # the filler around the needle is the haystack text repeated, cut to length
-    hay = p.prompt_ids[len(intro):p.needle_start] + p.prompt_ids[p.needle_start + p.needle_tokens:]
-    assert hay == tok.encode(" ".join([task.haystack] * 40))[:p.haystack_tokens]
+    hay = p.prompt_ids[len(intro) : p.needle_start] + p.prompt_ids[p.needle_start + p.needle_tokens :]
+    assert hay == tok.encode(" ".join([task.haystack] * 40))[: p.haystack_tokens]
     assert p.question_ids == tok.encode(task.question)
     assert p.target_ids == tok.encode(task.answer_prefix + p.key)
 
@@ -96,8 +105,13 @@ class BosTokenizer(CharTokenizer):
 @pytest.mark.parametrize("question", ["\nKey? ", "\nKey?"])
 def test_one_bos_at_the_start_and_the_key_as_it_follows_the_question(question):
     tok = BosTokenizer()
-    task = ev.NeedleTask(intro="Find the key.\n", needle=" Key {key}.", question=question, key_digits=3,
-                         answer_prefix="" if question.endswith(" ") else " ")
+    task = ev.NeedleTask(
+        intro="Find the key.\n",
+        needle=" Key {key}.",
+        question=question,
+        key_digits=3,
+        answer_prefix="" if question.endswith(" ") else " ",
+    )
     p = task.build(tok, 200, 0.5)
     ids = p.prompt_ids + p.question_ids
     assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1  # none before the needle or the question
@@ -105,11 +119,11 @@ def test_one_bos_at_the_start_and_the_key_as_it_follows_the_question(question):
     assert tok.bos_id not in p.target_ids
     joint = tok.encode(question + task.answer_prefix + p.key, add_bos=False)
     if question.endswith(" "):  # " " + "1" merge in one text: the question's own " " token came first,
-        assert joint[:len(p.question_ids)] != p.question_ids  # so the key's own tokens follow it
+        assert joint[: len(p.question_ids)] != p.question_ids  # so the key's own tokens follow it
         assert p.target_ids == tok.encode(p.key, add_bos=False) and tok.decode(p.target_ids) == p.key
     else:  # the target is what follows the question's tokens when the question and the key are one text
-        assert joint[:len(p.question_ids)] == p.question_ids
-        assert p.target_ids == joint[len(p.question_ids):]
+        assert joint[: len(p.question_ids)] == p.question_ids
+        assert p.target_ids == joint[len(p.question_ids) :]
         assert p.target_ids[0] == tok.space_digit[p.key[0]]  # " 1": the space merged into the first digit
 
 
@@ -119,7 +133,7 @@ def test_sentence_alignment_moves_the_needle_back_to_a_sentence_end():
         p = ev.NeedleTask().build(tok, 400, depth)
         exact = ev.NeedleTask(align="token").build(tok, 400, depth)
         assert p.key == exact.key and p.length == 400
-        before = tok.decode(p.prompt_ids[:p.needle_start])
+        before = tok.decode(p.prompt_ids[: p.needle_start])
         assert before.endswith(".") or before == ev.INTRO  # a sentence end, or the filler's start
         # at most one filler sentence earlier (" There and back again." is the longest, 22 characters)
         assert 0 <= exact.needle_start - p.needle_start <= 22
@@ -141,8 +155,8 @@ def test_book_haystack_is_the_shipped_text():
     p = ev.NeedleTask(haystack="book", align="token").build(tok, 400, 0.5)
     text = ev.builtin_long_text()
     intro = len(tok.encode(ev.INTRO))
-    hay = p.prompt_ids[intro:p.needle_start] + p.prompt_ids[p.needle_start + p.needle_tokens:]
-    assert tok.decode(hay) == text[:p.haystack_tokens]
+    hay = p.prompt_ids[intro : p.needle_start] + p.prompt_ids[p.needle_start + p.needle_tokens :]
+    assert tok.decode(hay) == text[: p.haystack_tokens]
 
 
 def test_long_text_extends_the_short_one():
@@ -154,7 +168,7 @@ def test_long_text_extends_the_short_one():
     assert CharTokenizer().decode(ids) == long[:30_000]
     assert ev.builtin_long_token_ids(CharTokenizer(), 10)[:10] == ev.builtin_token_ids(CharTokenizer(), 10)
     with pytest.raises(ValueError, match="long text has"):
-        ev.builtin_long_token_ids(CharTokenizer(), 10 ** 6)
+        ev.builtin_long_token_ids(CharTokenizer(), 10**6)
 
 
 # -- the shared exact prefill ----------------------------------------------------------------
@@ -230,7 +244,11 @@ def test_needle_grid_rows_and_scores_on_a_tiny_model(model):
     assert res.methods == ("dense", "int8")
     assert len(res.rows) == 2 * 2 * 2
     assert [(r.length, r.depth, r.method) for r in res.rows[:4]] == [
-        (150, 0.2, "dense"), (150, 0.2, "int8"), (150, 0.8, "dense"), (150, 0.8, "int8")]
+        (150, 0.2, "dense"),
+        (150, 0.2, "int8"),
+        (150, 0.8, "dense"),
+        (150, 0.8, "int8"),
+    ]
     for r in res.rows:
         dense = res.row("dense", r.length, r.depth)
         assert r.exact_retrieved == dense.retrieved and r.key == dense.key
@@ -281,8 +299,7 @@ class _Prompted:
 
 @pytest.mark.parametrize("answer_tokens", [2, 6])
 def test_an_answer_on_the_key_path_is_scored_without_a_second_pass(model, answer_tokens):
-    task = ev.NeedleTask(intro="", needle=" Key {key}.", question="\nKey? ", key_digits=4,
-                         answer_tokens=answer_tokens)
+    task = ev.NeedleTask(intro="", needle=" Key {key}.", question="\nKey? ", key_digits=4, answer_tokens=answer_tokens)
     fake = _Prompted(model, task.build(model, 120, 0.5))
     res = ev.needle_grid(fake, ["dense"], lengths=[120], depths=[0.5], task=task)
     (row,) = res.rows
@@ -293,23 +310,47 @@ def test_an_answer_on_the_key_path_is_scored_without_a_second_pass(model, answer
 
 def test_summary_counts_only_cells_the_exact_cache_retrieves():
     def row(method, depth, hit, exact_hit, lp=-0.5, bits=32.0):
-        return ev.NeedleRow(method=method, length=1000, depth=depth, key="1", answer="", retrieved=hit,
-                            exact_retrieved=exact_hit, key_logprob=lp, bits_per_value=bits, kv_bytes=0,
-                            tokens=1000, needle_start=0, seconds=0.0)
+        return ev.NeedleRow(
+            method=method,
+            length=1000,
+            depth=depth,
+            key="1",
+            answer="",
+            retrieved=hit,
+            exact_retrieved=exact_hit,
+            key_logprob=lp,
+            bits_per_value=bits,
+            kv_bytes=0,
+            tokens=1000,
+            needle_start=0,
+            seconds=0.0,
+        )
 
-    rows = (row("dense", 0.1, True, True), row("q", 0.1, True, True, -1.0, 4.0),
-            row("dense", 0.5, False, False), row("q", 0.5, True, False, -2.0, 4.5),
-            row("dense", 0.9, True, True), row("q", 0.9, False, True, -3.0, 4.5))
-    res = ev.NeedleResult(rows=rows, methods=("dense", "q"), lengths=(1000,), depths=(0.1, 0.5, 0.9),
-                          prefill_mode="exact", task=ev.NeedleTask())
+    rows = (
+        row("dense", 0.1, True, True),
+        row("q", 0.1, True, True, -1.0, 4.0),
+        row("dense", 0.5, False, False),
+        row("q", 0.5, True, False, -2.0, 4.5),
+        row("dense", 0.9, True, True),
+        row("q", 0.9, False, True, -3.0, 4.5),
+    )
+    res = ev.NeedleResult(
+        rows=rows,
+        methods=("dense", "q"),
+        lengths=(1000,),
+        depths=(0.1, 0.5, 0.9),
+        prefill_mode="exact",
+        task=ev.NeedleTask(),
+    )
     dense, q = res.summary()
     assert (dense.retrieved, dense.exact_cells, dense.retrieved_where_exact) == (2, 2, 2)
     assert (q.cells, q.retrieved, q.exact_cells, q.retrieved_where_exact) == (3, 2, 2, 1)
     assert q.mean_key_logprob == pytest.approx(-2.0) and q.bits_per_value == pytest.approx(4 + 1 / 3)
     table = res.format_grid()
     lines = table.splitlines()
-    assert lines[0] == ("| method | 1000@10% | 1000@50% | 1000@90% | retrieved | where exact | mean log p(key) "
-                        "| bits/value @1000 |")
+    assert lines[0] == (
+        "| method | 1000@10% | 1000@50% | 1000@90% | retrieved | where exact | mean log p(key) | bits/value @1000 |"
+    )
     assert lines[3] == "| q | ✓ -1.00 | (✓ -2.00) | ✗ -3.00 | 2/3 | 1/2 | -2.000 | 4.33 |"
     assert "where exact" in res.format_grid(markdown=False).splitlines()[0]
     with pytest.raises(KeyError, match="no row"):
@@ -339,8 +380,9 @@ def test_long_text_quality_rows(model):
 
 def test_long_text_cache_mode_and_custom_ids(model, rng):
     ids = [int(i) for i in rng.integers(0, CFG.vocab_size, 90)]
-    res = ev.long_text_quality(model, ["dense", "int8"], prefix_lengths=[64], positions=16, token_ids=ids,
-                               chunk_size=16, prefill_mode="cache")
+    res = ev.long_text_quality(
+        model, ["dense", "int8"], prefix_lengths=[64], positions=16, token_ids=ids, chunk_size=16, prefill_mode="cache"
+    )
     assert [r.method for r in res.rows] == ["dense", "int8"] and res.prefill_mode == "cache"
 
 

@@ -28,9 +28,20 @@ HEAD_DIM = {"llama": 16, "qwen2": 16, "qwen3": 128, "gemma3": 32}
 def tiny_config(arch: str, **over) -> ModelConfig:
     hybrid = architecture(arch).sliding_period
     n = 7 if hybrid else 2
-    kw = dict(num_layers=n, hidden_size=64, ffn_size=96, num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM[arch],
-              vocab_size=128, context_length=256, rope_theta=1e6 if hybrid else 1e4, rms_eps=1e-6, arch=arch,
-              name=f"tiny-{arch}")
+    kw = dict(
+        num_layers=n,
+        hidden_size=64,
+        ffn_size=96,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=HEAD_DIM[arch],
+        vocab_size=128,
+        context_length=256,
+        rope_theta=1e6 if hybrid else 1e4,
+        rms_eps=1e-6,
+        arch=arch,
+        name=f"tiny-{arch}",
+    )
     if hybrid:
         kw.update(layer_types=periodic_layer_types(n, hybrid), sliding_window=6)
     kw.update(over)
@@ -66,8 +77,9 @@ def test_logits_equal_transformers_on_the_same_file(written):
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
     arch, cfg, _, folder = written
     extra = {"query_pre_attn_scalar": cfg.head_dim} if arch == "gemma3" else {}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), gguf_file="m.gguf",
-                                                           dtype=torch.float32, **extra).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), gguf_file="m.gguf", dtype=torch.float32, **extra
+    ).eval()
     if arch == "gemma3":
         assert list(hf.config.layer_types) == list(cfg.layer_types)
     ids = _ids()
@@ -91,8 +103,9 @@ def test_hybrid_model_gets_a_hybrid_cache_that_holds_only_the_window():
     for method in ("dense", "pqo4"):
         cache = model.make_cache(method, window_options={"rollback_tokens": 2})
         assert type(cache).__name__ == "HybridCache"
-        out = np.concatenate([model.prefill(ids[:23], cache, chunk_size=4),
-                              np.stack([model.decode(int(t), cache) for t in ids[23:]])])
+        out = np.concatenate(
+            [model.prefill(ids[:23], cache, chunk_size=4), np.stack([model.decode(int(t), cache) for t in ids[23:]])]
+        )
         for i, kind in enumerate(cfg.layer_types):
             assert cache.seq_len(i) == 60
             held = cache.sliding.held_tokens(i) if kind == "sliding_attention" else cache.seq_len(i)
@@ -112,8 +125,9 @@ def test_a_full_attention_cache_on_a_hybrid_model_still_attends_through_the_wind
     model = DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg, seed=5))
     ids = _ids(30, seed=4)
     plain = arraykv.make_cache("dense", num_layers=3, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
-    out = np.concatenate([model.prefill(ids[:11], plain, chunk_size=3),
-                          np.stack([model.decode(int(t), plain) for t in ids[11:]])])
+    out = np.concatenate(
+        [model.prefill(ids[:11], plain, chunk_size=3), np.stack([model.decode(int(t), plain) for t in ids[11:]])]
+    )
     np.testing.assert_allclose(out, model.forward(ids), rtol=0, atol=2e-5)
 
 
@@ -123,8 +137,14 @@ def test_unknown_architecture_and_kinds_are_refused_clearly():
     import arraykv
 
     with pytest.raises(ValueError, match="chunked attention"):
-        arraykv.make_cache("hybrid", num_layers=2, num_kv_heads=1, head_dim=8, window=4,
-                           layer_types=["full_attention", "chunked_attention"])
+        arraykv.make_cache(
+            "hybrid",
+            num_layers=2,
+            num_kv_heads=1,
+            head_dim=8,
+            window=4,
+            layer_types=["full_attention", "chunked_attention"],
+        )
 
 
 def test_prompt_store_exact_attends_to_the_exact_prompt_and_stores_it_compressed():
@@ -201,8 +221,15 @@ def test_speculative_decoding_on_a_hybrid_cache_is_plain_greedy(method):
     the output is the model's greedy decoding through that cache, token for token."""
     from arraykv.integrations.speculative import CacheDraft, LayerDraft, NgramDraft, speculative_generate
 
-    cfg = tiny_config("gemma3", num_layers=6, layer_types=periodic_layer_types(6, 3), sliding_window=8,
-                      hidden_size=32, head_dim=8, vocab_size=64)
+    cfg = tiny_config(
+        "gemma3",
+        num_layers=6,
+        layer_types=periodic_layer_types(6, 3),
+        sliding_window=8,
+        hidden_size=32,
+        head_dim=8,
+        vocab_size=64,
+    )
     model = DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg, seed=1))
     ids = [int(t) for t in np.random.default_rng(0).integers(0, 64, 30)]
     want = model.generate(ids, 40, cache=model.make_cache(method))

@@ -53,14 +53,18 @@ class _Spoiling:
 
 
 def _snapshot(cache, layers):
-    return [(cache.seq_len(i), {n: np.array(a) for n, a in cache._layer_arrays(cache._states[i]).items()})
-            for i in range(layers)]
+    return [
+        (cache.seq_len(i), {n: np.array(a) for n, a in cache._layer_arrays(cache._states[i]).items()})
+        for i in range(layers)
+    ]
 
 
 @needs_onnx
 @pytest.mark.parametrize("method", ["dense", "int4", "pqo4"])
-@pytest.mark.parametrize("spoil", [("present.1.key", "nan"), ("present.1.value", "nan"),
-                                   ("present.1.value", "short"), ("present.1.key", "heads")])
+@pytest.mark.parametrize(
+    "spoil",
+    [("present.1.key", "nan"), ("present.1.value", "nan"), ("present.1.value", "short"), ("present.1.key", "heads")],
+)
 def test_a_refused_step_stores_no_layer(method, spoil):
     dec = _ort_decoder()
     fake = _Spoiling(dec.session)
@@ -116,8 +120,18 @@ def test_layers_of_different_lengths_are_refused_not_grown_apart():
     assert [cache.seq_len(i) for i in range(dec.num_layers)] == [4, 3]
 
 
-CFG = ModelConfig(num_layers=3, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
-                  vocab_size=60, context_length=64, rope_theta=50000.0, rms_eps=1e-5)
+CFG = ModelConfig(
+    num_layers=3,
+    hidden_size=32,
+    ffn_size=48,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    vocab_size=60,
+    context_length=64,
+    rope_theta=50000.0,
+    rms_eps=1e-5,
+)
 
 
 def _arrays(cache, layers):
@@ -155,8 +169,10 @@ def test_llama_step_refused_by_a_later_layer_leaves_every_layer_as_it_was(method
         wk[...] = saved
     # equal caches; the fused kernels' answers over them agree to their last bits (their loop
     # versions depend on where buffers sit in memory)
-    for a, b in ((model.decode(4, cache), model.decode(4, ref)),
-                 (model.prefill([5, 6], cache), model.prefill([5, 6], ref))):
+    for a, b in (
+        (model.decode(4, cache), model.decode(4, ref)),
+        (model.prefill([5, 6], cache), model.prefill([5, 6], ref)),
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
 
 
@@ -180,8 +196,11 @@ def test_llama_refuses_a_cache_torn_by_hand(method):
     model.prefill([1, 2, 3], cache)
     k = np.ones((1, CFG.num_kv_heads, 1, CFG.head_dim), np.float32)
     cache.prefill(0, k, k, np.ones((1, CFG.num_heads, 1, CFG.head_dim), np.float32))
-    for call in (lambda: model.decode(5, cache), lambda: model.prefill([5, 6], cache),
-                 lambda: model.forward([5], cache)):
+    for call in (
+        lambda: model.decode(5, cache),
+        lambda: model.prefill([5, 6], cache),
+        lambda: model.forward([5], cache),
+    ):
         with pytest.raises(ValueError, match=r"different numbers of tokens \(\[4, 3, 3\]\).*reset"):
             call()
     assert [cache.seq_len(i) for i in range(3)] == [4, 3, 3]  # refused calls store nothing

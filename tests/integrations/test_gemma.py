@@ -29,8 +29,14 @@ def _ids(n, seed=0):
 
 def test_config_read_from_the_file(gemma):
     c = gemma.config
-    assert (c.arch, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.sliding_window) == \
-        ("gemma3", 18, 4, 1, 256, 512)
+    assert (c.arch, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.sliding_window) == (
+        "gemma3",
+        18,
+        4,
+        1,
+        256,
+        512,
+    )
     assert c.layer_types.count("full_attention") == 3 and c.layer_types[5] == "full_attention"
     assert c.rope_theta == 1e6 and c.rope_local_theta == 1e4 and c.context_length == 32768
 
@@ -40,8 +46,9 @@ def test_logits_equal_transformers_past_the_window(gemma):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
     path = gemma_path_or_skip()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     ids = _ids(640)  # past the 512-token window of the sliding layers
     with torch.no_grad():
         ref = hf(torch.tensor(ids)[None]).logits[0].numpy()

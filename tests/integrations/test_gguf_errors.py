@@ -14,16 +14,32 @@ from arraykv.integrations.gguf_llama import load_model  # noqa: E402
 from arraykv.integrations.llama import random_gguf_tensors, unpermute_qk  # noqa: E402
 from arraykv.integrations.model_config import ModelConfig  # noqa: E402
 
-CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
-                  vocab_size=60, context_length=64, rope_theta=50000.0, rms_eps=1e-5)
+CFG = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    ffn_size=48,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    vocab_size=60,
+    context_length=64,
+    rope_theta=50000.0,
+    rms_eps=1e-5,
+)
 
 
 def _write(path, meta=None, tensors=None):
     """A small Llama GGUF whose metadata fields ``meta`` (GGUFWriter ``add_*`` names) override CFG's."""
-    fields = {"block_count": CFG.num_layers, "embedding_length": CFG.hidden_size,
-              "feed_forward_length": CFG.ffn_size, "head_count": CFG.num_heads,
-              "head_count_kv": CFG.num_kv_heads, "context_length": CFG.context_length,
-              "rope_freq_base": CFG.rope_theta, "layer_norm_rms_eps": CFG.rms_eps}
+    fields = {
+        "block_count": CFG.num_layers,
+        "embedding_length": CFG.hidden_size,
+        "feed_forward_length": CFG.ffn_size,
+        "head_count": CFG.num_heads,
+        "head_count_kv": CFG.num_kv_heads,
+        "context_length": CFG.context_length,
+        "rope_freq_base": CFG.rope_theta,
+        "layer_norm_rms_eps": CFG.rms_eps,
+    }
     fields.update(meta or {})
     w = gguf.GGUFWriter(str(path), "llama")
     for name, value in fields.items():
@@ -38,23 +54,29 @@ def _write(path, meta=None, tensors=None):
     return path
 
 
-@pytest.mark.parametrize("meta,match", [
-    ({"head_count": 0}, r"llama\.attention\.head_count is 0; it must be a positive integer"),
-    ({"head_count_kv": 0}, r"llama\.attention\.head_count_kv is 0"),
-    ({"head_count_kv": 3}, "head_count 4 is not a multiple of head_count_kv 3"),
-    ({"embedding_length": 0}, r"llama\.embedding_length is 0"),
-    ({"block_count": 0}, r"llama\.block_count is 0"),
-    ({"feed_forward_length": 0}, r"llama\.feed_forward_length is 0"),
-    ({"context_length": 0}, r"llama\.context_length is 0"),
-    ({"head_count": 5, "head_count_kv": 5}, "embedding_length 32 is not a multiple of head_count 5"),
-    ({"key_length": 0}, r"llama\.attention\.key_length is 0"),
-    ({"key_length": 7}, "head size 7 is odd"),
-    ({"rope_freq_base": float("nan")}, r"llama\.rope\.freq_base is nan"),
-    ({"rope_freq_base": 0.0}, r"llama\.rope\.freq_base is 0\.0; it must be a finite number > 0"),
-    ({"layer_norm_rms_eps": -1.0}, r"layer_norm_rms_epsilon is -1\.0"),
-    ({"key_length": 16}, r"tensor 'blk\.0\.attn_q\.weight' has shape \(32, 32\), but the metadata makes it \(64, 32\)"),
-    ({"feed_forward_length": 40}, r"'blk\.0\.ffn_gate\.weight' has shape \(48, 32\).*\(40, 32\)"),
-])
+@pytest.mark.parametrize(
+    "meta,match",
+    [
+        ({"head_count": 0}, r"llama\.attention\.head_count is 0; it must be a positive integer"),
+        ({"head_count_kv": 0}, r"llama\.attention\.head_count_kv is 0"),
+        ({"head_count_kv": 3}, "head_count 4 is not a multiple of head_count_kv 3"),
+        ({"embedding_length": 0}, r"llama\.embedding_length is 0"),
+        ({"block_count": 0}, r"llama\.block_count is 0"),
+        ({"feed_forward_length": 0}, r"llama\.feed_forward_length is 0"),
+        ({"context_length": 0}, r"llama\.context_length is 0"),
+        ({"head_count": 5, "head_count_kv": 5}, "embedding_length 32 is not a multiple of head_count 5"),
+        ({"key_length": 0}, r"llama\.attention\.key_length is 0"),
+        ({"key_length": 7}, "head size 7 is odd"),
+        ({"rope_freq_base": float("nan")}, r"llama\.rope\.freq_base is nan"),
+        ({"rope_freq_base": 0.0}, r"llama\.rope\.freq_base is 0\.0; it must be a finite number > 0"),
+        ({"layer_norm_rms_eps": -1.0}, r"layer_norm_rms_epsilon is -1\.0"),
+        (
+            {"key_length": 16},
+            r"tensor 'blk\.0\.attn_q\.weight' has shape \(32, 32\), but the metadata makes it \(64, 32\)",
+        ),
+        ({"feed_forward_length": 40}, r"'blk\.0\.ffn_gate\.weight' has shape \(48, 32\).*\(40, 32\)"),
+    ],
+)
 def test_metadata_that_cannot_describe_a_model_is_a_value_error(tmp_path, meta, match):
     path = _write(tmp_path / "m.gguf", meta)
     with pytest.raises(ValueError, match=match):

@@ -16,8 +16,18 @@ from arraykv.integrations.gguf_write import write_gguf  # noqa: E402
 from arraykv.integrations.llama import LlamaModel, random_gguf_tensors  # noqa: E402
 from arraykv.integrations.model_config import ModelConfig  # noqa: E402
 
-CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
-                  vocab_size=60, context_length=64, rope_theta=50000.0, rms_eps=1e-5)
+CFG = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    ffn_size=48,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    vocab_size=60,
+    context_length=64,
+    rope_theta=50000.0,
+    rms_eps=1e-5,
+)
 
 
 def _write(path, cfg, tensors, *, arch="llama", tokens=None):

@@ -11,8 +11,19 @@ import arraykv
 from arraykv.integrations.llama import LlamaModel, random_gguf_tensors, unpermute_qk
 from arraykv.integrations.model_config import ModelConfig
 
-CFG = ModelConfig(num_layers=2, hidden_size=48, ffn_size=80, num_heads=6, num_kv_heads=2, head_dim=8,
-                  vocab_size=97, context_length=96, rope_theta=10000.0, rms_eps=1e-5, name="tiny")
+CFG = ModelConfig(
+    num_layers=2,
+    hidden_size=48,
+    ffn_size=80,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=8,
+    vocab_size=97,
+    context_length=96,
+    rope_theta=10000.0,
+    rms_eps=1e-5,
+    name="tiny",
+)
 
 
 @pytest.fixture(scope="module")
@@ -294,8 +305,12 @@ def test_generate_prefills_in_chunks_with_the_same_result(model, ids):
 
 def test_bad_chunk_arguments_leave_the_cache_untouched(model, ids):
     cache = model.make_cache("dense")
-    for kw, match in (({"chunk_size": 0}, "chunk_size"), ({"chunk_size": 2.5}, "chunk_size"),
-                      ({"chunk_size": True}, "chunk_size"), ({"logits": "first"}, "logits")):
+    for kw, match in (
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"chunk_size": 2.5}, "chunk_size"),
+        ({"chunk_size": True}, "chunk_size"),
+        ({"logits": "first"}, "logits"),
+    ):
         with pytest.raises(ValueError, match=match):
             model.prefill(ids, cache, **kw)
         assert cache.seq_len(0) == 0

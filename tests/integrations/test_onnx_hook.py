@@ -50,21 +50,29 @@ def _decoder_graph(seed: int = 0, *, with_kv: bool = True, symbolic_heads: bool 
     const("neg", -1e9, np.float32)
     const("fzero", 0.0, np.float32)
     const("scale", 1.0 / np.sqrt(HEAD_DIM), np.float32)
-    x = node("Add", [node("Gather", ["emb", "input_ids"], ["tok"]),
-                     node("Gather", ["pos_emb", "position_ids"], ["pos"])], ["x0"])
+    x = node(
+        "Add",
+        [node("Gather", ["emb", "input_ids"], ["tok"]), node("Gather", ["pos_emb", "position_ids"], ["pos"])],
+        ["x0"],
+    )
     # query positions (b, 1, t, 1) for the causal mask
     qpos = node("Unsqueeze", [node("Unsqueeze", ["position_ids", "axes_1"], ["qp1"]), "axes_3"], ["qpos"])
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-              helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
-              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"])]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
+    ]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", VOCAB])]
     heads = "kv_heads" if symbolic_heads else KV_HEADS
     for i in range(LAYERS):
         p = f"l{i}_"
 
         def heads_of(name, src, p=p):
-            y = node("Reshape", [node("MatMul", [src, w(p + name, HIDDEN, HIDDEN)], [p + name + "_mm"]), "split_shape"],
-                     [p + name + "_r"])
+            y = node(
+                "Reshape",
+                [node("MatMul", [src, w(p + name, HIDDEN, HIDDEN)], [p + name + "_mm"]), "split_shape"],
+                [p + name + "_r"],
+            )
             return node("Transpose", [y], [p + name + "_t"], perm=[0, 2, 1, 3])
 
         q, k, v = heads_of("wq", x), heads_of("wk", x), heads_of("wv", x)
@@ -72,10 +80,16 @@ def _decoder_graph(seed: int = 0, *, with_kv: bool = True, symbolic_heads: bool 
             kk = node("Concat", [f"past_key_values.{i}.key", k], [f"present.{i}.key"], axis=2)
             vv = node("Concat", [f"past_key_values.{i}.value", v], [f"present.{i}.value"], axis=2)
             for kind in ("key", "value"):
-                inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", TensorProto.FLOAT,
-                                                            ["batch", heads, "past", HEAD_DIM]))
-                outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", TensorProto.FLOAT,
-                                                             ["batch", heads, "total", HEAD_DIM]))
+                inputs.append(
+                    helper.make_tensor_value_info(
+                        f"past_key_values.{i}.{kind}", TensorProto.FLOAT, ["batch", heads, "past", HEAD_DIM]
+                    )
+                )
+                outputs.append(
+                    helper.make_tensor_value_info(
+                        f"present.{i}.{kind}", TensorProto.FLOAT, ["batch", heads, "total", HEAD_DIM]
+                    )
+                )
         else:
             kk, vv = k, v
         total = node("Gather", [node("Shape", [kk], [p + "kshape"]), "two"], [p + "total"])
@@ -107,19 +121,29 @@ def graph():
 def _plain_ort_loop(sess, prompt, steps):
     """ORT's own decode loop: present.* fed back unchanged as past_key_values.*."""
     batch = prompt.shape[0]
-    past = {f"past_key_values.{i}.{k}": np.zeros((batch, KV_HEADS, 0, HEAD_DIM), np.float32)
-            for i in range(LAYERS) for k in ("key", "value")}
+    past = {
+        f"past_key_values.{i}.{k}": np.zeros((batch, KV_HEADS, 0, HEAD_DIM), np.float32)
+        for i in range(LAYERS)
+        for k in ("key", "value")
+    }
     ids, n, out = prompt, 0, []
     for _ in range(steps + 1):
         t = ids.shape[1]
-        feeds = {"input_ids": ids, "attention_mask": np.ones((batch, n + t), np.int64),
-                 "position_ids": np.broadcast_to(np.arange(n, n + t), (batch, t)).astype(np.int64), **past}
+        feeds = {
+            "input_ids": ids,
+            "attention_mask": np.ones((batch, n + t), np.int64),
+            "position_ids": np.broadcast_to(np.arange(n, n + t), (batch, t)).astype(np.int64),
+            **past,
+        }
         names = ["logits"] + list(past.keys()).copy()
         names = ["logits"] + [f"present.{i}.{k}" for i in range(LAYERS) for k in ("key", "value")]
         res = sess.run(names, feeds)
         out.append(res[0])
-        past = {f"past_key_values.{i}.{k}": res[1 + 2 * i + j]
-                for i in range(LAYERS) for j, k in enumerate(("key", "value"))}
+        past = {
+            f"past_key_values.{i}.{k}": res[1 + 2 * i + j]
+            for i in range(LAYERS)
+            for j, k in enumerate(("key", "value"))
+        }
         n += t
         ids = np.argmax(res[0][:, -1:], axis=-1).astype(np.int64)
     return out
@@ -360,17 +384,22 @@ def test_a_conversation_parked_as_a_file_resumes_where_it_stopped(graph, rng, tm
 
 # ---- the graph's own queries ------------------------------------------------------------------
 
+
 def _run_with_queries(graph_bytes, prompt):
     """present.* and the queries of every layer, from a session whose outputs were extended by hand."""
     from arraykv.integrations.onnx_queries import expose_outputs
 
     proto = onnx.load_from_string(graph_bytes)
     names = [f"l{i}_wq_t" for i in range(LAYERS)]
-    sess = ort.InferenceSession(expose_outputs(proto, names, TensorProto.FLOAT).SerializeToString(),
-                                providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(
+        expose_outputs(proto, names, TensorProto.FLOAT).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
     b, t = prompt.shape
-    feeds = {"input_ids": prompt, "attention_mask": np.ones((b, t), np.int64),
-             "position_ids": np.broadcast_to(np.arange(t), (b, t)).astype(np.int64).copy()}
+    feeds = {
+        "input_ids": prompt,
+        "attention_mask": np.ones((b, t), np.int64),
+        "position_ids": np.broadcast_to(np.arange(t), (b, t)).astype(np.int64).copy(),
+    }
     for i in range(LAYERS):
         for kind in ("key", "value"):
             feeds[f"past_key_values.{i}.{kind}"] = np.zeros((b, KV_HEADS, 0, HEAD_DIM), np.float32)
@@ -429,15 +458,17 @@ def test_grouped_query_keys_are_followed_through_their_repeat():
     exports of grouped-query attention do: the search still reaches the score MatMul."""
     from arraykv.integrations.onnx_queries import find_query_outputs
 
-    nodes = [helper.make_node("Concat", ["past_key_values.0.key", "k_new"], ["present.0.key"], axis=2),
-             helper.make_node("Shape", ["present.0.key"], ["kshape"]),  # a side branch, not followed
-             helper.make_node("Unsqueeze", ["present.0.key", "ax2"], ["k5"]),
-             helper.make_node("Expand", ["k5", "rep_shape"], ["k5r"]),
-             helper.make_node("Reshape", ["k5r", "flat_shape"], ["krep"]),
-             helper.make_node("Transpose", ["krep"], ["kt"], perm=[0, 1, 3, 2]),
-             helper.make_node("Mul", ["kt", "sqrt_scale"], ["kts"]),
-             helper.make_node("Mul", ["q_rot", "sqrt_scale"], ["qs"]),
-             helper.make_node("MatMul", ["qs", "kts"], ["scores"])]
+    nodes = [
+        helper.make_node("Concat", ["past_key_values.0.key", "k_new"], ["present.0.key"], axis=2),
+        helper.make_node("Shape", ["present.0.key"], ["kshape"]),  # a side branch, not followed
+        helper.make_node("Unsqueeze", ["present.0.key", "ax2"], ["k5"]),
+        helper.make_node("Expand", ["k5", "rep_shape"], ["k5r"]),
+        helper.make_node("Reshape", ["k5r", "flat_shape"], ["krep"]),
+        helper.make_node("Transpose", ["krep"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("Mul", ["kt", "sqrt_scale"], ["kts"]),
+        helper.make_node("Mul", ["q_rot", "sqrt_scale"], ["qs"]),
+        helper.make_node("MatMul", ["qs", "kts"], ["scores"]),
+    ]
     g = helper.make_graph(nodes, "gqa", [], [])
     assert find_query_outputs(helper.make_model(g), 1) == ["qs"]
     assert find_query_outputs(helper.make_model(g), 2) is None  # layer 1 has no keys here

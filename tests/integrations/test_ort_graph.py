@@ -21,13 +21,28 @@ import arraykv  # noqa: E402
 from arraykv.integrations.llama import LlamaModel, random_gguf_tensors  # noqa: E402
 from arraykv.integrations.model_config import ModelConfig  # noqa: E402
 from arraykv.integrations.ort_gqa import OrtPastLoop, calibrate_kv_scales, rewrite_with_gqa  # noqa: E402
-from arraykv.integrations.ort_graph import (CACHE_OP, GraphRewriteError, find_attention_sites,  # noqa: E402
-                                            rewrite_with_cache_op)
+from arraykv.integrations.ort_graph import (  # noqa: E402
+    CACHE_OP,
+    GraphRewriteError,
+    find_attention_sites,
+    rewrite_with_cache_op,
+)
 from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-CFG = ModelConfig(num_layers=2, hidden_size=128, ffn_size=192, num_heads=4, num_kv_heads=2, head_dim=64,
-                  vocab_size=97, context_length=512, rope_theta=10000.0, rms_eps=1e-5, name="tiny")
+CFG = ModelConfig(
+    num_layers=2,
+    hidden_size=128,
+    ffn_size=192,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    vocab_size=97,
+    context_length=512,
+    rope_theta=10000.0,
+    rms_eps=1e-5,
+    name="tiny",
+)
 PROMPT, STEPS = 24, 12
 
 
@@ -78,7 +93,11 @@ def test_rewritten_graph_has_no_past_and_one_op_per_layer(graph, dec):
     assert {a.s for n in ops for a in n.attribute if a.name == "handle"} == {b"some-handle"}
     # the score/softmax/concat nodes are gone, the graph is smaller
     assert not any(n.op_type in ("Softmax", "Concat") and "present" in "".join(n.output) for n in rewritten.graph.node)
-    assert sum(n.op_type == "Softmax" for n in rewritten.graph.node) == 0 < sum(n.op_type == "Softmax" for n in graph.graph.node)
+    assert (
+        sum(n.op_type == "Softmax" for n in rewritten.graph.node)
+        == 0
+        < sum(n.op_type == "Softmax" for n in graph.graph.node)
+    )
     assert len(rewritten.graph.node) < len(graph.graph.node)
     onnx.checker.check_model(rewritten)
 
@@ -139,10 +158,10 @@ def test_batch_of_two_is_two_single_runs(dec, ids, method):
 def test_truncate_and_fork_continue_like_a_fresh_run(dec, ids):
     cache = dec.make_cache("pqo4")
     dec.prefill(ids[:PROMPT], cache)
-    first = [dec.decode(int(t), cache)[0, 0] for t in ids[PROMPT:PROMPT + 4]]
+    first = [dec.decode(int(t), cache)[0, 0] for t in ids[PROMPT : PROMPT + 4]]
     twin = cache.fork()
     cache.truncate_all(PROMPT)
-    again = [dec.decode(int(t), cache)[0, 0] for t in ids[PROMPT:PROMPT + 4]]
+    again = [dec.decode(int(t), cache)[0, 0] for t in ids[PROMPT : PROMPT + 4]]
     assert max(np.abs(a - b).max() for a, b in zip(first, again)) < 1e-5
     nxt = int(ids[PROMPT + 4])
     assert np.abs(dec.decode(nxt, twin) - dec.decode(nxt, cache)).max() < 1e-5
@@ -226,8 +245,9 @@ def test_gqa_float_path_matches_and_quantized_paths_hold_fewer_bytes(graph, ids)
     calib = np.random.default_rng(9).integers(0, CFG.vocab_size, 64)
     errs = {}
     for bits, dtype, width in ((8, np.int8, 64), (4, np.uint8, 32)):
-        loop = OrtPastLoop(rewrite_with_gqa(graph, num_heads=4, bits=bits,
-                                            scales=calibrate_kv_scales(graph, calib, bits)))
+        loop = OrtPastLoop(
+            rewrite_with_gqa(graph, num_heads=4, bits=bits, scales=calibrate_kv_scales(graph, calib, bits))
+        )
         q = loop.make_cache()
         errs[bits] = np.abs(_run(loop, ids, q) - ref).max()
         assert q.past[0][0].dtype == dtype and q.past[0][0].shape == (1, 2, len(ids), width)

@@ -1,4 +1,7 @@
-"""SmolLM2-135M with the arraykv cache inside its ONNX graph: dense is the float graph, pqo4 the NumPy decoder's pqo4."""
+"""SmolLM2-135M with the arraykv cache inside its ONNX graph.
+
+Dense is the float graph, pqo4 the NumPy decoder's pqo4.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (ex
 
 from arraykv import eval as ev  # noqa: E402
 from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder  # noqa: E402
+
 from smollm import mean_kl, smollm_or_skip  # noqa: E402
 
 pytestmark = pytest.mark.slow

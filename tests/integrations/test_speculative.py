@@ -16,8 +16,19 @@ from arraykv.integrations.speculative import (
     speculative_generate,
 )
 
-CFG = ModelConfig(num_layers=4, hidden_size=48, ffn_size=80, num_heads=6, num_kv_heads=2, head_dim=8,
-                  vocab_size=97, context_length=256, rope_theta=10000.0, rms_eps=1e-5, name="tiny")
+CFG = ModelConfig(
+    num_layers=4,
+    hidden_size=48,
+    ffn_size=80,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=8,
+    vocab_size=97,
+    context_length=256,
+    rope_theta=10000.0,
+    rms_eps=1e-5,
+    name="tiny",
+)
 METHODS = ["dense", "pqo4", "pq3", "tq3", "int4", "int2"]
 
 
@@ -81,11 +92,15 @@ def test_output_is_plain_greedy_and_cache_ends_the_same(model, prompt, method, d
     n = 30
     ref_cache = model.make_cache(method)
     ref, gaps = plain_greedy(model, prompt, n, ref_cache)
-    d = {"layers1": LayerDraft(1), "layers3": LayerDraft(3), "wrong": WrongDraft(2),
-         "cache": CacheDraft("pqo2"), "ngram": NgramDraft()}[draft]
+    d = {
+        "layers1": LayerDraft(1),
+        "layers3": LayerDraft(3),
+        "wrong": WrongDraft(2),
+        "cache": CacheDraft("pqo2"),
+        "ngram": NgramDraft(),
+    }[draft]
     cache = model.make_cache(method)
-    r = speculative_generate(model, prompt, n, cache=cache, draft=d, k=4, concurrent=concurrent,
-                             stop_at_eos=False)
+    r = speculative_generate(model, prompt, n, cache=cache, draft=d, k=4, concurrent=concurrent, stop_at_eos=False)
     verdict = greedy_agreement(ref, gaps, r.tokens)
     assert verdict["ok"], verdict
     assert len(r.tokens) == n
@@ -111,8 +126,9 @@ def test_any_block_size_and_short_budgets(model, prompt, k):
 @pytest.mark.parametrize("verify", ["decode", "batched", "prefill"])
 def test_dense_verifies_by_decode_or_prefill_alike(model, prompt, verify):
     ref, gaps = plain_greedy(model, prompt, 20, model.make_cache("dense"))
-    r = speculative_generate(model, prompt, 20, cache=model.make_cache("dense"), draft=WrongDraft(2), k=5,
-                             verify=verify, stop_at_eos=False)
+    r = speculative_generate(
+        model, prompt, 20, cache=model.make_cache("dense"), draft=WrongDraft(2), k=5, verify=verify, stop_at_eos=False
+    )
     assert greedy_agreement(ref, gaps, r.tokens)["ok"]
 
 
@@ -129,8 +145,7 @@ def test_ngram_draft_copies_what_followed_the_latest_match():
 def test_ngram_draft_accepts_on_repeating_text(model):
     rep = [3, 14, 15, 92, 65, 35, 89, 79] * 4
     ref, gaps = plain_greedy(model, rep, 24, model.make_cache("pqo4"))
-    r = speculative_generate(model, rep, 24, cache=model.make_cache("pqo4"), draft=NgramDraft(), k=5,
-                             stop_at_eos=False)
+    r = speculative_generate(model, rep, 24, cache=model.make_cache("pqo4"), draft=NgramDraft(), k=5, stop_at_eos=False)
     assert greedy_agreement(ref, gaps, r.tokens)["ok"]
     assert r.rounds < 24
 
@@ -186,11 +201,19 @@ def test_bad_arguments(model, prompt):
     with pytest.raises(ValueError, match="rollback_tokens=3 or more"):
         speculative_generate(model, prompt, 4, cache=model.make_cache("pqo4", rollback_tokens=2), draft=LayerDraft(2))
     with pytest.raises(ValueError, match="rollback_tokens=7 or more"):
-        speculative_generate(model, prompt, 4, cache=model.make_cache("int4", rollback_tokens=6),
-                             draft=LayerDraft(2), k=4, concurrent=True)
+        speculative_generate(
+            model,
+            prompt,
+            4,
+            cache=model.make_cache("int4", rollback_tokens=6),
+            draft=LayerDraft(2),
+            k=4,
+            concurrent=True,
+        )
     with pytest.raises(ValueError, match="draft's cache keeps"):
-        speculative_generate(model, prompt, 4, cache=model.make_cache("dense"),
-                             draft=CacheDraft("pqo2", rollback_tokens=1))
+        speculative_generate(
+            model, prompt, 4, cache=model.make_cache("dense"), draft=CacheDraft("pqo2", rollback_tokens=1)
+        )
     model.prefill(prompt, cache)
     with pytest.raises(ValueError, match="must be empty"):
         speculative_generate(model, prompt, 4, cache=cache, draft=LayerDraft(2))

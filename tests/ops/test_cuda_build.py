@@ -23,8 +23,12 @@ SOURCES = sorted((ROOT / "kernels").glob("*.cu"))
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_cuda_source_compiles_for_hopper(source, tmp_path):
-    res = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "--ptx", "-o", str(tmp_path / "out.ptx"), str(source)],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        ["nvcc", "-std=c++17", "-arch=sm_90", "--ptx", "-o", str(tmp_path / "out.ptx"), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -51,8 +55,13 @@ def test_every_cuda_source_has_a_launcher_that_names_its_kernels():
 def test_cuda_source_compiles_with_nvrtc(source):
     # NVRTC is what cupy.RawModule runs: no CUDA include folder, templates by name expression
     names = LAUNCHER_NAMES[source.name]
-    ok, log, lowered = compile_source(find_nvrtc(), f'#line 1 "{source}"\n' + source.read_text(), source.name,
-                                      names, list(DEFAULT_OPTIONS) + ["-arch=compute_90"])
+    ok, log, lowered = compile_source(
+        find_nvrtc(),
+        f'#line 1 "{source}"\n' + source.read_text(),
+        source.name,
+        names,
+        list(DEFAULT_OPTIONS) + ["-arch=compute_90"],
+    )
     assert ok, log
     assert set(lowered) == set(names)
 

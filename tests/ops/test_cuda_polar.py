@@ -149,8 +149,10 @@ def test_gpu_decode_other_head_dims(method, d):
 
 
 @requires_gpu
-@pytest.mark.parametrize("method, d, g, b", [("pqo4", 128, 4, 2), ("pqo2", 64, 8, 1), ("tq3", 128, 4, 1),
-                                             ("pq3", 64, 1, 4), ("pqo3", 96, 4, 2)])
+@pytest.mark.parametrize(
+    "method, d, g, b",
+    [("pqo4", 128, 4, 2), ("pqo2", 64, 8, 1), ("tq3", 128, 4, 1), ("pq3", 64, 1, 4), ("pqo3", 96, 4, 2)],
+)
 def test_gpu_decode_rotating_key_mean(method, d, g, b):
     # keys of a rotary model: the caches fit a rotating key mean, whose share of each logit the
     # launcher adds per token (RotaryMeanPlan.logits) to the kernel's logits
@@ -177,8 +179,17 @@ def _odd_capacity(codec, extra=5):
 
 
 @requires_gpu
-@pytest.mark.parametrize("method, d, g, b", [("pqo4", 128, 4, 3), ("tq3", 64, 8, 2), ("pq3", 96, 4, 2),
-                                             ("tq2", 256, 2, 2), ("pqo2", 128, 1, 1), ("pq2", 32, 4, 1)])
+@pytest.mark.parametrize(
+    "method, d, g, b",
+    [
+        ("pqo4", 128, 4, 3),
+        ("tq3", 64, 8, 2),
+        ("pq3", 96, 4, 2),
+        ("tq2", 256, 2, 2),
+        ("pqo2", 128, 1, 1),
+        ("pq2", 32, 4, 1),
+    ],
+)
 def test_gpu_decode_odd_capacity(method, d, g, b, monkeypatch):
     # both attention-kernel variants (next-tile prefetch off/on) on codecs whose buffers have an
     # odd capacity (rows of later heads at every alignment) with NaN past the last token,
@@ -212,9 +223,12 @@ def test_rotary_plan_follows_the_codec_namespace():
     cache.prefill(0, k, v, q)
     codec = cache.layer_codec_state(0)
     assert codec.k_mean_plan is not None and _rotary_plan(codec) is codec.k_mean_plan
-    moved = dataclasses.replace(codec, k_mean=xps.asarray(codec.k_mean.astype(np.float32)),  # no float16 there
-                                k_mean_freq=xps.asarray(codec.k_mean_freq),
-                                k_mean_pairs=xps.asarray(codec.k_mean_pairs))
+    moved = dataclasses.replace(
+        codec,
+        k_mean=xps.asarray(codec.k_mean.astype(np.float32)),  # no float16 there
+        k_mean_freq=xps.asarray(codec.k_mean_freq),
+        k_mean_pairs=xps.asarray(codec.k_mean_pairs),
+    )
     plan = _rotary_plan(moved)
     assert plan is not codec.k_mean_plan and plan.xp is xps and plan.shared == codec.k_mean_plan.shared
 
@@ -282,8 +296,9 @@ def _check_decode(method, d, g, b, rope=False):
     assert np.mean(ca == cc) > (0.98 if rope else 0.999)
     rows = np.all(ca == cc, axis=-1)
     assert rows.mean() > 0.5
-    np.testing.assert_allclose(cp.asnumpy(c["k_norms"])[rows].astype(np.float32),
-                               a["k_norms"][rows].astype(np.float32), rtol=5e-3)
+    np.testing.assert_allclose(
+        cp.asnumpy(c["k_norms"])[rows].astype(np.float32), a["k_norms"][rows].astype(np.float32), rtol=5e-3
+    )
     scale = d**-0.5
     q = rng.standard_normal((b, h * g, 1, d)).astype(np.float32) * 2.0
     qg = cp.asarray(q)
@@ -300,16 +315,21 @@ def _check_decode(method, d, g, b, rope=False):
     q16 = qg.astype(cp.float16)
     got16 = _poisoned_call(codec, q16, scale)
     assert got16.dtype == cp.float16
-    _check_close(cp.asnumpy(got16).astype(np.float32),
-                 cp.asnumpy(polar_decode_attention_reference(codec, q16.astype(cp.float32), scale)), "float16 queries")
+    _check_close(
+        cp.asnumpy(got16).astype(np.float32),
+        cp.asnumpy(polar_decode_attention_reference(codec, q16.astype(cp.float32), scale)),
+        "float16 queries",
+    )
     # 4. the cache's decode on CuPy arrays is this kernel
     kn = cp.asarray(rng.standard_normal((b, h, 1, d)), dtype=cp.float32)
     vn = cp.asarray(rng.standard_normal((b, h, 1, d)), dtype=cp.float32)
     out = gpu.decode(0, kn, vn, qg, arraykv.AttendConfig(scale, g))
     assert isinstance(out, arraykv.Fused)
-    _check_close(cp.asnumpy(out.output),
-                 cp.asnumpy(polar_decode_attention_reference(gpu.layer_codec_state(0), qg, scale)),
-                 "cache decode")
+    _check_close(
+        cp.asnumpy(out.output),
+        cp.asnumpy(polar_decode_attention_reference(gpu.layer_codec_state(0), qg, scale)),
+        "cache decode",
+    )
 
 
 @requires_gpu
@@ -325,8 +345,11 @@ def test_gpu_decode_window_only_and_fallback(method):
     codec = gpu.layer_codec_state(0)
     assert codec.n_quantized == 0
     q = cp.asarray(rng.standard_normal((2, 8, 1, 64)), dtype=cp.float32)
-    _check_close(cp.asnumpy(_poisoned_call(codec, q, 0.125)),
-                 cp.asnumpy(polar_decode_attention_reference(codec, q, 0.125)), "window only")
+    _check_close(
+        cp.asnumpy(_poisoned_call(codec, q, 0.125)),
+        cp.asnumpy(polar_decode_attention_reference(codec, q, 0.125)),
+        "window only",
+    )
     # head_dim 512 is beyond the kernel: the launcher falls back to the array-API version
     (_, big), rng = _pair(method, 512, 1, 2, 1, 80, seed=6)
     codec = big.layer_codec_state(0)
@@ -334,8 +357,11 @@ def test_gpu_decode_window_only_and_fallback(method):
     assert unsupported_reason(codec, q) is not None
     from arraykv.ops.cuda.polar import polar_decode_attention
 
-    np.testing.assert_allclose(cp.asnumpy(polar_decode_attention(codec, q, 0.05)),
-                               cp.asnumpy(polar_decode_attention_reference(codec, q, 0.05)), rtol=1e-6)
+    np.testing.assert_allclose(
+        cp.asnumpy(polar_decode_attention(codec, q, 0.05)),
+        cp.asnumpy(polar_decode_attention_reference(codec, q, 0.05)),
+        rtol=1e-6,
+    )
 
 
 @requires_gpu
@@ -362,12 +388,15 @@ def test_gpu_encode_decode_poisoned(bits, d, unbiased):
         codes = cp.full(want_codes.shape, 0xAB, dtype=cp.uint8)
         norms = cp.full(want_norms.shape, cp.nan, dtype=cp.float16)
         polar_encode_into(xg, cb_g, rot_g, unbiased=unbiased, codes_out=codes, norms_out=norms)
-        ref_codes, ref_norms = polar_encode_reference(cp.asnumpy(xg).astype(np.float32), cb_c, rot_c,
-                                                      unbiased=unbiased)
+        ref_codes, ref_norms = polar_encode_reference(cp.asnumpy(xg).astype(np.float32), cb_c, rot_c, unbiased=unbiased)
         assert np.mean(cp.asnumpy(codes) == ref_codes) > 0.99
         np.testing.assert_allclose(cp.asnumpy(norms).astype(np.float32), ref_norms.astype(np.float32), rtol=2e-3)
     back = cp.full((3, 5, d), cp.nan, dtype=cp.float32)
     codes_g = cp.asarray(want_codes)
     polar_decode_into(codes_g, cp.asarray(want_norms), cb_g, rot_g, out=back)
-    np.testing.assert_allclose(cp.asnumpy(back), polar_decode_reference(want_codes, want_norms, cb_c, rot_c),
-                               rtol=1e-4, atol=1e-5 * float(np.abs(x).max()))
+    np.testing.assert_allclose(
+        cp.asnumpy(back),
+        polar_decode_reference(want_codes, want_norms, cb_c, rot_c),
+        rtol=1e-4,
+        atol=1e-5 * float(np.abs(x).max()),
+    )

@@ -33,8 +33,29 @@ def _hard_floats():
     vals = np.unique(vals)
     mids = (vals[:-1].astype(np.float64) + vals[1:]) / 2
     mids = mids.astype(np.float32)  # exact: float16 neighbours' midpoints fit in float32
-    base = np.concatenate([vals, mids, np.float32([65504, 65519.996, 65520, 65536, 1e6, 2.0**-24, 2.0**-25,
-                                                   2.0**-26, 3 * 2.0**-26, 2.0**-14, 0.0, np.inf, -np.inf])])
+    base = np.concatenate(
+        [
+            vals,
+            mids,
+            np.float32(
+                [
+                    65504,
+                    65519.996,
+                    65520,
+                    65536,
+                    1e6,
+                    2.0**-24,
+                    2.0**-25,
+                    2.0**-26,
+                    3 * 2.0**-26,
+                    2.0**-14,
+                    0.0,
+                    np.inf,
+                    -np.inf,
+                ]
+            ),
+        ]
+    )
     base = np.concatenate([base, -base])
     near = np.concatenate([np.nextafter(base, np.float32(np.inf)), np.nextafter(base, np.float32(-np.inf))])
     rnd = np.random.default_rng(0).integers(0, 2**32, size=1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32)
@@ -43,10 +64,12 @@ def _hard_floats():
 
 def _each(convert):
     """``out[i] = convert(x[i])`` for a scalar conversion of compiled code, compiled."""
+
     @nb.njit
     def run(x, out):
         for i in range(x.shape[0]):
             out[i] = convert(x[i])
+
     return run
 
 

@@ -31,8 +31,7 @@ def _fill(method, d, g, b, tokens, rng, h=3, dtype=np.float32, **opts):
     k = (rng.standard_normal((b, h, tokens, d)) * spread + offset).astype(dtype)
     v = (rng.standard_normal((b, h, tokens, d)) + 0.5).astype(dtype)
     if tokens > 1:
-        cache.prefill(0, k[:, :, :-1], v[:, :, :-1],
-                      rng.standard_normal((b, h * g, tokens - 1, d)).astype(dtype))
+        cache.prefill(0, k[:, :, :-1], v[:, :, :-1], rng.standard_normal((b, h * g, tokens - 1, d)).astype(dtype))
     q = rng.standard_normal((b, h * g, 1, d)).astype(dtype)
     out = cache.decode(0, k[:, :, -1:], v[:, :, -1:], q, arraykv.AttendConfig(d**-0.5, g))
     return cache, q, out
@@ -56,10 +55,20 @@ def _first_tokens(codec, n):
     ng = n // G
     assert ng <= codec.n_groups and n <= codec.v_codes.shape[2]
     return dataclasses.replace(
-        codec, n_tokens=n, n_groups=ng, n_residual=0, k_codes=codec.k_codes[:, :, :ng],
-        k_scale=codec.k_scale[:, :, :ng], k_offset=codec.k_offset[:, :, :ng], k_residual=codec.k_residual[:, :, :0],
-        v_codes=codec.v_codes[:, :, :n], v_scale=codec.v_scale[:, :, :n], v_offset=codec.v_offset[:, :, :n],
-        n_window=0, v_window=None)
+        codec,
+        n_tokens=n,
+        n_groups=ng,
+        n_residual=0,
+        k_codes=codec.k_codes[:, :, :ng],
+        k_scale=codec.k_scale[:, :, :ng],
+        k_offset=codec.k_offset[:, :, :ng],
+        k_residual=codec.k_residual[:, :, :0],
+        v_codes=codec.v_codes[:, :, :n],
+        v_scale=codec.v_scale[:, :, :n],
+        v_offset=codec.v_offset[:, :, :n],
+        n_window=0,
+        v_window=None,
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -87,8 +96,9 @@ def test_fused_equals_reference_equals_attention_over_dequantized(method, d, g, 
 def test_group_sizes_and_scale_dtypes(method, group_size, scale_dtype, rng):
     """Odd groups end mid-byte (int4, int2), one-token groups, groups longer than a tile; float32 scales."""
     window = {"residual_window": 2 * group_size} if method == "int2" else {}
-    cache, q, out = _fill(method, 40, 2, 2, 2 * group_size + 9, rng, h=2, group_size=group_size,
-                          scale_dtype=scale_dtype, **window)
+    cache, q, out = _fill(
+        method, 40, 2, 2, 2 * group_size + 9, rng, h=2, group_size=group_size, scale_dtype=scale_dtype, **window
+    )
     codec = cache.layer_codec_state(0)
     assert codec.k_scale.dtype == np.dtype(scale_dtype) and codec.v_scale.dtype == np.dtype(scale_dtype)
     want = _over_dequantized(cache, q, 40**-0.5)
@@ -201,8 +211,10 @@ def test_kernel_is_registered_for_numpy():
 def test_decode_paths_agree(method, rng):
     """'auto' and 'fused' return Fused on NumPy, 'dequantized' Dequantized; the outputs agree."""
     d, g = 64, 3
-    caches = {path: arraykv.make_cache(method, num_layers=1, num_kv_heads=3, head_dim=d, decode_path=path)
-              for path in ("auto", "fused", "dequantized")}
+    caches = {
+        path: arraykv.make_cache(method, num_layers=1, num_kv_heads=3, head_dim=d, decode_path=path)
+        for path in ("auto", "fused", "dequantized")
+    }
     k = rng.standard_normal((1, 3, 40, d)).astype(np.float32)
     v = rng.standard_normal((1, 3, 40, d)).astype(np.float32)
     q = rng.standard_normal((1, 3 * g, 40, d)).astype(np.float32)
@@ -243,12 +255,20 @@ def test_reference_in_any_namespace(xp, rng, method):
     """The array-API reference agrees with attention over the dequantized cache in every namespace."""
     d, g, n = 48, 2, 77
     cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=2, head_dim=d, group_size=16, decode_path="fused")
-    cache.prefill(0, asarray(xp, rng.standard_normal((2, 2, n, d)), "float32"),
-                  asarray(xp, rng.standard_normal((2, 2, n, d)), "float32"),
-                  asarray(xp, rng.standard_normal((2, 2 * g, n, d)), "float32"))
+    cache.prefill(
+        0,
+        asarray(xp, rng.standard_normal((2, 2, n, d)), "float32"),
+        asarray(xp, rng.standard_normal((2, 2, n, d)), "float32"),
+        asarray(xp, rng.standard_normal((2, 2 * g, n, d)), "float32"),
+    )
     q = asarray(xp, rng.standard_normal((2, 2 * g, 1, d)), "float32")
-    out = cache.decode(0, asarray(xp, rng.standard_normal((2, 2, 1, d)), "float32"),
-                       asarray(xp, rng.standard_normal((2, 2, 1, d)), "float32"), q, arraykv.AttendConfig(0.15, g))
+    out = cache.decode(
+        0,
+        asarray(xp, rng.standard_normal((2, 2, 1, d)), "float32"),
+        asarray(xp, rng.standard_normal((2, 2, 1, d)), "float32"),
+        q,
+        arraykv.AttendConfig(0.15, g),
+    )
     assert isinstance(out, arraykv.Fused)
     r = cache.dequantize(0)
     want = to_np(arraykv.attention(q, r.k, r.v, softmax_scale=0.15)).astype(np.float64)
@@ -284,8 +304,10 @@ def test_more_than_one_query_token_is_rejected(rng):
 
 
 @pytest.mark.parametrize("kernels", [True, False])
-@pytest.mark.parametrize("method,opts", [("int2", {}), ("int2", {"residual_window": 16}), ("int4", {}),
-                                         ("int8", {}), ("int4", {"residual_window": 8})])
+@pytest.mark.parametrize(
+    "method,opts",
+    [("int2", {}), ("int2", {"residual_window": 16}), ("int4", {}), ("int8", {}), ("int4", {"residual_window": 8})],
+)
 @pytest.mark.parametrize("d,g,b,n", [(16, 1, 1, 5), (16, 3, 2, 40), (33, 4, 1, 70), (8, 2, 2, 100)])
 def test_fused_equals_plain_loops(kernels, method, opts, d, g, b, n, rng):
     """Keys and values rebuilt element by element from the codec's documented formulas, then attention by loops."""
@@ -301,9 +323,11 @@ def test_fused_equals_plain_loops(kernels, method, opts, d, g, b, n, rng):
 def test_inconsistent_codec_is_rejected(rng):
     cache, q, _ = _fill("int2", 64, 2, 1, 50, rng)
     codec = cache.layer_codec_state(0)
-    for bad in (dataclasses.replace(codec, n_window=0, v_window=None),
-                dataclasses.replace(codec, n_tokens=49),
-                dataclasses.replace(codec, n_residual=codec.n_residual - 1)):
+    for bad in (
+        dataclasses.replace(codec, n_window=0, v_window=None),
+        dataclasses.replace(codec, n_tokens=49),
+        dataclasses.replace(codec, n_residual=codec.n_residual - 1),
+    ):
         for fn in (int_decode_attention, int_decode_attention_reference):
             with pytest.raises(ValueError, match="codec counts disagree"):
                 fn(bad, q, 0.125)

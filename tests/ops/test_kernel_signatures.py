@@ -45,8 +45,9 @@ def test_every_op_has_a_public_entry():
 
 def test_missing_accelerator_falls_back_silently(monkeypatch):
     np = pytest.importorskip("numpy")
-    registry.register_op("_test_missing", "arraykv.quant.bitpack:pack_bits_reference",
-                         numpy="arraykv._no_such_module_for_tests:f")
+    registry.register_op(
+        "_test_missing", "arraykv.quant.bitpack:pack_bits_reference", numpy="arraykv._no_such_module_for_tests:f"
+    )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")

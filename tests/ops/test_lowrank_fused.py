@@ -71,7 +71,7 @@ F16, F32 = np.float16, np.float32
 # contexts around a tile edge and across several tiles, with and without kept tokens, batch 1
 # and 2, float16 and float32 coefficients.
 SHAPES = [
-    (1, 3, 3, 64, 32, 490, 24, F16),   # the SmolLM2-135M layer
+    (1, 3, 3, 64, 32, 490, 24, F16),  # the SmolLM2-135M layer
     (2, 2, 1, 64, 8, 0, 5, F16),
     (1, 1, 4, 128, 32, 1, 0, F32),
     (2, 2, 3, 64, 8, 63, 5, F32),
@@ -81,7 +81,7 @@ SHAPES = [
     (2, 1, 4, 64, 32, 700, 5, F32),
     (1, 2, 1, 128, (8, 32), 257, 5, F16),
     (2, 1, 3, 24, (5, 3), 65, 5, F16),  # a head_dim without a specialised step (nor 16-lane rows), odd ranks
-    (1, 2, 2, 16, 16, 300, 3, F16),     # a head_dim without a specialised step, 16-lane rows
+    (1, 2, 2, 16, 16, 300, 3, F16),  # a head_dim without a specialised step, 16-lane rows
 ]
 
 
@@ -95,7 +95,7 @@ def _ids(shape):
 def test_kernel_matches_reference_and_dense_attention(rng, shape):
     b, h, g, d, r, T, E, dt = shape
     args = _case(rng, b=b, h=h, g=g, d=d, r=r, T=T, E=E, coef=dt)
-    scale = d ** -0.5
+    scale = d**-0.5
     got = nf.lowrank_decode_attention(**args, softmax_scale=scale)
     assert got.dtype == np.float32 and got.shape == (b, h * g, 1, d)
     _close(got, reference(**args, softmax_scale=scale))
@@ -107,8 +107,16 @@ def test_no_coded_tokens_needs_no_basis(rng):
     """``T = 0``: bases and means may be None, as the cache passes them before its fit."""
     args = _case(rng, b=2, h=2, g=3, d=64, T=0, E=5)
     args.update(k_basis=None, k_mean=None, v_basis=None, v_mean=None)
-    want = _dense(**dict(args, k_basis=np.zeros((2, 64, 8)), k_mean=np.zeros((2, 64)), v_basis=np.zeros((2, 64, 8)),
-                         v_mean=np.zeros((2, 64))), softmax_scale=0.125)
+    want = _dense(
+        **dict(
+            args,
+            k_basis=np.zeros((2, 64, 8)),
+            k_mean=np.zeros((2, 64)),
+            v_basis=np.zeros((2, 64, 8)),
+            v_mean=np.zeros((2, 64)),
+        ),
+        softmax_scale=0.125,
+    )
     _close(nf.lowrank_decode_attention(**args, softmax_scale=0.125), want)
     _close(reference(**args, softmax_scale=0.125), want)
 
@@ -143,9 +151,14 @@ def test_strided_and_noncontiguous_inputs(rng):
     q[:, :, :1] = args["q"]
     ke = np.zeros((2, 2, 10, 64), np.float16)
     ke[:, :, ::2] = args["k_extra"]
-    a = dict(args, q=q[:, :, :1], k_extra=ke[:, :, ::2], v_extra=np.asfortranarray(args["v_extra"]),
-             k_basis=np.ascontiguousarray(args["k_basis"].transpose(0, 2, 1)).transpose(0, 2, 1),
-             k_coef=every_other_token(args["k_coef"]))
+    a = dict(
+        args,
+        q=q[:, :, :1],
+        k_extra=ke[:, :, ::2],
+        v_extra=np.asfortranarray(args["v_extra"]),
+        k_basis=np.ascontiguousarray(args["k_basis"].transpose(0, 2, 1)).transpose(0, 2, 1),
+        k_coef=every_other_token(args["k_coef"]),
+    )
     _close(nf.lowrank_decode_attention(**a, softmax_scale=0.125), want)
 
 
@@ -196,8 +209,13 @@ BAD = {
     "v_basis head_dim": lambda a: dict(a, v_basis=a["v_basis"][:, :32]),
     "k_mean missing": lambda a: dict(a, k_mean=None),
     "v_mean heads": lambda a: dict(a, v_mean=a["v_mean"][:1]),
-    "no token": lambda a: dict(a, k_coef=a["k_coef"][:, :, :0], v_coef=a["v_coef"][:, :, :0],
-                               k_extra=a["k_extra"][:, :, :0], v_extra=a["v_extra"][:, :, :0]),
+    "no token": lambda a: dict(
+        a,
+        k_coef=a["k_coef"][:, :, :0],
+        v_coef=a["v_coef"][:, :, :0],
+        k_extra=a["k_extra"][:, :, :0],
+        v_extra=a["v_extra"][:, :, :0],
+    ),
 }
 
 
@@ -287,11 +305,19 @@ def test_cache_decode_runs_the_kernel(rng, coeff_dtype, monkeypatch):
     q0 = rng.standard_normal((1, h * g, 200, d)).astype(np.float32)
     step = [rng.standard_normal((1, h, 1, d)).astype(np.float32) for _ in "kv"]
     q = rng.standard_normal((1, h * g, 1, d)).astype(np.float32)
-    config = arraykv.AttendConfig(softmax_scale=d ** -0.5, n_kv_groups=g)
+    config = arraykv.AttendConfig(softmax_scale=d**-0.5, n_kv_groups=g)
 
     def decode():
-        cache = arraykv.make_cache("lowrank", num_layers=1, num_kv_heads=h, head_dim=d, rank=16,
-                                   coeff_dtype=coeff_dtype, residual_window=8, sink_tokens=2)
+        cache = arraykv.make_cache(
+            "lowrank",
+            num_layers=1,
+            num_kv_heads=h,
+            head_dim=d,
+            rank=16,
+            coeff_dtype=coeff_dtype,
+            residual_window=8,
+            sink_tokens=2,
+        )
         cache.prefill(0, k, v, q0)
         return cache.decode(0, step[0], step[1], q, config).output
 

@@ -54,8 +54,9 @@ from naive import (
 
 # The quantizers with the ops layer's passes: a kernel where one serves the namespace and
 # kernels are on, the array-API reference otherwise (what the caches call).
-quantize_groups = partial(intq.quantize_groups, group_minmax=ops.intq_group_minmax,
-                          quantize_pack=ops.intq_quantize_pack)
+quantize_groups = partial(
+    intq.quantize_groups, group_minmax=ops.intq_group_minmax, quantize_pack=ops.intq_quantize_pack
+)
 dequantize_groups = partial(intq.dequantize_groups, dequantize=ops.intq_dequantize)
 polar_encode = partial(polar.polar_encode, encode=ops.polar_encode)
 polar_decode = partial(polar.polar_decode, decode=ops.polar_decode)
@@ -129,8 +130,14 @@ def test_intq_quantize_dequantize(kernels, bits, group_size, param_dtype, rng):
         np.testing.assert_array_equal(q.offset, offset)
         _close(back, intq_dequantize_loops(q.codes, q.scale, q.offset, bits, group_size, shape[-1]), VALUE_TOL)
         # dequantization of arbitrary codes and parameters, not only of a quantizer's output
-        rnd = IntQuantized(codes=rng.integers(0, 256, q.codes.shape).astype(np.uint8), scale=q.scale,
-                           offset=q.offset, bits=bits, group_size=group_size, n=shape[-1])
+        rnd = IntQuantized(
+            codes=rng.integers(0, 256, q.codes.shape).astype(np.uint8),
+            scale=q.scale,
+            offset=q.offset,
+            bits=bits,
+            group_size=group_size,
+            n=shape[-1],
+        )
         with set_kernels_enabled(kernels):
             back = dequantize_groups(rnd)
         _close(back, intq_dequantize_loops(rnd.codes, rnd.scale, rnd.offset, bits, group_size, shape[-1]), VALUE_TOL)
@@ -176,8 +183,7 @@ def test_polar_encode_decode(kernels, length, d, bits, lead, rng):
 
 
 @kernels
-@pytest.mark.parametrize("lead, h, t, d, s, K", [((), 2, 5, 8, 2, 4), ((2,), 1, 4, 16, 4, 16),
-                                                  ((), 2, 3, 8, 2, 300)])
+@pytest.mark.parametrize("lead, h, t, d, s, K", [((), 2, 5, 8, 2, 4), ((2,), 1, 4, 16, 4, 16), ((), 2, 3, 8, 2, 300)])
 def test_pq_encode_decode(kernels, lead, h, t, d, s, K, rng):
     """Nearest centroid per sub-vector, packed (uint16 above 8 bits), and the centroids back."""
     m = d // s
@@ -205,8 +211,10 @@ def test_pq_encode_decode(kernels, lead, h, t, d, s, K, rng):
 
 
 @kernels
-@pytest.mark.parametrize("shape, dtype, threshold", [((2, 2, 8, 8), np.float32, 2.5), ((1, 3, 16, 4), np.float16, 3.0),
-                                                     ((2, 1, 5, 16), np.float32, 2.0)])
+@pytest.mark.parametrize(
+    "shape, dtype, threshold",
+    [((2, 2, 8, 8), np.float32, 2.5), ((1, 3, 16, 4), np.float16, 3.0), ((2, 1, 5, 16), np.float32, 2.0)],
+)
 def test_split_outliers(kernels, shape, dtype, threshold, rng):
     x = rng.standard_normal(shape)
     spikes = rng.integers(0, x.size, 6)
@@ -282,8 +290,11 @@ POLAR_CASES = {
     "tq3-d8-plain-mean": ("tq3", dict(b=1, h=2, g=1, d=8), dict(keys="plain", rope=None, outliers=1)),
     "tq3-d16-rotating-mean-gqa": ("tq3", dict(b=2, h=1, g=2, d=16), dict(keys="rope", rope=ROPE, outliers=2)),
     # head dims with kernel steps of their own (fused_driver.build_steps(dims=...)); lengths past one tile
-    "pqo4-d128-rotating-mean-gqa8": ("pqo4", dict(b=1, h=1, g=8, d=128, n=150),
-                                     dict(keys="rope", rope=ROPE, outliers=2)),
+    "pqo4-d128-rotating-mean-gqa8": (
+        "pqo4",
+        dict(b=1, h=1, g=8, d=128, n=150),
+        dict(keys="rope", rope=ROPE, outliers=2),
+    ),
     "pqo2-d64-plain-gqa4": ("pqo2", dict(b=1, h=2, g=4, d=64, n=97), dict(keys="plain", rope=None, outliers=1)),
     "tq3-d64-rotating-mean-gqa3": ("tq3", dict(b=1, h=1, g=3, d=64, n=70), dict(keys="rope", rope=ROPE, outliers=1)),
 }
@@ -298,8 +309,9 @@ def test_polar_fused_decode(kernels, case, rng):
     keys = opts.pop("keys")
     n = shape.pop("n", 45)
     with set_kernels_enabled(kernels):
-        cache, q, got = _fill_and_decode(method, rng, n=n, keys=keys, sink_tokens=SINKS, residual_window=WINDOW,
-                                         **shape, **opts)
+        cache, q, got = _fill_and_decode(
+            method, rng, n=n, keys=keys, sink_tokens=SINKS, residual_window=WINDOW, **shape, **opts
+        )
     codec = cache.layer_codec_state(0)
     assert codec.n_sink == SINKS and codec.n_window == SINKS + WINDOW and codec.n_quantized == n - SINKS - WINDOW
     assert codec.k_outlier_idx is not None and codec.k_outlier_idx.shape[-1] == opts["outliers"]
@@ -342,8 +354,10 @@ def test_int_fused_decode(kernels, case, rng):
 def _extras(arrays):
     """The float16 tokens of a lowrank/vq layer: sinks, then the recent window."""
     assert arrays["k_sink"].shape[2] == SINKS and arrays["k_window"].shape[2] > 0
-    return (np.concatenate([arrays["k_sink"], arrays["k_window"]], axis=2),
-            np.concatenate([arrays["v_sink"], arrays["v_window"]], axis=2))
+    return (
+        np.concatenate([arrays["k_sink"], arrays["k_window"]], axis=2),
+        np.concatenate([arrays["v_sink"], arrays["v_window"]], axis=2),
+    )
 
 
 VQ_CASES = {
@@ -358,15 +372,24 @@ def test_vq_fused_decode(kernels, case, rng):
     opts = dict(VQ_CASES[case])
     shape = {n: opts.pop(n) for n in ("b", "h", "g", "d")}
     with set_kernels_enabled(kernels):
-        cache, q, got = _fill_and_decode("vq", rng, n=37, sink_tokens=SINKS, residual_window=WINDOW, max_iter=5,
-                                         **shape, **opts)
+        cache, q, got = _fill_and_decode(
+            "vq", rng, n=37, sink_tokens=SINKS, residual_window=WINDOW, max_iter=5, **shape, **opts
+        )
     a = cache.layer_arrays(0)
     assert a["k_codes"].shape[2] == 37 - SINKS - WINDOW
     ke, ve = _extras(a)
     b, hq, _, d = q.shape
-    want = pq_decode_attention_loops(q.reshape(b, hq, d), a["k_codes"], a["k_centroids"], a["v_codes"],
-                                     a["v_centroids"], ke, ve, bits=pq_code_bits(opts["codebook_size"]),
-                                     softmax_scale=d**-0.5)
+    want = pq_decode_attention_loops(
+        q.reshape(b, hq, d),
+        a["k_codes"],
+        a["k_centroids"],
+        a["v_codes"],
+        a["v_centroids"],
+        ke,
+        ve,
+        bits=pq_code_bits(opts["codebook_size"]),
+        softmax_scale=d**-0.5,
+    )
     _close(got, want.reshape(b, hq, 1, d), ATTN_TOL)
 
 
@@ -382,11 +405,22 @@ def test_lowrank_fused_decode(kernels, case, rng):
     opts = dict(LOWRANK_CASES[case])
     shape = {n: opts.pop(n) for n in ("b", "h", "g", "d")}
     with set_kernels_enabled(kernels):
-        cache, q, got = _fill_and_decode("lowrank", rng, n=25, sink_tokens=SINKS, residual_window=WINDOW,
-                                         **shape, **opts)
+        cache, q, got = _fill_and_decode(
+            "lowrank", rng, n=25, sink_tokens=SINKS, residual_window=WINDOW, **shape, **opts
+        )
     a = cache.layer_arrays(0)
     assert a["k_coef"].shape[2] == 25 - SINKS - WINDOW
     ke, ve = _extras(a)
-    want = lowrank_decode_attention_loops(q, a["k_coef"], a["k_basis"], a["k_mean"], a["v_coef"], a["v_basis"],
-                                          a["v_mean"], ke, ve, softmax_scale=shape["d"] ** -0.5)
+    want = lowrank_decode_attention_loops(
+        q,
+        a["k_coef"],
+        a["k_basis"],
+        a["k_mean"],
+        a["v_coef"],
+        a["v_basis"],
+        a["v_mean"],
+        ke,
+        ve,
+        softmax_scale=shape["d"] ** -0.5,
+    )
     _close(got, want, ATTN_TOL)

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(kernel is None, reason="numba is not installed")
 
 
 def planted(rng, shape, dtype, count):
-    x = (rng.standard_normal(shape) * rng.uniform(0.5, 3.0, shape[-1]) + rng.uniform(-2, 2, shape[-1]))
+    x = rng.standard_normal(shape) * rng.uniform(0.5, 3.0, shape[-1]) + rng.uniform(-2, 2, shape[-1])
     flat = x.reshape(-1)
     pos = rng.choice(flat.size, count, replace=False)
     flat[pos] += rng.choice([-1.0, 1.0], count) * rng.uniform(30, 60, count)
@@ -42,8 +42,9 @@ def test_kernel_matches_the_reference(rng, shape, dtype, threshold):
     np.testing.assert_allclose(dense.reshape(-1)[same], rdense.reshape(-1)[same], rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(out.value, x.reshape(-1)[out.index])
     # Restored exactly.
-    np.testing.assert_array_equal(scatter_outliers(dense.astype(x.dtype), out).reshape(-1)[out.index],
-                                  x.reshape(-1)[out.index])
+    np.testing.assert_array_equal(
+        scatter_outliers(dense.astype(x.dtype), out).reshape(-1)[out.index], x.reshape(-1)[out.index]
+    )
 
 
 def test_planted_outliers_are_found_and_nothing_else(rng):

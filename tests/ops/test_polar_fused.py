@@ -53,8 +53,11 @@ def _exact_over_dequantized(cache, q, scale):
 def _first_tokens(codec, n):
     """The codec state of the first ``n`` quantized tokens (views)."""
     per_token = ("k_codes", "k_norms", "v_codes", "v_norms", "k_outliers", "k_qjl", "k_qjl_norms")
-    return dataclasses.replace(codec, n_quantized=n, **{name: getattr(codec, name)[:, :, :n, ...]
-                                                        for name in per_token if getattr(codec, name) is not None})
+    return dataclasses.replace(
+        codec,
+        n_quantized=n,
+        **{name: getattr(codec, name)[:, :, :n, ...] for name in per_token if getattr(codec, name) is not None},
+    )
 
 
 def _reference(codec, q, scale):
@@ -108,8 +111,16 @@ def test_every_bit_width(bits, d, qjl, rng):
     assert (codec.k_codebook.bits, codec.v_codebook.bits) == (bits, 9 - bits)
 
 
-@pytest.mark.parametrize("opts", [{"key_scale": True}, {"center": False}, {"center": True, "outliers": 5},
-                                  {"outliers": 0}, {"key_scale": True, "outliers": 2, "center": True}])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"key_scale": True},
+        {"center": False},
+        {"center": True, "outliers": 5},
+        {"outliers": 0},
+        {"key_scale": True, "outliers": 2, "center": True},
+    ],
+)
 @pytest.mark.parametrize("method", ["pqo3", "tq3"])
 def test_calibration_options(opts, method, rng):
     cache, q, _ = _filled(method, 64, 4, 2, 100, rng, **opts)
@@ -126,9 +137,12 @@ def test_absent_side_arrays_read_as_defaults(d, rng):
     cache, q, _ = _filled("tq4", d, 2, 2, 120, rng, center=True, outliers=3)
     full = cache.layer_codec_state(0)
     ones = np.ones_like(full.k_scale)
-    variants = [dict(k_scale=None), dict(k_mean=None, v_mean=None),
-                dict(k_outlier_idx=None, k_outliers=None),
-                dict(k_scale=None, k_mean=None, v_mean=None, k_outlier_idx=None, k_outliers=None)]
+    variants = [
+        dict(k_scale=None),
+        dict(k_mean=None, v_mean=None),
+        dict(k_outlier_idx=None, k_outliers=None),
+        dict(k_scale=None, k_mean=None, v_mean=None, k_outlier_idx=None, k_outliers=None),
+    ]
     outs = []
     for change in variants:
         codec = dataclasses.replace(full, **change)
@@ -138,8 +152,9 @@ def test_absent_side_arrays_read_as_defaults(d, rng):
         outs.append(got)
     # None reads as the neutral value: the same as ones / zeros given explicitly
     same = dataclasses.replace(full, k_scale=ones)
-    np.testing.assert_allclose(outs[0], np.asarray(polar_decode_attention(same, q, 0.2), np.float64), rtol=1e-6,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        outs[0], np.asarray(polar_decode_attention(same, q, 0.2), np.float64), rtol=1e-6, atol=1e-6
+    )
     assert np.abs(outs[1] - outs[0]).max() > 1e-3  # dropping the means changes the result
 
 
@@ -250,8 +265,10 @@ def test_step_memory_does_not_grow_with_context(rng):
 @pytest.mark.parametrize("method", ["pqo4", "tq3"])
 def test_cache_decode_returns_fused_on_numpy_and_matches_dequantized(method, rng):
     d, g = 64, 4
-    caches = {path: arraykv.make_cache(method, num_layers=1, num_kv_heads=2, head_dim=d, decode_path=path)
-              for path in ("auto", "fused", "dequantized")}
+    caches = {
+        path: arraykv.make_cache(method, num_layers=1, num_kv_heads=2, head_dim=d, decode_path=path)
+        for path in ("auto", "fused", "dequantized")
+    }
     k = rng.standard_normal((1, 2, 80, d)).astype(np.float32)
     v = rng.standard_normal((1, 2, 80, d)).astype(np.float32)
     q = rng.standard_normal((1, 2 * g, 80, d)).astype(np.float32)  # the same calibration for all three

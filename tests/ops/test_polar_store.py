@@ -42,8 +42,11 @@ def _case(rng, d, bits, n_out, rotating, qjl, b=2, h=3):
     rows = {}
     for name, a in enc.items():  # buffers of the encode's names, dtypes and trailing shapes, filled with noise
         shape = a.shape[:2] + (CAP,) + a.shape[3:]
-        rows[name] = rng.integers(0, 255, size=shape).astype(a.dtype) if a.dtype == np.uint8 else \
-            rng.standard_normal(shape).astype(a.dtype)
+        rows[name] = (
+            rng.integers(0, 255, size=shape).astype(a.dtype)
+            if a.dtype == np.uint8
+            else rng.standard_normal(shape).astype(a.dtype)
+        )
     return k, v, wk, wv, calib, kb, vb, rot, sketch, rows
 
 
@@ -62,23 +65,27 @@ def test_kernel_is_the_general_sequence_bit_for_bit(d, bits, n_out, rotating, qj
     got_rows, got_wk, got_wv = _copy(rows), wk.copy(), wv.copy()
     encoder = PolarEncoder(*calib, kb, vb, rot, True, False, sketch)
     assert polar_store_token(k, v, got_wk, got_wv, leaving, arriving, encoder, start, got_rows, at) is True
-    enc = polar_encode_tokens(wk[:, :, leaving:leaving + 1].astype(np.float32),
-                              wv[:, :, leaving:leaving + 1].astype(np.float32),
-                              encoder, start)
+    enc = polar_encode_tokens(
+        wk[:, :, leaving : leaving + 1].astype(np.float32),
+        wv[:, :, leaving : leaving + 1].astype(np.float32),
+        encoder,
+        start,
+    )
     assert sorted(enc) == sorted(rows)
     for name, a in rows.items():
         want = a.copy()
-        want[:, :, at:at + 1] = enc[name]
+        want[:, :, at : at + 1] = enc[name]
         np.testing.assert_array_equal(got_rows[name].view(np.uint8), want.view(np.uint8), err_msg=name)
     want_wk, want_wv = wk.copy(), wv.copy()
-    want_wk[:, :, arriving:arriving + 1] = k.astype(np.float16)
-    want_wv[:, :, arriving:arriving + 1] = v.astype(np.float16)
+    want_wk[:, :, arriving : arriving + 1] = k.astype(np.float16)
+    want_wv[:, :, arriving : arriving + 1] = v.astype(np.float16)
     np.testing.assert_array_equal(got_wk.view(np.uint16), want_wk.view(np.uint16))
     np.testing.assert_array_equal(got_wv.view(np.uint16), want_wv.view(np.uint16))
 
 
-@pytest.mark.parametrize("d,bits,n_out,rotating,qjl", [(64, 4, 3, True, False), (128, 2, 0, False, True),
-                                                      (96, 3, 2, True, True)])
+@pytest.mark.parametrize(
+    "d,bits,n_out,rotating,qjl", [(64, 4, 3, True, False), (128, 2, 0, False, True), (96, 3, 2, True, True)]
+)
 def test_kernel_equals_reference(d, bits, n_out, rotating, qjl, rng):
     k, v, wk, wv, calib, kb, vb, rot, sketch, rows = _case(rng, d, bits, n_out, rotating, qjl)
     outs = []
@@ -97,11 +104,16 @@ def test_kernel_equals_reference(d, bits, n_out, rotating, qjl, rng):
         r = polar_decode_reference(wr[f"{side}_codes"][:, :, 8], wr[f"{side}_norms"][:, :, 8], book, rot)
         assert np.max(np.linalg.norm(a - r, axis=-1) / np.linalg.norm(r, axis=-1)) < 0.05
     if n_out:
-        np.testing.assert_allclose(gr["k_outliers"].astype(np.float32), wr["k_outliers"].astype(np.float32),
-                                   rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(
+            gr["k_outliers"].astype(np.float32), wr["k_outliers"].astype(np.float32), rtol=2e-3, atol=2e-3
+        )
     if qjl:
-        np.testing.assert_allclose(gr["k_qjl_norms"][:, :, 8].astype(np.float32),
-                                   wr["k_qjl_norms"][:, :, 8].astype(np.float32), rtol=0.05, atol=1e-3)
+        np.testing.assert_allclose(
+            gr["k_qjl_norms"][:, :, 8].astype(np.float32),
+            wr["k_qjl_norms"][:, :, 8].astype(np.float32),
+            rtol=0.05,
+            atol=1e-3,
+        )
 
 
 @pytest.mark.parametrize("where", ["new key", "new value", "outlier channel", "length"])

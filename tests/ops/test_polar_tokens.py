@@ -21,8 +21,9 @@ def _calib(rng, b, h, d, n_out, rotating):
     k_mean = rng.standard_normal((b, h, d)).astype(np.float16)
     v_mean = rng.standard_normal((b, h, d)).astype(np.float16)
     k_scale = (0.5 + rng.random((b, h, d))).astype(np.float16)
-    idx = np.sort(np.stack([np.stack([rng.choice(d, n_out, replace=False) for _ in range(h)]) for _ in range(b)]),
-                  axis=-1).astype(np.int32)
+    idx = np.sort(
+        np.stack([np.stack([rng.choice(d, n_out, replace=False) for _ in range(h)]) for _ in range(b)]), axis=-1
+    ).astype(np.int32)
     freq = pairs = None
     if rotating:
         pairs = np.asarray(rope_pairs(d, "half", xp=np), np.int32)
@@ -52,8 +53,9 @@ def test_kernel_equals_reference(d, bits, n_out, rotating, t, rng):
     for name in want:
         assert got[name].shape == want[name].shape and got[name].dtype == want[name].dtype, name
     if n_out:
-        np.testing.assert_allclose(got["k_outliers"].astype(np.float32), want["k_outliers"].astype(np.float32),
-                                   rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(
+            got["k_outliers"].astype(np.float32), want["k_outliers"].astype(np.float32), rtol=2e-3, atol=2e-3
+        )
     for side, book in (("k", kb), ("v", vb)):
         # codes may differ where rounding puts a coordinate on a threshold: compare decoded vectors
         a = polar_decode_reference(got[f"{side}_codes"], got[f"{side}_norms"], book, rot)
@@ -85,8 +87,9 @@ def test_qjl_sketch_kernel_equals_reference(d, bits, rows, n_out, t, rng):
     assert got["k_qjl"].dtype == np.uint8 and got["k_qjl_norms"].dtype == np.float16
     # the residual is the key minus its reconstruction from the stored codes and float16 length
     resid = _residuals(want, k, calib, start, kb, rot)
-    np.testing.assert_allclose(want["k_qjl_norms"].astype(np.float32), np.linalg.norm(resid, axis=-1),
-                               rtol=2e-3, atol=1e-4)
+    np.testing.assert_allclose(
+        want["k_qjl_norms"].astype(np.float32), np.linalg.norm(resid, axis=-1), rtol=2e-3, atol=1e-4
+    )
     proj = resid @ np.asarray(sketch.matrix, np.float64).T
     clear = np.abs(proj) > 1e-4 * np.linalg.norm(resid, axis=-1, keepdims=True)  # not within rounding of 0
     stored = unpack_bits_reference(want["k_qjl"], 1, rows).astype(bool)
@@ -96,8 +99,12 @@ def test_qjl_sketch_kernel_equals_reference(d, bits, rows, n_out, t, rng):
     same_code = np.all(got["k_codes"] == want["k_codes"], axis=-1)
     agree = unpack_bits_reference(got["k_qjl"], 1, rows) == unpack_bits_reference(want["k_qjl"], 1, rows)
     assert np.mean(agree[same_code]) > 0.995
-    np.testing.assert_allclose(got["k_qjl_norms"][same_code].astype(np.float32),
-                               want["k_qjl_norms"][same_code].astype(np.float32), rtol=3e-3, atol=1e-4)
+    np.testing.assert_allclose(
+        got["k_qjl_norms"][same_code].astype(np.float32),
+        want["k_qjl_norms"][same_code].astype(np.float32),
+        rtol=3e-3,
+        atol=1e-4,
+    )
 
 
 def _residuals(enc, k, calib, start, kb, rot):

@@ -44,7 +44,7 @@ def test_tile_scores_codes_3(d, g, nt, rng):
     t0 = 3
     idx, codes, tab = _case(rng, d, t0 + 64)
     qr = rng.standard_normal((g, d)).astype(np.float32)
-    want = qr.astype(np.float64) @ tab[idx[t0:t0 + nt]].astype(np.float64).T
+    want = qr.astype(np.float64) @ tab[idx[t0 : t0 + nt]].astype(np.float64).T
     for fn in (_scores, tile_scores_codes_3_loop):
         s = np.full((g, 64), 9.0, np.float32)
         fn(codes, t0, nt, tab, qr, s)
@@ -60,7 +60,7 @@ def test_tile_values_codes_3(d, g, nt, rng):
     idx, codes, tab = _case(rng, d, t0 + 64)
     w = rng.random((g, 64)).astype(np.float32)
     start = rng.standard_normal((g, d)).astype(np.float32)
-    want = start + w[:, :nt].astype(np.float64) @ tab[idx[t0:t0 + nt]].astype(np.float64)
+    want = start + w[:, :nt].astype(np.float64) @ tab[idx[t0 : t0 + nt]].astype(np.float64)
     for fn in (_values, tile_values_codes_3_loop):
         acc = start.copy()
         fn(codes, t0, nt, tab, w, acc)

@@ -46,8 +46,8 @@ def test_int2_group_scores(d, group, g, rng):
     for fn in (_group, int2_group_scores_loop):
         s = np.full((g, off + group + 4), 9.0, np.float32)
         fn(packed, qf, s, off)
-        np.testing.assert_allclose(s[:, off:off + group], want, rtol=1e-5, atol=1e-4)
-        assert np.all(s[:, :off] == 9.0) and np.all(s[:, off + group:] == 9.0)
+        np.testing.assert_allclose(s[:, off : off + group], want, rtol=1e-5, atol=1e-4)
+        assert np.all(s[:, :off] == 9.0) and np.all(s[:, off + group :] == 9.0)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -60,7 +60,7 @@ def test_tile_values_codes_2_scaled(d, g, nt, rng):
     w = rng.random((g, 64)).astype(np.float32)
     cscale = rng.random((64, d // 16)).astype(np.float32)
     start = rng.standard_normal((g, d)).astype(np.float32)
-    vals = codes[t0:t0 + nt].astype(np.float64) * np.repeat(cscale[:nt], 16, axis=1)
+    vals = codes[t0 : t0 + nt].astype(np.float64) * np.repeat(cscale[:nt], 16, axis=1)
     want = start + w[:, :nt].astype(np.float64) @ vals
     for fn in (_values, tile_values_codes_2_scaled_loop):
         acc = start.copy()

@@ -20,7 +20,7 @@ def _vector(signs, t0, nt, sq, s):
 def _naive(signs, t0, nt, sq):
     """float64 scores from unpacked ±1 signs (bit i % 8 of byte i // 8)."""
     m = sq.shape[1]
-    bits = np.unpackbits(signs[t0:t0 + nt], axis=1, bitorder="little")[:, :m]
+    bits = np.unpackbits(signs[t0 : t0 + nt], axis=1, bitorder="little")[:, :m]
     return sq.astype(np.float64) @ (2.0 * bits - 1.0).T
 
 

@@ -69,10 +69,16 @@ def _values_codes2(codes, t0, nt, tab, w, acc):
 
 
 FUNCS = {
-    4: dict(unpack=(_unpack4, simd.unpack_tile_4_loop), scores=(_scores_codes4, simd.tile_scores_codes_4_loop),
-            values=(_values_codes4, simd.tile_values_codes_4_loop)),
-    2: dict(unpack=(_unpack2, simd.unpack_tile_2_loop), scores=(_scores_codes2, simd.tile_scores_codes_2_loop),
-            values=(_values_codes2, simd.tile_values_codes_2_loop)),
+    4: dict(
+        unpack=(_unpack4, simd.unpack_tile_4_loop),
+        scores=(_scores_codes4, simd.tile_scores_codes_4_loop),
+        values=(_values_codes4, simd.tile_values_codes_4_loop),
+    ),
+    2: dict(
+        unpack=(_unpack2, simd.unpack_tile_2_loop),
+        scores=(_scores_codes2, simd.tile_scores_codes_2_loop),
+        values=(_values_codes2, simd.tile_values_codes_2_loop),
+    ),
 }
 
 
@@ -93,7 +99,7 @@ def test_unpack_tile_is_planar_centroids(bits, impl, d, nt, rng):
     cent = rng.standard_normal(1 << bits).astype(np.float32)
     out = np.full((64, d), 7.0, np.float32)
     FUNCS[bits]["unpack"][impl](codes, 40, nt, simd.table16(cent), out)
-    np.testing.assert_array_equal(out[:nt], _planar_values(codes[40:40 + nt], cent, bits))
+    np.testing.assert_array_equal(out[:nt], _planar_values(codes[40 : 40 + nt], cent, bits))
     assert (out[nt:] == 7.0).all()
 
 
@@ -107,7 +113,7 @@ def test_scores_and_values_from_codes(bits, impl, g, d, nt, rng):
         pytest.skip("no AVX-512")
     codes = _codes(rng, 200, d, bits)
     cent = rng.standard_normal(1 << bits).astype(np.float32)
-    vals = _planar_values(codes[17:17 + nt], cent, bits).astype(np.float64)
+    vals = _planar_values(codes[17 : 17 + nt], cent, bits).astype(np.float64)
     qr = rng.standard_normal((g, d)).astype(np.float32)
     s = np.full((g, 64), 7.0, np.float32)
     FUNCS[bits]["scores"][impl](codes, 17, nt, simd.table16(cent), qr, s)
@@ -205,7 +211,7 @@ def test_softmax_rows_equals_the_loop(g, nt, first, rng):
     np.testing.assert_allclose(got[0][:, :nt], want[0][:, :nt], rtol=1e-5, atol=0)
     for a, b in zip(got[1:], want[1:]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=0)
-    assert (got[0][:, nt:(nt + 15) // 16 * 16] == 0).all()
+    assert (got[0][:, nt : (nt + 15) // 16 * 16] == 0).all()
 
 
 @nb.njit
@@ -233,7 +239,7 @@ def test_softmax_rows_affine_equals_the_loop(g, nt, first, rng):
     np.testing.assert_allclose(got[0][:, :nt], want[0][:, :nt], rtol=2e-5, atol=0)
     for a, b in zip(got[1:], want[1:]):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=0)
-    assert (got[0][:, nt:(nt + 15) // 16 * 16] == 0).all()
+    assert (got[0][:, nt : (nt + 15) // 16 * 16] == 0).all()
 
 
 @nb.njit
@@ -275,14 +281,21 @@ def test_int_group_scores(bits, group, g, d, rng):
     qf = rng.standard_normal((g, d)).astype(np.float32)
     s = np.full((g, group + 40), 7.0, np.float32)
     (_int4_group if bits == 4 else _int8_group)(codes, qf, s, 5)
-    np.testing.assert_allclose(s[:, 5:5 + group], qf @ tokens, rtol=0, atol=1e-5 * ((1 << bits) - 1) * d)
-    assert (s[:, :5] == 7.0).all() and (s[:, 5 + group:] == 7.0).all()
+    np.testing.assert_allclose(s[:, 5 : 5 + group], qf @ tokens, rtol=0, atol=1e-5 * ((1 << bits) - 1) * d)
+    assert (s[:, :5] == 7.0).all() and (s[:, 5 + group :] == 7.0).all()
 
 
 #: (kernel, loop reference, values of the codes in the kernel's order, rtol, atol per token)
-SCALED = {4: (_values4_scaled, simd.tile_values_codes_4_scaled_loop, lambda c: _planar_values(
-              c, np.arange(16, dtype=np.float32), 4).astype(np.float64), 0.0, 1e-4),
-          8: (_values8_scaled, simd.tile_values_codes_8_scaled_loop, lambda c: c.astype(np.float64), 1e-5, None)}
+SCALED = {
+    4: (
+        _values4_scaled,
+        simd.tile_values_codes_4_scaled_loop,
+        lambda c: _planar_values(c, np.arange(16, dtype=np.float32), 4).astype(np.float64),
+        0.0,
+        1e-4,
+    ),
+    8: (_values8_scaled, simd.tile_values_codes_8_scaled_loop, lambda c: c.astype(np.float64), 1e-5, None),
+}
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -294,16 +307,17 @@ def test_scaled_values_from_int_codes(bits, impl, g, d, nt, rng):
     if impl == 0 and not simd.HAVE_PERMPS:
         pytest.skip("no AVX-512")
     kernel, loop, values, rtol, atol_per_token = SCALED[bits]
-    codes = rng.integers(0, 256, (100, d * bits // 8 + 8), dtype=np.uint8)[:, :d * bits // 8]
+    codes = rng.integers(0, 256, (100, d * bits // 8 + 8), dtype=np.uint8)[:, : d * bits // 8]
     w = rng.random((g, 64)).astype(np.float32)
     cscale = rng.random((64, d // 16)).astype(np.float32)
     acc = rng.standard_normal((g, d)).astype(np.float32)
-    want = acc + w[:, :nt] @ (values(codes[9:9 + nt]) * np.repeat(cscale[:nt], 16, axis=1))
+    want = acc + w[:, :nt] @ (values(codes[9 : 9 + nt]) * np.repeat(cscale[:nt], 16, axis=1))
     (kernel if impl == 0 else loop)(codes, 9, nt, simd.table16(np.arange(16, dtype=np.float32)), w, cscale, acc)
     np.testing.assert_allclose(acc, want, rtol=rtol, atol=1e-3 if atol_per_token is None else atol_per_token * nt)
 
 
 # ---- tokens along the lanes (4-bit product-quantization codes) ------------------------------
+
 
 @nb.njit
 def _lanes(codes, t0, nt, ahead, out):
@@ -320,8 +334,10 @@ def _lane_values(lanes, nblk, nw, sd, ctab, w, acc):
     simd_lanes.lane_table_values(lanes, nblk, nw, sd, ctab, w, acc)
 
 
-LANES = {0: (_lanes, _lane_scores, _lane_values),
-         1: (simd_lanes.codes_to_lanes_loop, simd_lanes.lane_table_scores_loop, simd_lanes.lane_table_values_loop)}
+LANES = {
+    0: (_lanes, _lane_scores, _lane_values),
+    1: (simd_lanes.codes_to_lanes_loop, simd_lanes.lane_table_scores_loop, simd_lanes.lane_table_values_loop),
+}
 
 
 def _nibbles(codes):
@@ -343,8 +359,8 @@ def test_codes_to_lanes_transposes_dwords(impl, nbytes, nt, rng):
     rows = 21 + np.minimum(np.arange(16 * nblk), nt - 1)  # lanes past the last row repeat it
     words = np.ascontiguousarray(codes[rows]).view(np.int32)  # (16 · nblk, nw), little-endian dwords
     want = words.reshape(nblk, 16, nw).transpose(0, 2, 1).reshape(nblk * nw, 16)
-    np.testing.assert_array_equal(out[:nblk * nw], want)
-    assert (out[nblk * nw:] == 7).all()
+    np.testing.assert_array_equal(out[: nblk * nw], want)
+    assert (out[nblk * nw :] == 7).all()
 
 
 @pytest.mark.parametrize("impl", [0, 1], ids=["instructions", "loop"])
@@ -367,8 +383,8 @@ def test_lane_table_scores_and_values(impl, g, nbytes, sd, nt, rng):
     s = np.full((g, 16 * nblk + 16), 7.0, np.float32)
     scores(lanes, nblk, nw, lut, s)
     want = lut.astype(np.float64).reshape(g, m, 16)[:, np.arange(m), a].sum(axis=-1)  # (g, tokens)
-    np.testing.assert_allclose(s[:, :16 * nblk], want, rtol=0, atol=1e-5 * m)
-    assert (s[:, 16 * nblk:] == 7.0).all()
+    np.testing.assert_allclose(s[:, : 16 * nblk], want, rtol=0, atol=1e-5 * m)
+    assert (s[:, 16 * nblk :] == 7.0).all()
     ctab = rng.standard_normal((d, 16)).astype(np.float32)
     w = rng.random((g, 16 * nblk)).astype(np.float32)
     acc = rng.standard_normal((g, 16 * d)).astype(np.float32)
@@ -403,10 +419,11 @@ def test_lane_tables_and_sums(impl, g, d, sd, rng):
     lut = np.full((g, 16 * m + 32), 7.0, np.float32)
     tables(q, tab, sd, lut)
     want = (q.astype(np.float64).reshape(g, m, sd, 1) * tab.reshape(1, m, sd, 16)).sum(axis=2).reshape(g, 16 * m)
-    np.testing.assert_allclose(lut[:, :16 * m], want, rtol=0, atol=1e-5 * sd)
-    assert (lut[:, 16 * m:] == 7.0).all()
+    np.testing.assert_allclose(lut[:, : 16 * m], want, rtol=0, atol=1e-5 * sd)
+    assert (lut[:, 16 * m :] == 7.0).all()
     al = rng.standard_normal((g, 16 * d + 16)).astype(np.float32)
     acc = np.full((g, d), 7.0, np.float32)
     sums(al, acc)
-    np.testing.assert_allclose(acc, al[:, :16 * d].astype(np.float64).reshape(g, d, 16).sum(axis=-1), rtol=0,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        acc, al[:, : 16 * d].astype(np.float64).reshape(g, d, 16).sum(axis=-1), rtol=0, atol=1e-5
+    )

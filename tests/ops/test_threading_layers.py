@@ -73,8 +73,9 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_two_threads_decode_under_workqueue_layer():
     env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue", PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, env=env,
-                         cwd=str(ROOT))
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, env=env, cwd=str(ROOT)
+    )
     assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
     assert "int8 ok" in out.stdout and "vq ok" in out.stdout and "pqo4 ok" in out.stdout
     assert "layer workqueue" in out.stdout

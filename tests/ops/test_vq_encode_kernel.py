@@ -19,9 +19,19 @@ assign = lookup("vq_assign", np)
 pytestmark = pytest.mark.skipif(encode is None, reason="numba is not installed")
 
 
-@pytest.mark.parametrize("k,s,d,lead,t", [(2, 1, 8, (1,), 5), (5, 2, 32, (2,), 17), (16, 2, 64, (1,), 1),
-                                          (16, 4, 64, (3,), 40), (100, 8, 64, (), 9), (256, 2, 32, (2,), 33),
-                                          (300, 4, 32, (1,), 12), (7, 3, 24, (2, 2), 6)])
+@pytest.mark.parametrize(
+    "k,s,d,lead,t",
+    [
+        (2, 1, 8, (1,), 5),
+        (5, 2, 32, (2,), 17),
+        (16, 2, 64, (1,), 1),
+        (16, 4, 64, (3,), 40),
+        (100, 8, 64, (), 9),
+        (256, 2, 32, (2,), 33),
+        (300, 4, 32, (1,), 12),
+        (7, 3, 24, (2, 2), 6),
+    ],
+)
 def test_codes_equal_assignment_then_packing(rng, k, s, d, lead, t):
     h = 3
     cent = rng.standard_normal((h, d // s, k, s)).astype(np.float32)
@@ -62,9 +72,18 @@ def test_float16_and_strided_input(rng):
 decode = lookup("vq_decode", np)
 
 
-@pytest.mark.parametrize("k,s,d,lead,t", [(2, 1, 8, (1,), 5), (5, 2, 32, (2,), 17), (16, 2, 64, (1,), 1),
-                                          (100, 8, 64, (), 9), (256, 2, 32, (2,), 33), (300, 4, 32, (1,), 12),
-                                          (7, 3, 24, (2, 2), 6)])
+@pytest.mark.parametrize(
+    "k,s,d,lead,t",
+    [
+        (2, 1, 8, (1,), 5),
+        (5, 2, 32, (2,), 17),
+        (16, 2, 64, (1,), 1),
+        (100, 8, 64, (), 9),
+        (256, 2, 32, (2,), 33),
+        (300, 4, 32, (1,), 12),
+        (7, 3, 24, (2, 2), 6),
+    ],
+)
 def test_decode_kernel_equals_the_reference(rng, k, s, d, lead, t):
     h = 2
     cent = rng.standard_normal((h, d // s, k, s)).astype(np.float32)

@@ -99,13 +99,13 @@ SHAPES = [
     (3, 2, 1, 32, 256, 2, 300, 5),
     (1, 1, 4, 64, 256, 8, 5000, 0),
     (1, 2, 1, 128, 256, 4, 1, 5),
-    (1, 2, 4, 32, 300, 2, 300, 5),   # uint16 codes
+    (1, 2, 4, 32, 300, 2, 300, 5),  # uint16 codes
     (3, 1, 1, 64, 1000, 4, 5000, 0),  # uint16 codes, tables
-    (1, 1, 4, 32, 5, 2, 300, 5),     # 3-bit codes
-    (1, 2, 1, 64, 100, 8, 300, 0),   # 7-bit codes
-    (1, 1, 1, 32, 16, 2, 0, 5),      # no coded tokens, only the dense ones
-    (2, 1, 4, 24, 16, 8, 300, 5),    # 4-bit pair tables with an odd number of sub-spaces
-    (1, 2, 4, 24, 9, 4, 300, 0),     # 4-bit codes of a 9-entry codebook
+    (1, 1, 4, 32, 5, 2, 300, 5),  # 3-bit codes
+    (1, 2, 1, 64, 100, 8, 300, 0),  # 7-bit codes
+    (1, 1, 1, 32, 16, 2, 0, 5),  # no coded tokens, only the dense ones
+    (2, 1, 4, 24, 16, 8, 300, 5),  # 4-bit pair tables with an odd number of sub-spaces
+    (1, 2, 4, 24, 9, 4, 300, 0),  # 4-bit codes of a 9-entry codebook
 ]
 
 
@@ -117,11 +117,13 @@ def _ids(shape):
 def test_reference_matches_naive_loop(xp, rng, shape):
     b, h, g, d, K, s, T, E = shape
     args, bits = _case(rng, b=b, h=h, g=g, d=d, K=K, s=s, T=T, E=E)
-    scale = d ** -0.5
+    scale = d**-0.5
     want = _naive(**args, bits=bits, softmax_scale=scale)
     # array_api_strict has no float16: the dense tokens go in as float32 there
-    conv = {k: asarray(xp, v, np.float32 if v.dtype == np.float16 and not hasattr(xp, "float16") else None)
-            for k, v in args.items()}
+    conv = {
+        k: asarray(xp, v, np.float32 if v.dtype == np.float16 and not hasattr(xp, "float16") else None)
+        for k, v in args.items()
+    }
     got = vq_decode_attention_reference(**conv, bits=bits, softmax_scale=scale)
     assert got.dtype == xp.float32 and tuple(got.shape) == (b, h * g, d)
     _close(to_np(got), want)
@@ -129,8 +131,14 @@ def test_reference_matches_naive_loop(xp, rng, shape):
 
 def _skip_unless_lanes(mode, args, bits):
     """Skip a forced lanes path where the call cannot take it (no AVX-512, codes that do not fit)."""
-    if mode == "lanes" and not nf._lanes_fit(bits, args["k_centroids"].shape[2], args["v_centroids"].shape[2],
-                                             args["q"].shape[2], args["k_codes"], args["v_codes"]):
+    if mode == "lanes" and not nf._lanes_fit(
+        bits,
+        args["k_centroids"].shape[2],
+        args["v_centroids"].shape[2],
+        args["q"].shape[2],
+        args["k_codes"],
+        args["v_codes"],
+    ):
         pytest.skip("the lanes path does not serve this call")
 
 
@@ -142,7 +150,7 @@ def test_kernel_matches_reference(rng, shape, mode, monkeypatch):
     monkeypatch.setattr(nf, "vq_decode_attention", partial(nf.decode_attention_mode, mode=mode))
     args, bits = _case(rng, b=b, h=h, g=g, d=d, K=K, s=s, T=T, E=E)
     _skip_unless_lanes(mode, args, bits)
-    scale = d ** -0.5
+    scale = d**-0.5
     want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
     got = nf.vq_decode_attention(**args, bits=bits, softmax_scale=scale)
     assert got.dtype == np.float32 and got.shape == (b, h * g, d)
@@ -219,8 +227,10 @@ def test_parallel_kernel_and_token_splits(rng, splits, mode, monkeypatch, parall
     assert calls == [splits]
     # more spans than tokens: trailing spans are empty
     few, _ = _case(rng, b=1, h=2, g=1, d=32, K=16, s=2, T=3, E=0)
-    _close(nf.vq_decode_attention(**few, bits=bits, softmax_scale=0.3),
-           vq_decode_attention_reference(**few, bits=bits, softmax_scale=0.3))
+    _close(
+        nf.vq_decode_attention(**few, bits=bits, softmax_scale=0.3),
+        vq_decode_attention_reference(**few, bits=bits, softmax_scale=0.3),
+    )
 
 
 @needs_numba
@@ -256,7 +266,7 @@ def test_every_path_on_fresh_inputs(rng, shape, T, mode):
     b, h, g, d, K, s = shape
     args, bits = _case(rng, b=b, h=h, g=g, d=d, K=K, s=s, T=T, E=0 if T % 2 else 6, scale_q=2.0)
     _skip_unless_lanes(mode, args, bits)
-    scale = d ** -0.5
+    scale = d**-0.5
     want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
     got = nf.decode_attention_mode(**args, bits=bits, softmax_scale=scale, mode=mode)
     assert got.dtype == np.float32 and got.shape == (b, h * g, d)
@@ -305,6 +315,7 @@ def test_dense_token_dtypes(rng, extra, mode):
 @needs_numba
 def test_float16_bits_convert_exactly():
     """Every float16 bit pattern (subnormals, infinities and NaNs included) becomes its float32 value."""
+
     @nf.nb.njit
     def convert(x, out):
         nf._dense_f32(x, 0, 0, out)
@@ -322,17 +333,31 @@ def test_fast_argument_checks_agree_with_the_full_ones(rng):
     from arraykv.quant.vq import check_decode_attention_args
 
     base, bits = _case(rng, b=2, h=2, g=2, d=32, K=16, s=2, T=5, E=3)
-    variants = [dict(), dict(q=base["q"].astype(np.float16)), dict(k_extra=base["k_extra"][:, :, :0],
-                                                                   v_extra=base["v_extra"][:, :, :0]),
-                dict(q=base["q"][:, :3]), dict(q=base["q"].astype(np.int32)), dict(q=base["q"][0]),
-                dict(k_codes=base["k_codes"][:, :, :4]), dict(v_codes=base["v_codes"].astype(np.uint16)),
-                dict(k_codes=base["k_codes"][:1]), dict(k_centroids=base["k_centroids"][:, :8]),
-                dict(v_centroids=base["v_centroids"][:1]), dict(k_centroids=base["k_centroids"].astype(np.float16)),
-                dict(k_extra=base["k_extra"][..., :16]), dict(v_extra=base["v_extra"][:, :, :2]),
-                dict(k_extra=base["k_extra"].astype(np.int8)), dict(k_extra=base["k_extra"][0]),
-                dict(k_codes=base["k_codes"][:, :, :0], v_codes=base["v_codes"][:, :, :0],
-                     k_extra=base["k_extra"][:, :, :0], v_extra=base["v_extra"][:, :, :0]),
-                dict(q=list(base["q"]))]
+    variants = [
+        dict(),
+        dict(q=base["q"].astype(np.float16)),
+        dict(k_extra=base["k_extra"][:, :, :0], v_extra=base["v_extra"][:, :, :0]),
+        dict(q=base["q"][:, :3]),
+        dict(q=base["q"].astype(np.int32)),
+        dict(q=base["q"][0]),
+        dict(k_codes=base["k_codes"][:, :, :4]),
+        dict(v_codes=base["v_codes"].astype(np.uint16)),
+        dict(k_codes=base["k_codes"][:1]),
+        dict(k_centroids=base["k_centroids"][:, :8]),
+        dict(v_centroids=base["v_centroids"][:1]),
+        dict(k_centroids=base["k_centroids"].astype(np.float16)),
+        dict(k_extra=base["k_extra"][..., :16]),
+        dict(v_extra=base["v_extra"][:, :, :2]),
+        dict(k_extra=base["k_extra"].astype(np.int8)),
+        dict(k_extra=base["k_extra"][0]),
+        dict(
+            k_codes=base["k_codes"][:, :, :0],
+            v_codes=base["v_codes"][:, :, :0],
+            k_extra=base["k_extra"][:, :, :0],
+            v_extra=base["v_extra"][:, :, :0],
+        ),
+        dict(q=list(base["q"])),
+    ]
     for bits_arg in (bits, 3, 0, 17, np.int64(bits), True, 4.0):
         for change in variants:
             a = dict(base, **change)
@@ -343,8 +368,12 @@ def test_fast_argument_checks_agree_with_the_full_ones(rng):
             except (TypeError, ValueError, AttributeError):
                 full = None
             assert fast is None or fast == full, (change.keys(), bits_arg, fast, full)
-    assert nf._numpy_shapes(*[base[k] for k in ("q", "k_codes", "k_centroids", "v_codes", "v_centroids",
-                                                "k_extra", "v_extra")], bits) is not None
+    assert (
+        nf._numpy_shapes(
+            *[base[k] for k in ("q", "k_codes", "k_centroids", "v_codes", "v_centroids", "k_extra", "v_extra")], bits
+        )
+        is not None
+    )
 
 
 def test_mode_choice():
@@ -354,7 +383,7 @@ def test_mode_choice():
     assert nf._use_tables(16, 16, 2, 500)
     assert nf._use_tables(16, 16, 1, 500)
     assert not nf._use_tables(256, 256, 2, 300)
-    assert not nf._use_tables(65536, 65536, 2, 10 ** 6)
+    assert not nf._use_tables(65536, 65536, 2, 10**6)
 
 
 @needs_numba
@@ -386,13 +415,16 @@ def test_kernel_is_registered_for_numpy():
     assert lookup("vq_decode_attention", arraykv._compat.namespace(np.zeros(1))) is nf.vq_decode_attention
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(q=np.zeros((1, 3, 32), np.float32)), "multiple"),
-    (dict(k_codes=np.zeros((1, 2, 7, 16), np.uint16)), "k_codes"),
-    (dict(v_codes=np.zeros((1, 2, 6, 16), np.uint8)), "v_codes"),
-    (dict(k_extra=np.zeros((1, 2, 1, 32), np.float16)), "v_extra"),
-    (dict(v_centroids=np.zeros((2, 8, 16, 4), np.float32)), "v_centroids"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(q=np.zeros((1, 3, 32), np.float32)), "multiple"),
+        (dict(k_codes=np.zeros((1, 2, 7, 16), np.uint16)), "k_codes"),
+        (dict(v_codes=np.zeros((1, 2, 6, 16), np.uint8)), "v_codes"),
+        (dict(k_extra=np.zeros((1, 2, 1, 32), np.float16)), "v_extra"),
+        (dict(v_centroids=np.zeros((2, 8, 16, 4), np.float32)), "v_centroids"),
+    ],
+)
 def test_bad_inputs_are_rejected(rng, change, match):
     args, bits = _case(rng, b=1, h=2, g=1, d=32, K=16, s=2, T=7)
     args.update(change)

@@ -22,7 +22,7 @@ SPHERE = {
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_gaussian_matches_reference(bits):
     cents, mse = lloyd_max(bits)
-    half = cents[len(cents) // 2:]
+    half = cents[len(cents) // 2 :]
     np.testing.assert_allclose(half, GAUSS[bits][0], atol=1e-5)
     np.testing.assert_allclose(cents[: len(cents) // 2], [-c for c in reversed(half)], atol=1e-12)
     assert abs(mse - GAUSS[bits][1]) < 1e-5
@@ -64,8 +64,9 @@ def test_make_codebook_arrays(xp):
     assert lloyd_max(3, 128) is lloyd_max(3, 128)  # cached
 
 
-@pytest.mark.parametrize("bits,dim,exc", [(0, None, ValueError), (9, None, ValueError), (2, 2, ValueError),
-                                          (2.0, None, TypeError)])
+@pytest.mark.parametrize(
+    "bits,dim,exc", [(0, None, ValueError), (9, None, ValueError), (2, 2, ValueError), (2.0, None, TypeError)]
+)
 def test_bad_arguments(bits, dim, exc):
     with pytest.raises(exc):
         lloyd_max(bits, dim)

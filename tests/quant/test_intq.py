@@ -12,8 +12,9 @@ from conftest import asarray, to_np
 from naive import intq_quantize_loops
 
 # the quantizers with the accelerated steps (kernels on NumPy; the references with kernels off)
-quantize_groups = partial(intq.quantize_groups, group_minmax=ops.intq_group_minmax,
-                          quantize_pack=ops.intq_quantize_pack)
+quantize_groups = partial(
+    intq.quantize_groups, group_minmax=ops.intq_group_minmax, quantize_pack=ops.intq_quantize_pack
+)
 dequantize_groups = partial(intq.dequantize_groups, dequantize=ops.intq_dequantize)
 
 
@@ -26,13 +27,16 @@ def loops_reference(x, bits, g, param_dtype):
     out = np.empty_like(rows)
     for r in range(rows.shape[0]):
         for a in range(0, n, g):
-            grp = rows[r, a:a + g]
+            grp = rows[r, a : a + g]
             lo, hi = grp.min(), grp.max()
             scale = np.float32(np.float32(hi - lo) / np.float32(levels)).astype(param_dtype).astype(np.float32)
             off = np.float32(lo).astype(param_dtype).astype(np.float32)
             for i, val in enumerate(grp):
-                c = 0 if scale == 0 else min(max(np.floor((val - off) * (np.float32(1) / scale) + np.float32(0.5)), 0),
-                                             levels)
+                c = (
+                    0
+                    if scale == 0
+                    else min(max(np.floor((val - off) * (np.float32(1) / scale) + np.float32(0.5)), 0), levels)
+                )
                 out[r, a + i] = np.float32(c) * scale + off
     return out.reshape(x.shape)
 

@@ -21,7 +21,7 @@ def key_like(rng, h=2, n=600, d=64, kind="gaussian"):
 
 def rel_err(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.sum((a - b) ** 2) / np.sum(b ** 2)))
+    return float(np.sqrt(np.sum((a - b) ** 2) / np.sum(b**2)))
 
 
 @pytest.mark.parametrize("kind", ["gaussian", "lowrank_noise", "outlier_channels"])
@@ -34,7 +34,7 @@ def test_within_one_percent_of_eckart_young(xp, rng, kind, rank):
     ey = eckart_young_error(xa, rank)
     # An SVD computed independently by NumPy in float64.
     s = np.linalg.svd(x.astype(np.float64), compute_uv=False)
-    assert ey == pytest.approx(np.sqrt((s[:, rank:] ** 2).sum() / (s ** 2).sum()), rel=1e-6)
+    assert ey == pytest.approx(np.sqrt((s[:, rank:] ** 2).sum() / (s**2).sum()), rel=1e-6)
     assert got <= ey * 1.01
     # Centred PCA is the optimal rank-r affine approximation: match its SVD optimum to 1%.
     xc = x - x.mean(axis=1, keepdims=True)
@@ -79,9 +79,15 @@ def test_shared_basis_across_heads(rng):
 
 def test_bad_input(rng):
     x = key_like(rng, d=16, n=20)
-    for kw, exc in [({"rank": 0}, ValueError), ({"rank": 17}, ValueError), ({}, ValueError),
-                    ({"rank": 2, "energy": 0.5}, ValueError), ({"energy": 1.5}, ValueError),
-                    ({"energy": "x"}, TypeError), ({"rank": 2.5}, TypeError)]:
+    for kw, exc in [
+        ({"rank": 0}, ValueError),
+        ({"rank": 17}, ValueError),
+        ({}, ValueError),
+        ({"rank": 2, "energy": 0.5}, ValueError),
+        ({"energy": 1.5}, ValueError),
+        ({"energy": "x"}, TypeError),
+        ({"rank": 2.5}, TypeError),
+    ]:
         with pytest.raises(exc):
             fit_basis(x, **kw)
     with pytest.raises(ValueError, match="shape"):

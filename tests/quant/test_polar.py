@@ -36,7 +36,7 @@ def encode_loops(x, rot, cents, length="fit"):
 
 
 def rel_mse(x, y):
-    return float(((x - y) ** 2).sum() / (x ** 2).sum())
+    return float(((x - y) ** 2).sum() / (x**2).sum())
 
 
 @pytest.mark.parametrize("length", ["fit", "unbiased"])
@@ -72,8 +72,9 @@ def test_kernel_matches_reference(rng, shape, bits, length):
     assert x.size == 0 or (a != b).mean() <= 1e-3
     if x.size:
         np.testing.assert_allclose(fast.norms.astype(float), ref.norms.astype(float), rtol=2e-3)
-    np.testing.assert_allclose(fast_dec, ref_dec_of_fast, rtol=1e-4,
-                               atol=1e-5 * max(1.0, float(np.abs(x).max(initial=0))))
+    np.testing.assert_allclose(
+        fast_dec, ref_dec_of_fast, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(x).max(initial=0)))
+    )
     assert fast.codes.dtype == np.uint8 and fast.norms.dtype == np.float16
 
 

@@ -58,12 +58,12 @@ def test_auto_finds_the_convention_and_the_projected_mean(rng, layout, base):
     turning[pairs[fast].ravel()] = True  # a pair that hardly turns: its mean is a plain one
     np.testing.assert_allclose(to_np(rm.mean)[..., turning], mu[..., turning], atol=0.25)
     m = to_np(rotary_mean_at(rm.mean, rm.freq, rm.pairs, np.arange(5, 405)))
-    resid = ((x - m) ** 2).sum() / (x ** 2).sum()
-    plain = ((x - x.mean(2, keepdims=True)) ** 2).sum() / (x ** 2).sum()
+    resid = ((x - m) ** 2).sum() / (x**2).sum()
+    plain = ((x - x.mean(2, keepdims=True)) ** 2).sum() / (x**2).sum()
     # what is left is the noise: within 10 % of what the true rotating mean leaves (the share
     # itself depends on the drawn mean, 0.08-0.14 over seeds), and far below the plain mean's
     truth = rope_loop(np.repeat(mu[:, :, None, :], 400, axis=2), range(5, 405), base, layout)
-    floor = ((x - truth) ** 2).sum() / (x ** 2).sum()
+    floor = ((x - truth) ** 2).sum() / (x**2).sum()
     assert resid <= 1.1 * floor and resid < 0.5 * plain
 
 
@@ -131,8 +131,15 @@ def test_plan_logits_match_queries_times_the_turned_mean(xp, rng, shared):
 def test_check_rope_errors():
     assert check_rope("auto") == "auto" and check_rope(None) is None
     assert check_rope({"theta": 10000, "layout": "half"}) == {"theta": 10000.0, "layout": "half"}
-    for bad in ("on", 3, {"theta": 1e4}, {"theta": 0.5, "layout": "half"}, {"theta": 1e4, "layout": "pairs"},
-                {"theta": True, "layout": "half"}, {"theta": 1e4, "layout": "half", "scale": 2}):
+    for bad in (
+        "on",
+        3,
+        {"theta": 1e4},
+        {"theta": 0.5, "layout": "half"},
+        {"theta": 1e4, "layout": "pairs"},
+        {"theta": True, "layout": "half"},
+        {"theta": 1e4, "layout": "half", "scale": 2},
+    ):
         with pytest.raises(ValueError, match="rope"):
             check_rope(bad)
     with pytest.raises(ValueError, match="rope"):
@@ -144,13 +151,14 @@ def _filled(method, k, v, q, prefill, **options):
     g = q.shape[1] // h
     cache = arraykv.make_cache(method, num_layers=1, num_kv_heads=h, head_dim=d, **options)
     cache.prefill(0, k[:, :, :prefill], v[:, :, :prefill], q[:, :, :prefill])
-    cfg = arraykv.AttendConfig(softmax_scale=d ** -0.5, n_kv_groups=g)
-    outs = [cache.decode(0, k[:, :, t:t + 1], v[:, :, t:t + 1], q[:, :, t:t + 1], cfg) for t in range(prefill, n)]
+    cfg = arraykv.AttendConfig(softmax_scale=d**-0.5, n_kv_groups=g)
+    outs = [cache.decode(0, k[:, :, t : t + 1], v[:, :, t : t + 1], q[:, :, t : t + 1], cfg) for t in range(prefill, n)]
     return cache, outs
 
 
-@pytest.mark.parametrize("method,d,b,g", [("pqo2", 64, 1, 3), ("pqo4", 32, 2, 1), ("tq3", 64, 1, 2),
-                                          ("pqo3", 48, 1, 4)])
+@pytest.mark.parametrize(
+    "method,d,b,g", [("pqo2", 64, 1, 3), ("pqo4", 32, 2, 1), ("tq3", 64, 1, 2), ("pqo3", 48, 1, 4)]
+)
 @pytest.mark.parametrize("kernels", [True, False])
 def test_cache_with_rotating_mean_decodes_what_it_stores(rng, method, d, b, g, kernels):
     h, n, pre = 2, 300, 260
@@ -162,11 +170,14 @@ def test_cache_with_rotating_mean_decodes_what_it_stores(rng, method, d, b, g, k
         codec = cache.layer_codec_state(0)
         assert codec.k_mean_freq is not None and codec.k_mean_pairs.shape == (d // 2, 2)
         r = cache.dequantize(0)
-        want = arraykv.attention(q[:, :, -1:], r.k, r.v, softmax_scale=d ** -0.5, logit_bias=None) \
-            if method[:2] != "tq" else None
+        want = (
+            arraykv.attention(q[:, :, -1:], r.k, r.v, softmax_scale=d**-0.5, logit_bias=None)
+            if method[:2] != "tq"
+            else None
+        )
         if want is not None:
             np.testing.assert_allclose(outs[-1].output, want, rtol=2e-4, atol=2e-5)
-        ref = polar_decode_attention_reference(codec, q[:, :, -1:], d ** -0.5)
+        ref = polar_decode_attention_reference(codec, q[:, :, -1:], d**-0.5)
         np.testing.assert_allclose(outs[-1].output, ref, rtol=2e-4, atol=2e-5)
     # the stored keys are far closer than with plain centering
     plain, _ = _filled(method, k, v, q, pre, rope=None)
@@ -185,7 +196,7 @@ def test_parallel_kernel_path_matches_reference(rng, monkeypatch):
     with serial_below(1):
         cache, outs = _filled("pqo3", k, v, q, 1190)
     codec = cache.layer_codec_state(0)
-    ref = polar_decode_attention_reference(codec, q[:, :, -1:], d ** -0.5)
+    ref = polar_decode_attention_reference(codec, q[:, :, -1:], d**-0.5)
     np.testing.assert_allclose(outs[-1].output, ref, rtol=2e-4, atol=2e-5)
 
 
@@ -199,7 +210,7 @@ def test_rotating_mean_survives_save_and_load(rng, tmp_path):
     back = arraykv.load(tmp_path / "c.akv")
     np.testing.assert_array_equal(back.dequantize(0).k, cache.dequantize(0).k)
     assert back.get_config()["rope"] == "auto"
-    cfg = arraykv.AttendConfig(softmax_scale=d ** -0.5, n_kv_groups=1)
+    cfg = arraykv.AttendConfig(softmax_scale=d**-0.5, n_kv_groups=1)
     a = cache.decode(0, k[:, :, -1:], v[:, :, -1:], q[:, :, -1:], cfg).output
     c = back.decode(0, k[:, :, -1:], v[:, :, -1:], q[:, :, -1:], cfg).output
     np.testing.assert_array_equal(a, c)

@@ -46,8 +46,9 @@ def test_kernels_match_reference(rng, groups, n, k, s):
     best = d.min(-1)
     # Both pick a nearest centroid (ties aside, the same one).
     np.testing.assert_allclose(np.take_along_axis(d, idx[..., None], -1)[..., 0], best, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.take_along_axis(d, np.asarray(idx_ref)[..., None], -1)[..., 0], best,
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        np.take_along_axis(d, np.asarray(idx_ref)[..., None], -1)[..., 0], best, rtol=1e-4, atol=1e-5
+    )
     assert err == pytest.approx(err_ref, rel=1e-4)
     np.testing.assert_allclose(update(x, c, idx), vq.update_reference(x, c, idx), rtol=1e-5, atol=1e-6)
 

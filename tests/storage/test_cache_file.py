@@ -33,7 +33,7 @@ def _saved(tmp_path, method="dense", tokens=7):
     data = (tmp_path / "ok.akv").read_bytes()
     hlen = struct.unpack_from("<IQ", data, len(MAGIC))[1]
     start = len(MAGIC) + 12
-    return json.loads(data[start:start + hlen]), data[start + hlen:-32]
+    return json.loads(data[start : start + hlen]), data[start + hlen : -32]
 
 
 def test_a_tiny_file_declaring_a_billion_layers_is_refused_at_once(tmp_path):
@@ -66,8 +66,10 @@ def test_dtype_names_are_checked_not_looked_up(tmp_path, dtype):
         arraykv.load(_file(tmp_path / "a.akv", header, data))
 
 
-@pytest.mark.parametrize("field,value", [("shape", [10**9, 10**9]), ("offset", -4), ("nbytes", 10**12),
-                                         ("layer", 5), ("layer", True), ("shape", "7")])
+@pytest.mark.parametrize(
+    "field,value",
+    [("shape", [10**9, 10**9]), ("offset", -4), ("nbytes", 10**12), ("layer", 5), ("layer", True), ("shape", "7")],
+)
 def test_array_entries_must_fit_the_data(tmp_path, field, value):
     header, data = _saved(tmp_path)
     header["arrays"][0][field] = value

@@ -69,8 +69,12 @@ def _targets() -> dict:
     from conftest import BUILTIN_METHODS
 
     out = {m: {"method": m} for m in BUILTIN_METHODS}
-    out["hybrid"] = {"method": "hybrid", "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-                     "window": 8, "full_method": "pqo4"}
+    out["hybrid"] = {
+        "method": "hybrid",
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "window": 8,
+        "full_method": "pqo4",
+    }
     out["window-float16"] = {"method": "window", "window": 8, "storage": "float16"}
     out["window-pq4"] = {"method": "window", "window": 8, "storage": "pq4"}
     return out
@@ -95,7 +99,7 @@ def _rotary_keys(rng, b: int, h: int, t: int, d: int) -> np.ndarray:
     x = rng.standard_normal((b, h, 1, d)) * 2.0 + rng.standard_normal((b, h, t, d)) * 0.5
     ang = np.arange(t)[:, None] * 10000.0 ** (-2.0 * np.arange(d // 2) / d)[None, :]
     c, s = np.cos(ang), np.sin(ang)
-    lo, hi = x[..., : d // 2], x[..., d // 2:]
+    lo, hi = x[..., : d // 2], x[..., d // 2 :]
     return np.concatenate([lo * c - hi * s, hi * c + lo * s], axis=-1)
 
 
@@ -134,10 +138,13 @@ def _bases(spec: dict, rng) -> list:
     """``(label, cache)``: the caches a target's cases start from."""
     method = spec["method"]
     out = []
-    for label, batch, d, dtype, extra, cut in (("b1-d32", 1, 32, "float32", {}, 0), ("b2-d32", 2, 32, "float32", {}, 0),
-                                               ("b1-d24", 1, 24, "float32", {}, 0),
-                                               ("b2-d24-f16", 2, 24, "float16", {}, 0),
-                                               ("b1-d32-variant", 1, 32, "float32", _variant(method), 3)):
+    for label, batch, d, dtype, extra, cut in (
+        ("b1-d32", 1, 32, "float32", {}, 0),
+        ("b2-d32", 2, 32, "float32", {}, 0),
+        ("b1-d24", 1, 24, "float32", {}, 0),
+        ("b2-d24-f16", 2, 24, "float16", {}, 0),
+        ("b1-d32-variant", 1, 32, "float32", _variant(method), 3),
+    ):
         cache = _make(spec, head_dim=d, **extra)
         out.append((label, _fill(cache, rng, batch, dtype, cut)))
     return out
@@ -165,18 +172,66 @@ def _to_records(f: dict) -> list:
             out.append(None)
             continue
         arrays = {n: a for layer, n, a in f["arrays"] if layer == i}
-        out.append(LayerRecord(length=meta.get("length"), batch=meta.get("batch"), dtype=meta.get("dtype"),
-                               arrays=arrays))
+        out.append(
+            LayerRecord(length=meta.get("length"), batch=meta.get("batch"), dtype=meta.get("dtype"), arrays=arrays)
+        )
     return out
 
 
 # -- mutations -------------------------------------------------------------------------------
-_INT_VALUES = [0, 1, 2, 3, 4, 7, 8, 12, 16, 20, 24, 31, 33, 48, 64, 100, 1000, 4096, 4097, 1 << 20, 1 << 31,
-               1 << 40, 1 << 62, -1, -2, -(1 << 31)]
+_INT_VALUES = [
+    0,
+    1,
+    2,
+    3,
+    4,
+    7,
+    8,
+    12,
+    16,
+    20,
+    24,
+    31,
+    33,
+    48,
+    64,
+    100,
+    1000,
+    4096,
+    4097,
+    1 << 20,
+    1 << 31,
+    1 << 40,
+    1 << 62,
+    -1,
+    -2,
+    -(1 << 31),
+]
 _ODD_VALUES = [None, True, False, "x", "auto", "float16", "float32", 1.5, -0.5, 1e300, [], {}, [1, 2], {"a": 1}]
-_EXTRA_NAMES = ["k", "v", "exp", "k_qjl", "k_qjl_norms", "k_outliers", "k_outlier_idx", "v_window", "k_window",
-                "k_sink", "k_mean_freq", "k_mean_pairs", "fixed_end", "k_tail", "k_centroids", "k_basis",
-                "k_coef", "k_residual", "k_rollback", "k_codes", "v_codes", "junk"]
+_EXTRA_NAMES = [
+    "k",
+    "v",
+    "exp",
+    "k_qjl",
+    "k_qjl_norms",
+    "k_outliers",
+    "k_outlier_idx",
+    "v_window",
+    "k_window",
+    "k_sink",
+    "k_mean_freq",
+    "k_mean_pairs",
+    "fixed_end",
+    "k_tail",
+    "k_centroids",
+    "k_basis",
+    "k_coef",
+    "k_residual",
+    "k_rollback",
+    "k_codes",
+    "v_codes",
+    "junk",
+]
 _DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "uint32", "int64", "float16", "float32", "float64", "bool"]
 
 
@@ -241,8 +296,19 @@ def m_config(rng, f, ctx):
     target = cfg
     if cfg.get("method") == "hybrid" and rng.random() < 0.4:
         target = cfg.setdefault(["full_options", "window_options"][int(rng.integers(2))], {})
-        pool = ["key_bits", "value_bits", "residual_window", "sink_tokens", "rollback_tokens", "outliers",
-                "storage", "exact_tail", "seed", "qjl", "max_outliers"]
+        pool = [
+            "key_bits",
+            "value_bits",
+            "residual_window",
+            "sink_tokens",
+            "rollback_tokens",
+            "outliers",
+            "storage",
+            "exact_tail",
+            "seed",
+            "qjl",
+            "max_outliers",
+        ]
         key = pool[int(rng.integers(len(pool)))]
     else:
         keys = _config_keys(cfg)
@@ -389,13 +455,24 @@ def m_swap_layer(rng, f, ctx):
         return m_config(rng, f, ctx)
     i = held[int(rng.integers(len(held)))]
     f["layers"][i] = copy.deepcopy(other["layers"][i])
-    f["arrays"] = [e for e in f["arrays"] if e[0] != i] + [[i, n, a.copy()] for layer, n, a in other["arrays"]
-                                                           if layer == i]
+    f["arrays"] = [e for e in f["arrays"] if e[0] != i] + [
+        [i, n, a.copy()] for layer, n, a in other["arrays"] if layer == i
+    ]
     return f"layer {i} taken from base {other['label']}"
 
 
-MUTATIONS = [(m_layer_field, 3), (m_layer_presence, 1), (m_config, 4), (m_shape, 3), (m_token_count, 2), (m_dtype, 2),
-             (m_values, 5), (m_drop, 2), (m_extra, 1), (m_swap_layer, 1)]
+MUTATIONS = [
+    (m_layer_field, 3),
+    (m_layer_presence, 1),
+    (m_config, 4),
+    (m_shape, 3),
+    (m_token_count, 2),
+    (m_dtype, 2),
+    (m_values, 5),
+    (m_drop, 2),
+    (m_extra, 1),
+    (m_swap_layer, 1),
+]
 #: What a restore case mutates (configuration keys are not part of a snapshot).
 RESTORE_MUTATIONS = [(m, w) for m, w in MUTATIONS if m not in (m_config, m_layer_presence)]
 
@@ -449,16 +526,20 @@ def _decode_one(cache, rng, i: int, b: int, dt: str) -> str | None:
 
 
 def _state(cache) -> list:
-    return [(cache.seq_len(i), {n: np.array(a) for n, a in (rec.arrays.items() if rec is not None else ())})
-            for i, rec in enumerate(cache.snapshot(host=True))]
+    return [
+        (cache.seq_len(i), {n: np.array(a) for n, a in (rec.arrays.items() if rec is not None else ())})
+        for i, rec in enumerate(cache.snapshot(host=True))
+    ]
 
 
 def _same_state(a: list, b: list) -> bool:
     def same(x, y):
         return x.dtype == y.dtype and np.array_equal(x, y, equal_nan=x.dtype.kind == "f")
 
-    return len(a) == len(b) and all(la == lb and sorted(da) == sorted(db) and all(same(da[n], db[n]) for n in da)
-                                    for (la, da), (lb, db) in zip(a, b))
+    return len(a) == len(b) and all(
+        la == lb and sorted(da) == sorted(db) and all(same(da[n], db[n]) for n in da)
+        for (la, da), (lb, db) in zip(a, b)
+    )
 
 
 def _file_case(rng, ctx, tmp: str) -> tuple:
@@ -506,8 +587,10 @@ def _restore_case(rng, ctx) -> tuple:
     if geometry:  # a snapshot of another geometry: must be refused
         kind = ("heads", "head_dim", "batch")[int(rng.integers(3))]
         if kind == "batch":
-            records = [None if r is None else type(r)(length=r.length, batch=r.batch + 1, dtype=r.dtype,
-                                                      arrays=r.arrays) for r in cache.snapshot()]
+            records = [
+                None if r is None else type(r)(length=r.length, batch=r.batch + 1, dtype=r.dtype, arrays=r.arrays)
+                for r in cache.snapshot()
+            ]
         else:
             records = ctx["donors"][kind].snapshot()
         what = [label, f"restore of a snapshot with other {kind}"]
@@ -544,8 +627,10 @@ def _context(name: str, tmp: str) -> dict:
             f = parse_file(fh.read())
         f["label"] = label
         files.append(f)
-    donors = {"heads": _fill(_make(spec, heads=3), rng, 1, "float32"),  # the bases have 2 heads, head_dim 32 or 24
-              "head_dim": _fill(_make(spec, head_dim=16), rng, 1, "float32")}
+    donors = {
+        "heads": _fill(_make(spec, heads=3), rng, 1, "float32"),  # the bases have 2 heads, head_dim 32 or 24
+        "head_dim": _fill(_make(spec, head_dim=16), rng, 1, "float32"),
+    }
     return {"bases": bases, "files": files, "donors": donors}
 
 
@@ -586,7 +671,7 @@ def run_target(name: str, cases: int) -> list:
         for line in out.splitlines():
             if not line.startswith(MARK):
                 continue
-            rec = json.loads(line[len(MARK):])
+            rec = json.loads(line[len(MARK) :])
             if rec.get("start"):
                 running = rec["case"]
             else:
@@ -596,12 +681,19 @@ def run_target(name: str, cases: int) -> list:
         if running is None and not hung and proc.returncode == 0:
             break
         if running is None:  # died before its first case: the set-up failed
-            results.append({"case": start, "outcome": "worker-error", "what": [],
-                            "detail": f"exit {proc.returncode}: {err[-2000:]}"})
+            results.append(
+                {
+                    "case": start,
+                    "outcome": "worker-error",
+                    "what": [],
+                    "detail": f"exit {proc.returncode}: {err[-2000:]}",
+                }
+            )
             break
         why = "hang" if hung else ("crash" if proc.returncode < 0 else "worker-error")
-        results.append({"case": running, "outcome": why, "what": [],
-                        "detail": f"exit {proc.returncode}: {err[-1500:]}"})
+        results.append(
+            {"case": running, "outcome": why, "what": [], "detail": f"exit {proc.returncode}: {err[-1500:]}"}
+        )
         start = running + 1
     return results
 
@@ -629,8 +721,9 @@ def _report(results: dict) -> None:
     for name, res in results.items():
         counts = Counter(r["outcome"] for r in res)
         total.update(counts)
-        print(f"{name:16s} {sum(counts.values()):5d} cases  "
-              + "  ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+        print(
+            f"{name:16s} {sum(counts.values()):5d} cases  " + "  ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+        )
     print(f"{'all':16s} {sum(total.values()):5d} cases  " + "  ".join(f"{k}={v}" for k, v in sorted(total.items())))
 
 
@@ -639,8 +732,9 @@ def test_hostile_files_and_snapshots_are_refused_or_load_a_working_cache(fuzz_re
     res = fuzz_results[name]
     assert res, f"no case ran for {name}"
     bad = [r for r in res if r["outcome"] not in PASS]
-    assert not bad, "\n".join(f"case {r['case']}: {r['outcome']}: {' / '.join(r['what'])}: {r['detail']}"
-                              for r in bad[:10])
+    assert not bad, "\n".join(
+        f"case {r['case']}: {r['outcome']}: {' / '.join(r['what'])}: {r['detail']}" for r in bad[:10]
+    )
     outcomes = Counter(r["outcome"] for r in res)
     assert outcomes["refused"] + outcomes["restore-refused"] > 0  # the cases do reach the checks
 

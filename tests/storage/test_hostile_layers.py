@@ -46,12 +46,21 @@ def test_a_layer_header_whose_batch_the_arrays_do_not_have_is_refused(tmp_path, 
 
     def edit(f):
         f["layers"][0]["batch"] = said
+
     edit_file(path, edit)
     _refused(path, f"must have {said} on axis 0")
 
 
-@pytest.mark.parametrize("key, value", [("head_dim", 1 << 20), ("head_dim", 5000), ("num_kv_heads", 1 << 16),
-                                        ("max_tokens", 1 << 40), ("max_tokens", 1 << 30)])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("head_dim", 1 << 20),
+        ("head_dim", 5000),
+        ("num_kv_heads", 1 << 16),
+        ("max_tokens", 1 << 40),
+        ("max_tokens", 1 << 30),
+    ],
+)
 def test_a_small_file_declaring_a_huge_geometry_is_refused_before_anything_is_allocated(tmp_path, key, value):
     for method in ("pqo4", "tq3", "dense", "int4"):
         cache = arraykv.make_cache(method, num_layers=2, num_kv_heads=2, head_dim=32)
@@ -60,6 +69,7 @@ def test_a_small_file_declaring_a_huge_geometry_is_refused_before_anything_is_al
 
         def edit(f):
             f["config"][key] = value
+
         edit_file(path, edit)
         assert path.stat().st_size < 2000
         t0 = time.perf_counter()
@@ -72,6 +82,7 @@ def test_max_tokens_below_a_layer_length_is_refused(tmp_path):
 
     def edit(f):
         f["config"]["max_tokens"] = cache.seq_len(0) - 1
+
     edit_file(path, edit)
     _refused(path, "max_tokens")
 
@@ -99,17 +110,20 @@ def test_vq_codes_beyond_the_codebook_are_refused(tmp_path, code):
     def edit(f):
         codes = array_of(f, 0, "k_codes")
         codes[0, 1, 3, 2] = (codes[0, 1, 3, 2] & 0xF0) | code  # a 4-bit code in the low nibble
+
     edit_file(path, edit)
     _refused(path, "beyond the codebook of 12")
 
 
-@pytest.mark.parametrize("idx, why", [([3, 32], "above 31"), ([-1, 4], "below 0"), ([9, 4], "ascending"),
-                                      ([4, 4], "ascending")])
+@pytest.mark.parametrize(
+    "idx, why", [([3, 32], "above 31"), ([-1, 4], "below 0"), ([9, 4], "ascending"), ([4, 4], "ascending")]
+)
 def test_outlier_channels_out_of_range_or_order_are_refused(tmp_path, idx, why):
     _, path = _saved(tmp_path, "pqo4", outliers=2)
 
     def edit(f):
         array_of(f, 0, "k_outlier_idx")[0, 1] = idx
+
     edit_file(path, edit)
     _refused(path, why)
 
@@ -120,6 +134,7 @@ def test_outlier_channels_as_many_as_head_dim_are_refused(tmp_path):
     def edit(f):
         set_array(f, 0, "k_outlier_idx", np.tile(np.arange(8, dtype=np.int32), (1, 2, 1)))
         set_array(f, 0, "k_outliers", np.zeros(array_of(f, 0, "k_norms").shape + (8,), np.float16))
+
     edit_file(path, edit)
     _refused(path, "fewer than head_dim=8")
 
@@ -131,18 +146,22 @@ def test_fixed_end_out_of_range_is_refused(tmp_path, method, value):
 
     def edit(f):
         array_of(f, 0, "fixed_end")[0] = value
+
     edit_file(path, edit)
     _refused(path, "fixed_end")
 
 
-@pytest.mark.parametrize("method, name, value, match", [
-    ("pqo4", "k_scale", 0.0, "below 0.0625"),  # a kernel divides by the key channel weights
-    ("pqo4", "k_norms", np.nan, "NaN"),
-    ("tq3", "k_mean_freq", 1e30, "above 3.14"),
-    ("int4", "v_scale", 6e4, "reconstruct"),  # float32 layer of 65504 · 15: fine; float16 below
-    ("lowrank", "k_basis", 1e30, "above"),
-    ("vq", "v_centroids", np.inf, "infinity"),
-])
+@pytest.mark.parametrize(
+    "method, name, value, match",
+    [
+        ("pqo4", "k_scale", 0.0, "below 0.0625"),  # a kernel divides by the key channel weights
+        ("pqo4", "k_norms", np.nan, "NaN"),
+        ("tq3", "k_mean_freq", 1e30, "above 3.14"),
+        ("int4", "v_scale", 6e4, "reconstruct"),  # float32 layer of 65504 · 15: fine; float16 below
+        ("lowrank", "k_basis", 1e30, "above"),
+        ("vq", "v_centroids", np.inf, "infinity"),
+    ],
+)
 def test_codec_parameters_out_of_range_are_refused(tmp_path, method, name, value, match):
     if name == "v_scale":  # the largest reconstruction must fit the layer's dtype (float16 here)
         rng = np.random.default_rng(2)
@@ -156,7 +175,8 @@ def test_codec_parameters_out_of_range_are_refused(tmp_path, method, name, value
 
     def edit(f):
         a = array_of(f, 0, name)
-        a.reshape(-1)[: 3] = value
+        a.reshape(-1)[:3] = value
+
     edit_file(path, edit)
     _refused(path, match)
 
@@ -171,6 +191,7 @@ def test_int_exponents_out_of_range_are_refused(tmp_path):
 
     def edit(f):
         array_of(f, 0, "exp")[:] = [1000, -17]
+
     edit_file(path, edit)
     _refused(path, "exp")
 
@@ -180,6 +201,7 @@ def test_rotary_pairs_must_be_a_rotary_layout(tmp_path):
 
     def edit(f):
         array_of(f, 0, "k_mean_pairs")[0] = [0, 0]
+
     edit_file(path, edit)
     _refused(path, "rotary layout")
 
@@ -193,6 +215,7 @@ def test_token_counts_that_agree_with_each_other_but_not_with_the_cache_are_refu
         for e in f["arrays"]:
             if e[0] == 0 and e[1] in ("k_window", "v_window"):
                 e[2] = np.concatenate([e[2], e[2][:, :, -1:]], axis=2)
+
     edit_file(path, edit)
     _refused(path)
 
@@ -206,8 +229,14 @@ def test_the_edited_files_are_well_formed(tmp_path):
     assert serialize_file  # the helper the fuzzer shares
 
 
-@pytest.mark.parametrize("edits", [{"k_norms": 65504.0, "k_scale": 0.0625}, {"v_norms": 65504.0, "v_mean": 65504.0},
-                                   {"k_norms": 65504.0, "k_mean": 65504.0}])
+@pytest.mark.parametrize(
+    "edits",
+    [
+        {"k_norms": 65504.0, "k_scale": 0.0625},
+        {"v_norms": 65504.0, "v_mean": 65504.0},
+        {"k_norms": 65504.0, "k_mean": 65504.0},
+    ],
+)
 def test_a_float16_window_whose_finite_parts_decode_past_float16_is_refused(tmp_path, edits):
     """A pq window layer of float16 callers: lengths, means and weights each in their range, but
     the keys or values they decode to beyond float16; the restore decodes the window once and
@@ -231,8 +260,9 @@ def test_a_float16_window_whose_finite_parts_decode_past_float16_is_refused(tmp_
     assert_same_snapshot(snapshot(cache), before)
 
 
-@pytest.mark.parametrize("method, edits", [("pqo4", {"k_mean": 65504.0}), ("tq3", {"k_mean": 65504.0}),
-                                           ("lowrank", {"k_coef": 65504.0})])
+@pytest.mark.parametrize(
+    "method, edits", [("pqo4", {"k_mean": 65504.0}), ("tq3", {"k_mean": 65504.0}), ("lowrank", {"k_coef": 65504.0})]
+)
 def test_a_float16_layer_whose_parts_decode_past_float16_is_refused(tmp_path, method, edits):
     """Each part inside its dtype's range, the reconstruction beyond float16: refused on load
     (the restore of a half-precision layer decodes it once)."""
@@ -252,9 +282,11 @@ def test_a_float16_layer_whose_parts_decode_past_float16_is_refused(tmp_path, me
 
 def _fill_arrays(path, edits: dict) -> None:
     """Set every value of layer 0's arrays named in ``edits`` to the value given (checksum recomputed)."""
+
     def edit(f):
         for name, value in edits.items():
             a = array_of(f, 0, name).copy()
             a[...] = value
             set_array(f, 0, name, a)
+
     edit_file(path, edit)

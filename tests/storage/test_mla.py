@@ -42,7 +42,7 @@ def test_fitted_projection_recovers_latent_data(xp, rng):
     gk, gv = cache.get_kv(1, s)
     np.testing.assert_allclose(to_np(gk), nk, atol=2e-3)
     np.testing.assert_allclose(to_np(gv), nv, atol=2e-3)
-    np.testing.assert_array_equal(to_np(gk)[:, :, D - R:], nk[:, :, D - R:])  # RoPE part exact
+    np.testing.assert_array_equal(to_np(gk)[:, :, D - R :], nk[:, :, D - R :])  # RoPE part exact
     lat, rope = cache.get_compressed_kv(1, s)
     assert lat.shape == (9, L) and rope.shape == (H, 9, R)
     assert cache.memory_usage() == 9 * (L + H * R) * 4
@@ -57,9 +57,10 @@ def test_fit_is_the_best_linear_latent(rng):
     s = cache.allocate_sequence()
     cache.append(0, s, k, v)
     gk, gv = cache.get_kv(0, s)
-    z = np.concatenate([k[:, :, :D - R].transpose(1, 0, 2).reshape(300, -1), v.transpose(1, 0, 2).reshape(300, -1)], 1)
-    zr = np.concatenate([gk[:, :, :D - R].transpose(1, 0, 2).reshape(300, -1), gv.transpose(1, 0, 2).reshape(300, -1)],
-                        1)
+    z = np.concatenate([k[:, :, : D - R].transpose(1, 0, 2).reshape(300, -1), v.transpose(1, 0, 2).reshape(300, -1)], 1)
+    zr = np.concatenate(
+        [gk[:, :, : D - R].transpose(1, 0, 2).reshape(300, -1), gv.transpose(1, 0, 2).reshape(300, -1)], 1
+    )
     sv = np.linalg.svd(z.astype(np.float64), compute_uv=False)
     assert np.sum((zr - z) ** 2) == pytest.approx(np.sum(sv[L:] ** 2), rel=1e-3)
 

@@ -18,8 +18,10 @@ def make(**kw):
 
 
 def tok(rng, xp, t):
-    return (asarray(xp, rng.standard_normal((H, t, D)).astype(np.float32)),
-            asarray(xp, rng.standard_normal((H, t, D)).astype(np.float32)))
+    return (
+        asarray(xp, rng.standard_normal((H, t, D)).astype(np.float32)),
+        asarray(xp, rng.standard_normal((H, t, D)).astype(np.float32)),
+    )
 
 
 def test_write_then_read_exact_for_sequences_of_different_lengths(xp, rng):
@@ -87,9 +89,16 @@ def test_bad_input(rng):
     k = rng.standard_normal((H, 2, D)).astype(np.float32)
     nan = k.copy()
     nan[0, 0, 0] = np.nan
-    for args, exc in [((k[0], k), ValueError), ((k, k[:, :1]), ValueError), ((k.astype(np.int32),) * 2, TypeError),
-                      ((k, k.astype(np.float64)), TypeError), ((nan, k), ValueError), ((k.tolist(), k), TypeError),
-                      ((k[:, :, :3], k), ValueError), ((k[:1], k[:1]), ValueError)]:
+    for args, exc in [
+        ((k[0], k), ValueError),
+        ((k, k[:, :1]), ValueError),
+        ((k.astype(np.int32),) * 2, TypeError),
+        ((k, k.astype(np.float64)), TypeError),
+        ((nan, k), ValueError),
+        ((k.tolist(), k), TypeError),
+        ((k[:, :, :3], k), ValueError),
+        ((k[:1], k[:1]), ValueError),
+    ]:
         with pytest.raises(exc):
             cache.append(0, s, *args)
     assert cache.seq_len(0, s) == 0
@@ -114,7 +123,7 @@ def test_thread_safety(rng):
         try:
             for layer in (0, 1):
                 for i in range(0, 40, 5):
-                    cache.append(layer, sid, data[sid][:, i:i + 5], -data[sid][:, i:i + 5])
+                    cache.append(layer, sid, data[sid][:, i : i + 5], -data[sid][:, i : i + 5])
         except Exception as exc:  # surfaced below
             errors.append(exc)
 

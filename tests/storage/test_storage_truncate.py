@@ -24,8 +24,10 @@ def tok(rng, t):
 
 
 @SETTINGS
-@given(steps=st.lists(st.tuples(st.integers(0, 1), st.integers(1, 9), st.floats(0.0, 1.0)), min_size=1, max_size=12),
-       seed=st.integers(0, 2**31))
+@given(
+    steps=st.lists(st.tuples(st.integers(0, 1), st.integers(1, 9), st.floats(0.0, 1.0)), min_size=1, max_size=12),
+    seed=st.integers(0, 2**31),
+)
 def test_paged_truncate_equals_appending_less(steps, seed):
     rng = np.random.default_rng(seed)
     cache = paged()
@@ -88,9 +90,15 @@ def test_paged_truncate_errors_change_nothing():
     cache = paged()
     a = cache.allocate_sequence()
     cache.append(1, a, *tok(rng, 6))
-    for args, exc in (((1, a, 7), ValueError), ((1, a, -1), ValueError), ((1, a, 2.0), TypeError),
-                      ((2, a, 1), ValueError), (("1", a, 1), TypeError), ((1, a + 1, 1), ValueError),
-                      ((0, a, 1), ValueError)):
+    for args, exc in (
+        ((1, a, 7), ValueError),
+        ((1, a, -1), ValueError),
+        ((1, a, 2.0), TypeError),
+        ((2, a, 1), ValueError),
+        (("1", a, 1), TypeError),
+        ((1, a + 1, 1), ValueError),
+        ((0, a, 1), ValueError),
+    ):
         with pytest.raises(exc):
             cache.truncate(*args)
     assert cache.seq_len(1, a) == 6 and cache.free_blocks(1) == 14
@@ -148,8 +156,9 @@ def test_mla_truncate_equals_appending_less():
     assert cache.seq_len(0, sid) == direct.seq_len(0, sid) == 10
     # token 9 was projected inside a 5-row matrix product and, directly, in a one-row product:
     # BLAS may round the two differently (one float32 ulp, seen on an AVX-512 machine)
-    for a, b in zip(cache.get_kv(0, sid) + cache.get_compressed_kv(0, sid),
-                    direct.get_kv(0, sid) + direct.get_compressed_kv(0, sid)):
+    for a, b in zip(
+        cache.get_kv(0, sid) + cache.get_compressed_kv(0, sid), direct.get_kv(0, sid) + direct.get_compressed_kv(0, sid)
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert cache.memory_usage() == direct.memory_usage()
     cache.truncate(0, sid, 0)
@@ -163,8 +172,14 @@ def test_mla_truncate_errors():
     cache = mla()
     sid = cache.allocate_sequence()
     cache.append(0, sid, *tok(rng, 4))
-    for args, exc in (((0, sid, 5), ValueError), ((0, sid, -1), ValueError), ((0, sid, 1.5), TypeError),
-                      ((2, sid, 1), ValueError), ((0, sid + 7, 1), ValueError), ((1, sid, 1), ValueError)):
+    for args, exc in (
+        ((0, sid, 5), ValueError),
+        ((0, sid, -1), ValueError),
+        ((0, sid, 1.5), TypeError),
+        ((2, sid, 1), ValueError),
+        ((0, sid + 7, 1), ValueError),
+        ((1, sid, 1), ValueError),
+    ):
         with pytest.raises(exc):
             cache.truncate(*args)
     assert cache.seq_len(0, sid) == 4

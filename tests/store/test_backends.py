@@ -96,7 +96,13 @@ def test_local_store_budget_applies_on_put_and_removes_dead_writers_files(tmp_pa
 
 
 def test_bad_limits_are_refused(tmp_path):
-    for kwargs in ({"max_bytes": 0}, {"ttl": -1}, {"ttl": float("nan")}, {"max_entry_bytes": None}, {"max_bytes": True}):
+    for kwargs in (
+        {"max_bytes": 0},
+        {"ttl": -1},
+        {"ttl": float("nan")},
+        {"max_entry_bytes": None},
+        {"max_bytes": True},
+    ):
         with pytest.raises(ValueError):
             LocalStore(tmp_path, **kwargs)
 

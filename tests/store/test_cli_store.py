@@ -20,7 +20,7 @@ def test_store_ls_shows_entries_tokens_and_bytes(model, tmp_path, capsys):
     assert main(["store", "ls", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| 64 |" in out and "| 32 |" in out
-    assert f"2 entries" in out and f"({sum(sizes)} bytes)" in out
+    assert "2 entries" in out and f"({sum(sizes)} bytes)" in out
     assert main(["store", "evict", str(tmp_path), "--max-bytes", str(sizes[-1])]) == 0
     assert "dropped 1 entries" in capsys.readouterr().out
     (left,) = store.backend.entries()
@@ -33,8 +33,12 @@ def test_store_ls_of_a_server(valkey_store, capsys):
     valkey_store.put(K2, b"y" * 10, tokens=1024)
     kw = valkey_store.client.connection_pool.connection_kwargs
     url = f"redis://{kw['host']}:{kw['port']}/0"
-    res = subprocess.run([sys.executable, "-m", "arraykv", "store", "ls", url, "--prefix", valkey_store.prefix],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "arraykv", "store", "ls", url, "--prefix", valkey_store.prefix],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert "| 512 | 1.23 kB |" in res.stdout and "| 1024 | 10 B |" in res.stdout
     assert "2 entries, 1.24 kB (1244 bytes)" in res.stdout

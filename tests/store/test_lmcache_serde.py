@@ -24,8 +24,9 @@ def chunk(seed: int, scale: float = 1.0, outliers: bool = False, dtype=np.float1
     return kv.astype(dtype)
 
 
-@pytest.mark.parametrize("case", [dict(seed=1), dict(seed=2, scale=30.0), dict(seed=3, outliers=True),
-                                  dict(seed=4, dtype=np.float32)])
+@pytest.mark.parametrize(
+    "case", [dict(seed=1), dict(seed=2, scale=30.0), dict(seed=3, outliers=True), dict(seed=4, dtype=np.float32)]
+)
 def test_round_trip_within_the_codec_error_and_under_the_declared_size(case):
     kv = chunk(**case)
     data = encode_chunk(kv, head_dim=64)
@@ -84,8 +85,14 @@ def test_the_lmcache_serde_interface():
     ser, de = ser_cls(head_dim=64), de_cls(head_dim=64)
 
     def obj(t):
-        meta = MemoryObjMetadata(shape=t.shape, dtype=t.dtype, address=0, phy_size=t.numel() * t.element_size(),
-                                 ref_count=1, fmt=MemoryFormat.KV_2LTD)
+        meta = MemoryObjMetadata(
+            shape=t.shape,
+            dtype=t.dtype,
+            address=0,
+            phy_size=t.numel() * t.element_size(),
+            ref_count=1,
+            fmt=MemoryFormat.KV_2LTD,
+        )
         return TensorMemoryObj(t.reshape(-1).view(torch.uint8), meta, None)
 
     kv = torch.from_numpy(chunk(7)).to(torch.bfloat16)
@@ -101,7 +108,7 @@ def test_the_lmcache_serde_interface():
     out = obj(torch.zeros(SHAPE, dtype=torch.bfloat16))
     de.deserialize(dst, out, key)
     x, y = kv.float(), out.tensor.float()
-    assert float(((x - y) ** 2).sum() / (x ** 2).sum()) < 0.03
+    assert float(((x - y) ** 2).sum() / (x**2).sum()) < 0.03
     small = obj(torch.zeros((n // 2,), dtype=torch.uint8))
     with pytest.raises(ValueError, match="buffer"):
         ser.serialize(obj(kv), small, key)

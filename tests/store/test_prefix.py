@@ -7,8 +7,15 @@ import warnings
 import numpy as np
 import pytest
 
-from arraykv.store import (EntryError, LocalStore, PrefixStore, StoreWarning, encode_cache, restore_entry,
-                           segmented_prefill)
+from arraykv.store import (
+    EntryError,
+    LocalStore,
+    PrefixStore,
+    StoreWarning,
+    encode_cache,
+    restore_entry,
+    segmented_prefill,
+)
 
 S, CHUNK = 64, 32  # tokens per stored segment, the decoder's prefill chunk within a segment
 
@@ -19,8 +26,10 @@ def prompt(n: int, seed: int = 0) -> list:
 
 def arrays(cache) -> list:
     """Every array the cache holds, layer by layer, as host copies."""
-    return [None if r is None else (r.length, r.dtype, {k: np.asarray(v) for k, v in r.arrays.items()})
-            for r in cache.snapshot(host=True)]
+    return [
+        None if r is None else (r.length, r.dtype, {k: np.asarray(v) for k, v in r.arrays.items()})
+        for r in cache.snapshot(host=True)
+    ]
 
 
 def assert_same_state(a, b):
@@ -111,12 +120,13 @@ def test_keys_separate_models_methods_options_and_schedules(model, tmp_path):
         store.keys(model, model.make_cache("pqo4", seed=1), ids, chunk_size=CHUNK),
         store.keys(model, model.make_cache("pqo4"), ids, chunk_size=16),
         store.keys(model, model.make_cache("pqo4"), ids, chunk_size=CHUNK, prompt_store="chunks"),
-        PrefixStore(store.backend, chunk_tokens=S, model_id="other").keys(model, model.make_cache("pqo4"), ids,
-                                                                        chunk_size=CHUNK),
+        PrefixStore(store.backend, chunk_tokens=S, model_id="other").keys(
+            model, model.make_cache("pqo4"), ids, chunk_size=CHUNK
+        ),
     ]
     for keys in others:
         assert not set(keys) & set(base)
-    changed = ids[:S] + [(ids[S] + 1) % 101] + ids[S + 1:]
+    changed = ids[:S] + [(ids[S] + 1) % 101] + ids[S + 1 :]
     k2 = store.keys(model, model.make_cache("pqo4"), changed, chunk_size=CHUNK)
     assert k2[0] == base[0] and k2[1] != base[1]  # the chain: equal up to the first changed chunk
 
@@ -145,12 +155,16 @@ def test_a_crafted_or_foreign_entry_is_refused_and_the_prompt_computed(model, tm
     other = model.make_cache("pqo3")  # a valid entry of another configuration under the key
     model.prefill(ids[:S], other, chunk_size=CHUNK)
     short = model.make_cache("pqo4")  # the right configuration, the wrong length
-    model.prefill(ids[:S - 1], short, chunk_size=CHUNK)
+    model.prefill(ids[: S - 1], short, chunk_size=CHUNK)
     good = encode_cache(fresh)
     flipped = bytearray(good)
     flipped[len(good) // 2] ^= 0x40
-    for bad, why in ((b"not a cache file", "not a valid cache file"), (bytes(flipped), "checksum"),
-                     (encode_cache(other), "another configuration"), (encode_cache(short), f"should hold {S}")):
+    for bad, why in (
+        (b"not a cache file", "not a valid cache file"),
+        (bytes(flipped), "checksum"),
+        (encode_cache(other), "another configuration"),
+        (encode_cache(short), f"should hold {S}"),
+    ):
         store.backend.put(key, bad)
         warm = model.make_cache("pqo4")
         with pytest.warns(StoreWarning, match=why):
@@ -181,8 +195,12 @@ def test_restore_entry_checks(model):
 
 
 def test_bad_arguments(model, tmp_path):
-    for kwargs, match in (({"chunk_tokens": 0}, "chunk_tokens"), ({"policy": "all"}, "policy"),
-                          ({"on_error": "ignore"}, "on_error"), ({"model_id": ""}, "model_id")):
+    for kwargs, match in (
+        ({"chunk_tokens": 0}, "chunk_tokens"),
+        ({"policy": "all"}, "policy"),
+        ({"on_error": "ignore"}, "on_error"),
+        ({"model_id": ""}, "model_id"),
+    ):
         with pytest.raises(ValueError, match=match):
             PrefixStore(tmp_path, **kwargs)
     store = PrefixStore(tmp_path, chunk_tokens=S)

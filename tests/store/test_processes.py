@@ -19,8 +19,9 @@ KEYS = [f"{i:02x}" * 16 for i in range(4)]
 
 
 def worker(*args: object, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, WORKER, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, WORKER, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+    )
 
 
 def spec_of(backend) -> tuple:

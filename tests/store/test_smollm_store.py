@@ -10,9 +10,9 @@ from arraykv.store import LocalStore, PrefixStore, segmented_prefill
 
 @pytest.mark.slow
 def test_smollm2_pqo4_continues_a_stored_prefix_bit_for_bit(tmp_path):
-    from smollm import smollm_or_skip
-
     from arraykv import eval as ev
+
+    from smollm import smollm_or_skip
 
     model = smollm_or_skip()
     ids = ev.builtin_token_ids(model, 300)

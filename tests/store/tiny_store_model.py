@@ -5,8 +5,19 @@ from __future__ import annotations
 from arraykv.integrations.llama import LlamaModel, ModelConfig, random_gguf_tensors
 
 #: A two-layer decoder with random weights: fast enough to prefill hundreds of tokens per test.
-TINY = ModelConfig(num_layers=2, hidden_size=64, ffn_size=96, num_heads=4, num_kv_heads=2, head_dim=32,
-                   vocab_size=101, context_length=1024, rope_theta=10000.0, rms_eps=1e-5, name="tiny-store")
+TINY = ModelConfig(
+    num_layers=2,
+    hidden_size=64,
+    ffn_size=96,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    vocab_size=101,
+    context_length=1024,
+    rope_theta=10000.0,
+    rms_eps=1e-5,
+    name="tiny-store",
+)
 
 
 def tiny_model(seed: int = 3):

@@ -72,9 +72,25 @@ def test_demo_generates_and_prints_the_table(tmp_path):
             pytest.skip(f"SmolLM2 is not cached and the package index is unreachable: {exc}")
         raise
     res = subprocess.run(
-        [sys.executable, "-m", "arraykv", "demo", "--methods", "dense", "--tokens", "72", "--max-new-tokens", "4",
-         "--no-progress", "--generate-with", "dense"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "arraykv",
+            "demo",
+            "--methods",
+            "dense",
+            "--tokens",
+            "72",
+            "--max-new-tokens",
+            "4",
+            "--no-progress",
+            "--generate-with",
+            "dense",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
     )
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
@@ -97,8 +113,18 @@ def _tiny_llama_gguf(path):
     from arraykv.integrations.model_config import ModelConfig
 
     tokens = ["<|end|>", "Ċ", "Ġ"] + [chr(c) for c in range(33, 127)] + ["ĠT", "he"]
-    cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
-                      vocab_size=len(tokens), context_length=512, rope_theta=10000.0, rms_eps=1e-5)
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        ffn_size=48,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=len(tokens),
+        context_length=512,
+        rope_theta=10000.0,
+        rms_eps=1e-5,
+    )
     write_gguf(path, cfg, random_gguf_tensors(cfg, seed=2), tokens=tokens, merges=["Ġ T", "h e"])
     return path
 
@@ -106,11 +132,31 @@ def _tiny_llama_gguf(path):
 def test_longctx_prints_both_tables_and_the_memory(tmp_path, capsys):
     model = _tiny_llama_gguf(tmp_path / "tiny.gguf")
     png = tmp_path / "long.png"
-    argv = ["longctx", "--model", str(model), "--methods", "dense", "int8", "--lengths", "260", "300",
-            "--depths", "0.25", "0.75", "--prefix-lengths", "64", "128", "--positions", "8", "--chunk-size", "64",
-            "--no-progress"]
+    argv = [
+        "longctx",
+        "--model",
+        str(model),
+        "--methods",
+        "dense",
+        "int8",
+        "--lengths",
+        "260",
+        "300",
+        "--depths",
+        "0.25",
+        "0.75",
+        "--prefix-lengths",
+        "64",
+        "128",
+        "--positions",
+        "8",
+        "--chunk-size",
+        "64",
+        "--no-progress",
+    ]
     try:
         import matplotlib  # noqa: F401
+
         argv += ["--plot", str(png)]
     except ImportError:
         png = None
@@ -131,8 +177,23 @@ def test_longctx_benchmark_script_traces_memory(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("long_context_bench", ROOT / "benchmarks" / "long_context.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--model", str(model), "--methods", "int8", "--no-needle", "--prefix-lengths", "64",
-                       "--positions", "4", "--no-progress"]) == 0
+    assert (
+        bench.main(
+            [
+                "--model",
+                str(model),
+                "--methods",
+                "int8",
+                "--no-needle",
+                "--prefix-lengths",
+                "64",
+                "--positions",
+                "4",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("command: python benchmarks/long_context.py") and "machine:" in out
     assert "tracemalloc peak of the run" in out and "## Needle retrieval" not in out
@@ -147,8 +208,28 @@ def test_longctx_reads_the_long_text_named(tmp_path, capsys, text):
         label = f"the file {text}"
     else:
         label = "language reference topics"
-    assert main(["longctx", "--model", str(model), "--methods", "int8", "--no-needle", "--text", text,
-                 "--prefix-lengths", "300", "--positions", "4", "--chunk-size", "64", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "longctx",
+                "--model",
+                str(model),
+                "--methods",
+                "int8",
+                "--no-needle",
+                "--text",
+                text,
+                "--prefix-lengths",
+                "300",
+                "--positions",
+                "4",
+                "--chunk-size",
+                "64",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "## Long-text quality (4 teacher-forced positions after each prefix, " in out and label in out
 
@@ -165,8 +246,21 @@ def test_longctx_rejects_bad_options(capsys):
 @pytest.mark.parametrize("draft", ["ngram:3", "layers:1", "cache:pqo2"])
 def test_speculative_prints_text_acceptance_speeds_and_agreement(tmp_path, capsys, draft):
     model = _tiny_llama_gguf(tmp_path / "tiny.gguf")
-    args = ["speculative", "--model", str(model), "--method", "pqo4", "--draft", draft, "-k", "3",
-            "--max-new-tokens", "12", "--prompt", "The sea, the sea, the sea"]
+    args = [
+        "speculative",
+        "--model",
+        str(model),
+        "--method",
+        "pqo4",
+        "--draft",
+        draft,
+        "-k",
+        "3",
+        "--max-new-tokens",
+        "12",
+        "--prompt",
+        "The sea, the sea, the sea",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "acceptance" in out and "tokens/s" in out
@@ -178,14 +272,17 @@ def test_speculative_rejects_a_bad_draft(capsys):
     assert "layers:N, cache:METHOD or ngram" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, said", [
-    (["demo", "--tokens", "0"], "--tokens: must be at least 1"),
-    (["demo", "--max-new-tokens", "-3"], "--max-new-tokens: must be at least 1"),
-    (["longctx", "--depths", "1.5"], "--depths: must be in [0, 1]"),
-    (["longctx", "--lengths", "x"], "--lengths: 'x' is not a whole number"),
-    (["speculative", "-k", "0"], "-k: must be at least 1"),
-    (["inspect", "--bits", "7"], "--bits: must be 1, 2, 3 or 4"),
-])
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["demo", "--tokens", "0"], "--tokens: must be at least 1"),
+        (["demo", "--max-new-tokens", "-3"], "--max-new-tokens: must be at least 1"),
+        (["longctx", "--depths", "1.5"], "--depths: must be in [0, 1]"),
+        (["longctx", "--lengths", "x"], "--lengths: 'x' is not a whole number"),
+        (["speculative", "-k", "0"], "-k: must be at least 1"),
+        (["inspect", "--bits", "7"], "--bits: must be 1, 2, 3 or 4"),
+    ],
+)
 def test_bad_numbers_are_refused_when_parsed_before_any_model_loads(argv, said, capsys):
     from arraykv.__main__ import main
 

@@ -6,8 +6,15 @@ from typing import NamedTuple
 
 from .loader import get_kernel, require_cupy
 
-__all__ = ["pack_bits", "unpack_bits", "pack_bits_into", "unpack_bits_into", "plan_bitpack", "SOURCE",
-           "name_expressions"]
+__all__ = [
+    "pack_bits",
+    "unpack_bits",
+    "pack_bits_into",
+    "unpack_bits_into",
+    "plan_bitpack",
+    "SOURCE",
+    "name_expressions",
+]
 
 #: The file under ``kernels/`` these launchers run.
 SOURCE = "bitpack.cu"

@@ -34,9 +34,21 @@ from .polar_plan import (  # noqa: F401 - re-exported: the launch planning lives
     plan_decode_attn,
 )
 
-__all__ = ["plan_codec_launch", "plan_decode_attn", "polar_encode", "polar_decode", "polar_decode_attention",
-           "polar_encode_into", "polar_decode_into", "polar_decode_attention_into", "rotary_phase_rows",
-           "scratch_buffers", "unsupported_reason", "SOURCE", "name_expressions"]
+__all__ = [
+    "plan_codec_launch",
+    "plan_decode_attn",
+    "polar_encode",
+    "polar_decode",
+    "polar_decode_attention",
+    "polar_encode_into",
+    "polar_decode_into",
+    "polar_decode_attention_into",
+    "rotary_phase_rows",
+    "scratch_buffers",
+    "unsupported_reason",
+    "SOURCE",
+    "name_expressions",
+]
 
 #: The file under ``kernels/`` these launchers run.
 SOURCE = "polar.cu"
@@ -109,8 +121,10 @@ def _check_out(cp, out, shape, dtype, name):
     if out is None:
         return cp.empty(shape, dtype=dtype)
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous:
-        raise ValueError(f"{name} must be a C-contiguous {cp.dtype(dtype).name} array of shape {tuple(shape)}, "
-                         f"received {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"{name} must be a C-contiguous {cp.dtype(dtype).name} array of shape {tuple(shape)}, "
+            f"received {out.dtype} {tuple(out.shape)}"
+        )
     return out
 
 
@@ -154,8 +168,21 @@ def polar_encode_into(x, codebook, rotation, *, unbiased=False, codes_out=None, 
     if rows:
         matrix = rotation.matrix if rotation.matrix is not None else rotation.signs
         kern = get_kernel(SOURCE, plan.name)
-        kern(plan.grid, plan.block, (x, cp.int64(rows), rotation.signs, matrix, codebook.thresholds,
-                                     codebook.centroids, codes, gains, cp.int32(1 if unbiased else 0)))
+        kern(
+            plan.grid,
+            plan.block,
+            (
+                x,
+                cp.int64(rows),
+                rotation.signs,
+                matrix,
+                codebook.thresholds,
+                codebook.centroids,
+                codes,
+                gains,
+                cp.int32(1 if unbiased else 0),
+            ),
+        )
     return codes, gains
 
 
@@ -280,8 +307,9 @@ def rotary_phase_rows(freq, start: int, n: int, family=None):
         total = out.size
         threads = 256
         blocks = min(-(-total // threads), 65535)
-        get_kernel(SOURCE, "rotary_phases", family)((blocks,), (threads,), (freq, cp.int32(n_pairs), cp.int64(start),
-                                                                      cp.int32(n), out))
+        get_kernel(SOURCE, "rotary_phases", family)(
+            (blocks,), (threads,), (freq, cp.int32(n_pairs), cp.int64(start), cp.int32(n), out)
+        )
     return out
 
 
@@ -297,8 +325,12 @@ def _key_mean_bias(cp, codec, q, scale, n, family, phase_rows=rotary_phase_rows,
     h = int(codec.k_codes.shape[1])
     plan = plan if plan is not None else _rotary_plan(codec)
     start = int(codec.n_sink)
-    out = plan.logits(q.astype(cp.float32).reshape(b, h, qh // h, d) * float(scale), start, start + n,
-                      phases=phase_rows(plan.freq, start, n, family))
+    out = plan.logits(
+        q.astype(cp.float32).reshape(b, h, qh // h, d) * float(scale),
+        start,
+        start + n,
+        phases=phase_rows(plan.freq, start, n, family),
+    )
     return out.reshape(b * qh, n)
 
 
@@ -361,15 +393,43 @@ def polar_decode_attention_into(codec, q, scale, *, out=None):
     names = kernel_names(d, kb, vb, use_qjl, had, PREFETCH, rotating)
     family = tuple(names.values())
     attn = get_kernel(SOURCE, names["attn"], family)
-    plan = plan_decode_attn(b, h, g, d, n, kb, vb, use_qjl, _device_sm_count(cp),
-                            _blocks_per_sm(cp, attn, names["attn"]), PREFETCH, rotating) if n else None
+    plan = (
+        plan_decode_attn(
+            b,
+            h,
+            g,
+            d,
+            n,
+            kb,
+            vb,
+            use_qjl,
+            _device_sm_count(cp),
+            _blocks_per_sm(cp, attn, names["attn"]),
+            PREFETCH,
+            rotating,
+        )
+        if n
+        else None
+    )
     splits = plan.splits if plan else 0
     f32, f16 = cp.float32, cp.float16
-    bufs = _buffers(cp, ("attn", b, h, g, d, nout, use_qjl, splits), {
-        "qr": ((b * h * g * d,), f32), "qconst": ((b * h * g,), f32), "qout": ((max(b * h * g * nout, 1),), f32),
-        "sq": ((b * h * g * d if use_qjl else 1,), f32), "out_m": ((max(b * h * splits * g, 1),), f32),
-        "out_l": ((max(b * h * splits * g, 1),), f32), "out_acc": ((max(b * h * splits * g * d, 1),), f32),
-        "dummy_f": ((4,), f32), "dummy_h": ((8,), f16), "dummy_i": ((4,), cp.int32), "dummy_u8": ((16,), cp.uint8)})
+    bufs = _buffers(
+        cp,
+        ("attn", b, h, g, d, nout, use_qjl, splits),
+        {
+            "qr": ((b * h * g * d,), f32),
+            "qconst": ((b * h * g,), f32),
+            "qout": ((max(b * h * g * nout, 1),), f32),
+            "sq": ((b * h * g * d if use_qjl else 1,), f32),
+            "out_m": ((max(b * h * splits * g, 1),), f32),
+            "out_l": ((max(b * h * splits * g, 1),), f32),
+            "out_acc": ((max(b * h * splits * g * d, 1),), f32),
+            "dummy_f": ((4,), f32),
+            "dummy_h": ((8,), f16),
+            "dummy_i": ((4,), cp.int32),
+            "dummy_u8": ((16,), cp.uint8),
+        },
+    )
     dh, df = bufs["dummy_h"], bufs["dummy_f"]
     matrix = rot.matrix if rot.matrix is not None else rot.signs
     sketch = codec.qjl.matrix if use_qjl else df
@@ -378,28 +438,88 @@ def polar_decode_attention_into(codec, q, scale, *, out=None):
 
     bias = _key_mean_bias(cp, codec, qc, scale, n, family, plan=rplan) if rotating else df
     prep = get_kernel(SOURCE, names[f"prepare_{dtype}"], family)
-    prep((g, h, b), (d,), (qc, _half_or_dummy(cp, codec.k_scale, dh), _half_or_dummy(cp, codec.k_mean, dh), idx,
-                           cp.int32(nout), rot.signs, matrix, sketch, cp.float32(scale), cp.float32(sq_scale),
-                           cp.int32(codec.k_scale is not None),
-                           cp.int32(codec.k_mean is not None and rplan is None),
-                           cp.int32(use_qjl), bufs["qr"], bufs["qconst"], bufs["qout"], bufs["sq"]))
+    prep(
+        (g, h, b),
+        (d,),
+        (
+            qc,
+            _half_or_dummy(cp, codec.k_scale, dh),
+            _half_or_dummy(cp, codec.k_mean, dh),
+            idx,
+            cp.int32(nout),
+            rot.signs,
+            matrix,
+            sketch,
+            cp.float32(scale),
+            cp.float32(sq_scale),
+            cp.int32(codec.k_scale is not None),
+            cp.int32(codec.k_mean is not None and rplan is None),
+            cp.int32(use_qjl),
+            bufs["qr"],
+            bufs["qconst"],
+            bufs["qout"],
+            bufs["sq"],
+        ),
+    )
     if n:
         cap = _capacity(codec.k_norms)
         k_out = codec.k_outliers if nout else dh
         k_qjl = codec.k_qjl if use_qjl else bufs["dummy_u8"]
         k_qjl_n = codec.k_qjl_norms if use_qjl else dh
         for first, count in plan.chunks:
-            attn(plan.grid, plan.block,
-                 (bufs["qr"], bufs["qconst"], bufs["qout"], bufs["sq"], bias, codec.k_codes, codec.k_norms,
-                  codec.k_codebook.centroids, codec.v_codes, codec.v_norms, codec.v_codebook.centroids, k_out, k_qjl,
-                  k_qjl_n, cp.int32(n), cp.int64(cap), cp.int32(g), cp.int32(first), cp.int32(count),
-                  cp.int32(nout), cp.int32(plan.tiles_per_split), cp.int32(splits),
-                  bufs["out_m"], bufs["out_l"], bufs["out_acc"]))
+            attn(
+                plan.grid,
+                plan.block,
+                (
+                    bufs["qr"],
+                    bufs["qconst"],
+                    bufs["qout"],
+                    bufs["sq"],
+                    bias,
+                    codec.k_codes,
+                    codec.k_norms,
+                    codec.k_codebook.centroids,
+                    codec.v_codes,
+                    codec.v_norms,
+                    codec.v_codebook.centroids,
+                    k_out,
+                    k_qjl,
+                    k_qjl_n,
+                    cp.int32(n),
+                    cp.int64(cap),
+                    cp.int32(g),
+                    cp.int32(first),
+                    cp.int32(count),
+                    cp.int32(nout),
+                    cp.int32(plan.tiles_per_split),
+                    cp.int32(splits),
+                    bufs["out_m"],
+                    bufs["out_l"],
+                    bufs["out_acc"],
+                ),
+            )
     n_win = int(codec.n_window)
     kw = cp.ascontiguousarray(codec.k_window) if n_win else dh
     vw = cp.ascontiguousarray(codec.v_window) if n_win else dh
     merge = get_kernel(SOURCE, names[f"merge_{dtype}"], family)
-    merge((g, h, b), (d,), (bufs["out_m"], bufs["out_l"], bufs["out_acc"], cp.int32(splits), qc, kw, vw,
-                            cp.int32(n_win), _half_or_dummy(cp, codec.v_mean, dh), cp.int32(codec.v_mean is not None),
-                            rot.signs, matrix, cp.float32(scale), out))
+    merge(
+        (g, h, b),
+        (d,),
+        (
+            bufs["out_m"],
+            bufs["out_l"],
+            bufs["out_acc"],
+            cp.int32(splits),
+            qc,
+            kw,
+            vw,
+            cp.int32(n_win),
+            _half_or_dummy(cp, codec.v_mean, dh),
+            cp.int32(codec.v_mean is not None),
+            rot.signs,
+            matrix,
+            cp.float32(scale),
+            out,
+        ),
+    )
     return out

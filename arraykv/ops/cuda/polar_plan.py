@@ -9,21 +9,33 @@ import functools
 import math
 from typing import NamedTuple
 
-__all__ = ["CodecLaunch", "AttnLaunch", "codec_unsupported_reason", "plan_codec_launch", "plan_decode_attn",
-           "kernel_names",
-           "MAX_GROUP", "WARPS", "TILE", "BLOCKS_PER_SM", "PREFETCH", "MAX_OUTLIERS", "MAX_HEAD_DIM"]
+__all__ = [
+    "CodecLaunch",
+    "AttnLaunch",
+    "codec_unsupported_reason",
+    "plan_codec_launch",
+    "plan_decode_attn",
+    "kernel_names",
+    "MAX_GROUP",
+    "WARPS",
+    "TILE",
+    "BLOCKS_PER_SM",
+    "PREFETCH",
+    "MAX_OUTLIERS",
+    "MAX_HEAD_DIM",
+]
 
-MAX_GROUP = 8        # query heads served by one attention launch (the mma N dimension)
-WARPS = 4            # warps per attention block
-TILE = 16            # tokens per warp step
-BLOCKS_PER_SM = 4    # attention blocks per multiprocessor when the occupancy query is unavailable
+MAX_GROUP = 8  # query heads served by one attention launch (the mma N dimension)
+WARPS = 4  # warps per attention block
+TILE = 16  # tokens per warp step
+BLOCKS_PER_SM = 4  # attention blocks per multiprocessor when the occupancy query is unavailable
 #: Load the next tile's codes while the current one is computed. Measured on an H100 (pqo4,
 #: head_dim 128, two runs): 167 instead of 127 registers, 3 instead of 4 blocks per
 #: multiprocessor, and within the run-to-run spread (-2% at 32k tokens in both runs, +2.6% and
 #: -4% at 128k), so off: the variant without it is the one the full GPU test suite ran on. The
 #: benchmark times both.
 PREFETCH = False
-MAX_OUTLIERS = 32    # exact outlier key channels the attention kernel holds (polar.cu)
+MAX_OUTLIERS = 32  # exact outlier key channels the attention kernel holds (polar.cu)
 MAX_HEAD_DIM = 256
 
 
@@ -101,7 +113,7 @@ class AttnLaunch(NamedTuple):
     ``name`` is the attention kernel; :func:`kernel_names` gives all three kernels of a step.
     """
 
-    chunks: tuple          # (first query head, count) per attention launch
+    chunks: tuple  # (first query head, count) per attention launch
     splits: int
     tiles_per_split: int
     grid: tuple
@@ -109,9 +121,20 @@ class AttnLaunch(NamedTuple):
     name: str
 
 
-def plan_decode_attn(batch: int, kv_heads: int, groups: int, head_dim: int, tokens: int, k_bits: int, v_bits: int,
-                     qjl: bool, sm_count: int = 132, blocks_per_sm: int = BLOCKS_PER_SM,
-                     prefetch: bool | None = None, bias: bool = False) -> AttnLaunch:
+def plan_decode_attn(
+    batch: int,
+    kv_heads: int,
+    groups: int,
+    head_dim: int,
+    tokens: int,
+    k_bits: int,
+    v_bits: int,
+    qjl: bool,
+    sm_count: int = 132,
+    blocks_per_sm: int = BLOCKS_PER_SM,
+    prefetch: bool | None = None,
+    bias: bool = False,
+) -> AttnLaunch:
     """Plan the fused decode launches (checked; no GPU needed).
 
     Parameters
@@ -143,8 +166,9 @@ def plan_decode_attn(batch: int, kv_heads: int, groups: int, head_dim: int, toke
         tokens.
     """
     if head_dim % 32 or not 32 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be a multiple of 32 up to {MAX_HEAD_DIM} for the fused GPU kernel, "
-                         f"received {head_dim}")
+        raise ValueError(
+            f"head_dim must be a multiple of 32 up to {MAX_HEAD_DIM} for the fused GPU kernel, received {head_dim}"
+        )
     for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
         if not 1 <= bits <= 8:
             raise ValueError(f"{name} must be in 1..8, received {bits}")
@@ -168,8 +192,9 @@ def plan_decode_attn(batch: int, kv_heads: int, groups: int, head_dim: int, toke
 
 
 @functools.lru_cache(maxsize=256)
-def kernel_names(head_dim: int, k_bits: int, v_bits: int, qjl: bool, hadamard: bool, prefetch: bool = False,
-                 bias: bool = False) -> dict:
+def kernel_names(
+    head_dim: int, k_bits: int, v_bits: int, qjl: bool, hadamard: bool, prefetch: bool = False, bias: bool = False
+) -> dict:
     """Name expressions of a decode step's kernels (compiled together as one module; read only)."""
     names = {"attn": plan_decode_attn(1, 1, 1, head_dim, 1, k_bits, v_bits, qjl, prefetch=prefetch, bias=bias).name}
     for dtype in ("float32", "float16"):

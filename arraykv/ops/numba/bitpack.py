@@ -18,7 +18,6 @@ from .threads import launch
 __all__ = ["pack_bits", "unpack_bits"]
 
 
-
 @nb.njit(cache=True, nogil=True, parallel=True)
 def _pack(codes, bits, out):
     rows, n = codes.shape

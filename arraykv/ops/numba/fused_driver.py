@@ -50,9 +50,24 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from .threads import launch, threads_for
 
-__all__ = ["TILE", "FASTMATH", "ro", "scaled_queries", "alloc_queries", "prepare_queries", "softmax_tile", "tile_dots",
-           "tile_add_rows", "merge_top",
-           "merge_splits", "LazyStep", "build_steps", "plan", "split_count", "run_step"]
+__all__ = [
+    "TILE",
+    "FASTMATH",
+    "ro",
+    "scaled_queries",
+    "alloc_queries",
+    "prepare_queries",
+    "softmax_tile",
+    "tile_dots",
+    "tile_add_rows",
+    "merge_top",
+    "merge_splits",
+    "LazyStep",
+    "build_steps",
+    "plan",
+    "split_count",
+    "run_step",
+]
 
 #: Tokens per tile of the online softmax.
 TILE = 64
@@ -61,8 +76,16 @@ TILE = 64
 FASTMATH = {"nsz", "arcp", "contract", "reassoc", "afn"}
 #: Only the explicit ``prange`` runs on worker threads: array expressions (``np.zeros``, ...)
 #: would each become a parallel region of their own, and every region wakes the threads.
-_PRANGE_ONLY = {"prange": True, "comprehension": False, "setitem": False, "reduction": False, "numpy": False,
-                "stencil": False, "fusion": False, "inplace_binop": False}
+_PRANGE_ONLY = {
+    "prange": True,
+    "comprehension": False,
+    "setitem": False,
+    "reduction": False,
+    "numpy": False,
+    "stencil": False,
+    "fusion": False,
+    "inplace_binop": False,
+}
 
 
 def ro(dtype, ndim, layout="A"):
@@ -81,8 +104,15 @@ def scaled_queries(q, b, h, scale, qs):
 
 
 #: 2**f = Σ_k c_k f**k on |f| <= 1/2 (Taylor: c_k = ln(2)**k / k!; relative error below 6e-9)
-_EXP2 = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.009618129107628477,
-         0.0013333558146428443, 0.00015403530393381606, 1.525273380405984e-05)
+_EXP2 = (
+    0.6931471805599453,
+    0.2402265069591007,
+    0.05550410866482158,
+    0.009618129107628477,
+    0.0013333558146428443,
+    0.00015403530393381606,
+    1.525273380405984e-05,
+)
 
 
 @nb.njit(inline="always")
@@ -121,8 +151,18 @@ def softmax_tile(srow, nt, m, l, acc, g, ebits):
         n = np.floor(y + np.float32(0.5))
         f = y - n
         ebits[r] = (np.int32(n) + 127) << 23
-        srow[r] = np.float32(1.0) + f * (np.float32(c1) + f * (np.float32(c2) + f * (np.float32(c3) + f * (
-            np.float32(c4) + f * (np.float32(c5) + f * (np.float32(c6) + f * np.float32(c7)))))))
+        srow[r] = np.float32(1.0) + f * (
+            np.float32(c1)
+            + f
+            * (
+                np.float32(c2)
+                + f
+                * (
+                    np.float32(c3)
+                    + f * (np.float32(c4) + f * (np.float32(c5) + f * (np.float32(c6) + f * np.float32(c7))))
+                )
+            )
+        )
     scale2 = ebits.view(np.float32)
     lg = np.float32(0.0)
     for r in range(nt):
@@ -135,6 +175,7 @@ def softmax_tile(srow, nt, m, l, acc, g, ebits):
 # The scalar tile products of the kernels (their paths without 16-lane vectors). They index
 # their arrays directly instead of taking row views inside the loops: every view is a
 # reference-counted object (two atomic operations), which in a loop costs more than the arithmetic.
+
 
 @nb.njit(inline="always")
 def tile_dots(q, x, n, r, s):
@@ -368,10 +409,21 @@ def build_steps(namespace: dict, sigs, pick=None, dims=()) -> tuple:
     """
     opts = dict(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
     spaces = {0: namespace, **{dim: _specialised(namespace, dim) for dim in dims}}
-    serial = LazyStep({dim: _copy(_step_serial, ns, f"_step_serial_d{dim}" if dim else "_step_serial")
-                       for dim, ns in spaces.items()}, sigs, pick, opts)
-    parallel = LazyStep({dim: _copy(_step_parallel, ns, f"_step_parallel_d{dim}" if dim else "_step_parallel")
-                         for dim, ns in spaces.items()}, sigs, pick, dict(opts, parallel=_PRANGE_ONLY))
+    serial = LazyStep(
+        {dim: _copy(_step_serial, ns, f"_step_serial_d{dim}" if dim else "_step_serial") for dim, ns in spaces.items()},
+        sigs,
+        pick,
+        opts,
+    )
+    parallel = LazyStep(
+        {
+            dim: _copy(_step_parallel, ns, f"_step_parallel_d{dim}" if dim else "_step_parallel")
+            for dim, ns in spaces.items()
+        },
+        sigs,
+        pick,
+        dict(opts, parallel=_PRANGE_ONLY),
+    )
     return serial, parallel
 
 

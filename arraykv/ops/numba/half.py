@@ -27,8 +27,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 from .polar_rows import HALF_TO_FLOAT
 from .simd import host_cpu_has
 
-__all__ = ["HAVE_F16C", "HALF_TO_FLOAT", "half_to_float", "half_bits_to_float", "float_to_half",
-           "float_to_half_bits", "half_is_finite"]
+__all__ = [
+    "HAVE_F16C",
+    "HALF_TO_FLOAT",
+    "half_to_float",
+    "half_bits_to_float",
+    "float_to_half",
+    "float_to_half_bits",
+    "half_is_finite",
+]
 
 
 #: True when compiled code converts float16 with the F16C instructions (the host has them and
@@ -87,7 +94,7 @@ def _float_bits(typingctx, x):
 
 
 #: 2**112: a float16's exponent bias (15) below a float32's (127).
-_HALF_SCALE = 2.0 ** 112
+_HALF_SCALE = 2.0**112
 
 
 def half_bits_to_float(x):  # pragma: no cover - replaced in compiled code by the overload below
@@ -109,6 +116,7 @@ def _half_bits_to_float_impl(x):
         em = u & 0x7FFF
         inf = ((em + 0x400) >> 15) * 0x7F800000  # exponent field 31 -> 255
         return _bits_to_float(np.uint32((em << 13) | ((u & 0x8000) << 16) | inf)) * np.float32(_HALF_SCALE)
+
     return impl
 
 
@@ -166,6 +174,7 @@ def _float_to_half_bits_impl(x):
         if rem > half or (rem == half and (r & 1)):
             r += 1
         return np.uint16(sign | r)
+
     return impl
 
 

@@ -75,11 +75,17 @@ from .simd_int2 import int2_group_scores, tile_values_codes_2_scaled
 __all__ = ["int_decode_attention", "TILE"]
 
 #: Byte -> its two 4-bit codes as float32 (low nibble first), as one 8-byte word.
-_NIBBLES = np.ascontiguousarray(
-    np.stack([np.arange(256) & 15, np.arange(256) >> 4], axis=1).astype(np.float32)).view(np.uint64).reshape(-1)
+_NIBBLES = (
+    np.ascontiguousarray(np.stack([np.arange(256) & 15, np.arange(256) >> 4], axis=1).astype(np.float32))
+    .view(np.uint64)
+    .reshape(-1)
+)
 #: Byte -> its four 2-bit codes as float32 (lowest bits first), as two 8-byte words (entries 2·byte, 2·byte + 1).
-_QUADS = np.ascontiguousarray(
-    np.stack([(np.arange(256) >> s) & 3 for s in (0, 2, 4, 6)], axis=1).astype(np.float32)).view(np.uint64).reshape(-1)
+_QUADS = (
+    np.ascontiguousarray(np.stack([(np.arange(256) >> s) & 3 for s in (0, 2, 4, 6)], axis=1).astype(np.float32))
+    .view(np.uint64)
+    .reshape(-1)
+)
 
 
 #: The codes 0..15 as float32: the register table that turns int4 codes into their values.
@@ -104,11 +110,25 @@ def _signature(param):
     """``(q, scale, n, h_n, args, splits, out)`` with ``args`` = ``(G, bits, k_codes, k_scale, k_offset,
     k_res, v_codes, v_scale, v_offset, v_win, table, half)``, float16 (``uint16``) or float32
     scales and offsets."""
-    args = nbt.Tuple((nbt.int64, nbt.int64, ro(nbt.uint8, 5), ro(param, 4), ro(param, 4), ro(nbt.float32, 4, "C"),
-                      ro(nbt.uint8, 4), ro(param, 4), ro(param, 4), ro(nbt.float32, 4, "C"),
-                      ro(nbt.uint64, 1, "C"), ro(nbt.float32, 1, "C")))
-    return nbt.void(ro(nbt.float32, 3, "C"), nbt.float64, nbt.int64, nbt.int64, args, nbt.int64,
-                    nbt.Array(nbt.float32, 3, "C"))
+    args = nbt.Tuple(
+        (
+            nbt.int64,
+            nbt.int64,
+            ro(nbt.uint8, 5),
+            ro(param, 4),
+            ro(param, 4),
+            ro(nbt.float32, 4, "C"),
+            ro(nbt.uint8, 4),
+            ro(param, 4),
+            ro(param, 4),
+            ro(nbt.float32, 4, "C"),
+            ro(nbt.uint64, 1, "C"),
+            ro(nbt.float32, 1, "C"),
+        )
+    )
+    return nbt.void(
+        ro(nbt.float32, 3, "C"), nbt.float64, nbt.int64, nbt.int64, args, nbt.int64, nbt.Array(nbt.float32, 3, "C")
+    )
 
 
 _SIGS = [_signature(nbt.uint16), _signature(nbt.float32)]
@@ -117,8 +137,28 @@ _D = 0
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset,
-                 v_win, tab, half, m, l, acc):
+def _attend_span(
+    b,
+    h,
+    t_lo,
+    t_hi,
+    qs,
+    G,
+    bits,
+    k_codes,
+    k_scale,
+    k_offset,
+    k_res,
+    v_codes,
+    v_scale,
+    v_offset,
+    v_win,
+    tab,
+    half,
+    m,
+    l,
+    acc,
+):
     """Online softmax over tokens ``[t_lo, t_hi)`` of head ``(b, h)`` for every query head of its group.
 
     ``qs`` (G_q, d) are the queries times the softmax scale; ``t_lo`` is a multiple of ``G``.
@@ -191,7 +231,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
                 else:
                     int2_group_scores(k_codes[b, h, grp], qfs, s, off)
                 for g in range(g_n):
-                    srow = s[g, off:off + G]
+                    srow = s[g, off : off + G]
                     for i in range(G):
                         srow[i] += csts[g]
                 continue
@@ -215,7 +255,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, G, bits, k_codes, k_scale, k_offset, k_re
             for g in range(g_n):
                 qf = qfs[g]
                 # a view: indices from 0 let the compiler drop negative-index handling and vectorize
-                srow = s[g, off:off + G]
+                srow = s[g, off : off + G]
                 for i in range(G):
                     srow[i] = csts[g]
                 for c in range(0, d4, 4):  # four channels per pass over the group's scores
@@ -380,8 +420,28 @@ alloc_state, prepare = alloc_queries, prepare_queries  # the state: scaled queri
 @nb.njit
 def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
     G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, v_win, tab, half = args
-    _attend_span(b, h, t_lo, t_hi, state[0][sb, sh], G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale,
-                 v_offset, v_win, tab, half, m, l, acc)
+    _attend_span(
+        b,
+        h,
+        t_lo,
+        t_hi,
+        state[0][sb, sh],
+        G,
+        bits,
+        k_codes,
+        k_scale,
+        k_offset,
+        k_res,
+        v_codes,
+        v_scale,
+        v_offset,
+        v_win,
+        tab,
+        half,
+        m,
+        l,
+        acc,
+    )
 
 
 @nb.njit
@@ -396,8 +456,9 @@ def span_unit(args):
 
 
 # signature 0: float16 scales and offsets (uint16 bit patterns), 1: float32
-_step_serial, _step_parallel = build_steps(globals(), _SIGS, lambda step: int(step[4][3].dtype != np.uint16),
-                                           dims=(64, 128))
+_step_serial, _step_parallel = build_steps(
+    globals(), _SIGS, lambda step: int(step[4][3].dtype != np.uint16), dims=(64, 128)
+)
 
 
 def _plan(bh: int, n: int, d: int, group_size: int) -> tuple:
@@ -442,14 +503,27 @@ def int_decode_attention(codec, q, scale):
     k_scale, k_offset = _params(codec.k_scale), _params(codec.k_offset)
     v_scale, v_offset = _params(codec.v_scale), _params(codec.v_offset)
     if k_scale.dtype != v_scale.dtype:  # the cache stores both in one dtype; a mixed codec reads float32
-        k_scale, k_offset, v_scale, v_offset = (np.asarray(a, np.float32) for a in (
-            codec.k_scale, codec.k_offset, codec.v_scale, codec.v_offset))
+        k_scale, k_offset, v_scale, v_offset = (
+            np.asarray(a, np.float32) for a in (codec.k_scale, codec.k_offset, codec.v_scale, codec.v_offset)
+        )
     threads, splits = _plan(b * h, n, d, G)
     out = np.empty((b, qh, d), np.float32)
     n_window = int(getattr(codec, "n_window", 0) or 0)
     v_win = np.ascontiguousarray(codec.v_window, np.float32) if n_window else np.zeros((b, h, 0, d), np.float32)
-    args = (G, bits, codec.k_codes, k_scale, k_offset, np.ascontiguousarray(codec.k_residual, dtype=np.float32),
-            codec.v_codes, v_scale, v_offset, v_win, _QUADS if bits == 2 else _NIBBLES, HALF_TO_FLOAT)
+    args = (
+        G,
+        bits,
+        codec.k_codes,
+        k_scale,
+        k_offset,
+        np.ascontiguousarray(codec.k_residual, dtype=np.float32),
+        codec.v_codes,
+        v_scale,
+        v_offset,
+        v_win,
+        _QUADS if bits == 2 else _NIBBLES,
+        HALF_TO_FLOAT,
+    )
     step = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, h, args)
     run_step(_step_serial, _step_parallel, threads, splits, b * h * n * d, step, out)
     out = out.reshape(b, qh, 1, d)

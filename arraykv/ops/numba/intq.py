@@ -25,7 +25,6 @@ from .threads import launch
 __all__ = ["group_minmax", "quantize_pack", "dequantize"]
 
 
-
 @nb.njit(cache=True, nogil=True, parallel=True)
 def _minmax(x, g, mn, mx):
     rows, n = x.shape
@@ -113,8 +112,14 @@ def quantize_pack(x32, group_size, bits, off32, inv):
     out = np.empty(lead + (nbytes,), np.uint8)
     groups = off32.shape[-1]
     with launch(x32.size):
-        _quant_pack(_rows(x32), int(group_size), int(bits), _rows(np.asarray(off32, np.float32)).reshape(-1, groups),
-                    _rows(np.asarray(inv, np.float32)).reshape(-1, groups), out.reshape(-1, nbytes))
+        _quant_pack(
+            _rows(x32),
+            int(group_size),
+            int(bits),
+            _rows(np.asarray(off32, np.float32)).reshape(-1, groups),
+            _rows(np.asarray(inv, np.float32)).reshape(-1, groups),
+            out.reshape(-1, nbytes),
+        )
     return out
 
 
@@ -123,6 +128,13 @@ def dequantize(codes, bits, group_size, n, s32, o32):
     out = np.empty(lead + (int(n),), np.float32)
     groups = s32.shape[-1]
     with launch(out.size):
-        _dequant(_rows(codes), int(bits), int(group_size), int(n), _rows(s32).reshape(-1, groups),
-                 _rows(o32).reshape(-1, groups), out.reshape(-1, int(n)))
+        _dequant(
+            _rows(codes),
+            int(bits),
+            int(group_size),
+            int(n),
+            _rows(s32).reshape(-1, groups),
+            _rows(o32).reshape(-1, groups),
+            out.reshape(-1, int(n)),
+        )
     return out

@@ -85,10 +85,17 @@ _F32_3C, _F32_2C, _F32_1C = ro(nbt.float32, 3, "C"), ro(nbt.float32, 2, "C"), ro
 #: ``(q, scale, n, h_n, args, splits, out)`` with ``args`` = ``(k16, k32, k_basis, k_mean, v16, v32, v_basis,
 #: v_mean, ke16, ke32, ve16, ve32, table)``: each coefficient or kept-token array twice, as uint16 bit
 #: patterns of float16 and as float32, one of the two empty.
-_SIG = nbt.void(_F32_3C, nbt.float64, nbt.int64, nbt.int64,
-                nbt.Tuple((_U16_4, _F32_4, _F32_3C, _F32_2C, _U16_4, _F32_4, _F32_3C, _F32_2C,
-                           _U16_4, _F32_4, _U16_4, _F32_4, _F32_1C)),
-                nbt.int64, nbt.Array(nbt.float32, 3, "C"))
+_SIG = nbt.void(
+    _F32_3C,
+    nbt.float64,
+    nbt.int64,
+    nbt.int64,
+    nbt.Tuple(
+        (_U16_4, _F32_4, _F32_3C, _F32_2C, _U16_4, _F32_4, _F32_3C, _F32_2C, _U16_4, _F32_4, _U16_4, _F32_4, _F32_1C)
+    ),
+    nbt.int64,
+    nbt.Array(nbt.float32, 3, "C"),
+)
 #: head_dim as a compile-time constant in the steps built for it (``build_steps(dims=...)``); 0: any
 _D = 0
 
@@ -102,13 +109,13 @@ def _rows(x16, x32, b, h, t0, nt, table, out):
     copy of just these rows; the block is then converted as one flat run of values.
     """
     if x16.shape[0]:
-        blk = np.ascontiguousarray(x16[b, h, t0:t0 + nt])
+        blk = np.ascontiguousarray(x16[b, h, t0 : t0 + nt])
         src = blk.reshape(blk.size)
         dst = out.reshape(out.size)
         for j in range(src.shape[0]):
             dst[j] = half_to_float(src[j], table)
     else:
-        blk32 = np.ascontiguousarray(x32[b, h, t0:t0 + nt])
+        blk32 = np.ascontiguousarray(x32[b, h, t0 : t0 + nt])
         src32 = blk32.reshape(blk32.size)
         dst = out.reshape(out.size)
         for j in range(src32.shape[0]):
@@ -122,6 +129,7 @@ def _rows(x16, x32, b, h, t0, nt, table, out):
 # compiler a 32-wide product per token and query head, which it finishes with a sum across the
 # lanes for every score and a store and reload of the value sums for every token; here the
 # accumulators stay in registers for a whole tile and four scores share one lane reduction.
+
 
 @intrinsic
 def _tile_scores16(typingctx, buf, nt, qr, s):
@@ -179,8 +187,7 @@ def _values16_codegen(context, builder, sig, args):
         n2 = builder.udiv(ncol, h.const(32))
         with h.cgutils.for_range(builder, n2) as lc:
             emit(g0, gb, builder.mul(lc.index, h.const(32)), 2)
-        with h.cgutils.if_unlikely(builder, builder.icmp_unsigned("!=", builder.urem(ncol, h.const(32)),
-                                                                   h.const(0))):
+        with h.cgutils.if_unlikely(builder, builder.icmp_unsigned("!=", builder.urem(ncol, h.const(32)), h.const(0))):
             emit(g0, gb, builder.mul(n2, h.const(32)), 1)
 
     h.g_blocks(builder, g_n, heads)
@@ -334,8 +341,11 @@ def _finish_head(b, h, n, qs, m_sp, l_sp, acc_sp, v_basis, v_mean, ke16, ke32, v
 @nb.njit
 def alloc_state(b_n, h_n, g_n, d, args):
     rk = args[2].shape[2]
-    return (np.empty((b_n, h_n, g_n, d), np.float32), np.empty((b_n, h_n, g_n, rk), np.float32),
-            np.zeros((b_n, h_n, g_n), np.float32))
+    return (
+        np.empty((b_n, h_n, g_n, d), np.float32),
+        np.empty((b_n, h_n, g_n, rk), np.float32),
+        np.zeros((b_n, h_n, g_n), np.float32),
+    )
 
 
 @nb.njit
@@ -345,15 +355,31 @@ def prepare(q, b, h, scale, args, state, sb, sh):
 
 @nb.njit
 def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
-    _attend_span(b, h, t_lo, t_hi, state[1][sb, sh], state[2][sb, sh], args[0], args[1], args[4], args[5], args[12],
-                 m, l, acc)
+    _attend_span(
+        b, h, t_lo, t_hi, state[1][sb, sh], state[2][sb, sh], args[0], args[1], args[4], args[5], args[12], m, l, acc
+    )
 
 
 @nb.njit
 def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
     n = args[0].shape[2] if args[0].shape[0] else args[1].shape[2]
-    _finish_head(b, h, n, state[0][sb, sh], m_sp, l_sp, acc_sp, args[6], args[7], args[8], args[9], args[10],
-                 args[11], args[12], out)
+    _finish_head(
+        b,
+        h,
+        n,
+        state[0][sb, sh],
+        m_sp,
+        l_sp,
+        acc_sp,
+        args[6],
+        args[7],
+        args[8],
+        args[9],
+        args[10],
+        args[11],
+        args[12],
+        out,
+    )
 
 
 @nb.njit
@@ -384,8 +410,7 @@ def _plan(bh: int, n: int, r: int) -> tuple:
     return plan(bh, n, bh * n * r, 4 * TILE)
 
 
-def lowrank_decode_attention(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra, *,
-                             softmax_scale):
+def lowrank_decode_attention(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra, *, softmax_scale):
     """Fused decode attention over a low-rank layer (NumPy), reading float16 coefficients in place.
 
     Same contract as :func:`arraykv.attention.lowrank_fused.lowrank_decode_attention`.
@@ -408,11 +433,11 @@ def lowrank_decode_attention(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean
     ndarray, shape (batch, q_heads, 1, head_dim), dtype of ``q``
     """
     softmax_scale = check_softmax_scale(softmax_scale)
-    b, h, g, d, n, e, rk, rv = check_decode_args(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra,
-                                                 v_extra)
+    b, h, g, d, n, e, rk, rv = check_decode_args(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra)
     if rv > d:  # the value sum lives in the step's (G, head_dim) accumulator; bases wider than tall do not fit
-        return _reference(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra,
-                          softmax_scale=softmax_scale)
+        return _reference(
+            q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra, softmax_scale=softmax_scale
+        )
     if n:
         k16, k32 = _pair(k_coef)
         v16, v32 = _pair(v_coef)

@@ -162,8 +162,9 @@ def _named(fn, name: str):
     """``fn`` under another name. Numba keys its disk cache by a function's name and first line,
     not by its options, so a serial and a parallel variant jitted from one function would load
     whichever of the two was compiled first (both ran serially, or both in parallel, by chance)."""
-    out = types.FunctionType(fn.__code__.replace(co_name=name, co_qualname=name), fn.__globals__, name,
-                             fn.__defaults__, fn.__closure__)
+    out = types.FunctionType(
+        fn.__code__.replace(co_name=name, co_qualname=name), fn.__globals__, name, fn.__defaults__, fn.__closure__
+    )
     out.__qualname__ = name
     return out
 
@@ -207,8 +208,18 @@ def polar_encode(x, codebook, rotation, *, unbiased=False):
     bits = int(codebook.bits)
     codes = np.empty((flat.shape[0], (d * bits + 7) // 8), dtype=np.uint8)
     lengths = np.empty(flat.shape[0], dtype=np.float32)
-    args = (flat, _host(rotation.signs), _matrix(rotation), rotation.kind == "hadamard",
-            _host(codebook.thresholds), _host(codebook.centroids), bits, bool(unbiased), codes, lengths)
+    args = (
+        flat,
+        _host(rotation.signs),
+        _matrix(rotation),
+        rotation.kind == "hadamard",
+        _host(codebook.thresholds),
+        _host(codebook.centroids),
+        bits,
+        bool(unbiased),
+        codes,
+        lengths,
+    )
     if threads_for(flat.size) == 1:
         _encode_ser(*args)
     else:
@@ -232,8 +243,16 @@ def polar_decode(codes, norms, codebook, rotation):
     d = int(rotation.dim)
     flat = np.ascontiguousarray(codes.reshape(-1, codes.shape[-1]))
     out = np.empty((flat.shape[0], d), dtype=np.float32)
-    args = (flat, _host(np.asarray(norms).reshape(-1)), _host(rotation.signs), _matrix(rotation),
-            rotation.kind == "hadamard", _host(codebook.centroids), int(codebook.bits), out)
+    args = (
+        flat,
+        _host(np.asarray(norms).reshape(-1)),
+        _host(rotation.signs),
+        _matrix(rotation),
+        rotation.kind == "hadamard",
+        _host(codebook.centroids),
+        int(codebook.bits),
+        out,
+    )
     if threads_for(out.size) == 1:
         _decode_ser(*args)
     else:

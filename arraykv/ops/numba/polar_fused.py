@@ -89,9 +89,38 @@ _Q = ro(nbt.float32, 3, "C")
 _OUT = nbt.Array(nbt.float32, 3, "C")
 _TAB = ro(nbt.uint64, 1, "C")
 #: (q, scale, n, h_n, args, splits, out), args as in the kernel's part of the step below
-_ARGS = nbt.Tuple((_U8_4, _U16_3, _F32_1C, _TAB, nbt.int64, _U8_4, _U16_3, _F32_1C, _TAB, nbt.int64,
-                   _U16_3, _U16_3, _U16_3, _I32_3, _U16_4, _F32_1C, _F32_2C, _F32_2C, _TAB, _U8_4, _U16_3,
-                   ro(nbt.float32, 3), ro(nbt.int32, 2), nbt.int64, nbt.int64, _U16_4, _U16_4, _F32_1C))
+_ARGS = nbt.Tuple(
+    (
+        _U8_4,
+        _U16_3,
+        _F32_1C,
+        _TAB,
+        nbt.int64,
+        _U8_4,
+        _U16_3,
+        _F32_1C,
+        _TAB,
+        nbt.int64,
+        _U16_3,
+        _U16_3,
+        _U16_3,
+        _I32_3,
+        _U16_4,
+        _F32_1C,
+        _F32_2C,
+        _F32_2C,
+        _TAB,
+        _U8_4,
+        _U16_3,
+        ro(nbt.float32, 3),
+        ro(nbt.int32, 2),
+        nbt.int64,
+        nbt.int64,
+        _U16_4,
+        _U16_4,
+        _F32_1C,
+    )
+)
 _SIG = nbt.void(_Q, nbt.float64, nbt.int64, nbt.int64, _ARGS, nbt.int64, _OUT)
 
 
@@ -100,9 +129,42 @@ _D = 0
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cent, k_table, k_bits, v_codes,
-                 v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms, sign_table, half, n_j, ra, rb, rw,
-                 ct, st, step, pos0, m, l, acc):
+def _attend_span(
+    b,
+    h,
+    t_lo,
+    t_hi,
+    qr,
+    qout,
+    qconst,
+    sq,
+    k_codes,
+    k_norms,
+    k_cent,
+    k_table,
+    k_bits,
+    v_codes,
+    v_norms,
+    v_cent,
+    v_table,
+    v_bits,
+    k_outliers,
+    k_qjl,
+    k_qjl_norms,
+    sign_table,
+    half,
+    n_j,
+    ra,
+    rb,
+    rw,
+    ct,
+    st,
+    step,
+    pos0,
+    m,
+    l,
+    acc,
+):
     """Online softmax over quantized tokens ``[t_lo, t_hi)`` of head ``(b, h)``, every query head.
 
     ``m``, ``l`` (G,) and ``acc`` (G, d) hold the running maximum logit, the sum of
@@ -267,6 +329,7 @@ def _attend_span(b, h, t_lo, t_hi, qr, qout, qconst, sq, k_codes, k_norms, k_cen
 #         v_mean, k_idx, k_outliers, signs, rot, sketch_t, sign_table, k_qjl, k_qjl_norms, rm_freq, rm_pairs, pos0,
 #         n_window, k_window, v_window, half)
 
+
 @nb.njit
 def alloc_state(b_n, h_n, g_n, d, args):
     """Per (batch, KV head) slot: ``qr, qout, qconst, sq`` (:func:`_prepare_head`), the rotating
@@ -274,12 +337,20 @@ def alloc_state(b_n, h_n, g_n, d, args):
     n_out = args[13].shape[2]
     m_rows = args[17].shape[1]
     n_p = args[22].shape[0]
-    return (np.empty((b_n, h_n, g_n, d), np.float32), np.empty((b_n, h_n, g_n, n_out), np.float32),
-            np.empty((b_n, h_n, g_n), np.float32), np.empty((b_n, h_n, g_n, m_rows), np.float32),
-            np.empty((b_n, h_n, g_n, n_p), np.float32), np.empty((b_n, h_n, g_n, n_p), np.float32),
-            np.empty((b_n, h_n, n_p), np.float64), np.empty((b_n, h_n, TILE, n_p), np.float32),
-            np.empty((b_n, h_n, TILE, n_p), np.float32), np.empty((b_n, h_n, n_p, 2), np.float64),
-            np.zeros((b_n, h_n), np.int64), np.empty(d, np.float32))
+    return (
+        np.empty((b_n, h_n, g_n, d), np.float32),
+        np.empty((b_n, h_n, g_n, n_out), np.float32),
+        np.empty((b_n, h_n, g_n), np.float32),
+        np.empty((b_n, h_n, g_n, m_rows), np.float32),
+        np.empty((b_n, h_n, g_n, n_p), np.float32),
+        np.empty((b_n, h_n, g_n, n_p), np.float32),
+        np.empty((b_n, h_n, n_p), np.float64),
+        np.empty((b_n, h_n, TILE, n_p), np.float32),
+        np.empty((b_n, h_n, TILE, n_p), np.float32),
+        np.empty((b_n, h_n, n_p, 2), np.float64),
+        np.zeros((b_n, h_n), np.int64),
+        np.empty(d, np.float32),
+    )
 
 
 @nb.njit
@@ -287,10 +358,41 @@ def prepare(q, b, h, scale, args, state, sb, sh):
     k_scale, k_mean, k_idx, signs, rot, sketch_t = args[10], args[11], args[13], args[15], args[16], args[17]
     rm_freq, rm_pairs, half = args[21], args[22], args[27]
     qr, qout, qconst, sq, ra, rb, rw, ct, st, step, n_js, x = state
-    _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch_t, half, x, qr[sb, sh], qout[sb, sh],
-                  qconst[sb, sh], sq[sb, sh])
-    n_js[sb, sh] = _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst[sb, sh], ra[sb, sh],
-                                     rb[sb, sh], rw[sb, sh], ct[sb, sh], st[sb, sh], step[sb, sh])
+    _prepare_head(
+        q,
+        b,
+        h,
+        scale,
+        k_scale,
+        k_mean,
+        k_idx,
+        signs,
+        rot,
+        sketch_t,
+        half,
+        x,
+        qr[sb, sh],
+        qout[sb, sh],
+        qconst[sb, sh],
+        sq[sb, sh],
+    )
+    n_js[sb, sh] = _prepare_rotating(
+        q,
+        b,
+        h,
+        scale,
+        k_mean,
+        rm_freq,
+        rm_pairs,
+        half,
+        qconst[sb, sh],
+        ra[sb, sh],
+        rb[sb, sh],
+        rw[sb, sh],
+        ct[sb, sh],
+        st[sb, sh],
+        step[sb, sh],
+    )
     k_per = _planar_per(args[4], x.shape[0])
     if k_per:  # key codes come out of the tile unpacking in planar order: the queries follow
         rows = qr[sb, sh]
@@ -301,21 +403,104 @@ def prepare(q, b, h, scale, args, state, sb, sh):
 
 @nb.njit
 def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
-    (k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits, _, _, _, _, k_outliers,
-     _, _, _, sign_table, k_qjl, k_qjl_norms, _, _, pos0, _, _, _, half) = args
+    (
+        k_codes,
+        k_norms,
+        k_cent,
+        k_table,
+        k_bits,
+        v_codes,
+        v_norms,
+        v_cent,
+        v_table,
+        v_bits,
+        _,
+        _,
+        _,
+        _,
+        k_outliers,
+        _,
+        _,
+        _,
+        sign_table,
+        k_qjl,
+        k_qjl_norms,
+        _,
+        _,
+        pos0,
+        _,
+        _,
+        _,
+        half,
+    ) = args
     qr, qout, qconst, sq, ra, rb, rw, ct, st, step, n_js, _ = state
-    _attend_span(b, h, t_lo, t_hi, qr[sb, sh], qout[sb, sh], qconst[sb, sh], sq[sb, sh], k_codes, k_norms, k_cent,
-                 k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits, k_outliers, k_qjl, k_qjl_norms,
-                 sign_table, half, n_js[sb, sh], ra[sb, sh], rb[sb, sh], rw[sb, sh], ct[sb, sh], st[sb, sh],
-                 step[sb, sh], pos0, m, l, acc)
+    _attend_span(
+        b,
+        h,
+        t_lo,
+        t_hi,
+        qr[sb, sh],
+        qout[sb, sh],
+        qconst[sb, sh],
+        sq[sb, sh],
+        k_codes,
+        k_norms,
+        k_cent,
+        k_table,
+        k_bits,
+        v_codes,
+        v_norms,
+        v_cent,
+        v_table,
+        v_bits,
+        k_outliers,
+        k_qjl,
+        k_qjl_norms,
+        sign_table,
+        half,
+        n_js[sb, sh],
+        ra[sb, sh],
+        rb[sb, sh],
+        rw[sb, sh],
+        ct[sb, sh],
+        st[sb, sh],
+        step[sb, sh],
+        pos0,
+        m,
+        l,
+        acc,
+    )
 
 
 @nb.njit
 def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
-    v_mean, signs, rot, n_window, k_window, v_window, half = (args[12], args[15], args[16], args[24], args[25],
-                                                              args[26], args[27])
-    _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot, half,
-                 _planar_per(args[9], acc_sp.shape[2]), out)
+    v_mean, signs, rot, n_window, k_window, v_window, half = (
+        args[12],
+        args[15],
+        args[16],
+        args[24],
+        args[25],
+        args[26],
+        args[27],
+    )
+    _finish_head(
+        q,
+        b,
+        h,
+        scale,
+        m_sp,
+        l_sp,
+        acc_sp,
+        n_window,
+        k_window,
+        v_window,
+        v_mean,
+        signs,
+        rot,
+        half,
+        _planar_per(args[9], acc_sp.shape[2]),
+        out,
+    )
 
 
 @nb.njit
@@ -381,12 +566,36 @@ def polar_decode_attention(codec, q, scale):
         rm_pairs = np.ascontiguousarray(codec.k_mean_pairs, np.int32)
     threads, splits = _plan(b * h, n, d)
     out = np.empty((b, qh, d), np.float32)
-    args = (k_codes, _bits16(codec.k_norms), k_cent, k_table, k_bits,
-            v_codes, _bits16(codec.v_norms), v_cent, v_table, v_bits,
-            _bits16(getattr(codec, "k_scale", None)), _bits16(codec.k_mean), _bits16(codec.v_mean), idx, k_out,
-            signs, rot, sketch_t, _SIGN_TABLE, k_qjl, k_qjl_norms, rm_freq, rm_pairs, int(codec.n_sink),
-            int(codec.n_window), _bits16(codec.k_window, _NO_U16_4), _bits16(codec.v_window, _NO_U16_4),
-            HALF_TO_FLOAT)
+    args = (
+        k_codes,
+        _bits16(codec.k_norms),
+        k_cent,
+        k_table,
+        k_bits,
+        v_codes,
+        _bits16(codec.v_norms),
+        v_cent,
+        v_table,
+        v_bits,
+        _bits16(getattr(codec, "k_scale", None)),
+        _bits16(codec.k_mean),
+        _bits16(codec.v_mean),
+        idx,
+        k_out,
+        signs,
+        rot,
+        sketch_t,
+        _SIGN_TABLE,
+        k_qjl,
+        k_qjl_norms,
+        rm_freq,
+        rm_pairs,
+        int(codec.n_sink),
+        int(codec.n_window),
+        _bits16(codec.k_window, _NO_U16_4),
+        _bits16(codec.v_window, _NO_U16_4),
+        HALF_TO_FLOAT,
+    )
     step = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, h, args)
     run_step(_step_serial, _step_parallel, threads, splits, b * h * n * d, step, out)
     out = out.reshape(b, qh, 1, d)

@@ -131,8 +131,9 @@ def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch_t, 
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot,
-                 half, v_per, out):
+def _finish_head(
+    q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot, half, v_per, out
+):
     """Merge the token splits of head ``(b, h)`` with its float16 window; write ``out[b, qh]``.
 
     ``m_sp``, ``l_sp`` (splits, G) and ``acc_sp`` (splits, G, d) are :func:`_attend_span`'s

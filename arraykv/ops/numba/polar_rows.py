@@ -20,8 +20,18 @@ from .fused_driver import FASTMATH
 from .polar import _fwht
 from .simd import HAVE_PERMPS, planar_per, table16, unpack_tile_2, unpack_tile_4
 
-__all__ = ["HALF_TO_FLOAT", "_SIGNS", "_SIGN_TABLE", "_chunk_table", "_unpack_rows", "_fwht", "_bits16", "_fixed_args",
-           "_planar_per", "memo_by_objects"]
+__all__ = [
+    "HALF_TO_FLOAT",
+    "_SIGNS",
+    "_SIGN_TABLE",
+    "_chunk_table",
+    "_unpack_rows",
+    "_fwht",
+    "_bits16",
+    "_fixed_args",
+    "_planar_per",
+    "memo_by_objects",
+]
 
 #: float16 bit pattern -> float32 value. Numba has no float16 arrays, so float16 state is
 #: read through ``uint16`` views (no copy) and this 256 KiB table.
@@ -165,6 +175,7 @@ def _unpack_rows(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
 
 # ---- host side: the fused kernel's arguments from a codec ------------------------------------
 
+
 def _absent(ndim: int, dtype) -> np.ndarray:
     a = np.zeros((0,) * ndim, dtype)
     a.setflags(write=False)
@@ -227,15 +238,22 @@ def _make_fixed_args(rotation, kc, vc, sketch) -> tuple:
     k_cent = np.ascontiguousarray(kc.centroids, np.float32)
     v_cent = np.ascontiguousarray(vc.centroids, np.float32)
     d = int(rotation.dim)
-    return (k_cent, _row_table(k_cent, int(kc.bits), d), int(kc.bits),
-            v_cent, _row_table(v_cent, int(vc.bits), d), int(vc.bits),
-            np.ascontiguousarray(rotation.signs, np.float32),
-            _NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32),
-            _NO_F32_2 if sketch is None else np.ascontiguousarray(np.asarray(sketch.matrix, np.float32).T))
+    return (
+        k_cent,
+        _row_table(k_cent, int(kc.bits), d),
+        int(kc.bits),
+        v_cent,
+        _row_table(v_cent, int(vc.bits), d),
+        int(vc.bits),
+        np.ascontiguousarray(rotation.signs, np.float32),
+        _NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32),
+        _NO_F32_2 if sketch is None else np.ascontiguousarray(np.asarray(sketch.matrix, np.float32).T),
+    )
 
 
 def _fixed_args(codec) -> tuple:
     """``(k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch_t)`` of ``codec``; ``sketch_t``
     is the QJL matrix transposed, (d, m) (a query's sketch is summed along its rows)."""
-    return memo_by_objects(_FIXED, (codec.rotation, codec.k_codebook, codec.v_codebook, codec.qjl), _make_fixed_args,
-                           _FIXED_MAX)
+    return memo_by_objects(
+        _FIXED, (codec.rotation, codec.k_codebook, codec.v_codebook, codec.qjl), _make_fixed_args, _FIXED_MAX
+    )

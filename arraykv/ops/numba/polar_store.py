@@ -37,9 +37,42 @@ _NO_ROWS_U16_4 = np.zeros((0, 0, 0, 0), np.uint16)
 
 
 @nb.njit(cache=True, nogil=True)
-def _store_token(k, v, wk, wv, leaving, arriving, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, signs,
-                 matrix, hadamard, k_thr, k_cent, k_bits, k_unbiased, v_thr, v_cent, v_bits, v_unbiased, sketch_t,
-                 r_kc, r_kn, r_vc, r_vn, r_ko, r_kq, r_kqn, at):
+def _store_token(
+    k,
+    v,
+    wk,
+    wv,
+    leaving,
+    arriving,
+    start,
+    k_mean,
+    v_mean,
+    k_scale,
+    idx,
+    freq,
+    pairs,
+    half,
+    signs,
+    matrix,
+    hadamard,
+    k_thr,
+    k_cent,
+    k_bits,
+    k_unbiased,
+    v_thr,
+    v_cent,
+    v_bits,
+    v_unbiased,
+    sketch_t,
+    r_kc,
+    r_kn,
+    r_vc,
+    r_vn,
+    r_ko,
+    r_kq,
+    r_kqn,
+    at,
+):
     """The step on uint16 views of the float16 arrays; True when every float16 result is finite."""
     b_n, h_n, _, d = k.shape
     n = b_n * h_n
@@ -84,8 +117,9 @@ def _store_token(k, v, wk, wv, leaving, arriving, start, k_mean, v_mean, k_scale
         kd = np.empty((n, d), np.float32)
         packed = np.empty((n, r_kq.shape[3]), np.uint8)
         norms = np.empty(n, np.float32)
-        _sketch_stored(k_codes, k_stored, signs, matrix, hadamard, k_cent, k_bits, kc, idx, h_n, 1, sketch_t, kd,
-                       packed, norms)
+        _sketch_stored(
+            k_codes, k_stored, signs, matrix, hadamard, k_cent, k_bits, kc, idx, h_n, 1, sketch_t, kd, packed, norms
+        )
         for b in range(b_n):
             for h in range(h_n):
                 r = b * h_n + h
@@ -111,10 +145,31 @@ def polar_store_token(k, v, window_k, window_v, leaving, arriving, enc, start, r
     v = np.asarray(v, np.float32)
     calib, (signs, matrix, hadamard, k_tabs, v_tabs, sketch_t), key_unbiased, value_unbiased = encoder_args(enc)
     outliers = rows.get("k_outliers")
-    return bool(_store_token(
-        k, v, _bits16(window_k), _bits16(window_v), int(leaving), int(arriving), int(start), *calib, signs,
-        matrix, hadamard, *k_tabs, key_unbiased, *v_tabs, value_unbiased,
-        _NO_SKETCH if sketch_t is None else sketch_t,
-        rows["k_codes"], _bits16(rows["k_norms"]), rows["v_codes"], _bits16(rows["v_norms"]),
-        _NO_ROWS_U16_4 if outliers is None else _bits16(outliers), rows.get("k_qjl", _NO_ROWS_U8),
-        _bits16(rows.get("k_qjl_norms"), _NO_ROWS_U16_3), int(at)))
+    return bool(
+        _store_token(
+            k,
+            v,
+            _bits16(window_k),
+            _bits16(window_v),
+            int(leaving),
+            int(arriving),
+            int(start),
+            *calib,
+            signs,
+            matrix,
+            hadamard,
+            *k_tabs,
+            key_unbiased,
+            *v_tabs,
+            value_unbiased,
+            _NO_SKETCH if sketch_t is None else sketch_t,
+            rows["k_codes"],
+            _bits16(rows["k_norms"]),
+            rows["v_codes"],
+            _bits16(rows["v_norms"]),
+            _NO_ROWS_U16_4 if outliers is None else _bits16(outliers),
+            rows.get("k_qjl", _NO_ROWS_U8),
+            _bits16(rows.get("k_qjl_norms"), _NO_ROWS_U16_3),
+            int(at),
+        )
+    )

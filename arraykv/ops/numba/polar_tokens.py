@@ -73,9 +73,36 @@ def _center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc
 
 
 @nb.njit(cache=True, nogil=True)
-def _encode_tokens_ser(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc, k_out, signs, matrix,
-                       hadamard, k_thr, k_cent, k_bits, k_unbiased, k_codes, k_lengths, v_thr, v_cent, v_bits,
-                       v_unbiased, v_codes, v_lengths):
+def _encode_tokens_ser(
+    k,
+    v,
+    start,
+    k_mean,
+    v_mean,
+    k_scale,
+    idx,
+    freq,
+    pairs,
+    half,
+    kc,
+    vc,
+    k_out,
+    signs,
+    matrix,
+    hadamard,
+    k_thr,
+    k_cent,
+    k_bits,
+    k_unbiased,
+    k_codes,
+    k_lengths,
+    v_thr,
+    v_cent,
+    v_bits,
+    v_unbiased,
+    v_codes,
+    v_lengths,
+):
     """:func:`_center`, then both TurboQuant-MSE encodes, on the calling thread (one call per decode step)."""
     _center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc, k_out)
     _encode_ser(kc, signs, matrix, hadamard, k_thr, k_cent, k_bits, k_unbiased, k_codes, k_lengths)
@@ -83,8 +110,9 @@ def _encode_tokens_ser(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, h
 
 
 @nb.njit(cache=True, nogil=True)
-def _sketch_stored(k_codes, k_norms, signs, matrix, hadamard, cent, bits, kc, idx, heads, tokens, sketch_t, kd,
-                   packed, norms):
+def _sketch_stored(
+    k_codes, k_norms, signs, matrix, hadamard, cent, bits, kc, idx, heads, tokens, sketch_t, kd, packed, norms
+):
     """The QJL part of a decode step's encode in one call: the keys decoded back from their codes
     and float16 lengths ``k_norms`` (uint16 bits), then :func:`_sketch_residual`."""
     lengths = np.empty(k_norms.shape[0], np.float32)
@@ -136,9 +164,13 @@ _FIXED: dict = {}
 
 
 def _make_fixed(rotation, k_codebook, v_codebook, qjl) -> tuple:
-    return (_host(rotation.signs), _matrix(rotation), rotation.kind == "hadamard",
-            *((_host(b.thresholds), _host(b.centroids), int(b.bits)) for b in (k_codebook, v_codebook)),
-            None if qjl is None else np.ascontiguousarray(_host(qjl.matrix).T))
+    return (
+        _host(rotation.signs),
+        _matrix(rotation),
+        rotation.kind == "hadamard",
+        *((_host(b.thresholds), _host(b.centroids), int(b.bits)) for b in (k_codebook, v_codebook)),
+        None if qjl is None else np.ascontiguousarray(_host(qjl.matrix).T),
+    )
 
 
 def _fixed(rotation, k_codebook, v_codebook, qjl) -> tuple:
@@ -170,8 +202,15 @@ def encoder_args(enc) -> tuple:
     else:
         freq = np.asarray(enc.k_mean_freq, np.float32)
         pairs = np.ascontiguousarray(enc.k_mean_pairs, np.int32)
-    calib = (_bits16(enc.k_mean), _bits16(enc.v_mean), _bits16(enc.k_scale), np.asarray(enc.k_outlier_idx, np.int32),
-             freq, pairs, HALF_TO_FLOAT)
+    calib = (
+        _bits16(enc.k_mean),
+        _bits16(enc.v_mean),
+        _bits16(enc.k_scale),
+        np.asarray(enc.k_outlier_idx, np.int32),
+        freq,
+        pairs,
+        HALF_TO_FLOAT,
+    )
     fixed = _fixed(enc.rotation, enc.k_codebook, enc.v_codebook, enc.qjl)
     return calib, fixed, bool(enc.key_unbiased), bool(enc.value_unbiased)
 
@@ -193,8 +232,26 @@ def polar_encode_tokens(k, v, enc, start):
     v_len = np.empty(n, np.float32)
     serial = threads_for(kc.size) == 1  # a decode step: on this thread, few calls
     if serial:  # centring and both encodes in one call
-        _encode_tokens_ser(k, v, int(start), *calib, kc, vc, k_out, signs, matrix, hadamard, *k_tabs,
-                           key_unbiased, k_codes, k_len, *v_tabs, value_unbiased, v_codes, v_len)
+        _encode_tokens_ser(
+            k,
+            v,
+            int(start),
+            *calib,
+            kc,
+            vc,
+            k_out,
+            signs,
+            matrix,
+            hadamard,
+            *k_tabs,
+            key_unbiased,
+            k_codes,
+            k_len,
+            *v_tabs,
+            value_unbiased,
+            v_codes,
+            v_len,
+        )
     else:
         _center(k, v, int(start), *calib, kc, vc, k_out)
         _run(_encode_ser, _encode_par, kc, signs, matrix, hadamard, *k_tabs, key_unbiased, k_codes, k_len)
@@ -206,11 +263,36 @@ def polar_encode_tokens(k, v, enc, start):
         packed = np.empty((n, (sketch_t.shape[1] + 7) // 8), np.uint8)
         norms = np.empty(n, np.float32)
         if serial:
-            _sketch_stored(k_codes, k_norms.view(np.uint16), signs, matrix, hadamard, k_tabs[1], k_tabs[2], kc, idx, h,
-                           t, sketch_t, kd, packed, norms)
+            _sketch_stored(
+                k_codes,
+                k_norms.view(np.uint16),
+                signs,
+                matrix,
+                hadamard,
+                k_tabs[1],
+                k_tabs[2],
+                kc,
+                idx,
+                h,
+                t,
+                sketch_t,
+                kd,
+                packed,
+                norms,
+            )
         else:
-            _run(_decode_ser, _decode_par, k_codes, k_norms.astype(np.float32), signs, matrix, hadamard, k_tabs[1],
-                 k_tabs[2], kd)
+            _run(
+                _decode_ser,
+                _decode_par,
+                k_codes,
+                k_norms.astype(np.float32),
+                signs,
+                matrix,
+                hadamard,
+                k_tabs[1],
+                k_tabs[2],
+                kd,
+            )
             _sketch_residual(kc, kd, idx, h, t, sketch_t, packed, norms)
         out["k_qjl"] = packed.reshape(b, h, t, -1)
         out["k_qjl_norms"] = norms.astype(np.float16).reshape(b, h, t)

@@ -45,14 +45,40 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from .fused_driver import FASTMATH, softmax_tile
 
-__all__ = ["HAVE_PERMPS", "planar_per", "table16", "unpack_tile_4", "unpack_tile_2", "unpack_tile_4_loop",
-           "unpack_tile_2_loop", "to_planar", "from_planar", "channels_to_planar", "planar_to_channels", "tile_scores",
-           "tile_values",
-           "VECTOR_TILES", "tile_scores_codes_4", "tile_scores_codes_2", "tile_values_codes_4", "tile_values_codes_2",
-           "tile_scores_codes_4_loop", "tile_scores_codes_2_loop", "tile_values_codes_4_loop",
-           "tile_values_codes_2_loop", "PREFETCH_ROWS", "int4_group_scores", "tile_values_codes_4_scaled",
-           "tile_values_codes_4_scaled_loop", "softmax_rows", "softmax_rows_affine", "softmax_rows_affine_loop",
-           "int8_group_scores", "tile_values_codes_8_scaled", "tile_values_codes_8_scaled_loop"]
+__all__ = [
+    "HAVE_PERMPS",
+    "planar_per",
+    "table16",
+    "unpack_tile_4",
+    "unpack_tile_2",
+    "unpack_tile_4_loop",
+    "unpack_tile_2_loop",
+    "to_planar",
+    "from_planar",
+    "channels_to_planar",
+    "planar_to_channels",
+    "tile_scores",
+    "tile_values",
+    "VECTOR_TILES",
+    "tile_scores_codes_4",
+    "tile_scores_codes_2",
+    "tile_values_codes_4",
+    "tile_values_codes_2",
+    "tile_scores_codes_4_loop",
+    "tile_scores_codes_2_loop",
+    "tile_values_codes_4_loop",
+    "tile_values_codes_2_loop",
+    "PREFETCH_ROWS",
+    "int4_group_scores",
+    "tile_values_codes_4_scaled",
+    "tile_values_codes_4_scaled_loop",
+    "softmax_rows",
+    "softmax_rows_affine",
+    "softmax_rows_affine_loop",
+    "int8_group_scores",
+    "tile_values_codes_8_scaled",
+    "tile_values_codes_8_scaled_loop",
+]
 
 
 def host_cpu_has(feature: str) -> bool:
@@ -155,8 +181,9 @@ def _planes_codegen(bits: int):
                     if p < per - 1:
                         idx = builder.and_(idx, ir.Constant(v16i32, [mask] * 16))
                     at = builder.add(o_row, builder.add(off, builder.mul(nbytes, ir.Constant(i64, p))))
-                    builder.store(perm(table, idx),
-                                  builder.bitcast(builder.gep(o_arr.data, [at]), v16f.as_pointer()), align=4)
+                    builder.store(
+                        perm(table, idx), builder.bitcast(builder.gep(o_arr.data, [at]), v16f.as_pointer()), align=4
+                    )
         return context.get_dummy_value()
 
     return codegen
@@ -165,10 +192,17 @@ def _planes_codegen(bits: int):
 def _make_intrinsic(bits: int):
     def typer(typingctx, codes, t0, nt, tab, out):
         # ``tab``: any array whose first 64 bytes are the 16 float32 of :func:`table16`
-        ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8
-              and isinstance(tab, nbt.Array) and isinstance(out, nbt.Array) and out.ndim == 2
-              and out.dtype == nbt.float32 and out.layout == "C"
-              and all(isinstance(x, nbt.Integer) for x in (t0, nt)))
+        ok = (
+            isinstance(codes, nbt.Array)
+            and codes.ndim == 2
+            and codes.dtype == nbt.uint8
+            and isinstance(tab, nbt.Array)
+            and isinstance(out, nbt.Array)
+            and out.ndim == 2
+            and out.dtype == nbt.float32
+            and out.layout == "C"
+            and all(isinstance(x, nbt.Integer) for x in (t0, nt))
+        )
         if not ok:
             return None
         return nbt.void(codes, nbt.int64, nbt.int64, tab, out), _planes_codegen(bits)
@@ -251,6 +285,7 @@ def from_planar(x, per: int):
 # query heads of a KV group are taken four (then two, then one) at a time so that one load of
 # a row feeds four multiply-adds; accumulators stay in registers for a whole tile.
 
+
 def _vec_helpers():
     from llvmlite import ir
     from numba.core import cgutils
@@ -303,6 +338,7 @@ def _vec_helpers():
                 upper = builder.icmp_signed("!=", builder.and_(i8, eight), zero)
                 out.append(builder.select(upper, builder.call(fn8, [t_hi, i8]), builder.call(fn8, [t_lo, i8])))
             return shuf(builder, out[0], out[1], low + high)
+
         return perm
 
     def prefetch(builder, ptr, locality=3):
@@ -363,10 +399,25 @@ def _vec_helpers():
         with cgutils.if_unlikely(builder, builder.icmp_unsigned("==", builder.urem(rest, const(2)), const(1))):
             emit(builder.sub(g_n, const(1)), 1)
 
-    return types.SimpleNamespace(ir=ir, cgutils=cgutils, f32=f32, i64=i64, v16=v16, const=const, vload=vload,
-                                 vstore=vstore, fma_fn=fma_fn, perm_fn=perm_fn, prefetch=prefetch, row_ptr=row_ptr,
-                                 hsum=hsum, reduce_many=reduce_many, splat=splat,
-                                 g_blocks=g_blocks, shuf=shuf)
+    return types.SimpleNamespace(
+        ir=ir,
+        cgutils=cgutils,
+        f32=f32,
+        i64=i64,
+        v16=v16,
+        const=const,
+        vload=vload,
+        vstore=vstore,
+        fma_fn=fma_fn,
+        perm_fn=perm_fn,
+        prefetch=prefetch,
+        row_ptr=row_ptr,
+        hsum=hsum,
+        reduce_many=reduce_many,
+        splat=splat,
+        g_blocks=g_blocks,
+        shuf=shuf,
+    )
 
 
 def _arrays(context, builder, sig, args, which):
@@ -401,7 +452,7 @@ def _emit_scores(builder, h, nt, s, s_w, accs, rows_of, fill):
             span = n_acc if n_acc in (8, 16) else 4  # accumulators summed in one transposing reduction
             run = min(span, rows)  # sums of one head, stored together
             for a0 in range(0, n_acc, span):
-                sums = h.reduce_many(builder, [builder.load(a) for a in accs[a0:a0 + span]])
+                sums = h.reduce_many(builder, [builder.load(a) for a in accs[a0 : a0 + span]])
                 for j in range(0, span, run):
                     gi, i = divmod(a0 + j, rows)
                     part = sums if run == span else h.shuf(builder, sums, sums, list(range(j, j + run)))
@@ -432,17 +483,29 @@ def _emit_row_values(builder, h, g_n, d, nt, w, w_w, acc, row_source):
     def emit(g0, gb):
         with h.cgutils.for_range(builder, builder.udiv(d, h.const(64))) as lc:
             c0 = builder.mul(lc.index, h.const(4))  # first chunk of the 64 channels
-            offs = [[builder.add(builder.mul(builder.add(g0, h.const(gi)), d),
-                                 builder.mul(builder.add(c0, h.const(k)), h.const(16))) for k in range(4)]
-                    for gi in range(gb)]
+            offs = [
+                [
+                    builder.add(
+                        builder.mul(builder.add(g0, h.const(gi)), d),
+                        builder.mul(builder.add(c0, h.const(k)), h.const(16)),
+                    )
+                    for k in range(4)
+                ]
+                for gi in range(gb)
+            ]
             for gi in range(gb):
                 for k in range(4):
                     builder.store(h.vload(builder, acc, offs[gi][k]), accs[4 * gi + k])
             with h.cgutils.for_range(builder, nt) as lr:
                 r = lr.index
                 chunk = row_source(r)
-                wv = [h.splat(builder, builder.load(builder.gep(w, [builder.add(
-                    builder.mul(builder.add(g0, h.const(gi)), w_w), r)]))) for gi in range(gb)]
+                wv = [
+                    h.splat(
+                        builder,
+                        builder.load(builder.gep(w, [builder.add(builder.mul(builder.add(g0, h.const(gi)), w_w), r)])),
+                    )
+                    for gi in range(gb)
+                ]
                 for k in range(4):
                     x = chunk(builder.add(c0, h.const(k)))
                     for gi in range(gb):
@@ -468,8 +531,9 @@ def _scores_codegen(context, builder, sig, args):
         with h.cgutils.for_range(builder, nch) as lc:
             off = builder.mul(lc.index, h.const(16))
             for gi in range(gb):
-                builder.store(h.vload(builder, qr, builder.add(builder.mul(builder.add(g0, h.const(gi)), d), off)),
-                              qs[gi])
+                builder.store(
+                    h.vload(builder, qr, builder.add(builder.mul(builder.add(g0, h.const(gi)), d), off)), qs[gi]
+                )
             for i in range(n_rows):
                 x = h.vload(builder, buf, builder.add(builder.mul(builder.add(r0, h.const(i)), width), off))
                 for gi in range(gb):
@@ -493,12 +557,18 @@ def _values_codegen(context, builder, sig, args):
             rows = [builder.mul(builder.add(g0, h.const(gi)), d) for gi in range(gb)]
             for gi in range(gb):
                 for k in range(4):
-                    builder.store(h.vload(builder, acc, builder.add(rows[gi], builder.add(c0, h.const(16 * k)))),
-                                  accs[4 * gi + k])
+                    builder.store(
+                        h.vload(builder, acc, builder.add(rows[gi], builder.add(c0, h.const(16 * k)))), accs[4 * gi + k]
+                    )
             with h.cgutils.for_range(builder, nt) as lr:
                 r = lr.index
-                wv = [h.splat(builder, builder.load(builder.gep(w, [builder.add(
-                    builder.mul(builder.add(g0, h.const(gi)), w_w), r)]))) for gi in range(gb)]
+                wv = [
+                    h.splat(
+                        builder,
+                        builder.load(builder.gep(w, [builder.add(builder.mul(builder.add(g0, h.const(gi)), w_w), r)])),
+                    )
+                    for gi in range(gb)
+                ]
                 base = builder.add(builder.mul(r, width), c0)
                 for k in range(4):
                     x = h.vload(builder, buf, builder.add(base, h.const(16 * k)))
@@ -507,8 +577,12 @@ def _values_codegen(context, builder, sig, args):
                         builder.store(builder.call(fma, [wv[gi], x, builder.load(a)]), a)
             for gi in range(gb):
                 for k in range(4):
-                    h.vstore(builder, builder.load(accs[4 * gi + k]), acc,
-                             builder.add(rows[gi], builder.add(c0, h.const(16 * k))))
+                    h.vstore(
+                        builder,
+                        builder.load(accs[4 * gi + k]),
+                        acc,
+                        builder.add(rows[gi], builder.add(c0, h.const(16 * k))),
+                    )
 
     h.g_blocks(builder, g_n, emit)
     return context.get_dummy_value()
@@ -546,6 +620,7 @@ def tile_values(typingctx, buf, nt, w, acc):
 # planar order of :func:`unpack_tile_4`), so a tile's centroid values are never stored and
 # read back. :data:`HAVE_PERMPS` only (``vpermps``).
 
+
 def _code_source(builder, h, bits, c_arr, c_stride, nbytes, tab_arr):
     """Helpers that read planar chunks of code rows: ``(row_ptr(t), word(row, blk), chunk(word, p))``."""
     ir = h.ir
@@ -559,8 +634,9 @@ def _code_source(builder, h, bits, c_arr, c_stride, nbytes, tab_arr):
         return h.row_ptr(builder, c_arr.data, c_stride, t, ahead=prefetch)
 
     def word(row, blk):
-        raw = builder.load(builder.bitcast(builder.gep(row, [builder.mul(blk, h.const(16))]), v16i8.as_pointer()),
-                           align=1)
+        raw = builder.load(
+            builder.bitcast(builder.gep(row, [builder.mul(blk, h.const(16))]), v16i8.as_pointer()), align=1
+        )
         return builder.zext(raw, v16i32)
 
     def chunk(w, shift):
@@ -669,8 +745,15 @@ def _values_codes_codegen(bits, scaled=False):
                 with h.cgutils.for_range(builder, nt) as lr:
                     r = lr.index
                     row = row_ptr(builder.add(t0, r), prefetch=True)
-                    wv = [h.splat(builder, builder.load(builder.gep(w, [builder.add(
-                        builder.mul(builder.add(g0, h.const(gi)), w_w), r)]))) for gi in range(gb)]
+                    wv = [
+                        h.splat(
+                            builder,
+                            builder.load(
+                                builder.gep(w, [builder.add(builder.mul(builder.add(g0, h.const(gi)), w_w), r)])
+                            ),
+                        )
+                        for gi in range(gb)
+                    ]
                     for k in range(4):
                         x = chunk(word(row, src[k][0]), src[k][1])
                         if scaled:
@@ -724,24 +807,34 @@ def _int_group_codegen(bits):
                     c = lc.index
                     if bits == 4:
                         raw = codes16(c, blk, 0)
-                        pair = (builder.and_(raw, ir.Constant(v16i32, [15] * 16)),
-                                builder.lshr(raw, ir.Constant(v16i32, [4] * 16)))
+                        pair = (
+                            builder.and_(raw, ir.Constant(v16i32, [15] * 16)),
+                            builder.lshr(raw, ir.Constant(v16i32, [4] * 16)),
+                        )
                     else:
                         pair = (codes16(c, blk, 0), codes16(c, blk, 1))
                     xs = [builder.uitofp(x, h.v16) for x in pair]
                     for gi in range(gb):
-                        qv = h.splat(builder, builder.load(builder.gep(qf, [builder.add(builder.mul(
-                            builder.add(g0, h.const(gi)), d), c)])))
+                        qv = h.splat(
+                            builder,
+                            builder.load(
+                                builder.gep(qf, [builder.add(builder.mul(builder.add(g0, h.const(gi)), d), c)])
+                            ),
+                        )
                         for p, x in enumerate(xs):
                             a = accs[2 * gi + p]
                             builder.store(builder.call(fma, [qv, x, builder.load(a)]), a)
                 for gi in range(gb):
                     first, second = builder.load(accs[2 * gi]), builder.load(accs[2 * gi + 1])
                     if bits == 4:  # (even, odd) tokens back to token order
-                        first, second = (builder.shuffle_vector(first, second, ir.Constant(v16i32, lo_idx)),
-                                         builder.shuffle_vector(first, second, ir.Constant(v16i32, hi_idx)))
-                    base = builder.add(builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), off),
-                                       builder.mul(lb.index, h.const(32)))
+                        first, second = (
+                            builder.shuffle_vector(first, second, ir.Constant(v16i32, lo_idx)),
+                            builder.shuffle_vector(first, second, ir.Constant(v16i32, hi_idx)),
+                        )
+                    base = builder.add(
+                        builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), off),
+                        builder.mul(lb.index, h.const(32)),
+                    )
                     h.vstore(builder, first, s, base)
                     h.vstore(builder, second, s, builder.add(base, h.const(16)))
 
@@ -755,8 +848,15 @@ def _group_typer(bits):
     gen = _int_group_codegen(bits)
 
     def typer(typingctx, codes, qf, s, off):
-        ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8 and _c_f32(qf, s)
-              and qf.ndim == 2 and s.ndim == 2 and isinstance(off, nbt.Integer))
+        ok = (
+            isinstance(codes, nbt.Array)
+            and codes.ndim == 2
+            and codes.dtype == nbt.uint8
+            and _c_f32(qf, s)
+            and qf.ndim == 2
+            and s.ndim == 2
+            and isinstance(off, nbt.Integer)
+        )
         if not ok:
             return None
         return nbt.void(codes, qf, s, nbt.int64), gen
@@ -790,9 +890,17 @@ def _scaled_values_intrinsic(bits):
     gen = _values_codes_codegen(bits, scaled=True)
 
     def typer(typingctx, codes, t0, nt, tab, w, cscale, acc):
-        ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8
-              and isinstance(tab, nbt.Array) and _c_f32(w, cscale, acc) and w.ndim == 2 and cscale.ndim == 2
-              and acc.ndim == 2 and all(isinstance(v, nbt.Integer) for v in (t0, nt)))
+        ok = (
+            isinstance(codes, nbt.Array)
+            and codes.ndim == 2
+            and codes.dtype == nbt.uint8
+            and isinstance(tab, nbt.Array)
+            and _c_f32(w, cscale, acc)
+            and w.ndim == 2
+            and cscale.ndim == 2
+            and acc.ndim == 2
+            and all(isinstance(v, nbt.Integer) for v in (t0, nt))
+        )
         if not ok:
             return None
         return nbt.void(codes, nbt.int64, nbt.int64, tab, w, cscale, acc), gen
@@ -805,9 +913,16 @@ def _codes_intrinsic(bits, which):
     gen = (_scores_codes_codegen if which == "scores" else _values_codes_codegen)(bits)
 
     def typer(typingctx, codes, t0, nt, tab, x, out):
-        ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8
-              and isinstance(tab, nbt.Array) and _c_f32(x, out) and x.ndim == 2 and out.ndim == 2
-              and all(isinstance(v, nbt.Integer) for v in (t0, nt)))
+        ok = (
+            isinstance(codes, nbt.Array)
+            and codes.ndim == 2
+            and codes.dtype == nbt.uint8
+            and isinstance(tab, nbt.Array)
+            and _c_f32(x, out)
+            and x.ndim == 2
+            and out.ndim == 2
+            and all(isinstance(v, nbt.Integer) for v in (t0, nt))
+        )
         if not ok:
             return None
         return nbt.void(codes, nbt.int64, nbt.int64, tab, x, out), gen
@@ -922,8 +1037,15 @@ else:
 # ---- the online softmax of a tile, every query head --------------------------------------
 
 #: 2**f on |f| <= 1/2, Taylor coefficients ln(2)**k / k! (as :func:`arraykv.ops.numba.fused_driver.softmax_tile`)
-_EXP2 = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.009618129107628477,
-         0.0013333558146428443, 0.00015403530393381606, 1.525273380405984e-05)
+_EXP2 = (
+    0.6931471805599453,
+    0.2402265069591007,
+    0.05550410866482158,
+    0.009618129107628477,
+    0.0013333558146428443,
+    0.00015403530393381606,
+    1.525273380405984e-05,
+)
 
 
 def _softmax_codegen(context, builder, sig, args):
@@ -964,16 +1086,21 @@ def _softmax_ir(context, builder, sig, args, affine):
     zero = ir.Constant(v16, [0.0] * 16)
     nvec = builder.udiv(builder.add(nt, h.const(15)), h.const(16))
     nt32 = builder.trunc(nt, i32)
-    ntv = builder.shuffle_vector(builder.insert_element(ir.Constant(v16i32, ir.Undefined), nt32, ir.Constant(i32, 0)),
-                                 ir.Constant(v16i32, ir.Undefined), ir.Constant(v16i32, [0] * 16))
+    ntv = builder.shuffle_vector(
+        builder.insert_element(ir.Constant(v16i32, ir.Undefined), nt32, ir.Constant(i32, 0)),
+        ir.Constant(v16i32, ir.Undefined),
+        ir.Constant(v16i32, [0] * 16),
+    )
     mx = h.cgutils.alloca_once(builder, v16)
     sm = h.cgutils.alloca_once(builder, v16)
 
     def live(k):  # lanes of vector k that hold one of the nt logits
         base = builder.trunc(builder.mul(k, h.const(16)), i32)
-        bv = builder.shuffle_vector(builder.insert_element(ir.Constant(v16i32, ir.Undefined), base,
-                                                           ir.Constant(i32, 0)),
-                                    ir.Constant(v16i32, ir.Undefined), ir.Constant(v16i32, [0] * 16))
+        bv = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(v16i32, ir.Undefined), base, ir.Constant(i32, 0)),
+            ir.Constant(v16i32, ir.Undefined),
+            ir.Constant(v16i32, [0] * 16),
+        )
         return builder.icmp_signed("<", builder.add(bv, lanes), ntv)
 
     fma0 = h.fma_fn(builder)
@@ -988,8 +1115,10 @@ def _softmax_ir(context, builder, sig, args, affine):
             off = builder.mul(lk.index, h.const(16))
             x = h.vload(builder, s, builder.add(row, off))
             if affine:  # the logits: s·ℓ_k + q·μ + the rotating mean's term, stored back
-                x = builder.fadd(builder.call(fma0, [x, h.vload(builder, kn, off), cqv]),
-                                 h.vload(builder, rt, builder.add(rt_row, off)))
+                x = builder.fadd(
+                    builder.call(fma0, [x, h.vload(builder, kn, off), cqv]),
+                    h.vload(builder, rt, builder.add(rt_row, off)),
+                )
                 h.vstore(builder, x, s, builder.add(row, off))
             x = builder.select(live(lk.index), x, ninf)
             builder.store(builder.call(vmax, [builder.load(mx), x]), mx)
@@ -998,12 +1127,19 @@ def _softmax_ir(context, builder, sig, args, affine):
         while n > 1:  # the tile's largest logit
             idx = ir.Constant(ir.VectorType(i32, n // 2), list(range(n // 2)))
             hi = ir.Constant(ir.VectorType(i32, n // 2), list(range(n // 2, n)))
-            v = builder.call(intrinsic_fn(f"llvm.maxnum.v{n // 2}f32", ir.VectorType(f32, n // 2),
-                                          [ir.VectorType(f32, n // 2)] * 2),
-                             [builder.shuffle_vector(v, v, idx), builder.shuffle_vector(v, v, hi)]) \
-                if n > 2 else builder.call(intrinsic_fn("llvm.maxnum.f32", f32, [f32, f32]),
-                                           [builder.extract_element(v, ir.Constant(i32, 0)),
-                                            builder.extract_element(v, ir.Constant(i32, 1))])
+            v = (
+                builder.call(
+                    intrinsic_fn(
+                        f"llvm.maxnum.v{n // 2}f32", ir.VectorType(f32, n // 2), [ir.VectorType(f32, n // 2)] * 2
+                    ),
+                    [builder.shuffle_vector(v, v, idx), builder.shuffle_vector(v, v, hi)],
+                )
+                if n > 2
+                else builder.call(
+                    intrinsic_fn("llvm.maxnum.f32", f32, [f32, f32]),
+                    [builder.extract_element(v, ir.Constant(i32, 0)), builder.extract_element(v, ir.Constant(i32, 1))],
+                )
+            )
             n //= 2
         tmax = v
         m_ptr = builder.gep(m, [g])
@@ -1038,8 +1174,9 @@ def _softmax_ir(context, builder, sig, args, affine):
             for cf in reversed(coef[:-1]):
                 p = builder.call(fma, [p, f, cf])
             p = builder.call(fma, [p, f, one])
-            e = builder.shl(builder.add(builder.fptosi(nf, v16i32), ir.Constant(v16i32, [127] * 16)),
-                            ir.Constant(v16i32, [23] * 16))
+            e = builder.shl(
+                builder.add(builder.fptosi(nf, v16i32), ir.Constant(v16i32, [127] * 16)), ir.Constant(v16i32, [23] * 16)
+            )
             p = builder.fmul(p, builder.bitcast(e, v16))
             alive = live(lk.index)
             builder.store(builder.fadd(builder.load(sm), builder.select(alive, p, zero)), sm)
@@ -1059,8 +1196,14 @@ def softmax_rows(typingctx, s, nt, m, l, acc):
     (``d`` a multiple of 16) the running maximum, sum and value sum, rescaled once when the
     tile raises the maximum. Same polynomial and exponent-field construction as ``softmax_tile``.
     """
-    ok = (_c_f32(s, m, l, acc) and s.ndim == 2 and m.ndim == 1 and l.ndim == 1 and acc.ndim == 2
-          and isinstance(nt, nbt.Integer))
+    ok = (
+        _c_f32(s, m, l, acc)
+        and s.ndim == 2
+        and m.ndim == 1
+        and l.ndim == 1
+        and acc.ndim == 2
+        and isinstance(nt, nbt.Integer)
+    )
     if not ok:
         return None
     return nbt.void(s, nbt.int64, m, l, acc), _softmax_codegen
@@ -1089,8 +1232,18 @@ def softmax_rows_affine(typingctx, s, nt, kn, cq, rt, vn, m, l, acc):
     than in separate loops over the tile. ``l`` sums the weights before ``vn``. Reference:
     :func:`softmax_rows_affine_loop`.
     """
-    ok = (_c_f32(s, kn, cq, rt, vn, m, l, acc) and s.ndim == 2 and rt.ndim == 2 and kn.ndim == 1 and vn.ndim == 1
-          and cq.ndim == 1 and m.ndim == 1 and l.ndim == 1 and acc.ndim == 2 and isinstance(nt, nbt.Integer))
+    ok = (
+        _c_f32(s, kn, cq, rt, vn, m, l, acc)
+        and s.ndim == 2
+        and rt.ndim == 2
+        and kn.ndim == 1
+        and vn.ndim == 1
+        and cq.ndim == 1
+        and m.ndim == 1
+        and l.ndim == 1
+        and acc.ndim == 2
+        and isinstance(nt, nbt.Integer)
+    )
     if not ok:
         return None
     return nbt.void(s, nbt.int64, kn, cq, rt, vn, m, l, acc), _softmax_affine_codegen

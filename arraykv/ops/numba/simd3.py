@@ -35,8 +35,13 @@ from .simd import (
     rows_values_loop,
 )
 
-__all__ = ["tile_scores_codes_3", "tile_values_codes_3", "tile_scores_codes_3_loop", "tile_values_codes_3_loop",
-           "rows_3_loop"]
+__all__ = [
+    "tile_scores_codes_3",
+    "tile_values_codes_3",
+    "tile_scores_codes_3_loop",
+    "tile_values_codes_3_loop",
+    "rows_3_loop",
+]
 
 
 def _source3(context, builder, h, sig, args):
@@ -56,8 +61,9 @@ def _source3(context, builder, h, sig, args):
     # byte 6 and 7 of the word are zero) gathered into the lane's low half by one byte shuffle,
     # then shifted right by 3k & 7; the bits left above the code do not matter, since the
     # table repeats a codebook of 8 centroids (table16) and vpermps reads the low four bits
-    gather = ir.Constant(ir.VectorType(i32, 64),
-                         [b for k in range(16) for b in ((3 * k) >> 3, ((3 * k) >> 3) + 1, 8, 8)])
+    gather = ir.Constant(
+        ir.VectorType(i32, 64), [b for k in range(16) for b in ((3 * k) >> 3, ((3 * k) >> 3) + 1, 8, 8)]
+    )
     shifts = ir.Constant(v16i32, [(3 * k) & 7 for k in range(16)])
     zero8 = ir.Constant(v8i8, [0] * 8)
 
@@ -67,8 +73,9 @@ def _source3(context, builder, h, sig, args):
     def chunk(row, c):
         at = builder.gep(row, [builder.mul(c, h.const(6))])  # six bytes: no read past the row
         lo = builder.zext(builder.load(builder.bitcast(at, i32.as_pointer()), align=1), h.i64)
-        hi = builder.zext(builder.load(builder.bitcast(builder.gep(at, [h.const(4)]), i16.as_pointer()), align=1),
-                          h.i64)
+        hi = builder.zext(
+            builder.load(builder.bitcast(builder.gep(at, [h.const(4)]), i16.as_pointer()), align=1), h.i64
+        )
         word = builder.or_(lo, builder.shl(hi, ir.Constant(h.i64, 32)))
         pairs = builder.shuffle_vector(builder.bitcast(word, v8i8), zero8, gather)
         idx = builder.lshr(builder.bitcast(pairs, v16i32), shifts)
@@ -89,8 +96,9 @@ def _scores3_codegen(context, builder, sig, args):
         rows = [row_ptr(builder.add(t0, builder.add(r0, h.const(i))), prefetch=True) for i in range(n_rows)]
         with h.cgutils.for_range(builder, builder.udiv(d, h.const(16))) as lc:
             off = builder.mul(lc.index, h.const(16))
-            qv = [h.vload(builder, qr, builder.add(builder.mul(builder.add(g0, h.const(gi)), d), off))
-                  for gi in range(gb)]
+            qv = [
+                h.vload(builder, qr, builder.add(builder.mul(builder.add(g0, h.const(gi)), d), off)) for gi in range(gb)
+            ]
             for i in range(n_rows):
                 x = chunk(rows[i], lc.index)
                 for gi in range(gb):
@@ -117,9 +125,16 @@ def _values3_codegen(context, builder, sig, args):
 
 def _typer(gen, name):
     def typer(typingctx, codes, t0, nt, tab, x, out):
-        ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8
-              and isinstance(tab, nbt.Array) and _c_f32(x, out) and x.ndim == 2 and out.ndim == 2
-              and all(isinstance(v, nbt.Integer) for v in (t0, nt)))
+        ok = (
+            isinstance(codes, nbt.Array)
+            and codes.ndim == 2
+            and codes.dtype == nbt.uint8
+            and isinstance(tab, nbt.Array)
+            and _c_f32(x, out)
+            and x.ndim == 2
+            and out.ndim == 2
+            and all(isinstance(v, nbt.Integer) for v in (t0, nt))
+        )
         if not ok:
             return None
         return nbt.void(codes, nbt.int64, nbt.int64, tab, x, out), gen

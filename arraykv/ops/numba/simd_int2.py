@@ -27,8 +27,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from .simd import _arrays, _c_f32, _emit_row_values, _g_blocks_any, _vec_helpers
 
-__all__ = ["int2_group_scores", "tile_values_codes_2_scaled", "int2_group_scores_loop",
-           "tile_values_codes_2_scaled_loop"]
+__all__ = [
+    "int2_group_scores",
+    "tile_values_codes_2_scaled",
+    "int2_group_scores_loop",
+    "tile_values_codes_2_scaled_loop",
+]
 
 
 def _sixteen(builder, h):
@@ -68,14 +72,19 @@ def _group_codegen(context, builder, sig, args):
                 row = builder.gep(c_arr.data, [builder.add(builder.mul(lc.index, c_stride), blk)])
                 xs = (codes16(row), codes16(builder.gep(row, [h.const(4)])))
                 for gi in range(gb):
-                    qv = h.splat(builder, builder.load(builder.gep(qf, [builder.add(builder.mul(
-                        builder.add(g0, h.const(gi)), d), lc.index)])))
+                    qv = h.splat(
+                        builder,
+                        builder.load(
+                            builder.gep(qf, [builder.add(builder.mul(builder.add(g0, h.const(gi)), d), lc.index)])
+                        ),
+                    )
                     for p, x in enumerate(xs):
                         a = accs[2 * gi + p]
                         builder.store(builder.call(fma, [qv, x, builder.load(a)]), a)
             for gi in range(gb):
-                base = builder.add(builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), off),
-                                   builder.mul(lb.index, h.const(32)))
+                base = builder.add(
+                    builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), off), builder.mul(lb.index, h.const(32))
+                )
                 h.vstore(builder, builder.load(accs[2 * gi]), s, base)
                 h.vstore(builder, builder.load(accs[2 * gi + 1]), s, builder.add(base, h.const(16)))
 
@@ -92,8 +101,15 @@ def int2_group_scores(typingctx, codes, qf, s, off):
     (G_q, ≥ off + G) C-contiguous float32. Not checked at run time.
     Needs :data:`~arraykv.ops.numba.simd.HAVE_PERMPS` (AVX-512 or AVX2).
     """
-    ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8 and _c_f32(qf, s)
-          and qf.ndim == 2 and s.ndim == 2 and isinstance(off, nbt.Integer))
+    ok = (
+        isinstance(codes, nbt.Array)
+        and codes.ndim == 2
+        and codes.dtype == nbt.uint8
+        and _c_f32(qf, s)
+        and qf.ndim == 2
+        and s.ndim == 2
+        and isinstance(off, nbt.Integer)
+    )
     if not ok:
         return None
     return nbt.void(codes, qf, s, nbt.int64), _group_codegen
@@ -112,8 +128,10 @@ def _values_codegen(context, builder, sig, args):
 
         def chunk(c):
             x = codes16(builder.gep(row, [builder.mul(c, h.const(4))]))
-            return builder.fmul(x, h.splat(builder, builder.load(builder.gep(csc, [builder.add(builder.mul(r, cs_w),
-                                                                                              c)]))))
+            return builder.fmul(
+                x, h.splat(builder, builder.load(builder.gep(csc, [builder.add(builder.mul(r, cs_w), c)])))
+            )
+
         return chunk
 
     _emit_row_values(builder, h, g_n, d, nt, w, w_w, acc, row_source)
@@ -129,8 +147,16 @@ def tile_values_codes_2_scaled(typingctx, codes, t0, nt, w, cscale, acc):
     float32, ``d`` a multiple of 64. Not checked at run time.
     Needs :data:`~arraykv.ops.numba.simd.HAVE_PERMPS` (AVX-512 or AVX2).
     """
-    ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8 and _c_f32(w, cscale, acc)
-          and w.ndim == 2 and cscale.ndim == 2 and acc.ndim == 2 and all(isinstance(v, nbt.Integer) for v in (t0, nt)))
+    ok = (
+        isinstance(codes, nbt.Array)
+        and codes.ndim == 2
+        and codes.dtype == nbt.uint8
+        and _c_f32(w, cscale, acc)
+        and w.ndim == 2
+        and cscale.ndim == 2
+        and acc.ndim == 2
+        and all(isinstance(v, nbt.Integer) for v in (t0, nt))
+    )
     if not ok:
         return None
     return nbt.void(codes, nbt.int64, nbt.int64, w, cscale, acc), _values_codegen

@@ -41,7 +41,7 @@ def _lanes_codegen(context, builder, sig, args):
     c_stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
     nbk = h.cgutils.unpack_tuple(builder, c_arr.shape)[1]
     t0, nt, ahead = args[1], args[2], args[3]
-    (out, _), = _arrays(context, builder, sig, args, (4,))
+    ((out, _),) = _arrays(context, builder, sig, args, (4,))
     nw = builder.udiv(nbk, h.const(4))
     nblk = builder.udiv(builder.add(nt, h.const(15)), h.const(16))
     last = builder.sub(builder.add(t0, nt), h.const(1))
@@ -66,8 +66,14 @@ def _lanes_codegen(context, builder, sig, args):
             return [sh(vs[0], vs[1], [16 * (i // 8) + (i % 8) * 2 + w for i in range(16)]) for w in range(2)]
         outs = []
         for w_lo in (0, 2):  # rows 0-7 and 8-15 of dwords (w_lo, w_lo + 1), then the two halves merged
-            u = [sh(vs[2 * p], vs[2 * p + 1], [16 * ((i % 8) // per) + (i % per) * width + w_lo + i // 8
-                                                for i in range(16)]) for p in range(2)]
+            u = [
+                sh(
+                    vs[2 * p],
+                    vs[2 * p + 1],
+                    [16 * ((i % 8) // per) + (i % per) * width + w_lo + i // 8 for i in range(16)],
+                )
+                for p in range(2)
+            ]
             outs.append(sh(u[0], u[1], list(range(8)) + list(range(16, 24))))
             outs.append(sh(u[0], u[1], list(range(8, 16)) + list(range(24, 32))))
         return outs
@@ -86,14 +92,16 @@ def _lanes_codegen(context, builder, sig, args):
             # the sixteen rows ``ahead`` further on (a prefetch never faults): one prefetch per 64
             # bytes of their span when they are packed (stride of at most 64 bytes), else per row
             first = builder.gep(rows[0], [builder.mul(ahead, c_stride)])
-            packed = builder.and_(builder.icmp_signed(">", c_stride, h.const(0)),
-                                  builder.icmp_signed("<=", c_stride, h.const(64)))
+            packed = builder.and_(
+                builder.icmp_signed(">", c_stride, h.const(0)), builder.icmp_signed("<=", c_stride, h.const(64))
+            )
             with builder.if_else(packed) as (then, otherwise):
                 with then:
                     lines = builder.udiv(builder.add(builder.mul(c_stride, h.const(16)), h.const(63)), h.const(64))
                     with h.cgutils.for_range(builder, lines) as lp:
-                        h.prefetch(builder, builder.gep(first, [builder.mul(lp.index, h.const(64))]),
-                                   _PREFETCH_LOCALITY)
+                        h.prefetch(
+                            builder, builder.gep(first, [builder.mul(lp.index, h.const(64))]), _PREFETCH_LOCALITY
+                        )
                 with otherwise:
                     step = builder.mul(ahead, c_stride)
                     with h.cgutils.for_range(builder, builder.udiv(builder.add(nbk, h.const(63)), h.const(64))) as lp:
@@ -150,8 +158,12 @@ def _lane_scores_codegen(context, builder, sig, args):
                         builder.store(builder.fadd(builder.load(a), x), a)
             for gi in range(gb):
                 v = builder.fadd(builder.load(accs[2 * gi]), builder.load(accs[2 * gi + 1]))
-                h.vstore(builder, v, s, builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w),
-                                                    builder.mul(blk, h.const(16))))
+                h.vstore(
+                    builder,
+                    v,
+                    s,
+                    builder.add(builder.mul(builder.add(g0, h.const(gi)), s_w), builder.mul(blk, h.const(16))),
+                )
 
         return emit
 
@@ -168,8 +180,7 @@ def _lane_values_codegen(context, builder, sig, args):
     ir = h.ir
     i32 = ir.IntType(32)
     v16i32 = ir.VectorType(i32, 16)
-    (lanes, _), (ctab, (d, _)), (wt, (_, w_w)), (acc, (g_n, a_w)) = _arrays(context, builder, sig, args,
-                                                                             (0, 4, 5, 6))
+    (lanes, _), (ctab, (d, _)), (wt, (_, w_w)), (acc, (g_n, a_w)) = _arrays(context, builder, sig, args, (0, 4, 5, 6))
     nblk, nw, sd = args[1], args[2], args[3]
     perm = h.perm_fn(builder)
     fma = h.fma_fn(builder)
@@ -187,16 +198,29 @@ def _lane_values_codegen(context, builder, sig, args):
                 shv = builder.insert_element(ir.Constant(v16i32, ir.Undefined), shift, ir.Constant(i32, 0))
                 shv = builder.shuffle_vector(shv, shv, ir.Constant(v16i32, [0] * 16))
                 src.append((builder.udiv(j, h.const(8)), shv, h.vload(builder, ctab, builder.mul(c, h.const(16)))))
-            offs = [[builder.add(builder.mul(builder.add(g0, h.const(gi)), a_w),
-                                 builder.mul(builder.add(c0, h.const(ci)), h.const(16))) for ci in range(cb)]
-                    for gi in range(gb)]
+            offs = [
+                [
+                    builder.add(
+                        builder.mul(builder.add(g0, h.const(gi)), a_w),
+                        builder.mul(builder.add(c0, h.const(ci)), h.const(16)),
+                    )
+                    for ci in range(cb)
+                ]
+                for gi in range(gb)
+            ]
             for gi in range(gb):
                 for ci in range(cb):
                     builder.store(h.vload(builder, acc, offs[gi][ci]), accs[gi * cb + ci])
             with h.cgutils.for_range(builder, nblk) as lb:
                 blk = lb.index
-                wv = [h.vload(builder, wt, builder.add(builder.mul(builder.add(g0, h.const(gi)), w_w),
-                                                       builder.mul(blk, h.const(16)))) for gi in range(gb)]
+                wv = [
+                    h.vload(
+                        builder,
+                        wt,
+                        builder.add(builder.mul(builder.add(g0, h.const(gi)), w_w), builder.mul(blk, h.const(16))),
+                    )
+                    for gi in range(gb)
+                ]
                 base = builder.mul(blk, nw)
                 for ci, (dw, shv, tab) in enumerate(src):
                     at = builder.mul(builder.add(base, dw), h.const(16))
@@ -229,8 +253,13 @@ def _codes_to_lanes(typingctx, codes, t0, nt, ahead, out):
     ``t0 + min(16b + i, nt − 1)`` (``nw = nbytes / 4``): the lanes past the last row repeat it,
     so every lane holds valid codes. Nothing is checked at run time.
     """
-    ok = (isinstance(codes, nbt.Array) and codes.ndim == 2 and codes.dtype == nbt.uint8 and _i32_c(out, 2)
-          and all(isinstance(x, nbt.Integer) for x in (t0, nt, ahead)))
+    ok = (
+        isinstance(codes, nbt.Array)
+        and codes.ndim == 2
+        and codes.dtype == nbt.uint8
+        and _i32_c(out, 2)
+        and all(isinstance(x, nbt.Integer) for x in (t0, nt, ahead))
+    )
     if not ok:
         return None
     return nbt.void(codes, nbt.int64, nbt.int64, nbt.int64, out), _lanes_codegen
@@ -244,8 +273,13 @@ def _lane_table_scores(typingctx, lanes, nblk, nw, lut, s):
     past the last real one all zero); ``s`` (G, ≥ 16 · nblk) float32, all C-contiguous:
     ``s[g, 16b + i] = Σ_j lut[g, 16j + a_j]`` with ``a_j`` code ``j`` of lane ``i`` of block ``b``.
     """
-    ok = (_i32_c(lanes, 2) and _c_f32(lut, s) and lut.ndim == 2 and s.ndim == 2
-          and all(isinstance(x, nbt.Integer) for x in (nblk, nw)))
+    ok = (
+        _i32_c(lanes, 2)
+        and _c_f32(lut, s)
+        and lut.ndim == 2
+        and s.ndim == 2
+        and all(isinstance(x, nbt.Integer) for x in (nblk, nw))
+    )
     if not ok:
         return None
     return nbt.void(lanes, nbt.int64, nbt.int64, lut, s), _lane_scores_codegen
@@ -260,8 +294,14 @@ def _lane_table_values(typingctx, lanes, nblk, nw, sd, ctab, w, acc):
     ``acc[g, 16c + i] += Σ_b w[g, 16b + i] · ctab[c, a_{c // sd}]`` with ``a_j`` code ``j`` of lane
     ``i`` of block ``b``. ``acc[g, 16c : 16c + 16]`` are lane-partial sums (their sum is the channel's).
     """
-    ok = (_i32_c(lanes, 2) and _c_f32(ctab, w, acc) and ctab.ndim == 2 and w.ndim == 2 and acc.ndim == 2
-          and all(isinstance(x, nbt.Integer) for x in (nblk, nw, sd)))
+    ok = (
+        _i32_c(lanes, 2)
+        and _c_f32(ctab, w, acc)
+        and ctab.ndim == 2
+        and w.ndim == 2
+        and acc.ndim == 2
+        and all(isinstance(x, nbt.Integer) for x in (nblk, nw, sd))
+    )
     if not ok:
         return None
     return nbt.void(lanes, nbt.int64, nbt.int64, nbt.int64, ctab, w, acc), _lane_values_codegen
@@ -280,10 +320,15 @@ def _lane_tables_codegen(context, builder, sig, args):
             with h.cgutils.for_range(builder, sd) as li:
                 c = builder.add(c0, li.index)
                 x = h.splat(builder, builder.load(builder.gep(q, [builder.add(builder.mul(lg.index, d), c)])))
-                builder.store(builder.call(fma, [x, h.vload(builder, tab, builder.mul(c, h.const(16))),
-                                                 builder.load(acc)]), acc)
-            h.vstore(builder, builder.load(acc), lut, builder.add(builder.mul(lg.index, lw),
-                                                                  builder.mul(lj.index, h.const(16))))
+                builder.store(
+                    builder.call(fma, [x, h.vload(builder, tab, builder.mul(c, h.const(16))), builder.load(acc)]), acc
+                )
+            h.vstore(
+                builder,
+                builder.load(acc),
+                lut,
+                builder.add(builder.mul(lg.index, lw), builder.mul(lj.index, h.const(16))),
+            )
     return context.get_dummy_value()
 
 
@@ -397,10 +442,22 @@ if HAVE_PERMPS:
     lane_tables = intrinsic(_lane_tables)
     lane_sums = intrinsic(_lane_sums)
 else:
-    codes_to_lanes, lane_table_scores, lane_table_values = (codes_to_lanes_loop, lane_table_scores_loop,
-                                                            lane_table_values_loop)
+    codes_to_lanes, lane_table_scores, lane_table_values = (
+        codes_to_lanes_loop,
+        lane_table_scores_loop,
+        lane_table_values_loop,
+    )
     lane_tables, lane_sums = lane_tables_loop, lane_sums_loop
 
-__all__ = ["codes_to_lanes", "lane_table_scores", "lane_table_values", "lane_tables", "lane_sums",
-            "codes_to_lanes_loop", "lane_table_scores_loop", "lane_table_values_loop", "lane_tables_loop",
-            "lane_sums_loop"]
+__all__ = [
+    "codes_to_lanes",
+    "lane_table_scores",
+    "lane_table_values",
+    "lane_tables",
+    "lane_sums",
+    "codes_to_lanes_loop",
+    "lane_table_scores_loop",
+    "lane_table_values_loop",
+    "lane_tables_loop",
+    "lane_sums_loop",
+]

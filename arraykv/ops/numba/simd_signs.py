@@ -40,16 +40,21 @@ def _sign_scores_codegen(context, builder, sig, args):
     accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(16)]
 
     def fill(g0, gb, r0, n_rows):  # n_rows (python int) rows from row r0 (relative to t0)
-        rows = [builder.gep(c_arr.data, [builder.mul(builder.add(t0, builder.add(r0, h.const(i))), c_stride)])
-                for i in range(n_rows)]
+        rows = [
+            builder.gep(c_arr.data, [builder.mul(builder.add(t0, builder.add(r0, h.const(i))), c_stride)])
+            for i in range(n_rows)
+        ]
         with h.cgutils.for_range(builder, chunks) as lc:
             off = builder.mul(lc.index, h.const(16))
-            pos = [h.vload(builder, sq, builder.add(builder.mul(builder.add(g0, h.const(gi)), m), off))
-                   for gi in range(gb)]
+            pos = [
+                h.vload(builder, sq, builder.add(builder.mul(builder.add(g0, h.const(gi)), m), off)) for gi in range(gb)
+            ]
             neg = [builder.fneg(p) for p in pos]
             for i in range(n_rows):
-                word = builder.load(builder.bitcast(builder.gep(rows[i], [builder.mul(lc.index, h.const(2))]),
-                                                    i16.as_pointer()), align=1)
+                word = builder.load(
+                    builder.bitcast(builder.gep(rows[i], [builder.mul(lc.index, h.const(2))]), i16.as_pointer()),
+                    align=1,
+                )
                 mask = builder.bitcast(word, v16i1)
                 for gi in range(gb):
                     a = accs[gi * n_rows + i]
@@ -68,8 +73,15 @@ def tile_sign_scores(typingctx, signs, t0, nt, sq, s):
     float32, ``m`` a multiple of 16. Not checked at run time.
     Needs :data:`~arraykv.ops.numba.simd.HAVE_PERMPS` (AVX-512 or AVX2).
     """
-    ok = (isinstance(signs, nbt.Array) and signs.ndim == 2 and signs.dtype == nbt.uint8 and _c_f32(sq, s)
-          and sq.ndim == 2 and s.ndim == 2 and all(isinstance(v, nbt.Integer) for v in (t0, nt)))
+    ok = (
+        isinstance(signs, nbt.Array)
+        and signs.ndim == 2
+        and signs.dtype == nbt.uint8
+        and _c_f32(sq, s)
+        and sq.ndim == 2
+        and s.ndim == 2
+        and all(isinstance(v, nbt.Integer) for v in (t0, nt))
+    )
     if not ok:
         return None
     return nbt.void(signs, nbt.int64, nbt.int64, sq, s), _sign_scores_codegen

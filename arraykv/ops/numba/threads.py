@@ -45,8 +45,15 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-__all__ = ["PARALLEL_MIN_WORK", "threads_for", "serial_below", "launch", "launches_serialized", "blas_threads",
-           "beside_blas"]
+__all__ = [
+    "PARALLEL_MIN_WORK",
+    "threads_for",
+    "serial_below",
+    "launch",
+    "launches_serialized",
+    "blas_threads",
+    "beside_blas",
+]
 
 #: Below this many values (elements read or written, codes read) a kernel runs on the calling
 #: thread alone (measured: 0.46 ms on one thread against 16 ms on two for a 3-head ×
@@ -91,14 +98,20 @@ def _find_blas_get():
     import numpy as np
 
     base = os.path.dirname(np.__file__)
-    for path in sorted(glob.glob(os.path.join(base, "..", "numpy.libs", "*openblas*"))
-                       + glob.glob(os.path.join(base, ".dylibs", "*openblas*"))):
+    for path in sorted(
+        glob.glob(os.path.join(base, "..", "numpy.libs", "*openblas*"))
+        + glob.glob(os.path.join(base, ".dylibs", "*openblas*"))
+    ):
         try:
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for name in ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
-                     "openblas_get_num_threads64_", "openblas_get_num_threads"):
+        for name in (
+            "scipy_openblas_get_num_threads64_",
+            "scipy_openblas_get_num_threads",
+            "openblas_get_num_threads64_",
+            "openblas_get_num_threads",
+        ):
             fn = getattr(lib, name, None)
             if fn is not None:
                 fn.restype = ctypes.c_int

@@ -73,8 +73,12 @@ def assign(xg, c):
 def update(xg, c, idx):
     out = np.empty(c.shape, np.float32)
     with launch(xg.size):
-        _update(np.ascontiguousarray(xg, np.float32), np.ascontiguousarray(c, np.float32),
-                np.ascontiguousarray(idx, np.int64), out)
+        _update(
+            np.ascontiguousarray(xg, np.float32),
+            np.ascontiguousarray(c, np.float32),
+            np.ascontiguousarray(idx, np.int64),
+            out,
+        )
     return out
 
 
@@ -237,6 +241,7 @@ def decode(codes, centroids, bits):
 
 
 # ---- read side: codes as indices, for the fused kernel (arraykv.ops.numba.vq_fused) ------------
+
 
 @nb.njit(inline="always")
 def _unpack_tile(codes, b, h, t0, nt, bits, kn, out):

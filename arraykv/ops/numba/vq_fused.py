@@ -104,16 +104,28 @@ def _signature(code, extra, lanes=False):
     patterns) dense tokens; ``path`` is None on the lanes path (a step of its own, so that a call
     compiles only the path it takes), else :data:`TABLES` or :data:`DIRECT`."""
     ex = ro(extra, 4, "C")
-    args = nbt.Tuple((nbt.int64, nbt.none if lanes else nbt.int64, ro(code, 4), ro(nbt.float32, 4, "C"), ro(code, 4),
-                      ro(nbt.float32, 4, "C"), ex, ex))
-    return nbt.void(ro(nbt.float32, 3, "C"), nbt.float64, nbt.int64, nbt.int64, args, nbt.int64,
-                    nbt.Array(nbt.float32, 3, "C"))
+    args = nbt.Tuple(
+        (
+            nbt.int64,
+            nbt.none if lanes else nbt.int64,
+            ro(code, 4),
+            ro(nbt.float32, 4, "C"),
+            ro(code, 4),
+            ro(nbt.float32, 4, "C"),
+            ex,
+            ex,
+        )
+    )
+    return nbt.void(
+        ro(nbt.float32, 3, "C"), nbt.float64, nbt.int64, nbt.int64, args, nbt.int64, nbt.Array(nbt.float32, 3, "C")
+    )
 
 
 #: index ``2 · (uint16 codes) + (float16 dense tokens)``; the lanes path (packed codes only) at
 #: ``4 + (float16 dense tokens)``
-_SIGS = ([_signature(code, extra) for code in (nbt.uint8, nbt.uint16) for extra in (nbt.float32, nbt.uint16)]
-         + [_signature(nbt.uint8, extra, lanes=True) for extra in (nbt.float32, nbt.uint16)])
+_SIGS = [_signature(code, extra) for code in (nbt.uint8, nbt.uint16) for extra in (nbt.float32, nbt.uint16)] + [
+    _signature(nbt.uint8, extra, lanes=True) for extra in (nbt.float32, nbt.uint16)
+]
 
 
 def _pick(step) -> int:
@@ -150,8 +162,8 @@ def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v
         hist = np.zeros((g_n, 2 * m * kv), np.float32)
         for g in range(g_n):
             for j in range(m):
-                qj = qs[g, j * sd:(j + 1) * sd]
-                row = lut[g, j * kk:(j + 1) * kk]
+                qj = qs[g, j * sd : (j + 1) * sd]
+                row = lut[g, j * kk : (j + 1) * kk]
                 cj = k_cent[h, j]
                 for k in range(kk):
                     x = np.float32(0.0)
@@ -236,8 +248,8 @@ def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v
             mr = mref[g]
             lsum = np.float32(0.0)
             if tables:
-                h0 = hist[g, :m * kv]
-                h1 = hist[g, m * kv:]
+                h0 = hist[g, : m * kv]
+                h1 = hist[g, m * kv :]
                 r2 = nt - nt % 2
                 for r in range(0, r2, 2):
                     p0 = np.float32(math.exp(srow[r] - mr))
@@ -272,8 +284,8 @@ def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v
             ag = acc[g]
             for j in range(m):
                 cj = v_cent[h, j]
-                hj = hg[j * kv:(j + 1) * kv]
-                hj1 = hg[(m + j) * kv:(m + j + 1) * kv]
+                hj = hg[j * kv : (j + 1) * kv]
+                hj1 = hg[(m + j) * kv : (m + j + 1) * kv]
                 for k in range(kv):
                     w = hj[k] + hj1[k]
                     if w != 0.0:
@@ -340,11 +352,13 @@ def _dense_f32_impl(x, b, h, out):
     """``out[:] = x[b, h]`` as float32 (E, d): float16 bit patterns (uint16) converted
     (:func:`arraykv.ops.numba.half.half_to_float`), floats copied."""
     if isinstance(x.dtype, nbt.Integer):
+
         def impl(x, b, h, out):
             e_n, d = out.shape
             for t in range(e_n):
                 for c in range(d):
                     out[t, c] = half_to_float(x[b, h, t, c], None)
+
         return impl
 
     def copy(x, b, h, out):
@@ -352,6 +366,7 @@ def _dense_f32_impl(x, b, h, out):
         for t in range(e_n):
             for c in range(d):
                 out[t, c] = x[b, h, t, c]
+
     return copy
 
 
@@ -406,9 +421,11 @@ def _span_path_impl(b, h, t_lo, t_hi, qs, bits, path, k_codes, k_cent, v_codes, 
     """:func:`_attend_lanes` when ``path`` is None, else :func:`_attend_span` (chosen at compile time)."""
     if isinstance(path, nbt.NoneType):
         return lambda b, h, t_lo, t_hi, qs, bits, path, k_codes, k_cent, v_codes, v_cent, m, l, acc: _attend_lanes(
-            b, h, t_lo, t_hi, qs, k_codes, k_cent, v_codes, v_cent, m, l, acc)
+            b, h, t_lo, t_hi, qs, k_codes, k_cent, v_codes, v_cent, m, l, acc
+        )
     return lambda b, h, t_lo, t_hi, qs, bits, path, k_codes, k_cent, v_codes, v_cent, m, l, acc: _attend_span(
-        b, h, t_lo, t_hi, qs, bits, path == TABLES, k_codes, k_cent, v_codes, v_cent, m, l, acc)
+        b, h, t_lo, t_hi, qs, bits, path == TABLES, k_codes, k_cent, v_codes, v_cent, m, l, acc
+    )
 
 
 @nb.njit
@@ -457,16 +474,36 @@ def _numpy_shapes(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extr
     checks cost microseconds); None sends the call to the full checks, which raise the errors.
     """
     nd = np.ndarray
-    if not (type(q) is nd and type(k_codes) is nd and type(v_codes) is nd and type(k_centroids) is nd
-            and type(v_centroids) is nd and type(k_extra) is nd and type(v_extra) is nd
-            and type(bits) is int and 1 <= bits <= 16):
+    if not (
+        type(q) is nd
+        and type(k_codes) is nd
+        and type(v_codes) is nd
+        and type(k_centroids) is nd
+        and type(v_centroids) is nd
+        and type(k_extra) is nd
+        and type(v_extra) is nd
+        and type(bits) is int
+        and 1 <= bits <= 16
+    ):
         return None
-    if not (q.ndim == 3 and k_centroids.ndim == 4 and v_centroids.ndim == 4 and k_codes.ndim == 4
-            and v_codes.ndim == 4 and k_extra.ndim == 4 and v_extra.ndim == 4):
+    if not (
+        q.ndim == 3
+        and k_centroids.ndim == 4
+        and v_centroids.ndim == 4
+        and k_codes.ndim == 4
+        and v_codes.ndim == 4
+        and k_extra.ndim == 4
+        and v_extra.ndim == 4
+    ):
         return None
     fl = _FLOATS
-    if not (q.dtype in fl and k_centroids.dtype in fl and v_centroids.dtype in fl and k_extra.dtype in fl
-            and v_extra.dtype in fl):
+    if not (
+        q.dtype in fl
+        and k_centroids.dtype in fl
+        and v_centroids.dtype in fl
+        and k_extra.dtype in fl
+        and v_extra.dtype in fl
+    ):
         return None
     b, hq, d = q.shape
     h, m, _, s = k_centroids.shape
@@ -476,13 +513,30 @@ def _numpy_shapes(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extr
     width, want = ((m * bits + 7) // 8, np.uint8) if bits <= 8 else (m, np.uint16)
     ks, vs = k_codes.shape, v_codes.shape
     t = ks[2]
-    if not (k_codes.dtype == want and v_codes.dtype == want and ks[0] == b and ks[1] == h and ks[3] == width
-            and vs[0] == b and vs[1] == h and vs[2] == t and vs[3] == width):
+    if not (
+        k_codes.dtype == want
+        and v_codes.dtype == want
+        and ks[0] == b
+        and ks[1] == h
+        and ks[3] == width
+        and vs[0] == b
+        and vs[1] == h
+        and vs[2] == t
+        and vs[3] == width
+    ):
         return None
     es, fs = k_extra.shape, v_extra.shape
     e = es[2]
-    if not (es[0] == b and es[1] == h and es[3] == d and fs[0] == b and fs[1] == h and fs[2] == e and fs[3] == d
-            and t + e > 0):
+    if not (
+        es[0] == b
+        and es[1] == h
+        and es[3] == d
+        and fs[0] == b
+        and fs[1] == h
+        and fs[2] == e
+        and fs[3] == d
+        and t + e > 0
+    ):
         return None
     return b, hq, h, t, e, d, m, bits
 
@@ -491,18 +545,29 @@ def _lanes_fit(bits: int, kk: int, kv: int, d: int, k_codes, v_codes) -> bool:
     """Whether a call can take the lanes path (:func:`_attend_lanes`): AVX-512, 4-bit packed codes
     of codebooks of at most 16 entries, code rows of a multiple of 4 bytes read in place (bytes
     contiguous) and ``head_dim`` a multiple of 8."""
-    return (VECTOR_TILES and bits == 4 and kk <= 16 and kv <= 16 and d % 8 == 0 and k_codes.shape[3] % 4 == 0
-            and k_codes.dtype == np.uint8 and k_codes.strides[3] == 1 and v_codes.strides[3] == 1)
+    return (
+        VECTOR_TILES
+        and bits == 4
+        and kk <= 16
+        and kv <= 16
+        and d % 8 == 0
+        and k_codes.shape[3] % 4 == 0
+        and k_codes.dtype == np.uint8
+        and k_codes.strides[3] == 1
+        and v_codes.strides[3] == 1
+    )
 
 
 def vq_decode_attention(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale):
     """Fused decode attention over VQ codes (NumPy); see :func:`decode_attention_mode`."""
-    return decode_attention_mode(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits=bits,
-                                 softmax_scale=softmax_scale)
+    return decode_attention_mode(
+        q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits=bits, softmax_scale=softmax_scale
+    )
 
 
-def decode_attention_mode(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale,
-                          mode=None):
+def decode_attention_mode(
+    q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale, mode=None
+):
     """Fused decode attention over VQ codes (NumPy): ADC scores and histogram value sums.
 
     Same contract as :func:`arraykv.attention.vq_fused.vq_decode_attention_reference`.
@@ -584,8 +649,10 @@ def decode_attention_mode(q, k_codes, k_centroids, v_codes, v_centroids, k_extra
         path = None if lanes else TABLES if _use_tables(kk, kv, sd, -(-t // splits)) else DIRECT
     elif mode == "lanes":
         if not lanes:
-            raise ValueError("mode='lanes' needs AVX-512, 4-bit codes of codebooks of at most 16 entries, "
-                             "rows of a multiple of 4 bytes and head_dim a multiple of 8")
+            raise ValueError(
+                "mode='lanes' needs AVX-512, 4-bit codes of codebooks of at most 16 entries, "
+                "rows of a multiple of 4 bytes and head_dim a multiple of 8"
+            )
         path = None
     else:
         path = TABLES if mode == "tables" else DIRECT
