@@ -67,6 +67,7 @@ from .generation import cache_length, check_sampling, chunked_logits, generate_t
 from .gguf import require
 from .onnx_names import PRESENT_NAME, discover_kv_names
 from .onnx_queries import with_query_outputs
+from .ort_store import graph_identity, store_prefill
 
 __all__ = ["OrtKVDecoder"]
 
@@ -124,6 +125,7 @@ class OrtKVDecoder:
         if queries not in ("auto", True, False):
             raise ValueError(f"queries must be 'auto', True or False, received {queries!r}")
         self.query_outputs = None
+        self._identity = None if isinstance(model, ort.InferenceSession) else graph_identity(model)
         if isinstance(model, ort.InferenceSession):
             if queries is True:
                 raise ValueError(
@@ -375,6 +377,7 @@ class OrtKVDecoder:
         seed: int | None = None,
         on_token: Callable[[int], None] | None = None,
         prefill_chunk: int | None = 512,
+        store: Any = None,
         **legacy: Any,
     ) -> list:
         """Greedy or sampled generation for one sequence.
@@ -402,6 +405,10 @@ class OrtKVDecoder:
         prefill_chunk : int or None, default 512
             The prompt goes through :meth:`step` in chunks of this many tokens; None feeds it
             in one piece.
+        store : PrefixStore, folder or ``redis://`` URL, optional
+            Reuse the longest stored prefix of the prompt, prefill only the rest and store new
+            prefixes (:mod:`arraykv.integrations.ort_store`); the result equals a run without a
+            store bit for bit. A decoder built from a ready session needs the store's ``model_id``.
 
         Returns
         -------
@@ -428,6 +435,10 @@ class OrtKVDecoder:
             raise ValueError("cache must be empty; call cache.reset() first")
 
         def prefill_last(p: list) -> Any:
+            if store is not None:
+                return store_prefill(
+                    store, "onnxruntime-hook", self._identity, cache, p, prefill_chunk, lambda a: self.step(a, cache)
+                )
             return to_numpy(chunked_logits(lambda a: self.step(a, cache), p, prefill_chunk))[0, -1]
 
         return generate_tokens(

@@ -31,6 +31,7 @@ from .generation import cache_length, check_sampling, chunked_logits, generate_t
 from .gguf import require
 from .ort_cache_op import CacheSlot, register, session_options
 from .ort_graph import load_model_proto, rewrite_with_cache_op
+from .ort_store import graph_identity, store_prefill
 
 __all__ = ["OrtGraphDecoder"]
 
@@ -88,6 +89,7 @@ class OrtGraphDecoder:
     ):
         ort = require("onnxruntime", "onnx")
         proto = load_model_proto(model)
+        self._identity = graph_identity(proto)  # for prefix-store keys (the proto is not kept)
         past = next((vi for vi in proto.graph.input if vi.name == "past_key_values.0.key"), None)
         self._handle = f"arraykv-{uuid.uuid4().hex}"
         graph, self.sites = rewrite_with_cache_op(proto, self._handle)  # refuses graphs without a past
@@ -224,6 +226,7 @@ class OrtGraphDecoder:
         seed: int | None = None,
         on_token: Callable[[int], None] | None = None,
         prefill_chunk: int | None = 512,
+        store: Any = None,
     ) -> list:
         """Greedy or sampled generation for one sequence.
 
@@ -245,6 +248,10 @@ class OrtGraphDecoder:
         prefill_chunk : int or None, default 512
             The prompt goes through :meth:`prefill` in chunks of this many tokens (each chunk
             attends to the cache's stored form of the earlier ones); None feeds it in one piece.
+        store : PrefixStore, folder or ``redis://`` URL, optional
+            Reuse the longest stored prefix of the prompt, prefill only the rest and store new
+            prefixes (:mod:`arraykv.integrations.ort_store`); the result equals a run without a
+            store bit for bit. The store's ``chunk_tokens`` must be a multiple of ``prefill_chunk``.
 
         Returns
         -------
@@ -259,8 +266,13 @@ class OrtGraphDecoder:
         elif cache_length(cache, self.num_layers) != 0:
             raise ValueError("cache must be empty; call cache.reset() first")
 
+        def run(a: Any) -> Any:
+            return self.prefill(a, cache)
+
         def prefill_last(p: list) -> Any:
-            return chunked_logits(lambda a: self.prefill(a, cache), p, prefill_chunk)[0, -1]
+            if store is not None:
+                return store_prefill(store, "onnxruntime-graph", self._identity, cache, p, prefill_chunk, run)
+            return chunked_logits(run, p, prefill_chunk)[0, -1]
 
         return generate_tokens(
             prefill_last,

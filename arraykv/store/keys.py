@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import _compat
 
-__all__ = ["model_identity", "gguf_identity", "namespace_root", "chain_keys", "SAMPLE_VALUES"]
+__all__ = ["model_identity", "gguf_identity", "onnx_identity", "namespace_root", "chain_keys", "SAMPLE_VALUES"]
 
 #: Values of each weight tensor that :func:`model_identity` hashes (evenly spaced).
 SAMPLE_VALUES = 4096
@@ -109,6 +109,42 @@ def gguf_identity(path: str | os.PathLike, *, block: int = 1 << 22) -> str:
             if not chunk:
                 break
             h.update(chunk)
+    return h.hexdigest()
+
+
+def onnx_identity(proto: Any) -> str:
+    """A hex digest naming an ONNX graph: its nodes whole and a sample of every initializer.
+
+    Parameters
+    ----------
+    proto : onnx.ModelProto
+        The model as given to an ONNX Runtime engine (before any rewriting).
+
+    Returns
+    -------
+    str
+        SHA-256, hex, of the graph's inputs, outputs and nodes (serialized whole: operators,
+        attributes, wiring) and, for every initializer, its name, dimensions, data type and
+        :data:`SAMPLE_VALUES` evenly spaced 4-byte words of its data (its ``raw_data``, the first
+        word first, or its serialized form where the values are in typed fields). Two graphs
+        that differ in their structure or in any sampled weight get different identities; for
+        a digest of every byte use :func:`gguf_identity` on the ``.onnx`` file (and its external
+        data) and pass it as ``model_id``.
+    """
+    graph = getattr(proto, "graph", None)
+    if graph is None or not hasattr(graph, "initializer"):
+        raise TypeError(f"proto must be an onnx.ModelProto, received {type(proto).__name__}")
+    h = hashlib.sha256()
+    for part in (graph.input, graph.output, graph.node):
+        for item in part:
+            h.update(item.SerializeToString(deterministic=True))
+    for init in graph.initializer:
+        h.update(f"{init.name}:{tuple(init.dims)}:{init.data_type}".encode())
+        data = init.raw_data or init.SerializeToString(deterministic=True)  # the values, or the typed fields
+        h.update(len(data).to_bytes(8, "little"))
+        words = np.frombuffer(data[: len(data) // 4 * 4], dtype=np.uint8).reshape(-1, 4)
+        step = max(1, len(words) // SAMPLE_VALUES)
+        h.update(np.ascontiguousarray(words[::step]).tobytes())
     return h.hexdigest()
 
 

@@ -222,11 +222,20 @@ class PrefixStore:
         model_id = self.model_id if self.model_id is not None else model_identity(model)
         sample = getattr(model, "embedding", None)
         lib = _namespace(sample).__name__ if sample is not None else "unknown"
+        schedule = {"chunk_size": chunk_size, "prompt_store": prompt_store, "array_library": lib}
+        return self.engine_keys(model_id, cache, ids, schedule)
+
+    def engine_keys(self, model_id: str, cache: Any, ids: Any, schedule: dict) -> list:
+        """Keys of ``ids``'s whole-chunk prefixes for any engine: ``model_id`` names the model,
+        ``schedule`` (JSON-able) how the engine fills a segment; the chunk size, arraykv's
+        version and the file format are added to it."""
+        if not isinstance(model_id, str) or not model_id:
+            raise ValueError(f"model_id must be a non-empty string, received {model_id!r}")
+        if self.model_id is not None:
+            model_id = self.model_id
         schedule = {
             "chunk_tokens": self.chunk_tokens,
-            "chunk_size": chunk_size,
-            "prompt_store": prompt_store,
-            "array_library": lib,
+            **schedule,
             "arraykv": _arraykv_version(),
             "format": FORMAT_VERSION,
         }
@@ -267,12 +276,39 @@ class PrefixStore:
         array, shape (vocab,), float32
             Logits of the prompt's last position, bit for bit those of :func:`segmented_prefill`.
         """
+        keys = self.keys(model, cache, ids, chunk_size=chunk_size, prompt_store=prompt_store)
+        return self.prefill_segments(
+            lambda seg: model.prefill(seg, cache, chunk_size=chunk_size, logits="last", prompt_store=prompt_store),
+            ids,
+            cache,
+            keys,
+        )
+
+    def prefill_segments(self, run: Any, ids: Any, cache: Any, keys: list) -> Any:
+        """The store's prefill for any engine: restore the longest stored prefix of ``ids`` into the
+        empty ``cache``, then ``run(segment)`` for each remaining segment, storing by the policy.
+
+        Parameters
+        ----------
+        run : callable
+            ``run(list of int)`` prefills one segment after what ``cache`` holds, storing its K/V
+            there, and returns the logits of its last position.
+        ids : sequence of int
+            The prompt (one sequence).
+        cache : LayeredCache or HybridCache
+            Empty; the cache ``run`` fills.
+        keys : list of str
+            :meth:`keys` (this package's decoder) or :meth:`engine_keys` (another engine) of ``ids``.
+
+        Returns
+        -------
+        The last ``run``'s result.
+        """
         ids = _ids(ids)
         if _length(cache) != 0:
             raise ValueError("cache must be empty; call cache.reset() first")
         n, S = len(ids), self.chunk_tokens
         report = PrefillReport(tokens=n)
-        keys = self.keys(model, cache, ids, chunk_size=chunk_size, prompt_store=prompt_store)
         t0 = time.perf_counter()
         start = self._restore(cache, keys, min(len(keys), (n - 1) // S))
         report.restore_s = time.perf_counter() - t0
@@ -281,7 +317,7 @@ class PrefixStore:
         out = None
         for s, e in _segments(start, n, S):
             t0 = time.perf_counter()
-            out = model.prefill(ids[s:e], cache, chunk_size=chunk_size, logits="last", prompt_store=prompt_store)
+            out = run(ids[s:e])
             t1 = time.perf_counter()
             report.prefill_s += t1 - t0
             if e % S == 0 and e // S in wanted and self._put(keys[e // S - 1], cache, e):

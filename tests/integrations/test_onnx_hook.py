@@ -488,3 +488,30 @@ def test_release_drops_the_held_past_and_the_loop_goes_on(graph, rng, method):
     assert dec.held_bytes(cache) > held
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-4)
+
+
+def test_generate_with_a_prefix_store_continues_bit_for_bit(graph, tmp_path):
+    """The hook's prompt through a prefix store: the warm run restores the stored prefix and
+    holds every array the run without a store holds; a ready session needs a model_id."""
+    from arraykv.store import LocalStore, PrefixStore
+
+    from cache_contract import assert_same_snapshot, snapshot
+
+    dec = OrtKVDecoder(graph)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, VOCAB, 41)]
+    plain = dec.make_cache("pqo4")
+    want = dec.generate(prompt, 5, cache=plain, prefill_chunk=8)
+    store = PrefixStore(LocalStore(tmp_path / "s"), chunk_tokens=16)
+    for reused in (0, 32):
+        cache = dec.make_cache("pqo4")
+        assert dec.generate(prompt, 5, cache=cache, prefill_chunk=8, store=store) == want
+        assert store.last_report.reused == reused
+        assert_same_snapshot(snapshot(cache), snapshot(plain))
+    ready = OrtKVDecoder(ort.InferenceSession(graph, providers=["CPUExecutionProvider"]), queries=False)
+    with pytest.raises(ValueError, match="model_id"):
+        ready.generate(prompt, 1, method="pqo4", prefill_chunk=8, store=store)
+    named = PrefixStore(LocalStore(tmp_path / "s"), chunk_tokens=16, model_id="tiny-hook-graph")
+    alone = ready.generate(prompt, 5, method="pqo4", prefill_chunk=8)
+    for reused in (0, 32):
+        assert ready.generate(prompt, 5, method="pqo4", prefill_chunk=8, store=named) == alone
+        assert named.last_report.reused == reused

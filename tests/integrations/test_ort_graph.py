@@ -253,3 +253,49 @@ def test_gqa_float_path_matches_and_quantized_paths_hold_fewer_bytes(graph, ids)
         assert q.past[0][0].dtype == dtype and q.past[0][0].shape == (1, 2, len(ids), width)
         assert q.memory_usage() * 32 == st.memory_usage() * bits
     assert 0 < errs[8] < errs[4]
+
+
+@pytest.mark.parametrize("method", ["pqo4", "int4"])
+def test_generate_with_a_prefix_store_continues_bit_for_bit(dec, graph, ids, method, tmp_path):
+    """A prompt through a prefix store: the cold run stores its prefix, the warm run restores it;
+    both hold every array a run without a store holds, and generate its tokens."""
+    from arraykv.store import LocalStore, PrefixStore
+
+    from cache_contract import assert_same_snapshot, snapshot
+
+    rng = np.random.default_rng(11)
+    prompt = [int(t) for t in rng.integers(0, CFG.vocab_size, 100)]
+    plain_cache = dec.make_cache(method)
+    want = dec.generate(prompt, 6, cache=plain_cache, prefill_chunk=16)
+    store = PrefixStore(LocalStore(tmp_path / "s"), chunk_tokens=32)
+    for reused in (0, 96):  # (100 - 1) // 32 = 3 whole chunks: the longest prefix that leaves a token
+        cache = dec.make_cache(method)
+        assert dec.generate(prompt, 6, cache=cache, prefill_chunk=16, store=store) == want
+        assert store.last_report.reused == reused and store.last_report.stored == ([96] if not reused else [])
+        assert_same_snapshot(snapshot(cache), snapshot(plain_cache))
+    # the same graph in another form finds the entry (the same model); another model's graph does not
+    same = OrtGraphDecoder(graph.SerializeToString() if hasattr(graph, "SerializeToString") else graph)
+    assert same.generate(prompt, 6, method=method, prefill_chunk=16, store=store) == want
+    assert store.last_report.reused == 96
+    weights = random_gguf_tensors(CFG, seed=4)
+    other = OrtGraphDecoder(_exporter().build_llama_onnx(LlamaModel.from_gguf_tensors(CFG, weights)))
+    other.generate(prompt, 1, method=method, prefill_chunk=16, store=store)
+    assert store.last_report.reused == 0
+    with pytest.raises(ValueError, match="multiple of prefill_chunk"):
+        dec.generate(prompt, 1, method=method, prefill_chunk=24, store=store)
+
+
+def test_graph_identity_names_structure_and_weights(graph):
+    from arraykv.store.keys import onnx_identity
+
+    proto = onnx.load_from_string(graph) if isinstance(graph, bytes) else graph
+    base = onnx_identity(proto)
+    assert base == onnx_identity(onnx.load_from_string(proto.SerializeToString()))
+    changed = onnx.load_from_string(proto.SerializeToString())
+    init = max(changed.graph.initializer, key=lambda t: len(t.raw_data) or len(t.float_data))
+    arr = onnx.numpy_helper.to_array(init).copy()
+    arr.flat[0] += 1.0  # the first value: always in the sample
+    init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
+    assert onnx_identity(changed) != base
+    with pytest.raises(TypeError, match="ModelProto"):
+        onnx_identity(b"not a model")
