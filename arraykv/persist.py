@@ -56,6 +56,7 @@ def load_cache(path: str | os.PathLike, *, xp: Any = None):
     Parameters
     ----------
     path : str or path-like
+        The cache file.
     xp : namespace, optional
         Array namespace for the loaded state (for example ``cupy`` to move a cache to the GPU).
         Default: NumPy.

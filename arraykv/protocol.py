@@ -65,7 +65,7 @@ class AttendConfig:
 class DequantResult:
     """Keys and values of every stored token, ready for attention.
 
-    Attributes
+    Parameters
     ----------
     k, v : array, shape (batch, kv_heads, total_tokens, head_dim)
         Keys and values, in the dtype of the input.
@@ -83,9 +83,10 @@ class DequantResult:
 class Fused:
     """Decode computed attention itself.
 
-    Attributes
+    Parameters
     ----------
     output : array, shape (batch, q_heads, 1, head_dim)
+        The attention output of the new token, in the namespace, device and dtype of the input.
     """
 
     output: Array
@@ -95,9 +96,10 @@ class Fused:
 class Dequantized:
     """Decode returns keys and values; the caller runs attention.
 
-    Attributes
+    Parameters
     ----------
     result : DequantResult
+        Keys and values of every stored token of the layer, the new one included.
     """
 
     result: DequantResult
@@ -112,6 +114,12 @@ class CompressedKVCache(Protocol):
 
     Every method is safe to call from several threads: calls on different layers run in
     parallel, calls on the same layer are serialized.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        Those of :class:`typing.Protocol`, which cannot be instantiated (``TypeError``): a
+        cache satisfies the protocol by defining its methods, not by subclassing or calling it.
     """
 
     def prefill(self, layer: int, k: Array, v: Array, q: Array) -> DequantResult:

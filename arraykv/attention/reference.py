@@ -18,8 +18,9 @@ def attention(q: Any, k: Any, v: Any, *, softmax_scale: float, logit_bias: Any =
     q : array, shape (batch, q_heads, tokens, head_dim)
         Queries: the last ``tokens`` positions of the sequence.
     k : array, shape (batch, kv_heads, total, head_dim)
+        Keys of every position the queries may attend to.
     v : array, shape (batch, kv_heads, total, v_head_dim)
-        ``q_heads`` must be a multiple of ``kv_heads``; query head ``h`` uses KV head
+        Values of those positions. ``q_heads`` must be a multiple of ``kv_heads``; query head ``h`` uses KV head
         ``h // (q_heads // kv_heads)``.
     softmax_scale : float
         Multiplies the logits ``q · k`` before the softmax.

@@ -32,6 +32,19 @@ class DenseCache(LayeredCache):
 
     The returned K/V are views of the cache's buffers: valid until the next call on the layer
     grows it or :meth:`reset`; copy them to keep them longer, and never write into them.
+
+    Parameters
+    ----------
+    num_layers : int
+        Transformer layers; valid layer indices are ``0 .. num_layers - 1``.
+    num_kv_heads : int
+        KV heads per layer.
+    head_dim : int
+        Channels per head.
+    check_finite : bool, default True
+        Reject keys and values that hold NaN or infinity (one pass over the new tokens).
+    max_tokens : int or None, default None
+        Tokens a layer may hold; a call that would exceed it raises ``ValueError``.
     """
 
     method = "dense"

@@ -97,6 +97,8 @@ class HybridCache:
     Parameters
     ----------
     num_layers, num_kv_heads, head_dim : int
+        Model geometry: layers, KV heads per layer and channels per head (both sub-caches
+        get it).
     layer_types : sequence of str
         Per layer ``"full_attention"`` or ``"sliding_attention"`` (transformers' names).
     window : int
@@ -112,8 +114,9 @@ class HybridCache:
         :func:`default_window_storage` of the global method, and compressed windows take the
         outlier options of ``full_options`` unless these name their own.
     check_finite : bool, default True
+        Reject keys and values that hold NaN or infinity (both sub-caches get it).
     max_tokens : int, optional
-        Both sub-caches get them.
+        Tokens a layer may hold (both sub-caches get it).
 
     Notes
     -----

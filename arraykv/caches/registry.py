@@ -118,8 +118,19 @@ def _factory(name: str) -> Callable[..., Any] | None:
 
 
 def available_methods(*, generic: bool = False) -> list:
-    """Names of the ready-to-use methods, sorted; with ``generic=True`` also the families that
-    need options (``"polar"``, ``"int"``): everything :func:`make_cache` accepts."""
+    """Names of the ready-to-use methods, sorted.
+
+    Parameters
+    ----------
+    generic : bool, default False
+        Also list the families that need options (``"polar"``, ``"int"``): everything
+        :func:`make_cache` accepts.
+
+    Returns
+    -------
+    list of str
+        The registered method names, sorted.
+    """
     with _LOCK:
         return sorted(n for n in _REGISTRY if generic or n not in _GENERIC)
 
@@ -139,6 +150,8 @@ def make_cache(method: str, *, num_layers: int, num_kv_heads: int, head_dim: int
     Returns
     -------
     CompressedKVCache
+        What the method's registered class or factory returns for this geometry and these
+        options.
     """
     if not isinstance(method, str):
         raise TypeError(f"method must be a string, received {type(method).__name__}")

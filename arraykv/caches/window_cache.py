@@ -91,6 +91,7 @@ class SlidingWindowCache(LayeredCache):
     Parameters
     ----------
     num_layers, num_kv_heads, head_dim : int
+        Model geometry: layers, KV heads per layer and channels per head.
     window : int
         The attention span: a token sees itself and the ``window - 1`` tokens before it.
     rollback_tokens : int, default 16
@@ -108,16 +109,23 @@ class SlidingWindowCache(LayeredCache):
         truncation.
     seed : int, default 0
         Seed of the ``pq`` storages' rotation.
-    outliers, outlier_threshold, max_outliers
-        ``pq`` storages: the exact outlier key channels, as for the ``pqo`` caches
-        (:class:`~arraykv.caches.polar.PolarCache`).
     decode_path : {"auto", "fused", "dequantized"}, default "auto"
         ``pq`` storages: ``decode`` attends from the codes itself (:class:`~arraykv.Fused`,
         the ``pqo`` fused kernel over the last ``window`` rows) where a kernel serves the
         namespace (``"auto"``), or returns the window's keys and values. Float storages always
         return them.
-    check_finite, max_tokens
-        As for every cache; ``max_tokens`` bounds the positions, not the rows held.
+    outliers : {"auto"} or int, default "auto"
+        ``pq`` storages: the exact outlier key channels, as for the ``pqo`` caches
+        (:class:`~arraykv.caches.polar.PolarCache`).
+    outlier_threshold : float, optional
+        ``pq`` storages: the threshold of ``outliers="auto"`` (default: the ``pqo`` caches').
+    max_outliers : int, optional
+        ``pq`` storages: the cap of ``outliers="auto"`` (default: the ``pqo`` caches').
+    check_finite : bool, default True
+        Reject keys and values that hold NaN or infinity, as every cache does.
+    max_tokens : int, optional
+        Tokens a layer may be given, counted as positions (not the rows the window keeps); a
+        call that would exceed it raises ``ValueError``.
 
     Notes
     -----

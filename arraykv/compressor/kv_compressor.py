@@ -33,6 +33,7 @@ class KVCacheCompressor:
     Parameters
     ----------
     method : LowRank, VectorQuantization or Hybrid
+        How to compress (see each method's parameters).
     quant_bits : {4, 8}, optional
         Integer width of the hybrid coefficients. Defaults to the method's ``quant_bits``
         (Hybrid) or 8; giving a value that contradicts a Hybrid method is an error.
@@ -382,24 +383,86 @@ def _project_t(xp: Any, x32: Any, b: LowRankBasis):
 
 
 def compress_paged_cache(compressor: KVCacheCompressor, cache: Any, layer: int, seq_id: int) -> CompressedKV:
-    """Function form of :meth:`KVCacheCompressor.compress_paged_cache`."""
+    """Function form of :meth:`KVCacheCompressor.compress_paged_cache`.
+
+    Parameters
+    ----------
+    compressor : KVCacheCompressor
+        The compressor to use (fitted or not).
+    cache : PagedKVCache
+        The cache holding the sequence.
+    layer : int
+        Layer index of ``cache``.
+    seq_id : int
+        A live sequence of ``cache`` holding at least one token in ``layer``.
+
+    Returns
+    -------
+    CompressedKV
+        The sequence's keys and values, ``layout="hsd"``.
+    """
     return compressor.compress_paged_cache(cache, layer, seq_id)
 
 
 def decompress_to_paged_cache(
     compressor: KVCacheCompressor, c: CompressedKV, cache: Any, layer: int, seq_id: int
 ) -> None:
-    """Function form of :meth:`KVCacheCompressor.decompress_to_paged_cache`."""
+    """Function form of :meth:`KVCacheCompressor.decompress_to_paged_cache`.
+
+    Parameters
+    ----------
+    compressor : KVCacheCompressor
+        The compressor that made ``c`` (its fitted models when it was fitted).
+    c : CompressedKV
+        Keys and values to restore: ``layout="hsd"``, or ``"bhsd"`` with a batch of one.
+    cache : PagedKVCache
+        The cache to append to.
+    layer : int
+        Layer index of ``cache``.
+    seq_id : int
+        A live sequence of ``cache``; the tokens are appended after the ones it holds.
+    """
     compressor.decompress_to_paged_cache(c, cache, layer, seq_id)
 
 
 def compress_mla_cache(compressor: KVCacheCompressor, cache: Any, layer: int, seq_id: int) -> CompressedKV:
-    """Function form of :meth:`KVCacheCompressor.compress_mla_cache`."""
+    """Function form of :meth:`KVCacheCompressor.compress_mla_cache`.
+
+    Parameters
+    ----------
+    compressor : KVCacheCompressor
+        The compressor to use (fitted or not).
+    cache : MlaCache
+        The cache holding the sequence.
+    layer : int
+        Layer index of ``cache``.
+    seq_id : int
+        A live sequence of ``cache`` holding at least one token in ``layer``.
+
+    Returns
+    -------
+    CompressedKV
+        The keys and values the sequence's latents reconstruct, ``layout="hsd"``.
+    """
     return compressor.compress_mla_cache(cache, layer, seq_id)
 
 
 def decompress_to_mla_cache(
     compressor: KVCacheCompressor, c: CompressedKV, cache: Any, layer: int, seq_id: int
 ) -> None:
-    """Function form of :meth:`KVCacheCompressor.decompress_to_mla_cache`."""
+    """Function form of :meth:`KVCacheCompressor.decompress_to_mla_cache`.
+
+    Parameters
+    ----------
+    compressor : KVCacheCompressor
+        The compressor that made ``c`` (its fitted models when it was fitted).
+    c : CompressedKV
+        Keys and values to restore: ``layout="hsd"``, or ``"bhsd"`` with a batch of one.
+    cache : MlaCache
+        The cache to append to; the keys and values are projected to its latents.
+    layer : int
+        Layer index of ``cache``.
+    seq_id : int
+        A live sequence of ``cache``; the tokens are appended after the ones it holds.
+    """
     compressor.decompress_to_mla_cache(c, cache, layer, seq_id)

@@ -175,9 +175,11 @@ class CompressedTensor:
 class CompressedKV:
     """Compressed keys and values.
 
-    Attributes
+    Parameters
     ----------
     k, v : CompressedTensor
+        The compressed keys and the compressed values; both hold 4-D ``(batch, heads, seq,
+        head_dim)`` shapes, a batch of one for ``"hsd"`` input.
     layout : {"bhsd", "hsd"}
         ``"bhsd"`` for (batch, heads, seq, head_dim) input, ``"hsd"`` for (heads, seq, head_dim).
     method : str
@@ -227,7 +229,14 @@ class CompressedKV:
         return 2.0 * (self.k.size + self.v.size) / self.nbytes
 
     def parts(self) -> dict:
-        """Every array, named ``"k.<part>"`` / ``"v.<part>"``."""
+        """Every array, named ``"k.<part>"`` / ``"v.<part>"``.
+
+        Returns
+        -------
+        dict of str to array
+            The parts of :attr:`k` and :attr:`v` (see the Notes above), keyed with their
+            ``"k."`` or ``"v."`` prefix.
+        """
         out = {f"k.{n}": a for n, a in self.k.parts.items()}
         out.update({f"v.{n}": a for n, a in self.v.parts.items()})
         return out

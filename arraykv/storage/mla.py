@@ -44,6 +44,7 @@ class MlaCache:
         Store one RoPE key per token shared by all heads (DeepSeek-V2); :meth:`append` then
         requires the RoPE parts of all heads to be equal.
     check_finite : bool, default True
+        Reject NaN/Inf keys and values (:meth:`append`) and latents (:meth:`append_compressed`).
 
     Notes
     -----

@@ -47,6 +47,7 @@ class PagedKVCache:
     Parameters
     ----------
     num_layers, num_kv_heads, head_dim : int
+        Layers, KV heads per layer and channels per key head.
     block_size : int, default 16
         Tokens per block.
     num_blocks : int, default 256
