@@ -50,7 +50,7 @@ class EntryError(ValueError):
 class EntryInfo:
     """What a backend knows of one entry.
 
-    Attributes
+    Parameters
     ----------
     key : str
         The entry's key (hexadecimal).
@@ -76,7 +76,14 @@ class EntryInfo:
 
 @runtime_checkable
 class StoreBackend(Protocol):
-    """Bytes by key, shared between processes (see the module docstring for the promises)."""
+    """Bytes by key, shared between processes (see the module docstring for the promises).
+
+    Parameters
+    ----------
+    *args, **kwargs
+        Those of :class:`typing.Protocol`, which cannot be instantiated (``TypeError``): a
+        backend satisfies the protocol by defining its methods, not by subclassing or calling it.
+    """
 
     def get(self, key: str) -> bytes | None:
         """The entry's bytes, or None when there is none (or it expired)."""

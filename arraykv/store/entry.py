@@ -46,6 +46,7 @@ def encode_cache(cache: Any) -> bytes:
     Returns
     -------
     bytes
+        The whole cache file: configuration and every layer's arrays, taken to host memory.
     """
     if not (hasattr(cache, "get_config") and hasattr(cache, "snapshot")):
         raise TypeError(

@@ -101,7 +101,20 @@ def model_identity(model: Any) -> str:
 
 
 def gguf_identity(path: str | os.PathLike, *, block: int = 1 << 22) -> str:
-    """SHA-256 (hex) of a model file's every byte: an identity that two copies of one file share."""
+    """SHA-256 (hex) of a model file's every byte: an identity that two copies of one file share.
+
+    Parameters
+    ----------
+    path : str or path-like
+        The file (a GGUF model, or any other).
+    block : int, default 4194304
+        Bytes read at a time (4 MiB).
+
+    Returns
+    -------
+    str
+        The 64 hexadecimal digits of the file's SHA-256.
+    """
     h = hashlib.sha256()
     with open(os.fspath(path), "rb") as f:
         while True:

@@ -79,7 +79,7 @@ class StoreWarning(UserWarning):
 class PrefillReport:
     """What one :meth:`PrefixStore.prefill` did.
 
-    Attributes
+    Parameters
     ----------
     tokens : int
         Prompt tokens.
@@ -103,8 +103,26 @@ class PrefillReport:
 
 
 def open_backend(spec: Any) -> StoreBackend:
-    """A backend from ``spec``: a backend object as is, a ``redis://``/``valkey://``/``rediss://``
-    URL (:class:`~arraykv.store.valkey.ValkeyStore`), or a folder (:class:`~arraykv.store.local.LocalStore`)."""
+    """A backend from ``spec``.
+
+    Parameters
+    ----------
+    spec : StoreBackend, str or path-like
+        A backend object (any object with callable ``get``, ``put``, ``contains``, ``delete``,
+        ``entries`` and ``evict``), a ``redis://``, ``rediss://``, ``valkey://``, ``valkeys://``
+        or ``unix://`` URL, or a folder.
+
+    Returns
+    -------
+    StoreBackend
+        ``spec`` itself for a backend object, a :class:`~arraykv.store.valkey.ValkeyStore` for
+        a URL, a :class:`~arraykv.store.local.LocalStore` for a folder.
+
+    Raises
+    ------
+    TypeError
+        ``spec`` is none of these.
+    """
     if isinstance(spec, (str, os.PathLike)):
         text = os.fspath(spec)
         if text.startswith(("redis://", "rediss://", "valkey://", "valkeys://", "unix://")):
@@ -140,12 +158,17 @@ def segmented_prefill(
     Parameters
     ----------
     model : DecoderModel
+        The model that prefills (:class:`~arraykv.integrations.llama.DecoderModel`).
     ids : sequence of int
         The prompt (one sequence).
     cache : CompressedKVCache
         Empty or holding a whole number of segments of the same schedule.
-    chunk_tokens, chunk_size, prompt_store
-        As :class:`PrefixStore` and :meth:`DecoderModel.prefill`.
+    chunk_tokens : int, default 512
+        Tokens per segment, as :class:`PrefixStore`'s ``chunk_tokens``.
+    chunk_size : int or None, default 512
+        The decoder's prefill chunk within each segment (:meth:`DecoderModel.prefill`).
+    prompt_store : {"exact", "chunks"}, default "exact"
+        The decoder's staging within each segment (:meth:`DecoderModel.prefill`).
 
     Returns
     -------
@@ -262,6 +285,7 @@ class PrefixStore:
         Parameters
         ----------
         model : DecoderModel
+            The model that prefills (:class:`~arraykv.integrations.llama.DecoderModel`).
         ids : sequence of int
             The prompt (one sequence).
         cache : LayeredCache or HybridCache
