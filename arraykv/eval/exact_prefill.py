@@ -73,7 +73,7 @@ class _Recorder:
 class ExactPrefill:
     """A prompt run once through the model with the exact dense cache.
 
-    Attributes
+    Parameters
     ----------
     tokens : int
         Prompt length.
@@ -106,7 +106,8 @@ class ExactPrefill:
 
         Returns
         -------
-        the same cache, holding :attr:`tokens` tokens
+        CompressedKVCache
+            ``cache`` itself, now holding :attr:`tokens` tokens.
         """
         if self.layers is None:
             raise ValueError("this exact prefill kept no K/V/Q; run exact_prefill with record=True")
@@ -138,6 +139,8 @@ def exact_prefill(model: Any, token_ids: Any, *, chunk_size: int | None = 512, r
     Returns
     -------
     ExactPrefill
+        The dense cache holding the prompt, the last position's logits, the wall time and,
+        with ``record``, every layer's K/V/Q.
     """
     import numpy as np
 

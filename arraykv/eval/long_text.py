@@ -29,9 +29,10 @@ __all__ = ["LongTextResult", "long_text_quality"]
 class LongTextResult:
     """What :func:`long_text_quality` measured.
 
-    Attributes
+    Parameters
     ----------
     prefix_lengths : tuple of int
+        The prefix lengths measured, in the order requested.
     positions : int
         Decoded (and scored) positions after each prefix.
     methods : tuple of str
@@ -40,7 +41,8 @@ class LongTextResult:
         Per prefix length (in order) one row per method (in :attr:`methods` order). A row's
         ``tokens`` is ``P + positions`` and ``decoded`` is ``positions``, so
         ``P = tokens - decoded``.
-    prefill_mode : str
+    prefill_mode : {"exact", "cache", "cache-chunks"}
+        How each method's cache received the prefix.
     """
 
     prefix_lengths: tuple
@@ -99,6 +101,9 @@ def long_text_quality(
     Parameters
     ----------
     model : LlamaModel
+        Anything with ``config``, ``prefill``, ``decode`` and ``make_cache``
+        (:func:`arraykv.integrations.gguf_llama.load_model`); with a tokenizer when
+        ``token_ids`` is not given.
     methods : sequence of str
         Names from :func:`arraykv.available_methods`; the exact cache is always reported first,
         as ``"dense"``.
@@ -122,6 +127,7 @@ def long_text_quality(
     Returns
     -------
     LongTextResult
+        Per prefix length one :class:`EvalRow` per method, the exact cache's first.
     """
     methods, opts = check_common(model, methods, cache_options, chunk_size, prefill_mode)
     if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:

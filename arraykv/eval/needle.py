@@ -47,7 +47,7 @@ _SENTENCE_ENDS = (".", "!", "?", "\n")
 class NeedleTask:
     """Everything a needle cell is made of (text, key, answer length), all configurable.
 
-    Attributes
+    Parameters
     ----------
     haystack : str, default :data:`FILLER`
         Filler text, repeated (joined by a space) to fill the context; ``"book"`` means the
@@ -275,6 +275,8 @@ def needle_grid(
         it for the answer to follow is shortened so that the answer fits (8185 for 8192 with
         SmolLM2's 8192-token context and 8 answer tokens; :attr:`NeedleRow.tokens` holds it).
     depths : sequence of float in [0, 1], default (0.1, 0.5, 0.9)
+        Where the needle goes in the filler: 0 at its start, 1 at its end
+        (:meth:`NeedleTask.build`).
     task : NeedleTask, optional
         Texts, key and answer length; ``NeedleTask()`` by default.
     chunk_size : int or None, default 512

@@ -14,7 +14,7 @@ __all__ = ["NeedlePrompt", "NeedleRow", "NeedleSummary", "NeedleResult", "format
 class NeedlePrompt:
     """The token ids of one needle cell.
 
-    Attributes
+    Parameters
     ----------
     prompt_ids : list of int
         ``intro + haystack[:i] + needle + haystack[i:]``: what is prefilled.
@@ -23,10 +23,13 @@ class NeedlePrompt:
     target_ids : list of int
         Tokens of ``answer_prefix + key``, scored teacher-forced after the question.
     key : str
+        The pass key of the cell, as written in the needle.
     needle_start : int
         Index in ``prompt_ids`` of the needle's first token.
     needle_tokens : int
+        Tokens of the needle sentence.
     haystack_tokens : int
+        Filler tokens in the prompt.
     depth : float
         Requested depth; ``(needle_start - len(intro)) / haystack_tokens`` is the one used.
     """
@@ -50,9 +53,10 @@ class NeedlePrompt:
 class NeedleRow:
     """One method in one cell of the grid.
 
-    Attributes
+    Parameters
     ----------
     method : str
+        The cache method (``"dense"`` for the exact cache).
     length : int
         Prompt plus question tokens.
     depth : float
@@ -104,10 +108,12 @@ class NeedleRow:
 class NeedleSummary:
     """One method over the whole grid.
 
-    Attributes
+    Parameters
     ----------
     method : str
+        The cache method (``"dense"`` for the exact cache).
     cells : int
+        Cells of the grid the method ran.
     retrieved : int
         Cells where the key is in the answer.
     exact_cells : int
@@ -136,15 +142,20 @@ class NeedleSummary:
 class NeedleResult:
     """What :func:`needle_grid` measured.
 
-    Attributes
+    Parameters
     ----------
     rows : tuple of NeedleRow
         Cell by cell (lengths outer, depths inner), methods in :attr:`methods` order.
     methods : tuple of str
         ``"dense"`` (the exact cache) first.
-    lengths, depths : tuple
-    prefill_mode : str
+    lengths : tuple of int
+        The grid's context lengths, as requested.
+    depths : tuple of float
+        The grid's needle depths, as requested.
+    prefill_mode : {"exact", "cache", "cache-chunks"}
+        How each method's cache received the prompt.
     task : NeedleTask
+        The texts, keys and answer length of the cells.
     """
 
     rows: tuple

@@ -61,15 +61,16 @@ __all__ = [
 class TeacherForced:
     """The logits of one teacher-forced run.
 
-    Attributes
+    Parameters
     ----------
     method : str
+        Label of the run (the cache method's name by default).
     logits : numpy.ndarray, shape (N - prefill - 1, vocab), float32
         Row ``j`` is the decode step on ``ids[prefill + j]`` and predicts ``ids[prefill + j + 1]``.
     seconds : float
         Wall time of the decode steps.
     kv_bytes : int
-        ``cache.used_bytes()`` after the run.
+        ``cache.used_bytes()`` after the run (``memory_usage()`` for a cache without it).
     tokens : int
         Tokens the cache holds after the run (``N - 1``).
     held_rows : int or None
@@ -87,7 +88,38 @@ class TeacherForced:
 
 @dataclass(frozen=True)
 class EvalRow:
-    """One method's quality numbers (see the module docstring for the definitions)."""
+    """One method's quality numbers (see the module docstring for the definitions).
+
+    Parameters
+    ----------
+    method : str
+        Label of the run (the cache method's name).
+    tokens : int
+        Tokens the cache holds after the run (``N - 1``).
+    decoded : int
+        Decoded positions compared (``N - prefill - 1``).
+    perplexity : float
+        ``exp(mean(-log p(ids[i+1])))`` under the method's logits.
+    ppl_change : float
+        ``perplexity`` minus the exact cache's perplexity.
+    ppl_change_pct : float
+        ``ppl_change`` in percent of the exact cache's perplexity.
+    mean_kl : float
+        Mean ``KL(p_exact || p_method)`` over the positions, in nats.
+    top1_agreement : float
+        Fraction of positions whose arg-max token equals the exact cache's.
+    max_abs_logit_diff : float
+        Largest ``|logit_method - logit_exact|`` over positions and vocabulary.
+    bits_per_value : float
+        Stored bits per key or value of the tokens held.
+    kv_bytes : int
+        Bytes the cache holds after the run (``used_bytes()``, else ``memory_usage()``).
+    f16_ratio : float
+        ``kv_bytes`` over float16 keys and values of the same tokens (``bits_per_value / 16``).
+    decode_tokens_per_s : float
+        Decode steps per second of wall time spent in the model's decode calls (infinite when
+        no time was measured).
+    """
 
     method: str
     tokens: int
@@ -135,9 +167,11 @@ def teacher_forced(
     model : LlamaModel or OrtKVDecoder
         Anything with ``prefill(ids, cache)``, ``decode(id, cache)`` and ``make_cache(method)``.
     token_ids : sequence of int, length N >= prefill + 2
+        The text; at most the model's context length.
     cache : CompressedKVCache, optional
         Empty; it holds ``N - 1`` tokens afterwards. By default ``model.make_cache("dense")``.
     prefill : int, default 64
+        Tokens stored with one ``model.prefill``; the rest but the last are decoded one by one.
     method : str, optional
         Label of the run (default: ``cache.method`` or the class name).
     progress : callable, optional
@@ -207,7 +241,8 @@ def calibrate(model: Any, token_ids: Any, method: Any) -> list:
 
     Returns
     -------
-    list of KVCacheCompressor, one per layer, fitted
+    list of KVCacheCompressor
+        One fitted compressor per layer, in layer order.
 
     Notes
     -----
@@ -258,6 +293,7 @@ def compare(
     Returns
     -------
     EvalRow
+        The metrics of ``run``, over its ``run.logits.shape[0]`` positions.
     """
     import numpy as np
 
@@ -408,7 +444,21 @@ _COLUMNS = (
 
 
 def format_table(rows: Sequence[EvalRow], *, markdown: bool = True) -> str:
-    """The rows as a Markdown (or aligned plain-text) table."""
+    """The rows as a Markdown (or aligned plain-text) table.
+
+    Parameters
+    ----------
+    rows : sequence of EvalRow
+        One table row each, in order.
+    markdown : bool, default True
+        A Markdown table; False aligns plain-text columns instead.
+
+    Returns
+    -------
+    str
+        The header and one line per row (method, bits per value, ratio to float16,
+        perplexity, its change, mean KL, top-1 agreement, decode tokens per second).
+    """
     head = [h for h, _, _ in _COLUMNS]
     body = [[fmt.format(getattr(r, key)) for _, key, fmt in _COLUMNS] for r in rows]
     if markdown:

@@ -22,7 +22,13 @@ __all__ = [
 
 
 def builtin_text() -> str:
-    """The public-domain text shipped for evaluation (Pride and Prejudice, chapters 1-2)."""
+    """The public-domain text shipped for evaluation (Pride and Prejudice, chapters 1-2).
+
+    Returns
+    -------
+    str
+        The text, read from the package's data.
+    """
     from ..data import read_text
 
     return read_text()
@@ -33,19 +39,28 @@ def builtin_token_ids(tokenizer: Any, n_tokens: int = 512) -> list:
 
     Parameters
     ----------
-    tokenizer : object with ``encode(str) -> list[int]``, or a model with a ``tokenizer``
+    tokenizer : object
+        Anything with ``encode(str) -> list[int]``, or a model whose ``tokenizer`` attribute
+        has one.
     n_tokens : int, default 512
         At most the length of the text (about 2,260 SmolLM2 tokens).
 
     Returns
     -------
     list of int
+        The ids of the text's first ``n_tokens`` tokens.
     """
     return text_token_ids(tokenizer, n_tokens, builtin_text, "the built-in text")
 
 
 def builtin_long_text() -> str:
-    """*Pride and Prejudice*, chapters 1-6 (public domain; about 42 KB, 10,050 SmolLM2 tokens)."""
+    """*Pride and Prejudice*, chapters 1-6 (public domain; about 42 KB, 10,050 SmolLM2 tokens).
+
+    Returns
+    -------
+    str
+        The text, read from the package's data.
+    """
     from ..data import read_long_text
 
     return read_long_text()
@@ -56,7 +71,9 @@ def builtin_long_token_ids(tokenizer: Any, n_tokens: int = 8448) -> list:
 
     Parameters
     ----------
-    tokenizer : object with ``encode(str) -> list[int]``, or a model with a ``tokenizer``
+    tokenizer : object
+        Anything with ``encode(str) -> list[int]``, or a model whose ``tokenizer`` attribute
+        has one.
     n_tokens : int, default 8448
         At most the length of the text (about 10,050 SmolLM2 tokens).
 
