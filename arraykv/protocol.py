@@ -123,15 +123,59 @@ class CompressedKVCache(Protocol):
     """
 
     def prefill(self, layer: int, k: Array, v: Array, q: Array) -> DequantResult:
-        """Store ``new_tokens`` keys/values and return K/V of all tokens stored in ``layer``."""
+        """Store ``new_tokens`` keys/values and return K/V of all tokens stored in ``layer``.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        k, v : array, shape (batch, kv_heads, new_tokens, head_dim)
+            Keys (after RoPE) and values of the new tokens.
+        q : array, shape (batch, q_heads, new_tokens, head_dim)
+            Queries of the new tokens (a cache may use them, for example to weight key channels).
+
+        Returns
+        -------
+        DequantResult
+            Keys and values of every token stored in ``layer``, the new ones included.
+        """
         ...
 
     def decode(self, layer: int, k: Array, v: Array, q: Array, config: AttendConfig) -> DecodeOutput:
-        """Store exactly one new token and return attention (``Fused``) or K/V (``Dequantized``)."""
+        """Store exactly one new token and return attention (``Fused``) or K/V (``Dequantized``).
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        k, v : array, shape (batch, kv_heads, 1, head_dim)
+            Key (after RoPE) and value of the new token.
+        q : array, shape (batch, q_heads, 1, head_dim)
+            Query of the new token.
+        config : AttendConfig
+            Softmax scale and grouped-query layout, for a cache that computes attention itself.
+
+        Returns
+        -------
+        Fused or Dequantized
+            The attention output of the new token, or the keys and values of every stored token
+            for the caller to attend over.
+        """
         ...
 
     def seq_len(self, layer: int) -> int:
-        """Tokens stored in ``layer``."""
+        """Tokens stored in ``layer``.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        int
+            Tokens given to ``layer`` so far (0 when empty).
+        """
         ...
 
     def reset(self) -> None:
@@ -139,5 +183,11 @@ class CompressedKVCache(Protocol):
         ...
 
     def memory_usage(self) -> int:
-        """Bytes of compressed state actually held, over all layers."""
+        """Bytes of compressed state actually held, over all layers.
+
+        Returns
+        -------
+        int
+            Bytes of the stored tokens' compressed form, over every layer.
+        """
         ...

@@ -98,8 +98,12 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         Parameters
         ----------
         layer : int
+            Layer index, ``0 <= layer < num_layers``.
         k, v : array, shape (batch, kv_heads, new_tokens, head_dim)
+            Keys (after RoPE) and values of the new tokens, floating, in the namespace, device,
+            batch and dtype of the tokens the layer already holds.
         q : array, shape (batch, q_heads, new_tokens, head_dim)
+            Queries of the new tokens, ``q_heads`` a multiple of ``kv_heads``.
 
         Returns
         -------
@@ -121,6 +125,15 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         For callers that read the stored K/V back incrementally (:meth:`stable_length`,
         :meth:`dequantize` with ``start``), so that nothing is reconstructed that they already
         hold. Same parameters, checks and errors as :meth:`prefill`.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        k, v : array, shape (batch, kv_heads, new_tokens, head_dim)
+            Keys (after RoPE) and values of the new tokens.
+        q : array, shape (batch, q_heads, new_tokens, head_dim)
+            Queries of the new tokens.
         """
         layer = self._check_layer(layer)
         xp, shape = self._check_inputs(k, v, q)
@@ -137,6 +150,16 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         index are encoded for good (or never will be). ``dequantize(layer)[..., :s, :]`` with
         ``s = stable_length(layer)`` stays the same, bit for bit, whatever is stored later,
         until :meth:`reset` or a :meth:`truncate` below it. 0 for an empty layer.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        int
+            The number of leading tokens encoded for good, ``0 <= s <= seq_len(layer)``.
         """
         layer = self._check_layer(layer)
         with self._locks[layer]:
@@ -149,14 +172,20 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         Parameters
         ----------
         layer : int
+            Layer index, ``0 <= layer < num_layers``.
         k, v : array, shape (batch, kv_heads, 1, head_dim)
+            Key (after RoPE) and value of the new token.
         q : array, shape (batch, q_heads, 1, head_dim)
+            Query of the new token.
         config : AttendConfig
             ``n_kv_groups`` must equal ``q_heads // kv_heads``.
 
         Returns
         -------
         Fused or Dequantized
+            :class:`~arraykv.Fused` (the attention output) where the cache attends from its
+            compressed form itself, else :class:`~arraykv.Dequantized` (every stored token's
+            keys and values).
         """
         layer = self._check_layer(layer)
         if not isinstance(config, AttendConfig):
@@ -177,7 +206,18 @@ class LayeredCache(LayerSnapshots, LayerRollback):
             return out
 
     def seq_len(self, layer: int) -> int:
-        """Tokens stored in ``layer``."""
+        """Tokens stored in ``layer``.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        int
+            Tokens stored so far, 0 for an empty layer.
+        """
         layer = self._check_layer(layer)
         with self._locks[layer]:
             st = self._states[layer]
@@ -190,7 +230,13 @@ class LayeredCache(LayerSnapshots, LayerRollback):
             self._on_reset()
 
     def reallocations(self) -> int:
-        """Times any layer's token buffers were reallocated to grow (amortized growth check)."""
+        """Times any layer's token buffers were reallocated to grow (amortized growth check).
+
+        Returns
+        -------
+        int
+            Reallocations summed over every buffer of every layer.
+        """
         total = 0
         with self._all_layers_locked():
             for st in self._states:
@@ -214,6 +260,11 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         Buffers are sized exactly on prefill and grow in bounded steps on decode (at most
         ``1.1 × used + 64`` tokens each, :class:`~arraykv.storage.TokenBuffers`), so this
         exceeds :meth:`used_bytes` by at most that spare room.
+
+        Returns
+        -------
+        int
+            Bytes allocated over all layers, plus the fixed state.
         """
         return self._sum_layers(self._layer_reserved_nbytes)
 
@@ -224,6 +275,11 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         What bits per value are computed from: ``8 · used_bytes() / values stored``. The
         rollback copies are a fixed margin of ``rollback_tokens`` tokens per layer, not part of
         how the tokens are stored; :meth:`memory_usage` counts them.
+
+        Returns
+        -------
+        int
+            Bytes over all layers, plus the fixed state.
         """
         return self._sum_layers(lambda st: self._layer_nbytes(st) - self._rollback_nbytes(st))
 
@@ -239,9 +295,19 @@ class LayeredCache(LayerSnapshots, LayerRollback):
     def dequantize(self, layer: int, start: int = 0) -> DequantResult | None:
         """K/V of the tokens ``start ..`` stored in ``layer``, reconstructed, without storing anything.
 
-        Returns None for an empty layer. Arrays are ``(batch, kv_heads, total - start,
-        head_dim)`` in the stored dtype. ``start`` (``0 <= start <= seq_len``) skips tokens a
-        caller already holds: the codes before it are not decoded.
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        start : int, default 0
+            First token returned, ``0 <= start <= seq_len``: skips tokens a caller already
+            holds (the codes before it are not decoded).
+
+        Returns
+        -------
+        DequantResult or None
+            ``k``, ``v`` of shape ``(batch, kv_heads, total - start, head_dim)`` in the stored
+            dtype; None for an empty layer.
         """
         layer = self._check_layer(layer)
         with self._locks[layer]:
@@ -257,6 +323,16 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         """Copies of the raw arrays that ``layer`` holds (codes, norms, buffers), by name.
 
         Empty for an empty layer. Two snapshots are equal exactly when the stored state is.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        dict of str to array
+            The arrays, copied, in the layer's namespace.
         """
         layer = self._check_layer(layer)
         with self._locks[layer]:
@@ -273,11 +349,24 @@ class LayeredCache(LayerSnapshots, LayerRollback):
             return None if st is None else read(st)
 
     def reserved_bytes(self) -> int:
-        """Bytes allocated, spare capacity included: the same as :meth:`memory_usage`."""
+        """Bytes allocated, spare capacity included: the same as :meth:`memory_usage`.
+
+        Returns
+        -------
+        int
+            :meth:`memory_usage`.
+        """
         return self.memory_usage()
 
     def get_config(self) -> dict:
-        """Constructor arguments that rebuild this cache: ``make_cache(**cfg)`` (method included)."""
+        """Constructor arguments that rebuild this cache: ``make_cache(**cfg)`` (method included).
+
+        Returns
+        -------
+        dict
+            ``method``, the geometry, ``check_finite``, ``max_tokens`` and the method's own
+            options (JSON-serializable).
+        """
         cfg = {
             "method": self.method,
             "num_layers": self.num_layers,

@@ -353,5 +353,16 @@ class FittedCache(WindowRollback, LayeredCache):
         return total
 
     def is_fitted(self, layer: int) -> bool:
-        """Whether ``layer`` holds its basis/codebooks (given, fitted, or loaded)."""
+        """Whether ``layer`` holds its basis/codebooks (given, fitted, or loaded).
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        bool
+            False for an empty layer, or one not fitted yet.
+        """
         return bool(self._with_layer(layer, lambda st: st.calib is not None))

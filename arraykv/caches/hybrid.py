@@ -172,11 +172,34 @@ class HybridCache:
 
     # -- routing -----------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:
-        """Whether ``layer`` is a sliding-window layer."""
+        """Whether ``layer`` is a sliding-window layer.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        bool
+            True where ``layer_types[layer]`` is ``"sliding_attention"``.
+        """
         return self.layer_types[check_int("layer", layer, low=0, high=self.num_layers - 1)] == "sliding_attention"
 
     def cache_of(self, layer: int):
-        """The sub-cache that serves ``layer``."""
+        """The sub-cache that serves ``layer``.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        LayeredCache
+            :attr:`sliding` (a :class:`~arraykv.caches.window_cache.SlidingWindowCache`) for
+            a sliding layer, else :attr:`full`.
+        """
         return self.sliding if self.is_sliding(layer) else self.full
 
     def _parts(self) -> tuple:
@@ -184,39 +207,139 @@ class HybridCache:
 
     # -- the contract ------------------------------------------------------------------
     def prefill(self, layer, k, v, q):
+        """Store new tokens in ``layer``'s sub-cache and return what it returns.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        k, v : array, shape (batch, kv_heads, new_tokens, head_dim)
+            Keys (after RoPE) and values of the new tokens.
+        q : array, shape (batch, q_heads, new_tokens, head_dim)
+            Queries of the new tokens.
+
+        Returns
+        -------
+        DequantResult
+            Every token a global layer holds; a sliding layer's held and new tokens (the last
+            positions, see the Notes of the class).
+        """
         return self.cache_of(layer).prefill(layer, k, v, q)
 
     def decode(self, layer, k, v, q, config):
+        """Store one token in ``layer``'s sub-cache and return what its ``decode`` returns.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        k, v : array, shape (batch, kv_heads, 1, head_dim)
+            Key (after RoPE) and value of the new token.
+        q : array, shape (batch, q_heads, 1, head_dim)
+            Query of the new token.
+        config : AttendConfig
+            ``n_kv_groups`` must equal ``q_heads // kv_heads``.
+
+        Returns
+        -------
+        Fused or Dequantized
+            The global method's result for a global layer; for a sliding layer the last
+            ``window`` tokens (or the attention over them, from the codes).
+        """
         return self.cache_of(layer).decode(layer, k, v, q, config)
 
     def append(self, layer, k, v, q) -> None:
+        """Store new tokens in ``layer``'s sub-cache as :meth:`prefill` does, returning nothing.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        k, v : array, shape (batch, kv_heads, new_tokens, head_dim)
+            Keys (after RoPE) and values of the new tokens.
+        q : array, shape (batch, q_heads, new_tokens, head_dim)
+            Queries of the new tokens.
+        """
         self.cache_of(layer).append(layer, k, v, q)
 
     def seq_len(self, layer) -> int:
+        """Tokens stored in ``layer`` (positions, for a sliding layer too).
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        int
+            Tokens given to ``layer`` so far, 0 for an empty layer.
+        """
         return self.cache_of(layer).seq_len(layer)
 
     def reset(self) -> None:
+        """Forget every token of every layer (both sub-caches reset)."""
         for c in self._parts():
             c.reset()
 
     def memory_usage(self) -> int:
-        """Bytes held by both kinds of layers (:meth:`memory_by_kind` splits them)."""
+        """Bytes held by both kinds of layers (:meth:`memory_by_kind` splits them).
+
+        Returns
+        -------
+        int
+            The sum of both sub-caches' ``memory_usage()``.
+        """
         return sum(c.memory_usage() for c in self._parts())
 
     def memory_by_kind(self) -> dict:
-        """``{"full_attention": bytes, "sliding_attention": bytes}`` (:meth:`memory_usage` of each part)."""
+        """``{"full_attention": bytes, "sliding_attention": bytes}`` (:meth:`memory_usage` of each part).
+
+        Returns
+        -------
+        dict of str to int
+            Bytes of the global layers' and of the sliding layers' sub-cache.
+        """
         return {"full_attention": self.full.memory_usage(), "sliding_attention": self.sliding.memory_usage()}
 
     def used_bytes(self) -> int:
+        """Bytes of the stored tokens' state, both kinds of layers (see ``LayeredCache.used_bytes``).
+
+        Returns
+        -------
+        int
+            The sum of both sub-caches' ``used_bytes()``.
+        """
         return sum(c.used_bytes() for c in self._parts())
 
     def reserved_bytes(self) -> int:
+        """Bytes allocated, spare capacity included: the same as :meth:`memory_usage`.
+
+        Returns
+        -------
+        int
+            :meth:`memory_usage`.
+        """
         return self.memory_usage()
 
     def rollback_bytes(self) -> int:
+        """Bytes held for :meth:`truncate` by both kinds of layers.
+
+        Returns
+        -------
+        int
+            The sum of both sub-caches' ``rollback_bytes()``.
+        """
         return sum(c.rollback_bytes() for c in self._parts())
 
     def reallocations(self) -> int:
+        """Times any layer's token buffers were reallocated to grow.
+
+        Returns
+        -------
+        int
+            The sum of both sub-caches' ``reallocations()``.
+        """
         return sum(c.reallocations() for c in self._parts())
 
     @property
@@ -226,31 +349,122 @@ class HybridCache:
 
     def held_tokens(self, layer) -> int:
         """Tokens ``layer`` holds: ``seq_len`` for a global layer, at most the window (plus the
-        rollback margin) for a sliding one."""
+        rollback margin) for a sliding one.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        int
+            The token rows held, 0 for an empty layer.
+        """
         return self.sliding.held_tokens(layer) if self.is_sliding(layer) else self.full.seq_len(layer)
 
     # -- reading -----------------------------------------------------------------------
     def stable_length(self, layer) -> int:
+        """Leading tokens of ``layer`` whose reconstruction will not change (its sub-cache's answer).
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        int
+            The sub-cache's ``stable_length(layer)``: always 0 for a sliding layer, whose oldest
+            rows leave as tokens arrive.
+        """
         return self.cache_of(layer).stable_length(layer)
 
     def dequantize(self, layer, start: int = 0):
+        """K/V of the tokens ``start ..`` that ``layer``'s sub-cache holds, reconstructed.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        start : int, default 0
+            First token returned (see ``LayeredCache.dequantize``).
+
+        Returns
+        -------
+        DequantResult or None
+            The sub-cache's ``dequantize(layer, start)``; None for an empty layer.
+        """
         return self.cache_of(layer).dequantize(layer, start)
 
     def layer_arrays(self, layer) -> dict:
+        """Copies of the raw arrays that ``layer`` holds in its sub-cache, by name.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        dict of str to array
+            The sub-cache's ``layer_arrays(layer)``; empty for an empty layer.
+        """
         return self.cache_of(layer).layer_arrays(layer)
 
     # -- rollback ----------------------------------------------------------------------
     def truncate(self, layer, length) -> None:
+        """Drop the tokens of ``layer`` from index ``length`` on, in its sub-cache.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        length : int
+            Tokens kept (see ``LayeredCache.truncate`` for the lengths reachable).
+        """
         self.cache_of(layer).truncate(layer, length)
 
     def min_truncate_length(self, layer) -> int:
+        """The smallest length above 0 from which :meth:`truncate` reaches every length up to ``seq_len``.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        int
+            The sub-cache's ``min_truncate_length(layer)``.
+        """
         return self.cache_of(layer).min_truncate_length(layer)
 
     def can_truncate(self, layer, length) -> bool:
+        """Whether :meth:`truncate` of ``layer`` to ``length`` would succeed now.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        length : int
+            The length to reach, ``>= 0``.
+
+        Returns
+        -------
+        bool
+            The sub-cache's ``can_truncate(layer, length)``.
+        """
         return self.cache_of(layer).can_truncate(layer, length)
 
     def truncate_all(self, length) -> None:
-        """Truncate every layer to ``length`` (all or none: every layer is checked first)."""
+        """Truncate every layer to ``length`` (all or none: every layer is checked first).
+
+        Parameters
+        ----------
+        length : int
+            Tokens every layer keeps at most, ``0 <= length <=`` the longest layer's ``seq_len``.
+        """
         length = check_int("length", length, low=0)
         top = max(self.seq_len(i) for i in range(self.num_layers))
         if length > top:
@@ -265,7 +479,13 @@ class HybridCache:
                 c.truncate_all(length)
 
     def fork(self) -> HybridCache:
-        """An independent copy (both parts forked)."""
+        """An independent copy (both parts forked).
+
+        Returns
+        -------
+        HybridCache
+            A cache of the same configuration whose sub-caches are forks of this one's.
+        """
         twin = object.__new__(HybridCache)
         twin.__dict__.update(self.__dict__)
         twin.full = self.full.fork()
@@ -274,7 +494,13 @@ class HybridCache:
 
     # -- persistence -------------------------------------------------------------------
     def get_config(self) -> dict:
-        """Arguments that rebuild this cache: ``make_cache(**cfg)``."""
+        """Arguments that rebuild this cache: ``make_cache(**cfg)``.
+
+        Returns
+        -------
+        dict
+            ``method="hybrid"`` and the constructor's arguments.
+        """
         return {
             "method": "hybrid",
             "num_layers": self.num_layers,
@@ -290,12 +516,32 @@ class HybridCache:
         }
 
     def snapshot(self, *, host: bool = False) -> list:
-        """Per layer the record of the part that serves it (see :meth:`LayeredCache.snapshot`)."""
+        """Per layer the record of the part that serves it (see :meth:`LayeredCache.snapshot`).
+
+        Parameters
+        ----------
+        host : bool, default False
+            Copy the arrays to NumPy arrays on the host instead of the cache's namespace.
+
+        Returns
+        -------
+        list of LayerRecord or None
+            ``num_layers`` entries, in layer order; None for an empty layer.
+        """
         full, win = self.full.snapshot(host=host), self.sliding.snapshot(host=host)
         return [win[i] if kind == "sliding_attention" else full[i] for i, kind in enumerate(self.layer_types)]
 
     def restore(self, layers: list, *, xp: Any = None) -> None:
-        """Replace every layer's state (both parts checked before either changes)."""
+        """Replace every layer's state (both parts checked before either changes).
+
+        Parameters
+        ----------
+        layers : list
+            ``num_layers`` entries, as :meth:`snapshot` returns them (or a cache file holds
+            them): each None or a ``LayerRecord`` for the sub-cache serving that layer.
+        xp : namespace, optional
+            Namespace of the restored arrays; default: that of the arrays given.
+        """
         if not isinstance(layers, (list, tuple)) or len(layers) != self.num_layers:
             raise ValueError(f"layers must be a list of num_layers={self.num_layers} entries")
         sliding = [kind == "sliding_attention" for kind in self.layer_types]
@@ -310,7 +556,18 @@ class HybridCache:
             raise
 
     def save(self, path) -> int:
-        """Write the cache to ``path`` (the format of :func:`arraykv.save`); :func:`arraykv.load` reads it."""
+        """Write the cache to ``path`` (as :func:`arraykv.persist.save_cache` does); :func:`arraykv.load` reads it.
+
+        Parameters
+        ----------
+        path : str or path-like
+            Target file; replaced atomically.
+
+        Returns
+        -------
+        int
+            Size of the file written, in bytes.
+        """
         return write_cache_file(path, self.get_config(), self.snapshot(host=True))
 
     def __repr__(self) -> str:

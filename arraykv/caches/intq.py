@@ -337,6 +337,16 @@ class IntQuantCache(LayeredCache):
         """The arrays of ``layer`` as an :class:`IntLayerCodec` (views, not copies), or None if empty.
 
         Valid until the next call that changes the layer; read, never write.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        IntLayerCodec or None
+            Everything a kernel needs to read the layer (views); None for an empty layer.
         """
         return self._with_layer(layer, self._codec_state)
 

@@ -497,6 +497,16 @@ class PolarCache(WindowRollback, LayeredCache):
         """The arrays of ``layer`` as a :class:`PolarLayerCodec` (views, not copies), or None if empty.
 
         Valid until the next call that changes the layer; read, never write.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        PolarLayerCodec or None
+            Everything a kernel needs to read the layer (views); None for an empty layer.
         """
         return self._with_layer(layer, self._codec_state)
 

@@ -76,6 +76,7 @@ class LayerRollback:
         Parameters
         ----------
         layer : int
+            Layer index, ``0 <= layer < num_layers``.
         length : int
             ``0``, ``min_truncate_length(layer) <= length <= seq_len(layer)``, or a shorter
             length :meth:`can_truncate` accepts.
@@ -122,6 +123,11 @@ class LayerRollback:
         half way leaves some layers shorter). ``truncate_all(0)`` empties the cache like
         :meth:`reset`.
 
+        Parameters
+        ----------
+        length : int
+            Tokens every layer keeps at most, ``0 <= length <=`` the longest layer's ``seq_len``.
+
         Raises
         ------
         ValueError
@@ -154,6 +160,16 @@ class LayerRollback:
         calibrated by a call after a short prompt can go back to the uncalibrated layer of
         its first tokens): :meth:`can_truncate` answers for one length. A speculative decoding
         loop checks it before it appends a draft.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        int
+            ``L``, ``0 <= L <= seq_len(layer)``.
         """
         got = self._with_layer(layer, lambda st: min(st.length, max(1, self._truncate_floor(st))))
         return 0 if got is None else got
@@ -163,6 +179,18 @@ class LayerRollback:
 
         True for 0, for ``seq_len(layer)`` and every length from :meth:`min_truncate_length`
         up, and for the shorter lengths that are reachable; False above ``seq_len``.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        length : int
+            The length to reach, ``>= 0``.
+
+        Returns
+        -------
+        bool
+            Whether ``truncate(layer, length)`` would succeed now.
 
         Raises
         ------
@@ -180,7 +208,13 @@ class LayerRollback:
 
     def rollback_bytes(self) -> int:
         """Bytes held for :meth:`truncate` by every layer: the rollback copies, and 8 bytes per
-        layer recording its calibrating call (counted in :meth:`memory_usage` too; 0 for ``dense``)."""
+        layer recording its calibrating call (counted in :meth:`memory_usage` too; 0 for ``dense``).
+
+        Returns
+        -------
+        int
+            The bytes, summed over the layers.
+        """
         total = 0
         for i, lock in enumerate(self._locks):
             with lock:
@@ -195,6 +229,11 @@ class LayerRollback:
         (O(bytes held), under all layer locks, in index order), into exact-size buffers, so
         the fork's :meth:`memory_usage` may be lower than this cache's; the fixed state that
         never changes (rotations, codebooks, given calibrations) is shared read-only.
+
+        Returns
+        -------
+        LayeredCache
+            A cache of the same class, configuration and stored tokens.
         """
         twin = copy.copy(self)
         twin._locks = [threading.Lock() for _ in range(self.num_layers)]

@@ -41,6 +41,16 @@ class LayerSnapshots:
         The format is :mod:`arraykv.storage.cache_file`; :func:`arraykv.load` reads it back.
         Every layer's lock is held while the state is copied to the host, so the file is one
         consistent snapshot even while other threads decode.
+
+        Parameters
+        ----------
+        path : str or path-like
+            Target file; replaced atomically.
+
+        Returns
+        -------
+        int
+            Size of the file written, in bytes.
         """
         return write_cache_file(path, self.get_config(), self.snapshot(host=True))
 
@@ -49,6 +59,16 @@ class LayerSnapshots:
         :class:`~arraykv.storage.cache_file.LayerRecord` whose arrays are copies in the cache's
         namespace (``host=True``: NumPy copies on the host, what :meth:`save` writes). Taken under
         every layer's lock: one consistent state. :meth:`restore` takes it back.
+
+        Parameters
+        ----------
+        host : bool, default False
+            Copy the arrays to NumPy arrays on the host instead of the cache's namespace.
+
+        Returns
+        -------
+        list of LayerRecord or None
+            ``num_layers`` entries, in layer order.
         """
         with self._all_layers_locked():
             return [None if st is None else self._record(st, host=host) for st in self._states]

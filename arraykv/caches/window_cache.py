@@ -251,7 +251,20 @@ class SlidingWindowCache(LayeredCache):
         self._fixed = {}
 
     def row_shapes(self, n_outliers: int = 0) -> dict:
-        """The held rows' arrays by saved name: their shapes after ``(batch, kv_heads, rows)``."""
+        """The held rows' arrays by saved name: their shapes after ``(batch, kv_heads, rows)``.
+
+        Parameters
+        ----------
+        n_outliers : int, default 0
+            Exact outlier key channels per head (``pq`` storages); with some, a
+            ``k_outliers`` array is listed.
+
+        Returns
+        -------
+        dict of str to tuple of int
+            ``k`` and ``v`` for the float storages; ``k_codes``, ``k_norms``, ``v_codes``,
+            ``v_norms`` (and ``k_outliers``) for the ``pq`` ones.
+        """
         if self.bits is None:
             return {"k": (self.head_dim,), "v": (self.head_dim,)}
         nb = packed_nbytes(self.head_dim, self.bits)
@@ -472,6 +485,18 @@ class SlidingWindowCache(LayeredCache):
         hold (:class:`arraykv.integrations.prompt_stage.PromptStage`): ``k``, ``v`` (and ``q``)
         are the last ``min(tokens, window + rollback_tokens)`` tokens or more; the layer's
         ``seq_len`` grows by ``tokens``. The same checks and errors as :meth:`append`.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        k, v : array, shape (batch, kv_heads, given, head_dim)
+            Keys (after RoPE) and values of the last ``given`` of the new tokens,
+            ``min(tokens, window + rollback_tokens) <= given <= tokens``.
+        q : array, shape (batch, q_heads, given, head_dim)
+            Queries of the same tokens.
+        tokens : int
+            New tokens in all, given or not.
         """
         layer = self._check_layer(layer)
         xp, shape = self._check_inputs(k, v, q)
@@ -485,7 +510,18 @@ class SlidingWindowCache(LayeredCache):
             self._commit(layer, st, tokens)
 
     def held_tokens(self, layer: int) -> int:
-        """Rows ``layer`` holds (the last positions of the sequence); 0 for an empty layer."""
+        """Rows ``layer`` holds (the last positions of the sequence); 0 for an empty layer.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        int
+            The rows held, at most ``window + rollback_tokens`` after a call.
+        """
         got = self._with_layer(layer, lambda st: st.n)
         return 0 if got is None else got
 
