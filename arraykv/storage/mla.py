@@ -94,8 +94,13 @@ class MlaCache:
 
         Parameters
         ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
         up_k : array (num_heads, head_dim - rope_dim, latent_dim)
+            Up projection of the keys' non-RoPE channels, ``k_nope[h] = up_k[h] @ c``; floating,
+            held as float32.
         up_v : array (num_heads, v_head_dim, latent_dim)
+            Up projection of the values, ``v[h] = up_v[h] @ c``; floating, held as float32.
         down : array (latent_dim, num_heads * (head_dim - rope_dim + v_head_dim)), optional
             Maps stacked ``[k_nope of every head, v of every head]`` to a latent; default is
             the pseudo-inverse of the stacked up projections (least squares).
@@ -137,9 +142,12 @@ class MlaCache:
 
         Parameters
         ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
         k : array (num_heads, n, head_dim)
+            Calibration keys (the RoPE channels take no part in the fit).
         v : array (num_heads, n, v_head_dim)
-            ``n >= 1`` calibration tokens.
+            Calibration values; ``n >= 1`` calibration tokens, in the dtype of ``k``.
 
         Raises
         ------
@@ -173,13 +181,30 @@ class MlaCache:
         """Forget the tokens of every sequence in ``layer``; its projections and the sequence ids stay.
 
         After it, :meth:`set_projection` and :meth:`fit` may replace the layer's projections.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
         """
         layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
         with self._locks[layer]:
             self._data[layer] = {}
 
     def projection(self, layer: int) -> tuple:
-        """``(up_k, up_v, down)`` of ``layer`` (None when not set)."""
+        """``(up_k, up_v, down)`` of ``layer`` (None when not set).
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        tuple of array or None
+            The float32 projections as :meth:`set_projection` takes them (the arrays held, not
+            copies); None when the layer has none yet.
+        """
         layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
         p = self._proj[layer]
         return None if p is None else (p.up_k, p.up_v, p.down)
@@ -196,11 +221,23 @@ class MlaCache:
 
     # -- sequences ------------------------------------------------------------------
     def allocate_sequence(self) -> int:
-        """Register a new, empty sequence and return its id (ids are never reused)."""
+        """Register a new, empty sequence and return its id (ids are never reused).
+
+        Returns
+        -------
+        int
+            The new sequence's id.
+        """
         return self._ids.allocate()
 
     def free(self, seq_id: int) -> None:
-        """Forget ``seq_id`` in every layer; freeing twice is an error."""
+        """Forget ``seq_id`` in every layer; freeing twice is an error.
+
+        Parameters
+        ----------
+        seq_id : int
+            A live sequence id (from :meth:`allocate_sequence`, not freed).
+        """
         sid = self._ids.release(seq_id)
         for i in range(self.num_layers):
             with self._locks[i]:
@@ -233,8 +270,15 @@ class MlaCache:
 
         Parameters
         ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``, with projections (:meth:`set_projection`
+            or :meth:`fit`).
+        seq_id : int
+            A live sequence id (from :meth:`allocate_sequence`, not freed).
         k : array (num_heads, new_tokens, head_dim)
+            Keys of the new tokens, floating; the last ``rope_dim`` channels are stored exactly.
         v : array (num_heads, new_tokens, v_head_dim)
+            Values of the new tokens, in the dtype of ``k``.
         """
         layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
         xp, t = self._check_kv(k, v)
@@ -254,7 +298,13 @@ class MlaCache:
 
         Parameters
         ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``, with projections (:meth:`set_projection`
+            or :meth:`fit`).
+        seq_id : int
+            A live sequence id (from :meth:`allocate_sequence`, not freed).
         latent : array (new_tokens, latent_dim)
+            Latents of the new tokens, floating.
         k_rope : array (rope_heads, new_tokens, rope_dim); required when ``rope_dim > 0``
             ``rope_heads`` is 1 with ``shared_rope`` and ``num_heads`` otherwise.
         """
@@ -310,7 +360,22 @@ class MlaCache:
         self._data[layer][sid] = buf
 
     def get_compressed_kv(self, layer: int, seq_id: int) -> tuple:
-        """``(latent (seq_len, latent_dim), k_rope (rope_heads, seq_len, rope_dim))`` (views)."""
+        """``(latent (seq_len, latent_dim), k_rope (rope_heads, seq_len, rope_dim))`` (views).
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        seq_id : int
+            A live sequence id holding at least one token in ``layer``.
+
+        Returns
+        -------
+        latent : array, shape (seq_len, latent_dim)
+            The stored latents (a view of the cache's buffer, not a copy: never write into it).
+        k_rope : array, shape (rope_heads, seq_len, rope_dim)
+            The stored RoPE keys (a view).
+        """
         layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
         with self._locks[layer]:
             buf = self._buf(layer, seq_id)
@@ -324,7 +389,22 @@ class MlaCache:
         return buf
 
     def get_kv(self, layer: int, seq_id: int) -> tuple:
-        """Reconstructed ``k`` (heads, seq_len, head_dim) and ``v`` (heads, seq_len, v_head_dim)."""
+        """Reconstructed ``k`` (heads, seq_len, head_dim) and ``v`` (heads, seq_len, v_head_dim).
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        seq_id : int
+            A live sequence id holding at least one token in ``layer``.
+
+        Returns
+        -------
+        k : array, shape (num_heads, seq_len, head_dim)
+            ``up_k`` applied to the latents, then the stored RoPE channels; the latents' dtype.
+        v : array, shape (num_heads, seq_len, v_head_dim)
+            ``up_v`` applied to the latents, in the latents' dtype.
+        """
         layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
         with self._locks[layer]:
             buf = self._buf(layer, seq_id)
@@ -350,6 +430,11 @@ class MlaCache:
         The latents are copied (O(``memory_usage()``), under every layer lock); the projection
         arrays are shared, as they are replaced, never written in place (a
         :meth:`set_projection` or :meth:`fit` on either affects only that one).
+
+        Returns
+        -------
+        MlaCache
+            The copy.
         """
         twin = fork_store(self, "_data", lambda seqs: {s: b.copy() for s, b in seqs.items()})
         twin._proj = list(self._proj)
@@ -362,6 +447,15 @@ class MlaCache:
         ``seq_len``, ``get_kv``, ``get_compressed_kv`` and ``memory_usage``; spare room beyond
         the buffers' growth bound is released (:meth:`TokenBuffers.truncate`). Raises like
         :meth:`PagedKVCache.truncate`, changing nothing.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        seq_id : int
+            A live sequence id (from :meth:`allocate_sequence`, not freed).
+        length : int
+            Tokens kept, ``0 <= length <= seq_len(layer, seq_id)``.
         """
         layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
         length = check_int("length", length, low=0)
@@ -376,6 +470,20 @@ class MlaCache:
                 buf.truncate(length)
 
     def seq_len(self, layer: int, seq_id: int) -> int:
+        """Tokens of ``seq_id`` in ``layer``.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        seq_id : int
+            A live sequence id (from :meth:`allocate_sequence`, not freed).
+
+        Returns
+        -------
+        int
+            Tokens held, 0 when none were appended to this layer.
+        """
         layer = check_int("layer", layer, low=0, high=self.num_layers - 1)
         with self._locks[layer]:
             sid = self._check_seq(seq_id)
@@ -383,7 +491,13 @@ class MlaCache:
             return 0 if buf is None else buf.length
 
     def memory_usage(self) -> int:
-        """Bytes of the latents and RoPE keys held for stored tokens (projections excluded)."""
+        """Bytes of the latents and RoPE keys held for stored tokens (projections excluded).
+
+        Returns
+        -------
+        int
+            Bytes over every layer and sequence (:meth:`projection_nbytes` counts the rest).
+        """
         total = 0
         for i in range(self.num_layers):
             with self._locks[i]:
@@ -391,7 +505,13 @@ class MlaCache:
         return total
 
     def projection_nbytes(self) -> int:
-        """Bytes of the projections of every layer."""
+        """Bytes of the projections of every layer.
+
+        Returns
+        -------
+        int
+            Bytes of ``up_k``, ``up_v`` and ``down`` of the layers that have them.
+        """
         total = 0
         for p in self._proj:
             if p is not None:

@@ -91,11 +91,23 @@ class PagedKVCache:
 
     # -- sequences ------------------------------------------------------------------
     def allocate_sequence(self) -> int:
-        """Register a new, empty sequence and return its id (ids are never reused)."""
+        """Register a new, empty sequence and return its id (ids are never reused).
+
+        Returns
+        -------
+        int
+            The new sequence's id.
+        """
         return self._ids.allocate()
 
     def sequences(self) -> list:
-        """Ids of the live sequences, ascending."""
+        """Ids of the live sequences, ascending.
+
+        Returns
+        -------
+        list of int
+            The ids allocated and not freed.
+        """
         return self._ids.live()
 
     def _check_seq(self, seq_id: Any) -> int:
@@ -105,7 +117,13 @@ class PagedKVCache:
         return check_int("layer", layer, low=0, high=self.num_layers - 1)
 
     def free(self, seq_id: int) -> None:
-        """Return every block of ``seq_id`` to the pools; freeing twice is an error."""
+        """Return every block of ``seq_id`` to the pools; freeing twice is an error.
+
+        Parameters
+        ----------
+        seq_id : int
+            A live sequence id (from :meth:`allocate_sequence`, not freed).
+        """
         sid = self._ids.release(seq_id)
         for i, lay in enumerate(self._layers):
             with self._locks[i]:
@@ -120,9 +138,14 @@ class PagedKVCache:
         Parameters
         ----------
         layer : int
+            Layer index, ``0 <= layer < num_layers``.
         seq_id : int
+            A live sequence id (from :meth:`allocate_sequence`, not freed).
         k : array, shape (num_kv_heads, new_tokens, head_dim)
+            Keys of the new tokens, floating; the layer's pool takes the namespace, device and
+            dtype of its first append.
         v : array, shape (num_kv_heads, new_tokens, v_head_dim)
+            Values of the new tokens, in the dtype of ``k``.
 
         Raises
         ------
@@ -182,6 +205,11 @@ class PagedKVCache:
 
         A full copy of every layer's pools (O(``reserved_bytes()``), under every layer lock);
         writes to either never affect the other.
+
+        Returns
+        -------
+        PagedKVCache
+            The copy.
         """
         return fork_store(self, "_layers", _Layer.copy)
 
@@ -192,6 +220,15 @@ class PagedKVCache:
         ``seq_len``, ``get_kv`` and ``memory_usage`` (the blocks past ``ceil(length /
         block_size)`` are freed; the next append reuses the first of them first). ``length``
         may be 0 (the sequence stays allocated, holding nothing in this layer).
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        seq_id : int
+            A live sequence id (from :meth:`allocate_sequence`, not freed).
+        length : int
+            Tokens kept, ``0 <= length <= seq_len(layer, seq_id)``.
 
         Raises
         ------
@@ -244,8 +281,25 @@ class PagedKVCache:
     def get_kv(self, layer: int, seq_id: int) -> tuple:
         """Keys and values of ``seq_id`` in ``layer``: two arrays (heads, seq_len, dim), copies.
 
-        Raises ``ValueError`` when the sequence holds no token in this layer (the pool's dtype
-        may not even be known yet).
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        seq_id : int
+            A live sequence id (from :meth:`allocate_sequence`, not freed).
+
+        Returns
+        -------
+        k : array, shape (num_kv_heads, seq_len, head_dim)
+            The keys, in the pool's namespace and dtype.
+        v : array, shape (num_kv_heads, seq_len, v_head_dim)
+            The values.
+
+        Raises
+        ------
+        ValueError
+            The sequence holds no token in this layer (the pool's dtype may not even be known
+            yet).
         """
         layer = self._check_layer(layer)
         with self._locks[layer]:
@@ -270,11 +324,21 @@ class PagedKVCache:
     def get_batch(self, layer: int, seq_ids: list) -> tuple:
         """Sequences of different lengths as one zero-padded batch.
 
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        seq_ids : list of int
+            Live sequences, each holding at least one token in ``layer``; at least one.
+
         Returns
         -------
         k : array (len(seq_ids), heads, max_len, head_dim)
+            Keys, row ``i`` those of ``seq_ids[i]``, zero past its length.
         v : array (len(seq_ids), heads, max_len, v_head_dim)
+            Values, zero-padded the same way.
         lengths : list of int
+            Tokens of each sequence; ``max_len`` is the largest.
         """
         layer = self._check_layer(layer)
         if not seq_ids:
@@ -303,27 +367,71 @@ class PagedKVCache:
             return xp.stack(ks, axis=0), xp.stack(vs, axis=0), lengths
 
     def seq_len(self, layer: int, seq_id: int) -> int:
-        """Tokens of ``seq_id`` in ``layer``."""
+        """Tokens of ``seq_id`` in ``layer``.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        seq_id : int
+            A live sequence id (from :meth:`allocate_sequence`, not freed).
+
+        Returns
+        -------
+        int
+            Tokens held, 0 when none were appended to this layer.
+        """
         layer = self._check_layer(layer)
         with self._locks[layer]:
             sid = self._check_seq(seq_id)
             return self._layers[layer].lengths.get(sid, 0)
 
     def block_table(self, layer: int, seq_id: int) -> list:
-        """Block ids of ``seq_id`` in ``layer``, in token order (a copy)."""
+        """Block ids of ``seq_id`` in ``layer``, in token order (a copy).
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        seq_id : int
+            A live sequence id (from :meth:`allocate_sequence`, not freed).
+
+        Returns
+        -------
+        list of int
+            Indices into the layer's pools along axis 0; token ``i`` is in block
+            ``table[i // block_size]``.
+        """
         layer = self._check_layer(layer)
         with self._locks[layer]:
             sid = self._check_seq(seq_id)
             return list(self._layers[layer].tables.get(sid, []))
 
     def free_blocks(self, layer: int) -> int:
-        """Blocks of ``layer`` not held by any sequence."""
+        """Blocks of ``layer`` not held by any sequence.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        int
+            Free blocks, ``0 .. num_blocks``.
+        """
         layer = self._check_layer(layer)
         with self._locks[layer]:
             return len(self._layers[layer].free)
 
     def memory_usage(self) -> int:
-        """Bytes of the blocks held by sequences (K and V), over all layers."""
+        """Bytes of the blocks held by sequences (K and V), over all layers.
+
+        Returns
+        -------
+        int
+            Whole blocks counted, 0 before the first append.
+        """
         total = 0
         for i, lay in enumerate(self._layers):
             with self._locks[i]:
@@ -334,7 +442,13 @@ class PagedKVCache:
         return total
 
     def reserved_bytes(self) -> int:
-        """Bytes of the allocated pools."""
+        """Bytes of the allocated pools.
+
+        Returns
+        -------
+        int
+            K and V pools of every layer allocated so far (a layer's on its first append).
+        """
         total = 0
         for i, lay in enumerate(self._layers):
             with self._locks[i]:
