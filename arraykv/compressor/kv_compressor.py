@@ -134,10 +134,13 @@ class KVCacheCompressor:
         Parameters
         ----------
         k, v : array, shape (batch, heads, seq, head_dim) or (heads, seq, head_dim)
+            Calibration keys and values, floating, finite, of one dtype; ``v`` may have another
+            ``head_dim`` (MLA-style values).
 
         Returns
         -------
-        self
+        KVCacheCompressor
+            ``self``, fitted.
         """
         nd = getattr(k, "ndim", None)
         if nd not in (3, 4):
@@ -162,6 +165,11 @@ class KVCacheCompressor:
 
     def fitted_models(self) -> tuple:
         """``(k_model, v_model)``: the fitted bases (``LowRankBasis``) or codebooks of keys and values.
+
+        Returns
+        -------
+        tuple
+            The keys' and the values' ``LowRankBasis`` (low rank, hybrid) or ``VQCodebook`` (VQ).
 
         Raises
         ------
@@ -203,6 +211,11 @@ class KVCacheCompressor:
     def compress_kv(self, k: Any, v: Any) -> CompressedKV:
         """Compress keys and values of shape (batch, heads, seq, head_dim).
 
+        Parameters
+        ----------
+        k, v : array, shape (batch, heads, seq, head_dim)
+            Keys and values, floating, finite, of one dtype; ``v`` may have another ``head_dim``.
+
         Returns
         -------
         CompressedKV
@@ -221,7 +234,18 @@ class KVCacheCompressor:
         )
 
     def compress_kv_3d(self, k: Any, v: Any) -> CompressedKV:
-        """Compress keys and values of shape (heads, seq, head_dim); ``layout="hsd"``."""
+        """Compress keys and values of shape (heads, seq, head_dim); ``layout="hsd"``.
+
+        Parameters
+        ----------
+        k, v : array, shape (heads, seq, head_dim)
+            Keys and values of one sequence, as :meth:`compress_kv` takes them.
+
+        Returns
+        -------
+        CompressedKV
+            ``layout="hsd"``.
+        """
         xp = self._check_pair(k, v, 3)
         return CompressedKV(
             k=self._compress_one(xp, k[None, ...], "k"),
@@ -231,7 +255,21 @@ class KVCacheCompressor:
         )
 
     def decompress_kv(self, c: CompressedKV) -> tuple:
-        """Reconstruct ``(k, v)`` in the layout, dtype and namespace they were given in."""
+        """Reconstruct ``(k, v)`` in the layout, dtype and namespace they were given in.
+
+        Parameters
+        ----------
+        c : CompressedKV
+            From :meth:`compress_kv` or :meth:`compress_kv_3d` of a compressor of the same method.
+
+        Returns
+        -------
+        k : array
+            Keys, ``(batch, heads, seq, head_dim)`` for ``layout="bhsd"``, ``(heads, seq,
+            head_dim)`` for ``"hsd"``.
+        v : array
+            Values, in the same layout.
+        """
         if not isinstance(c, CompressedKV):
             raise TypeError(f"c must be a CompressedKV, received {type(c).__name__}")
         k, v = self._decompress_one(c.k), self._decompress_one(c.v)
@@ -240,7 +278,20 @@ class KVCacheCompressor:
         return k, v
 
     def decompress_kv_3d(self, c: CompressedKV) -> tuple:
-        """Reconstruct ``(k, v)`` of shape (heads, seq, head_dim) from a ``"hsd"`` CompressedKV."""
+        """Reconstruct ``(k, v)`` of shape (heads, seq, head_dim) from a ``"hsd"`` CompressedKV.
+
+        Parameters
+        ----------
+        c : CompressedKV
+            With ``layout="hsd"`` (from :meth:`compress_kv_3d`).
+
+        Returns
+        -------
+        k : array, shape (heads, seq, head_dim)
+            Keys, in the dtype and namespace they were given in.
+        v : array, shape (heads, seq, v_head_dim)
+            Values, likewise.
+        """
         if not isinstance(c, CompressedKV):
             raise TypeError(f"c must be a CompressedKV, received {type(c).__name__}")
         if c.layout != "hsd":
@@ -341,12 +392,39 @@ class KVCacheCompressor:
 
     # -- bridges ------------------------------------------------------------------
     def compress_paged_cache(self, cache: Any, layer: int, seq_id: int) -> CompressedKV:
-        """Compress the K/V of one sequence of a :class:`~arraykv.PagedKVCache` layer (``"hsd"``)."""
+        """Compress the K/V of one sequence of a :class:`~arraykv.PagedKVCache` layer (``"hsd"``).
+
+        Parameters
+        ----------
+        cache : PagedKVCache
+            The cache holding the sequence.
+        layer : int
+            Layer index of ``cache``.
+        seq_id : int
+            A live sequence of ``cache`` holding at least one token in ``layer``.
+
+        Returns
+        -------
+        CompressedKV
+            The sequence's keys and values, ``layout="hsd"``.
+        """
         k, v = cache.get_kv(layer, seq_id)
         return self.compress_kv_3d(k, v)
 
     def decompress_to_paged_cache(self, c: CompressedKV, cache: Any, layer: int, seq_id: int) -> None:
-        """Decompress ``c`` and append its tokens to ``seq_id`` in ``layer`` of a paged cache."""
+        """Decompress ``c`` and append its tokens to ``seq_id`` in ``layer`` of a paged cache.
+
+        Parameters
+        ----------
+        c : CompressedKV
+            Keys and values to restore: ``layout="hsd"``, or ``"bhsd"`` with a batch of one.
+        cache : PagedKVCache
+            The cache to append to.
+        layer : int
+            Layer index of ``cache``.
+        seq_id : int
+            A live sequence of ``cache``; the tokens are appended after the ones it holds.
+        """
         k, v = self.decompress_kv(c)
         if c.layout == "bhsd":
             if int(k.shape[0]) != 1:
@@ -355,12 +433,39 @@ class KVCacheCompressor:
         cache.append(layer, seq_id, k, v)
 
     def compress_mla_cache(self, cache: Any, layer: int, seq_id: int) -> CompressedKV:
-        """Compress the K/V that an :class:`~arraykv.MlaCache` sequence reconstructs (``"hsd"``)."""
+        """Compress the K/V that an :class:`~arraykv.MlaCache` sequence reconstructs (``"hsd"``).
+
+        Parameters
+        ----------
+        cache : MlaCache
+            The cache holding the sequence.
+        layer : int
+            Layer index of ``cache``.
+        seq_id : int
+            A live sequence of ``cache`` holding at least one token in ``layer``.
+
+        Returns
+        -------
+        CompressedKV
+            The keys and values the sequence's latents reconstruct, ``layout="hsd"``.
+        """
         k, v = cache.get_kv(layer, seq_id)
         return self.compress_kv_3d(k, v)
 
     def decompress_to_mla_cache(self, c: CompressedKV, cache: Any, layer: int, seq_id: int) -> None:
-        """Decompress ``c`` and append its tokens to ``seq_id`` of an MLA cache (re-projected to latents)."""
+        """Decompress ``c`` and append its tokens to ``seq_id`` of an MLA cache (re-projected to latents).
+
+        Parameters
+        ----------
+        c : CompressedKV
+            Keys and values to restore: ``layout="hsd"``, or ``"bhsd"`` with a batch of one.
+        cache : MlaCache
+            The cache to append to; the keys and values are projected to its latents.
+        layer : int
+            Layer index of ``cache``.
+        seq_id : int
+            A live sequence of ``cache``; the tokens are appended after the ones it holds.
+        """
         k, v = self.decompress_kv(c)
         if c.layout == "bhsd":
             if int(k.shape[0]) != 1:
