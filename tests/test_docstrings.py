@@ -1,7 +1,9 @@
 """numpydoc validation of the public API's docstrings.
 
 Every function and class named in the ``__all__`` of :mod:`arraykv`, :mod:`arraykv.store` and
-:mod:`arraykv.eval` must pass numpydoc's checks of what a docstring documents:
+:mod:`arraykv.eval`, and every public method of the classes :mod:`arraykv` exports and of the
+cache classes :func:`arraykv.make_cache` builds (checked on the class that defines it, their
+base classes in arraykv included), must pass numpydoc's checks of what a docstring documents:
 
 * GL08: the object has a docstring;
 * PR01: every parameter is documented; PR02: no documented parameter is unknown; PR03: they
@@ -11,7 +13,8 @@ Every function and class named in the ``__all__`` of :mod:`arraykv`, :mod:`array
 
 A class is checked against its constructor's parameters (a dataclass lists its fields under
 Parameters). Names in ``__all__`` that are not functions or classes (constants, the
-``DecodeOutput`` type alias, ``__version__``) are not checked.
+``DecodeOutput`` type alias, ``__version__``) are not checked, nor are properties, private
+methods, or classes registered with :func:`arraykv.register_method` from outside arraykv.
 
 Style-only checks are not enforced: SS05 (summary starting with an infinitive verb), SS06
 (one-line summary), ES01 (extended summary), SA01 (See Also), EX01 (Examples), GL02 (opening
@@ -59,3 +62,44 @@ def test_exported_functions_and_classes(module_name):
     assert names, f"{module_name}.__all__ names no function or class"
     errors = [e for name in names for e in _errors(name)]
     assert not errors, f"{len(errors)} numpydoc errors in {module_name}:\n" + "\n".join(errors)
+
+
+def _cache_classes() -> list:
+    """The classes :func:`arraykv.make_cache` builds by name (those defined in arraykv)."""
+    import arraykv
+    from arraykv.caches.registry import _factory  # imports a method registered by path
+
+    out = []
+    for method in arraykv.available_methods(generic=True):
+        factory = _factory(method)
+        if inspect.isclass(factory) and factory.__module__.split(".")[0] == "arraykv":
+            out.append(factory)
+    return out
+
+
+def _public_methods() -> list:
+    """``module.Class.method`` of each public method defined on the classes :mod:`arraykv` exports,
+    the cache classes, and their bases in arraykv (each method once, on the class defining it)."""
+    import arraykv
+
+    roots = [getattr(arraykv, n) for n in arraykv.__all__ if inspect.isclass(getattr(arraykv, n))]
+    classes = {}
+    for root in roots + _cache_classes():
+        for cls in root.__mro__:
+            if cls.__module__.split(".")[0] == "arraykv":
+                classes[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    names = []
+    for qualified, cls in sorted(classes.items()):
+        for name, attr in vars(cls).items():
+            if isinstance(attr, (staticmethod, classmethod)):
+                attr = attr.__func__
+            if not name.startswith("_") and inspect.isfunction(attr):
+                names.append(f"{qualified}.{name}")
+    return names
+
+
+def test_public_methods_of_the_caches_and_exported_classes():
+    names = _public_methods()
+    assert any(n.endswith("LayeredCache.prefill") for n in names), "the caches' base class was not reached"
+    errors = [e for name in names for e in _errors(name)]
+    assert not errors, f"{len(errors)} numpydoc errors in the methods of arraykv's classes:\n" + "\n".join(errors)
