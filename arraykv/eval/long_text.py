@@ -52,13 +52,49 @@ class LongTextResult:
     prefill_mode: str
 
     def rows_at(self, prefix_length: int) -> list:
-        """The rows (one per method) after a prefix of ``prefix_length`` tokens."""
+        """The rows (one per method) after a prefix of ``prefix_length`` tokens.
+
+        Parameters
+        ----------
+        prefix_length : int
+            One of :attr:`prefix_lengths`.
+
+        Returns
+        -------
+        list of EvalRow
+            One per method, in :attr:`methods` order.
+
+        Raises
+        ------
+        KeyError
+            ``prefix_length`` was not measured.
+        """
         if prefix_length not in self.prefix_lengths:
             raise KeyError(f"prefix_length {prefix_length} was not measured; measured: {list(self.prefix_lengths)}")
         return [r for r in self.rows if r.tokens - r.decoded == prefix_length]
 
     def series(self, method: str, field: str = "mean_kl") -> list:
-        """``[(prefix_length, value), ...]`` of one :class:`EvalRow` field for ``method``."""
+        """``[(prefix_length, value), ...]`` of one :class:`EvalRow` field for ``method``.
+
+        Parameters
+        ----------
+        method : str
+            One of :attr:`methods`.
+        field : str, default "mean_kl"
+            The name of an :class:`EvalRow` field.
+
+        Returns
+        -------
+        list of tuple
+            ``(prefix_length, value)`` per prefix length, in :attr:`prefix_lengths` order.
+
+        Raises
+        ------
+        KeyError
+            ``method`` was not measured.
+        ValueError
+            ``field`` is not an :class:`EvalRow` field.
+        """
         if method not in self.methods:
             raise KeyError(f"method {method!r} was not measured; measured: {list(self.methods)}")
         if field not in EvalRow.__dataclass_fields__:
@@ -66,7 +102,18 @@ class LongTextResult:
         return [(r.tokens - r.decoded, getattr(r, field)) for r in self.rows if r.method == method]
 
     def format_table(self, *, markdown: bool = True) -> str:
-        """One line per (prefix length, method): bits/value, perplexity and its change, KL, top-1, tokens/s."""
+        """One line per (prefix length, method): bits/value, perplexity and its change, KL, top-1, tokens/s.
+
+        Parameters
+        ----------
+        markdown : bool, default True
+            A Markdown table; False aligns plain-text columns instead.
+
+        Returns
+        -------
+        str
+            The header and one line per row.
+        """
         head = ["method", "prefix", "bits/value", "perplexity", "ppl change", "mean KL", "top-1 agree", "tokens/s"]
         body = [
             [

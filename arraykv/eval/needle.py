@@ -116,7 +116,20 @@ class NeedleTask:
             raise ValueError(f"align must be 'sentence' or 'token', received {self.align!r}")
 
     def key(self, length: int, depth: float) -> str:
-        """The pass key of cell ``(length, depth)`` (deterministic in ``seed``)."""
+        """The pass key of cell ``(length, depth)`` (deterministic in ``seed``).
+
+        Parameters
+        ----------
+        length : int
+            Prompt plus question tokens of the cell.
+        depth : float
+            Needle depth of the cell, in [0, 1].
+
+        Returns
+        -------
+        str
+            ``key_digits`` random digits, or what ``key_format`` draws.
+        """
         import numpy as np
 
         rng = np.random.default_rng([self.seed, int(length), int(round(float(depth) * 1e6))])
@@ -128,7 +141,13 @@ class NeedleTask:
         return str(int(rng.integers(10 ** (self.key_digits - 1), 10**self.key_digits)))
 
     def haystack_text(self) -> str:
-        """The filler text (the shipped book for ``haystack="book"``)."""
+        """The filler text (the shipped book for ``haystack="book"``).
+
+        Returns
+        -------
+        str
+            :attr:`haystack`, or :func:`~arraykv.eval.builtin_long_text` for ``"book"``.
+        """
         if self.haystack == "book":
             from .texts import builtin_long_text
 
@@ -140,7 +159,9 @@ class NeedleTask:
 
         Parameters
         ----------
-        tokenizer : object with ``encode`` and ``decode``, or a model with a ``tokenizer``
+        tokenizer : object
+            Anything with ``encode`` and ``decode``, or a model whose ``tokenizer`` attribute has
+            them.
         length : int
             Prompt plus question tokens.
         depth : float in [0, 1]
@@ -153,6 +174,7 @@ class NeedleTask:
         Returns
         -------
         NeedlePrompt
+            The prompt, question and target token ids, and where the needle went.
         """
         tok = getattr(tokenizer, "tokenizer", None) or tokenizer
         if not hasattr(tok, "encode") or not hasattr(tok, "decode"):

@@ -100,7 +100,13 @@ class NeedleRow:
     seconds: float
 
     def as_dict(self) -> dict:
-        """The row as a plain dict."""
+        """The row as a plain dict.
+
+        Returns
+        -------
+        dict
+            Field name to value, every field of the row.
+        """
         return asdict(self)
 
 
@@ -166,14 +172,40 @@ class NeedleResult:
     task: Any
 
     def row(self, method: str, length: int, depth: float) -> NeedleRow:
-        """The row of ``method`` in cell ``(length, depth)``."""
+        """The row of ``method`` in cell ``(length, depth)``.
+
+        Parameters
+        ----------
+        method : str
+            One of :attr:`methods`.
+        length : int
+            One of :attr:`lengths`.
+        depth : float
+            One of :attr:`depths`.
+
+        Returns
+        -------
+        NeedleRow
+            The row measured there.
+
+        Raises
+        ------
+        KeyError
+            No row of ``method`` in that cell.
+        """
         for r in self.rows:
             if r.method == method and r.length == length and r.depth == float(depth):
                 return r
         raise KeyError(f"no row for method {method!r} at length {length}, depth {depth}")
 
     def summary(self) -> list:
-        """One :class:`NeedleSummary` per method, in :attr:`methods` order."""
+        """One :class:`NeedleSummary` per method, in :attr:`methods` order.
+
+        Returns
+        -------
+        list of NeedleSummary
+            One per method, over every cell of the grid.
+        """
         longest = max(self.lengths)
         out = []
         for m in self.methods:
@@ -200,6 +232,16 @@ class NeedleResult:
         it is in parentheses where the exact cache missed (such cells do not count in "where
         exact"). "retrieved" counts all cells, "where exact" only those the exact cache
         retrieves.
+
+        Parameters
+        ----------
+        markdown : bool, default True
+            A Markdown table; False aligns plain-text columns instead.
+
+        Returns
+        -------
+        str
+            The header and one line per method.
         """
         cells = [(n, d) for n in self.lengths for d in self.depths]
         longest = max(self.lengths)
@@ -225,7 +267,13 @@ class NeedleResult:
         return format_markdown(head, body, markdown=markdown)
 
     def as_dicts(self) -> list:
-        """Every row as a plain dict."""
+        """Every row as a plain dict.
+
+        Returns
+        -------
+        list of dict
+            :meth:`NeedleRow.as_dict` of each row, in :attr:`rows` order.
+        """
         return [r.as_dict() for r in self.rows]
 
 

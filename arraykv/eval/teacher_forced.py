@@ -136,7 +136,13 @@ class EvalRow:
     decode_tokens_per_s: float
 
     def as_dict(self) -> dict:
-        """The row as a plain dict."""
+        """The row as a plain dict.
+
+        Returns
+        -------
+        dict
+            Field name to value, every field of the row.
+        """
         return asdict(self)
 
 
