@@ -86,23 +86,91 @@ class StoreBackend(Protocol):
     """
 
     def get(self, key: str) -> bytes | None:
-        """The entry's bytes, or None when there is none (or it expired)."""
+        """The entry's bytes, or None when there is none (or it expired).
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+
+        Returns
+        -------
+        bytes or None
+            The bytes ``put`` stored, whole; None for a miss.
+
+        Raises
+        ------
+        EntryError
+            An entry over ``max_entry_bytes`` or not matching its declared size (not read).
+        StoreError
+            The backend failed.
+        """
 
     def put(self, key: str, data: bytes, *, tokens: int | None = None) -> None:
-        """Store ``data`` under ``key`` atomically (replacing an entry of the same key)."""
+        """Store ``data`` under ``key`` atomically (replacing an entry of the same key).
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+        data : bytes
+            The entry (bytes-like), at most ``max_entry_bytes``.
+        tokens : int, optional
+            Prefix tokens the entry holds, for :meth:`entries` (a backend may read it from the
+            entry instead).
+        """
 
     def contains(self, key: str) -> bool:
-        """Whether an unexpired entry is held under ``key``."""
+        """Whether an unexpired entry is held under ``key``.
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+
+        Returns
+        -------
+        bool
+            True when :meth:`get` would find an entry now.
+        """
 
     def delete(self, key: str) -> bool:
-        """Remove the entry; whether there was one."""
+        """Remove the entry; whether there was one.
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+
+        Returns
+        -------
+        bool
+            True when an entry was removed.
+        """
 
     def entries(self) -> list:
-        """Every entry held, as :class:`EntryInfo`, in no particular order."""
+        """Every entry held, as :class:`EntryInfo`, in no particular order.
+
+        Returns
+        -------
+        list of EntryInfo
+            One per entry.
+        """
 
     def evict(self, max_bytes: int | None = None) -> list:
         """Drop expired entries, then least recently used ones until at most ``max_bytes`` are
-        held (default: the backend's own budget); the keys dropped."""
+        held (default: the backend's own budget); the keys dropped.
+
+        Parameters
+        ----------
+        max_bytes : int, optional
+            The budget; default the backend's own (None: no budget, only expiry).
+
+        Returns
+        -------
+        list of str
+            Keys of the entries removed.
+        """
 
 
 def check_key(key: object) -> str:

@@ -79,12 +79,35 @@ class LocalStore:
         return f"LocalStore({self.root!r}, max_bytes={self.max_bytes}, ttl={self.ttl})"
 
     def path_of(self, key: str) -> str:
-        """The file that holds ``key``'s entry (it may not exist)."""
+        """The file that holds ``key``'s entry (it may not exist).
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+
+        Returns
+        -------
+        str
+            ``root/v1/<first two digits>/<key>.akv``.
+        """
         key = check_key(key)
         return os.path.join(self._base, key[:2], key + _SUFFIX)
 
     # -- the interface --------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
+        """The entry's bytes, or None when there is no file or it expired (see :meth:`StoreBackend.get`).
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+
+        Returns
+        -------
+        bytes or None
+            The file's bytes; None for a miss. A hit marks the file as used (its access time).
+        """
         path = self.path_of(key)
         try:
             f = open(path, "rb")
@@ -108,6 +131,17 @@ class LocalStore:
         return data
 
     def put(self, key: str, data: bytes, *, tokens: int | None = None) -> None:
+        """Write ``data`` to a temporary file, then rename it over ``key``'s file; evict to ``max_bytes``.
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+        data : bytes
+            The entry (bytes-like), at most ``max_entry_bytes``.
+        tokens : int, optional
+            Not stored: :meth:`entries` reads the tokens from the entry's header.
+        """
         path = self.path_of(key)
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data must be bytes, received {type(data).__name__}")
@@ -138,12 +172,36 @@ class LocalStore:
             self.evict()
 
     def contains(self, key: str) -> bool:
+        """Whether ``key``'s file exists and has not expired.
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+
+        Returns
+        -------
+        bool
+            True for an unexpired entry.
+        """
         try:
             return not self._expired(os.stat(self.path_of(key)).st_mtime)
         except FileNotFoundError:
             return False
 
     def delete(self, key: str) -> bool:
+        """Remove ``key``'s file; whether there was one.
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+
+        Returns
+        -------
+        bool
+            True when a file was removed.
+        """
         try:
             os.unlink(self.path_of(key))
             return True
@@ -151,6 +209,14 @@ class LocalStore:
             return False
 
     def entries(self) -> list:
+        """Every entry file, as :class:`~arraykv.store.backend.EntryInfo`.
+
+        Returns
+        -------
+        list of EntryInfo
+            One per entry file (expired ones included, until :meth:`evict`); ``tokens`` from the
+            entry's header, None where it cannot be read.
+        """
         out = []
         for path, st in self._files():
             key = os.path.basename(path)[: -len(_SUFFIX)]
@@ -171,6 +237,18 @@ class LocalStore:
         return out
 
     def evict(self, max_bytes: int | None = None) -> list:
+        """Remove expired entries and stale temporary files, then least recently used entries to the budget.
+
+        Parameters
+        ----------
+        max_bytes : int, optional
+            The budget; default :attr:`max_bytes` (None: no budget, only expiry).
+
+        Returns
+        -------
+        list of str
+            Keys of the entries removed (temporary files not listed).
+        """
         budget = self.max_bytes if max_bytes is None else check_limit("max_bytes", max_bytes)
         now = time.time()
         dropped, alive = [], []
@@ -197,7 +275,13 @@ class LocalStore:
 
     # -- helpers ----------------------------------------------------------------------
     def total_bytes(self) -> int:
-        """Bytes of the entries held (temporary files excluded)."""
+        """Bytes of the entries held (temporary files excluded).
+
+        Returns
+        -------
+        int
+            The sizes of the entry files, summed.
+        """
         return sum(st.st_size for _, st in self._files())
 
     def _expired(self, mtime: float, now: float | None = None) -> bool:

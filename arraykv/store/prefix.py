@@ -241,7 +241,28 @@ class PrefixStore:
         self, model: Any, cache: Any, ids: Any, *, chunk_size: int | None = 512, prompt_store: str = "exact"
     ) -> list:
         """Keys of ``ids``'s whole-chunk prefixes for this model, cache configuration and schedule
-        (:func:`~arraykv.store.keys.chain_keys`: entry ``j - 1`` names the first ``j · chunk_tokens``)."""
+        (:func:`~arraykv.store.keys.chain_keys`: entry ``j - 1`` names the first ``j · chunk_tokens``).
+
+        Parameters
+        ----------
+        model : DecoderModel
+            The model; named by :attr:`model_id` when set, else by
+            :func:`~arraykv.store.keys.model_identity`.
+        cache : LayeredCache or HybridCache
+            A cache of the configuration the entries hold (its ``get_config()`` is hashed).
+        ids : sequence of int
+            The prompt (one sequence).
+        chunk_size : int or None, default 512
+            The decoder's prefill chunk within each segment, as given to :meth:`prefill`.
+        prompt_store : {"exact", "chunks"}, default "exact"
+            The decoder's staging within each segment, as given to :meth:`prefill`.
+
+        Returns
+        -------
+        list of str
+            ``len(ids) // chunk_tokens`` keys, shortest prefix first: entry ``j - 1`` names the
+            first ``j * chunk_tokens`` ids.
+        """
         model_id = self.model_id if self.model_id is not None else model_identity(model)
         sample = getattr(model, "embedding", None)
         lib = _namespace(sample).__name__ if sample is not None else "unknown"
@@ -251,7 +272,26 @@ class PrefixStore:
     def engine_keys(self, model_id: str, cache: Any, ids: Any, schedule: dict) -> list:
         """Keys of ``ids``'s whole-chunk prefixes for any engine: ``model_id`` names the model,
         ``schedule`` (JSON-able) how the engine fills a segment; the chunk size, arraykv's
-        version and the file format are added to it."""
+        version and the file format are added to it.
+
+        Parameters
+        ----------
+        model_id : str
+            The model's identity (non-empty); :attr:`model_id` replaces it when set.
+        cache : LayeredCache or HybridCache
+            A cache of the configuration the entries hold (its ``get_config()`` is hashed).
+        ids : sequence of int
+            The prompt (one sequence).
+        schedule : dict
+            How the engine fills a segment (JSON-serializable); entries made under another
+            schedule are not found.
+
+        Returns
+        -------
+        list of str
+            ``len(ids) // chunk_tokens`` keys, shortest prefix first: entry ``j - 1`` names the
+            first ``j * chunk_tokens`` ids.
+        """
         if not isinstance(model_id, str) or not model_id:
             raise ValueError(f"model_id must be a non-empty string, received {model_id!r}")
         if self.model_id is not None:
@@ -268,6 +308,23 @@ class PrefixStore:
         """Tokens of the longest stored prefix of ``ids`` that :meth:`prefill` could reuse (0 if none).
 
         Only looks keys up (``contains``); the entry may still be refused when it is read.
+
+        Parameters
+        ----------
+        model : DecoderModel
+            The model, as given to :meth:`prefill`.
+        cache : LayeredCache or HybridCache
+            A cache of the configuration the entries hold.
+        ids : sequence of int
+            The prompt (one sequence).
+        **schedule
+            ``chunk_size`` and ``prompt_store``, as given to :meth:`prefill` (forwarded to
+            :meth:`keys`).
+
+        Returns
+        -------
+        int
+            A multiple of :attr:`chunk_tokens` below ``len(ids)``, or 0.
         """
         ids = _ids(ids)
         keys = self.keys(model, cache, ids, **schedule)
@@ -326,7 +383,8 @@ class PrefixStore:
 
         Returns
         -------
-        The last ``run``'s result.
+        object
+            What the last ``run`` returned (the logits of the prompt's last position).
         """
         ids = _ids(ids)
         if _length(cache) != 0:

@@ -104,7 +104,14 @@ class ValkeyServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def args(self) -> list:
-        """The server's command line."""
+        """The server's command line.
+
+        Returns
+        -------
+        list of str
+            The binary and its options (address, port, folder, log file, memory policy, and
+            ``maxmemory``/append-only options where set).
+        """
         a = [
             self.binary,
             "--bind",
@@ -133,7 +140,24 @@ class ValkeyServer:
         return a
 
     def start(self, timeout: float = 20.0) -> ValkeyServer:
-        """Start the process and wait until it answers PING; returns self."""
+        """Start the process and wait until it answers PING; returns self.
+
+        Parameters
+        ----------
+        timeout : float, default 20.0
+            Seconds to wait for the first answer.
+
+        Returns
+        -------
+        ValkeyServer
+            ``self``, running (already running: returned as is).
+
+        Raises
+        ------
+        RuntimeError
+            The process exited, or did not answer within ``timeout`` (it is then stopped); the
+            message ends with the log's tail.
+        """
         if self.process is not None and self.process.poll() is None:
             return self
         self.process = subprocess.Popen(
@@ -161,7 +185,18 @@ class ValkeyServer:
             return False
 
     def log_tail(self, n: int = 800) -> str:
-        """The end of the server's log (empty when there is none)."""
+        """The end of the server's log (empty when there is none).
+
+        Parameters
+        ----------
+        n : int, default 800
+            Characters of the log kept, from its end.
+
+        Returns
+        -------
+        str
+            A "server log:" header line and the last ``n`` characters; empty without a log.
+        """
         try:
             with open(os.path.join(self.directory, "server.log"), "rb") as f:
                 text = f.read().decode(errors="replace")

@@ -139,7 +139,18 @@ class ValkeyStore:
         return f"ValkeyStore({self.client!r}, prefix={self.prefix!r}, ttl={self.ttl})"
 
     def name_of(self, key: str) -> str:
-        """The server key of ``key``'s entry."""
+        """The server key of ``key``'s entry.
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+
+        Returns
+        -------
+        str
+            ``<prefix>e:<key>``.
+        """
         return f"{self.prefix}e:{check_key(key)}"
 
     def _call(self, what: str, fn, *args, **kwargs):
@@ -150,6 +161,18 @@ class ValkeyStore:
 
     # -- the interface --------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
+        """The entry's bytes, checked against its SHA-256, or None for a miss (see :meth:`StoreBackend.get`).
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+
+        Returns
+        -------
+        bytes or None
+            The entry's bytes; None when the server holds none (or it expired).
+        """
         name = self.name_of(key)
         reply = self._call("read an entry", self._get, keys=[name], args=[self.max_entry_bytes])
         if reply is None:
@@ -165,6 +188,17 @@ class ValkeyStore:
         return data
 
     def put(self, key: str, data: bytes, *, tokens: int | None = None) -> None:
+        """Store ``data`` with its size, SHA-256, ``tokens`` and time in one transaction (``ttl`` set).
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+        data : bytes
+            The entry (bytes-like), at most ``max_entry_bytes``.
+        tokens : int, optional
+            Prefix tokens the entry holds, reported by :meth:`entries`.
+        """
         name = self.name_of(key)
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data must be bytes, received {type(data).__name__}")
@@ -186,12 +220,45 @@ class ValkeyStore:
         self._call("store an entry", pipe.execute)
 
     def contains(self, key: str) -> bool:
+        """Whether the server holds ``key``'s entry.
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+
+        Returns
+        -------
+        bool
+            True when the entry's server key exists (the server drops expired ones).
+        """
         return bool(self._call("look an entry up", self.client.exists, self.name_of(key)))
 
     def delete(self, key: str) -> bool:
+        """Remove ``key``'s entry from the server; whether there was one.
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+
+        Returns
+        -------
+        bool
+            True when an entry was removed.
+        """
         return bool(self._call("delete an entry", self.client.delete, self.name_of(key)))
 
     def entries(self) -> list:
+        """Every entry under :attr:`prefix`, as :class:`~arraykv.store.backend.EntryInfo`.
+
+        Listing does not count as a use: the server's LRU order is left as it was.
+
+        Returns
+        -------
+        list of EntryInfo
+            One per entry; ``last_used`` from the server's idle time.
+        """
         out = []
         now = time.time()
         names = list(
@@ -229,6 +296,18 @@ class ValkeyStore:
         return out
 
     def evict(self, max_bytes: int | None = None) -> list:
+        """Remove least recently used entries until at most the budget is held (the server expires them).
+
+        Parameters
+        ----------
+        max_bytes : int, optional
+            The budget; default :attr:`max_bytes` (None: nothing is removed).
+
+        Returns
+        -------
+        list of str
+            Keys of the entries removed.
+        """
         budget = self.max_bytes if max_bytes is None else check_limit("max_bytes", max_bytes)
         if budget is None:
             return []  # expiry is the server's; without a budget there is nothing to trim
@@ -250,6 +329,13 @@ class ValkeyStore:
         ``allkeys-lru`` drops the least recently used keys of the whole server (a server given
         to the store); ``volatile-lru`` only keys with a TTL (a store with ``ttl`` on a shared
         server).
+
+        Parameters
+        ----------
+        max_bytes : int
+            The server's ``maxmemory``, in bytes.
+        policy : str, default "allkeys-lru"
+            The server's ``maxmemory-policy``.
         """
         check_limit("max_bytes", max_bytes, allow_none=False)
         self._call("set its memory limit", self.client.config_set, "maxmemory-policy", policy)
