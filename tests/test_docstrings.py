@@ -1,7 +1,7 @@
 """numpydoc validation of the public API's docstrings.
 
 Every function and class named in the ``__all__`` of :mod:`arraykv`, :mod:`arraykv.store` and
-:mod:`arraykv.eval`, and every public method of the classes :mod:`arraykv` exports and of the
+:mod:`arraykv.eval`, and every public method of the classes these modules export and of the
 cache classes :func:`arraykv.make_cache` builds (checked on the class that defines it, their
 base classes in arraykv included), must pass numpydoc's checks of what a docstring documents:
 
@@ -77,14 +77,16 @@ def _cache_classes() -> list:
     return out
 
 
-def _public_methods() -> list:
-    """``module.Class.method`` of each public method defined on the classes :mod:`arraykv` exports,
-    the cache classes, and their bases in arraykv (each method once, on the class defining it)."""
-    import arraykv
-
-    roots = [getattr(arraykv, n) for n in arraykv.__all__ if inspect.isclass(getattr(arraykv, n))]
+def _public_methods(module_name: str) -> list:
+    """``module.Class.method`` of each public method defined on the classes ``module_name``
+    exports (for :mod:`arraykv`, also the cache classes) and on their bases in arraykv; each
+    method once, on the class that defines it."""
+    module = importlib.import_module(module_name)
+    roots = [obj for obj in (getattr(module, n) for n in module.__all__) if inspect.isclass(obj)]
+    if module_name == "arraykv":
+        roots += _cache_classes()
     classes = {}
-    for root in roots + _cache_classes():
+    for root in roots:
         for cls in root.__mro__:
             if cls.__module__.split(".")[0] == "arraykv":
                 classes[f"{cls.__module__}.{cls.__qualname__}"] = cls
@@ -98,8 +100,11 @@ def _public_methods() -> list:
     return names
 
 
-def test_public_methods_of_the_caches_and_exported_classes():
-    names = _public_methods()
-    assert any(n.endswith("LayeredCache.prefill") for n in names), "the caches' base class was not reached"
+@pytest.mark.parametrize("module_name", PUBLIC_MODULES)
+def test_public_methods_of_the_exported_classes(module_name):
+    names = _public_methods(module_name)
+    assert names, f"the classes of {module_name}.__all__ define no public method"
+    if module_name == "arraykv":
+        assert "arraykv.caches.base.LayeredCache.prefill" in names, "the caches' base class was not reached"
     errors = [e for name in names for e in _errors(name)]
-    assert not errors, f"{len(errors)} numpydoc errors in the methods of arraykv's classes:\n" + "\n".join(errors)
+    assert not errors, f"{len(errors)} numpydoc errors in the methods of {module_name}'s classes:\n" + "\n".join(errors)
