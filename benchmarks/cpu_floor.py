@@ -49,7 +49,7 @@ def cpu_info() -> dict:
         pass
     lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags else 4
     try:  # the instructions the kernels are compiled for (NUMBA_CPU_NAME may name a smaller CPU)
-        from arraykv.ops.numba.simd import host_cpu_has
+        from arraykv.ops.numba.cpu_features import host_cpu_has
 
         lanes = min(lanes, 16 if host_cpu_has("avx512f") else 8 if host_cpu_has("avx2") else 4)
     except ImportError:
@@ -87,14 +87,14 @@ _FMA: dict = {}
 
 
 def measured_fma(threads: int) -> float:
-    """Multiply-adds per second of :func:`arraykv.ops.numba.simd.tile_values` (4 query heads,
+    """Multiply-adds per second of :func:`arraykv.ops.numba.ir_tiles.tile_values` (4 query heads,
     a 64 × 128 tile in L1, accumulators in registers) on ``threads`` Python threads at once;
     0 where the vector tiles are not used (neither AVX-512 nor AVX2)."""
     if threads in _FMA:
         return _FMA[threads]
-    from arraykv.ops.numba import simd
+    from arraykv.ops.numba import cpu_features, ir_tiles
 
-    if not simd.VECTOR_TILES:
+    if not cpu_features.VECTOR_TILES:
         _FMA[threads] = 0.0
         return 0.0
     from concurrent.futures import ThreadPoolExecutor
@@ -104,7 +104,7 @@ def measured_fma(threads: int) -> float:
     @nb.njit(nogil=True)
     def run(buf, w, acc, reps):
         for _ in range(reps):
-            simd.tile_values(buf, 64, w, acc)
+            ir_tiles.tile_values(buf, 64, w, acc)
 
     rng = np.random.default_rng(0)
     work = [

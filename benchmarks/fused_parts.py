@@ -56,13 +56,14 @@ def whole_step(contexts, ghz, rng, mode="pqo4"):
 def parts(ghz, rng, n=32768, bits=4):
     import numba as nb
 
-    from arraykv.ops.numba import simd
+    from arraykv.ops.numba import ir_codes, planar
+    from arraykv.ops.numba.cpu_features import VECTOR_TILES
     from arraykv.ops.numba.fused_driver import FASTMATH, TILE
-    from arraykv.ops.numba.polar_rows import HALF_TO_FLOAT
-    from arraykv.ops.numba.simd import VECTOR_TILES, softmax_rows
+    from arraykv.ops.numba.half import HALF_TO_FLOAT
+    from arraykv.ops.numba.ir_softmax import softmax_rows
 
-    tile_scores = getattr(simd, f"tile_scores_codes_{bits}")
-    tile_values = getattr(simd, f"tile_values_codes_{bits}")
+    tile_scores = getattr(ir_codes, f"tile_scores_codes_{bits}")
+    tile_values = getattr(ir_codes, f"tile_values_codes_{bits}")
 
     if not VECTOR_TILES:
         raise SystemExit("the vector kernels are not compiled on this CPU (no AVX-512, no AVX2 + FMA)")
@@ -101,7 +102,7 @@ def parts(ghz, rng, n=32768, bits=4):
                     sg[r] *= vn[r]
 
     codes = rng.integers(0, 256, (n, d * bits // 8), dtype=np.uint8)
-    tab = simd.table16(rng.standard_normal(1 << bits).astype(np.float32))
+    tab = planar.table16(rng.standard_normal(1 << bits).astype(np.float32))
     qr = rng.standard_normal((g, d)).astype(np.float32)
     s = rng.standard_normal((g, TILE)).astype(np.float32)
     w = (rng.random((g, TILE)) * 0.01).astype(np.float32)

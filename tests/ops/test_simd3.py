@@ -6,7 +6,8 @@ import numba as nb
 import numpy as np
 import pytest
 
-from arraykv.ops.numba.simd import HAVE_PERMPS, table16
+from arraykv.ops.numba.cpu_features import HAVE_PERMPS
+from arraykv.ops.numba.planar import table16
 from arraykv.ops.numba.simd3 import (
     tile_scores_codes_3,
     tile_scores_codes_3_loop,

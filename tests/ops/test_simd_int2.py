@@ -6,7 +6,7 @@ import numba as nb
 import numpy as np
 import pytest
 
-from arraykv.ops.numba.simd import HAVE_PERMPS
+from arraykv.ops.numba.cpu_features import HAVE_PERMPS
 from arraykv.ops.numba.simd_int2 import (
     int2_group_scores,
     int2_group_scores_loop,

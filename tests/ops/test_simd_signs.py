@@ -6,7 +6,7 @@ import numba as nb
 import numpy as np
 import pytest
 
-from arraykv.ops.numba.simd import HAVE_PERMPS
+from arraykv.ops.numba.cpu_features import HAVE_PERMPS
 from arraykv.ops.numba.simd_signs import tile_sign_scores, tile_sign_scores_loop
 
 pytestmark = pytest.mark.skipif(not HAVE_PERMPS, reason="AVX-512 path (the kernels use the loop without it)")

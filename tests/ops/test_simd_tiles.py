@@ -1,4 +1,5 @@
-"""The 16-lane tile helpers of the fused CPU kernels (``arraykv.ops.numba.simd``) against plain NumPy.
+"""The 16-lane tile helpers of the fused CPU kernels (``arraykv.ops.numba.ir_tiles``, ``ir_codes``,
+``ir_softmax``, ``simd_lanes``) against plain NumPy.
 
 Each helper is checked on fresh random inputs of several shapes: every query-head count that
 exercises another block split (blocks of four, then 1-3), head dims 64/128/256, tiles cut
@@ -15,14 +16,16 @@ import pytest
 import arraykv
 from arraykv.attention.polar_fused import polar_decode_attention_reference
 from arraykv.ops import polar_decode_attention
-from arraykv.ops.numba import simd, simd_lanes
+from arraykv.ops.numba import cpu_features, ir_codes, ir_softmax, ir_tiles, planar, simd_lanes
 from arraykv.ops.numba.fused_driver import softmax_tile
 
-PERMPS = pytest.mark.skipif(not simd.HAVE_PERMPS, reason="no AVX-512 on this CPU (the loop references are tested)")
+PERMPS = pytest.mark.skipif(
+    not cpu_features.HAVE_PERMPS, reason="no AVX-512 on this CPU (the loop references are tested)"
+)
 
 
 def _planar_values(codes, cent, bits):
-    """NumPy: centroid values of each code row in planar order (``simd`` module notes)."""
+    """NumPy: centroid values of each code row in planar order (``planar`` module notes)."""
     per = 8 // bits
     planes = [(codes.astype(np.int64) >> (bits * p)) & ((1 << bits) - 1) for p in range(per)]
     return cent[np.concatenate(planes, axis=1)]
@@ -30,54 +33,54 @@ def _planar_values(codes, cent, bits):
 
 @nb.njit
 def _unpack4(codes, t0, nt, tab, out):
-    simd.unpack_tile_4(codes, t0, nt, tab, out)
+    ir_codes.unpack_tile_4(codes, t0, nt, tab, out)
 
 
 @nb.njit
 def _unpack2(codes, t0, nt, tab, out):
-    simd.unpack_tile_2(codes, t0, nt, tab, out)
+    ir_codes.unpack_tile_2(codes, t0, nt, tab, out)
 
 
 @nb.njit
 def _scores(buf, nt, qr, s):
-    simd.tile_scores(buf, nt, qr, s)
+    ir_tiles.tile_scores(buf, nt, qr, s)
 
 
 @nb.njit
 def _values(buf, nt, w, acc):
-    simd.tile_values(buf, nt, w, acc)
+    ir_tiles.tile_values(buf, nt, w, acc)
 
 
 @nb.njit
 def _scores_codes4(codes, t0, nt, tab, qr, s):
-    simd.tile_scores_codes_4(codes, t0, nt, tab, qr, s)
+    ir_codes.tile_scores_codes_4(codes, t0, nt, tab, qr, s)
 
 
 @nb.njit
 def _scores_codes2(codes, t0, nt, tab, qr, s):
-    simd.tile_scores_codes_2(codes, t0, nt, tab, qr, s)
+    ir_codes.tile_scores_codes_2(codes, t0, nt, tab, qr, s)
 
 
 @nb.njit
 def _values_codes4(codes, t0, nt, tab, w, acc):
-    simd.tile_values_codes_4(codes, t0, nt, tab, w, acc)
+    ir_codes.tile_values_codes_4(codes, t0, nt, tab, w, acc)
 
 
 @nb.njit
 def _values_codes2(codes, t0, nt, tab, w, acc):
-    simd.tile_values_codes_2(codes, t0, nt, tab, w, acc)
+    ir_codes.tile_values_codes_2(codes, t0, nt, tab, w, acc)
 
 
 FUNCS = {
     4: dict(
-        unpack=(_unpack4, simd.unpack_tile_4_loop),
-        scores=(_scores_codes4, simd.tile_scores_codes_4_loop),
-        values=(_values_codes4, simd.tile_values_codes_4_loop),
+        unpack=(_unpack4, ir_codes.unpack_tile_4_loop),
+        scores=(_scores_codes4, ir_codes.tile_scores_codes_4_loop),
+        values=(_values_codes4, ir_codes.tile_values_codes_4_loop),
     ),
     2: dict(
-        unpack=(_unpack2, simd.unpack_tile_2_loop),
-        scores=(_scores_codes2, simd.tile_scores_codes_2_loop),
-        values=(_values_codes2, simd.tile_values_codes_2_loop),
+        unpack=(_unpack2, ir_codes.unpack_tile_2_loop),
+        scores=(_scores_codes2, ir_codes.tile_scores_codes_2_loop),
+        values=(_values_codes2, ir_codes.tile_values_codes_2_loop),
     ),
 }
 
@@ -93,12 +96,12 @@ def _codes(rng, n, d, bits):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("nt", [64, 61, 1, 0])
 def test_unpack_tile_is_planar_centroids(bits, impl, d, nt, rng):
-    if impl == 0 and not simd.HAVE_PERMPS:
+    if impl == 0 and not cpu_features.HAVE_PERMPS:
         pytest.skip("no AVX-512")
     codes = _codes(rng, 150, d, bits)
     cent = rng.standard_normal(1 << bits).astype(np.float32)
     out = np.full((64, d), 7.0, np.float32)
-    FUNCS[bits]["unpack"][impl](codes, 40, nt, simd.table16(cent), out)
+    FUNCS[bits]["unpack"][impl](codes, 40, nt, planar.table16(cent), out)
     np.testing.assert_array_equal(out[:nt], _planar_values(codes[40 : 40 + nt], cent, bits))
     assert (out[nt:] == 7.0).all()
 
@@ -109,20 +112,20 @@ def test_unpack_tile_is_planar_centroids(bits, impl, d, nt, rng):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("nt", [64, 37, 3])
 def test_scores_and_values_from_codes(bits, impl, g, d, nt, rng):
-    if impl == 0 and not simd.HAVE_PERMPS:
+    if impl == 0 and not cpu_features.HAVE_PERMPS:
         pytest.skip("no AVX-512")
     codes = _codes(rng, 200, d, bits)
     cent = rng.standard_normal(1 << bits).astype(np.float32)
     vals = _planar_values(codes[17 : 17 + nt], cent, bits).astype(np.float64)
     qr = rng.standard_normal((g, d)).astype(np.float32)
     s = np.full((g, 64), 7.0, np.float32)
-    FUNCS[bits]["scores"][impl](codes, 17, nt, simd.table16(cent), qr, s)
+    FUNCS[bits]["scores"][impl](codes, 17, nt, planar.table16(cent), qr, s)
     np.testing.assert_allclose(s[:, :nt], qr @ vals.T, rtol=0, atol=2e-5 * d)
     assert (s[:, nt:] == 7.0).all()
     w = rng.random((g, 64)).astype(np.float32)
     acc = rng.standard_normal((g, d)).astype(np.float32)
     want = acc + w[:, :nt] @ vals
-    FUNCS[bits]["values"][impl](codes, 17, nt, simd.table16(cent), w, acc)
+    FUNCS[bits]["values"][impl](codes, 17, nt, planar.table16(cent), w, acc)
     np.testing.assert_allclose(acc, want, rtol=0, atol=2e-5 * nt + 1e-6)
 
 
@@ -146,9 +149,9 @@ def test_scores_and_values_of_a_buffer(g, d, nt, rng):
 def test_planar_order_round_trip(rng):
     x = rng.standard_normal((3, 128)).astype(np.float32)
     for per in (2, 4):
-        y = simd.to_planar(x, per)
+        y = planar.to_planar(x, per)
         assert y[0, 1] == x[0, per] and y[0, 128 // per] == x[0, 1]
-        np.testing.assert_array_equal(simd.from_planar(y, per), x)
+        np.testing.assert_array_equal(planar.from_planar(y, per), x)
 
 
 @pytest.mark.parametrize("method", ["pqo4", "pqo2", "pqo3", "tq4"])
@@ -169,13 +172,13 @@ def test_fused_kernel_with_every_group_split(method, g, rng):
 
 def test_table16_refuses_big_codebooks():
     with pytest.raises(ValueError, match="at most 16"):
-        simd.table16(np.zeros(17, np.float32))
+        planar.table16(np.zeros(17, np.float32))
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8, 12, 16])
 def test_table16_repeats_codebooks_that_divide_it(size):
     cent = np.arange(1, size + 1, dtype=np.float32)
-    tab = simd.table16(cent)
+    tab = planar.table16(cent)
     assert tab.dtype == np.float32 and tab.shape == (16,)
     np.testing.assert_array_equal(tab[:size], cent)  # every code's own entry
     if 16 % size == 0:
@@ -186,7 +189,7 @@ def test_table16_repeats_codebooks_that_divide_it(size):
 
 @nb.njit
 def _softmax_vec(s, nt, m, l, acc):
-    simd.softmax_rows(s, nt, m, l, acc)
+    ir_softmax.softmax_rows(s, nt, m, l, acc)
 
 
 @nb.njit
@@ -216,7 +219,7 @@ def test_softmax_rows_equals_the_loop(g, nt, first, rng):
 
 @nb.njit
 def _softmax_affine_vec(s, nt, kn, cq, rt, vn, m, l, acc):
-    simd.softmax_rows_affine(s, nt, kn, cq, rt, vn, m, l, acc)
+    ir_softmax.softmax_rows_affine(s, nt, kn, cq, rt, vn, m, l, acc)
 
 
 @pytest.mark.parametrize("g", [1, 4, 9])
@@ -235,7 +238,7 @@ def test_softmax_rows_affine_equals_the_loop(g, nt, first, rng):
     got = [x.copy() for x in (s, m, l, acc)]
     want = [x.copy() for x in (s, m, l, acc)]
     _softmax_affine_vec(got[0], nt, kn, cq, rt, vn, *got[1:])
-    simd.softmax_rows_affine_loop(want[0], nt, kn, cq, rt, vn, *want[1:])
+    ir_softmax.softmax_rows_affine_loop(want[0], nt, kn, cq, rt, vn, *want[1:])
     np.testing.assert_allclose(got[0][:, :nt], want[0][:, :nt], rtol=2e-5, atol=0)
     for a, b in zip(got[1:], want[1:]):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=0)
@@ -244,22 +247,22 @@ def test_softmax_rows_affine_equals_the_loop(g, nt, first, rng):
 
 @nb.njit
 def _int4_group(codes, qf, s, off):
-    simd.int4_group_scores(codes, qf, s, off)
+    ir_codes.int4_group_scores(codes, qf, s, off)
 
 
 @nb.njit
 def _int8_group(codes, qf, s, off):
-    simd.int8_group_scores(codes, qf, s, off)
+    ir_codes.int8_group_scores(codes, qf, s, off)
 
 
 @nb.njit
 def _values4_scaled(codes, t0, nt, tab, w, cscale, acc):
-    simd.tile_values_codes_4_scaled(codes, t0, nt, tab, w, cscale, acc)
+    ir_codes.tile_values_codes_4_scaled(codes, t0, nt, tab, w, cscale, acc)
 
 
 @nb.njit
 def _values8_scaled(codes, t0, nt, tab, w, cscale, acc):
-    simd.tile_values_codes_8_scaled(codes, t0, nt, tab, w, cscale, acc)
+    ir_codes.tile_values_codes_8_scaled(codes, t0, nt, tab, w, cscale, acc)
 
 
 def _int_codes(rng, rows, bits, n):
@@ -289,12 +292,12 @@ def test_int_group_scores(bits, group, g, d, rng):
 SCALED = {
     4: (
         _values4_scaled,
-        simd.tile_values_codes_4_scaled_loop,
+        ir_codes.tile_values_codes_4_scaled_loop,
         lambda c: _planar_values(c, np.arange(16, dtype=np.float32), 4).astype(np.float64),
         0.0,
         1e-4,
     ),
-    8: (_values8_scaled, simd.tile_values_codes_8_scaled_loop, lambda c: c.astype(np.float64), 1e-5, None),
+    8: (_values8_scaled, ir_codes.tile_values_codes_8_scaled_loop, lambda c: c.astype(np.float64), 1e-5, None),
 }
 
 
@@ -304,7 +307,7 @@ SCALED = {
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("nt", [64, 13])
 def test_scaled_values_from_int_codes(bits, impl, g, d, nt, rng):
-    if impl == 0 and not simd.HAVE_PERMPS:
+    if impl == 0 and not cpu_features.HAVE_PERMPS:
         pytest.skip("no AVX-512")
     kernel, loop, values, rtol, atol_per_token = SCALED[bits]
     codes = rng.integers(0, 256, (100, d * bits // 8 + 8), dtype=np.uint8)[:, : d * bits // 8]
@@ -312,7 +315,7 @@ def test_scaled_values_from_int_codes(bits, impl, g, d, nt, rng):
     cscale = rng.random((64, d // 16)).astype(np.float32)
     acc = rng.standard_normal((g, d)).astype(np.float32)
     want = acc + w[:, :nt] @ (values(codes[9 : 9 + nt]) * np.repeat(cscale[:nt], 16, axis=1))
-    (kernel if impl == 0 else loop)(codes, 9, nt, simd.table16(np.arange(16, dtype=np.float32)), w, cscale, acc)
+    (kernel if impl == 0 else loop)(codes, 9, nt, planar.table16(np.arange(16, dtype=np.float32)), w, cscale, acc)
     np.testing.assert_allclose(acc, want, rtol=rtol, atol=1e-3 if atol_per_token is None else atol_per_token * nt)
 
 
@@ -349,7 +352,7 @@ def _nibbles(codes):
 @pytest.mark.parametrize("nbytes", [4, 8, 12, 16, 20, 28, 32, 64])
 @pytest.mark.parametrize("nt", [1, 15, 16, 17, 64, 128])
 def test_codes_to_lanes_transposes_dwords(impl, nbytes, nt, rng):
-    if impl == 0 and not simd.HAVE_PERMPS:
+    if impl == 0 and not cpu_features.HAVE_PERMPS:
         pytest.skip("no AVX-512")
     codes = _codes(rng, 300, 2 * nbytes, 4)  # strided rows
     nw = nbytes // 4
@@ -369,7 +372,7 @@ def test_codes_to_lanes_transposes_dwords(impl, nbytes, nt, rng):
 @pytest.mark.parametrize("sd", [1, 2, 4])
 @pytest.mark.parametrize("nt", [1, 17, 128])
 def test_lane_table_scores_and_values(impl, g, nbytes, sd, nt, rng):
-    if impl == 0 and not simd.HAVE_PERMPS:
+    if impl == 0 and not cpu_features.HAVE_PERMPS:
         pytest.skip("no AVX-512")
     to_lanes, scores, values = LANES[impl]
     codes = _codes(rng, 200, 2 * nbytes, 4)
@@ -410,7 +413,7 @@ def _lane_sums(al, acc):
 @pytest.mark.parametrize("d", [8, 64, 128])
 @pytest.mark.parametrize("sd", [1, 2, 4])
 def test_lane_tables_and_sums(impl, g, d, sd, rng):
-    if impl == 0 and not simd.HAVE_PERMPS:
+    if impl == 0 and not cpu_features.HAVE_PERMPS:
         pytest.skip("no AVX-512")
     tables, sums = (_lane_tables, _lane_sums) if impl == 0 else (simd_lanes.lane_tables_loop, simd_lanes.lane_sums_loop)
     q = rng.standard_normal((g, d)).astype(np.float32)

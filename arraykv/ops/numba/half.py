@@ -7,7 +7,7 @@ vectorizes over a loop (sixteen values per instruction with AVX-512); elsewhere 
 operations and one multiply (see Notes of :func:`half_bits_to_float`). Both give the exact
 float32 value of every bit pattern (subnormals, infinities, NaN) and read no table: a decode
 step between a model's matrix products, which evict the caches, would otherwise miss on most
-reads of a 256 KiB table (:data:`arraykv.ops.numba.polar_rows.HALF_TO_FLOAT`, the ``half``
+reads of a 256 KiB table (:data:`HALF_TO_FLOAT`, the ``half``
 argument of the kernels' signatures; the token loops still read per-token lengths and
 integer scales from it: there a strided F16C read is vectorized with gathers, which measured
 slower than table loads whose few lines stay cached).
@@ -24,8 +24,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .polar_rows import HALF_TO_FLOAT
-from .simd import host_cpu_has
+from .cpu_features import host_cpu_has
 
 __all__ = [
     "HAVE_F16C",
@@ -37,6 +36,9 @@ __all__ = [
     "half_is_finite",
 ]
 
+#: float16 bit pattern -> float32 value. Numba has no float16 arrays, so float16 state is
+#: read through ``uint16`` views (no copy) and this 256 KiB table.
+HALF_TO_FLOAT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 #: True when compiled code converts float16 with the F16C instructions (the host has them and
 #: Numba compiles for the host). Without them the conversion would be a call into a runtime

@@ -17,7 +17,7 @@ then exact window values):
 3. a log-sum-exp merge of the token splits and the division by the softmax denominator.
 
 With AVX-512, ``G`` a multiple of 32 and ``head_dim`` a multiple of 64
-(:mod:`arraykv.ops.numba.simd`; int2 through :mod:`arraykv.ops.numba.simd_int2`, in channel
+(:mod:`arraykv.ops.numba.ir_codes`; int2 through :mod:`arraykv.ops.numba.simd_int2`, in channel
 order), step 2 runs in 16-lane vectors: a key group is scored with
 its tokens along the lanes (each channel's codes converted once for four query heads, no sum
 across lanes), the softmax of a tile for every query head at once, and the value codes are
@@ -29,7 +29,7 @@ Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`: below
 head's tokens, at key-group boundaries, over Numba's threads (only step 2 is parallel). Work
 buffers are ``O(heads · G_q · head_dim)`` plus ``O(TILE · head_dim + head_dim · G)`` per task:
 nothing grows with the context. float16 scales and offsets are read through ``uint16`` views
-and :data:`arraykv.ops.numba.polar_rows.HALF_TO_FLOAT`. Functions are compiled per parameter
+and :data:`arraykv.ops.numba.half.HALF_TO_FLOAT`. Functions are compiled per parameter
 dtype (float16 or float32) and head_dim (64 and 128 fixed at compile time, others read at run
 time), for read-only arguments of any layout, when a call first needs them, and cached on disk."""
 
@@ -45,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ...attention.int_fused import check_query
+from .cpu_features import VECTOR_TILES
 from .fused_driver import (
     FASTMATH,
     TILE,
@@ -58,18 +59,10 @@ from .fused_driver import (
     run_step,
     softmax_tile,
 )
-from .polar_rows import HALF_TO_FLOAT
-from .simd import (
-    VECTOR_TILES,
-    channels_to_planar,
-    int4_group_scores,
-    int8_group_scores,
-    planar_to_channels,
-    softmax_rows,
-    table16,
-    tile_values_codes_4_scaled,
-    tile_values_codes_8_scaled,
-)
+from .half import HALF_TO_FLOAT
+from .ir_codes import int4_group_scores, int8_group_scores, tile_values_codes_4_scaled, tile_values_codes_8_scaled
+from .ir_softmax import softmax_rows
+from .planar import channels_to_planar, planar_to_channels, table16
 from .simd_int2 import int2_group_scores, tile_values_codes_2_scaled
 
 __all__ = ["int_decode_attention", "TILE"]
@@ -191,7 +184,7 @@ def _attend_span(
     nbk = (G * bits + 7) // 8  # bytes per packed key row / value row
     nbv = (d * bits + 7) // 8
     # int2/int4/int8 in 16-lane vectors: key groups scored with tokens along the lanes, values summed
-    # from the packed rows (int4 in planar order: even channels, then odd; :mod:`arraykv.ops.numba.simd`)
+    # from the packed rows (int4 in planar order: even channels, then odd; :mod:`arraykv.ops.numba.planar`)
     vec = VECTOR_TILES and bits in (2, 4, 8) and G % 32 == 0 and d % 64 == 0 and tile % 16 == 0
     vec4 = vec and bits == 4
     half_d = d // 2

@@ -22,7 +22,7 @@ A call is the step of :mod:`arraykv.ops.numba.fused_driver`:
    ``B_V w + (Σ p_t) μ_V``, the kept tokens in the same online softmax, and the division by
    the denominator.
 
-With AVX-512 (:data:`arraykv.ops.numba.simd.VECTOR_TILES`) the softmax of a tile runs for every
+With AVX-512 (:data:`arraykv.ops.numba.cpu_features.VECTOR_TILES`) the softmax of a tile runs for every
 query head at once in 16-lane vectors, and so do the products over ranks (and head dims) that
 are multiples of 16 (:func:`_tile_scores16`, :func:`_tile_values16`); other sizes run plain
 loops. Small steps run on the calling thread (:mod:`arraykv.ops.numba.threads`, work counted as
@@ -56,7 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from ..._validation import check_softmax_scale
 from ...attention.lowrank_fused import check_decode_args, lowrank_decode_attention as _reference
-from . import simd
+from .cpu_features import VECTOR_TILES
 from .fused_driver import (
     FASTMATH,
     build_steps,
@@ -70,7 +70,8 @@ from .fused_driver import (
     tile_dots,
 )
 from .half import HALF_TO_FLOAT, half_to_float
-from .simd import VECTOR_TILES, softmax_rows
+from .ir_softmax import softmax_rows
+from .ir_tiles import array_args, c_f32, scores_codegen, vec_helpers
 
 __all__ = ["lowrank_decode_attention", "TILE"]
 
@@ -122,7 +123,7 @@ def _rows(x16, x32, b, h, t0, nt, table, out):
             dst[j] = src32[j]
 
 
-# ---- tile products in 16-lane vectors (AVX-512: arraykv.ops.numba.simd) ---------------------
+# ---- tile products in 16-lane vectors (AVX-512: arraykv.ops.numba.ir_tiles) -----------------
 #
 # Used when the ranks are multiples of 16 (:data:`VECTOR_TILES`): the plain loops
 # (:func:`~arraykv.ops.numba.fused_driver.tile_dots`, ``tile_add_rows``) leave the
@@ -137,16 +138,16 @@ def _tile_scores16(typingctx, buf, nt, qr, s):
 
     ``buf`` (rows, width), ``qr`` (G, r), ``s`` (G, ≥ nt): C-contiguous float32, ``r`` a
     multiple of 16, ``nt ≤ rows``, ``width ≥ r``; not checked at run time. The code of
-    :func:`arraykv.ops.numba.simd.tile_scores`, whose loops take the columns sixteen at a time.
+    :func:`arraykv.ops.numba.ir_tiles.tile_scores`, whose loops take the columns sixteen at a time.
     """
-    if not (simd._c_f32(buf, qr, s) and isinstance(nt, nbt.Integer)):
+    if not (c_f32(buf, qr, s) and isinstance(nt, nbt.Integer)):
         return None
-    return nbt.void(buf, nbt.int64, qr, s), simd._scores_codegen
+    return nbt.void(buf, nbt.int64, qr, s), scores_codegen
 
 
 def _values16_codegen(context, builder, sig, args):
-    h = simd._vec_helpers()
-    (buf, (_, width)), (w, (_, w_w)), (acc, (g_n, acc_w)) = simd._arrays(context, builder, sig, args, (0, 2, 3))
+    h = vec_helpers()
+    (buf, (_, width)), (w, (_, w_w)), (acc, (g_n, acc_w)) = array_args(context, builder, sig, args, (0, 2, 3))
     nt, ncol = args[1], args[4]
     fma = h.fma_fn(builder)
     # accumulators [row parity][query head][column block]: two rows per step on separate chains,
@@ -201,7 +202,7 @@ def _tile_values16(typingctx, buf, nt, w, acc, ncol):
     ``buf`` (rows, width), ``w`` (G, ≥ nt), ``acc`` (G, ≥ ncol): C-contiguous float32, ``ncol``
     a multiple of 16, ``nt ≤ rows``, ``width ≥ ncol``; not checked at run time.
     """
-    if not (simd._c_f32(buf, w, acc) and isinstance(nt, nbt.Integer) and isinstance(ncol, nbt.Integer)):
+    if not (c_f32(buf, w, acc) and isinstance(nt, nbt.Integer) and isinstance(ncol, nbt.Integer)):
         return None
     return nbt.void(buf, nbt.int64, w, acc, nbt.int64), _values16_codegen
 

@@ -13,7 +13,7 @@ A call is one compiled function that does the whole step for every (batch, KV he
    ``Σ_j A_j cos ω_j p + B_j sin ω_j p``, phases carried from tile to tile by one complex
    multiplication per pair), an online softmax per query head is rescaled
    once per tile, then the value codes are unpacked and accumulated, weighted, in the rotated
-   domain. With AVX-512 and ``head_dim`` a multiple of 64 (:mod:`arraykv.ops.numba.simd`):
+   domain. With AVX-512 and ``head_dim`` a multiple of 64 (:mod:`arraykv.ops.numba.ir_codes`):
    4- and 2-bit codes are scored and summed straight from the packed rows, sixteen codes per
    ``vpermps`` in planar order (the queries of ``prepare`` and the value sums of ``finish`` are
    permuted to match), other widths from the unpacked tile; scores, value sums, the rotating
@@ -48,7 +48,12 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
+from .cpu_features import VECTOR_TILES
 from .fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softmax_tile, tile_add_rows, tile_dots
+from .ir_codes import tile_scores_codes_2, tile_scores_codes_4, tile_values_codes_2, tile_values_codes_4
+from .ir_softmax import softmax_rows, softmax_rows_affine
+from .ir_tiles import tile_scores, tile_values
+from .planar import channels_to_planar
 from .polar_query import _finish_head, _prepare_head, _prepare_rotating
 from .polar_rows import (
     _NO_F32_3,
@@ -65,18 +70,6 @@ from .polar_rows import (
     _fixed_args,
     _planar_per,
     _unpack_rows,
-)
-from .simd import (
-    VECTOR_TILES,
-    channels_to_planar,
-    softmax_rows,
-    softmax_rows_affine,
-    tile_scores,
-    tile_scores_codes_2,
-    tile_scores_codes_4,
-    tile_values,
-    tile_values_codes_2,
-    tile_values_codes_4,
 )
 from .simd3 import tile_scores_codes_3, tile_values_codes_3
 from .simd_signs import tile_sign_scores

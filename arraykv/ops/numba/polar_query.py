@@ -22,8 +22,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 from ...quant.qjl import QJL_SCALE
 from .fused_driver import FASTMATH, TILE, merge_splits, merge_top
 from .half import half_to_float
+from .planar import planar_to_channels
 from .polar_rows import _fwht
-from .simd import planar_to_channels
 
 __all__ = ["_prepare_head", "_prepare_rotating", "_finish_head"]
 
@@ -140,7 +140,7 @@ def _finish_head(
     state per split. The window block (sinks and recent tokens, any order) is attended with the
     unweighted queries; the value sum of the quantized tokens is rotated back (``Mᵀ y``) and
     gains ``l · v_mean`` (see :func:`arraykv.attention.polar_fused.merge_window`). With
-    ``v_per`` not 0 the splits' value sums are in planar order (:mod:`arraykv.ops.numba.simd`).
+    ``v_per`` not 0 the splits' value sums are in planar order (:mod:`arraykv.ops.numba.planar`).
     """
     splits, g_n, d = acc_sp.shape
     has_vmean = v_mean.shape[2] > 0

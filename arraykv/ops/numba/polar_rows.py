@@ -16,9 +16,12 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
+from .cpu_features import HAVE_PERMPS
 from .fused_driver import FASTMATH
+from .half import HALF_TO_FLOAT
+from .ir_codes import unpack_tile_2, unpack_tile_4
+from .planar import planar_per, table16
 from .polar import _fwht
-from .simd import HAVE_PERMPS, planar_per, table16, unpack_tile_2, unpack_tile_4
 
 __all__ = [
     "HALF_TO_FLOAT",
@@ -33,9 +36,6 @@ __all__ = [
     "memo_by_objects",
 ]
 
-#: float16 bit pattern -> float32 value. Numba has no float16 arrays, so float16 state is
-#: read through ``uint16`` views (no copy) and this 256 KiB table.
-HALF_TO_FLOAT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 #: QJL bit values: bit 0 -> -1, bit 1 -> +1.
 _SIGNS = np.array([-1.0, 1.0], np.float32)
 #: Codes per chunk of :func:`_chunk_table`, by bits.
@@ -91,7 +91,7 @@ def _unpack_small(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
 
 @nb.njit(inline="always")
 def _planar_per(bits, d):
-    """:func:`arraykv.ops.numba.simd.planar_per` inside compiled code (``HAVE_PERMPS`` is a compile-time constant)."""
+    """:func:`arraykv.ops.numba.planar.planar_per` inside compiled code (``HAVE_PERMPS`` is a compile-time constant)."""
     if not HAVE_PERMPS:
         return 0
     if bits == 4 and d % 32 == 0:
@@ -107,8 +107,8 @@ def _unpack_rows(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
 
     Layout of :mod:`arraykv.quant.bitpack`. ``out`` (float32, (rows, even width >= d)) and
     ``out64`` are views of one buffer; ``table`` is :func:`_chunk_table` of ``cent``, or, when
-    :func:`_planar_per` of ``(bits, d)`` is not 0, :func:`arraykv.ops.numba.simd.table16` of it
-    (as 8 words) and the rows come out in planar order (:mod:`arraykv.ops.numba.simd`; the
+    :func:`_planar_per` of ``(bits, d)`` is not 0, :func:`arraykv.ops.numba.planar.table16` of it
+    (as 8 words) and the rows come out in planar order (:mod:`arraykv.ops.numba.planar`; the
     rows of ``codes`` must then be contiguous). The branch on ``bits`` is taken once per
     call, so every loop below is specialised.
     """

@@ -1,14 +1,14 @@
 """Packed 3-bit codes to centroid values sixteen at a time (Numba, ``vpermps``).
 
 Three-bit codes do not split into bit planes of whole bytes the way 4- and 2-bit codes do
-(:mod:`arraykv.ops.numba.simd`): eight codes share three bytes. Sixteen codes are six bytes,
+(:mod:`arraykv.ops.numba.ir_codes`): eight codes share three bytes. Sixteen codes are six bytes,
 though, so chunk ``c`` of a row (channels ``16c .. 16c + 15``, in channel order) is the 48-bit
 word at byte ``6c``: one byte shuffle puts the two bytes holding code ``k`` (bytes ``3k >> 3``
 and the next) in 32-bit lane ``k``, one variable shift by ``3k & 7`` brings the code to bit 0,
 and ``vpermps`` looks the sixteen up in the codebook register, reading four index bits: the
 bit above each code does not matter because the table repeats the eight centroids.
 :func:`tile_scores_codes_3` and :func:`tile_values_codes_3` are the tile products of
-:mod:`arraykv.ops.numba.simd` read this way (rows of ``d`` codes, ``d`` a multiple of 64, in
+:mod:`arraykv.ops.numba.ir_tiles` read this way (rows of ``d`` codes, ``d`` a multiple of 64, in
 channel order: the queries and value sums need no permutation); their ``*_loop`` versions are
 the plain loops they are checked against.
 """
@@ -24,15 +24,15 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .simd import (
-    _arrays,
-    _c_f32,
-    _emit_row_values,
-    _emit_scores,
-    _g_blocks_any,
-    _vec_helpers,
+from .ir_tiles import (
+    array_args,
+    c_f32,
+    emit_row_values,
+    emit_scores,
+    g_blocks_any,
     rows_scores_loop,
     rows_values_loop,
+    vec_helpers,
 )
 
 __all__ = [
@@ -85,9 +85,9 @@ def _source3(context, builder, h, sig, args):
 
 
 def _scores3_codegen(context, builder, sig, args):
-    h = _vec_helpers()
+    h = vec_helpers()
     t0, nt = args[1], args[2]
-    (qr, (g_n, d)), (s, (_, s_w)) = _arrays(context, builder, sig, args, (4, 5))
+    (qr, (g_n, d)), (s, (_, s_w)) = array_args(context, builder, sig, args, (4, 5))
     row_ptr, chunk = _source3(context, builder, h, sig, args)
     fma = h.fma_fn(builder)
     accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(16)]
@@ -105,21 +105,21 @@ def _scores3_codegen(context, builder, sig, args):
                     a = accs[gi * n_rows + i]
                     builder.store(builder.call(fma, [x, qv[gi], builder.load(a)]), a)
 
-    _g_blocks_any(builder, h, g_n, _emit_scores(builder, h, nt, s, s_w, accs, lambda gb: 4 if gb >= 3 else 8, fill))
+    g_blocks_any(builder, h, g_n, emit_scores(builder, h, nt, s, s_w, accs, lambda gb: 4 if gb >= 3 else 8, fill))
     return context.get_dummy_value()
 
 
 def _values3_codegen(context, builder, sig, args):
-    h = _vec_helpers()
+    h = vec_helpers()
     t0, nt = args[1], args[2]
-    (w, (_, w_w)), (acc, (g_n, d)) = _arrays(context, builder, sig, args, (4, 5))
+    (w, (_, w_w)), (acc, (g_n, d)) = array_args(context, builder, sig, args, (4, 5))
     row_ptr, chunk = _source3(context, builder, h, sig, args)
 
     def row_source(r):
         row = row_ptr(builder.add(t0, r), prefetch=True)
         return lambda c: chunk(row, c)
 
-    _emit_row_values(builder, h, g_n, d, nt, w, w_w, acc, row_source)
+    emit_row_values(builder, h, g_n, d, nt, w, w_w, acc, row_source)
     return context.get_dummy_value()
 
 
@@ -130,7 +130,7 @@ def _typer(gen, name):
             and codes.ndim == 2
             and codes.dtype == nbt.uint8
             and isinstance(tab, nbt.Array)
-            and _c_f32(x, out)
+            and c_f32(x, out)
             and x.ndim == 2
             and out.ndim == 2
             and all(isinstance(v, nbt.Integer) for v in (t0, nt))
@@ -145,11 +145,11 @@ def _typer(gen, name):
 
 #: ``tile_scores_codes_3(codes, t0, nt, tab, qr, s)``: ``s[g, r] = Σ_j qr[g, j] · tab[code_j(t0 + r)]``
 #: for ``r < nt``; ``codes`` uint8 (T, 3d / 8), rows of contiguous bytes (any row stride), ``tab``
-#: 16 float32 (:func:`arraykv.ops.numba.simd.table16` of the 8 centroids: entries 8..15 repeat
+#: 16 float32 (:func:`arraykv.ops.numba.planar.table16` of the 8 centroids: entries 8..15 repeat
 #: 0..7, since a code is read with the bit above it; any dtype view of its 64 bytes), ``qr`` (G, d),
 #: ``s`` (G, ≥ nt) C-contiguous
 #: float32, ``d`` a multiple of 16. Not checked at run time.
-#: Needs :data:`~arraykv.ops.numba.simd.HAVE_PERMPS` (AVX-512 or AVX2).
+#: Needs :data:`~arraykv.ops.numba.cpu_features.HAVE_PERMPS` (AVX-512 or AVX2).
 tile_scores_codes_3 = _typer(_scores3_codegen, "tile_scores_codes_3")
 #: ``tile_values_codes_3(codes, t0, nt, tab, w, acc)``: ``acc[g, j] += Σ_{r < nt} w[g, r] · tab[code_j(t0 + r)]``;
 #: as above, ``w`` (G, ≥ nt), ``acc`` (G, d) with ``d`` a multiple of 64.

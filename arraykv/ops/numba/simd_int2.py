@@ -3,7 +3,7 @@
 The ``int2`` cache packs four codes per byte, lowest bits first (:mod:`arraykv.quant.bitpack`),
 so sixteen consecutive codes are one 32-bit word: spread over sixteen lanes, shifted right by
 ``2k`` and cut to two bits, lane ``k`` holds code ``k``, in order. That serves both of its
-layouts without the planar reordering the 4-bit tiles use (:mod:`arraykv.ops.numba.simd`),
+layouts without the planar reordering the 4-bit tiles use (:mod:`arraykv.ops.numba.planar`),
 which would mix value groups of 32 channels inside one vector:
 
 * :func:`int2_group_scores`: a key group (``d`` channel rows of ``G`` token codes) scored
@@ -25,7 +25,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .simd import _arrays, _c_f32, _emit_row_values, _g_blocks_any, _vec_helpers
+from .ir_tiles import array_args, c_f32, emit_row_values, g_blocks_any, vec_helpers
 
 __all__ = [
     "int2_group_scores",
@@ -53,11 +53,11 @@ def _sixteen(builder, h):
 
 
 def _group_codegen(context, builder, sig, args):
-    h = _vec_helpers()
+    h = vec_helpers()
     c_arr = context.make_array(sig.args[0])(context, builder, args[0])
     c_stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
     nbk = h.cgutils.unpack_tuple(builder, c_arr.shape)[1]
-    (qf, (g_n, d)), (s, (_, s_w)) = _arrays(context, builder, sig, args, (1, 2))
+    (qf, (g_n, d)), (s, (_, s_w)) = array_args(context, builder, sig, args, (1, 2))
     off = args[3]
     fma = h.fma_fn(builder)
     codes16 = _sixteen(builder, h)
@@ -88,7 +88,7 @@ def _group_codegen(context, builder, sig, args):
                 h.vstore(builder, builder.load(accs[2 * gi]), s, base)
                 h.vstore(builder, builder.load(accs[2 * gi + 1]), s, builder.add(base, h.const(16)))
 
-    _g_blocks_any(builder, h, g_n, emit)
+    g_blocks_any(builder, h, g_n, emit)
     return context.get_dummy_value()
 
 
@@ -99,13 +99,13 @@ def int2_group_scores(typingctx, codes, qf, s, off):
     ``codes`` (d, G/4) uint8: channel ``c``'s ``G`` token codes packed four per byte (lowest
     bits first; ``G`` a multiple of 32, bytes of a row contiguous); ``qf`` (G_q, d) and ``s``
     (G_q, ≥ off + G) C-contiguous float32. Not checked at run time.
-    Needs :data:`~arraykv.ops.numba.simd.HAVE_PERMPS` (AVX-512 or AVX2).
+    Needs :data:`~arraykv.ops.numba.cpu_features.HAVE_PERMPS` (AVX-512 or AVX2).
     """
     ok = (
         isinstance(codes, nbt.Array)
         and codes.ndim == 2
         and codes.dtype == nbt.uint8
-        and _c_f32(qf, s)
+        and c_f32(qf, s)
         and qf.ndim == 2
         and s.ndim == 2
         and isinstance(off, nbt.Integer)
@@ -116,11 +116,11 @@ def int2_group_scores(typingctx, codes, qf, s, off):
 
 
 def _values_codegen(context, builder, sig, args):
-    h = _vec_helpers()
+    h = vec_helpers()
     c_arr = context.make_array(sig.args[0])(context, builder, args[0])
     c_stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
     t0, nt = args[1], args[2]
-    (w, (_, w_w)), (csc, (_, cs_w)), (acc, (g_n, d)) = _arrays(context, builder, sig, args, (3, 4, 5))
+    (w, (_, w_w)), (csc, (_, cs_w)), (acc, (g_n, d)) = array_args(context, builder, sig, args, (3, 4, 5))
     codes16 = _sixteen(builder, h)
 
     def row_source(r):  # row t0 + r: chunk c is 4 bytes of codes times the chunk's group scale
@@ -134,7 +134,7 @@ def _values_codegen(context, builder, sig, args):
 
         return chunk
 
-    _emit_row_values(builder, h, g_n, d, nt, w, w_w, acc, row_source)
+    emit_row_values(builder, h, g_n, d, nt, w, w_w, acc, row_source)
     return context.get_dummy_value()
 
 
@@ -145,13 +145,13 @@ def tile_values_codes_2_scaled(typingctx, codes, t0, nt, w, cscale, acc):
     ``codes`` uint8 (T, d/4), rows of contiguous bytes (any row stride), four codes per byte
     lowest bits first; ``w`` (G, ≥ nt), ``cscale`` (≥ nt, d/16), ``acc`` (G, d) C-contiguous
     float32, ``d`` a multiple of 64. Not checked at run time.
-    Needs :data:`~arraykv.ops.numba.simd.HAVE_PERMPS` (AVX-512 or AVX2).
+    Needs :data:`~arraykv.ops.numba.cpu_features.HAVE_PERMPS` (AVX-512 or AVX2).
     """
     ok = (
         isinstance(codes, nbt.Array)
         and codes.ndim == 2
         and codes.dtype == nbt.uint8
-        and _c_f32(w, cscale, acc)
+        and c_f32(w, cscale, acc)
         and w.ndim == 2
         and cscale.ndim == 2
         and acc.ndim == 2

@@ -13,7 +13,7 @@ channel of a codebook) gives that sub-space's values for sixteen tokens in one i
 (:func:`lane_tables`), :func:`lane_table_values` sums the values the same way, per lane until
 a span ends (:func:`lane_sums`); the ``vq`` kernel's default path
 (:mod:`arraykv.ops.numba.vq_fused`). Each has a ``*_loop`` version, the plain loop it is checked
-against and what runs without vector lookups (:data:`~arraykv.ops.numba.simd.HAVE_PERMPS`).
+against and what runs without vector lookups (:data:`~arraykv.ops.numba.cpu_features.HAVE_PERMPS`).
 """
 
 from __future__ import annotations
@@ -27,21 +27,22 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .simd import HAVE_PERMPS, _arrays, _c_f32, _g_blocks_any, _vec_helpers
+from .cpu_features import HAVE_PERMPS
+from .ir_tiles import array_args, c_f32, g_blocks_any, vec_helpers
 
 #: Prefetched code rows go to the second-level cache (prefetcht1): the next tiles, not the working set of this one.
 _PREFETCH_LOCALITY = 1
 
 
 def _lanes_codegen(context, builder, sig, args):
-    h = _vec_helpers()
+    h = vec_helpers()
     ir = h.ir
     i32 = ir.IntType(32)
     c_arr = context.make_array(sig.args[0])(context, builder, args[0])
     c_stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
     nbk = h.cgutils.unpack_tuple(builder, c_arr.shape)[1]
     t0, nt, ahead = args[1], args[2], args[3]
-    ((out, _),) = _arrays(context, builder, sig, args, (4,))
+    ((out, _),) = array_args(context, builder, sig, args, (4,))
     nw = builder.udiv(nbk, h.const(4))
     nblk = builder.udiv(builder.add(nt, h.const(15)), h.const(16))
     last = builder.sub(builder.add(t0, nt), h.const(1))
@@ -132,10 +133,10 @@ def _lanes_codegen(context, builder, sig, args):
 def _lane_scores_codegen(context, builder, sig, args):
     """``s[g, 16b + i] = Σ_{w, k} lut[g, 128w + 16k + nibble k of lanes[b·nw + w, i]]``: per dword of
     the codes, eight shifts shared by the block of query heads, one ``vpermps`` and add per head."""
-    h = _vec_helpers()
+    h = vec_helpers()
     ir = h.ir
     v16i32 = ir.VectorType(ir.IntType(32), 16)
-    (lanes, _), (lut, (g_n, lw)), (s, (_, s_w)) = _arrays(context, builder, sig, args, (0, 3, 4))
+    (lanes, _), (lut, (g_n, lw)), (s, (_, s_w)) = array_args(context, builder, sig, args, (0, 3, 4))
     nblk, nw = args[1], args[2]
     perm = h.perm_fn(builder)
     accs = [h.cgutils.alloca_once(builder, h.v16) for _ in range(8)]
@@ -168,7 +169,7 @@ def _lane_scores_codegen(context, builder, sig, args):
         return emit
 
     with h.cgutils.for_range(builder, nblk) as lb:
-        _g_blocks_any(builder, h, g_n, emit_blk(lb.index))
+        g_blocks_any(builder, h, g_n, emit_blk(lb.index))
     return context.get_dummy_value()
 
 
@@ -176,11 +177,13 @@ def _lane_values_codegen(context, builder, sig, args):
     """``acc[g, 16c + i] += w[g, 16b + i] · ctab[c, nibble (c // sd) of the lanes of block b]``: per
     block of channels (four for three or four query heads, else eight), accumulators in registers
     for the whole tile; a channel's ``vpermps`` is shared by the block of query heads."""
-    h = _vec_helpers()
+    h = vec_helpers()
     ir = h.ir
     i32 = ir.IntType(32)
     v16i32 = ir.VectorType(i32, 16)
-    (lanes, _), (ctab, (d, _)), (wt, (_, w_w)), (acc, (g_n, a_w)) = _arrays(context, builder, sig, args, (0, 4, 5, 6))
+    (lanes, _), (ctab, (d, _)), (wt, (_, w_w)), (acc, (g_n, a_w)) = array_args(
+        context, builder, sig, args, (0, 4, 5, 6)
+    )
     nblk, nw, sd = args[1], args[2], args[3]
     perm = h.perm_fn(builder)
     fma = h.fma_fn(builder)
@@ -233,7 +236,7 @@ def _lane_values_codegen(context, builder, sig, args):
                 for ci in range(cb):
                     h.vstore(builder, builder.load(accs[gi * cb + ci]), acc, offs[gi][ci])
 
-    _g_blocks_any(builder, h, g_n, emit)
+    g_blocks_any(builder, h, g_n, emit)
     return context.get_dummy_value()
 
 
@@ -275,7 +278,7 @@ def _lane_table_scores(typingctx, lanes, nblk, nw, lut, s):
     """
     ok = (
         _i32_c(lanes, 2)
-        and _c_f32(lut, s)
+        and c_f32(lut, s)
         and lut.ndim == 2
         and s.ndim == 2
         and all(isinstance(x, nbt.Integer) for x in (nblk, nw))
@@ -296,7 +299,7 @@ def _lane_table_values(typingctx, lanes, nblk, nw, sd, ctab, w, acc):
     """
     ok = (
         _i32_c(lanes, 2)
-        and _c_f32(ctab, w, acc)
+        and c_f32(ctab, w, acc)
         and ctab.ndim == 2
         and w.ndim == 2
         and acc.ndim == 2
@@ -308,8 +311,8 @@ def _lane_table_values(typingctx, lanes, nblk, nw, sd, ctab, w, acc):
 
 
 def _lane_tables_codegen(context, builder, sig, args):
-    h = _vec_helpers()
-    (q, (g_n, d)), (tab, _), (lut, (_, lw)) = _arrays(context, builder, sig, args, (0, 1, 3))
+    h = vec_helpers()
+    (q, (g_n, d)), (tab, _), (lut, (_, lw)) = array_args(context, builder, sig, args, (0, 1, 3))
     sd = args[2]
     fma = h.fma_fn(builder)
     acc = h.cgutils.alloca_once(builder, h.v16)
@@ -333,8 +336,8 @@ def _lane_tables_codegen(context, builder, sig, args):
 
 
 def _lane_sums_codegen(context, builder, sig, args):
-    h = _vec_helpers()
-    (al, (g_n, a_w)), (acc, (_, d)) = _arrays(context, builder, sig, args, (0, 1))
+    h = vec_helpers()
+    (al, (g_n, a_w)), (acc, (_, d)) = array_args(context, builder, sig, args, (0, 1))
     with h.cgutils.for_range(builder, g_n) as lg:
         with h.cgutils.for_range(builder, builder.udiv(d, h.const(4))) as lc:
             c0 = builder.mul(lc.index, h.const(4))
@@ -354,7 +357,7 @@ def _lane_tables(typingctx, q, tab, sd, lut):
     :func:`lane_table_values`), ``lut`` (G, ≥ 16 · d / sd), C-contiguous float32, ``sd`` dividing
     ``d``; entries past sub-space ``d / sd − 1`` are left as they are.
     """
-    ok = _c_f32(q, tab, lut) and q.ndim == 2 and tab.ndim == 2 and lut.ndim == 2 and isinstance(sd, nbt.Integer)
+    ok = c_f32(q, tab, lut) and q.ndim == 2 and tab.ndim == 2 and lut.ndim == 2 and isinstance(sd, nbt.Integer)
     if not ok:
         return None
     return nbt.void(q, tab, nbt.int64, lut), _lane_tables_codegen
@@ -365,7 +368,7 @@ def _lane_sums(typingctx, al, acc):
 
     ``al`` (G, ≥ 16 · d), ``acc`` (G, d): C-contiguous float32, ``d`` a multiple of 4.
     """
-    if not (_c_f32(al, acc) and al.ndim == 2 and acc.ndim == 2):
+    if not (c_f32(al, acc) and al.ndim == 2 and acc.ndim == 2):
         return None
     return nbt.void(al, acc), _lane_sums_codegen
 

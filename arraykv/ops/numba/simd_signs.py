@@ -7,8 +7,8 @@ sketched query ``S q`` (m values) against the ``m`` stored signs of the key's re
 16-bit word at byte ``2c`` is sign ``16c + k``), and one ``select`` between the sixteen sketched
 query values and their negatives gives their signed products. :func:`tile_sign_scores` does a
 tile of rows for every query head, four to eight rows per pass with the lane sums of
-:mod:`arraykv.ops.numba.simd`; :func:`tile_sign_scores_loop` is the plain loop it is checked
-against (and what runs without :data:`~arraykv.ops.numba.simd.HAVE_PERMPS`).
+:mod:`arraykv.ops.numba.ir_tiles`; :func:`tile_sign_scores_loop` is the plain loop it is checked
+against (and what runs without :data:`~arraykv.ops.numba.cpu_features.HAVE_PERMPS`).
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .simd import _arrays, _c_f32, _emit_scores, _g_blocks_any, _vec_helpers
+from .ir_tiles import array_args, c_f32, emit_scores, g_blocks_any, vec_helpers
 
 __all__ = ["tile_sign_scores", "tile_sign_scores_loop"]
 
 
 def _sign_scores_codegen(context, builder, sig, args):
-    h = _vec_helpers()
+    h = vec_helpers()
     ir = h.ir
     c_arr = context.make_array(sig.args[0])(context, builder, args[0])
     c_stride = h.cgutils.unpack_tuple(builder, c_arr.strides)[0]
     t0, nt = args[1], args[2]
-    (sq, (g_n, m)), (s, (_, s_w)) = _arrays(context, builder, sig, args, (3, 4))
+    (sq, (g_n, m)), (s, (_, s_w)) = array_args(context, builder, sig, args, (3, 4))
     i16 = ir.IntType(16)
     v16i1 = ir.VectorType(ir.IntType(1), 16)
     chunks = builder.udiv(m, h.const(16))
@@ -60,7 +60,7 @@ def _sign_scores_codegen(context, builder, sig, args):
                     a = accs[gi * n_rows + i]
                     builder.store(builder.fadd(builder.load(a), builder.select(mask, pos[gi], neg[gi])), a)
 
-    _g_blocks_any(builder, h, g_n, _emit_scores(builder, h, nt, s, s_w, accs, lambda gb: 4 if gb >= 3 else 8, fill))
+    g_blocks_any(builder, h, g_n, emit_scores(builder, h, nt, s, s_w, accs, lambda gb: 4 if gb >= 3 else 8, fill))
     return context.get_dummy_value()
 
 
@@ -71,13 +71,13 @@ def tile_sign_scores(typingctx, signs, t0, nt, sq, s):
     ``signs`` uint8 (T, ≥ m / 8) with contiguous bytes in a row (any row stride), sign ``i`` of
     a row at bit ``i % 8`` of byte ``i // 8``; ``sq`` (G, m) and ``s`` (G, ≥ nt) C-contiguous
     float32, ``m`` a multiple of 16. Not checked at run time.
-    Needs :data:`~arraykv.ops.numba.simd.HAVE_PERMPS` (AVX-512 or AVX2).
+    Needs :data:`~arraykv.ops.numba.cpu_features.HAVE_PERMPS` (AVX-512 or AVX2).
     """
     ok = (
         isinstance(signs, nbt.Array)
         and signs.ndim == 2
         and signs.dtype == nbt.uint8
-        and _c_f32(sq, s)
+        and c_f32(sq, s)
         and sq.ndim == 2
         and s.ndim == 2
         and all(isinstance(v, nbt.Integer) for v in (t0, nt))

@@ -62,6 +62,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ...quant.vq import check_decode_attention_args
+from .cpu_features import VECTOR_TILES
 from .fused_driver import (
     FASTMATH,
     TILE,
@@ -75,7 +76,7 @@ from .fused_driver import (
     split_count,
 )
 from .half import half_to_float
-from .simd import VECTOR_TILES, softmax_rows
+from .ir_softmax import softmax_rows
 from .simd_lanes import codes_to_lanes, lane_sums, lane_table_scores, lane_table_values, lane_tables
 from .threads import threads_for
 from .vq import _unpack_tile
@@ -304,7 +305,7 @@ def _attend_lanes(b, h, t_lo, t_hi, qs, k_codes, k_cent, v_codes, v_cent, mref, 
     or their values of a channel (:func:`~arraykv.ops.numba.simd_lanes.lane_table_values`, weighted
     sums kept per lane until the span ends). Tables past ``K`` repeat the last centroid, which
     reads codes ``>= K`` as ``K - 1``. The online softmax of a tile is
-    :func:`~arraykv.ops.numba.simd.softmax_rows` (the reference maximum is the running maximum).
+    :func:`~arraykv.ops.numba.ir_softmax.softmax_rows` (the reference maximum is the running maximum).
     """
     g_n, d = qs.shape
     kk = k_cent.shape[2]
