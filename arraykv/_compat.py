@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import array_api_compat as _aac
+import numpy as np
 
 __all__ = [
     "namespace",
@@ -120,7 +121,6 @@ def to_numpy(x: Any, *, copy: bool = False):
 
     A NumPy input is returned as it is unless ``copy``; other arrays are always copied.
     """
-    import numpy as np  # only the host-side helpers need NumPy itself
 
     if isinstance(x, np.ndarray):
         return np.array(x, copy=True) if copy else x
@@ -147,7 +147,6 @@ def float_dtypes(xp: Any) -> tuple:
 def plain_numpy(*arrays: Any) -> bool:
     """Whether every argument is a plain ``numpy.ndarray`` (no subclass, no other library's array):
     the arrays whose checks may take a direct NumPy path."""
-    import numpy as np
 
     return all(type(a) is np.ndarray for a in arrays)
 
@@ -167,7 +166,6 @@ def all_finite(xp: Any, arrays: list) -> bool:
     """
     if not arrays:
         return True
-    import numpy as np
 
     if plain_numpy(*arrays):
         if len(arrays) == 1:
@@ -182,7 +180,6 @@ def all_finite(xp: Any, arrays: list) -> bool:
 
 def host_numpy():
     """NumPy, for computations on the host of fixed tables (codebooks, seeded rotations)."""
-    import numpy as np
 
     return np
 
@@ -206,7 +203,6 @@ def host_uniform(xp: Any, shape: tuple, *, seed: int, device: Any = None):
     (k-means++ seeding) draw here; the same ``seed`` gives the same numbers on every namespace
     and device.
     """
-    import numpy as np
 
     u = np.random.default_rng(seed).random(shape, dtype=np.float64).astype(np.float32)
     return xp.asarray(u, device=device)

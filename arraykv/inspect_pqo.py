@@ -23,6 +23,8 @@ import argparse
 import math
 from pathlib import Path
 
+import numpy as np
+
 from .cli_args import code_bits, nonnegative_int
 
 __all__ = ["add_parser", "run", "stages", "distortion_curve", "layer_errors"]
@@ -64,7 +66,6 @@ def stages(x, bits: int, *, seed: int = 0) -> dict:
         ``code`` (PolarCode: ``codes`` uint8 packed, ``norms`` float16), ``reconstruction`` (d,),
         ``rel_error`` (float: ‖x − x̂‖² / ‖x‖²).
     """
-    import numpy as np
 
     from .quant.codebooks import make_codebook
     from .quant.polar import polar_decode, polar_encode
@@ -97,7 +98,6 @@ def distortion_curve(dim: int = 64, n: int = 4000, *, seed: int = 0) -> list:
     -------
     list of (bits, measured, lloyd_max_optimum, lower_bound_4^-b)
     """
-    import numpy as np
 
     from .quant.codebooks import make_codebook
     from .quant.polar import polar_decode, polar_encode
@@ -123,7 +123,6 @@ def layer_errors(model, method: str, token_ids) -> list:
     list of (layer, key_error, value_error)
         ``‖K̂ − K‖² / ‖K‖²`` over every stored token and head, from ``cache.dequantize``.
     """
-    import numpy as np
 
     from ._compat import to_numpy
 
@@ -144,7 +143,6 @@ def _fmt(a, n: int = 8) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
 
     bits = int(args.bits)
     if not 1 <= bits <= 4:
@@ -231,7 +229,6 @@ def _plots(out: Path, s: dict, keys, curve, per_layer, bits: int, method: str) -
     except ImportError:
         print('\n(plots skipped: matplotlib is not installed; pip install "arraykv[plot]")')
         return
-    import numpy as np
 
     from .quant.rotation import make_rotation, rotate
 

@@ -31,6 +31,8 @@ import warnings
 from collections.abc import Callable, Collection
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "cache_length",
     "undo_on_failure",
@@ -128,7 +130,6 @@ def chunked_logits(run: Callable[[Any], Any], ids: list, chunk: int | None) -> A
 
     ``run`` takes an int64 array (1, t) of token ids; ``chunk`` tokens per call (None: one call).
     """
-    import numpy as np
 
     a = np.asarray([ids], dtype=np.int64)
     step = a.shape[1] if chunk is None else chunk
@@ -139,7 +140,6 @@ def chunked_logits(run: Callable[[Any], Any], ids: list, chunk: int | None) -> A
 
 def pick_token(logits: Any, temperature: float, top_k: int | None, rng: Any) -> int:
     """The next token from ``logits`` (NumPy, shape (vocab,)): arg-max at temperature 0, else sampled."""
-    import numpy as np
 
     z = np.asarray(logits, dtype=np.float64)
     if temperature == 0.0:
@@ -156,7 +156,6 @@ def pick_token(logits: Any, temperature: float, top_k: int | None, rng: Any) -> 
 def stop_tokens(eos: int | Collection[int] | None, stop_at_eos: bool = True) -> frozenset:
     """The tokens that end a generation: ``eos`` as one int or several (none when ``stop_at_eos``
     is False or ``eos`` is None)."""
-    import numpy as np
 
     if not stop_at_eos or eos is None:
         return frozenset()
@@ -207,7 +206,6 @@ def generate_tokens(
     list of int
         The new tokens, ending with ``eos`` (one of them) when generation stopped there.
     """
-    import numpy as np
 
     stops = stop_tokens(eos, stop_at_eos)
     out: list = []

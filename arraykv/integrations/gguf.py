@@ -26,6 +26,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .model_config import ModelConfig
 
 __all__ = [
@@ -276,7 +278,6 @@ def read_gguf(path: str | os.PathLike) -> tuple:
         of a shape the metadata contradicts.
     """
     gguf = require("gguf")
-    import numpy as np
 
     from .architectures import ARCHITECTURES, periodic_layer_types
 

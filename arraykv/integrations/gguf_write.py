@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+import numpy as np
+
 from .gguf import require
 from .model_config import ModelConfig
 
@@ -77,7 +79,6 @@ def write_gguf(
         w.add_eos_token_id(eos_id)
     for name, value in (meta or {}).items():
         getattr(w, name)(value)
-    import numpy as np
 
     for name, a in tensors.items():
         w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))

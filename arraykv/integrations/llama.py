@@ -240,7 +240,6 @@ class DecoderModel:
     # -- token ids in, logits out ----------------------------------------------------
     def _ids(self, token_ids: Any):
         """Token ids as a (batch, t) int64 array in the weights' namespace, and whether input was 1-D."""
-        import numpy as np
 
         a = _compat.to_numpy(token_ids) if _is_array(token_ids) else np.asarray(token_ids)
         if a.dtype.kind not in "iu" and not (a.size == 0 and a.dtype.kind == "f"):
@@ -423,7 +422,6 @@ class DecoderModel:
         -------
         array, shape (vocab,) for batch 1 given as an int or 1-element sequence, else (batch, vocab)
         """
-        import numpy as np
 
         if isinstance(token_id, (int, np.integer)):
             ids, single = self._ids([[int(token_id)]])[0], True

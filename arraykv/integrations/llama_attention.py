@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "plain_numpy",
     "rope_tables",
@@ -33,7 +35,6 @@ def plain_numpy():
     Calling NumPy directly skips a wrapper per operation (a few percent of a decode step at 135M
     parameters).
     """
-    import numpy as np
 
     if hasattr(np, "permute_dims") and hasattr(np, "concat") and hasattr(np, "matrix_transpose"):
         return np
@@ -49,7 +50,6 @@ def rope_tables(xp: Any, device: Any, length: int, head_dim: int, theta: float):
     -------
     cos, sin : arrays of shape (length, head_dim // 2), float32, in ``xp`` on ``device``
     """
-    import numpy as np
 
     half = head_dim // 2
     inv = 1.0 / (theta ** (np.arange(half, dtype=np.float64) * 2.0 / head_dim))
@@ -144,16 +144,12 @@ def attend_chunk(
         s = s + xp.reshape(xp.astype(bias, s.dtype), (b, hkv, g * t, total))
     if full_mask is not None:
         if in_place:
-            import numpy as np
-
             s5 = np.reshape(s, (b, hkv, g, t, total))
             s5 += full_mask
         else:
             s = xp.reshape(xp.reshape(s, (b, hkv, g, t, total)) + full_mask, (b, hkv, g * t, total))
         s = xp.exp(s - xp.max(s, axis=-1, keepdims=True))
     elif in_place:  # on the fresh scores array
-        import numpy as np
-
         if t > 1:
             np.reshape(s, (b, hkv, g, t, total))[..., total - t :] += causal_block(t)
         s -= np.max(s, axis=-1, keepdims=True)
@@ -168,14 +164,12 @@ def attend_chunk(
 
 def causal_block(t: int) -> Any:
     """(t, t) float32 NumPy: 0 on and below the diagonal, -inf above (query i sees new keys <= i)."""
-    import numpy as np
 
     return np.triu(np.full((t, t), -np.inf, dtype=np.float32), k=1)
 
 
 def causal_mask(xp: Any, device: Any, t: int, total: int) -> Any:
     """(t, total) float32 additive mask of the last ``t`` queries over ``total`` keys, in ``xp`` on ``device``."""
-    import numpy as np
 
     m = np.concatenate([np.zeros((t, total - t), dtype=np.float32), causal_block(t)], axis=1)
     return xp.asarray(m, device=device)
@@ -187,7 +181,6 @@ def window_mask(xp: Any, device: Any, t: int, n: int, first_key: int, first_quer
     Query ``i`` (position ``first_query + i``) sees key ``j`` (position ``first_key + j``) when
     ``0 <= q_pos - k_pos < window``: itself and the ``window - 1`` positions before it.
     """
-    import numpy as np
 
     qp = first_query + np.arange(t)[:, None]
     kp = first_key + np.arange(n)[None, :]

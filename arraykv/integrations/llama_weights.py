@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .architectures import architecture
 from .model_config import ModelConfig
 
@@ -99,7 +101,6 @@ def layout_gguf_tensors(config: ModelConfig, tensors: dict, xp: Any) -> tuple:
     ValueError
         A tensor is missing or the Q/K/V shapes disagree with ``config``.
     """
-    import numpy as np
 
     def get(name):
         a = tensors.get(name)
@@ -197,7 +198,6 @@ def random_gguf_tensors(config: ModelConfig, seed: int = 0) -> dict:
         embeddings. ``DecoderModel.from_gguf_tensors(config, random_gguf_tensors(config))``
         builds a model.
     """
-    import numpy as np
 
     rng = np.random.default_rng(seed)
     c = config

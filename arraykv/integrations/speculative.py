@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .drafts import Block, CacheDraft, LayerDraft, NgramDraft, argmax_rows, require_truncate, run_layers
 from .generation import prompt_ids, stop_tokens, tokenizer_stops
 
@@ -274,7 +276,6 @@ def greedy_with_gaps(model: Any, prompt_ids: list, n: int, cache: Any) -> tuple:
     seconds : float
         Decoding time after the prompt's prefill.
     """
-    import numpy as np
 
     from .._compat import to_numpy
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from .gguf import require
 
 __all__ = ["GGUFTokenizer", "tokenizer_from_gguf"]
@@ -227,7 +229,6 @@ def _spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list:
     -------
     list of (str, str)
     """
-    import numpy as np
 
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id of a repeated piece
     merges = []

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .gguf import require
 
 try:
@@ -378,7 +380,6 @@ class ArraykvCache(Cache):
         self, module: Any, pending: tuple, query: Any, attention_mask: Any, scaling: Any, base: Any, kwargs: dict
     ) -> tuple:
         """Store the held token with the arraykv cache's ``decode`` and return the attention output."""
-        import numpy as np
 
         from ..protocol import AttendConfig, Fused
 
@@ -443,7 +444,6 @@ class ArraykvCache(Cache):
             The model is hooked but this update's queries could not be rebuilt (an attention
             layout the hooks do not know): better refused than quantized with zero queries.
         """
-        import numpy as np
 
         from .transformers_attention import layer_queries
 
@@ -473,7 +473,6 @@ class ArraykvCache(Cache):
                 raise TypeError(f"{name} must be a floating-point tensor, received {t.dtype}")
         dtype = key_states.dtype
         k, v = float32_numpy(key_states), float32_numpy(value_states)
-        import numpy as np
 
         if self.fused and k.shape[2] == 1 and self.arraykv_cache.seq_len(i) > 0:
             # one new token per sequence: the attention function stores and attends (fused)

@@ -41,6 +41,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 __all__ = ["route", "bridged", "dispatching"]
 
 #: How deep arguments are searched for tensors (args -> codec state -> rotation -> array is 4).
@@ -127,7 +129,6 @@ def _convert(obj: Any, leaf: Callable, is_leaf: Callable, depth: int = 0) -> Any
 
 
 def _to_numpy(t: Any):
-    import numpy as np
 
     return np.from_dlpack(t)
 
@@ -142,8 +143,6 @@ def _to_torch(a: Any):
     import torch
 
     if type(a).__module__.startswith("numpy"):
-        import numpy as np
-
         a = np.asarray(a)  # a NumPy scalar becomes a 0-d array
         if not a.flags.writeable:
             a = a.copy()  # a tensor would share read-only memory as if it were writable
