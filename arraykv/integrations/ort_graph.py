@@ -140,8 +140,8 @@ class _Folder:
     inference over a copy of the graph without its large weights (run once, when first needed).
     """
 
-    _UNARY = {"Sqrt": np.sqrt, "Reciprocal": np.reciprocal, "Neg": np.negative, "Abs": np.abs, "Identity": None}
-    _BINARY = {"Mul": np.multiply, "Add": np.add, "Sub": np.subtract, "Div": None, "Pow": np.power}
+    _UNARY: dict = {"Sqrt": np.sqrt, "Reciprocal": np.reciprocal, "Neg": np.negative, "Abs": np.abs}
+    _BINARY: dict = {"Mul": np.multiply, "Add": np.add, "Sub": np.subtract, "Pow": np.power}
 
     def __init__(self, model: Any, producers: dict):
         self._model = model
@@ -158,21 +158,22 @@ class _Folder:
             return None
         return float(a.reshape(()))
 
-    def value(self, name: str, depth: int = 0):
+    def value(self, name: str, depth: int = 0) -> np.ndarray | None:
         """``name``'s value as a NumPy array (``object`` dtype with None for unknown dimensions), or None."""
         if name in self._memo:
-            return self._memo[name]
+            return self._memo[name]  # type: ignore[no-any-return]
         if depth > _MAX_FOLD_DEPTH:
             return None
+        out: np.ndarray | None = None
         try:
-            out = self._compute(name, depth)
-            out = None if out is None else np.asarray(out)  # np.take of one element gives a scalar
+            got = self._compute(name, depth)
+            out = None if got is None else np.asarray(got)  # np.take of one element gives a scalar
         except (ValueError, TypeError, IndexError, KeyError, OverflowError, ZeroDivisionError):
             out = None
         self._memo[name] = out
         return out
 
-    def _known(self, name: str, depth: int):
+    def _known(self, name: str, depth: int) -> np.ndarray | None:
         """``value(name)`` when every element is known (a numeric array), else None."""
         a = self.value(name, depth + 1)
         if a is None:
@@ -183,7 +184,7 @@ class _Folder:
             a = a.astype(np.int64)
         return a
 
-    def _compute(self, name: str, depth: int):
+    def _compute(self, name: str, depth: int) -> Any:
         from onnx import helper, numpy_helper
 
         t = self._inits.get(name)
@@ -214,13 +215,12 @@ class _Folder:
             return out if any(d is None for d in dims) else out.astype(np.int64)
         if op in ("Gather", "Slice", "Unsqueeze", "Squeeze", "Reshape", "Concat"):
             return self._move(op, node, attrs, depth)
-        if op in self._UNARY:
+        if op in self._UNARY or op == "Identity":
             a = self._known(node.input[0], depth)
             if a is None:
                 return None
-            f = self._UNARY[op]
-            return a if f is None else f(a)
-        if op in self._BINARY:
+            return a if op == "Identity" else self._UNARY[op](a)
+        if op in self._BINARY or op == "Div":
             a, b = self._known(node.input[0], depth), self._known(node.input[1], depth)
             if a is None or b is None:
                 return None
@@ -239,13 +239,13 @@ class _Folder:
             return a.astype(helper.tensor_dtype_to_np_dtype(int(to)))
         return None
 
-    def _move(self, op: str, node: Any, attrs: dict, depth: int):
+    def _move(self, op: str, node: Any, attrs: dict, depth: int) -> Any:
         """Gather, Slice, Unsqueeze, Squeeze, Reshape, Concat: on values whose elements may be unknown."""
         data = self.value(node.input[0], depth + 1)
         if data is None:
             return None
 
-        def ints(i):
+        def ints(i: int) -> list | None:
             if len(node.input) <= i or not node.input[i]:
                 return None
             a = self._known(node.input[i], depth)
@@ -260,15 +260,17 @@ class _Folder:
             return np.take(data, idx, axis=attrs.get("axis", 0))
         if op == "Slice":
             starts, ends = ints(1), ints(2)
-            axes = ints(3) or list(range(len(starts)))
-            steps = ints(4) or [1] * len(starts)
+            if starts is None or ends is None:
+                return None
             index = [slice(None)] * data.ndim
-            for s, e, ax, st in zip(starts, ends, axes, steps):
+            for s, e, ax, st in zip(starts, ends, ints(3) or range(len(starts)), ints(4) or [1] * len(starts)):
                 index[ax] = slice(s, e, st)
             return data[tuple(index)]
         if op in ("Unsqueeze", "Squeeze"):
-            axes = ints(1) if len(node.input) > 1 else attrs.get("axes")
+            axes: list | None = ints(1) if len(node.input) > 1 else attrs.get("axes")
             if op == "Unsqueeze":
+                if axes is None:
+                    return None
                 rank = data.ndim + len(axes)
                 return np.expand_dims(data, tuple(a % rank for a in axes))
             if axes is None:
@@ -276,12 +278,17 @@ class _Folder:
             return np.squeeze(data, tuple(a % data.ndim for a in axes))
         if op == "Reshape":
             shape = ints(1)
+            if shape is None:
+                return None
             if not attrs.get("allowzero", 0):
                 shape = [data.shape[i] if s == 0 else s for i, s in enumerate(shape)]
             return np.reshape(data, shape)
-        parts = [self.value(i, depth + 1) for i in node.input]
-        if any(p is None for p in parts):
-            return None
+        parts = []
+        for i in node.input:
+            p = self.value(i, depth + 1)
+            if p is None:
+                return None
+            parts.append(p)
         if any(p.dtype == object for p in parts):
             parts = [p.astype(object) for p in parts]
         return np.concatenate(parts, axis=attrs.get("axis", 0))
@@ -295,13 +302,14 @@ class _Folder:
         info = self._type_info(name)
         return None if info is None else info[0]
 
-    def _type_info(self, name: str):
+    def _type_info(self, name: str) -> tuple | None:
         """``(element type, dims or None)`` of ``name``, or None when not even its type is known."""
         if self._types is None:
             self._types = {}
             self._read_types(self._model.graph)
             for t in self._model.graph.initializer:
                 self._types[t.name] = (t.data_type, [int(d) for d in t.dims])
+        assert self._types is not None
         info = self._types.get(name)
         if (info is None or info[1] is None) and not self._inferred:
             self._inferred = True
@@ -310,6 +318,7 @@ class _Folder:
         return info
 
     def _read_types(self, graph: Any) -> None:
+        types: dict = self._types if self._types is not None else {}
         for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
             tt = vi.type.tensor_type
             if not tt.elem_type:
@@ -317,12 +326,12 @@ class _Folder:
             dims = None
             if tt.HasField("shape"):
                 dims = [int(d.dim_value) if d.HasField("dim_value") else None for d in tt.shape.dim]
-            old = self._types.get(vi.name)
+            old = types.get(vi.name)
             if old is None or old[1] is None:
-                self._types[vi.name] = (tt.elem_type, dims)
+                types[vi.name] = (tt.elem_type, dims)
 
 
-def _infer_without_weights(model: Any):
+def _infer_without_weights(model: Any) -> Any:
     """``model`` shape-inferred (with data propagation), its large initializers declared as inputs."""
     import onnx
 
@@ -446,7 +455,7 @@ def _unscaled_query(producers: dict, folder: _Folder, name: str) -> tuple:
     return name, factor
 
 
-def _nan_guard(consumers: dict, folder: _Folder, name: str):
+def _nan_guard(consumers: dict, folder: _Folder, name: str) -> Any:
     """The ``Where(IsNaN(p), 0, p)`` that torch's export puts after a Softmax under a boolean mask, or None.
 
     A row the mask hides entirely is 0/0 = NaN after the Softmax; the guard turns it into zeros.
