@@ -74,8 +74,11 @@ CACHE_OP = "ArrayKVAttention"
 CACHE_OP_DOMAIN = "ai.onnx.contrib"
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
-#: Operators that only move or repeat the keys/values between ``present.*`` and the MatMul.
-_MOVE_OPS = frozenset({"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Tile", "Identity", "Flatten"})
+#: Operators that only move or repeat the keys/values between ``present.*`` and the MatMul. The
+#: replacement pairs query head ``h`` with KV head ``h // groups`` (``repeat_kv``: Unsqueeze,
+#: Expand, Reshape); ``Tile`` on the head axis pairs it with ``h % kv_heads``, so a path through
+#: ``Tile`` is not followed and such a graph is refused.
+_MOVE_OPS = frozenset({"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Flatten"})
 #: Operators allowed between the score MatMul and the Softmax (scale and mask).
 _SCORE_OPS = frozenset({"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity"})
 #: Operators allowed between the Softmax and the value MatMul.
@@ -491,9 +494,9 @@ def _site(graph: Any, consumers: dict, producers: dict, folder: _Folder, layer: 
     score, k_factor = _follow_to_matmul(consumers, folder, f"present.{layer}.key", True)
     if score is None:
         raise GraphRewriteError(
-            f"layer {layer}: no MatMul takes present.{layer}.key (through transposes, reshapes "
-            "and constant scales) as its right operand: a fused attention operator or a "
-            "pattern the rewriter does not know"
+            f"layer {layer}: no MatMul takes present.{layer}.key (through transposes, reshapes, "
+            "expands and constant scales; not Tile, whose head order differs) as its right operand: "
+            "a fused attention operator or a pattern the rewriter does not know"
         )
     query, q_factor = _unscaled_query(producers, folder, score.input[0])
     factor = k_factor * q_factor

@@ -83,8 +83,14 @@ def _heads(b: _Builder, x: str, w: str, heads: int) -> str:
     return b.op("Transpose", [b.op("Reshape", [b.op("MatMul", [x, w]), shape])], perm=[0, 2, 1, 3])
 
 
-def _repeat(b: _Builder, kv: str) -> str:
-    """repeat_kv: (b, kv, T, d) -> Unsqueeze(2) -> Expand(b, kv, g, T, d) -> Reshape (b, kv * g, T, d)."""
+def _repeat(b: _Builder, kv: str, how: str = "expand") -> str:
+    """repeat_kv: (b, kv, T, d) -> Unsqueeze(2) -> Expand(b, kv, g, T, d) -> Reshape (b, kv * g, T, d).
+
+    ``how="tile"``: ``Tile(kv, (1, g, 1, 1))`` instead, which pairs query head ``h`` with KV head
+    ``h % kv`` rather than ``h // g``.
+    """
+    if how == "tile":
+        return b.op("Tile", [kv, b.const([1, HEADS // KV_HEADS, 1, 1])])
     dims = [b.dim(kv, i) for i in range(4)]
     groups = b.const([HEADS // KV_HEADS])
     expanded = b.op(
@@ -115,7 +121,7 @@ def _scaled(b: _Builder, q: str, kt: str, scale: str) -> tuple:
     return q, kt, b.op("Sqrt", [b.op("Cast", [d], to=TensorProto.FLOAT)])
 
 
-def build_torch_style_decoder(scale: str = "folded", *, guard_fill: float = 0.0, seed: int = 0):
+def build_torch_style_decoder(scale: str = "folded", *, guard_fill: float = 0.0, seed: int = 0, repeat: str = "expand"):
     """A 2-layer decoder ``(input_ids, attention_mask, position_ids, past) -> (logits, present)``."""
     b = _Builder(np.random.default_rng(seed))
     std = 1.0 / np.sqrt(HIDDEN)
@@ -144,7 +150,7 @@ def build_torch_style_decoder(scale: str = "folded", *, guard_fill: float = 0.0,
             b.nodes.append(
                 helper.make_node("Concat", [f"past_key_values.{i}.{name}", new], [f"present.{i}.{name}"], axis=-2)
             )
-        kt = b.op("Transpose", [_repeat(b, f"present.{i}.key")], perm=[0, 1, 3, 2])
+        kt = b.op("Transpose", [_repeat(b, f"present.{i}.key", repeat)], perm=[0, 1, 3, 2])
         qs, ks, divide = _scaled(b, q, kt, scale)
         scores = b.op("MatMul", [qs, ks])
         if divide is not None:
@@ -152,7 +158,7 @@ def build_torch_style_decoder(scale: str = "folded", *, guard_fill: float = 0.0,
         bias = b.op("Where", [mask, b.const([0.0], np.float32), b.const([-np.inf], np.float32)])
         p = b.op("Softmax", [b.op("Add", [scores, bias])], axis=-1)
         p = b.op("Where", [b.op("IsNaN", [p]), b.const([guard_fill], np.float32), p])
-        o = b.op("MatMul", [p, _repeat(b, f"present.{i}.value")])
+        o = b.op("MatMul", [p, _repeat(b, f"present.{i}.value", repeat)])
         o = b.op("Reshape", [b.op("Transpose", [o], perm=[0, 2, 1, 3]), b.const([0, 0, -1])])
         x = b.op("Add", [x, b.op("MatMul", [o, b.weight(f"wo{i}", (HIDDEN, HIDDEN), std)])])
     b.nodes.append(helper.make_node("MatMul", [x, b.weight("lm_head", (HIDDEN, VOCAB), std)], ["logits"]))
@@ -242,3 +248,5 @@ def test_what_the_torch_pattern_does_not_cover_is_refused():
         find_attention_sites(build_torch_style_decoder("symbolic"))  # a scale that depends on the token count
     with pytest.raises(GraphRewriteError, match="layer 0: the attention probability tensor .* used by 2 nodes"):
         find_attention_sites(build_torch_style_decoder(guard_fill=1.0))  # not the NaN guard: NaN -> 1, not 0
+    with pytest.raises(GraphRewriteError, match="not Tile, whose head order differs"):
+        find_attention_sites(build_torch_style_decoder(repeat="tile"))  # heads paired h % kv, not h // groups
