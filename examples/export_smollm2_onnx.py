@@ -26,7 +26,7 @@ import numpy as np
 
 
 def build_llama_onnx(model, *, opset: int = 17):
-    """An ONNX ``ModelProto`` of a :class:`~arraykv.integrations.llama.LlamaModel` (NumPy weights).
+    """An ONNX ``ModelProto`` of a :class:`~arraykv.integrations.llama.DecoderModel` (NumPy weights).
 
     Inputs: ``input_ids``, ``attention_mask``, ``position_ids`` (int64, ``(batch, seq)``;
     the mask is accepted and unused: attention is causal by position), and per layer

@@ -1,4 +1,4 @@
-"""What the evaluations need from an engine, for :class:`~arraykv.integrations.llama.LlamaModel` and
+"""What the evaluations need from an engine, for :class:`~arraykv.integrations.llama.DecoderModel` and
 :class:`~arraykv.integrations.onnxruntime.OrtKVDecoder` alike.
 
 An engine has ``make_cache(method, **options)``, ``prefill(ids, cache)`` and
@@ -29,7 +29,7 @@ def geometry(engine: Any) -> dict:
         return {name: int(getattr(src, name)) for name in ("num_layers", "num_kv_heads", "head_dim")}
     except AttributeError:
         raise TypeError(
-            f"model must be a LlamaModel or an OrtKVDecoder (num_layers, num_kv_heads, head_dim), "
+            f"model must be a DecoderModel or an OrtKVDecoder (num_layers, num_kv_heads, head_dim), "
             f"received {type(engine).__name__}"
         ) from None
 
@@ -43,7 +43,7 @@ def context_length(engine: Any) -> int | None:
 def decode_logits(engine: Any, token: int, cache: Any) -> Any:
     """Logits after one decode step on ``token``, as NumPy of shape (vocab,).
 
-    ``LlamaModel.decode`` answers ``(vocab,)`` for an int and ``OrtKVDecoder.decode``
+    ``DecoderModel.decode`` answers ``(vocab,)`` for an int and ``OrtKVDecoder.decode``
     ``(1, 1, vocab)``; both become ``(vocab,)``.
     """
     return _compat.to_numpy(engine.decode(token, cache)).reshape(-1)

@@ -33,7 +33,7 @@ PREFILL_MODES = ("exact", "cache", "cache-chunks")
 
 
 class _Recorder:
-    """Stands in for a cache during :meth:`LlamaModel.prefill`: forwards to ``cache``, keeps k, v, q.
+    """Stands in for a cache during :meth:`DecoderModel.prefill`: forwards to ``cache``, keeps k, v, q.
 
     The model calls only ``prefill(layer, k, v, q)`` and ``seq_len(layer)``.
     """
@@ -125,7 +125,7 @@ def exact_prefill(model: Any, token_ids: Any, *, chunk_size: int | None = 512, r
 
     Parameters
     ----------
-    model : LlamaModel
+    model : DecoderModel
         Anything with ``make_cache``, ``prefill(ids, cache, chunk_size=, logits=)`` and ``config``.
     token_ids : sequence of int, length >= 1
         One prompt (batch 1), at most the model's context length.
@@ -206,7 +206,7 @@ def check_common(
     if not isinstance(prefill_mode, str) or prefill_mode not in PREFILL_MODES:
         raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}, received {prefill_mode!r}")
     if not hasattr(model, "config") or not hasattr(model, "prefill") or not hasattr(model, "decode"):
-        raise TypeError(f"model must be a LlamaModel (config, prefill, decode), received {type(model).__name__}")
+        raise TypeError(f"model must be a DecoderModel (config, prefill, decode), received {type(model).__name__}")
     return ["dense"] + [m for m in methods if m != "dense"], opts
 
 

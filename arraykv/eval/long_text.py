@@ -147,7 +147,7 @@ def long_text_quality(
 
     Parameters
     ----------
-    model : LlamaModel
+    model : DecoderModel
         Anything with ``config``, ``prefill``, ``decode`` and ``make_cache``
         (:func:`arraykv.integrations.gguf_llama.load_model`); with a tokenizer when
         ``token_ids`` is not given.

@@ -287,7 +287,7 @@ def needle_grid(
 
     Parameters
     ----------
-    model : LlamaModel
+    model : DecoderModel
         With a tokenizer (:func:`arraykv.integrations.gguf_llama.load_model`).
     methods : sequence of str
         Names from :func:`arraykv.available_methods`. The exact cache is always run and

@@ -170,7 +170,7 @@ def teacher_forced(
 
     Parameters
     ----------
-    model : LlamaModel or OrtKVDecoder
+    model : DecoderModel or OrtKVDecoder
         Anything with ``prefill(ids, cache)``, ``decode(id, cache)`` and ``make_cache(method)``.
     token_ids : sequence of int, length N >= prefill + 2
         The text; at most the model's context length.
@@ -237,7 +237,7 @@ def calibrate(model: Any, token_ids: Any, method: Any) -> list:
 
     Parameters
     ----------
-    model : LlamaModel or OrtKVDecoder
+    model : DecoderModel or OrtKVDecoder
         Anything with ``prefill(ids, cache)`` and ``make_cache(method)``.
     token_ids : sequence of int
         The calibration text (at least 2 tokens, at most the context length). Use a text other
@@ -357,7 +357,7 @@ def evaluate(
 
     Parameters
     ----------
-    model : LlamaModel or OrtKVDecoder
+    model : DecoderModel or OrtKVDecoder
         From :func:`arraykv.integrations.gguf_llama.load_model`, or an ONNX decoder.
     token_ids : sequence of int, length N >= prefill + 2
         For example ``builtin_token_ids(model, 512)``.

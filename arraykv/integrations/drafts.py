@@ -41,7 +41,7 @@ def run_layers(model: Any, x: Any, cache: Any, start: int, layers: range, *, mod
 
     Parameters
     ----------
-    model : LlamaModel
+    model : DecoderModel
     x : array, shape (batch, t, hidden), float32
         Hidden states entering ``layers[0]`` for positions ``start .. start + t - 1``.
     cache : CompressedKVCache
@@ -222,7 +222,7 @@ class CacheDraft(_StepDraft):
     ----------
     method : str, default "pqo2"
         Cache method of the draft (ignored when ``cache`` is given).
-    model : LlamaModel, optional
+    model : DecoderModel, optional
         The draft model; by default the target itself.
     cache : cache, optional
         An empty cache for the draft; by default ``model.make_cache(method, **options)``.

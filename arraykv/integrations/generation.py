@@ -1,4 +1,4 @@
-"""One generation convention for every engine (:class:`~arraykv.integrations.llama.LlamaModel`,
+"""One generation convention for every engine (:class:`~arraykv.integrations.llama.DecoderModel`,
 :class:`~arraykv.integrations.onnxruntime.OrtKVDecoder`).
 
 Both engines offer::
@@ -27,7 +27,6 @@ position" and "logits after one more token".
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -42,7 +41,6 @@ __all__ = [
     "generate_tokens",
     "pick_token",
     "chunked_logits",
-    "legacy_generate_args",
 ]
 
 
@@ -221,38 +219,3 @@ def generate_tokens(
         if len(out) >= max_new_tokens or tok in stops:
             return out
         logits = decode_last(tok)
-
-
-def legacy_generate_args(owner: str, prompt: Any, max_new_tokens: Any, args: tuple, cache: Any, legacy: dict) -> tuple:
-    """Map a call in an older spelling to ``(prompt, max_new_tokens, cache)``, with a DeprecationWarning.
-
-    Accepts ``cache`` as the third positional argument and ``prompt_ids=`` (the spellings of
-    ``OrtKVDecoder.generate`` before the engines shared one convention).
-    """
-    if len(args) > 1:
-        raise TypeError(f"{owner}.generate takes prompt and max_new_tokens positionally; pass cache= by keyword")
-    if args:
-        if cache is not None:
-            raise TypeError(f"{owner}.generate received cache both positionally and by keyword")
-        warnings.warn(
-            f"{owner}.generate(prompt, max_new_tokens, cache) is deprecated; pass cache=cache by "
-            "keyword (the positional form goes in the next release)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        cache = args[0]
-    unknown = set(legacy) - {"prompt_ids"}
-    if unknown:
-        raise TypeError(f"{owner}.generate got unexpected keyword arguments {sorted(unknown)}")
-    if "prompt_ids" in legacy:
-        if prompt is not None:
-            raise TypeError(f"{owner}.generate received both prompt and prompt_ids")
-        warnings.warn(
-            f"{owner}.generate(prompt_ids=...) is deprecated; the argument is called prompt",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        prompt = legacy["prompt_ids"]
-    if prompt is None:
-        raise TypeError(f"{owner}.generate needs a prompt")
-    return prompt, max_new_tokens, cache

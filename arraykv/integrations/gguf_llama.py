@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from .gguf import ModelDownloadError, cache_dir, find_model, read_gguf
-from .llama import DecoderModel, LlamaModel, unpermute_qk
+from .llama import DecoderModel, unpermute_qk
 from .model_config import ModelConfig
 from .models import KNOWN_MODELS, resolve_model
 from .tokenizer import GGUFTokenizer, tokenizer_from_gguf
@@ -29,7 +29,6 @@ __all__ = [
     "find_model",
     "cache_dir",
     "DecoderModel",
-    "LlamaModel",
     "KNOWN_MODELS",
     "ModelConfig",
     "GGUFTokenizer",
@@ -97,7 +96,7 @@ def load_model(
     config, tensors, reader = read_gguf(p)
     has_vocab = reader.fields.get("tokenizer.ggml.model") is not None
     tok = tokenizer_from_gguf(reader) if (tokenizer and has_vocab) else None
-    model = LlamaModel.from_gguf_tensors(config, tensors, tokenizer=tok, xp=xp)
+    model = DecoderModel.from_gguf_tensors(config, tensors, tokenizer=tok, xp=xp)
     del tensors, reader
     if reuse:
         _LOADED[key] = model

@@ -46,7 +46,7 @@ from .llama_weights import LayerWeights, layout_gguf_tensors, random_gguf_tensor
 from .model_config import ModelConfig
 from .prompt_stage import PromptStage, serving_cache, stages_layer
 
-__all__ = ["DecoderModel", "LlamaModel", "LayerWeights", "random_gguf_tensors", "unpermute_qk"]
+__all__ = ["DecoderModel", "LayerWeights", "random_gguf_tensors", "unpermute_qk"]
 
 
 class DecoderModel:
@@ -538,10 +538,6 @@ class DecoderModel:
             f"DecoderModel({c.arch}: {c.name!r}, layers={c.num_layers}, hidden={c.hidden_size}, "
             f"heads={c.num_heads}, kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, vocab={c.vocab_size})"
         )
-
-
-#: The name the Llama-only releases used.
-LlamaModel = DecoderModel
 
 
 def _is_array(x: Any) -> bool:

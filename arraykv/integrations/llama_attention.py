@@ -1,4 +1,4 @@
-"""The attention pieces of :class:`~arraykv.integrations.llama.LlamaModel`: RoPE tables and decode/prefill attention.
+"""The attention pieces of :class:`~arraykv.integrations.llama.DecoderModel`: RoPE tables and decode/prefill attention.
 
 Pure functions over the arrays the model holds, so the model class keeps its weights and the
 order of a layer's steps, and this module the math of one attention call:

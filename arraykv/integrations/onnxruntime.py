@@ -63,7 +63,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .generation import cache_length, check_sampling, chunked_logits, generate_tokens, legacy_generate_args, prompt_ids
+from .generation import cache_length, check_sampling, chunked_logits, generate_tokens, prompt_ids
 from .gguf import require
 from .onnx_names import PRESENT_NAME, discover_kv_names
 from .onnx_queries import with_query_outputs
@@ -365,9 +365,9 @@ class OrtKVDecoder:
 
     def generate(
         self,
-        prompt: Any = None,
+        prompt: Any,
         max_new_tokens: int = 32,
-        *args: Any,
+        *,
         cache: Any = None,
         method: str = "dense",
         eos_id: int | None = None,
@@ -378,12 +378,11 @@ class OrtKVDecoder:
         on_token: Callable[[int], None] | None = None,
         prefill_chunk: int | None = 512,
         store: Any = None,
-        **legacy: Any,
     ) -> list:
         """Greedy or sampled generation for one sequence.
 
         The convention every engine shares (:mod:`arraykv.integrations.generation`): the same
-        arguments as :meth:`arraykv.integrations.llama.LlamaModel.generate`.
+        arguments as :meth:`arraykv.integrations.llama.DecoderModel.generate`.
 
         Parameters
         ----------
@@ -400,8 +399,8 @@ class OrtKVDecoder:
         stop_at_eos : bool, default True
             Stop right after producing ``eos_id`` (it ends the returned list).
         temperature, top_k, seed, on_token
-            Sampling and streaming, as in :meth:`LlamaModel.generate
-            <arraykv.integrations.llama.LlamaModel.generate>` (temperature 0, the default, is greedy).
+            Sampling and streaming, as in :meth:`DecoderModel.generate
+            <arraykv.integrations.llama.DecoderModel.generate>` (temperature 0, the default, is greedy).
         prefill_chunk : int or None, default 512
             The prompt goes through :meth:`step` in chunks of this many tokens; None feeds it
             in one piece.
@@ -414,19 +413,10 @@ class OrtKVDecoder:
         -------
         list of int
             The new token ids (the prompt excluded).
-
-        Notes
-        -----
-        Deprecated spellings, accepted with a DeprecationWarning until the next release:
-        ``generate(prompt_ids, n, cache)`` (the cache third and positional) and
-        ``prompt_ids=``.
         """
 
         from .._compat import to_numpy
 
-        prompt, max_new_tokens, cache = legacy_generate_args(
-            "OrtKVDecoder", prompt, max_new_tokens, args, cache, legacy
-        )
         ids = prompt_ids(prompt, None)
         temperature = check_sampling(max_new_tokens, temperature, top_k, prefill_chunk)
         if cache is None:

@@ -116,13 +116,13 @@ def speculative_generate(
 
     Parameters
     ----------
-    model : LlamaModel
+    model : DecoderModel
         The target.
     prompt : str or sequence of int
     max_new_tokens : int, default 32
     cache : cache
         An empty cache of the target (any method: it needs ``truncate_all``). Afterwards it
-        holds the prompt and every new token but the last, as after :meth:`LlamaModel.generate`.
+        holds the prompt and every new token but the last, as after :meth:`DecoderModel.generate`.
     draft : LayerDraft, CacheDraft or NgramDraft
     k : int, default 4
         Tokens per verification pass (the newest token and the proposals after it).
@@ -141,7 +141,7 @@ def speculative_generate(
     on_token : callable, optional
         Called with each new token id as it is produced.
     prefill_chunk : int or None, default 512
-        Prompt chunking, as in :meth:`LlamaModel.generate`.
+        Prompt chunking, as in :meth:`DecoderModel.generate`.
 
     Returns
     -------

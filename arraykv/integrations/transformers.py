@@ -28,7 +28,7 @@ queries with the module's own ``apply_rotary_pos_emb``: the queries the model's 
 uses, so ``"pqo4"`` is then the quantizer of the NumPy decoder's ``pqo4``. Without the model
 (or for attention modules without ``q_proj``/``position_embeddings``) the cache gets a zero
 ``q`` of shape ``(batch, kv_heads, new_tokens, head_dim)``, every key channel weight is 1, and
-``"pqo4"`` is the quantizer :class:`~arraykv.integrations.llama.LlamaModel` runs with
+``"pqo4"`` is the quantizer :class:`~arraykv.integrations.llama.DecoderModel` runs with
 ``key_scale=False`` (see docs/transformers.md for the measured difference).
 :attr:`ArraykvCache.hooked_layers` says how many layers hand their queries over;
 :meth:`ArraykvCache.detach` removes the hooks.

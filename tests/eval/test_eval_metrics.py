@@ -9,7 +9,7 @@ import pytest
 
 import arraykv
 from arraykv import eval as ev
-from arraykv.integrations.llama import LlamaModel, random_gguf_tensors
+from arraykv.integrations.llama import DecoderModel, random_gguf_tensors
 from arraykv.integrations.model_config import ModelConfig
 
 CFG = ModelConfig(
@@ -46,7 +46,7 @@ class _Float16KV(arraykv.DenseCache):
 
 @pytest.fixture(scope="module")
 def model():
-    return LlamaModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=5))
+    return DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=5))
 
 
 @pytest.fixture

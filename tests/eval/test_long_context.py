@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from arraykv import eval as ev
-from arraykv.integrations.llama import LlamaModel, random_gguf_tensors
+from arraykv.integrations.llama import DecoderModel, random_gguf_tensors
 from arraykv.integrations.model_config import ModelConfig
 
 
@@ -47,7 +47,7 @@ SHORT = ev.NeedleTask(intro="Find the key.\n", needle=" Key {key}.", question="\
 
 @pytest.fixture(scope="module")
 def model():
-    return LlamaModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=11), tokenizer=CharTokenizer())
+    return DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=11), tokenizer=CharTokenizer())
 
 
 def _logp(z):
@@ -413,7 +413,7 @@ def test_bad_arguments_raise_clear_errors(model):
         ev.needle_grid(model, ["dense"], lengths=[150, 150], depths=[0.5], task=SHORT)
     with pytest.raises(ValueError, match="no room for filler"):
         ev.needle_grid(model, ["dense"], lengths=[20], depths=[0.5], task=SHORT)
-    bare = LlamaModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=11))
+    bare = DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=11))
     with pytest.raises(ValueError, match="no tokenizer"):
         ev.needle_grid(bare, ["dense"], **grid)
     with pytest.raises(ValueError, match="must contain"):

@@ -1,7 +1,7 @@
-"""A refused decoder step: the ONNX loop leaves every layer as it was; LlamaModel refuses a torn cache.
+"""A refused decoder step: the ONNX loop leaves every layer as it was; DecoderModel refuses a torn cache.
 
 The ONNX loop gets every layer's new K/V at once and checks them all before storing any. In
-LlamaModel the layers run in sequence (layer 1's K/V need layer 0's attention over its stored
+DecoderModel the layers run in sequence (layer 1's K/V need layer 0's attention over its stored
 token), so a step refused by a later layer has stored its tokens in the earlier ones; the model
 then refuses that cache, naming the layer lengths, instead of growing the layers apart.
 """
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.integrations.llama import LlamaModel, random_gguf_tensors
+from arraykv.integrations.llama import DecoderModel, random_gguf_tensors
 from arraykv.integrations.model_config import ModelConfig
 
 _ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
@@ -148,7 +148,7 @@ def _assert_same(a, b):
 
 @pytest.mark.parametrize("method", ["dense", "int4", "pqo4", "tq3", "lowrank"])
 def test_llama_step_refused_by_a_later_layer_leaves_every_layer_as_it_was(method):
-    model = LlamaModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
+    model = DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
     cache, ref = model.make_cache(method), model.make_cache(method)
     prompt = list(range(1, 31))
     model.prefill(prompt, cache)
@@ -178,7 +178,7 @@ def test_llama_step_refused_by_a_later_layer_leaves_every_layer_as_it_was(method
 
 @pytest.mark.parametrize("method", ["dense", "pqo4", "int8"])
 def test_llama_chunked_prefill_refused_in_a_later_chunk_is_taken_back_whole(method):
-    model = LlamaModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
+    model = DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
     cache = model.make_cache(method, max_tokens=30)
     model.prefill(list(range(1, 21)), cache)
     before = _arrays(cache, 3)
@@ -191,7 +191,7 @@ def test_llama_chunked_prefill_refused_in_a_later_chunk_is_taken_back_whole(meth
 @pytest.mark.parametrize("method", ["dense", "int4"])
 def test_llama_refuses_a_cache_torn_by_hand(method):
     """A cache whose layers disagree (a step by hand that stopped part way) is refused, not grown apart."""
-    model = LlamaModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
+    model = DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
     cache = model.make_cache(method)
     model.prefill([1, 2, 3], cache)
     k = np.ones((1, CFG.num_kv_heads, 1, CFG.head_dim), np.float32)
@@ -209,7 +209,7 @@ def test_llama_refuses_a_cache_torn_by_hand(method):
 
 
 def test_llama_refuses_a_cache_with_fewer_layers_before_storing():
-    model = LlamaModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
+    model = DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
     small = arraykv.make_cache("dense", num_layers=2, num_kv_heads=2, head_dim=8)
     with pytest.raises(ValueError, match="layer"):
         model.prefill([1, 2, 3], small)

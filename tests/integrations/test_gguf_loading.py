@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package (extra [model]) is n
 from arraykv.integrations.gguf import cache_dir, find_model, read_gguf  # noqa: E402
 from arraykv.integrations.gguf_llama import load_model  # noqa: E402
 from arraykv.integrations.gguf_write import write_gguf  # noqa: E402
-from arraykv.integrations.llama import LlamaModel, random_gguf_tensors  # noqa: E402
+from arraykv.integrations.llama import DecoderModel, random_gguf_tensors  # noqa: E402
 from arraykv.integrations.model_config import ModelConfig  # noqa: E402
 
 CFG = ModelConfig(
@@ -55,7 +55,7 @@ def test_written_llama_gguf_loads_with_its_config_weights_and_tokenizer(tmp_path
     assert model.tokenizer.decode(ids) == "hello world"
     assert model.tokenizer.encode("<|end|>") == [0]
     assert 98 in ids  # "hell" merged
-    direct = LlamaModel.from_gguf_tensors(cfg, tensors)
+    direct = DecoderModel.from_gguf_tensors(cfg, tensors)
     np.testing.assert_array_equal(model.forward(ids), direct.forward(ids))
 
 

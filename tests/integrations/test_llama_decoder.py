@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.integrations.llama import LlamaModel, random_gguf_tensors, unpermute_qk
+from arraykv.integrations.llama import DecoderModel, random_gguf_tensors, unpermute_qk
 from arraykv.integrations.model_config import ModelConfig
 
 CFG = ModelConfig(
@@ -28,7 +28,7 @@ CFG = ModelConfig(
 
 @pytest.fixture(scope="module")
 def model():
-    return LlamaModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=3))
+    return DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=3))
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_forward_matches_loop_reference_with_gguf_rope_layout(ids):
     # The decoder un-permutes Q/K to the rotate-half layout; a float64 loop with the raw GGUF
     # rows and pairwise RoPE must give the same logits.
     tensors = random_gguf_tensors(CFG, seed=3)
-    model = LlamaModel.from_gguf_tensors(CFG, tensors)
+    model = DecoderModel.from_gguf_tensors(CFG, tensors)
     got = model.forward(ids[:12])
     want = _naive_forward(tensors, CFG, ids[:12])
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())

@@ -305,7 +305,7 @@ def test_decode_before_prefill_and_bad_ids_are_refused(graph):
 
 
 def test_generate_follows_the_shared_convention(graph):
-    """The decoder's generate takes LlamaModel.generate's arguments and stops the same way at EOS."""
+    """The decoder's generate takes DecoderModel.generate's arguments and stops the same way at EOS."""
     dec = OrtKVDecoder(graph)
     prompt = [1, 2, 3]
     greedy = dec.generate(prompt, 6)
@@ -335,19 +335,19 @@ def test_generate_follows_the_shared_convention(graph):
         dec.generate(prompt, -1)
 
 
-def test_generate_old_spellings_warn_and_still_work(graph):
+def test_generate_takes_the_shared_convention_only(graph):
+    """The older spellings (cache third and positional, prompt_ids=) are gone before a first release."""
     dec = OrtKVDecoder(graph)
-    want = dec.generate([1, 2, 3], 4)
-    with pytest.warns(DeprecationWarning, match="cache=cache"):
-        assert dec.generate([1, 2, 3], 4, dec.make_cache("dense"), eos_id=None) == want
-    with pytest.warns(DeprecationWarning, match="prompt_ids"):
-        assert dec.generate(prompt_ids=[1, 2, 3], max_new_tokens=4) == want
+    with pytest.raises(TypeError):
+        dec.generate([1, 2, 3], 4, dec.make_cache("dense"))
+    with pytest.raises(TypeError):
+        dec.generate(prompt_ids=[1, 2, 3], max_new_tokens=4)
     with pytest.raises(TypeError, match="unexpected keyword"):
         dec.generate([1, 2, 3], 4, stop=True)
 
 
 def test_teacher_forced_logits_of_the_decoder(graph):
-    """eval.teacher_forced runs an OrtKVDecoder as it runs a LlamaModel and returns its logits."""
+    """eval.teacher_forced runs an OrtKVDecoder as it runs a DecoderModel and returns its logits."""
     from arraykv.eval import evaluate, teacher_forced
 
     dec = OrtKVDecoder(graph)

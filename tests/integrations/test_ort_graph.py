@@ -18,7 +18,7 @@ pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not ins
 pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (extra [onnx]) is not installed")
 
 import arraykv  # noqa: E402
-from arraykv.integrations.llama import LlamaModel, random_gguf_tensors  # noqa: E402
+from arraykv.integrations.llama import DecoderModel, random_gguf_tensors  # noqa: E402
 from arraykv.integrations.model_config import ModelConfig  # noqa: E402
 from arraykv.integrations.ort_gqa import OrtPastLoop, calibrate_kv_scales, rewrite_with_gqa  # noqa: E402
 from arraykv.integrations.ort_graph import (  # noqa: E402
@@ -55,7 +55,7 @@ def _exporter():
 
 @pytest.fixture(scope="module")
 def model():
-    return LlamaModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=3))
+    return DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=3))
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +278,7 @@ def test_generate_with_a_prefix_store_continues_bit_for_bit(dec, graph, ids, met
     assert same.generate(prompt, 6, method=method, prefill_chunk=16, store=store) == want
     assert store.last_report.reused == 96
     weights = random_gguf_tensors(CFG, seed=4)
-    other = OrtGraphDecoder(_exporter().build_llama_onnx(LlamaModel.from_gguf_tensors(CFG, weights)))
+    other = OrtGraphDecoder(_exporter().build_llama_onnx(DecoderModel.from_gguf_tensors(CFG, weights)))
     other.generate(prompt, 1, method=method, prefill_chunk=16, store=store)
     assert store.last_report.reused == 0
     with pytest.raises(ValueError, match="multiple of prefill_chunk"):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from arraykv.integrations.drafts import NgramDraft, run_layers
-from arraykv.integrations.llama import LlamaModel, random_gguf_tensors
+from arraykv.integrations.llama import DecoderModel, random_gguf_tensors
 from arraykv.integrations.model_config import ModelConfig
 from arraykv.integrations.speculative import (
     CacheDraft,
@@ -40,7 +40,7 @@ def model():
     t["output.weight"] = rng.standard_normal((CFG.vocab_size, CFG.hidden_size)).astype(np.float32)
     for i in range(CFG.num_layers):
         t[f"blk.{i}.attn_output.weight"] *= 3
-    return LlamaModel.from_gguf_tensors(CFG, t)
+    return DecoderModel.from_gguf_tensors(CFG, t)
 
 
 @pytest.fixture(scope="module")

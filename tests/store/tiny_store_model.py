@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from arraykv.integrations.llama import LlamaModel, ModelConfig, random_gguf_tensors
+from arraykv.integrations.llama import DecoderModel, ModelConfig, random_gguf_tensors
 
 #: A two-layer decoder with random weights: fast enough to prefill hundreds of tokens per test.
 TINY = ModelConfig(
@@ -21,4 +21,4 @@ TINY = ModelConfig(
 
 
 def tiny_model(seed: int = 3):
-    return LlamaModel.from_gguf_tensors(TINY, random_gguf_tensors(TINY, seed=seed))
+    return DecoderModel.from_gguf_tensors(TINY, random_gguf_tensors(TINY, seed=seed))
