@@ -160,6 +160,10 @@ def run(args: argparse.Namespace, *, out=print) -> int:
             chunk_size=args.chunk_size,
             prefill_mode=args.prefill_mode,
             progress=progress,
+            on_row=lambda p, row: out(
+                f"  measured {row.method} after {p} tokens: {row.bits_per_value:.2f} bits/value, mean KL "
+                f"{row.mean_kl:.4g}, top-1 {row.top1_agreement:.1%} ({time.perf_counter() - t0:.0f} s)"
+            ),
         )
         out(f"\n## Long-text quality ({args.positions} teacher-forced positions after each prefix, {label})\n")
         out(kl.format_table())

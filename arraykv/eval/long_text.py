@@ -13,7 +13,7 @@ and bits per value with ``P + positions`` tokens held.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +142,7 @@ def long_text_quality(
     prefill_mode: str = "exact",
     cache_options: Mapping[str, Mapping[str, Any]] | None = None,
     progress: bool = False,
+    on_row: Callable[[int, EvalRow], None] | None = None,
 ) -> LongTextResult:
     """Teacher-forced quality of each method after long prefixes, against the exact cache.
 
@@ -170,6 +171,10 @@ def long_text_quality(
         Extra ``make_cache`` options per method (not for "dense").
     progress : bool, default False
         A tqdm progress bar (when tqdm is installed).
+    on_row : callable, optional
+        Called as ``on_row(prefix_length, row)`` with each :class:`EvalRow` as soon as it is
+        measured (a run at 32k tokens takes minutes per method: a caller can report rows as
+        they come, and keep them if the run is stopped).
 
     Returns
     -------
@@ -213,6 +218,8 @@ def long_text_quality(
             targets = ids[p + 1 : p + positions + 1]
             ref = _decode(model, ids[p : p + positions], exact.cache, "dense")
             rows.append(compare(ref, ref, targets, **geometry))
+            if on_row is not None:
+                on_row(p, rows[-1])
             if bar is not None:
                 bar.update(1)
             for m in methods[1:]:
@@ -222,6 +229,8 @@ def long_text_quality(
                 run = _decode(model, ids[p : p + positions], cache, m)
                 del cache
                 rows.append(compare(run, ref, targets, **geometry))
+                if on_row is not None:
+                    on_row(p, rows[-1])
                 if bar is not None:
                     bar.update(1)
             del exact, ref
