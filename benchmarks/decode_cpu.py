@@ -90,11 +90,13 @@ def cell(ts, unit):
 
 
 def load_baseline(rev):
-    """The polar fused-kernel module (``arraykv/ops/numba/polar_fused.py``) as of git revision ``rev``.
+    """The polar fused-kernel module (``arraykv/ops/numba/polar/fused.py``) as of git revision ``rev``.
 
-    Revisions from before the ``ops`` layer had it at ``arraykv/backends/_numba_fused.py``.
+    Revisions from before the ``polar`` package had it at ``arraykv/ops/numba/polar_fused.py``, and
+    revisions from before the ``ops`` layer at ``arraykv/backends/_numba_fused.py``.
     """
     for path, package in (  # noqa: B007 - package is read after the loop
+        ("arraykv/ops/numba/polar/fused.py", "arraykv.ops.numba.polar"),
         ("arraykv/ops/numba/polar_fused.py", "arraykv.ops.numba"),
         ("arraykv/backends/_numba_fused.py", "arraykv.backends"),
     ):

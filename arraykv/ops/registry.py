@@ -258,21 +258,21 @@ register_op(
 register_op(
     "polar_encode",
     f"{_Q}.polar:polar_encode_reference",
-    numpy=f"{_N}.polar:polar_encode",
+    numpy=f"{_N}.polar.codec:polar_encode",
     cupy=f"{_C}.polar:polar_encode",
 )
 register_op(
     "polar_encode_tokens",
     f"{_Q}.polar_tokens:polar_encode_tokens_reference",
-    numpy=f"{_N}.polar_tokens:polar_encode_tokens",
+    numpy=f"{_N}.polar.tokens:polar_encode_tokens",
 )
 register_op(
-    "polar_store_token", f"{_Q}.polar_store:polar_store_token_reference", numpy=f"{_N}.polar_store:polar_store_token"
+    "polar_store_token", f"{_Q}.polar_store:polar_store_token_reference", numpy=f"{_N}.polar.store:polar_store_token"
 )
 register_op(
     "polar_decode",
     f"{_Q}.polar:polar_decode_reference",
-    numpy=f"{_N}.polar:polar_decode",
+    numpy=f"{_N}.polar.codec:polar_decode",
     cupy=f"{_C}.polar:polar_decode",
 )
 register_op("intq_group_minmax", f"{_Q}.intq:group_minmax_reference", numpy=f"{_N}.intq:group_minmax")
@@ -286,7 +286,7 @@ register_op("vq_decode", f"{_Q}.vq:vq_decode_reference", numpy=f"{_N}.vq:decode"
 register_op(
     "polar_decode_attention",
     f"{_A}.polar_fused:polar_decode_attention_reference",
-    numpy=f"{_N}.polar_fused:polar_decode_attention",
+    numpy=f"{_N}.polar.fused:polar_decode_attention",
     cupy=f"{_C}.polar:polar_decode_attention",
 )
 register_op(

@@ -17,8 +17,8 @@ import arraykv.ops.numba as kernels  # noqa: E402
 
 
 def _cached_dispatchers():
-    for info in pkgutil.iter_modules(kernels.__path__):
-        mod = importlib.import_module(f"{kernels.__name__}.{info.name}")
+    for info in pkgutil.walk_packages(kernels.__path__, f"{kernels.__name__}."):
+        mod = importlib.import_module(info.name)
         for name, obj in vars(mod).items():
             if isinstance(obj, CPUDispatcher) and not isinstance(obj._cache, NullCache):
                 yield f"{mod.__name__}.{name}", obj
@@ -38,7 +38,7 @@ def test_every_cached_kernel_has_a_cache_key_of_its_own():
 
 
 def test_parallel_polar_encode_is_the_parallel_code():
-    from arraykv.ops.numba import polar
+    from arraykv.ops.numba.polar import codec
 
-    assert polar._encode_par.targetoptions.get("parallel") and not polar._encode_ser.targetoptions.get("parallel")
-    assert polar._encode_par.py_func.__qualname__ != polar._encode_ser.py_func.__qualname__
+    assert codec.encode_par.targetoptions.get("parallel") and not codec.encode_ser.targetoptions.get("parallel")
+    assert codec.encode_par.py_func.__qualname__ != codec.encode_ser.py_func.__qualname__

@@ -162,7 +162,7 @@ def test_absent_side_arrays_read_as_defaults(d, rng):
 @pytest.mark.parametrize("method", ["pqo4", "tq3", "pq3"])
 def test_parallel_kernel_and_token_splits(splits, method, rng, monkeypatch):
     """The threaded kernel (forced on a small cache) with 1–7 token spans per head, empty spans included."""
-    from arraykv.ops.numba import polar_fused as nf
+    from arraykv.ops.numba.polar import fused as nf
 
     cache, q, _ = _filled(method, 96 if method == "pq3" else 64, 4, 2, 20 + 37 * splits, rng)
     codec = cache.layer_codec_state(0)
@@ -190,7 +190,7 @@ def test_parallel_kernel_and_token_splits(splits, method, rng, monkeypatch):
 
 
 def test_small_steps_stay_on_the_calling_thread(rng, monkeypatch):
-    from arraykv.ops.numba import polar_fused as nf
+    from arraykv.ops.numba.polar import fused as nf
     from arraykv.ops.numba.threads import PARALLEL_MIN_WORK
 
     assert nf._plan(3, (PARALLEL_MIN_WORK // 64 - 1) // 3, 64) == (1, 1)

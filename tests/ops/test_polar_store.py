@@ -16,8 +16,8 @@ from arraykv.quant.qjl import make_sketch
 from arraykv.quant.rotation import make_rotation
 
 try:
-    from arraykv.ops.numba.polar_store import polar_store_token
-    from arraykv.ops.numba.polar_tokens import polar_encode_tokens
+    from arraykv.ops.numba.polar.store import polar_store_token
+    from arraykv.ops.numba.polar.tokens import polar_encode_tokens
 except ImportError:  # pragma: no cover - exercised only without numba
     polar_store_token = None
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from array_api_compat import array_namespace
 
-from arraykv.ops.numba.polar_tokens import polar_encode_tokens
+from arraykv.ops.numba.polar.tokens import polar_encode_tokens
 from arraykv.quant.bitpack import unpack_bits_reference
 from arraykv.quant.codebooks import make_codebook
 from arraykv.quant.polar import polar_decode_reference

@@ -31,7 +31,7 @@ globals: compiled for the kernel's explicit signatures and cached on disk like a
 variant and signature only when a call first needs it (:class:`LazyStep`).
 The cache is keyed to the kernel module's file and the templates' bytecode; as everywhere with
 Numba's cache, an edit of a jitted helper in another file (the merge helpers here, the tile
-unpacking of ``polar_rows``) is not seen by it: clear ``__pycache__`` after such an edit.
+unpacking of ``polar.rows``) is not seen by it: clear ``__pycache__`` after such an edit.
 """
 
 from __future__ import annotations

@@ -48,31 +48,30 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .cpu_features import VECTOR_TILES
-from .fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softmax_tile, tile_add_rows, tile_dots
-from .ir_codes import tile_scores_codes_2, tile_scores_codes_4, tile_values_codes_2, tile_values_codes_4
-from .ir_softmax import softmax_rows, softmax_rows_affine
-from .ir_tiles import tile_scores, tile_values
-from .planar import channels_to_planar
-from .polar_query import _finish_head, _prepare_head, _prepare_rotating
-from .polar_rows import (
-    _NO_F32_3,
-    _NO_I32_2,
-    _NO_I32_3,
-    _NO_U8_4,
-    _NO_U16_3,
-    _NO_U16_4,
-    _SIGN_TABLE,
-    _SIGNS,
-    HALF_TO_FLOAT,
-    _bits16,
-    _direct3,
-    _fixed_args,
-    _planar_per,
-    _unpack_rows,
+from ..cpu_features import VECTOR_TILES
+from ..fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softmax_tile, tile_add_rows, tile_dots
+from ..half import HALF_TO_FLOAT
+from ..ir_codes import tile_scores_codes_2, tile_scores_codes_4, tile_values_codes_2, tile_values_codes_4
+from ..ir_softmax import softmax_rows, softmax_rows_affine
+from ..ir_tiles import tile_scores, tile_values
+from ..planar import channels_to_planar, planar_per_jit
+from ..simd3 import tile_scores_codes_3, tile_values_codes_3
+from ..simd_signs import tile_sign_scores
+from .query import finish_head, prepare_head, prepare_rotating
+from .rows import (
+    NO_F32_3,
+    NO_I32_2,
+    NO_I32_3,
+    NO_U8_4,
+    NO_U16_3,
+    NO_U16_4,
+    SIGN_TABLE,
+    SIGNS,
+    bits16,
+    direct3_jit,
+    fixed_args,
+    unpack_rows,
 )
-from .simd3 import tile_scores_codes_3, tile_values_codes_3
-from .simd_signs import tile_sign_scores
 
 __all__ = ["polar_decode_attention", "TILE", "HALF_TO_FLOAT"]
 
@@ -163,11 +162,11 @@ def _attend_span(
     ``m``, ``l`` (G,) and ``acc`` (G, d) hold the running maximum logit, the sum of
     ``exp(logit − m)`` and ``Σ exp(logit − m) · ℓ_t c[codes_t]`` (rotated value domain);
     they are updated in place, so a caller starts them at ``-inf``, ``0``, ``0``.
-    ``k_table``, ``v_table``, ``sign_table`` are :func:`_chunk_table` of the key and value
+    ``k_table``, ``v_table``, ``sign_table`` are :func:`arraykv.ops.numba.polar.rows._chunk_table` of the key and value
     centroids and of ``(-1, 1)`` (the QJL bits). Per tile of ``TILE`` tokens: the key codes are
     unpacked once for the whole GQA group, scored, the softmax state rescaled once, then the
     value codes unpacked and accumulated. ``n_j`` turning pairs of a rotating key mean
-    (:func:`_prepare_rotating`; token ``t`` sits at position ``pos0 + t``) add their share of
+    (:func:`prepare_rotating`; token ``t`` sits at position ``pos0 + t``) add their share of
     ``q·m_p`` to each logit.
     """
     g_n = qr.shape[0]
@@ -210,10 +209,10 @@ def _attend_span(
     ebits = np.empty(TILE, np.int32)
     al = acc.copy()  # the task's own accumulator: the compiler knows it aliases no other array
     # 4- and 2-bit codes: scored and summed straight from the packed rows (planar order, no tile buffer)
-    k_direct = _planar_per(k_bits, d) if vec else 0
-    v_direct = _planar_per(v_bits, d) if vec else 0
-    k3 = vec and _direct3(k_bits, d)  # 3-bit codes: sixteen per vpermps from six bytes, channel order
-    v3 = vec and _direct3(v_bits, d)
+    k_direct = planar_per_jit(k_bits, d) if vec else 0
+    v_direct = planar_per_jit(v_bits, d) if vec else 0
+    k3 = vec and direct3_jit(k_bits, d)  # 3-bit codes: sixteen per vpermps from six bytes, channel order
+    v3 = vec and direct3_jit(v_bits, d)
     # no per-token term besides the lengths, q·μ and the rotating mean: the softmax applies them
     affine = vec and n_out == 0 and m_rows == 0
     for t0 in range(t_lo, t_hi, TILE):
@@ -226,12 +225,12 @@ def _attend_span(
         elif k3:
             tile_scores_codes_3(k_codes[b, h], t0, t1 - t0, k_table, qr, s)
         else:
-            _unpack_rows(k_codes, b, h, t0, t1, k_bits, k_table, k_cent, d, buf, buf64)
+            unpack_rows(k_codes, b, h, t0, t1, k_bits, k_table, k_cent, d, buf, buf64)
         nt = t1 - t0
         if qjl_vec:
             tile_sign_scores(k_qjl[b, h], t0, nt, sq_c, sk)
         elif m_rows:
-            _unpack_rows(k_qjl, b, h, t0, t1, 1, sign_table, _SIGNS, m_rows, pbuf, pbuf64)
+            unpack_rows(k_qjl, b, h, t0, t1, 1, sign_table, SIGNS, m_rows, pbuf, pbuf64)
         if not vec:
             tile_dots(qr, buf, nt, d, s)
         elif not k_direct and not k3:
@@ -299,7 +298,7 @@ def _attend_span(
             softmax_tile(s[g], nt, m, l, al, g, ebits)
         # 3. weighted values in the rotated domain
         if not v_direct and not v3:
-            _unpack_rows(v_codes, b, h, t0, t1, v_bits, v_table, v_cent, d, buf, buf64)
+            unpack_rows(v_codes, b, h, t0, t1, v_bits, v_table, v_cent, d, buf, buf64)
         for g in range(g_n if not affine else 0):
             sg = s[g]
             for r in range(nt):
@@ -325,8 +324,8 @@ def _attend_span(
 
 @nb.njit
 def alloc_state(b_n, h_n, g_n, d, args):
-    """Per (batch, KV head) slot: ``qr, qout, qconst, sq`` (:func:`_prepare_head`), the rotating
-    mean's ``ra, rb, rw, ct, st, step`` and pair count (:func:`_prepare_rotating`), and a scratch row."""
+    """Per (batch, KV head) slot: ``qr, qout, qconst, sq`` (:func:`prepare_head`), the rotating
+    mean's ``ra, rb, rw, ct, st, step`` and pair count (:func:`prepare_rotating`), and a scratch row."""
     n_out = args[13].shape[2]
     m_rows = args[17].shape[1]
     n_p = args[22].shape[0]
@@ -351,7 +350,7 @@ def prepare(q, b, h, scale, args, state, sb, sh):
     k_scale, k_mean, k_idx, signs, rot, sketch_t = args[10], args[11], args[13], args[15], args[16], args[17]
     rm_freq, rm_pairs, half = args[21], args[22], args[27]
     qr, qout, qconst, sq, ra, rb, rw, ct, st, step, n_js, x = state
-    _prepare_head(
+    prepare_head(
         q,
         b,
         h,
@@ -369,7 +368,7 @@ def prepare(q, b, h, scale, args, state, sb, sh):
         qconst[sb, sh],
         sq[sb, sh],
     )
-    n_js[sb, sh] = _prepare_rotating(
+    n_js[sb, sh] = prepare_rotating(
         q,
         b,
         h,
@@ -386,7 +385,7 @@ def prepare(q, b, h, scale, args, state, sb, sh):
         st[sb, sh],
         step[sb, sh],
     )
-    k_per = _planar_per(args[4], x.shape[0])
+    k_per = planar_per_jit(args[4], x.shape[0])
     if k_per:  # key codes come out of the tile unpacking in planar order: the queries follow
         rows = qr[sb, sh]
         for g in range(rows.shape[0]):
@@ -476,7 +475,7 @@ def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
         args[26],
         args[27],
     )
-    _finish_head(
+    finish_head(
         q,
         b,
         h,
@@ -491,7 +490,7 @@ def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
         signs,
         rot,
         half,
-        _planar_per(args[9], acc_sp.shape[2]),
+        planar_per_jit(args[9], acc_sp.shape[2]),
         out,
     )
 
@@ -538,22 +537,22 @@ def polar_decode_attention(codec, q, scale):
         v_codes = np.ascontiguousarray(v_codes)
     h = k_codes.shape[1]
     n = int(codec.n_quantized)
-    k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch_t = _fixed_args(codec)
+    k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch_t = fixed_args(codec)
     idx = codec.k_outlier_idx
     if idx is None or idx.shape[-1] == 0:
-        idx, k_out = _NO_I32_3, _NO_U16_4
+        idx, k_out = NO_I32_3, NO_U16_4
     else:
         idx = np.asarray(idx, np.int32)
-        k_out = _NO_U16_4 if n == 0 else _bits16(codec.k_outliers)
+        k_out = NO_U16_4 if n == 0 else bits16(codec.k_outliers)
     if codec.qjl is None:
-        k_qjl, k_qjl_norms = _NO_U8_4, _NO_U16_3
+        k_qjl, k_qjl_norms = NO_U8_4, NO_U16_3
     else:  # rows of contiguous bytes, as the sign masks are read
-        k_qjl, k_qjl_norms = codec.k_qjl, _bits16(codec.k_qjl_norms)
+        k_qjl, k_qjl_norms = codec.k_qjl, bits16(codec.k_qjl_norms)
         if k_qjl.strides[-1] != 1:
             k_qjl = np.ascontiguousarray(k_qjl)
     freq = getattr(codec, "k_mean_freq", None)
     if freq is None or n == 0:
-        rm_freq, rm_pairs = _NO_F32_3, _NO_I32_2
+        rm_freq, rm_pairs = NO_F32_3, NO_I32_2
     else:
         rm_freq = np.asarray(freq, np.float32)
         rm_pairs = np.ascontiguousarray(codec.k_mean_pairs, np.int32)
@@ -561,32 +560,32 @@ def polar_decode_attention(codec, q, scale):
     out = np.empty((b, qh, d), np.float32)
     args = (
         k_codes,
-        _bits16(codec.k_norms),
+        bits16(codec.k_norms),
         k_cent,
         k_table,
         k_bits,
         v_codes,
-        _bits16(codec.v_norms),
+        bits16(codec.v_norms),
         v_cent,
         v_table,
         v_bits,
-        _bits16(getattr(codec, "k_scale", None)),
-        _bits16(codec.k_mean),
-        _bits16(codec.v_mean),
+        bits16(getattr(codec, "k_scale", None)),
+        bits16(codec.k_mean),
+        bits16(codec.v_mean),
         idx,
         k_out,
         signs,
         rot,
         sketch_t,
-        _SIGN_TABLE,
+        SIGN_TABLE,
         k_qjl,
         k_qjl_norms,
         rm_freq,
         rm_pairs,
         int(codec.n_sink),
         int(codec.n_window),
-        _bits16(codec.k_window, _NO_U16_4),
-        _bits16(codec.v_window, _NO_U16_4),
+        bits16(codec.k_window, NO_U16_4),
+        bits16(codec.v_window, NO_U16_4),
         HALF_TO_FLOAT,
     )
     step = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, h, args)

@@ -3,7 +3,7 @@
 One compiled call centres and weights the keys (plain or rotating mean: the angle of each
 turning pair formed in float64 and its cosine and sine rounded to float32, as the reference
 does), cuts out the outlier channels, centres the values, and encodes both with the
-TurboQuant-MSE loop of :mod:`arraykv.ops.numba.polar` (on the calling thread for a decode
+TurboQuant-MSE loop of :mod:`arraykv.ops.numba.polar.codec` (on the calling thread for a decode
 step's one token, over Numba's threads for a long prefill's spill). With a QJL sketch (``tq``
 caches) the keys are decoded back from their codes and the residual's signs under the sketch
 are packed in the same call. Results equal the reference except where float rounding puts a
@@ -21,19 +21,19 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .half import half_to_float
-from .polar import _decode_par, _decode_ser, _encode_par, _encode_ser, _host, _matrix
-from .polar_rows import HALF_TO_FLOAT, _bits16, memo_by_objects
-from .threads import launch, threads_for
+from ..half import HALF_TO_FLOAT, half_to_float
+from ..threads import launch, threads_for
+from .codec import decode_par, decode_ser, encode_par, encode_ser, host_array, rotation_matrix
+from .rows import bits16, memo_by_objects
 
-__all__ = ["polar_encode_tokens"]
+__all__ = ["polar_encode_tokens", "encoder_args", "center", "sketch_stored"]
 
 _NO_F32_3 = np.zeros((0, 0, 0), np.float32)
 _NO_I32_2 = np.zeros((0, 2), np.int32)
 
 
 @nb.njit(cache=True, nogil=True)
-def _center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc, k_out):
+def center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc, k_out):
     """``kc``, ``vc`` (N, d) float32 and ``k_out`` (N, n_out) of tokens ``k``, ``v`` (b, h, t, d)."""
     b_n, h_n, t_n, d = k.shape
     n_out = idx.shape[2]
@@ -103,14 +103,14 @@ def _encode_tokens_ser(
     v_codes,
     v_lengths,
 ):
-    """:func:`_center`, then both TurboQuant-MSE encodes, on the calling thread (one call per decode step)."""
-    _center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc, k_out)
-    _encode_ser(kc, signs, matrix, hadamard, k_thr, k_cent, k_bits, k_unbiased, k_codes, k_lengths)
-    _encode_ser(vc, signs, matrix, hadamard, v_thr, v_cent, v_bits, v_unbiased, v_codes, v_lengths)
+    """:func:`center`, then both TurboQuant-MSE encodes, on the calling thread (one call per decode step)."""
+    center(k, v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc, k_out)
+    encode_ser(kc, signs, matrix, hadamard, k_thr, k_cent, k_bits, k_unbiased, k_codes, k_lengths)
+    encode_ser(vc, signs, matrix, hadamard, v_thr, v_cent, v_bits, v_unbiased, v_codes, v_lengths)
 
 
 @nb.njit(cache=True, nogil=True)
-def _sketch_stored(
+def sketch_stored(
     k_codes, k_norms, signs, matrix, hadamard, cent, bits, kc, idx, heads, tokens, sketch_t, kd, packed, norms
 ):
     """The QJL part of a decode step's encode in one call: the keys decoded back from their codes
@@ -118,7 +118,7 @@ def _sketch_stored(
     lengths = np.empty(k_norms.shape[0], np.float32)
     for i in range(lengths.shape[0]):
         lengths[i] = half_to_float(k_norms[i], None)
-    _decode_ser(k_codes, lengths, signs, matrix, hadamard, cent, bits, kd)
+    decode_ser(k_codes, lengths, signs, matrix, hadamard, cent, bits, kd)
     _sketch_residual(kc, kd, idx, heads, tokens, sketch_t, packed, norms)
 
 
@@ -165,11 +165,11 @@ _FIXED: dict = {}
 
 def _make_fixed(rotation, k_codebook, v_codebook, qjl) -> tuple:
     return (
-        _host(rotation.signs),
-        _matrix(rotation),
+        host_array(rotation.signs),
+        rotation_matrix(rotation),
         rotation.kind == "hadamard",
-        *((_host(b.thresholds), _host(b.centroids), int(b.bits)) for b in (k_codebook, v_codebook)),
-        None if qjl is None else np.ascontiguousarray(_host(qjl.matrix).T),
+        *((host_array(b.thresholds), host_array(b.centroids), int(b.bits)) for b in (k_codebook, v_codebook)),
+        None if qjl is None else np.ascontiguousarray(host_array(qjl.matrix).T),
     )
 
 
@@ -192,7 +192,7 @@ def encoder_args(enc) -> tuple:
     """A :class:`~arraykv.quant.polar_encoder.PolarEncoder` unpacked into what the kernels take, in
     one place: ``(calib, fixed, key_unbiased, value_unbiased)``.
 
-    ``calib`` is the calibration as :func:`_center` takes it (``k_mean``, ``v_mean``,
+    ``calib`` is the calibration as :func:`center` takes it (``k_mean``, ``v_mean``,
     ``k_scale`` as uint16 views, the outlier channels int32, the rotating mean's frequencies and
     pairs, empty arrays for a plain mean, and the float16 table); ``fixed`` is :func:`_fixed`'s
     tuple of the rotation, codebooks and sketch.
@@ -203,9 +203,9 @@ def encoder_args(enc) -> tuple:
         freq = np.asarray(enc.k_mean_freq, np.float32)
         pairs = np.ascontiguousarray(enc.k_mean_pairs, np.int32)
     calib = (
-        _bits16(enc.k_mean),
-        _bits16(enc.v_mean),
-        _bits16(enc.k_scale),
+        bits16(enc.k_mean),
+        bits16(enc.v_mean),
+        bits16(enc.k_scale),
         np.asarray(enc.k_outlier_idx, np.int32),
         freq,
         pairs,
@@ -253,9 +253,9 @@ def polar_encode_tokens(k, v, enc, start):
             v_len,
         )
     else:
-        _center(k, v, int(start), *calib, kc, vc, k_out)
-        _run(_encode_ser, _encode_par, kc, signs, matrix, hadamard, *k_tabs, key_unbiased, k_codes, k_len)
-        _run(_encode_ser, _encode_par, vc, signs, matrix, hadamard, *v_tabs, value_unbiased, v_codes, v_len)
+        center(k, v, int(start), *calib, kc, vc, k_out)
+        _run(encode_ser, encode_par, kc, signs, matrix, hadamard, *k_tabs, key_unbiased, k_codes, k_len)
+        _run(encode_ser, encode_par, vc, signs, matrix, hadamard, *v_tabs, value_unbiased, v_codes, v_len)
     k_norms = k_len.astype(np.float16)
     out = {"k_codes": k_codes.reshape(b, h, t, -1), "k_norms": k_norms.reshape(b, h, t)}
     if sketch_t is not None:  # the residual of the key as stored (float16 length)
@@ -263,7 +263,7 @@ def polar_encode_tokens(k, v, enc, start):
         packed = np.empty((n, (sketch_t.shape[1] + 7) // 8), np.uint8)
         norms = np.empty(n, np.float32)
         if serial:
-            _sketch_stored(
+            sketch_stored(
                 k_codes,
                 k_norms.view(np.uint16),
                 signs,
@@ -282,8 +282,8 @@ def polar_encode_tokens(k, v, enc, start):
             )
         else:
             _run(
-                _decode_ser,
-                _decode_par,
+                decode_ser,
+                decode_par,
                 k_codes,
                 k_norms.astype(np.float32),
                 signs,

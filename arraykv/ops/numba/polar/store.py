@@ -2,10 +2,10 @@
 
 A decode step of a polar layer whose sinks and window are full, as one compiled call: the
 leaving window row read from its float16 bits, centred, weighted and encoded
-(:func:`arraykv.ops.numba.polar_tokens._center` and the TurboQuant-MSE loop), the codes, float16
+(:func:`arraykv.ops.numba.polar.tokens.center` and the TurboQuant-MSE loop), the codes, float16
 lengths and outlier channels written straight into the token buffers' row ``at``, for a ``tq``
 key the residual sketch of the key as stored (decoded from the float16 length just written, as
-the encode does: :func:`arraykv.ops.numba.polar_tokens._sketch_stored`),
+the encode does: :func:`arraykv.ops.numba.polar.tokens.sketch_stored`),
 and the new token rounded to float16 into the window row ``arriving``. float16 results are
 rounded in the kernel (:func:`arraykv.ops.numba.half.float_to_half`, NumPy's rounding) and
 checked there for overflow, so the step allocates no NumPy array and returns whether the
@@ -22,10 +22,10 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .half import float_to_half, half_is_finite, half_to_float
-from .polar import _encode_ser
-from .polar_rows import _bits16
-from .polar_tokens import _center, _sketch_stored, encoder_args
+from ..half import float_to_half, half_is_finite, half_to_float
+from .codec import encode_ser
+from .rows import bits16
+from .tokens import center, encoder_args, sketch_stored
 
 __all__ = ["polar_store_token"]
 
@@ -91,9 +91,9 @@ def _store_token(
     v_codes = np.empty((n, r_vc.shape[3]), np.uint8)
     k_len = np.empty(n, np.float32)
     v_len = np.empty(n, np.float32)
-    _center(old_k, old_v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc, k_out)
-    _encode_ser(kc, signs, matrix, hadamard, k_thr, k_cent, k_bits, k_unbiased, k_codes, k_len)
-    _encode_ser(vc, signs, matrix, hadamard, v_thr, v_cent, v_bits, v_unbiased, v_codes, v_len)
+    center(old_k, old_v, start, k_mean, v_mean, k_scale, idx, freq, pairs, half, kc, vc, k_out)
+    encode_ser(kc, signs, matrix, hadamard, k_thr, k_cent, k_bits, k_unbiased, k_codes, k_len)
+    encode_ser(vc, signs, matrix, hadamard, v_thr, v_cent, v_bits, v_unbiased, v_codes, v_len)
     finite = True
     k_stored = np.empty(n, np.uint16)  # the key lengths as stored (float16 bits), for the QJL residual
     for b in range(b_n):
@@ -117,7 +117,7 @@ def _store_token(
         kd = np.empty((n, d), np.float32)
         packed = np.empty((n, r_kq.shape[3]), np.uint8)
         norms = np.empty(n, np.float32)
-        _sketch_stored(
+        sketch_stored(
             k_codes, k_stored, signs, matrix, hadamard, k_cent, k_bits, kc, idx, h_n, 1, sketch_t, kd, packed, norms
         )
         for b in range(b_n):
@@ -149,8 +149,8 @@ def polar_store_token(k, v, window_k, window_v, leaving, arriving, enc, start, r
         _store_token(
             k,
             v,
-            _bits16(window_k),
-            _bits16(window_v),
+            bits16(window_k),
+            bits16(window_v),
             int(leaving),
             int(arriving),
             int(start),
@@ -164,12 +164,12 @@ def polar_store_token(k, v, window_k, window_v, leaving, arriving, enc, start, r
             value_unbiased,
             _NO_SKETCH if sketch_t is None else sketch_t,
             rows["k_codes"],
-            _bits16(rows["k_norms"]),
+            bits16(rows["k_norms"]),
             rows["v_codes"],
-            _bits16(rows["v_norms"]),
-            _NO_ROWS_U16_4 if outliers is None else _bits16(outliers),
+            bits16(rows["v_norms"]),
+            _NO_ROWS_U16_4 if outliers is None else bits16(outliers),
             rows.get("k_qjl", _NO_ROWS_U8),
-            _bits16(rows.get("k_qjl_norms"), _NO_ROWS_U16_3),
+            bits16(rows.get("k_qjl_norms"), _NO_ROWS_U16_3),
             int(at),
         )
     )

@@ -1,10 +1,13 @@
 """Packed-code rows as centroid values, for the fused PolarQuant kernel (Numba).
 
 Layout of :mod:`arraykv.quant.bitpack`. :func:`_chunk_table` turns a codebook into 8-byte words
-of the centroid values of every chunk of consecutive codes, so :func:`_unpack_rows` unpacks two
-codes per load and store; float16 state is read through ``uint16`` views (Numba has no
-float16) and :func:`arraykv.ops.numba.half.half_to_float`. Host side: :func:`_fixed_args` (the arrays derived
-from a cache's rotation, codebooks and sketch, memoised) and :func:`_bits16`.
+of the centroid values of every chunk of consecutive codes, so :func:`unpack_rows` unpacks two
+codes per load and store (4- and 2-bit rows in planar order and 3-bit rows straight from the
+codes where the vector lookups exist: :func:`arraykv.ops.numba.planar.planar_per`,
+:func:`direct3`); float16 state is read through ``uint16`` views (Numba has no float16) and
+:func:`arraykv.ops.numba.half.half_to_float`. Host side: :func:`fixed_args` (the arrays derived
+from a cache's rotation, codebooks and sketch, memoised), :func:`bits16` and the read-only
+placeholders ``NO_*`` of absent state.
 """
 
 from __future__ import annotations
@@ -16,28 +19,31 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .cpu_features import HAVE_PERMPS
-from .fused_driver import FASTMATH
-from .half import HALF_TO_FLOAT
-from .ir_codes import unpack_tile_2, unpack_tile_4
-from .planar import planar_per, table16
-from .polar import _fwht
+from ..cpu_features import HAVE_PERMPS
+from ..fused_driver import FASTMATH
+from ..ir_codes import unpack_tile_2, unpack_tile_4
+from ..planar import planar_per, planar_per_jit, table16
 
 __all__ = [
-    "HALF_TO_FLOAT",
-    "_SIGNS",
-    "_SIGN_TABLE",
-    "_chunk_table",
-    "_unpack_rows",
-    "_fwht",
-    "_bits16",
-    "_fixed_args",
-    "_planar_per",
+    "SIGNS",
+    "SIGN_TABLE",
+    "unpack_rows",
+    "direct3",
+    "direct3_jit",
+    "bits16",
+    "fixed_args",
     "memo_by_objects",
+    "NO_U16_3",
+    "NO_U16_4",
+    "NO_U8_4",
+    "NO_I32_3",
+    "NO_F32_2",
+    "NO_F32_3",
+    "NO_I32_2",
 ]
 
 #: QJL bit values: bit 0 -> -1, bit 1 -> +1.
-_SIGNS = np.array([-1.0, 1.0], np.float32)
+SIGNS = np.array([-1.0, 1.0], np.float32)
 #: Codes per chunk of :func:`_chunk_table`, by bits.
 _CHUNK = (1, 8, 4, 2, 2, 2, 1, 1, 1)
 
@@ -66,12 +72,12 @@ def _chunk_table(cent, bits):
     return np.ascontiguousarray(np.asarray(cent, np.float32)[idx]).view(np.uint64).reshape(-1)
 
 
-_SIGN_TABLE = _chunk_table(_SIGNS, 1)
+SIGN_TABLE = _chunk_table(SIGNS, 1)
 
 
 @nb.njit(inline="always")
 def _unpack_small(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
-    """:func:`_unpack_rows` for 1 or 2 bits (a literal here).
+    """:func:`unpack_rows` for 1 or 2 bits (a literal here).
 
     A byte of ``8 / bits`` codes is ``4 / bits`` table words.
     """
@@ -89,30 +95,18 @@ def _unpack_small(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
             out[r, i] = cent[(row[i // per] >> (bits * (i % per))) & mask]
 
 
-@nb.njit(inline="always")
-def _planar_per(bits, d):
-    """:func:`arraykv.ops.numba.planar.planar_per` inside compiled code (``HAVE_PERMPS`` is a compile-time constant)."""
-    if not HAVE_PERMPS:
-        return 0
-    if bits == 4 and d % 32 == 0:
-        return 2
-    if bits == 2 and d % 64 == 0:
-        return 4
-    return 0
-
-
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _unpack_rows(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
+def unpack_rows(codes, b, h, t0, t1, bits, table, cent, d, out, out64):
     """Centroid values of rows ``t0 .. t1`` of ``codes[b, h]`` into ``out[:t1 - t0, :d]``.
 
     Layout of :mod:`arraykv.quant.bitpack`. ``out`` (float32, (rows, even width >= d)) and
     ``out64`` are views of one buffer; ``table`` is :func:`_chunk_table` of ``cent``, or, when
-    :func:`_planar_per` of ``(bits, d)`` is not 0, :func:`arraykv.ops.numba.planar.table16` of it
+    :func:`planar_per_jit` of ``(bits, d)`` is not 0, :func:`arraykv.ops.numba.planar.table16` of it
     (as 8 words) and the rows come out in planar order (:mod:`arraykv.ops.numba.planar`; the
     rows of ``codes`` must then be contiguous). The branch on ``bits`` is taken once per
     call, so every loop below is specialised.
     """
-    per = _planar_per(bits, d)
+    per = planar_per_jit(bits, d)
     if per == 2:  # sixteen codes per instruction, one plane of codes per vector
         unpack_tile_4(codes[b, h], t0, t1 - t0, table, out)
     elif per == 4:
@@ -182,12 +176,12 @@ def _absent(ndim: int, dtype) -> np.ndarray:
     return a
 
 
-_NO_U16_3, _NO_U16_4, _NO_U8_4 = _absent(3, np.uint16), _absent(4, np.uint16), _absent(4, np.uint8)
-_NO_I32_3, _NO_F32_2 = _absent(3, np.int32), _absent(2, np.float32)
-_NO_F32_3, _NO_I32_2 = _absent(3, np.float32), _absent(2, np.int32)
+NO_U16_3, NO_U16_4, NO_U8_4 = _absent(3, np.uint16), _absent(4, np.uint16), _absent(4, np.uint8)
+NO_I32_3, NO_F32_2 = _absent(3, np.int32), _absent(2, np.float32)
+NO_F32_3, NO_I32_2 = _absent(3, np.float32), _absent(2, np.int32)
 
 
-def _bits16(a, absent=_NO_U16_3):
+def bits16(a, absent=NO_U16_3):
     """A float16 array as its uint16 bit patterns (a view); ``absent`` for None."""
     if a is None:
         return absent
@@ -219,17 +213,20 @@ def memo_by_objects(store: dict, objs: tuple, make, limit: int = 64):
     return value
 
 
-@nb.njit(inline="always")
-def _direct3(bits, d):
+def direct3(bits, d):
     """Whether rows of ``d`` 3-bit codes are read sixteen codes per ``vpermps``
-    (:mod:`arraykv.ops.numba.simd3`; ``HAVE_PERMPS`` is a compile-time constant)."""
+    (:mod:`arraykv.ops.numba.simd3`); the same function runs in compiled code as :func:`direct3_jit`."""
     return HAVE_PERMPS and bits == 3 and d % 64 == 0
 
 
+#: :func:`direct3` inside compiled code, inlined (``HAVE_PERMPS`` is a compile-time constant there).
+direct3_jit = nb.njit(inline="always")(direct3)
+
+
 def _row_table(cent, bits: int, d: int) -> np.ndarray:
-    """The ``table`` argument of :func:`_unpack_rows` for rows of ``d`` codes of ``bits`` bits (uint64 words);
+    """The ``table`` argument of :func:`unpack_rows` for rows of ``d`` codes of ``bits`` bits (uint64 words);
     the 16-float register table where the rows are read with ``vpermps`` (planar, or 3-bit chunks)."""
-    if planar_per(bits, d) or (HAVE_PERMPS and bits == 3 and d % 64 == 0):
+    if planar_per(bits, d) or direct3(bits, d):
         return table16(cent).view(np.uint64)
     return _chunk_table(cent, bits)
 
@@ -246,12 +243,12 @@ def _make_fixed_args(rotation, kc, vc, sketch) -> tuple:
         _row_table(v_cent, int(vc.bits), d),
         int(vc.bits),
         np.ascontiguousarray(rotation.signs, np.float32),
-        _NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32),
-        _NO_F32_2 if sketch is None else np.ascontiguousarray(np.asarray(sketch.matrix, np.float32).T),
+        NO_F32_2 if rotation.matrix is None else np.ascontiguousarray(rotation.matrix, np.float32),
+        NO_F32_2 if sketch is None else np.ascontiguousarray(np.asarray(sketch.matrix, np.float32).T),
     )
 
 
-def _fixed_args(codec) -> tuple:
+def fixed_args(codec) -> tuple:
     """``(k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch_t)`` of ``codec``; ``sketch_t``
     is the QJL matrix transposed, (d, m) (a query's sketch is summed along its rows)."""
     return memo_by_objects(

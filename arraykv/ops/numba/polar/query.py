@@ -1,9 +1,9 @@
 """The per-head parts of the fused PolarQuant kernel outside its token loop (Numba): one KV head's GQA group.
 
-:func:`_prepare_head` gives the scaled, rotated queries, their outlier channels, the key-mean
-constant and the QJL sketch of the queries; :func:`_prepare_rotating` the coefficients and
+:func:`prepare_head` gives the scaled, rotated queries, their outlier channels, the key-mean
+constant and the QJL sketch of the queries; :func:`prepare_rotating` the coefficients and
 phase tables of a rotating (RoPE-aware) key mean (see
-:func:`arraykv.attention.polar_fused.prepare_queries` for the math). :func:`_finish_head` merges
+:func:`arraykv.attention.polar_fused.prepare_queries` for the math). :func:`finish_head` merges
 the token splits with the float16 window and rotates the value sum back
 (:func:`arraykv.attention.polar_fused.merge_window`).
 """
@@ -19,17 +19,17 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from ...quant.qjl import QJL_SCALE
-from .fused_driver import FASTMATH, TILE, merge_splits, merge_top
-from .half import half_to_float
-from .planar import planar_to_channels
-from .polar_rows import _fwht
+from ....quant.qjl import QJL_SCALE
+from ..fused_driver import FASTMATH, TILE, merge_splits, merge_top
+from ..half import half_to_float
+from ..planar import planar_to_channels
+from .codec import fwht
 
-__all__ = ["_prepare_head", "_prepare_rotating", "_finish_head"]
+__all__ = ["prepare_head", "prepare_rotating", "finish_head"]
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst, ra, rb, rw, ct, st, step):
+def prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst, ra, rb, rw, ct, st, step):
     """The turning pairs of a rotating key mean of KV head ``(b, h)``; returns their count ``J``.
 
     For pair ``j`` (channels ``a, c``) with ``ω ≠ 0``: ``ra[g, j] = scale (q_a μ_a + q_c μ_c)``
@@ -77,7 +77,7 @@ def _prepare_rotating(q, b, h, scale, k_mean, rm_freq, rm_pairs, half, qconst, r
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch_t, half, x, qr, qout, qconst, sq):
+def prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch_t, half, x, qr, qout, qconst, sq):
     """Query-side quantities of the ``G`` query heads of KV head ``(b, h)``.
 
     Writes ``qr`` (G, d) ``scale · M q̃``, ``qout`` (G, n_out) ``scale · (q/s)`` at the outlier
@@ -85,7 +85,7 @@ def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch_t, 
     ``scale · √(π/2)/m · S q̃``, where ``q̃`` is ``q / s`` with the outlier channels zeroed
     (see :func:`arraykv.attention.polar_fused.prepare_queries`); ``sketch_t`` is ``Sᵀ`` (d, m), so
     that ``S q̃`` is a sum of its rows (whole vectors, no reduction per row). ``x`` (d,) is scratch.
-    A rotating key mean adjusts ``qconst`` afterwards (:func:`_prepare_rotating`).
+    A rotating key mean adjusts ``qconst`` afterwards (:func:`prepare_rotating`).
     """
     g_n, d = qr.shape
     n_out = k_idx.shape[2]
@@ -125,15 +125,13 @@ def _prepare_head(q, b, h, scale, k_scale, k_mean, k_idx, signs, rot, sketch_t, 
         else:
             for j in range(d):
                 x[j] *= signs[j]
-            _fwht(x)
+            fwht(x)
             for j in range(d):
                 qr[g, j] = x[j] * c_rot
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _finish_head(
-    q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot, half, v_per, out
-):
+def finish_head(q, b, h, scale, m_sp, l_sp, acc_sp, n_window, k_window, v_window, v_mean, signs, rot, half, v_per, out):
     """Merge the token splits of head ``(b, h)`` with its float16 window; write ``out[b, qh]``.
 
     ``m_sp``, ``l_sp`` (splits, G) and ``acc_sp`` (splits, G, d) are :func:`_attend_span`'s
@@ -184,7 +182,7 @@ def _finish_head(
                     for j in range(d):
                         num[g, j] += yi * rot[i, j]
             else:
-                _fwht(y)
+                fwht(y)
                 for j in range(d):
                     num[g, j] = y[j] * signs[j] * c_rot
             if has_vmean:

@@ -1,4 +1,4 @@
-"""Numba kernels for TurboQuant-MSE encode/decode (see :mod:`arraykv.quant.polar`).
+"""Numba kernels for TurboQuant-MSE encode/decode (see :mod:`arraykv.quant.polar`), and their compiled loops.
 
 One pass per vector, ``prange`` over chunks of 64 vectors: norm, random signs, in-place fast Walsh–Hadamard
 transform (or a dense matrix for other sizes), bucketize by binary search over the thresholds
@@ -6,6 +6,10 @@ between centroids, the stored length (least-squares or unbiased), and bit packin
 looks up centroids and applies the inverse transform. Results equal
 :func:`~arraykv.quant.polar.polar_encode_reference` except where float rounding puts a
 coordinate on the other side of a threshold (the reference multiplies by the dense matrix).
+
+The other polar kernels reuse the pieces: :func:`fwht` (the transform, inlined),
+:func:`encode_ser` / :func:`encode_par` and :func:`decode_ser` / :func:`decode_par` (the loops,
+serial and parallel), :func:`host_array` and :func:`rotation_matrix` (their arguments).
 """
 
 from __future__ import annotations
@@ -20,13 +24,23 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without numba
     raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
-from .threads import launch, threads_for
+from ..threads import launch, threads_for
 
-__all__ = ["polar_encode", "polar_decode"]
+__all__ = [
+    "polar_encode",
+    "polar_decode",
+    "fwht",
+    "encode_par",
+    "decode_par",
+    "encode_ser",
+    "decode_ser",
+    "host_array",
+    "rotation_matrix",
+]
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
-def _fwht(v):
+def fwht(v):
     """In-place unnormalized Walsh–Hadamard transform of a contiguous power-of-two vector.
 
     Sizes >= 8: the first three stages as one unrolled 8-point transform per group of eight,
@@ -91,7 +105,7 @@ def _encode_py(x, signs, matrix, hadamard, thr, cents, bits, unbiased, codes, le
             if hadamard:
                 for i in range(d):
                     buf[i] = x[r, i] * signs[i]
-                _fwht(buf)
+                fwht(buf)
                 inv = inv * inv_sqrt_d
             else:
                 for i in range(d):
@@ -143,7 +157,7 @@ def _decode_py(codes, lengths, signs, matrix, hadamard, cents, bits, out):
             length = lengths[r]
             if hadamard:
                 v = buf[:d]
-                _fwht(v)
+                fwht(v)
                 f = length * inv_sqrt_d
                 for i in range(d):
                     out[r, i] = v[i] * signs[i] * f
@@ -169,21 +183,23 @@ def _named(fn, name: str):
     return out
 
 
-_encode_par = nb.njit(cache=True, nogil=True, parallel=True)(_named(_encode_py, "_encode_par"))
-_decode_par = nb.njit(cache=True, nogil=True, parallel=True)(_named(_decode_py, "_decode_par"))
-_encode_ser = nb.njit(cache=True, nogil=True)(_named(_encode_py, "_encode_ser"))
-_decode_ser = nb.njit(cache=True, nogil=True)(_named(_decode_py, "_decode_ser"))
+encode_par = nb.njit(cache=True, nogil=True, parallel=True)(_named(_encode_py, "encode_par"))
+decode_par = nb.njit(cache=True, nogil=True, parallel=True)(_named(_decode_py, "decode_par"))
+encode_ser = nb.njit(cache=True, nogil=True)(_named(_encode_py, "encode_ser"))
+decode_ser = nb.njit(cache=True, nogil=True)(_named(_decode_py, "decode_ser"))
 
 
-def _host(a, dtype=np.float32):
+def host_array(a, dtype=np.float32):
+    """``a`` as a C-contiguous NumPy array of ``dtype`` (no copy when it is one already)."""
     return np.ascontiguousarray(np.asarray(a), dtype=dtype)
 
 
 _NO_MATRIX = np.zeros((1, 1), dtype=np.float32)
 
 
-def _matrix(rotation):
-    return _NO_MATRIX if rotation.matrix is None else _host(rotation.matrix)
+def rotation_matrix(rotation):
+    """The dense matrix of ``rotation`` as float32, or a 1 x 1 placeholder for a Hadamard rotation."""
+    return _NO_MATRIX if rotation.matrix is None else host_array(rotation.matrix)
 
 
 def polar_encode(x, codebook, rotation, *, unbiased=False):
@@ -204,27 +220,27 @@ def polar_encode(x, codebook, rotation, *, unbiased=False):
     """
     x = np.asarray(x)
     lead, d = x.shape[:-1], int(x.shape[-1])
-    flat = _host(x.reshape(-1, d))
+    flat = host_array(x.reshape(-1, d))
     bits = int(codebook.bits)
     codes = np.empty((flat.shape[0], (d * bits + 7) // 8), dtype=np.uint8)
     lengths = np.empty(flat.shape[0], dtype=np.float32)
     args = (
         flat,
-        _host(rotation.signs),
-        _matrix(rotation),
+        host_array(rotation.signs),
+        rotation_matrix(rotation),
         rotation.kind == "hadamard",
-        _host(codebook.thresholds),
-        _host(codebook.centroids),
+        host_array(codebook.thresholds),
+        host_array(codebook.centroids),
         bits,
         bool(unbiased),
         codes,
         lengths,
     )
     if threads_for(flat.size) == 1:
-        _encode_ser(*args)
+        encode_ser(*args)
     else:
         with launch(flat.size):
-            _encode_par(*args)
+            encode_par(*args)
     return codes.reshape(lead + (codes.shape[1],)), lengths.astype(np.float16).reshape(lead)
 
 
@@ -245,17 +261,17 @@ def polar_decode(codes, norms, codebook, rotation):
     out = np.empty((flat.shape[0], d), dtype=np.float32)
     args = (
         flat,
-        _host(np.asarray(norms).reshape(-1)),
-        _host(rotation.signs),
-        _matrix(rotation),
+        host_array(np.asarray(norms).reshape(-1)),
+        host_array(rotation.signs),
+        rotation_matrix(rotation),
         rotation.kind == "hadamard",
-        _host(codebook.centroids),
+        host_array(codebook.centroids),
         int(codebook.bits),
         out,
     )
     if threads_for(out.size) == 1:
-        _decode_ser(*args)
+        decode_ser(*args)
     else:
         with launch(out.size):
-            _decode_par(*args)
+            decode_par(*args)
     return out.reshape(lead + (d,))
