@@ -16,7 +16,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without numba
 
 from .threads import launch
 
-__all__ = ["assign", "update", "encode", "decode"]
+__all__ = ["assign", "update", "encode", "decode", "unpack_flat_indices"]
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
@@ -244,7 +244,7 @@ def decode(codes, centroids, bits):
 
 
 @nb.njit(inline="always")
-def _unpack_tile(codes, b, h, t0, nt, bits, kn, out):
+def unpack_flat_indices(codes, b, h, t0, nt, bits, kn, out):
     """Codes ``a_tj`` of tokens ``[t0, t0 + nt)`` of head ``(b, h)`` as flat indices ``j · kn + min(a_tj, kn − 1)``
     into ``out[:nt]`` (nt, m): rows of a ``(m · kn, ...)`` view of one head's codebooks or tables."""
     m = out.shape[1]

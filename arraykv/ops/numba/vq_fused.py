@@ -79,7 +79,7 @@ from .half import half_to_float
 from .ir_softmax import softmax_rows
 from .simd_lanes import codes_to_lanes, lane_sums, lane_table_scores, lane_table_values, lane_tables
 from .threads import threads_for
-from .vq import _unpack_tile
+from .vq import unpack_flat_indices
 
 __all__ = ["vq_decode_attention", "decode_attention_mode", "TILE", "LANE_TILE", "TABLE_MAX_K", "RESCALE_SLACK"]
 
@@ -205,7 +205,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v
                         x += lg[i * PAIR_TABLE + np.int32(row[i])]
                     srow[r] = x
         elif tables:
-            _unpack_tile(k_codes, b, h, t0, nt, bits, kk, ka)
+            unpack_flat_indices(k_codes, b, h, t0, nt, bits, kk, ka)
             for g in range(g_n):
                 lg = lut[g]
                 srow = sc[g]
@@ -216,7 +216,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v
                         x += lg[a[j]]
                     srow[r] = x
         else:
-            _unpack_tile(k_codes, b, h, t0, nt, bits, kk, ka)
+            unpack_flat_indices(k_codes, b, h, t0, nt, bits, kk, ka)
             for r in range(nt):
                 a = ka[r]
                 for g in range(g_n):
@@ -228,7 +228,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v
                             x += qg[j * sd + c] * cj[c]
                     sc[g, r] = x
         # 2. online softmax per query head and the value weights
-        _unpack_tile(v_codes, b, h, t0, nt, bits, kv, va)
+        unpack_flat_indices(v_codes, b, h, t0, nt, bits, kv, va)
         for g in range(g_n):
             srow = sc[g]
             mt = srow[0]
