@@ -14,13 +14,13 @@ DLPack, without copies.
 
 ImportError policy
 ------------------
-A kernel module raises ImportError when Numba or CuPy is not installed; :func:`lookup` then
-returns None and the op runs its reference, silently: that is the supported way to run
-without accelerators. Any other ImportError while importing a kernel (a missing module of the
-package itself, a broken install) is a defect, not a missing option: :func:`lookup` emits one
-:class:`RuntimeWarning` per kernel naming it and the error, and the op falls back to its
-reference, so results stay correct while the warning says what is broken. Errors other than
-ImportError propagate.
+CuPy is optional: a CuPy kernel module raises ImportError when CuPy is not installed;
+:func:`lookup` then returns None and the op runs its reference, silently (arrays of a library
+without kernels take that path too). Numba is a dependency of the package, not an option: any
+other ImportError while importing a kernel (Numba or llvmlite missing or broken, a missing
+module of the package itself) is a defect: :func:`lookup` emits one :class:`RuntimeWarning`
+per kernel naming it and the error, and the op falls back to its reference, so results stay
+correct while the warning says what is broken. Errors other than ImportError propagate.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ __all__ = [
 #: Backends a kernel may be registered for, by the namespace it serves.
 BACKENDS = ("numpy", "cupy")
 #: Top-level modules whose absence means "no accelerator here" (silent fallback).
-OPTIONAL_MODULES = frozenset({"numba", "llvmlite", "cupy", "cupy_backends", "cupyx", "fastrlock"})
+OPTIONAL_MODULES = frozenset({"cupy", "cupy_backends", "cupyx", "fastrlock"})
 
 
 @dataclass

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
 import pytest
 
-try:
-    import numba as nb
-
-    from arraykv.ops.numba import half
-except ImportError:  # pragma: no cover - exercised only without numba
-    half = None
-
-pytestmark = pytest.mark.skipif(half is None, reason="numba is not installed")
+from arraykv.ops.numba import half
 
 _EVERY_HALF = np.arange(65536, dtype=np.uint32).astype(np.uint16)
 

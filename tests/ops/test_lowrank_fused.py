@@ -8,13 +8,7 @@ import pytest
 import arraykv
 from arraykv import ops
 from arraykv.attention.lowrank_fused import lowrank_decode_attention as reference
-
-try:
-    from arraykv.ops.numba import lowrank_fused as nf
-except ImportError:  # numba missing
-    nf = None
-
-needs_numba = pytest.mark.skipif(nf is None, reason="numba is not installed")
+from arraykv.ops.numba import lowrank_fused as nf
 
 
 def _case(rng, *, b=1, h=2, g=1, d=64, r=8, T=7, E=0, coef=np.float16, extra=np.float16):
@@ -90,7 +84,6 @@ def _ids(shape):
     return f"b{b}h{h}g{g}d{d}r{r}T{T}E{E}-{np.dtype(dt).name}".replace(" ", "")
 
 
-@needs_numba
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
 def test_kernel_matches_reference_and_dense_attention(rng, shape):
     b, h, g, d, r, T, E, dt = shape
@@ -102,7 +95,6 @@ def test_kernel_matches_reference_and_dense_attention(rng, shape):
     _close(got, _dense(**args, softmax_scale=scale))
 
 
-@needs_numba
 def test_no_coded_tokens_needs_no_basis(rng):
     """``T = 0``: bases and means may be None, as the cache passes them before its fit."""
     args = _case(rng, b=2, h=2, g=3, d=64, T=0, E=5)
@@ -121,7 +113,6 @@ def test_no_coded_tokens_needs_no_basis(rng):
     _close(reference(**args, softmax_scale=0.125), want)
 
 
-@needs_numba
 def test_strided_and_noncontiguous_inputs(rng):
     """Coefficients sliced from a longer buffer (the cache's layout), strided along tokens or
     channels, transposed bases, a strided query and strided kept tokens."""
@@ -162,7 +153,6 @@ def test_strided_and_noncontiguous_inputs(rng):
     _close(nf.lowrank_decode_attention(**a, softmax_scale=0.125), want)
 
 
-@needs_numba
 def test_dtypes(rng):
     """q of any float dtype gives that dtype; float64 state and float32 kept tokens are read as float32."""
     args = _case(rng, b=1, h=2, g=2, d=64, r=8, T=100, E=5)
@@ -178,7 +168,6 @@ def test_dtypes(rng):
     _close(nf.lowrank_decode_attention(**mixed, softmax_scale=0.125), want)
 
 
-@needs_numba
 @pytest.mark.parametrize("scale", [30.0, 1000.0])
 def test_large_logits_are_stable(rng, scale):
     """Logits spanning thousands, rising along the context: the running maximum moves up tile after tile."""
@@ -189,7 +178,6 @@ def test_large_logits_are_stable(rng, scale):
     _close(got, reference(**args, softmax_scale=scale), 1e-4)
 
 
-@needs_numba
 def test_value_rank_above_head_dim_runs_the_reference(rng):
     args = _case(rng, b=1, h=1, g=2, d=16, r=(8, 24), T=30, E=2)
     _close(nf.lowrank_decode_attention(**args, softmax_scale=0.25), _dense(**args, softmax_scale=0.25))
@@ -231,7 +219,6 @@ def test_bad_shapes_are_refused_like_the_reference(rng, bad):
             fn(**_case(rng), softmax_scale=-1.0)
 
 
-@needs_numba
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
 def test_threaded_kernel_and_token_splits(rng, splits, monkeypatch):
     """The threaded step, forced, with 1–7 token spans per head (empty ones included) merged by log-sum-exp."""
@@ -256,7 +243,6 @@ def test_threaded_kernel_and_token_splits(rng, splits, monkeypatch):
     _close(nf.lowrank_decode_attention(**few, softmax_scale=0.125), reference(**few, softmax_scale=0.125))
 
 
-@needs_numba
 def test_long_contexts_use_threads_and_small_steps_do_not(rng, monkeypatch, parallel_threshold):
     """The shared threading policy: the SmolLM2-shape step stays on the calling thread; a long
     context (here: any step, the threshold at 1) runs the threaded step with the same result."""
@@ -296,7 +282,6 @@ def test_op_is_registered_and_falls_back(rng):
         _close(ops.lowrank_decode_attention(**args, softmax_scale=0.125), want)
 
 
-@needs_numba
 @pytest.mark.parametrize("coeff_dtype", ["float16", "float32"])
 def test_cache_decode_runs_the_kernel(rng, coeff_dtype, monkeypatch):
     """``lowrank`` decode goes through the op (the kernel on NumPy) and agrees with kernels off."""

@@ -7,9 +7,6 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-import pytest
-
-nb = pytest.importorskip("numba")
 from numba.core.caching import NullCache  # noqa: E402
 from numba.core.registry import CPUDispatcher  # noqa: E402
 

@@ -7,7 +7,7 @@ from arraykv.ops import lookup, set_kernels_enabled, split_outliers
 from arraykv.quant.outliers import scatter_outliers, split_outliers_reference
 
 kernel = lookup("split_outliers", np)
-pytestmark = pytest.mark.skipif(kernel is None, reason="numba is not installed")
+pytestmark = pytest.mark.skipif(kernel is None, reason="the NumPy kernels are disabled (ARRAYKV_DISABLE_KERNELS=1)")
 
 
 def planted(rng, shape, dtype, count):

@@ -8,20 +8,14 @@ import pytest
 from array_api_compat import array_namespace
 from test_polar_tokens import _calib
 
+from arraykv.ops.numba.polar.store import polar_store_token
+from arraykv.ops.numba.polar.tokens import polar_encode_tokens
 from arraykv.quant.codebooks import make_codebook
 from arraykv.quant.polar import polar_decode_reference
 from arraykv.quant.polar_encoder import PolarEncoder
 from arraykv.quant.polar_store import polar_store_token_reference
 from arraykv.quant.qjl import make_sketch
 from arraykv.quant.rotation import make_rotation
-
-try:
-    from arraykv.ops.numba.polar.store import polar_store_token
-    from arraykv.ops.numba.polar.tokens import polar_encode_tokens
-except ImportError:  # pragma: no cover - exercised only without numba
-    polar_store_token = None
-
-pytestmark = pytest.mark.skipif(polar_store_token is None, reason="numba is not installed")
 
 CAP, WINDOW = 9, 7  # token rows, window buffer rows
 

@@ -14,9 +14,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numba  # noqa: F401 - a dependency of the package
 import pytest
-
-pytest.importorskip("numba")
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,9 +108,10 @@ def test_serial_below_is_per_thread_and_restored():
 def test_kernels_run_serially_beside_a_threaded_blas(monkeypatch):
     """A parallel region launched between threaded OpenBLAS products waits for the cores its
     spinning threads hold; the policy runs kernels serially while OpenBLAS has several threads."""
+    import numba as nb
+
     from arraykv.ops.numba import threads
 
-    nb = pytest.importorskip("numba")
     if nb.get_num_threads() < 2:
         pytest.skip("one Numba thread")
     monkeypatch.setattr(threads, "blas_threads", lambda: 2)

@@ -16,7 +16,7 @@ vq_decode = partial(vq.vq_decode, decode=ops.vq_decode)
 
 encode = lookup("vq_encode", np)
 assign = lookup("vq_assign", np)
-pytestmark = pytest.mark.skipif(encode is None, reason="numba is not installed")
+pytestmark = pytest.mark.skipif(encode is None, reason="the NumPy kernels are disabled (ARRAYKV_DISABLE_KERNELS=1)")
 
 
 @pytest.mark.parametrize(

@@ -11,17 +11,11 @@ import pytest
 import arraykv
 from arraykv.attention.vq_fused import vq_decode_attention_reference
 from arraykv.ops import lookup
+from arraykv.ops.numba import vq_fused as nf
 from arraykv.quant.bitpack import pack_bits
 from arraykv.quant.vq import code_bits
 
 from conftest import asarray, to_np
-
-try:
-    from arraykv.ops.numba import vq_fused as nf
-except ImportError:  # numba missing
-    nf = None
-
-needs_numba = pytest.mark.skipif(nf is None, reason="numba is not installed")
 
 
 def _case(rng, *, b=1, h=2, g=1, d=32, K=16, s=2, T=7, E=0, kv_K=None, scale_q=1.0):
@@ -142,7 +136,6 @@ def _skip_unless_lanes(mode, args, bits):
         pytest.skip("the lanes path does not serve this call")
 
 
-@needs_numba
 @pytest.mark.parametrize("mode", [None, "tables", "direct", "lanes"])
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
 def test_kernel_matches_reference(rng, shape, mode, monkeypatch):
@@ -157,7 +150,6 @@ def test_kernel_matches_reference(rng, shape, mode, monkeypatch):
     _close(got, want)
 
 
-@needs_numba
 def test_different_key_and_value_codebook_sizes(rng):
     args, bits = _case(rng, b=2, h=2, g=2, d=32, K=16, kv_K=5, s=2, T=300, E=3)
     want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=0.2)
@@ -165,7 +157,6 @@ def test_different_key_and_value_codebook_sizes(rng):
         _close(nf.decode_attention_mode(**args, bits=bits, softmax_scale=0.2, mode=mode), want)
 
 
-@needs_numba
 @pytest.mark.parametrize("mode", ["tables", "direct", "lanes"])
 @pytest.mark.parametrize("scale", [30.0, 1000.0])
 def test_large_logit_ranges_are_stable(rng, mode, scale, monkeypatch):
@@ -191,7 +182,6 @@ def test_large_logit_ranges_are_stable(rng, mode, scale, monkeypatch):
     _close(got, want)
 
 
-@needs_numba
 def test_float16_query_and_strided_codes(rng):
     """Any float dtype for q and the codebooks, codes read in place through strides."""
     args, bits = _case(rng, b=2, h=2, g=2, d=64, K=16, s=2, T=301, E=2)
@@ -202,7 +192,6 @@ def test_float16_query_and_strided_codes(rng):
     _close(nf.vq_decode_attention(**args, bits=bits, softmax_scale=0.1), want)
 
 
-@needs_numba
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
 @pytest.mark.parametrize("mode", ["tables", "direct", "lanes"])
 def test_parallel_kernel_and_token_splits(rng, splits, mode, monkeypatch, parallel_threshold):
@@ -233,7 +222,6 @@ def test_parallel_kernel_and_token_splits(rng, splits, mode, monkeypatch, parall
     )
 
 
-@needs_numba
 def test_small_steps_run_serially(rng, monkeypatch):
     def fail(*a):
         raise AssertionError("the threaded kernel ran for a small step")
@@ -257,7 +245,6 @@ FRESH = [
 ]
 
 
-@needs_numba
 @pytest.mark.parametrize("mode", [None, "tables", "direct", "lanes"])
 @pytest.mark.parametrize("T", [0, 1, 15, 16, 17, 64, 65, 1000])
 @pytest.mark.parametrize("shape", FRESH, ids=lambda x: "b{}h{}g{}d{}K{}s{}".format(*x))
@@ -274,8 +261,6 @@ def test_every_path_on_fresh_inputs(rng, shape, T, mode):
 
 
 def test_lanes_fit():
-    if nf is None:
-        pytest.skip("numba is not installed")
     rng = np.random.default_rng(0)
     args, _ = _case(rng, b=1, h=2, g=2, d=64, K=16, s=2, T=20)
     kc, vc = args["k_codes"], args["v_codes"]
@@ -293,7 +278,6 @@ def test_lanes_fit():
             nf.decode_attention_mode(**args, bits=4, softmax_scale=0.1, mode="lanes")
 
 
-@needs_numba
 @pytest.mark.parametrize("mode", [None, "tables", "direct"])
 @pytest.mark.parametrize("extra", ["float16", "float16-strided", "float32", "float64", "mixed"])
 def test_dense_token_dtypes(rng, extra, mode):
@@ -312,7 +296,6 @@ def test_dense_token_dtypes(rng, extra, mode):
     _close(nf.decode_attention_mode(**args, bits=bits, softmax_scale=0.2, mode=mode), want)
 
 
-@needs_numba
 def test_float16_bits_convert_exactly():
     """Every float16 bit pattern (subnormals, infinities and NaNs included) becomes its float32 value."""
 
@@ -327,7 +310,6 @@ def test_float16_bits_convert_exactly():
     np.testing.assert_array_equal(out, want)  # NaNs at the same places, the same signs
 
 
-@needs_numba
 def test_fast_argument_checks_agree_with_the_full_ones(rng):
     """The plain-attribute checks of a NumPy call accept exactly what the full checks accept, with the same shapes."""
     from arraykv.quant.vq import check_decode_attention_args
@@ -377,8 +359,6 @@ def test_fast_argument_checks_agree_with_the_full_ones(rng):
 
 
 def test_mode_choice():
-    if nf is None:
-        pytest.skip("numba is not installed")
     assert not nf._use_tables(16, 16, 2, 7)
     assert nf._use_tables(16, 16, 2, 500)
     assert nf._use_tables(16, 16, 1, 500)
@@ -386,7 +366,6 @@ def test_mode_choice():
     assert not nf._use_tables(65536, 65536, 2, 10**6)
 
 
-@needs_numba
 @pytest.mark.parametrize("threaded", [False, True])
 def test_step_memory_does_not_grow_with_context(rng, threaded, monkeypatch, parallel_threshold):
     """Peak traced allocation of one step is about the same at 1k and 8k tokens.
@@ -410,7 +389,6 @@ def test_step_memory_does_not_grow_with_context(rng, threaded, monkeypatch, para
     assert large <= small + margin, (small, large)
 
 
-@needs_numba
 def test_kernel_is_registered_for_numpy():
     assert lookup("vq_decode_attention", arraykv._compat.namespace(np.zeros(1))) is nf.vq_decode_attention
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import io
 
+import numba
 import numpy as np
-import pytest
-
-numba = pytest.importorskip("numba")
 
 from arraykv.compile_notice import compile_notice  # noqa: E402
 

@@ -6,12 +6,8 @@ Calls on few codes (one decode step's token, say) run on the calling thread
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from .threads import launch
 

@@ -12,10 +12,7 @@ import and read by the kernels as compile-time constants:
 
 from __future__ import annotations
 
-try:
-    from numba.core import config as nb_config
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+from numba.core import config as nb_config
 
 __all__ = ["host_cpu_has", "HAVE_AVX512", "HAVE_PERMPS", "VECTOR_TILES"]
 

@@ -16,13 +16,9 @@ slower than table loads whose few lines stay cached).
 from __future__ import annotations
 
 import numpy as np
-
-try:
-    from llvmlite import ir
-    from numba import types as nbt
-    from numba.core.extending import intrinsic, overload
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+from llvmlite import ir
+from numba import types as nbt
+from numba.core.extending import intrinsic, overload
 
 from .cpu_features import host_cpu_has
 

@@ -35,14 +35,10 @@ time), for read-only arguments of any layout, when a call first needs them, and 
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-    from numba import types as nbt
-    from numba.extending import overload
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+from numba import types as nbt
+from numba.extending import overload
 
 from ...attention.int_fused import check_query
 from .cpu_features import VECTOR_TILES

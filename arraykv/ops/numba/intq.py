@@ -13,12 +13,8 @@ per byte, the first code in the lowest two bits), the layout of
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from .threads import launch
 

@@ -8,14 +8,10 @@ value lengths (:func:`softmax_rows_affine_loop`, its plain loop).
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-    from numba import types as nbt
-    from numba.core.extending import intrinsic
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+from numba import types as nbt
+from numba.core.extending import intrinsic
 
 from .fused_driver import FASTMATH, softmax_tile
 from .ir_tiles import array_args, c_f32, vec_helpers

@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import types
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-    from numba import types as nbt
-    from numba.core.extending import intrinsic
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+from numba import types as nbt
+from numba.core.extending import intrinsic
 
 from .cpu_features import HAVE_AVX512
 

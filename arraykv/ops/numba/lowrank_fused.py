@@ -45,14 +45,10 @@ the result equals the reference to float32 rounding.
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-    from numba import types as nbt
-    from numba.core.extending import intrinsic
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+from numba import types as nbt
+from numba.core.extending import intrinsic
 
 from ..._validation import check_softmax_scale
 from ...attention.lowrank_fused import check_decode_args, lowrank_decode_attention as _reference

@@ -10,12 +10,8 @@ outliers, the usual case, a float32 input is returned as the dense part without 
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ...quant.outliers import SparseOutliers
 from .threads import launch

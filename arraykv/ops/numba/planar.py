@@ -14,12 +14,8 @@ compiled code). :func:`planar_per` says when rows are read in that order (the ve
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from .cpu_features import HAVE_PERMPS
 

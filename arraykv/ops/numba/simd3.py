@@ -15,14 +15,10 @@ the plain loops they are checked against.
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-    from numba import types as nbt
-    from numba.core.extending import intrinsic
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+from numba import types as nbt
+from numba.core.extending import intrinsic
 
 from .ir_tiles import (
     array_args,

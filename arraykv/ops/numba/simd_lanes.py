@@ -18,14 +18,10 @@ against and what runs without vector lookups (:data:`~arraykv.ops.numba.cpu_feat
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-    from numba import types as nbt
-    from numba.core.extending import intrinsic
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+from numba import types as nbt
+from numba.core.extending import intrinsic
 
 from .cpu_features import HAVE_PERMPS
 from .ir_tiles import array_args, c_f32, g_blocks_any, vec_helpers

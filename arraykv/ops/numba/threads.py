@@ -40,10 +40,7 @@ import glob
 import os
 import threading
 
-try:
-    import numba as nb
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+import numba as nb
 
 __all__ = [
     "PARALLEL_MIN_WORK",

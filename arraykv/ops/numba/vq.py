@@ -7,12 +7,8 @@ array-API reference; ``update`` accumulates cluster sums in one pass.
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from .threads import launch
 

@@ -52,14 +52,10 @@ from __future__ import annotations
 
 import math
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-    from numba import types as nbt
-    from numba.extending import overload
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+from numba import types as nbt
+from numba.extending import overload
 
 from ...quant.vq import check_decode_attention_args
 from .cpu_features import VECTOR_TILES

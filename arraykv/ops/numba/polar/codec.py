@@ -17,12 +17,8 @@ from __future__ import annotations
 import math
 import types
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ..threads import launch, threads_for
 

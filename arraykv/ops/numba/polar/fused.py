@@ -40,13 +40,9 @@ from __future__ import annotations
 
 import math
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-    from numba import types as nbt
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
+from numba import types as nbt
 
 from ..cpu_features import VECTOR_TILES
 from ..fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softmax_tile, tile_add_rows, tile_dots

@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import math
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ....quant.qjl import QJL_SCALE
 from ..fused_driver import FASTMATH, TILE, merge_splits, merge_top

@@ -12,12 +12,8 @@ placeholders ``NO_*`` of absent state.
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ..cpu_features import HAVE_PERMPS
 from ..fused_driver import FASTMATH

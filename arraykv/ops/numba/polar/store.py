@@ -15,12 +15,8 @@ compiled encode, the same rounding).
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ..half import float_to_half, half_is_finite, half_to_float
 from .codec import encode_ser

@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import math
 
+import numba as nb
 import numpy as np
-
-try:
-    import numba as nb
-except ImportError as exc:  # pragma: no cover - exercised only without numba
-    raise ImportError("the CPU kernels need numba: pip install numba") from exc
 
 from ..half import HALF_TO_FLOAT, half_to_float
 from ..threads import launch, threads_for
