@@ -137,6 +137,11 @@ def run(args: argparse.Namespace, *, out=print) -> int:
             chunk_size=args.chunk_size,
             prefill_mode=args.prefill_mode,
             progress=progress,
+            on_row=lambda row: out(
+                f"  measured {row.method} at {row.length} tokens, depth {row.depth:.0%}: "
+                f"{'retrieved' if row.retrieved else 'missed'}, log p(key) {row.key_logprob:.2f}, "
+                f"{row.bits_per_value:.2f} bits/value ({time.perf_counter() - t0:.0f} s)"
+            ),
         )
         kind = {"book": "the book", "filler": "filler"}.get(args.haystack, "custom")
         out(

@@ -282,6 +282,7 @@ def needle_grid(
     prefill_mode: str = "exact",
     cache_options: Mapping[str, Mapping[str, Any]] | None = None,
     progress: bool = False,
+    on_row: Callable[[NeedleRow], None] | None = None,
 ) -> NeedleResult:
     """Pass-key retrieval of each cache method over a grid of context lengths and needle depths.
 
@@ -309,6 +310,10 @@ def needle_grid(
         Extra ``make_cache`` options per method name (not for "dense").
     progress : bool, default False
         A tqdm progress bar (when tqdm is installed).
+    on_row : callable, optional
+        Called as ``on_row(row)`` with each :class:`NeedleRow` as soon as it is measured (a
+        grid up to 8k or 32k tokens runs for an hour or more: a caller can report cells as they
+        come, and keep them if the run is stopped).
 
     Returns
     -------
@@ -358,6 +363,8 @@ def needle_grid(
                 if m == "dense":
                     exact_hit = row.retrieved
                 rows.append(row)
+                if on_row is not None:
+                    on_row(row)
                 del cache
                 if bar is not None:
                     bar.update(1)

@@ -240,8 +240,12 @@ def test_methods_get_one_prefill_per_layer_or_the_chunks(model, monkeypatch, mod
 
 # -- the grid and its bookkeeping --------------------------------------------------------------
 def test_needle_grid_rows_and_scores_on_a_tiny_model(model):
-    res = ev.needle_grid(model, ["int8", "dense"], lengths=[150, 200], depths=[0.2, 0.8], task=SHORT, chunk_size=64)
+    seen = []
+    res = ev.needle_grid(
+        model, ["int8", "dense"], lengths=[150, 200], depths=[0.2, 0.8], task=SHORT, chunk_size=64, on_row=seen.append
+    )
     assert res.methods == ("dense", "int8")
+    assert tuple(seen) == res.rows  # each cell reported as it is measured
     assert len(res.rows) == 2 * 2 * 2
     assert [(r.length, r.depth, r.method) for r in res.rows[:4]] == [
         (150, 0.2, "dense"),

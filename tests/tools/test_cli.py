@@ -164,6 +164,7 @@ def test_longctx_prints_both_tables_and_the_memory(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "## Needle retrieval" in out and "## Long-text quality" in out
     assert "  measured int8 after 128 tokens: " in out  # each row as soon as it is measured
+    assert "  measured int8 at 300 tokens, depth 75%: " in out  # each needle cell too
     assert "| method | 260@25% | 260@75% | 300@25% | 300@75% | retrieved | where exact |" in out
     assert sum(ln.startswith("| int8 |") for ln in out.splitlines()) == 1 + 2  # grid row, two KL rows
     assert "wall time:" in out and "max RSS" in out and "tracemalloc" not in out
