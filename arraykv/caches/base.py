@@ -28,12 +28,15 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
 
 from .. import _compat
+from .._types import Array, Device, DType, Namespace
 from .._validation import check_bool, check_finite, check_int, check_kv, check_query, dtype_name
 from ..protocol import AttendConfig, DecodeOutput, DequantResult
 from .layer import DECODE_PATHS, LayerState, check_decode_path, refuse_overflow
+from .layout import Layout
 from .rollback import LayerRollback
 from .snapshots import LayerSnapshots
 
@@ -41,10 +44,14 @@ __all__ = ["LayeredCache", "LayerState", "refuse_overflow", "check_decode_path",
 
 
 #: ``(xp, shape)`` of the NumPy input signatures that passed :meth:`LayeredCache._check_inputs`.
-_CHECKED_NUMPY: dict = {}
+_CHECKED_NUMPY: dict[tuple, tuple[Namespace, tuple[int, ...]]] = {}
+
+_T = TypeVar("_T")
+#: The layer state of a cache class (:class:`LayerState` or a subclass).
+_S = TypeVar("_S", bound=LayerState)
 
 
-class LayeredCache(LayerSnapshots, LayerRollback):
+class LayeredCache(LayerSnapshots[_S], LayerRollback[_S]):
     """Base class of the caches: a lock and a state per layer.
 
     Parameters
@@ -82,17 +89,17 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         head_dim: int,
         check_finite: bool = True,
         max_tokens: int | None = None,
-    ):
+    ) -> None:
         self.num_layers = check_int("num_layers", num_layers, low=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, low=1)
         self.head_dim = check_int("head_dim", head_dim, low=1)
         self.check_finite = check_bool("check_finite", check_finite)
         self.max_tokens = None if max_tokens is None else check_int("max_tokens", max_tokens, low=1)
         self._locks = [threading.Lock() for _ in range(self.num_layers)]
-        self._states: list[LayerState | None] = [None] * self.num_layers
+        self._states: list[_S | None] = [None] * self.num_layers
 
     # -- the contract ------------------------------------------------------------
-    def prefill(self, layer: int, k: Any, v: Any, q: Any) -> DequantResult:
+    def prefill(self, layer: int, k: Array, v: Array, q: Array) -> DequantResult:
         """Store ``new_tokens`` keys and values; return K/V of every token stored in ``layer``.
 
         Parameters
@@ -119,7 +126,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
             self._commit(layer, state, shape[2])
             return result
 
-    def append(self, layer: int, k: Any, v: Any, q: Any) -> None:
+    def append(self, layer: int, k: Array, v: Array, q: Array) -> None:
         """Store ``new_tokens`` keys and values exactly as :meth:`prefill` does, returning nothing.
 
         For callers that read the stored K/V back incrementally (:meth:`stable_length`,
@@ -166,7 +173,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
             st = self._states[layer]
             return 0 if st is None else self._stable_length(st)
 
-    def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
+    def decode(self, layer: int, k: Array, v: Array, q: Array, config: AttendConfig) -> DecodeOutput:
         """Store one token and attend with ``q``.
 
         Parameters
@@ -245,7 +252,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         return total
 
     @contextlib.contextmanager
-    def _all_layers_locked(self):
+    def _all_layers_locked(self) -> Iterator[None]:
         for lock in self._locks:
             lock.acquire()
         try:
@@ -283,7 +290,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         """
         return self._sum_layers(lambda st: self._layer_nbytes(st) - self._rollback_nbytes(st))
 
-    def _sum_layers(self, per_layer) -> int:
+    def _sum_layers(self, per_layer: Callable[[_S], int]) -> int:
         total = self._fixed_nbytes()
         for i, lock in enumerate(self._locks):
             with lock:
@@ -319,7 +326,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
             start = check_int("start", start, low=0, high=st.length)
             return self._dequantize(st) if start == 0 else self._dequantize_from(st, start)
 
-    def layer_arrays(self, layer: int) -> dict:
+    def layer_arrays(self, layer: int) -> dict[str, Array]:
         """Copies of the raw arrays that ``layer`` holds (codes, norms, buffers), by name.
 
         Empty for an empty layer. Two snapshots are equal exactly when the stored state is.
@@ -341,7 +348,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
                 return {}
             return {name: st.xp.asarray(a, copy=True) for name, a in self._layer_arrays(st).items()}
 
-    def _with_layer(self, layer: Any, read) -> Any:
+    def _with_layer(self, layer: int, read: Callable[[_S], _T]) -> _T | None:
         """``read(state)`` under ``layer``'s lock, or None for an empty layer (for inspection methods)."""
         layer = self._check_layer(layer)
         with self._locks[layer]:
@@ -358,7 +365,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         """
         return self.memory_usage()
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, Any]:
         """Constructor arguments that rebuild this cache: ``make_cache(**cfg)`` (method included).
 
         Returns
@@ -379,10 +386,10 @@ class LayeredCache(LayerSnapshots, LayerRollback):
         return cfg
 
     # -- shared checks -----------------------------------------------------------
-    def _check_layer(self, layer: Any) -> int:
+    def _check_layer(self, layer: int) -> int:
         return check_int("layer", layer, low=0, high=self.num_layers - 1)
 
-    def _check_inputs(self, k: Any, v: Any, q: Any):
+    def _check_inputs(self, k: Array, v: Array, q: Array) -> tuple[Namespace, tuple[int, ...]]:
         """``(xp, shape)`` of checked ``k``, ``v``, ``q`` (:func:`check_kv`, :func:`check_query`).
 
         For plain NumPy arrays the checks depend only on the shapes and dtypes, so a signature
@@ -401,7 +408,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
             _CHECKED_NUMPY[numpy_key] = (xp, shape)
         return xp, shape
 
-    def _admit(self, layer: int, xp: Any, k: Any, v: Any, tokens: int) -> LayerState:
+    def _admit(self, layer: int, xp: Namespace, k: Array, v: Array, tokens: int) -> _S:
         """Check the call against the layer's state (under its lock); create the state if new."""
         st = self._states[layer]
         batch = int(k.shape[0])
@@ -429,18 +436,18 @@ class LayeredCache(LayerSnapshots, LayerRollback):
             st = self._new_layer(xp, dev, batch, k.dtype)
         return st
 
-    def _commit(self, layer: int, state: LayerState, tokens: int) -> None:
+    def _commit(self, layer: int, state: _S, tokens: int) -> None:
         state.length += tokens
         state.stored = False
         self._states[layer] = state
 
-    def _store_tokens(self, state: LayerState, k: Any, v: Any, q: Any) -> None:
+    def _store_tokens(self, state: _S, k: Array, v: Array, q: Array) -> None:
         """:meth:`_store`, then mark the layer as holding the call's tokens (see :meth:`_taking_back`)."""
         self._store(state, k, v, q)
         state.stored = True
 
     @contextlib.contextmanager
-    def _taking_back(self, layer: int, state: LayerState, tokens: int):
+    def _taking_back(self, layer: int, state: _S, tokens: int) -> Iterator[None]:
         """Undo a call that failed after its tokens were stored (lock held).
 
         A prefill or decode stores its tokens (all-or-nothing), then builds its result: float
@@ -475,7 +482,7 @@ class LayeredCache(LayerSnapshots, LayerRollback):
                     state.length = before
             except Exception:  # noqa: BLE001 - the original failure is the one to report
                 reachable = False
-            if not reachable:
+            if not reachable and hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(
                     f"arraykv: layer {layer} keeps this call's {tokens} tokens (seq_len {state.length}): "
                     f"they were stored before the failure and could not be taken back"
@@ -483,82 +490,84 @@ class LayeredCache(LayerSnapshots, LayerRollback):
             raise
 
     # -- hooks -------------------------------------------------------------------
-    def _new_layer(self, xp: Any, dev: Any, batch: int, dtype: Any) -> LayerState:
-        return LayerState(xp=xp, device=dev, batch=batch, dtype=dtype)
+    def _new_layer(self, xp: Namespace, dev: Device, batch: int, dtype: DType) -> _S:
+        return cast(_S, LayerState(xp=xp, device=dev, batch=batch, dtype=dtype))
 
-    def _prefill(self, state: LayerState, k: Any, v: Any, q: Any) -> DequantResult:
+    def _prefill(self, state: _S, k: Array, v: Array, q: Array) -> DequantResult:
         raise NotImplementedError
 
-    def _decode(self, state: LayerState, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
+    def _decode(self, state: _S, k: Array, v: Array, q: Array, config: AttendConfig) -> DecodeOutput:
         raise NotImplementedError
 
-    def _store(self, state: LayerState, k: Any, v: Any, q: Any) -> None:
+    def _store(self, state: _S, k: Array, v: Array, q: Array) -> None:
         """Store new tokens (everything that can fail computed before anything changes)."""
         raise NotImplementedError
 
-    def _decoded(self, state: LayerState, start: int = 0) -> DequantResult:
+    def _decoded(self, state: _S, start: int = 0) -> DequantResult:
         """K/V of the stored tokens ``start ..`` in the layer's dtype (``0 <= start <= length``)."""
         raise NotImplementedError
 
-    def _dequantize(self, state: LayerState) -> DequantResult:
+    def _dequantize(self, state: _S) -> DequantResult:
         return self._decoded(state)
 
-    def _dequantize_from(self, state: LayerState, start: int) -> DequantResult:
+    def _dequantize_from(self, state: _S, start: int) -> DequantResult:
         return self._decoded(state, start)
 
-    def _append_tokens(self, state: LayerState, k: Any, v: Any, q: Any) -> None:
+    def _append_tokens(self, state: _S, k: Array, v: Array, q: Array) -> None:
         """Store tokens without building a result."""
         self._store(state, k, v, q)
 
-    def _side_nbytes(self, state: LayerState) -> int:
+    def _side_nbytes(self, state: _S) -> int:
         """Bytes a layer holds besides its token buffers (windows, calibration, rollback copies)."""
         return 0
 
-    def _layer_nbytes(self, state: LayerState) -> int:
+    def _layer_nbytes(self, state: _S) -> int:
         return sum(b.used_nbytes() for b in state.buffers()) + self._side_nbytes(state)
 
-    def _layer_reserved_nbytes(self, state: LayerState) -> int:
+    def _layer_reserved_nbytes(self, state: _S) -> int:
         return (
             sum(b.reserved_nbytes() for b in state.buffers())
             + self._side_nbytes(state)
             + self._side_spare_nbytes(state)
         )
 
-    def _side_spare_nbytes(self, state: LayerState) -> int:
+    def _side_spare_nbytes(self, state: _S) -> int:
         """Bytes of spare room in what :meth:`_side_nbytes` counts (counted by :meth:`memory_usage` only)."""
         return 0
 
-    def _stable_length(self, state: LayerState) -> int:
+    def _stable_length(self, state: _S) -> int:
         """See :meth:`stable_length`; 0 (nothing promised) unless a cache knows better."""
         return 0
 
     #: How a cache with a fused decode answers ``decode`` (see :func:`check_decode_path`).
     decode_path: str = "auto"
 
-    def _fused(self, xp: Any) -> bool:
+    def _fused(self, xp: Namespace) -> bool:
         """Whether ``decode`` attends itself (:class:`~arraykv.Fused`) for namespace ``xp``."""
         if self.decode_path == "auto":
             return self._fused_auto(xp)
         return self.decode_path == "fused"
 
-    def _fused_auto(self, xp: Any) -> bool:
+    def _fused_auto(self, xp: Namespace) -> bool:
         """The ``"auto"`` choice: whether attending from the stored form pays on ``xp``."""
         return False
 
-    def _layer_arrays(self, state: LayerState) -> dict:
+    def _layer_arrays(self, state: _S) -> dict[str, Array]:
         raise NotImplementedError
 
-    def _extra_config(self) -> dict:
+    def _extra_config(self) -> dict[str, Any]:
         """Method-specific constructor options (JSON-serializable), for :meth:`get_config`."""
         return {}
 
-    def _layer_layout(self, xp: Any, batch: int, dtype: Any, length: int):
+    def _layer_layout(self, xp: Namespace, batch: int, dtype: DType, length: int) -> Layout | None:
         """The :class:`~arraykv.caches.layout.Layout` of the arrays a layer of ``batch``, ``dtype``
         and ``length`` tokens may hold, checked before :meth:`_restore_layer` builds anything;
         None for a cache whose ``_restore_layer`` checks its arrays itself."""
         return None
 
-    def _restore_layer(self, xp: Any, dev: Any, batch: int, dtype: Any, length: int, arrays: dict) -> LayerState:
+    def _restore_layer(
+        self, xp: Namespace, dev: Device, batch: int, dtype: DType, length: int, arrays: dict[str, Array]
+    ) -> _S:
         """Rebuild a layer's state from :meth:`_layer_arrays` output (used by persistence), after
         :meth:`_layer_layout` passed; arrays a layout does not cover must be checked here."""
         raise NotImplementedError

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from .._types import Array, Device, DType, Namespace
 from ..protocol import AttendConfig, Dequantized, DequantResult
 from ..storage import TokenBuffers
 from .base import LayeredCache, LayerState
@@ -17,13 +18,13 @@ __all__ = ["DenseCache", "DenseLayer"]
 class DenseLayer(LayerState):
     """One layer of a :class:`DenseCache`: ``buf`` holds arrays ``k`` and ``v`` (b, h, tokens, d)."""
 
-    buf: TokenBuffers = None
+    buf: TokenBuffers = None  # type: ignore[assignment]  # set by DenseCache._new_layer
 
-    def buffers(self) -> tuple:
+    def buffers(self) -> tuple[TokenBuffers, ...]:
         return (self.buf,)
 
 
-class DenseCache(LayeredCache):
+class DenseCache(LayeredCache[DenseLayer]):
     """Keys and values stored uncompressed in growable per-layer buffers.
 
     The reference implementation of the contract: ``prefill`` and ``decode`` return exactly
@@ -51,49 +52,51 @@ class DenseCache(LayeredCache):
     #: Tokens are held as given: a prompt needs no exact staging (:mod:`arraykv.integrations.prompt_stage`).
     stores_exactly = True
 
-    def _new_layer(self, xp, dev, batch, dtype) -> DenseLayer:
+    def _new_layer(self, xp: Namespace, dev: Device, batch: int, dtype: DType) -> DenseLayer:
         return DenseLayer(xp=xp, device=dev, batch=batch, dtype=dtype, buf=TokenBuffers(max_tokens=self.max_tokens))
 
-    def _append(self, st: DenseLayer, k: Any, v: Any) -> DequantResult:
+    def _append(self, st: DenseLayer, k: Array, v: Array) -> DequantResult:
         """Store ``k``, ``v``; return views of every stored token (what subclasses change to store otherwise)."""
         st.buf.append({"k": k, "v": v})
         st.stored = True
         return self._decoded(st)
 
-    def _store(self, st, k, v, q) -> None:
+    def _store(self, st: DenseLayer, k: Array, v: Array, q: Array) -> None:
         self._append(st, k, v)
 
-    def _decoded(self, st, start: int = 0) -> DequantResult:
+    def _decoded(self, st: DenseLayer, start: int = 0) -> DequantResult:
         k, v = st.buf.view("k"), st.buf.view("v")
         if start:
             k, v = k[:, :, start:, :], v[:, :, start:, :]
         return DequantResult(k=k, v=v)
 
-    def _prefill(self, st, k, v, q):
+    def _prefill(self, st: DenseLayer, k: Array, v: Array, q: Array) -> DequantResult:
         return self._append(st, k, v)
 
-    def _decode(self, st, k, v, q, config: AttendConfig):
+    def _decode(self, st: DenseLayer, k: Array, v: Array, q: Array, config: AttendConfig) -> Dequantized:
         return Dequantized(self._append(st, k, v))
 
-    def _stable_length(self, st) -> int:
+    def _stable_length(self, st: DenseLayer) -> int:
         return st.length  # stored as given
 
-    def _truncate_floor(self, st) -> int:
+    def _truncate_floor(self, st: DenseLayer) -> int:
         return 0  # every length: the tokens are held as given
 
-    def _truncate_plan(self, st, length: int):
+    def _truncate_plan(self, st: DenseLayer, length: int) -> Callable[[], None]:
         plan = st.buf.truncate_plan(length)
         return lambda: st.buf.commit_truncate(plan)
 
-    def _layer_arrays(self, st) -> dict:
+    def _layer_arrays(self, st: DenseLayer) -> dict[str, Array]:
         return st.buf.arrays()
 
-    def _layer_layout(self, xp, batch, dtype, length) -> Layout:
+    def _layer_layout(self, xp: Namespace, batch: int, dtype: DType, length: int) -> Layout:
         """``k`` and ``v``: (batch, kv_heads, length, head_dim) in the layer's dtype, finite."""
         shape = (batch, self.num_kv_heads, length, self.head_dim)
         return Layout(arrays={"k": Spec(dtype, shape), "v": Spec(dtype, shape)})
 
-    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> DenseLayer:
+    def _restore_layer(
+        self, xp: Namespace, dev: Device, batch: int, dtype: DType, length: int, arrays: dict[str, Array]
+    ) -> DenseLayer:
         st = self._new_layer(xp, dev, batch, dtype)
         st.buf.append({"k": arrays["k"], "v": arrays["v"]})
         st.length = length

@@ -23,9 +23,10 @@ layer is checked against them before it is rebuilt (:meth:`FittedCache._layer_la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _compat
+from .._types import Array, Device, DType, Namespace
 from .._validation import check_int
 from ..compressor import KVCacheCompressor
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
@@ -55,14 +56,14 @@ DEFAULT_WINDOW = 20
 DEFAULT_SINKS = 4
 
 
-def _to(xp: Any, dev: Any, a: Any):
+def _to(xp: Namespace, dev: Device, a: Array) -> Array:
     """A copy of array ``a`` (any namespace) in namespace ``xp`` on device ``dev``."""
     if _compat.namespace(a) is xp:
         return xp.asarray(a, copy=True)
     return xp.asarray(_compat.to_numpy(a), device=dev)
 
 
-def _f32(xp: Any, x: Any):
+def _f32(xp: Namespace, x: Array) -> Array:
     return x if x.dtype == xp.float32 else xp.astype(x, xp.float32)
 
 
@@ -83,7 +84,7 @@ class FittedLayer(WindowLayer):
     layer: int | None = None
 
 
-class FittedCache(WindowRollback, LayeredCache):
+class FittedCache(WindowRollback, LayeredCache[FittedLayer]):
     """What ``lowrank`` and ``vq`` share: the float16 window and the per-layer fit.
 
     Subclasses set ``_per_token`` (names of the per-token arrays), ``_calib_names`` and
@@ -96,6 +97,18 @@ class FittedCache(WindowRollback, LayeredCache):
     _item_kinds: tuple = ()
     #: Vectors per head the fit may use at most (None: all); see the ``vq`` option.
     max_calibration: int | None = None
+
+    if TYPE_CHECKING:  # set or implemented by each subclass (see above)
+        min_calibration: int
+
+        def _item_help(self) -> str: ...
+        def _convert(self, item: Any, where: str = "calibration") -> dict[str, Array]: ...
+        def _fit(self, xp: Namespace, k: Array, v: Array) -> dict[str, Array]: ...
+        def _encode(self, xp: Namespace, calib: dict[str, Array], k: Array, v: Array) -> dict[str, Array]: ...
+        def _decode_tokens(
+            self, xp: Namespace, calib: dict[str, Array], buf: TokenBuffers, start: int = 0
+        ) -> tuple[Array, Array]: ...
+        def _attend(self, st: FittedLayer, q: Array, scale: float) -> Array: ...
 
     def __init__(
         self,
@@ -110,7 +123,7 @@ class FittedCache(WindowRollback, LayeredCache):
         decode_path: str = "auto",
         check_finite: bool = True,
         max_tokens: int | None = None,
-    ):
+    ) -> None:
         super().__init__(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
@@ -125,7 +138,7 @@ class FittedCache(WindowRollback, LayeredCache):
         self._given = self._check_calibration(calibration)
 
     # -- the user's calibration ---------------------------------------------------------
-    def _check_calibration(self, calibration: Any) -> list:
+    def _check_calibration(self, calibration: Any) -> list[dict[str, Array] | None]:
         """One entry per layer: None (fit on the layer's tokens) or a dict of arrays."""
         if calibration is None:
             return [None] * self.num_layers
@@ -139,7 +152,7 @@ class FittedCache(WindowRollback, LayeredCache):
                     f"{self.num_layers} items (None for a layer that fits its own), received a sequence of "
                     f"{len(calibration)}"
                 )
-            out = []
+            out: list[dict[str, Array] | None] = []
             for i, item in enumerate(calibration):
                 if item is not None and not self._is_item(item):
                     raise TypeError(
@@ -152,7 +165,7 @@ class FittedCache(WindowRollback, LayeredCache):
             f"received {type(calibration).__name__}"
         )
 
-    def _is_item(self, x: Any) -> bool:
+    def _is_item(self, x: object) -> bool:
         if isinstance(x, KVCacheCompressor):
             return True
         return isinstance(x, (list, tuple)) and len(x) == 2 and all(isinstance(e, self._item_kinds) for e in x)
@@ -170,7 +183,7 @@ class FittedCache(WindowRollback, LayeredCache):
             return item.fitted_models()
         return item[0], item[1]
 
-    def _check_heads(self, where: str, a: Any, what: str) -> None:
+    def _check_heads(self, where: str, a: Array, what: str) -> None:
         """``a`` must be (num_kv_heads, head_dim, ...)."""
         shape = tuple(int(s) for s in a.shape)
         if shape[:2] != (self.num_kv_heads, self.head_dim):
@@ -179,7 +192,7 @@ class FittedCache(WindowRollback, LayeredCache):
                 f"head_dim={self.head_dim}, received shape {shape}"
             )
 
-    def _extra_config(self) -> dict:
+    def _extra_config(self) -> dict[str, Any]:
         return {
             "min_calibration": self.min_calibration,
             "residual_window": self.residual_window,
@@ -189,7 +202,7 @@ class FittedCache(WindowRollback, LayeredCache):
         }
 
     # -- layer state ----------------------------------------------------------------------
-    def _new_layer(self, xp, dev, batch, dtype) -> FittedLayer:
+    def _new_layer(self, xp: Namespace, dev: Device, batch: int, dtype: DType) -> FittedLayer:
         empty = ExactTokens.empty(xp, dev, batch, self.num_kv_heads, self.head_dim)
         return FittedLayer(
             xp=xp,
@@ -201,7 +214,7 @@ class FittedCache(WindowRollback, LayeredCache):
             rollback=empty,
         )
 
-    def _admit(self, layer, xp, k, v, tokens):
+    def _admit(self, layer: int, xp: Namespace, k: Array, v: Array, tokens: int) -> FittedLayer:
         st = super()._admit(layer, xp, k, v, tokens)
         if st.layer is None:  # a fresh layer: take the given calibration, if any
             st.layer = layer
@@ -210,7 +223,7 @@ class FittedCache(WindowRollback, LayeredCache):
                 st.calib = {n: _to(xp, st.device, a) for n, a in given.items()}
         return st
 
-    def _store(self, st: FittedLayer, k: Any, v: Any, q: Any = None) -> None:
+    def _store(self, st: FittedLayer, k: Array, v: Array, q: Array = None) -> None:
         """Append new tokens (everything computed first, then committed)."""
         xp = st.xp
         step = st.exact.step(xp, k, v, sink_tokens=self.sink_tokens)  # the first tokens stay exact, unfitted
@@ -227,7 +240,7 @@ class FittedCache(WindowRollback, LayeredCache):
             xp, self.method, st, step, spill, arrays, calib, {} if calib is st.calib else calib, self.rollback_tokens
         )
 
-    def _fit_sample(self, xp: Any, k: Any, v: Any) -> tuple:
+    def _fit_sample(self, xp: Namespace, k: Array, v: Array) -> tuple[Array, Array]:
         """The tokens the fit sees: all of them, or ``max_calibration // batch`` evenly spaced ones."""
         cap = self.max_calibration
         b, n = int(k.shape[0]), int(k.shape[2])
@@ -260,33 +273,33 @@ class FittedCache(WindowRollback, LayeredCache):
         return DequantResult(k=xp.astype(kd, st.dtype), v=xp.astype(vd, st.dtype))
 
     # -- hooks ----------------------------------------------------------------------------
-    def _prefill(self, st, k, v, q):
+    def _prefill(self, st: FittedLayer, k: Array, v: Array, q: Array) -> DequantResult:
         first = st.length == 0
         self._store_tokens(st, k, v, q)
         if first:
             return DequantResult(k=k, v=v)
         return self._decoded(st)
 
-    def _decode(self, st, k, v, q, config: AttendConfig):
+    def _decode(self, st: FittedLayer, k: Array, v: Array, q: Array, config: AttendConfig) -> Fused | Dequantized:
         self._store_tokens(st, k, v, q)
         if self._fused(st.xp):
             return Fused(self._attend(st, q, config.softmax_scale))
         return Dequantized(self._decoded(st))
 
-    def _extras(self, st: FittedLayer) -> tuple:
+    def _extras(self, st: FittedLayer) -> tuple[Array, Array]:
         """The tokens kept as float16 vectors (sinks, then window): (b, h, E, d) each."""
         return st.exact.k, st.exact.v
 
-    def _uncalibrated_at(self, st, length: int) -> bool:
+    def _uncalibrated_at(self, st: FittedLayer, length: int) -> bool:
         # a layer fits once it holds min_calibration vectors per head besides its sinks (none if given)
         return st.batch * (length - min(self.sink_tokens, length)) < self.min_calibration
 
-    def _stable_length(self, st) -> int:
+    def _stable_length(self, st: FittedLayer) -> int:
         # sinks and encoded tokens never change; window tokens (all tokens before the fit) will be encoded
         return st.exact.n_sink + st.codes.length
 
     # -- persistence view: sinks and window saved apart (k_sink, k_window, ...), codes, fit ------
-    def _layer_arrays(self, st) -> dict:
+    def _layer_arrays(self, st: FittedLayer) -> dict[str, Array]:
         out = dict(st.codes.arrays())
         (out["k_sink"], out["v_sink"]), (out["k_window"], out["v_window"]) = st.exact.sinks(), st.exact.recent()
         if st.calib is not None:
@@ -294,7 +307,7 @@ class FittedCache(WindowRollback, LayeredCache):
         out.update(rollback_arrays(st))
         return out
 
-    def _layer_layout(self, xp, batch, dtype, length) -> Layout:
+    def _layer_layout(self, xp: Namespace, batch: int, dtype: DType, length: int) -> Layout:
         """The saved arrays of a layer: the fit (:meth:`_fit_layout`), the encoded tokens
         (:meth:`_token_specs`, token axis ``"codes"``), the float16 sinks and window and the
         rollback state, with the token counts of :func:`~arraykv.caches.window.token_counts`
@@ -310,7 +323,7 @@ class FittedCache(WindowRollback, LayeredCache):
         tokens = self._token_specs(xp, b)
         fit = self._fit_layout(xp)
 
-        def counts(sizes: dict, held: frozenset):
+        def counts(sizes: dict[str, int], held: frozenset[str]) -> str | None:
             return token_counts(
                 self,
                 length,
@@ -325,16 +338,18 @@ class FittedCache(WindowRollback, LayeredCache):
         parts = Layout(arrays={**tokens, **exact}, groups=(tuple(tokens), self._calib_names))
         return join(fit, parts, rollback_layout(xp, b, h, d), sizes={"length": length}, rules=(counts,))
 
-    def _fit_layout(self, xp: Any) -> Layout:
+    def _fit_layout(self, xp: Namespace) -> Layout:
         """The :class:`~arraykv.caches.layout.Layout` of the fitted arrays (all optional: a layer
         not fitted yet holds none)."""
         raise NotImplementedError
 
-    def _token_specs(self, xp: Any, batch: int) -> dict:
+    def _token_specs(self, xp: Namespace, batch: int) -> dict[str, Spec]:
         """The :class:`~arraykv.caches.layout.Spec` of each per-token array, token axis ``"codes"``."""
         raise NotImplementedError
 
-    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> FittedLayer:
+    def _restore_layer(
+        self, xp: Namespace, dev: Device, batch: int, dtype: DType, length: int, arrays: dict[str, Array]
+    ) -> FittedLayer:
         st = self._new_layer(xp, dev, batch, dtype)
         parts = [xp.asarray(arrays[n], copy=True) for n in ("k_sink", "v_sink", "k_window", "v_window")]
         restore_tokens(st, arrays, self._per_token, ExactTokens.from_parts(xp, *parts), length)
@@ -346,7 +361,7 @@ class FittedCache(WindowRollback, LayeredCache):
         restore_rollback(st, arrays)
         return st
 
-    def _side_nbytes(self, st) -> int:
+    def _side_nbytes(self, st: FittedLayer) -> int:
         total = st.exact.nbytes() + self._rollback_nbytes(st)
         if st.calib is not None:
             total += sum(_compat.array_nbytes(a) for a in st.calib.values())

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from .._types import Array, DType
 from ..quant.bitpack import packed_nbytes
 from ..storage import TokenBuffers
 from .base import LayerState
@@ -31,15 +31,15 @@ class IntLayer(LayerState):
         key chunks and the exact values that last left the window, in the exact tokens' dtype.
     """
 
-    kq: TokenBuffers = None
-    vq: TokenBuffers = None
-    k_residual: Any = None
-    v_window: Any = None
-    exp: tuple = (None, None)
-    k_rollback: Any = None
-    v_rollback: Any = None
+    kq: TokenBuffers = None  # type: ignore[assignment]  # set when the layer is created
+    vq: TokenBuffers = None  # type: ignore[assignment]
+    k_residual: Array = None
+    v_window: Array = None
+    exp: tuple[int | None, ...] = (None, None)
+    k_rollback: Array = None
+    v_rollback: Array = None
 
-    def buffers(self) -> tuple:
+    def buffers(self) -> tuple[TokenBuffers, ...]:
         return (self.kq, self.vq)
 
 
@@ -92,20 +92,20 @@ class IntLayerCodec:
     n_tokens: int
     n_groups: int
     n_residual: int
-    k_codes: Any
-    k_scale: Any
-    k_offset: Any
-    k_residual: Any
-    v_codes: Any
-    v_scale: Any
-    v_offset: Any
+    k_codes: Array
+    k_scale: Array
+    k_offset: Array
+    k_residual: Array
+    v_codes: Array
+    v_scale: Array
+    v_offset: Array
     n_window: int = 0
-    v_window: Any = None
+    v_window: Array | None = None
     k_exp: int = 0
     v_exp: int = 0
 
 
-def codec_state(st: IntLayer, bits: int, group_size: int, param_dtype: Any) -> IntLayerCodec:
+def codec_state(st: IntLayer, bits: int, group_size: int, param_dtype: DType) -> IntLayerCodec:
     """The :class:`IntLayerCodec` of layer ``st`` (views; empty arrays where nothing is quantized yet).
 
     ``param_dtype`` is the dtype of the scales and offsets (for the empty ones).
@@ -117,7 +117,7 @@ def codec_state(st: IntLayer, bits: int, group_size: int, param_dtype: Any) -> I
     if kq.length:
         k_codes, k_scale, k_offset = kq.view("k_codes"), kq.view("k_scale"), kq.view("k_offset")
     else:
-        lead = (st.batch, h, 0, d)
+        lead: tuple[int, ...] = (st.batch, h, 0, d)
         k_codes = xp.zeros(lead + (packed_nbytes(g, bits),), dtype=xp.uint8, device=st.device)
         k_scale = xp.zeros(lead, dtype=param_dtype, device=st.device)
         k_offset = k_scale

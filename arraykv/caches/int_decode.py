@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import ops
+from .._types import Array
 from ..protocol import DequantResult
 from ..quant.intq import IntQuantized, dequantize_groups
 from .int_codec import IntLayer
@@ -28,7 +27,7 @@ def decode_int_layer(st: IntLayer, bits: int, group_size: int, windowed: bool, s
     g0 = min(start // g, kq.length)  # first key group holding a token from ``start`` on
     if kq.length > g0:
 
-        def kview(name):
+        def kview(name: str) -> Array:
             a = kq.view(name)
             return a if g0 == 0 else a[:, :, g0:, ...]
 
@@ -52,7 +51,7 @@ def decode_int_layer(st: IntLayer, bits: int, group_size: int, windowed: bool, s
     parts = []
     if vq.length > start:
 
-        def vview(name):
+        def vview(name: str) -> Array:
             a = vq.view(name)
             return a if start == 0 else a[:, :, start:, ...]
 
@@ -72,7 +71,7 @@ def decode_int_layer(st: IntLayer, bits: int, group_size: int, windowed: bool, s
     return DequantResult(k=k, v=v)
 
 
-def _exact(st: IntLayer, a: Any, skip: int, exp: int = 0):
+def _exact(st: IntLayer, a: Array, skip: int, exp: int = 0) -> Array:
     """Exact tokens ``skip ..`` of ``a`` (``k_residual`` or ``v_window``) times ``2**exp``, in the layer's dtype.
 
     A copy.

@@ -17,8 +17,10 @@ of whole key chunks, no more than were quantized or than ``rollback_tokens`` ask
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
+from .._types import Array, DType, Namespace
 from ..quant.bitpack import packed_nbytes
 from ..quant.intq import MIN_EXPONENT
 from .int_codec import IntLayer
@@ -42,7 +44,18 @@ NO_EXP = -(1 << 20)
 MAX_EXPONENT = 64
 
 
-def layer_arrays(st: IntLayer, windowed: bool) -> dict:
+class _IntOptions(Protocol):
+    """What these functions read of an :class:`~arraykv.caches.intq.IntQuantCache`."""
+
+    num_kv_heads: int
+    head_dim: int
+    group_size: int
+    bits: int
+    residual_window: int
+    rollback_tokens: int
+
+
+def layer_arrays(st: IntLayer, windowed: bool) -> dict[str, Array]:
     """The arrays of layer ``st`` by their saved names (views).
 
     ``k_codes``, ``k_scale``, ``k_offset``, ``v_codes``, ``v_scale``, ``v_offset``,
@@ -63,7 +76,13 @@ def layer_arrays(st: IntLayer, windowed: bool) -> dict:
 
 
 def int_layout(
-    cache: Any, xp: Any, batch: int, length: int, layer_dtype: Any, param_dtype: Any, exact_dtype: Any
+    cache: _IntOptions,
+    xp: Namespace,
+    batch: int,
+    length: int,
+    layer_dtype: DType,
+    param_dtype: DType,
+    exact_dtype: DType,
 ) -> Layout:
     """The :class:`~arraykv.caches.layout.Layout` of a saved layer of ``cache`` (see the module docstring).
 
@@ -92,7 +111,7 @@ def int_layout(
         fixed_end=fixed_end_spec(xp),
     )
 
-    def counts(sizes: dict, held: frozenset):
+    def counts(sizes: dict[str, int], held: frozenset[str]) -> str | None:
         keys, values = sizes.get("groups", 0) * g, sizes.get("values", 0)
         exact_keys, window = sizes["residual"], sizes.get("window", 0)
         if keys != length // chunk * chunk or keys + exact_keys != length:
@@ -107,7 +126,7 @@ def int_layout(
             )
         return None
 
-    def copies(sizes: dict, held: frozenset):
+    def copies(sizes: dict[str, int], held: frozenset[str]) -> str | None:
         keys, values = sizes.get("groups", 0) * g, sizes.get("values", 0)
         kc, vc = sizes.get("k_copies", 0), sizes.get("v_copies", 0)
         if kc % chunk or kc > min(key_copies(cache), keys):
@@ -119,7 +138,7 @@ def int_layout(
             return f"stored 'v_rollback' holds {vc} values; at most {min(cache.rollback_tokens, values) if r else 0}"
         return None
 
-    def exponents(xp: Any, sizes: dict, held: dict):
+    def exponents(xp: Namespace, sizes: dict[str, int], held: dict[str, Array]) -> str | None:
         if "exp" not in held:
             return None
         exps = [int(e) for e in held["exp"]]
@@ -127,7 +146,7 @@ def int_layout(
             return f"stored 'exp' must hold exponents in [{MIN_EXPONENT}, {MAX_EXPONENT}], received {exps}"
         return None
 
-    def reconstruction(xp: Any, sizes: dict, held: dict):
+    def reconstruction(xp: Namespace, sizes: dict[str, int], held: dict[str, Array]) -> str | None:
         # the largest |scale · code + offset| of every group (codes 0 .. 2**bits - 1) and the
         # exact tokens, in the layer's units: what dequantize returns must fit the layer's dtype
         exps = [0 if "exp" not in held else int(e) for e in held.get("exp", (0, 0))]
@@ -158,13 +177,13 @@ def int_layout(
     )
 
 
-def restore_layer(st: IntLayer, arrays: dict, length: int, group_size: int) -> IntLayer:
+def restore_layer(st: IntLayer, arrays: dict[str, Array], length: int, group_size: int) -> IntLayer:
     """Fill the fresh layer ``st`` from :func:`layer_arrays` output (copies) that passed :func:`int_layout`."""
-    xp: Any = st.xp
-    kq = {n: arrays[n] for n in ("k_codes", "k_scale", "k_offset") if n in arrays}
+    xp: Namespace = st.xp
+    kq: dict[str, Array] = {n: arrays[n] for n in ("k_codes", "k_scale", "k_offset") if n in arrays}
     if kq and int(kq["k_codes"].shape[2]):
         st.kq.append(kq)
-    vq = {n: arrays[n] for n in ("v_codes", "v_scale", "v_offset") if n in arrays}
+    vq: dict[str, Array] = {n: arrays[n] for n in ("v_codes", "v_scale", "v_offset") if n in arrays}
     if vq and int(vq["v_codes"].shape[2]):
         st.vq.append(vq)
     st.k_residual = xp.asarray(arrays["k_residual"], copy=True)
@@ -188,7 +207,7 @@ def restore_layer(st: IntLayer, arrays: dict, length: int, group_size: int) -> I
     return st
 
 
-def key_copies(cache: Any) -> int:
+def key_copies(cache: _IntOptions) -> int:
     """Exact keys an int layer keeps for rollback: whole chunks covering ``rollback_tokens``.
 
     Keys are quantized ``chunk`` at a time (``residual_window``, else ``group_size``), so
@@ -198,7 +217,7 @@ def key_copies(cache: Any) -> int:
     return -(-cache.rollback_tokens // chunk) * chunk
 
 
-def _cut(cache: Any, st: IntLayer, length: int) -> tuple:
+def _cut(cache: _IntOptions, st: IntLayer, length: int) -> tuple[int, int, int, int, bool]:
     """``(kt', k_lo, vt', v_lo, ok)`` of a truncation to ``length``: keys quantized afterwards
     and the first key held exactly (copies, then residual); the same for values; reachable."""
     g, r = cache.group_size, cache.residual_window
@@ -212,7 +231,7 @@ def _cut(cache: Any, st: IntLayer, length: int) -> tuple:
     return kt2, k_lo, vt2, v_lo, ok
 
 
-def truncate_floor(cache: Any, st: IntLayer) -> int:
+def truncate_floor(cache: _IntOptions, st: IntLayer) -> int:
     """Smallest length above 0 that layer ``st`` of ``cache`` can be truncated to exactly.
 
     Notes
@@ -232,7 +251,7 @@ def truncate_floor(cache: Any, st: IntLayer) -> int:
     return low
 
 
-def truncate_plan(cache: Any, st: IntLayer, length: int):
+def truncate_plan(cache: _IntOptions, st: IntLayer, length: int) -> Callable[[], None]:
     """Everything of a truncation of ``st`` to a reachable ``length``, computed; returns the commit."""
     xp = st.xp
     g = cache.group_size
@@ -249,7 +268,7 @@ def truncate_plan(cache: Any, st: IntLayer, length: int):
     kplan = st.kq.truncate_plan(kt2 // g)
     vplan = st.vq.truncate_plan(vt2)
 
-    def commit():
+    def commit() -> None:
         st.kq.commit_truncate(kplan)
         st.vq.commit_truncate(vplan)
         st.k_residual, st.v_window, st.k_rollback, st.v_rollback = residual, window, k_keep, v_keep

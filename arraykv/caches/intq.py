@@ -9,9 +9,11 @@ the most recent values; with a window both are held in float16.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from .. import _compat, ops
+from .._types import Array, Device, DType, Namespace
 from .._validation import check_int
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.intq import HALF_MAX, half_exponent, quantize_groups
@@ -20,9 +22,13 @@ from .base import LayeredCache, check_decode_path
 from .int_codec import IntLayer, IntLayerCodec, codec_state
 from .int_decode import decode_int_layer
 from .int_state import int_layout, key_copies, layer_arrays, restore_layer, truncate_floor, truncate_plan
+from .layout import Layout
 from .rollback import DEFAULT_ROLLBACK_TOKENS, RECORD_NBYTES, check_rollback_tokens, keep_last
 
-_INTQ_OPS = {"group_minmax": ops.intq_group_minmax, "quantize_pack": ops.intq_quantize_pack}
+_INTQ_OPS: dict[str, Callable[..., Any]] = {
+    "group_minmax": ops.intq_group_minmax,
+    "quantize_pack": ops.intq_quantize_pack,
+}
 
 __all__ = ["IntQuantCache", "Int2Cache", "Int4Cache", "Int8Cache", "IntLayerCodec", "IntLayer"]
 
@@ -30,7 +36,7 @@ _SCALE_DTYPES = ("float16", "float32")
 _BITS = (2, 4, 8)
 
 
-class IntQuantCache(LayeredCache):
+class IntQuantCache(LayeredCache[IntLayer]):
     """Group-wise asymmetric integer K/V cache (KIVI: per-channel keys, per-token values).
 
     Parameters
@@ -128,7 +134,7 @@ class IntQuantCache(LayeredCache):
         decode_path: str = "auto",
         check_finite: bool = True,
         max_tokens: int | None = None,
-    ):
+    ) -> None:
         super().__init__(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
@@ -161,8 +167,8 @@ class IntQuantCache(LayeredCache):
         self.rollback_tokens = check_rollback_tokens(rollback_tokens)
         self.decode_path = check_decode_path(decode_path)
 
-    def _extra_config(self) -> dict:
-        cfg = {"bits": self.bits} if type(self).method == "int" else {}
+    def _extra_config(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {"bits": self.bits} if type(self).method == "int" else {}
         cfg.update(
             group_size=self.group_size,
             scale_dtype=self.scale_dtype,
@@ -172,15 +178,15 @@ class IntQuantCache(LayeredCache):
         )
         return cfg
 
-    def _pdt(self, xp: Any) -> str:
+    def _pdt(self, xp: Namespace) -> str:
         return self.scale_dtype if hasattr(xp, self.scale_dtype) else "float32"
 
-    def _exact_dtype(self, xp: Any, dtype: Any):
+    def _exact_dtype(self, xp: Namespace, dtype: DType) -> DType:
         """Dtype of the exact tokens: half precision with a window, else the input ``dtype``."""
         return (getattr(xp, "float16", None) or xp.float32) if self.residual_window else dtype
 
     # -- state ----------------------------------------------------------------------
-    def _new_layer(self, xp, dev, batch, dtype) -> IntLayer:
+    def _new_layer(self, xp: Namespace, dev: Device, batch: int, dtype: DType) -> IntLayer:
         mt = self.max_tokens
         empty = xp.zeros((batch, self.num_kv_heads, 0, self.head_dim), dtype=self._exact_dtype(xp, dtype), device=dev)
         return IntLayer(
@@ -196,7 +202,7 @@ class IntQuantCache(LayeredCache):
             v_rollback=empty,
         )
 
-    def _encode(self, st: IntLayer, k: Any, v: Any) -> tuple:
+    def _encode(self, st: IntLayer, k: Array, v: Array) -> tuple:
         """Everything a store writes, computed before anything changes.
 
         Returns ``(kq, vq, k_residual, v_window, exps, k_rollback, v_rollback)``: the arrays
@@ -239,7 +245,7 @@ class IntQuantCache(LayeredCache):
                 v_copies = keep_last(xp, st.v_rollback, allv[:, :, :spill, :], self.rollback_tokens)
         return kq, vq, residual, new_window, exps, k_copies, v_copies
 
-    def _normalized(self, st: IntLayer, k: Any, v: Any) -> tuple:
+    def _normalized(self, st: IntLayer, k: Array, v: Array) -> tuple[list[Array], tuple[int | None, ...]]:
         """``(k / 2**k_exp, v / 2**v_exp)`` and the layer's exponents after this store.
 
         An exponent is fixed by the first store with non-zero data (:func:`half_exponent`);
@@ -266,11 +272,11 @@ class IntQuantCache(LayeredCache):
             exps.append(e)
         return out, tuple(exps)
 
-    def _holds_half(self, xp: Any) -> bool:
+    def _holds_half(self, xp: Namespace) -> bool:
         """Whether a layer keeps anything in float16 (its scales, or its exact window)."""
         return hasattr(xp, "float16") and (self._pdt(xp) == "float16" or bool(self.residual_window))
 
-    def _store(self, st: IntLayer, k: Any, v: Any, q: Any = None) -> None:
+    def _store(self, st: IntLayer, k: Array, v: Array, q: Array = None) -> None:
         kq, vq, residual, window, exps, k_copies, v_copies = self._encode(st, k, v)
         # Room in both buffers first: an allocation that fails leaves both as they were.
         if kq is not None:
@@ -294,42 +300,44 @@ class IntQuantCache(LayeredCache):
         return decode_int_layer(st, self.bits, self.group_size, bool(self.residual_window), start)
 
     # -- hooks ----------------------------------------------------------------------
-    def _prefill(self, st, k, v, q):
+    def _prefill(self, st: IntLayer, k: Array, v: Array, q: Array) -> DequantResult:
         self._store_tokens(st, k, v, q)
         return self._decoded(st)
 
-    def _decode(self, st, k, v, q, config: AttendConfig):
+    def _decode(self, st: IntLayer, k: Array, v: Array, q: Array, config: AttendConfig) -> Fused | Dequantized:
         self._store_tokens(st, k, v, q)
         if self._fused(st.xp):
             return Fused(ops.int_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._decoded(st))
 
-    def _fused_auto(self, xp: Any) -> bool:
+    def _fused_auto(self, xp: Namespace) -> bool:
         return self.bits in (2, 4, 8) and ops.has_kernel("int_decode_attention", xp)
 
-    def _stable_length(self, st) -> int:
+    def _stable_length(self, st: IntLayer) -> int:
         # a key is final once its group is quantized, a value once it left the window
         return min(st.kq.length * self.group_size, st.vq.length)
 
-    def _layer_arrays(self, st) -> dict:
+    def _layer_arrays(self, st: IntLayer) -> dict[str, Array]:
         return layer_arrays(st, bool(self.residual_window))
 
-    def _layer_layout(self, xp, batch, dtype, length):
+    def _layer_layout(self, xp: Namespace, batch: int, dtype: DType, length: int) -> Layout:
         return int_layout(self, xp, batch, length, dtype, getattr(xp, self._pdt(xp)), self._exact_dtype(xp, dtype))
 
-    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> IntLayer:
+    def _restore_layer(
+        self, xp: Namespace, dev: Device, batch: int, dtype: DType, length: int, arrays: dict[str, Array]
+    ) -> IntLayer:
         return restore_layer(self._new_layer(xp, dev, batch, dtype), arrays, length, self.group_size)
 
-    def _side_nbytes(self, st) -> int:
+    def _side_nbytes(self, st: IntLayer) -> int:
         return _compat.array_nbytes(st.k_residual) + _compat.array_nbytes(st.v_window) + self._rollback_nbytes(st)
 
-    def _rollback_nbytes(self, st) -> int:
+    def _rollback_nbytes(self, st: IntLayer) -> int:
         return _compat.array_nbytes(st.k_rollback) + _compat.array_nbytes(st.v_rollback) + RECORD_NBYTES
 
-    def _truncate_floor(self, st) -> int:
+    def _truncate_floor(self, st: IntLayer) -> int:
         return truncate_floor(self, st)
 
-    def _truncate_plan(self, st, length: int):
+    def _truncate_plan(self, st: IntLayer, length: int) -> Callable[[], None]:
         return truncate_plan(self, st, length)
 
     # -- inspection for kernels ------------------------------------------------------

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .. import _compat
+from .._types import Array, Device, DType, Namespace
+
+if TYPE_CHECKING:
+    from ..storage import TokenBuffers
 
 __all__ = ["LayerState", "DECODE_PATHS", "check_decode_path", "refuse_overflow"]
 
@@ -37,10 +41,10 @@ class LayerState:
         made the calibration is unknown.
     """
 
-    xp: Any
-    device: Any
+    xp: Namespace
+    device: Device
     batch: int
-    dtype: Any
+    dtype: DType
     length: int = 0
     fixed_end: int = 0
     fixed_known: bool = True
@@ -48,7 +52,7 @@ class LayerState:
     #: the layer's buffers (before ``length`` counts them): what a failure after it must undo.
     stored: bool = False
 
-    def buffers(self) -> tuple:
+    def buffers(self) -> tuple[TokenBuffers, ...]:
         """The growable token buffers of the layer (for :meth:`LayeredCache.reallocations`)."""
         return ()
 
@@ -59,14 +63,14 @@ class LayerState:
 DECODE_PATHS = ("auto", "fused", "dequantized")
 
 
-def check_decode_path(value: Any) -> str:
+def check_decode_path(value: object) -> str:
     """``value`` if it is one of :data:`DECODE_PATHS`, else a ``ValueError`` naming them."""
     if not isinstance(value, str) or value not in DECODE_PATHS:
         raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, received {value!r}")
     return value
 
 
-def refuse_overflow(xp: Any, method: str, arrays: dict) -> None:
+def refuse_overflow(xp: Namespace, method: str, arrays: dict[str, Array | list[Array] | None]) -> None:
     """Raise ``ValueError`` when an array about to be stored holds infinity (float16 overflow).
 
     The float16 parts of a compressed cache (windows, sinks, lengths, outlier channels, means,

@@ -49,6 +49,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _compat
+from .._types import Array, DType, Namespace
+
+#: A bound of a :class:`Spec`: a number, the name of a size, a function of the sizes, or None.
+Bound = float | str | Callable[[dict[str, int]], float] | None
 
 __all__ = ["Spec", "Layout", "check_layout", "join", "MAX_MAGNITUDE", "bounded", "fixed_end_spec"]
 
@@ -78,11 +82,11 @@ class Spec:
         Values strictly ascending along the last axis (index lists).
     """
 
-    dtype: Any
+    dtype: DType | tuple[DType, ...] | Callable[[dict[str, int]], DType]
     shape: tuple
     required: bool = True
-    low: Any = None
-    high: Any = None
+    low: Bound = None
+    high: Bound = None
     ascending: bool = False
 
 
@@ -131,17 +135,17 @@ def join(*layouts: Layout, sizes: dict | None = None, rules: tuple = ()) -> Layo
     )
 
 
-def bounded(dtype: Any, shape: tuple, *, required: bool = True) -> Spec:
+def bounded(dtype: DType, shape: tuple, *, required: bool = True) -> Spec:
     """A :class:`Spec` of codec parameters in ``dtype``: finite, ``|x| <= MAX_MAGNITUDE``."""
     return Spec(dtype, shape, required=required, low=-MAX_MAGNITUDE, high=MAX_MAGNITUDE)
 
 
-def fixed_end_spec(xp: Any) -> Spec:
+def fixed_end_spec(xp: Namespace) -> Spec:
     """The saved record of a layer's calibrating call: int64 of shape (1,), in ``[0, length]``."""
     return Spec(xp.int64, (1,), required=False, low=0, high="length")
 
 
-def check_layout(xp: Any, arrays: dict, layout: Layout) -> dict:
+def check_layout(xp: Namespace, arrays: dict, layout: Layout) -> dict:
     """Check a layer's ``arrays`` (by name, namespace ``xp``) against ``layout``.
 
     Returns
@@ -185,7 +189,7 @@ def _raise(message: str | None) -> None:
         raise ValueError(message)
 
 
-def _resolve(name: str, value: Any, sizes: dict) -> Any:
+def _resolve(name: str, value: Any, sizes: dict[str, int]) -> Any:
     """A number, a size name or a function of the sizes, as a value."""
     try:
         if callable(value) and not isinstance(value, type):
@@ -197,7 +201,7 @@ def _resolve(name: str, value: Any, sizes: dict) -> Any:
     return value
 
 
-def _check_shape(name: str, a: Any, spec: Spec, sizes: dict) -> None:
+def _check_shape(name: str, a: Array, spec: Spec, sizes: dict) -> None:
     """Dtype and shape of ``a`` against ``spec``; binds the named sizes it is the first to show."""
     dtypes = _resolve(name, spec.dtype, sizes)
     dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
@@ -217,7 +221,7 @@ def _check_shape(name: str, a: Any, spec: Spec, sizes: dict) -> None:
             raise ValueError(f"stored array {name!r} must have {want} on axis {axis}, received shape {got}")
 
 
-def _check_values(xp: Any, name: str, a: Any, spec: Spec, sizes: dict, floats: tuple) -> None:
+def _check_values(xp: Namespace, name: str, a: Array, spec: Spec, sizes: dict, floats: tuple) -> None:
     """The values of ``a``: finite (floating dtypes), inside ``[low, high]``, ascending."""
     low, high = _resolve(name, spec.low, sizes), _resolve(name, spec.high, sizes)
     if any(a.dtype == f for f in floats):
@@ -236,5 +240,5 @@ def _check_values(xp: Any, name: str, a: Any, spec: Spec, sizes: dict, floats: t
         raise ValueError(f"stored array {name!r} must be strictly ascending along its last axis")
 
 
-def _extreme(xp: Any, a: Any, reduce: Callable) -> str:
+def _extreme(xp: Namespace, a: Array, reduce: Callable) -> str:
     return f"{float(reduce(a)):.6g}"

@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat, ops
+from .._types import Array, DType, Namespace
 from .._validation import check_bool, check_int
 from ..compressor import LowRank, samples_by_head
 from ..quant.lowrank import LowRankBasis, check_rank_energy, fit_basis, row_products
 from ..quant.polar import half_dtype
 from ..storage import TokenBuffers
 from .fitted import DEFAULT_SINKS, DEFAULT_WINDOW, FittedCache, FittedLayer, _f32
-from .layout import Layout, bounded
+from .layout import Layout, Spec, bounded
 from .rollback import DEFAULT_ROLLBACK_TOKENS
 
 __all__ = ["LowRankCache"]
@@ -127,7 +128,7 @@ class LowRankCache(FittedCache):
         decode_path: str = "auto",
         check_finite: bool = True,
         max_tokens: int | None = None,
-    ):
+    ) -> None:
         d = check_int("head_dim", head_dim, low=1)
         if rank is None and energy is None:
             rank = max(1, d // 2)
@@ -150,7 +151,7 @@ class LowRankCache(FittedCache):
             max_tokens=max_tokens,
         )
 
-    def _extra_config(self) -> dict:
+    def _extra_config(self) -> dict[str, Any]:
         return super()._extra_config() | {
             "rank": self.rank,
             "energy": self.energy,
@@ -161,7 +162,7 @@ class LowRankCache(FittedCache):
     def _item_help(self) -> str:
         return "a fitted KVCacheCompressor(LowRank(...)) or a pair (k_basis, v_basis) of LowRankBasis"
 
-    def _convert(self, item: Any, where: str = "calibration") -> dict:
+    def _convert(self, item: Any, where: str = "calibration") -> dict[str, Array]:
         out = {}
         for name, b in zip(("k", "v"), self._pair(item, LowRank, where)):
             if not isinstance(b, LowRankBasis):
@@ -183,29 +184,29 @@ class LowRankCache(FittedCache):
                 out[f"{name}_mean"] = xp.asarray(_f32(xp, b.mean), copy=True)
         return out
 
-    def _fit_layout(self, xp: Any) -> Layout:
+    def _fit_layout(self, xp: Namespace) -> Layout:
         """``k_basis`` (h, d, r_k), ``k_mean`` (h, d), likewise for values: float32, bounded,
         ``1 <= r <= head_dim``."""
         h, d = self.num_kv_heads, self.head_dim
-        arrays = {}
+        arrays: dict[str, Spec] = {}
         for name in ("k", "v"):
             arrays[f"{name}_basis"] = bounded(xp.float32, (h, d, f"{name}_rank"), required=False)
             arrays[f"{name}_mean"] = bounded(xp.float32, (h, d), required=False)
 
-        def ranks(sizes: dict, held: frozenset):
+        def ranks(sizes: dict[str, int], held: frozenset[str]) -> str | None:
             bad = [sizes[n] for n in ("k_rank", "v_rank") if n in sizes and not 1 <= sizes[n] <= d]
             return f"stored bases must keep 1 to head_dim={d} directions, received {bad[0]}" if bad else None
 
         return Layout(arrays=arrays, rules=(ranks,))
 
-    def _token_specs(self, xp: Any, batch: int) -> dict:
+    def _token_specs(self, xp: Namespace, batch: int) -> dict[str, Spec]:
         tok = (batch, self.num_kv_heads, "codes")
         return {f"{n}_coef": bounded(self._cdt(xp), tok + (f"{n}_rank",), required=False) for n in ("k", "v")}
 
-    def _cdt(self, xp: Any):
+    def _cdt(self, xp: Namespace) -> DType:
         return xp.float32 if self.coeff_dtype == "float32" else half_dtype(xp)
 
-    def _fit(self, xp, k, v) -> dict:
+    def _fit(self, xp: Namespace, k: Array, v: Array) -> dict[str, Array]:
         out = {}
         for name, x in (("k", k), ("v", v)):
             b = fit_basis(samples_by_head(xp, x), rank=self.rank, energy=self.energy, center=self.center)
@@ -217,7 +218,7 @@ class LowRankCache(FittedCache):
             )
         return out
 
-    def _encode(self, xp, calib, k, v) -> dict:
+    def _encode(self, xp: Namespace, calib: dict[str, Array], k: Array, v: Array) -> dict[str, Array]:
         cdt = self._cdt(xp)
         out = {}
         for name, x in (("k", k), ("v", v)):
@@ -225,10 +226,10 @@ class LowRankCache(FittedCache):
             out[f"{name}_coef"] = c if c.dtype == cdt else xp.astype(c, cdt)
         return out
 
-    def _fused_auto(self, xp: Any) -> bool:
+    def _fused_auto(self, xp: Namespace) -> bool:
         return True  # matrix products in coefficient space: cheaper than reconstructing, everywhere
 
-    def _attend(self, st: FittedLayer, q: Any, scale: float):
+    def _attend(self, st: FittedLayer, q: Array, scale: float) -> Array:
         buf, calib = st.codes, st.calib
         ke, ve = self._extras(st)
         if calib is None or not buf.length:
@@ -248,7 +249,9 @@ class LowRankCache(FittedCache):
             softmax_scale=scale,
         )
 
-    def _decode_tokens(self, xp, calib, buf: TokenBuffers, start: int = 0) -> tuple:
+    def _decode_tokens(
+        self, xp: Namespace, calib: dict[str, Array], buf: TokenBuffers, start: int = 0
+    ) -> tuple[Array, Array]:
         out = []
         for name in ("k", "v"):
             c = _f32(xp, buf.view(f"{name}_coef")[:, :, start:, :])

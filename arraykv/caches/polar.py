@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .. import ops
+from .._types import Array, Device, DType, Namespace
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype
@@ -80,7 +81,7 @@ class PolarLayer(WindowLayer):
     """
 
 
-class PolarCache(WindowRollback, LayeredCache):
+class PolarCache(WindowRollback, LayeredCache[PolarLayer]):
     """Rotated Lloyd-Max (TurboQuant-MSE) key/value cache with a float16 recent-token window.
 
     Use through the factory: ``make_cache("pqo4", ...)`` (4 bits everywhere), ``"pq4"``
@@ -171,7 +172,18 @@ class PolarCache(WindowRollback, LayeredCache):
     method = "polar"
     _calibration_given = False  # only a spilling window calibrates a layer
     #: Options a subclass fixes (its method name says them); not constructor arguments there.
-    _fixed_options: dict = {}
+    _fixed_options: dict[str, Any] = {}
+
+    if TYPE_CHECKING:  # read-only views of ``options``, set below the class
+        key_bits: int
+        value_bits: int
+        qjl: bool
+        seed: int
+        residual_window: int
+        sink_tokens: int
+        key_length: str
+        value_length: str
+        softmax_scale: float | None
 
     def __init__(
         self,
@@ -184,21 +196,21 @@ class PolarCache(WindowRollback, LayeredCache):
         qjl: bool = False,
         seed: int = 0,
         residual_window: int | None = None,
-        center: Any = "auto",
-        outliers: Any = "auto",
+        center: bool | str = "auto",
+        outliers: int | Literal["auto"] = "auto",
         outlier_threshold: float = DEFAULT_OUTLIER_THRESHOLD,
         max_outliers: int | None = None,
         key_scale: bool = True,
         sink_tokens: int = DEFAULT_SINK_TOKENS,
         key_length: str = "unbiased",
         value_length: str = "unbiased",
-        rope: Any = "auto",
+        rope: dict[str, Any] | str | None = "auto",
         softmax_scale: float | None = None,
         rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
         decode_path: str = "auto",
         check_finite: bool = True,
         max_tokens: int | None = None,
-    ):
+    ) -> None:
         super().__init__(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
@@ -226,10 +238,10 @@ class PolarCache(WindowRollback, LayeredCache):
             decode_path=decode_path,
             rollback_tokens=rollback_tokens,
         )
-        self._fixed: dict = {}
+        self._fixed: dict[tuple[int, str], PolarFixed] = {}
 
     # -- fixed state (rotation, codebooks, sketch), one set per namespace and device ------
-    def _codec(self, xp: Any, dev: Any) -> PolarFixed:
+    def _codec(self, xp: Namespace, dev: Device) -> PolarFixed:
         key = (id(xp), str(dev))
         c = self._fixed.get(key)
         if c is None:
@@ -251,17 +263,17 @@ class PolarCache(WindowRollback, LayeredCache):
     def _on_reset(self) -> None:
         self._fixed = {}
 
-    def _fork_fixed(self, source) -> None:
+    def _fork_fixed(self, source: PolarCache) -> None:
         self._fixed = dict(source._fixed)
 
-    def _extra_config(self) -> dict:
+    def _extra_config(self) -> dict[str, Any]:
         cfg = self.options.config()
         for name in self._fixed_options:  # said by the method name
             del cfg[name]
         return cfg
 
     # -- layer state -------------------------------------------------------------------
-    def _new_layer(self, xp, dev, batch, dtype) -> PolarLayer:
+    def _new_layer(self, xp: Namespace, dev: Device, batch: int, dtype: DType) -> PolarLayer:
         self._codec(xp, dev)  # the rotation/codebooks are held from a layer's first token on
         empty = ExactTokens.empty(xp, dev, batch, self.num_kv_heads, self.head_dim)
         return PolarLayer(
@@ -274,7 +286,9 @@ class PolarCache(WindowRollback, LayeredCache):
             rollback=empty,
         )
 
-    def _encode(self, xp: Any, fixed: PolarFixed, calib: PolarCalibration, k: Any, v: Any, start: int) -> dict:
+    def _encode(
+        self, xp: Namespace, fixed: PolarFixed, calib: PolarCalibration, k: Array, v: Array, start: int
+    ) -> dict[str, Array]:
         """Quantize float32 tokens (b, h, t, d) at positions ``start ..`` -> the per-token arrays to append
         (centring, weights, outliers, both encodes and a ``tq`` key's QJL sketch in one op)."""
         return ops.polar_encode_tokens(k, v, self._encoder(fixed, calib), start)
@@ -284,7 +298,7 @@ class PolarCache(WindowRollback, LayeredCache):
         codebooks and rotation, the length rules and the QJL sketch (or None)."""
         return fixed.encoder(calib, key_length=self.key_length, value_length=self.value_length, qjl=self.qjl)
 
-    def _store(self, st: PolarLayer, k: Any, v: Any, q: Any) -> None:
+    def _store(self, st: PolarLayer, k: Array, v: Array, q: Array) -> None:
         """Append new tokens: sinks, then the window, its overflow quantized (computed, then committed)."""
         if int(k.shape[2]) == 1 and self._slide_one(st, k, v):
             return
@@ -314,7 +328,7 @@ class PolarCache(WindowRollback, LayeredCache):
             self.rollback_tokens,
         )
 
-    def _slide_one(self, st: PolarLayer, k: Any, v: Any) -> bool:
+    def _slide_one(self, st: PolarLayer, k: Array, v: Array) -> bool:
         """Store one token in a layer whose sinks and window are full, in place; False (nothing
         done) for any other layer, and when a float16 result would overflow (the general path
         then refuses the call, naming what overflows).
@@ -377,7 +391,7 @@ class PolarCache(WindowRollback, LayeredCache):
         k, v = decode_layer(st, self._codec(xp, st.device), self.options, start)  # fresh arrays: cast in place
         return DequantResult(k=xp.astype(k, st.dtype, copy=False), v=xp.astype(v, st.dtype, copy=False))
 
-    def _result(self, st: PolarLayer, q: Any, scale: float) -> DequantResult:
+    def _result(self, st: PolarLayer, q: Array, scale: float) -> DequantResult:
         xp = st.xp
         k, v = decode_layer(st, self._codec(xp, st.device), self.options)
         bias = qjl_logit_bias(st, self._codec(st.xp, st.device), q, scale) if self.qjl and st.codes.length else None
@@ -388,7 +402,7 @@ class PolarCache(WindowRollback, LayeredCache):
         )
 
     # -- hooks -----------------------------------------------------------------------
-    def _prefill(self, st, k, v, q):
+    def _prefill(self, st: PolarLayer, k: Array, v: Array, q: Array) -> DequantResult:
         first = st.length == 0
         self._store_tokens(st, k, v, q)
         if first:
@@ -396,24 +410,24 @@ class PolarCache(WindowRollback, LayeredCache):
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         return self._result(st, q, scale)
 
-    def _decode(self, st, k, v, q, config: AttendConfig):
+    def _decode(self, st: PolarLayer, k: Array, v: Array, q: Array, config: AttendConfig) -> Fused | Dequantized:
         self._store_tokens(st, k, v, q)
         if self._fused(st.xp):
             return Fused(ops.polar_decode_attention(self._codec_state(st), q, config.softmax_scale))
         return Dequantized(self._result(st, q, config.softmax_scale))
 
-    def _fused_auto(self, xp: Any) -> bool:
+    def _fused_auto(self, xp: Namespace) -> bool:
         return ops.has_kernel("polar_decode_attention", xp)
 
-    def _stable_length(self, st) -> int:
+    def _stable_length(self, st: PolarLayer) -> int:
         return st.exact.n_sink + st.codes.length  # sinks and codes never change; the window does
 
-    def _uncalibrated_at(self, st, length: int) -> bool:
+    def _uncalibrated_at(self, st: PolarLayer, length: int) -> bool:
         # a layer calibrates when its window first spills
         return length - min(self.sink_tokens, length) <= self.residual_window
 
     # -- persistence view: the saved names are k_window (sinks, then recent), codes, calibration
-    def _layer_arrays(self, st) -> dict:
+    def _layer_arrays(self, st: PolarLayer) -> dict[str, Array]:
         out = dict(st.codes.arrays())
         out["k_window"] = st.exact.k
         out["v_window"] = st.exact.v
@@ -422,7 +436,7 @@ class PolarCache(WindowRollback, LayeredCache):
         out.update(rollback_arrays(st))
         return out
 
-    def _layer_layout(self, xp, batch, dtype, length) -> Layout:
+    def _layer_layout(self, xp: Namespace, batch: int, dtype: DType, length: int) -> Layout:
         """The saved arrays of a layer: the calibration (:func:`calibration_layout`), the encoded
         tokens (codes of the packed widths of ``key_bits``/``value_bits``, float16 norms, the
         outlier channels' exact values, a ``tq`` key's sketch), the float16 sinks and window
@@ -438,7 +452,7 @@ class PolarCache(WindowRollback, LayeredCache):
             "v_norms": Spec(half, tok, required=False),
             "k_outliers": Spec(half, tok + ("n_out",), required=False),
         }
-        group = ("k_codes", "k_norms", "v_codes", "v_norms")
+        group: tuple[str, ...] = ("k_codes", "k_norms", "v_codes", "v_norms")
         if self.qjl:
             per_token.update(
                 k_qjl=Spec(xp.uint8, tok + (packed_nbytes(d, 1),), required=False),
@@ -448,7 +462,7 @@ class PolarCache(WindowRollback, LayeredCache):
         exact = {"k_window": Spec(half, (b, h, "exact", d)), "v_window": Spec(half, (b, h, "exact", d))}
         sinks = min(self.sink_tokens, length)
 
-        def counts(sizes: dict, held: frozenset):
+        def counts(sizes: dict[str, int], held: frozenset[str]) -> str | None:
             calibrated = "k_mean" in held
             codes = sizes.get("codes", 0)
             msg = token_counts(
@@ -477,7 +491,9 @@ class PolarCache(WindowRollback, LayeredCache):
             rules=(counts,),
         )
 
-    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> PolarLayer:
+    def _restore_layer(
+        self, xp: Namespace, dev: Device, batch: int, dtype: DType, length: int, arrays: dict[str, Array]
+    ) -> PolarLayer:
         st = self._new_layer(xp, dev, batch, dtype)
         exact = ExactTokens(
             k=xp.asarray(arrays["k_window"], copy=True),
@@ -489,7 +505,7 @@ class PolarCache(WindowRollback, LayeredCache):
         restore_rollback(st, arrays)
         return st
 
-    def _side_nbytes(self, st) -> int:
+    def _side_nbytes(self, st: PolarLayer) -> int:
         return st.exact.nbytes() + self._rollback_nbytes(st) + (0 if st.calib is None else st.calib.nbytes())
 
     # -- inspection for kernels ------------------------------------------------------
@@ -517,7 +533,7 @@ class PolarCache(WindowRollback, LayeredCache):
         calib = st.calib
         d = self.head_dim
 
-        def view(name, tail):
+        def view(name: str, tail: tuple[int, ...]) -> Array:
             if name in buf.names():
                 return buf.view(name)
             shape = (st.batch, self.num_kv_heads, 0) + tail
@@ -566,7 +582,7 @@ def _preset(name: str, key_bits: int, value_bits: int, qjl: bool) -> type:
     """The class of method ``name``: a :class:`PolarCache` with these bits and ``qjl`` fixed."""
 
     def __init__(
-        self,
+        self: PolarCache,
         *,
         num_layers: int,
         num_kv_heads: int,
@@ -574,7 +590,7 @@ def _preset(name: str, key_bits: int, value_bits: int, qjl: bool) -> type:
         key_bits: int = key_bits,
         value_bits: int = value_bits,
         **options: Any,
-    ):
+    ) -> None:
         PolarCache.__init__(
             self,
             num_layers=num_layers,

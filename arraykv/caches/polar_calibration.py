@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from .. import _compat
+from .._types import Array, Namespace
 from ..quant.polar import half_dtype
 from ..quant.rotary_mean import ROPE_LAYOUTS, RotaryMeanPlan, fit_rotary_mean, rope_pairs
 from .layout import Layout, Spec, check_layout
@@ -63,12 +63,12 @@ class PolarCalibration:
         The channels of each pair.
     """
 
-    k_mean: Any
-    v_mean: Any
-    k_scale: Any
-    k_outlier_idx: Any
-    k_mean_freq: Any = None
-    k_mean_pairs: Any = None
+    k_mean: Array
+    v_mean: Array
+    k_scale: Array
+    k_outlier_idx: Array
+    k_mean_freq: Array = None
+    k_mean_pairs: Array = None
 
     #: Array names as saved (the on-disk names of the file format).
     NAMES = ("k_mean", "v_mean", "k_scale", "k_outlier_idx", "k_mean_freq", "k_mean_pairs")
@@ -78,7 +78,7 @@ class PolarCalibration:
         return {n: getattr(self, n) for n in self.NAMES if getattr(self, n) is not None}
 
     @classmethod
-    def from_arrays(cls, xp: Any, arrays: dict) -> PolarCalibration | None:
+    def from_arrays(cls, xp: Namespace, arrays: dict[str, Array]) -> PolarCalibration | None:
         """Copies of the calibration arrays in ``arrays`` (None when it holds none), checked
         against :func:`calibration_layout` first (``ValueError``): a kernel divides by the key
         channel weights and indexes by the outlier channels and pairs."""
@@ -100,7 +100,7 @@ class PolarCalibration:
         """Outlier channels per head."""
         return int(self.k_outlier_idx.shape[-1])
 
-    def key_mean(self, xp: Any, start: int, n: int):
+    def key_mean(self, xp: Namespace, start: int, n: int) -> Array:
         """The key mean at positions ``start .. start + n - 1``: (b, h, n, d) float32, or (b, h, 1, d).
 
         A plain mean broadcasts over the tokens; a rotating one is ``R_t μ`` per position.
@@ -108,7 +108,9 @@ class PolarCalibration:
         if self.k_mean_freq is None:
             return xp.astype(self.k_mean, xp.float32)[:, :, None, :]
         pos = xp.arange(start, start + n, dtype=xp.float64, device=_compat.device(self.k_mean))
-        return self.rotary_plan().at(pos)
+        plan = self.rotary_plan()
+        assert plan is not None  # k_mean_freq is set
+        return plan.at(pos)
 
     def rotary_plan(self) -> RotaryMeanPlan | None:
         """The layer's :class:`RotaryMeanPlan` (None without a rotating key mean), made on first use.
@@ -124,7 +126,7 @@ class PolarCalibration:
         return plan
 
 
-def calibrate(opts: PolarOptions, xp: Any, k: Any, v: Any, q: Any, start: int) -> PolarCalibration:
+def calibrate(opts: PolarOptions, xp: Namespace, k: Array, v: Array, q: Array, start: int) -> PolarCalibration:
     """Per-head statistics of float32 tokens ``k``, ``v`` (b, h, n, d) with queries ``q`` (b, qh, n, d).
 
     ``start`` is the position of the first token. With fewer than
@@ -172,7 +174,7 @@ def calibrate(opts: PolarOptions, xp: Any, k: Any, v: Any, q: Any, start: int) -
     return PolarCalibration(k_scale=k_scale, k_outlier_idx=idx, **out)
 
 
-def query_scale(opts: PolarOptions, xp: Any, q: Any, kc: Any):
+def query_scale(opts: PolarOptions, xp: Namespace, q: Array, kc: Array) -> Array:
     """Per-head key channel weights ``s = sqrt(rms_q / rms_k)`` (b, h, d), half precision.
 
     ``rms_q`` is the RMS of the group's calibration queries in each channel, ``rms_k`` that
@@ -200,7 +202,7 @@ def query_scale(opts: PolarOptions, xp: Any, q: Any, kc: Any):
     return xp.astype(s, half)
 
 
-def calibration_layout(xp: Any, batch: int, heads: int, head_dim: int) -> Layout:
+def calibration_layout(xp: Namespace, batch: int, heads: int, head_dim: int) -> Layout:
     """The saved calibration arrays of a layer (see the module docstring), all optional together.
 
     Binds the size ``"n_out"`` (outlier channels); ``groups`` holds the calibration's names,
@@ -217,14 +219,14 @@ def calibration_layout(xp: Any, batch: int, heads: int, head_dim: int) -> Layout
         "k_mean_pairs": Spec(xp.int32, (d // 2, 2), required=False),
     }
 
-    def pieces(sizes: dict, held: frozenset):
+    def pieces(sizes: dict[str, int], held: frozenset[str]) -> str | None:
         if "k_mean_freq" in held and "k_mean" not in held:
             return "stored 'k_mean_freq' and 'k_mean_pairs' need the rest of the calibration"
         if sizes.get("n_out", 0) >= d:
             return f"stored 'k_outlier_idx' must name fewer than head_dim={d} channels, received {sizes['n_out']}"
         return None
 
-    def pairs(xp: Any, sizes: dict, arrays: dict):
+    def pairs(xp: Namespace, sizes: dict[str, int], arrays: dict[str, Array]) -> str | None:
         got = arrays.get("k_mean_pairs")
         if got is None:
             return None

@@ -9,12 +9,17 @@ once per namespace and device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
+from .._types import Array, Device, Namespace
 from ..quant.codebooks import Codebook, make_codebook
 from ..quant.polar_encoder import PolarEncoder
 from ..quant.qjl import QJLSketch, make_sketch
 from ..quant.rotation import Rotation, make_rotation
+
+if TYPE_CHECKING:
+    from ..quant.rotary_mean import RotaryMeanPlan
+    from .polar_calibration import PolarCalibration
 
 __all__ = ["PolarLayerCodec", "PolarFixed"]
 
@@ -91,23 +96,23 @@ class PolarLayerCodec:
     rotation: Rotation
     k_codebook: Codebook
     v_codebook: Codebook
-    k_codes: Any
-    k_norms: Any
-    v_codes: Any
-    v_norms: Any
-    k_mean: Any
-    v_mean: Any
-    k_scale: Any
-    k_mean_freq: Any
-    k_mean_pairs: Any
-    k_outlier_idx: Any
-    k_outliers: Any
-    k_window: Any
-    v_window: Any
-    qjl: Any
-    k_qjl: Any
-    k_qjl_norms: Any
-    k_mean_plan: Any = None
+    k_codes: Array
+    k_norms: Array
+    v_codes: Array
+    v_norms: Array
+    k_mean: Array
+    v_mean: Array
+    k_scale: Array
+    k_mean_freq: Array
+    k_mean_pairs: Array
+    k_outlier_idx: Array
+    k_outliers: Array
+    k_window: Array
+    v_window: Array
+    qjl: QJLSketch | None
+    k_qjl: Array
+    k_qjl_norms: Array
+    k_mean_plan: RotaryMeanPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ class PolarFixed:
 
     @classmethod
     def build(
-        cls, xp: Any, dev: Any, *, head_dim: int, key_bits: int, value_bits: int, seed: int, qjl: bool
+        cls, xp: Namespace, dev: Device, *, head_dim: int, key_bits: int, value_bits: int, seed: int, qjl: bool
     ) -> PolarFixed:
         """The arrays for one namespace and device (same seed, same arrays)."""
         return cls(
@@ -141,7 +146,7 @@ class PolarFixed:
             qjl=make_sketch(head_dim, seed, xp=xp, device=dev) if qjl else None,
         )
 
-    def encoder(self, calib: Any, *, key_length: str, value_length: str, qjl: bool) -> PolarEncoder:
+    def encoder(self, calib: PolarCalibration, *, key_length: str, value_length: str, qjl: bool) -> PolarEncoder:
         """The encode ops' argument object for a layer calibrated with ``calib``
         (a :class:`~arraykv.caches.polar_calibration.PolarCalibration`).
 

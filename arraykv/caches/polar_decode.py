@@ -10,16 +10,18 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat, ops
+from .._types import Array
 from ..quant.polar import PolarCode, polar_decode
 from ..quant.polar_tokens import outlier_selector
 from ..quant.qjl import QJL_SCALE
+from .polar_calibration import PolarCalibration
 from .polar_codec import PolarFixed
 from .polar_options import PolarOptions
 
 __all__ = ["decode_layer", "decode_tokens", "qjl_logit_bias"]
 
 
-def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0) -> tuple:
+def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0) -> tuple[Array, Array]:
     """float32 K/V of the tokens ``start ..`` of layer ``st``: (b, h, total - start, d) each.
 
     Layout: the sink tokens, the encoded tokens, the recent window; only the codes of tokens
@@ -55,7 +57,9 @@ def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0)
     return xp.concat(parts_k, axis=2), xp.concat(parts_v, axis=2)
 
 
-def decode_tokens(codes: dict, calib: Any, fixed: PolarFixed, key_bits: int, value_bits: int, position: int) -> tuple:
+def decode_tokens(
+    codes: dict[str, Array], calib: PolarCalibration, fixed: PolarFixed, key_bits: int, value_bits: int, position: int
+) -> tuple[Array, Array]:
     """float32 K/V, (b, h, t, d) each, of tokens encoded by ``ops.polar_encode_tokens``.
 
     Parameters
@@ -93,7 +97,7 @@ def decode_tokens(codes: dict, calib: Any, fixed: PolarFixed, key_bits: int, val
     return kd, vd
 
 
-def qjl_logit_bias(st: Any, fixed: PolarFixed, q: Any, scale: float):
+def qjl_logit_bias(st: Any, fixed: PolarFixed, q: Array, scale: float) -> Array:
     """``(batch, q_heads, new_tokens, total)`` float32 QJL logit correction of layer ``st``, times ``scale``.
 
     For an encoded key with residual sketch ``±1(S r)`` and norm ``‖r‖`` the logit of ``q``
@@ -113,6 +117,7 @@ def qjl_logit_bias(st: Any, fixed: PolarFixed, q: Any, scale: float):
         parts.append(xp.zeros((b, qh, t, n_s), dtype=xp.float32, device=st.device))
     if n_q:
         sk = fixed.qjl
+        assert sk is not None  # a layer holds sketched keys only with the sketch
         m = sk.rows
         calib = st.calib
         w = 1.0 / xp.astype(calib.k_scale, xp.float32)  # (b, h, d)

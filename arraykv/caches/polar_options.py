@@ -7,7 +7,7 @@ option is checked once, here, and held in a frozen :class:`PolarOptions`.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .._validation import check_auto_bool, check_bool, check_int, check_real, check_softmax_scale
 from ..quant.polar import LENGTHS
@@ -55,20 +55,20 @@ class PolarOptions:
     qjl: bool
     seed: int
     residual_window: int
-    center: Any
-    outliers: Any
+    center: bool | str
+    outliers: int | Literal["auto"]
     outlier_threshold: float
     max_outliers: int
     key_scale: bool
     sink_tokens: int
     key_length: str
     value_length: str
-    rope: Any
+    rope: dict[str, Any] | str | None
     softmax_scale: float | None
     decode_path: str
     rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS
 
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         """The options as plain JSON values, by name (``qjl`` included)."""
         return asdict(self)
 
@@ -76,23 +76,23 @@ class PolarOptions:
 def check_polar_options(
     head_dim: int,
     *,
-    key_bits: Any,
-    value_bits: Any,
-    qjl: Any = False,
-    seed: Any = 0,
-    residual_window: Any = None,
-    center: Any = "auto",
-    outliers: Any = "auto",
-    outlier_threshold: Any = DEFAULT_OUTLIER_THRESHOLD,
-    max_outliers: Any = None,
-    key_scale: Any = True,
-    sink_tokens: Any = DEFAULT_SINK_TOKENS,
-    key_length: Any = "unbiased",
-    value_length: Any = "unbiased",
-    rope: Any = "auto",
-    softmax_scale: Any = None,
-    decode_path: Any = "auto",
-    rollback_tokens: Any = DEFAULT_ROLLBACK_TOKENS,
+    key_bits: int,
+    value_bits: int,
+    qjl: bool = False,
+    seed: int = 0,
+    residual_window: int | None = None,
+    center: bool | str = "auto",
+    outliers: int | Literal["auto"] = "auto",
+    outlier_threshold: float = DEFAULT_OUTLIER_THRESHOLD,
+    max_outliers: int | None = None,
+    key_scale: bool = True,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    key_length: str = "unbiased",
+    value_length: str = "unbiased",
+    rope: dict[str, Any] | str | None = "auto",
+    softmax_scale: float | None = None,
+    decode_path: str = "auto",
+    rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
 ) -> PolarOptions:
     """Check every option of a polar cache with ``head_dim`` channels per head.
 

@@ -11,18 +11,24 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+from ..protocol import CompressedKVCache
 
 __all__ = ["make_cache", "available_methods", "register_method"]
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
 #: Method name -> its factory, or the ``"module:attr"`` path of one not imported yet.
-_REGISTRY: dict[str, Callable[..., Any] | str] = {}
+_REGISTRY: dict[str, Callable[..., CompressedKVCache] | str] = {}
 #: Names registered with ``generic=True``: accepted by :func:`make_cache`, listed apart.
-_GENERIC: set = set()
+_GENERIC: set[str] = set()
 _LOCK = threading.Lock()
 
 
-def register_method(name: str, target: str | None = None, *, replace: bool = False, generic: bool = False):
+def register_method(
+    name: str, target: str | None = None, *, replace: bool = False, generic: bool = False
+) -> Callable[[_F], _F] | None:
     """Register a cache class or factory function under ``name``.
 
     The factory is called as ``factory(num_layers=..., num_kv_heads=..., head_dim=...,
@@ -73,22 +79,22 @@ def register_method(name: str, target: str | None = None, *, replace: bool = Fal
         _put(name, target, replace, generic)
         return None
 
-    def deco(factory):
+    def deco(factory: _F) -> _F:
         if not callable(factory):
             raise TypeError(f"register_method needs a class or function, received {type(factory).__name__}")
         if isinstance(factory, type) and "method" not in vars(factory):
-            factory.method = name  # the class's own name, so its files and configs rebuild it
+            factory.method = name  # type: ignore[attr-defined]  # the class's own name, so its files and configs rebuild it
         _put(name, factory, replace, generic)
         return factory
 
     return deco
 
 
-def _path(factory: Callable[..., Any]) -> str:
+def _path(factory: Callable[..., CompressedKVCache]) -> str:
     return f"{getattr(factory, '__module__', '')}:{getattr(factory, '__qualname__', '')}"
 
 
-def _put(name: str, entry: Callable[..., Any] | str, replace: bool, generic: bool) -> None:
+def _put(name: str, entry: Callable[..., CompressedKVCache] | str, replace: bool, generic: bool) -> None:
     with _LOCK:
         old = _REGISTRY.get(name)
         same = old is entry or (isinstance(old, str) and not isinstance(entry, str) and old == _path(entry))
@@ -101,23 +107,23 @@ def _put(name: str, entry: Callable[..., Any] | str, replace: bool, generic: boo
             _GENERIC.discard(name)
 
 
-def _factory(name: str) -> Callable[..., Any] | None:
+def _factory(name: str) -> Callable[..., CompressedKVCache] | None:
     """The factory of ``name`` (imported on first use when registered by path), or None."""
     with _LOCK:
         entry = _REGISTRY.get(name)
     if not isinstance(entry, str):
         return entry
     module, attr = entry.split(":")
-    factory = getattr(importlib.import_module(module), attr)
+    factory: Callable[..., CompressedKVCache] = getattr(importlib.import_module(module), attr)
     if isinstance(factory, type) and "method" not in vars(factory):
-        factory.method = name  # as the decorator does
+        factory.method = name  # type: ignore[attr-defined]  # as the decorator does
     with _LOCK:
         if _REGISTRY.get(name) == entry:
             _REGISTRY[name] = factory
     return factory
 
 
-def available_methods(*, generic: bool = False) -> list:
+def available_methods(*, generic: bool = False) -> list[str]:
     """Names of the ready-to-use methods, sorted.
 
     Parameters
@@ -135,7 +141,7 @@ def available_methods(*, generic: bool = False) -> list:
         return sorted(n for n in _REGISTRY if generic or n not in _GENERIC)
 
 
-def make_cache(method: str, *, num_layers: int, num_kv_heads: int, head_dim: int, **options: Any):
+def make_cache(method: str, *, num_layers: int, num_kv_heads: int, head_dim: int, **options: Any) -> CompressedKVCache:
     """Create a cache by method name.
 
     Parameters

@@ -25,12 +25,20 @@ that can fail, computed; returns a function that commits without failing).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from .._types import Array, Device, DType, Namespace
 from .._validation import check_int
 from .layer import LayerState
+
+_T = TypeVar("_T")
+#: The layer state of a cache class (:class:`LayerState` or a subclass).
+_S = TypeVar("_S", bound=LayerState)
+_Cache = TypeVar("_Cache", bound="LayerRollback")
 
 __all__ = ["LayerRollback", "DEFAULT_ROLLBACK_TOKENS", "RECORD_NBYTES", "check_rollback_tokens", "keep_last"]
 
@@ -41,12 +49,12 @@ RECORD_NBYTES = 8
 DEFAULT_ROLLBACK_TOKENS = 16
 
 
-def check_rollback_tokens(value: Any) -> int:
+def check_rollback_tokens(value: object) -> int:
     """``value`` as an int >= 0 (the ``rollback_tokens`` option), else ``TypeError``/``ValueError``."""
     return check_int("rollback_tokens", value, low=0)
 
 
-def keep_last(xp: Any, held: Any, new: Any, cap: int):
+def keep_last(xp: Namespace, held: Array, new: Array, cap: int) -> Array:
     """The last ``cap`` rows (axis 2) of ``held ++ new``: a rolling store of copies."""
     if cap <= 0:
         return held[:, :, :0, :]
@@ -57,12 +65,26 @@ def keep_last(xp: Any, held: Any, new: Any, cap: int):
     return both if n <= cap else both[:, :, n - cap :, :]
 
 
-class LayerRollback:
+class LayerRollback(Generic[_S]):
     """``truncate``, ``truncate_all``, ``min_truncate_length``, ``fork`` for a cache with
     ``_locks``, ``_states`` and the hooks above."""
 
     #: Tokens of rollback copies a layer keeps (see the module docstring); 0 for caches that need none.
     rollback_tokens: int = 0
+
+    if TYPE_CHECKING:  # what the cache class provides (:class:`~arraykv.caches.LayeredCache`)
+        num_layers: int
+        _locks: list[threading.Lock]
+        _states: list[_S | None]
+
+        def _check_layer(self, layer: int) -> int: ...
+        def _all_layers_locked(self) -> contextlib.AbstractContextManager[None]: ...
+        def _on_reset(self) -> None: ...
+        def _with_layer(self, layer: int, read: Callable[[_S], _T]) -> _T | None: ...
+        def _layer_arrays(self, state: _S) -> dict[str, Array]: ...
+        def _restore_layer(
+            self, xp: Namespace, dev: Device, batch: int, dtype: DType, length: int, arrays: dict[str, Array]
+        ) -> _S: ...
 
     def truncate(self, layer: int, length: int) -> None:
         """Drop the tokens of ``layer`` from index ``length`` on, exactly.
@@ -204,7 +226,7 @@ class LayerRollback:
         with self._locks[layer]:
             st = self._states[layer]
             n = 0 if st is None else st.length
-            return length in (0, n) or (length < n and self._reachable(st, length))
+            return length in (0, n) or (length < n and st is not None and self._reachable(st, length))
 
     def rollback_bytes(self) -> int:
         """Bytes held for :meth:`truncate` by every layer: the rollback copies, and 8 bytes per
@@ -222,7 +244,7 @@ class LayerRollback:
                 total += 0 if st is None else self._rollback_nbytes(st)
         return total
 
-    def fork(self):
+    def fork(self: _Cache) -> _Cache:
         """An independent cache with the same configuration and state.
 
         Writes to either never affect the other. Cost: a full copy of every layer's arrays
@@ -243,7 +265,7 @@ class LayerRollback:
         return twin
 
     # -- internals ----------------------------------------------------------------------
-    def _plan_truncate(self, layer: int, length: int):
+    def _plan_truncate(self, layer: int, length: int) -> Callable[[], None] | None:
         """Check a truncation of ``layer`` (lock held); None when nothing changes, else a commit."""
         st = self._states[layer]
         n = 0 if st is None else st.length
@@ -253,17 +275,18 @@ class LayerRollback:
             return None
         if length == 0:
             return lambda: self._states.__setitem__(layer, None)
+        assert st is not None  # 0 < length < n
         if not self._reachable(st, length):
             raise ValueError(self._refusal(layer, st, length))
         commit = self._truncate_plan(st, length)
 
-        def apply():
+        def apply() -> None:
             commit()
             st.length = length
 
         return apply
 
-    def _refusal(self, layer: int, st: LayerState, length: int) -> str:
+    def _refusal(self, layer: int, st: _S, length: int) -> str:
         ranges = self._reach_ranges(st)
         items = ["0"] + [f"{a}" if a == b else f"{a} .. {b}" for a, b in ranges]
         reach = "only 0" if ranges == [(st.length, st.length)] else ", ".join(items[:-1]) + " or " + items[-1]
@@ -283,31 +306,31 @@ class LayerRollback:
                 why += "a direct build would calibrate on other tokens"
         return f"cannot truncate layer {layer} to {length} exactly: it can reach {reach}; {length} is {why}"
 
-    def _copy_layer(self, st: LayerState) -> LayerState:
+    def _copy_layer(self, st: _S) -> _S:
         arrays = {n: st.xp.asarray(a, copy=True) for n, a in self._layer_arrays(st).items()}
         twin = self._restore_layer(st.xp, st.device, st.batch, st.dtype, st.length, arrays)
         twin.fixed_end, twin.fixed_known = st.fixed_end, st.fixed_known  # also where no file records it
         return twin
 
-    def _fork_fixed(self, source) -> None:
+    def _fork_fixed(self, source: Any) -> None:
         """Give a fork its own copies of the cache-wide mutable state (hook; nothing by default)."""
 
-    def _truncate_floor(self, state: LayerState) -> int:
+    def _truncate_floor(self, state: _S) -> int:
         """Smallest ``L`` above 0 with every length ``L .. state.length`` reachable (hook); by
         default none but the current one."""
         return state.length
 
-    def _reachable(self, state: LayerState, length: int) -> bool:
+    def _reachable(self, state: _S, length: int) -> bool:
         """Whether ``0 < length < state.length`` is reachable exactly (hook); by default the
         lengths from the floor on."""
         return length >= max(1, self._truncate_floor(state))
 
-    def _reach_ranges(self, state: LayerState) -> list:
+    def _reach_ranges(self, state: _S) -> list[tuple[int, int]]:
         """The reachable lengths above 0 as ``[(first, last), ...]``, ascending (hook)."""
         return [(min(state.length, max(1, self._truncate_floor(state))), state.length)]
 
-    def _truncate_plan(self, state: LayerState, length: int):
+    def _truncate_plan(self, state: _S, length: int) -> Callable[[], None]:
         raise NotImplementedError
 
-    def _rollback_nbytes(self, state: LayerState) -> int:
+    def _rollback_nbytes(self, state: _S) -> int:
         return 0

@@ -18,9 +18,8 @@ block by another array (a truncation, a store by concatenation) is detected by i
 
 from __future__ import annotations
 
-from typing import Any
-
 from .._compat import array_nbytes, device, namespace
+from .._types import Array, Namespace
 
 __all__ = ["SlidingRows", "SPARE_ROWS"]
 
@@ -48,7 +47,7 @@ class SlidingRows:
 
     __slots__ = ("_kb", "_vb", "_off", "k", "v")
 
-    def __init__(self, xp: Any, k: Any, v: Any, spare: int = SPARE_ROWS):
+    def __init__(self, xp: Namespace, k: Array, v: Array, spare: int = SPARE_ROWS):
         n = int(k.shape[2])
         shape = tuple(int(s) for s in k.shape)
         shape = shape[:2] + (n + max(1, spare),) + shape[3:]
@@ -60,17 +59,17 @@ class SlidingRows:
         self.k = self._kb[:, :, :n, ...]
         self.v = self._vb[:, :, :n, ...]
 
-    def holds(self, k: Any) -> bool:
+    def holds(self, k: Array) -> bool:
         """Whether ``k`` is this object's current key block (the same array object)."""
         return k is self.k
 
     @property
-    def key_rows(self) -> Any:
+    def key_rows(self) -> Array:
         """The key buffer, whole: rows ``[offset, offset + n)`` are the block."""
         return self._kb
 
     @property
-    def value_rows(self) -> Any:
+    def value_rows(self) -> Array:
         """The value buffer, whole."""
         return self._vb
 
@@ -115,7 +114,7 @@ class SlidingRows:
         self.v = self._vb[:, :, off : end + t, ...]
         return self.k, self.v
 
-    def slide(self, head: int, drop: int, k_new: Any, v_new: Any) -> tuple:
+    def slide(self, head: int, drop: int, k_new: Array, v_new: Array) -> tuple:
         """``(k, v)``: the block ``rows[:head] ++ rows[head + drop:] ++ new``, written in place.
 
         ``k_new``, ``v_new`` (batch, heads, t, head_dim) in the block's dtype. The previous
@@ -137,7 +136,7 @@ class SlidingRows:
         return array_nbytes(self._kb) + array_nbytes(self._vb) - array_nbytes(self.k) - array_nbytes(self.v)
 
 
-def _move(buf: Any, dst: int, src: int, rows: int) -> None:
+def _move(buf: Array, dst: int, src: int, rows: int) -> None:
     """Rows ``src .. src + rows`` of ``buf`` (axis 2) copied to ``dst ..``; the ranges may overlap.
 
     NumPy's assignment reads overlapping operands as if copied first; other libraries get an

@@ -19,23 +19,49 @@ before any replaces the cache's, so a refused restore leaves the cache as it was
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+import os
+import threading
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .. import _compat
+from .._types import Array, Device, DType, Namespace
 from .._validation import dtype_name
 from ..storage.cache_file import LAYER_DTYPES, LayerRecord, write_cache_file
 from .layer import LayerState
-from .layout import check_layout
+from .layout import Layout, check_layout
+
+if TYPE_CHECKING:
+    from ..protocol import DequantResult
 
 __all__ = ["LayerSnapshots"]
 
+#: The layer state of a cache class (:class:`LayerState` or a subclass).
+_S = TypeVar("_S", bound=LayerState)
 
-class LayerSnapshots:
+
+class LayerSnapshots(Generic[_S]):
     """Snapshot, restore and save for a cache with ``_locks``, ``_states`` and the two hooks."""
 
-    def save(self, path) -> int:
+    if TYPE_CHECKING:  # what the cache class provides (:class:`~arraykv.caches.LayeredCache`)
+        method: str
+        num_layers: int
+        max_tokens: int | None
+        _locks: list[threading.Lock]
+        _states: list[_S | None]
+
+        def get_config(self) -> dict[str, Any]: ...
+        def _all_layers_locked(self) -> contextlib.AbstractContextManager[None]: ...
+        def _decoded(self, state: _S, start: int = 0) -> DequantResult: ...
+        def _layer_arrays(self, state: _S) -> dict[str, Array]: ...
+        def _layer_layout(self, xp: Namespace, batch: int, dtype: DType, length: int) -> Layout | None: ...
+        def _restore_layer(
+            self, xp: Namespace, dev: Device, batch: int, dtype: DType, length: int, arrays: dict[str, Array]
+        ) -> _S: ...
+
+    def save(self, path: str | os.PathLike[str]) -> int:
         """Write the cache to ``path``; return the file size in bytes.
 
         The format is :mod:`arraykv.storage.cache_file`; :func:`arraykv.load` reads it back.
@@ -54,7 +80,7 @@ class LayerSnapshots:
         """
         return write_cache_file(path, self.get_config(), self.snapshot(host=True))
 
-    def snapshot(self, *, host: bool = False) -> list:
+    def snapshot(self, *, host: bool = False) -> list[LayerRecord | None]:
         """Copies of every layer's state: per layer None (empty) or a
         :class:`~arraykv.storage.cache_file.LayerRecord` whose arrays are copies in the cache's
         namespace (``host=True``: NumPy copies on the host, what :meth:`save` writes). Taken under
@@ -73,7 +99,7 @@ class LayerSnapshots:
         with self._all_layers_locked():
             return [None if st is None else self._record(st, host=host) for st in self._states]
 
-    def restore(self, layers: list, *, xp: Any = None) -> None:
+    def restore(self, layers: list[LayerRecord | None], *, xp: Namespace | None = None) -> None:
         """Replace the state of every layer by ``layers`` (from :meth:`snapshot` or a cache file).
 
         Parameters
@@ -94,7 +120,7 @@ class LayerSnapshots:
         """
         if not isinstance(layers, (list, tuple)) or len(layers) != self.num_layers:
             raise ValueError(f"layers must be a list of num_layers={self.num_layers} entries")
-        states = []
+        states: list[_S | None] = []
         for i, rec in enumerate(layers):
             if rec is None:
                 states.append(None)
@@ -106,8 +132,12 @@ class LayerSnapshots:
         with self._all_layers_locked():
             self._states = states
 
-    def _restore_record(self, rec: Any, xp: Any) -> LayerState:
+    def _restore_record(self, rec: LayerRecord, xp: Namespace | None) -> _S:
         """A layer built from record ``rec`` once its header and arrays passed every check."""
+        arrays: Any
+        length: Any
+        batch: Any
+        name: Any
         arrays, length, batch, name = (getattr(rec, f, None) for f in ("arrays", "length", "batch", "dtype"))
         if not isinstance(arrays, dict) or not all(isinstance(n, str) for n in arrays):
             raise ValueError("a record's arrays must be a dict of arrays by name")
@@ -138,7 +168,7 @@ class LayerSnapshots:
                 raise ValueError(f"the stored state decodes to keys or values beyond the range of {name}")
         return st
 
-    def _record(self, st: LayerState, *, host: bool) -> LayerRecord:
+    def _record(self, st: _S, *, host: bool) -> LayerRecord:
         arrays = self._layer_arrays(st)
         if host:  # copies taken under the lock: the file is this state whatever happens after
             arrays = {n: _compat.to_numpy(a, copy=True) for n, a in arrays.items()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat, ops
+from .._types import Array, DType, Namespace
 from .._validation import check_int
 from ..attention.reference import attention
 from ..compressor import VectorQuantization, samples_by_head
@@ -33,7 +34,7 @@ VQ_FIT_VECTORS_PER_CENTROID = 64
 MAX_CODEBOOK_SIZE = 65536
 
 
-def _codes_in_range(xp: Any, sizes: dict, arrays: dict):
+def _codes_in_range(xp: Namespace, sizes: dict[str, int], arrays: dict[str, Array]) -> str | None:
     """A message when a saved code names no centroid: a ``β``-bit code can reach ``2**β - 1``,
     beyond a codebook of ``K < 2**β`` centroids (the kernels would read past it)."""
     for n in ("k", "v"):
@@ -154,7 +155,7 @@ class VQCache(FittedCache):
         decode_path: str = "auto",
         check_finite: bool = True,
         max_tokens: int | None = None,
-    ):
+    ) -> None:
         d = check_int("head_dim", head_dim, low=1)
         self.codebook_size, self.sub_dim, self.max_iter, self.tol = check_vq_options(
             codebook_size, sub_dim, d, max_iter, tol
@@ -182,7 +183,7 @@ class VQCache(FittedCache):
     def _item_help(self) -> str:
         return "a fitted KVCacheCompressor(VectorQuantization(...)) or a pair (k_codebook, v_codebook) of VQCodebook"
 
-    def _convert(self, item: Any, where: str = "calibration") -> dict:
+    def _convert(self, item: Any, where: str = "calibration") -> dict[str, Array]:
         out = {}
         for name, cb in zip(("k", "v"), self._pair(item, VectorQuantization, where)):
             if not isinstance(cb, VQCodebook):
@@ -198,7 +199,7 @@ class VQCache(FittedCache):
             out[f"{name}_centroids"] = xp.asarray(_f32(xp, c), copy=True)
         return out
 
-    def _extra_config(self) -> dict:
+    def _extra_config(self) -> dict[str, Any]:
         return super()._extra_config() | {
             "codebook_size": self.codebook_size,
             "sub_dim": self.sub_dim,
@@ -208,7 +209,7 @@ class VQCache(FittedCache):
             "max_calibration": self.max_calibration,
         }
 
-    def _fit_layout(self, xp: Any) -> Layout:
+    def _fit_layout(self, xp: Namespace) -> Layout:
         """``k_centroids``, ``v_centroids``: float32 (h, m, K, s), bounded, ``m · s = head_dim``,
         ``2 <= K <= 65536`` (the codebook sizes and sub_dim of a given calibration win over the
         options, so they are read from the arrays)."""
@@ -218,7 +219,7 @@ class VQCache(FittedCache):
             for n in ("k", "v")
         }
 
-        def books(sizes: dict, held: frozenset):
+        def books(sizes: dict[str, int], held: frozenset[str]) -> str | None:
             for n in ("k", "v"):
                 if f"{n}_m" in sizes and (
                     sizes[f"{n}_m"] * sizes[f"{n}_sub"] != d or not 2 <= sizes[f"{n}_size"] <= MAX_CODEBOOK_SIZE
@@ -232,29 +233,29 @@ class VQCache(FittedCache):
 
         return Layout(arrays=arrays, rules=(books,))
 
-    def _token_specs(self, xp: Any, batch: int) -> dict:
+    def _token_specs(self, xp: Namespace, batch: int) -> dict[str, Spec]:
         """``k_codes``, ``v_codes``: the packed width and dtype of each codebook's size
         (:class:`~arraykv.quant.vq.VQCodes`); :meth:`_layer_layout` adds that every code names
         a centroid."""
         tok = (batch, self.num_kv_heads, "codes")
-        out = {}
+        out: dict[str, Spec] = {}
         for n in ("k", "v"):
 
-            def dtype(sizes, n=n):
+            def dtype(sizes: dict[str, int], n: str = n) -> DType:
                 return xp.uint8 if code_bits(sizes[f"{n}_size"]) <= 8 else xp.uint16
 
-            def width(sizes, n=n):
+            def width(sizes: dict[str, int], n: str = n) -> int:
                 bits, m = code_bits(sizes[f"{n}_size"]), sizes[f"{n}_m"]
                 return packed_nbytes(m, bits) if bits <= 8 else m
 
             out[f"{n}_codes"] = Spec(dtype, tok + (width,), required=False)
         return out
 
-    def _layer_layout(self, xp, batch, dtype, length) -> Layout:
+    def _layer_layout(self, xp: Namespace, batch: int, dtype: DType, length: int) -> Layout:
         base = super()._layer_layout(xp, batch, dtype, length)
         return join(base, Layout(arrays={}, value_rules=(_codes_in_range,)))
 
-    def _fit(self, xp, k, v) -> dict:
+    def _fit(self, xp: Namespace, k: Array, v: Array) -> dict[str, Array]:
         return {
             f"{name}_centroids": train_vq(
                 samples_by_head(xp, x),
@@ -269,16 +270,16 @@ class VQCache(FittedCache):
             for name, x in (("k", k), ("v", v))
         }
 
-    def _encode(self, xp, calib, k, v) -> dict:
+    def _encode(self, xp: Namespace, calib: dict[str, Array], k: Array, v: Array) -> dict[str, Array]:
         return {
             f"{name}_codes": vq_encode(x, VQCodebook(centroids=calib[f"{name}_centroids"]), encode=ops.vq_encode).codes
             for name, x in (("k", k), ("v", v))
         }
 
-    def _fused_auto(self, xp: Any) -> bool:
+    def _fused_auto(self, xp: Namespace) -> bool:
         return ops.has_kernel("vq_decode_attention", xp)
 
-    def _attend(self, st: FittedLayer, q: Any, scale: float):
+    def _attend(self, st: FittedLayer, q: Array, scale: float) -> Array:
         xp, buf, calib = st.xp, st.codes, st.calib
         ke, ve = self._extras(st)
         if calib is None or not buf.length:
@@ -303,7 +304,9 @@ class VQCache(FittedCache):
         out = xp.reshape(out, (b, hq, 1, d))
         return out if out.dtype == q.dtype else xp.astype(out, q.dtype)
 
-    def _decode_tokens(self, xp, calib, buf: TokenBuffers, start: int = 0) -> tuple:
+    def _decode_tokens(
+        self, xp: Namespace, calib: dict[str, Array], buf: TokenBuffers, start: int = 0
+    ) -> tuple[Array, Array]:
         out = []
         for name in ("k", "v"):
             cb = VQCodebook(centroids=calib[f"{name}_centroids"])
