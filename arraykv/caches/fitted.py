@@ -223,7 +223,7 @@ class FittedCache(WindowRollback, LayeredCache[FittedLayer]):
                 st.calib = {n: _to(xp, st.device, a) for n, a in given.items()}
         return st
 
-    def _store(self, st: FittedLayer, k: Array, v: Array, q: Array = None) -> None:
+    def _store(self, st: FittedLayer, k: Array, v: Array, q: Array | None = None) -> None:
         """Append new tokens (everything computed first, then committed)."""
         xp = st.xp
         step = st.exact.step(xp, k, v, sink_tokens=self.sink_tokens)  # the first tokens stay exact, unfitted

@@ -276,7 +276,7 @@ class IntQuantCache(LayeredCache[IntLayer]):
         """Whether a layer keeps anything in float16 (its scales, or its exact window)."""
         return hasattr(xp, "float16") and (self._pdt(xp) == "float16" or bool(self.residual_window))
 
-    def _store(self, st: IntLayer, k: Array, v: Array, q: Array = None) -> None:
+    def _store(self, st: IntLayer, k: Array, v: Array, q: Array | None = None) -> None:
         kq, vq, residual, window, exps, k_copies, v_copies = self._encode(st, k, v)
         # Room in both buffers first: an allocation that fails leaves both as they were.
         if kq is not None:

@@ -67,8 +67,8 @@ class PolarCalibration:
     v_mean: Array
     k_scale: Array
     k_outlier_idx: Array
-    k_mean_freq: Array = None
-    k_mean_pairs: Array = None
+    k_mean_freq: Array | None = None
+    k_mean_pairs: Array | None = None
 
     #: Array names as saved (the on-disk names of the file format).
     NAMES = ("k_mean", "v_mean", "k_scale", "k_outlier_idx", "k_mean_freq", "k_mean_pairs")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
+from .._types import Array
 from .._validation import check_int
 
 __all__ = [
@@ -38,7 +39,7 @@ def _check_bits(bits: Any) -> int:
     return check_int("bits", bits, low=1, high=8)
 
 
-def check_pack_args(codes: Any, bits: Any) -> int:
+def check_pack_args(codes: Array, bits: int) -> int:
     """Validate the arguments of :func:`pack_bits`; return ``bits`` as an int."""
     bits = _check_bits(bits)
     xp = _compat.namespace(codes)
@@ -49,7 +50,7 @@ def check_pack_args(codes: Any, bits: Any) -> int:
     return bits
 
 
-def pack_bits(codes: Any, bits: int):
+def pack_bits(codes: Array, bits: int) -> Array:
     """Pack codes ``< 2**bits`` along the last axis.
 
     Parameters
@@ -70,7 +71,7 @@ def pack_bits(codes: Any, bits: int):
     return pack_bits_reference(codes, check_pack_args(codes, bits))
 
 
-def check_unpack_args(packed: Any, bits: Any, n: Any) -> tuple:
+def check_unpack_args(packed: Array, bits: Any, n: Any) -> tuple:
     """Validate the arguments of :func:`unpack_bits`; return ``(bits, n)`` as ints."""
     bits = _check_bits(bits)
     n = check_int("n", n, low=0)
@@ -85,7 +86,7 @@ def check_unpack_args(packed: Any, bits: Any, n: Any) -> tuple:
     return bits, n
 
 
-def unpack_bits(packed: Any, bits: int, n: int):
+def unpack_bits(packed: Array, bits: int, n: int) -> Array:
     """Inverse of :func:`pack_bits`: ``unpack_bits(pack_bits(c, b), b, c.shape[-1]) == c``.
 
     Parameters
@@ -108,7 +109,7 @@ def unpack_bits(packed: Any, bits: int, n: int):
     return unpack_bits_reference(packed, bits, n)
 
 
-def pack_bits_reference(codes: Any, bits: int):
+def pack_bits_reference(codes: Array, bits: int) -> Array:
     """Array-API version of :func:`pack_bits` (no checks).
 
     Byte ``b`` of a group of eight codes gathers the codes whose stream bits overlap
@@ -138,7 +139,7 @@ def pack_bits_reference(codes: Any, bits: int):
     return packed[..., : packed_nbytes(n, bits)]
 
 
-def unpack_bits_reference(packed: Any, bits: int, n: int):
+def unpack_bits_reference(packed: Array, bits: int, n: int) -> Array:
     """Array-API version of :func:`unpack_bits` (no checks; int32 arithmetic, as :func:`pack_bits_reference`)."""
     xp = _compat.namespace(packed)
     dev = _compat.device(packed)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
+from .._types import Array, Device, Namespace
 from .._validation import check_int
 
 __all__ = ["Codebook", "lloyd_max", "make_codebook"]
@@ -50,8 +51,8 @@ class Codebook:
 
     bits: int
     dim: int | None
-    centroids: Any
-    thresholds: Any
+    centroids: Array
+    thresholds: Array
     mse: float
 
     @property
@@ -111,20 +112,20 @@ def _host_lloyd_max(bits: int, dim: int | None) -> tuple:
     if dim is None:
         lim = 14.0
 
-        def logf(u):
+        def logf(u: Array) -> Array:
             return -0.5 * u * u
     else:
         lim = math.sqrt(dim)
         expo = 0.5 * (dim - 3)
 
-        def logf(u):
+        def logf(u: Array) -> Array:
             return expo * np.log1p(-np.minimum(u * u / dim, 1.0 - 1e-15)) if expo else np.zeros_like(u)
 
     levels = 2**bits
     gx, gw = np.polynomial.legendre.leggauss(16)
     pieces = 8
 
-    def moments(lo, hi):
+    def moments(lo: Array, hi: Array) -> tuple[Array, Array, Array]:
         # lo, hi: (K,) cell bounds -> (mass, first, second) each (K,)
         edges = lo[:, None] + (hi - lo)[:, None] * (np.arange(pieces + 1) / pieces)[None, :]
         a, b = edges[:, :-1], edges[:, 1:]
@@ -162,7 +163,12 @@ def _host_lloyd_max(bits: int, dim: int | None) -> tuple:
 
 
 def make_codebook(
-    bits: int, dim: int | None = None, *, like: Any = None, xp: Any = None, device: Any = None
+    bits: int,
+    dim: int | None = None,
+    *,
+    like: Array | None = None,
+    xp: Namespace | None = None,
+    device: Device | None = None,
 ) -> Codebook:
     """The Lloyd-Max :class:`Codebook` in the namespace of ``like`` (or ``xp``/``device``).
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
+from .._types import Array, DType, Namespace
 from .._validation import check_int, dtype_name, is_floating
 from .bitpack import pack_bits_reference, packed_nbytes, unpack_bits_reference
 
@@ -110,9 +111,9 @@ class IntQuantized:
         by ``2**exponent`` (see the module notes; 0 for typical magnitudes and float32 parameters).
     """
 
-    codes: Any
-    scale: Any
-    offset: Any
+    codes: Array
+    scale: Array
+    offset: Array
     bits: int
     group_size: int
     n: int
@@ -143,7 +144,7 @@ def _check_bits_group(bits: Any, group_size: Any) -> tuple:
     return bits, group_size
 
 
-def _param_dtype(xp: Any, name: Any):
+def _param_dtype(xp: Namespace, name: Any) -> DType:
     if name not in _PARAM_DTYPES:
         raise ValueError(f"param_dtype must be one of {_PARAM_DTYPES}, received {name!r}")
     dt = getattr(xp, name, None) if name == "float16" and not hasattr(xp, "float16") else getattr(xp, name)
@@ -153,7 +154,7 @@ def _param_dtype(xp: Any, name: Any):
 
 
 def quantize_groups(
-    x: Any,
+    x: Array,
     bits: int,
     group_size: int,
     *,
@@ -223,7 +224,7 @@ def quantize_groups(
     )
 
 
-def dequantize_groups(q: IntQuantized, dtype: Any = None, *, dequantize: Callable | None = None):
+def dequantize_groups(q: IntQuantized, dtype: DType | None = None, *, dequantize: Callable | None = None) -> Array:
     """Reconstruct ``x̂`` of shape ``(..., n)`` from :func:`quantize_groups` output.
 
     Parameters
@@ -256,7 +257,7 @@ def dequantize_groups(q: IntQuantized, dtype: Any = None, *, dequantize: Callabl
 # -- array-API references (what the Numba kernels are tested against) -----------------
 
 
-def _padded_groups(x: Any, group_size: int):
+def _padded_groups(x: Array, group_size: int) -> Array:
     """``x`` (..., n) as (..., groups, group_size), the last group padded with its last value."""
     xp = _compat.namespace(x)
     lead = tuple(int(s) for s in x.shape[:-1])
@@ -269,14 +270,14 @@ def _padded_groups(x: Any, group_size: int):
     return xp.reshape(x, lead + (groups, group_size))
 
 
-def group_minmax_reference(x32: Any, group_size: int):
+def group_minmax_reference(x32: Array, group_size: int) -> tuple[Array, Array]:
     """Per-group minimum and maximum of ``x32`` (..., n): two arrays (..., groups), float32."""
     xp = _compat.namespace(x32)
     g = _padded_groups(x32, group_size)
     return xp.min(g, axis=-1), xp.max(g, axis=-1)
 
 
-def quantize_pack_reference(x32: Any, group_size: int, bits: int, off32: Any, inv: Any):
+def quantize_pack_reference(x32: Array, group_size: int, bits: int, off32: Array, inv: Array) -> Array:
     """Codes of ``x32`` (..., n) given float32 offsets and inverse scales (..., groups), packed."""
     xp = _compat.namespace(x32)
     n = int(x32.shape[-1])
@@ -289,7 +290,7 @@ def quantize_pack_reference(x32: Any, group_size: int, bits: int, off32: Any, in
     return pack_bits_reference(codes, bits)
 
 
-def dequantize_reference(codes: Any, bits: int, group_size: int, n: int, s32: Any, o32: Any):
+def dequantize_reference(codes: Array, bits: int, group_size: int, n: int, s32: Array, o32: Array) -> Array:
     """``scale * code + offset`` for packed ``codes`` (..., bytes): float32 (..., n)."""
     xp = _compat.namespace(codes)
     c = unpack_bits_reference(codes, bits, n)

@@ -9,9 +9,8 @@ elements.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import _compat
+from .._types import Array
 
 __all__ = ["split_subspaces", "gather_rows", "kmeans_pp", "assign_reference", "update_reference"]
 
@@ -19,7 +18,7 @@ __all__ = ["split_subspaces", "gather_rows", "kmeans_pp", "assign_reference", "u
 _CHUNK_ELEMENTS = 1 << 24
 
 
-def split_subspaces(x32: Any, sub_dim: int):
+def split_subspaces(x32: Array, sub_dim: int) -> Array:
     """(heads, n, d) → (heads * subspaces, n, sub_dim)."""
     xp = _compat.namespace(x32)
     h, n, d = (int(s) for s in x32.shape)
@@ -28,7 +27,7 @@ def split_subspaces(x32: Any, sub_dim: int):
     return xp.reshape(g, (h * m, n, sub_dim))
 
 
-def _sqdist(xg: Any, c: Any):
+def _sqdist(xg: Array, c: Array) -> Array:
     """Squared distances (G, n, K) between points (G, n, s) and centroids (G, K, s), clamped at 0."""
     xp = _compat.namespace(xg)
     xx = xp.sum(xg * xg, axis=-1)[:, :, None]
@@ -37,7 +36,7 @@ def _sqdist(xg: Any, c: Any):
     return xp.where(d > 0.0, d, 0.0)
 
 
-def gather_rows(c: Any, idx: Any):
+def gather_rows(c: Array, idx: Array) -> Array:
     """``c[g, idx[g, i], :]`` for c (G, K, s) and idx (G, n): (G, n, s)."""
     xp = _compat.namespace(c)
     s = int(c.shape[-1])
@@ -45,12 +44,12 @@ def gather_rows(c: Any, idx: Any):
     return xp.take_along_axis(c, full, axis=1)
 
 
-def _row_chunks(groups: int, n: int, k: int):
+def _row_chunks(groups: int, n: int, k: int) -> list[tuple[int, int]]:
     step = max(1, _CHUNK_ELEMENTS // max(n * k, 1))
     return [(a, min(a + step, groups)) for a in range(0, groups, step)]
 
 
-def kmeans_pp(xg: Any, k: int, seed: int):
+def kmeans_pp(xg: Array, k: int, seed: int) -> Array:
     """k-means++ seeding (Arthur & Vassilvitskii 2007), batched over groups: centroids (G, k, s)."""
     xp = _compat.namespace(xg)
     dev = _compat.device(xg)
@@ -71,7 +70,7 @@ def kmeans_pp(xg: Any, k: int, seed: int):
     return xp.concat(chosen, axis=1)
 
 
-def assign_reference(xg: Any, c: Any):
+def assign_reference(xg: Array, c: Array) -> tuple[Array, Array]:
     """Lloyd's assignment step: nearest centroid of every point (distances by a batched matmul).
 
     Parameters
@@ -97,7 +96,7 @@ def assign_reference(xg: Any, c: Any):
     return (parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)), err
 
 
-def update_reference(xg: Any, c: Any, idx: Any):
+def update_reference(xg: Array, c: Array, idx: Array) -> Array:
     """Lloyd's update step: each centroid moves to the mean of its points (cluster sums by a one-hot matmul).
 
     Parameters

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
+from .._types import Array, DType
 from .._validation import check_float_array, check_int, check_real
 from ._dims import axis_length
 
@@ -32,9 +33,9 @@ class LowRankBasis:
     rank : int
     """
 
-    basis: Any
-    mean: Any
-    variance: Any
+    basis: Array
+    mean: Array
+    variance: Array
     rank: int
 
     heads = axis_length("basis", 0)
@@ -48,7 +49,7 @@ class LowRankBasis:
             total += _compat.array_nbytes(self.mean)
         return total
 
-    def energy_kept(self):
+    def energy_kept(self) -> Array:
         """Fraction of the variance that the kept directions hold, per head: array (heads,)."""
         xp = _compat.namespace(self.variance)
         total = xp.sum(self.variance, axis=-1)
@@ -56,7 +57,7 @@ class LowRankBasis:
         return kept / xp.where(total > 0.0, total, 1.0)
 
 
-def choose_rank(variance: Any, energy: float) -> int:
+def choose_rank(variance: Array, energy: float) -> int:
     """Fewest leading directions holding at least ``energy`` of the variance, in every head.
 
     Parameters
@@ -79,7 +80,7 @@ def choose_rank(variance: Any, energy: float) -> int:
 
 
 def fit_basis(
-    x: Any, *, rank: int | None = None, energy: float | None = None, center: bool = True, per_head: bool = True
+    x: Array, *, rank: int | None = None, energy: float | None = None, center: bool = True, per_head: bool = True
 ) -> LowRankBasis:
     """Fit the principal directions of ``x`` per head.
 
@@ -121,7 +122,7 @@ def fit_basis(
     x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
     if not per_head:
         x32 = xp.reshape(x32, (1, h * n, d))
-    mean = xp.mean(x32, axis=1) if center else None
+    mean: Array = xp.mean(x32, axis=1) if center else None
     xc = x32 - mean[:, None, :] if center else x32
     gram = xp.astype(xp.matmul(xp.matrix_transpose(xc), xc), xp.float64) / float(xc.shape[1])
     evals, evecs = xp.linalg.eigh(gram)
@@ -151,7 +152,7 @@ def check_rank_energy(rank: Any, energy: Any, head_dim: int) -> tuple:
     return None, check_real("energy", energy, low=0.0, high=1.0, low_open=True)
 
 
-def row_products(x: Any, w: Any):
+def row_products(x: Array, w: Array) -> Array:
     """``x @ w`` with every output row summed in one fixed order, whatever the number of rows.
 
     Parameters
@@ -178,7 +179,7 @@ def row_products(x: Any, w: Any):
     return out
 
 
-def project(x: Any, b: LowRankBasis):
+def project(x: Array, b: LowRankBasis) -> Array:
     """Coefficients ``(x - mean) @ basis``.
 
     Parameters
@@ -197,7 +198,7 @@ def project(x: Any, b: LowRankBasis):
     return xp.matmul(x32, b.basis)
 
 
-def reconstruct(coeffs: Any, b: LowRankBasis, dtype: Any = None):
+def reconstruct(coeffs: Array, b: LowRankBasis, dtype: DType | None = None) -> Array:
     """``coeffs @ basisᵀ + mean``: array (..., heads, seq, head_dim) in ``dtype`` (default float32)."""
     xp = _compat.namespace(coeffs)
     out = xp.matmul(coeffs, xp.matrix_transpose(b.basis))
@@ -208,7 +209,7 @@ def reconstruct(coeffs: Any, b: LowRankBasis, dtype: Any = None):
     return out
 
 
-def eckart_young_error(x: Any, rank: int) -> float:
+def eckart_young_error(x: Array, rank: int) -> float:
     """Relative error ``‖X - X_r‖_F / ‖X‖_F`` of the best rank-``rank`` approximation per head.
 
     ``x`` has shape (heads, n, head_dim); ``X_r`` is the truncated SVD of each head's

@@ -12,9 +12,9 @@ stored values, so they come back bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .. import _compat
+from .._types import Array
 
 __all__ = ["SparseOutliers", "split_outliers", "split_outliers_reference", "scatter_outliers"]
 
@@ -31,8 +31,8 @@ class SparseOutliers:
         The exact values, in the input dtype.
     """
 
-    index: Any
-    value: Any
+    index: Array
+    value: Array
 
     @property
     def count(self) -> int:
@@ -43,7 +43,7 @@ class SparseOutliers:
         return _compat.array_nbytes(self.index) + _compat.array_nbytes(self.value)
 
 
-def split_outliers(x: Any, threshold: float):
+def split_outliers(x: Array, threshold: float) -> tuple[Array, SparseOutliers]:
     """Split ``x`` (batch, heads, seq, head_dim) into a dense float32 part and sparse outliers.
 
     Parameters
@@ -69,7 +69,7 @@ def split_outliers(x: Any, threshold: float):
     return split_outliers_reference(x, threshold)
 
 
-def split_outliers_reference(x: Any, threshold: float):
+def split_outliers_reference(x: Array, threshold: float) -> tuple[Array, SparseOutliers]:
     """Array-API form of :func:`split_outliers` (the reference its kernels are tested against)."""
     xp = _compat.namespace(x)
     x32 = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
@@ -89,7 +89,7 @@ def split_outliers_reference(x: Any, threshold: float):
     return dense, SparseOutliers(index=index, value=value)
 
 
-def scatter_outliers(y: Any, outliers: SparseOutliers):
+def scatter_outliers(y: Array, outliers: SparseOutliers) -> Array:
     """Write ``outliers.value`` into a copy of ``y`` at ``outliers.index`` (flat positions)."""
     if outliers.count == 0:
         return y
@@ -105,7 +105,7 @@ def scatter_outliers(y: Any, outliers: SparseOutliers):
     return xp.reshape(scatter_reference(flat, idx, vals), shape)
 
 
-def scatter_reference(flat: Any, idx: Any, vals: Any):
+def scatter_reference(flat: Array, idx: Array, vals: Array) -> Array:
     """Array-API scatter: ``flat[idx] = vals`` for ascending ``idx``, via ``searchsorted``."""
     xp = _compat.namespace(flat)
     n = int(flat.shape[0])

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
+from .._types import Array, DType, Namespace
 from .._validation import check_int, is_floating
 from .bitpack import pack_bits_reference, packed_nbytes, unpack_bits_reference
 from .codebooks import Codebook
@@ -48,7 +49,7 @@ __all__ = [
 LENGTHS = ("fit", "unbiased")
 
 
-def half_dtype(xp: Any):
+def half_dtype(xp: Namespace) -> DType:
     """float16 of ``xp``, or float32 where the namespace has no float16 (``array_api_strict``)."""
     return getattr(xp, "float16", None) or xp.float32
 
@@ -73,8 +74,8 @@ class PolarCode:
         Vector length.
     """
 
-    codes: Any
-    norms: Any
+    codes: Array
+    norms: Array
     bits: int
     dim: int
 
@@ -92,7 +93,7 @@ class PolarCode:
         return 8.0 * self.nbytes / max(n * self.dim, 1)
 
 
-def _check(x: Any, codebook: Codebook, rotation: Rotation) -> Any:
+def _check(x: Array, codebook: Codebook, rotation: Rotation) -> Namespace:
     xp = _compat.namespace(x)
     if not isinstance(codebook, Codebook):
         raise TypeError(f"codebook must be a Codebook, received {type(codebook).__name__}")
@@ -104,7 +105,7 @@ def _check(x: Any, codebook: Codebook, rotation: Rotation) -> Any:
 
 
 def polar_encode(
-    x: Any, codebook: Codebook, rotation: Rotation, *, length: str = "fit", encode: Callable | None = None
+    x: Array, codebook: Codebook, rotation: Rotation, *, length: str = "fit", encode: Callable | None = None
 ) -> PolarCode:
     """Quantize vectors along the last axis.
 
@@ -150,7 +151,7 @@ def polar_encode(
     return PolarCode(codes=codes, norms=norms, bits=codebook.bits, dim=rotation.dim)
 
 
-def polar_encode_reference(x: Any, codebook: Codebook, rotation: Rotation, *, unbiased: bool = False) -> tuple:
+def polar_encode_reference(x: Array, codebook: Codebook, rotation: Rotation, *, unbiased: bool = False) -> tuple:
     """Array-API version of :func:`polar_encode` (no checks).
 
     Returns
@@ -175,8 +176,13 @@ def polar_encode_reference(x: Any, codebook: Codebook, rotation: Rotation, *, un
 
 
 def polar_decode(
-    code: PolarCode, codebook: Codebook, rotation: Rotation, *, dtype: Any = None, decode: Callable | None = None
-):
+    code: PolarCode,
+    codebook: Codebook,
+    rotation: Rotation,
+    *,
+    dtype: DType | None = None,
+    decode: Callable | None = None,
+) -> Array:
     """Reconstruct vectors from a :class:`PolarCode`.
 
     Parameters
@@ -212,7 +218,7 @@ def polar_decode(
     return out
 
 
-def polar_decode_reference(codes: Any, norms: Any, codebook: Codebook, rotation: Rotation):
+def polar_decode_reference(codes: Array, norms: Array, codebook: Codebook, rotation: Rotation) -> Array:
     """Array-API version of :func:`polar_decode` (no checks); float32 output."""
     xp = _compat.namespace(codes)
     d = rotation.dim

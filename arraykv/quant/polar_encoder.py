@@ -11,7 +11,14 @@ only when the layer is calibrated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+from .._types import Array
+
+if TYPE_CHECKING:
+    from .codebooks import Codebook
+    from .qjl import QJLSketch
+    from .rotation import Rotation
 
 __all__ = ["PolarEncoder"]
 
@@ -51,18 +58,18 @@ class PolarEncoder:
     tables' identity.
     """
 
-    k_mean: Any
-    v_mean: Any
-    k_scale: Any
-    k_outlier_idx: Any
-    k_mean_freq: Any
-    k_mean_pairs: Any
-    k_codebook: Any
-    v_codebook: Any
-    rotation: Any
+    k_mean: Array
+    v_mean: Array
+    k_scale: Array
+    k_outlier_idx: Array
+    k_mean_freq: Array
+    k_mean_pairs: Array
+    k_codebook: Codebook
+    v_codebook: Codebook
+    rotation: Rotation
     key_unbiased: bool
     value_unbiased: bool
-    qjl: Any = None
+    qjl: QJLSketch | None = None
 
     @property
     def n_outliers(self) -> int:

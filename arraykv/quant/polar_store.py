@@ -14,9 +14,8 @@ its arithmetic.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import _compat
+from .._types import Array
 from .polar import half_dtype
 from .polar_encoder import PolarEncoder
 from .polar_tokens import polar_encode_tokens_reference
@@ -25,10 +24,10 @@ __all__ = ["polar_store_token_reference"]
 
 
 def polar_store_token_reference(
-    k: Any,
-    v: Any,
-    window_k: Any,
-    window_v: Any,
+    k: Array,
+    v: Array,
+    window_k: Array,
+    window_v: Array,
     leaving: int,
     arriving: int,
     enc: PolarEncoder,

@@ -12,9 +12,8 @@ than in the arithmetic.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import _compat
+from .._types import Array, Namespace
 from .polar import half_dtype, polar_decode_reference, polar_encode_reference
 from .polar_encoder import PolarEncoder
 from .qjl import qjl_encode
@@ -23,13 +22,13 @@ from .rotary_mean import RotaryMeanPlan
 __all__ = ["polar_encode_tokens_reference", "center_tokens", "outlier_selector"]
 
 
-def outlier_selector(xp: Any, idx: Any, d: int):
+def outlier_selector(xp: Namespace, idx: Array, d: int) -> Array:
     """One-hot ``(b, h, d, n_out)`` float32 matrix selecting the channels ``idx`` (b, h, n_out)."""
     ar = xp.arange(d, dtype=xp.int32, device=_compat.device(idx))
     return xp.astype(ar[None, None, :, None] == idx[:, :, None, :], xp.float32)
 
 
-def center_tokens(k: Any, v: Any, key_mean: Any, v_mean: Any, k_scale: Any, k_outlier_idx: Any) -> tuple:
+def center_tokens(k: Array, v: Array, key_mean: Array, v_mean: Array, k_scale: Array, k_outlier_idx: Array) -> tuple:
     """The parts of tokens ``k``, ``v`` (b, h, t, d) float32 that TurboQuant encodes.
 
     ``key_mean`` is the key mean at the tokens' positions, (b, h, t, d) or (b, h, 1, d) float32;
@@ -54,7 +53,7 @@ def center_tokens(k: Any, v: Any, key_mean: Any, v_mean: Any, k_scale: Any, k_ou
     return kc * keep, vc, xp.astype(xp.matmul(kc, sel), half_dtype(xp)), keep
 
 
-def polar_encode_tokens_reference(k: Any, v: Any, enc: PolarEncoder, start: int) -> dict:
+def polar_encode_tokens_reference(k: Array, v: Array, enc: PolarEncoder, start: int) -> dict:
     """Quantize float32 tokens ``k``, ``v`` (b, h, t, d) at positions ``start .. start + t - 1``.
 
     Parameters

@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from .. import _compat
+from .._types import Array, Device, Namespace
 from .._validation import check_int, is_floating
 from .bitpack import pack_bits, unpack_bits
 from .codebooks import Codebook
@@ -48,7 +48,7 @@ class QJLSketch:
     seed : int
     """
 
-    matrix: Any
+    matrix: Array
     seed: int
 
     @property
@@ -82,8 +82,8 @@ class QJLCode:
         ``m``.
     """
 
-    signs: Any
-    norms: Any
+    signs: Array
+    norms: Array
     rows: int
 
     @property
@@ -111,7 +111,7 @@ class ProdCode:
         return 8.0 * self.nbytes / max(_count(self.mse.norms) * self.mse.dim, 1)
 
 
-def _count(a: Any) -> int:
+def _count(a: Array) -> int:
     n = 1
     for s in a.shape:
         n *= int(s)
@@ -119,7 +119,7 @@ def _count(a: Any) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def _host_sketch(rows: int, dim: int, seed: int):
+def _host_sketch(rows: int, dim: int, seed: int) -> Array:
     """Seeded Gaussian sketch generated on the host with NumPy (float32, read-only)."""
     np = _compat.host_numpy()  # host-side computation of a fixed table
 
@@ -129,7 +129,13 @@ def _host_sketch(rows: int, dim: int, seed: int):
 
 
 def make_sketch(
-    dim: int, seed: int = 0, *, rows: int | None = None, like: Any = None, xp: Any = None, device: Any = None
+    dim: int,
+    seed: int = 0,
+    *,
+    rows: int | None = None,
+    like: Array | None = None,
+    xp: Namespace | None = None,
+    device: Device | None = None,
 ) -> QJLSketch:
     """A seeded ``rows × dim`` Gaussian sketch (``rows`` defaults to ``dim``) in ``like``'s namespace."""
     dim = check_int("dim", dim, low=1)
@@ -143,7 +149,7 @@ def make_sketch(
     return QJLSketch(matrix=_compat.from_host(xp, _host_sketch(rows, dim, seed), device=device), seed=seed)
 
 
-def qjl_encode(r: Any, sketch: QJLSketch) -> QJLCode:
+def qjl_encode(r: Array, sketch: QJLSketch) -> QJLCode:
     """1-bit sketch of vectors ``r`` (..., dim): packed ``sign(S r)`` and float16 ``‖r‖``.
 
     Notes
@@ -165,27 +171,27 @@ def qjl_encode(r: Any, sketch: QJLSketch) -> QJLCode:
     return QJLCode(signs=pack_bits(bits, 1), norms=norms, rows=sketch.rows)
 
 
-def _pm1(code: QJLCode):
+def _pm1(code: QJLCode) -> Array:
     xp = _compat.namespace(code.signs)
     b = xp.astype(unpack_bits(code.signs, 1, code.rows), xp.float32)
     return 2.0 * b - 1.0
 
 
-def qjl_decode(code: QJLCode, sketch: QJLSketch):
+def qjl_decode(code: QJLCode, sketch: QJLSketch) -> Array:
     """Unbiased reconstruction ``√(π/2)/m · ‖r‖ · Sᵀ sign(S r)`` (float32, (..., dim))."""
     xp = _compat.namespace(code.signs)
     s = xp.matmul(_pm1(code), sketch.matrix)
     return s * ((QJL_SCALE / code.rows) * xp.astype(code.norms, xp.float32))[..., None]
 
 
-def qjl_inner(q: Any, code: QJLCode, sketch: QJLSketch):
+def qjl_inner(q: Array, code: QJLCode, sketch: QJLSketch) -> Array:
     """Estimate ``⟨q, r⟩`` for matching leading shapes: ``q`` (..., dim), code of (...)."""
     xp = _compat.namespace(q)
     sq = xp.matmul(xp.astype(q, xp.float32), xp.matrix_transpose(sketch.matrix))
     return xp.sum(sq * _pm1(code), axis=-1) * (QJL_SCALE / code.rows) * xp.astype(code.norms, xp.float32)
 
 
-def prod_encode(x: Any, codebook: Codebook, rotation: Rotation, sketch: QJLSketch) -> ProdCode:
+def prod_encode(x: Array, codebook: Codebook, rotation: Rotation, sketch: QJLSketch) -> ProdCode:
     """TurboQuant-prod: ``codebook.bits`` bits of MSE codes plus a 1-bit QJL sketch of the residual.
 
     Parameters
@@ -212,6 +218,6 @@ def prod_encode(x: Any, codebook: Codebook, rotation: Rotation, sketch: QJLSketc
     return ProdCode(mse=mse, qjl=qjl_encode(resid, sketch))
 
 
-def prod_decode(code: ProdCode, codebook: Codebook, rotation: Rotation, sketch: QJLSketch):
+def prod_decode(code: ProdCode, codebook: Codebook, rotation: Rotation, sketch: QJLSketch) -> Array:
     """Unbiased reconstruction of :func:`prod_encode` (float32)."""
     return polar_decode(code.mse, codebook, rotation) + qjl_decode(code.qjl, sketch)

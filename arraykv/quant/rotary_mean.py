@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
+from .._types import Array, Device, Namespace
 from .._validation import check_real
 
 __all__ = [
@@ -86,9 +87,9 @@ class RotaryMean:
         Its frequency base ``θ`` (None when every frequency is 0).
     """
 
-    mean: Any
-    freq: Any
-    pairs: Any
+    mean: Array
+    freq: Array
+    pairs: Array
     layout: str | None
     base: float | None
 
@@ -111,7 +112,7 @@ def check_rope(value: Any) -> Any:
     raise ValueError(f"rope must be 'auto', None or a dict with 'theta' and 'layout', received {value!r}")
 
 
-def rope_pairs(d: int, layout: str, *, xp: Any, device: Any = None):
+def rope_pairs(d: int, layout: str, *, xp: Namespace, device: Device | None = None) -> Array:
     """Channel pairs ``(d // 2, 2)`` int32 of the rotary ``layout`` for ``d`` (even) channels."""
     half = d // 2
     j = xp.arange(half, dtype=xp.int32, device=device)
@@ -127,7 +128,7 @@ def rope_frequencies(d: int, base: float) -> list:
     return [float(base) ** (-2.0 * j / d) for j in range(d // 2)]
 
 
-def _phases(xp: Any, freq: Any, positions: Any, exact: bool = True):
+def _phases(xp: Namespace, freq: Array, positions: Array, exact: bool = True) -> tuple[Array, Array]:
     """cos and sin of ``freq · positions`` (float32), the product formed in float64.
 
     ``freq`` (..., J) and ``positions`` (n,) broadcast to (..., n, J). Positions reach 10⁵ and
@@ -141,7 +142,7 @@ def _phases(xp: Any, freq: Any, positions: Any, exact: bool = True):
     return xp.astype(xp.cos(ang), xp.float32), xp.astype(xp.sin(ang), xp.float32)
 
 
-def _demodulated_means(xa: Any, xb: Any, c: Any, s: Any):
+def _demodulated_means(xa: Array, xb: Array, c: Array, s: Array) -> tuple[Array, Array]:
     """``mean_t R(−ω t) (x_a, x_b)``: the rotating mean of each pair, (..., J) twice."""
     xp = _compat.namespace(xa)
     ma = xp.mean(xa * c + xb * s, axis=-2)
@@ -149,7 +150,7 @@ def _demodulated_means(xa: Any, xb: Any, c: Any, s: Any):
     return ma, mb
 
 
-def _fit(x: Any, positions: Any, pairs: Any, freq: Any):
+def _fit(x: Array, positions: Array, pairs: Array, freq: Array) -> tuple[Array, Array, Array]:
     """Per-pair rotating means for frequencies ``freq`` (J,) and the energy each removes, (b, h, J)."""
     xp = _compat.namespace(x)
     xa = xp.take(x, pairs[:, 0], axis=3)
@@ -159,7 +160,7 @@ def _fit(x: Any, positions: Any, pairs: Any, freq: Any):
     return ma, mb, ma * ma + mb * mb
 
 
-def fit_rotary_mean(x: Any, start: int, *, rope: Any = "auto") -> RotaryMean:
+def fit_rotary_mean(x: Array, start: int, *, rope: dict[str, Any] | str | None = "auto") -> RotaryMean:
     """Fit ``m_t = R_t μ`` to keys ``x`` at positions ``start, start + 1, ...``.
 
     Parameters
@@ -201,6 +202,8 @@ def fit_rotary_mean(x: Any, start: int, *, rope: Any = "auto") -> RotaryMean:
             None,
             None,
         )
+    layout: str | None
+    base: float | None
     layout, base = None, None
     if rope is not None and n >= MIN_TOKENS:
         if isinstance(rope, Mapping):
@@ -212,6 +215,7 @@ def fit_rotary_mean(x: Any, start: int, *, rope: Any = "auto") -> RotaryMean:
     pairs = rope_pairs(d, layout or "half", xp=xp, device=dev)
     if layout is None:
         return RotaryMean(static, xp.zeros((b, h, half), dtype=xp.float32, device=dev), pairs, None, None)
+    assert base is not None  # found or given with the layout
     freq = xp.asarray(rope_frequencies(d, base), dtype=xp.float32, device=dev)
     ma, mb, e_rot = _fit(x, positions, pairs, freq)
     sa = xp.take(static, pairs[:, 0], axis=2)
@@ -226,7 +230,7 @@ def fit_rotary_mean(x: Any, start: int, *, rope: Any = "auto") -> RotaryMean:
     return RotaryMean(mean, freq_bh, pairs, layout, float(base))
 
 
-def _detect(x: Any, positions: Any, static: Any) -> tuple:
+def _detect(x: Array, positions: Array, static: Array) -> tuple[str | None, float | None]:
     """``(layout, base)`` of the best convention for ``x``, or ``(None, None)`` (plain means win)."""
     xp = _compat.namespace(x)
     dev = _compat.device(x)
@@ -237,7 +241,9 @@ def _detect(x: Any, positions: Any, static: Any) -> tuple:
     plain = float(xp.sum(st * st))
     if energy <= 0.0:
         return None, None
-    best = (plain, None, None)
+    best: tuple[float, str | None, float | None] = (plain, None, None)
+    layout: str | None
+    base: float | None
     for layout in ROPE_LAYOUTS:
         pairs = rope_pairs(d, layout, xp=xp, device=dev)
         xa = xp.take(xs, pairs[:, 0], axis=3)[:, :, None, :, :]  # (1, h, 1, n, J)
@@ -246,7 +252,9 @@ def _detect(x: Any, positions: Any, static: Any) -> tuple:
         sb = xp.take(st, pairs[:, 1], axis=2)
         e_static = (sa * sa + sb * sb)[:, :, None, :]  # (1, h, 1, J)
 
-        def scores(bases: list, xa: Any = xa, xb: Any = xb, e_static: Any = e_static) -> dict:
+        def scores(
+            bases: list[float], xa: Array = xa, xb: Array = xb, e_static: Array = e_static
+        ) -> dict[float, float]:
             freq = xp.asarray([rope_frequencies(d, b) for b in bases], dtype=xp.float32, device=dev)  # (C, J)
             c, s = _phases(xp, freq, positions, exact=False)  # (C, n, J); positions < 1024 + start
             ma, mb = _demodulated_means(xa, xb, c, s)  # (1, h, C, J)
@@ -254,17 +262,18 @@ def _detect(x: Any, positions: Any, static: Any) -> tuple:
             return {b: float(v) for b, v in zip(bases, _compat.to_numpy(total).tolist())}
 
         tried = scores(list(_KNOWN_BASES + _GRID))
-        top = max(tried, key=tried.get)
+        top = max(tried, key=tried.get)  # type: ignore[arg-type]  # every key is there
         step = 10.0 ** (1.0 / 4.0)
         for _ in range(2):  # refine around the best: a grid 4x finer each round
             step = step**0.25
             tried.update(scores([top * step**k for k in range(-4, 5) if k]))
-            top = max(tried, key=tried.get)
+            top = max(tried, key=tried.get)  # type: ignore[arg-type]
         if tried[top] > best[0]:
             best = (tried[top], layout, top)
     removed, layout, base = best
     if layout is None or removed - plain < MIN_GAIN * energy:
         return None, None
+    assert base is not None  # found with the layout
     # a published base within the refinement's resolution is what the model uses
     for known in _KNOWN_BASES:
         if abs(math.log(base / known)) < 0.03:
@@ -282,7 +291,7 @@ class RotaryMeanPlan:
     the rotation.
     """
 
-    def __init__(self, rm_mean: Any, freq: Any, pairs: Any):
+    def __init__(self, rm_mean: Array, freq: Array, pairs: Array):
         xp = _compat.namespace(rm_mean)
         dev = _compat.device(rm_mean)
         self.xp = xp
@@ -305,7 +314,7 @@ class RotaryMeanPlan:
         where[host_pairs[:, 1]] = n_j + hnp.arange(n_j)
         self.gather = _compat.from_host(xp, where, device=dev)
 
-    def at(self, positions: Any):
+    def at(self, positions: Array) -> Array:
         """``R_t μ`` at ``positions`` (n,): (b, h, n, d) float32."""
         xp = self.xp
         c, s = _phases(xp, self.freq, positions)  # (n, J) shared, else (b, h, n, J)
@@ -318,7 +327,7 @@ class RotaryMeanPlan:
         mu = xp.broadcast_to(self.mu, (*self.mu.shape[:2], n, int(self.mu.shape[3])))
         return xp.take(xp.concat([ra, rb, mu], axis=-1), self.gather, axis=-1)
 
-    def logit_coefficients(self, q: Any):
+    def logit_coefficients(self, q: Array) -> Array:
         """The query side of :meth:`logits` for a ``shared`` plan: (b·h·G, 2J + 1) float32.
 
         Row ``(b, h, g)`` is ``[A_j · turn_j | B_j · turn_j | const]`` with
@@ -337,14 +346,14 @@ class RotaryMeanPlan:
         const = xp.sum(q * self.mu, axis=-1) - xp.sum(coef_a, axis=-1)  # (b, h, G)
         return xp.reshape(xp.concat([coef_a, coef_b, const[..., None]], axis=-1), (b * h * g, -1))
 
-    def phase_rows(self, start: int, stop: int):
+    def phase_rows(self, start: int, stop: int) -> Array:
         """``[cos ω t | sin ω t | 1]`` for positions ``start .. stop - 1`` of a ``shared`` plan: (n, 2J + 1) float32."""
         xp = self.xp
         pos = xp.arange(start, stop, dtype=xp.float64, device=_compat.device(self.mu))
         c, s = _phases(xp, self.freq, pos)  # (n, J)
         return xp.concat([c, s, xp.ones_like(c[:, :1])], axis=-1)
 
-    def logits(self, q: Any, start: int, stop: int, phases: Any = None):
+    def logits(self, q: Array, start: int, stop: int, phases: Array | None = None) -> Array:
         """``q · R_t μ`` for every query and position ``start .. stop - 1`` as (b, h, G, n) float32.
 
         ``R_t μ`` itself is never formed.
@@ -378,7 +387,7 @@ class RotaryMeanPlan:
         return xp.reshape(out, (b, h, g, stop - start))
 
 
-def rotary_mean_at(rm_mean: Any, freq: Any, pairs: Any, positions: Any):
+def rotary_mean_at(rm_mean: Array, freq: Array, pairs: Array, positions: Array) -> Array:
     """``R_t μ`` at ``positions``: shape (batch, heads, n, d), float32.
 
     Parameters

@@ -17,9 +17,9 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from .. import _compat
+from .._types import Array, Device, Namespace
 from .._validation import check_int
 
 __all__ = ["Rotation", "make_rotation", "rotate", "unrotate", "fwht", "is_power_of_two"]
@@ -53,8 +53,8 @@ class Rotation:
     kind: str
     dim: int
     seed: int
-    signs: Any
-    matrix: Any
+    signs: Array
+    matrix: Array
 
     @property
     def nbytes(self) -> int:
@@ -62,7 +62,7 @@ class Rotation:
         n = _compat.array_nbytes(self.signs)
         return n if self.matrix is None else n + _compat.array_nbytes(self.matrix)
 
-    def dense(self):
+    def dense(self) -> Array:
         """``M`` as a (dim, dim) float32 array in the namespace of ``signs``."""
         if self.matrix is not None:
             return self.matrix
@@ -77,7 +77,7 @@ class Rotation:
 
 
 @functools.lru_cache(maxsize=64)
-def _host_rotation(dim: int, seed: int):
+def _host_rotation(dim: int, seed: int) -> tuple[str, Array, Array | None]:
     """Generate ``(kind, signs, matrix)`` as NumPy float32 arrays on the host (seeded)."""
     np = _compat.host_numpy()  # host-side computation of a fixed table
 
@@ -108,7 +108,9 @@ def _host_rotation(dim: int, seed: int):
     return kind, signs, matrix
 
 
-def make_rotation(dim: int, seed: int = 0, *, like: Any = None, xp: Any = None, device: Any = None) -> Rotation:
+def make_rotation(
+    dim: int, seed: int = 0, *, like: Array | None = None, xp: Namespace | None = None, device: Device | None = None
+) -> Rotation:
     """A seeded random rotation of ``dim``-vectors in the namespace of ``like`` (or ``xp``).
 
     Parameters
@@ -151,7 +153,7 @@ def make_rotation(dim: int, seed: int = 0, *, like: Any = None, xp: Any = None, 
     )
 
 
-def fwht(x: Any):
+def fwht(x: Array) -> Array:
     """Unnormalized Walsh–Hadamard transform ``H x`` along the last (power-of-two) axis.
 
     ``log2(d)`` butterfly stages, each ``(a, b) -> (a + b, a - b)`` on halves of blocks of
@@ -169,7 +171,7 @@ def fwht(x: Any):
     return xp.reshape(x, lead + (d,))
 
 
-def rotate(x: Any, rotation: Rotation):
+def rotate(x: Array, rotation: Rotation) -> Array:
     """``y = M x`` along the last axis. ``x``: (..., dim) float32 → (..., dim) float32."""
     xp = _compat.namespace(x)
     if rotation.matrix is None:
@@ -177,7 +179,7 @@ def rotate(x: Any, rotation: Rotation):
     return xp.matmul(x, xp.matrix_transpose(rotation.matrix))
 
 
-def unrotate(y: Any, rotation: Rotation):
+def unrotate(y: Array, rotation: Rotation) -> Array:
     """``x = Mᵀ y`` along the last axis (the inverse of :func:`rotate`)."""
     xp = _compat.namespace(y)
     if rotation.matrix is None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _compat
+from .._types import Array, DType
 from .._validation import check_float_array, check_int, dtype_name, is_floating
 from ._dims import axis_length
 from .bitpack import pack_bits_reference, unpack_bits_reference
@@ -57,7 +58,7 @@ class VQCodebook:
         before ``max_iter``.
     """
 
-    centroids: Any
+    centroids: Array
     objective: tuple = field(default=())
     iterations: int = 0
     converged: bool = False
@@ -86,7 +87,7 @@ class VQCodes:
     subspaces : int
     """
 
-    codes: Any
+    codes: Array
     bits: int
     subspaces: int
 
@@ -117,7 +118,7 @@ def check_vq_options(
 
 
 def train_vq(
-    x: Any,
+    x: Array,
     *,
     codebook_size: int = 256,
     sub_dim: int = 8,
@@ -203,7 +204,7 @@ def train_vq(
     return VQCodebook(centroids=centroids, objective=tuple(history), iterations=it, converged=converged)
 
 
-def vq_encode(x: Any, cb: VQCodebook, *, encode: Callable | None = None) -> VQCodes:
+def vq_encode(x: Array, cb: VQCodebook, *, encode: Callable | None = None) -> VQCodes:
     """Nearest-centroid codes of ``x`` (..., heads, seq, head_dim), packed.
 
     Parameters
@@ -234,7 +235,7 @@ def vq_encode(x: Any, cb: VQCodebook, *, encode: Callable | None = None) -> VQCo
     return VQCodes(codes=xp.reshape(codes, lead + (h, t, int(codes.shape[-1]))), bits=bits, subspaces=cb.subspaces)
 
 
-def vq_encode_reference(x: Any, centroids: Any, bits: int):
+def vq_encode_reference(x: Array, centroids: Array, bits: int) -> Array:
     """Codes of ``x`` (rows, h, t, d) for codebooks ``centroids`` (h, m, K, s).
 
     Returns
@@ -257,7 +258,7 @@ def vq_encode_reference(x: Any, centroids: Any, bits: int):
     return xp.astype(idx, xp.uint16)
 
 
-def vq_decode(codes: VQCodes, cb: VQCodebook, dtype: Any = None, *, decode: Callable | None = None):
+def vq_decode(codes: VQCodes, cb: VQCodebook, dtype: DType | None = None, *, decode: Callable | None = None) -> Array:
     """Concatenate the centroids that ``codes`` name: array (..., heads, seq, head_dim).
 
     Parameters
@@ -282,7 +283,7 @@ def vq_decode(codes: VQCodes, cb: VQCodebook, dtype: Any = None, *, decode: Call
     return out if dtype is None or out.dtype == dtype else xp.astype(out, dtype)
 
 
-def vq_decode_reference(codes: Any, centroids: Any, bits: int):
+def vq_decode_reference(codes: Array, centroids: Array, bits: int) -> Array:
     """Vectors that ``codes`` (rows, h, t, bytes or m) name in ``centroids`` (h, m, K, s).
 
     float32, (rows, h, t, m · s).
@@ -301,7 +302,14 @@ def vq_decode_reference(codes: Any, centroids: Any, bits: int):
 
 
 def check_decode_attention_args(
-    q: Any, k_codes: Any, k_centroids: Any, v_codes: Any, v_centroids: Any, k_extra: Any, v_extra: Any, bits: Any
+    q: Array,
+    k_codes: Array,
+    k_centroids: Array,
+    v_codes: Array,
+    v_centroids: Array,
+    k_extra: Array,
+    v_extra: Array,
+    bits: Any,
 ) -> tuple:
     """Shape and dtype checks of :func:`~arraykv.attention.vq_fused.vq_decode_attention_reference` and its kernels.
 
