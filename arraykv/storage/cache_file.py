@@ -52,6 +52,8 @@ from typing import Any
 
 import numpy as np
 
+from .._types import Array
+
 __all__ = [
     "CacheFileError",
     "LayerRecord",
@@ -122,7 +124,8 @@ def write_cache_file(path: str | os.PathLike, config: dict, layers: list) -> int
 
     The arrays of the records must be host (NumPy) arrays; ``path`` is replaced atomically.
     """
-    records, arrays, blobs = [], [], []
+    records: list[dict[str, Any] | None] = []
+    arrays, blobs = [], []
     offset = 0
     for i, rec in enumerate(layers):
         if rec is None:
@@ -170,7 +173,7 @@ def write_cache_file(path: str | os.PathLike, config: dict, layers: list) -> int
     return len(head) + offset + _DIGEST
 
 
-def _int(where: str, value: Any, low: int, high: int | None = None) -> int:
+def _int(where: str, value: Array, low: int, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         span = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise CacheFileError(f"{where} must be an integer {span}, found {value!r}")
@@ -187,7 +190,7 @@ def _array_dtype(where: str, name: Any) -> np.dtype:
     return dt
 
 
-def read_cache_file(path: str | os.PathLike) -> tuple:
+def read_cache_file(path: str | os.PathLike) -> tuple[dict[str, Any], list[LayerRecord | None]]:
     """Read and check a cache file: ``(config, layers)`` with ``layers`` a list of LayerRecord or None.
 
     Raises
@@ -235,7 +238,7 @@ def read_cache_file(path: str | os.PathLike) -> tuple:
         if a["name"] in arrays:
             raise CacheFileError(f"{where}: layer {layer} lists array {a['name']!r} twice")
         arrays[a["name"]] = np.frombuffer(payload[off : off + n], dtype=dt).reshape(shape).copy()
-    out = []
+    out: list[LayerRecord | None] = []
     for i, meta in enumerate(layers):
         held = by_layer.get(i, {})
         if meta is None:
@@ -261,14 +264,14 @@ def read_cache_file(path: str | os.PathLike) -> tuple:
     return config, out
 
 
-def _check_geometry(path: Any, config: dict, layers: list, nbytes: int) -> None:
+def _check_geometry(path: str | os.PathLike, config: dict, layers: list, nbytes: int) -> None:
     """Bound the geometry ``config`` declares before anything is built from it (module docstring).
 
     Only integers above a bound are refused here; values of another type or below 1 are left
     to the cache's constructor, which names what it accepts.
     """
 
-    def bounded(name: str, high: int):
+    def bounded(name: str, high: int) -> int | None:
         value = config.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return None

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 from .. import _compat
+from .._types import Array
 
 __all__ = ["TokenBuffers"]
+
+#: What :meth:`TokenBuffers.truncate_plan` returns: ``(length, fresh arrays or None, capacity)``.
+TruncatePlan = tuple[int, dict[str, Array] | None, int]
 
 
 class TokenBuffers:
@@ -51,13 +54,13 @@ class TokenBuffers:
         self.length = 0
         self.capacity = 0
         self.reallocations = 0
-        self._arrays: dict[str, Any] = {}
+        self._arrays: dict[str, Array] = {}
 
     # -- queries -----------------------------------------------------------------
-    def names(self) -> tuple:
+    def names(self) -> tuple[str, ...]:
         return tuple(self._arrays)
 
-    def view(self, name: str):
+    def view(self, name: str) -> Array:
         """The in-use part ``[:, :, :length]`` of array ``name`` (a view; do not write into it)."""
         return self._arrays[name][:, :, : self.length, ...]
 
@@ -82,7 +85,7 @@ class TokenBuffers:
             )
 
     # -- mutation ----------------------------------------------------------------
-    def append(self, arrays: Mapping[str, Any]) -> None:
+    def append(self, arrays: Mapping[str, Array]) -> None:
         """Append arrays of shape ``(batch, heads, t, *rest)``; all share ``t``.
 
         The first call fixes the names, dtypes and trailing shapes. Nothing is written if a
@@ -90,10 +93,10 @@ class TokenBuffers:
         """
         if not arrays:
             return
-        t = {int(a.shape[2]) for a in arrays.values()}
-        if len(t) != 1:
-            raise ValueError(f"arrays to append must share one token count, received {sorted(t)}")
-        t = t.pop()
+        counts = {int(a.shape[2]) for a in arrays.values()}
+        if len(counts) != 1:
+            raise ValueError(f"arrays to append must share one token count, received {sorted(counts)}")
+        t = counts.pop()
         if self._arrays and set(arrays) != set(self._arrays):
             raise ValueError(f"expected arrays {sorted(self._arrays)}, received {sorted(arrays)}")
         self.check_room(t)
@@ -105,7 +108,7 @@ class TokenBuffers:
             self._arrays[name][:, :, n : n + t, ...] = a
         self.length = need
 
-    def reserve(self, arrays: Mapping[str, Any]) -> None:
+    def reserve(self, arrays: Mapping[str, Array]) -> None:
         """Make room for appending ``arrays`` (as :meth:`append` takes them) without writing them.
 
         After it returns, ``append(arrays)`` allocates nothing and cannot fail for lack of
@@ -119,7 +122,7 @@ class TokenBuffers:
         if self.length + t > self.capacity:
             self._grow(arrays, self.length + t, t)
 
-    def room(self, tokens: int) -> dict:
+    def room(self, tokens: int) -> dict[str, Array]:
         """The arrays, whole (capacity included), with room for ``tokens`` more after ``length``.
 
         For a writer that fills rows ``length .. length + tokens`` in place and then calls
@@ -140,7 +143,7 @@ class TokenBuffers:
             raise ValueError(f"advance by {tokens} past the capacity of {self.capacity} tokens")
         self.length += tokens
 
-    def _grow(self, template: Mapping[str, Any], need: int, tokens: int) -> None:
+    def _grow(self, template: Mapping[str, Array], need: int, tokens: int) -> None:
         if self.max_tokens is not None:
             new_cap = self.max_tokens
         elif self.capacity == 0 and tokens > 1:
@@ -161,7 +164,7 @@ class TokenBuffers:
         self.capacity = new_cap
         self.reallocations += 1
 
-    def truncate_plan(self, length: int):
+    def truncate_plan(self, length: int) -> TruncatePlan:
         """What :meth:`truncate` to ``length`` will do, with every allocation already made.
 
         Returns an opaque plan for :meth:`commit_truncate` (which cannot fail). A cache that
@@ -176,7 +179,7 @@ class TokenBuffers:
         fresh = {n: _compat.namespace(a).asarray(a[:, :, :length, ...], copy=True) for n, a in self._arrays.items()}
         return (length, fresh, length)
 
-    def commit_truncate(self, plan) -> None:
+    def commit_truncate(self, plan: TruncatePlan) -> None:
         """Apply a plan of :meth:`truncate_plan` (nothing allocates; cannot fail)."""
         length, fresh, capacity = plan
         if fresh is not None:
@@ -207,6 +210,6 @@ class TokenBuffers:
         self.length = 0
         self.capacity = 0
 
-    def arrays(self) -> dict:
+    def arrays(self) -> dict[str, Array]:
         """The in-use views of all arrays, by name."""
         return {name: self.view(name) for name in self._arrays}

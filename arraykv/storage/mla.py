@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from .. import _compat
+from .._types import Array, Namespace
 from .._validation import array_namespace, check_bool, check_finite, check_int, dtype_name, is_floating
 from .growable import TokenBuffers
 from .sequences import SequenceIds, check_truncate_length, fork_store
@@ -16,7 +16,7 @@ __all__ = ["MlaCache"]
 class _Projection:
     """Up projections (heads, dim, latent) and the down projection (latent, in_dim), float32."""
 
-    def __init__(self, up_k: Any, up_v: Any, down: Any):
+    def __init__(self, up_k: Array, up_v: Array, down: Array):
         self.up_k = up_k
         self.up_v = up_v
         self.down = down
@@ -83,13 +83,13 @@ class MlaCache:
         self.shared_rope = shared_rope
         self.rope_heads = 1 if shared_rope else self.num_heads
         self.check_finite = check_finite
-        self._proj: list = [None] * self.num_layers
-        self._data: list = [dict() for _ in range(self.num_layers)]  # seq_id -> TokenBuffers
+        self._proj: list[_Projection | None] = [None] * self.num_layers
+        self._data: list[dict[int, TokenBuffers]] = [dict() for _ in range(self.num_layers)]  # seq_id -> TokenBuffers
         self._locks = [threading.Lock() for _ in range(self.num_layers)]
         self._ids = SequenceIds()
 
     # -- projections ----------------------------------------------------------------
-    def set_projection(self, layer: int, up_k: Any, up_v: Any, down: Any = None) -> None:
+    def set_projection(self, layer: int, up_k: Array, up_v: Array, down: Array | None = None) -> None:
         """Use given MLA weights for ``layer``.
 
         Parameters
@@ -137,7 +137,7 @@ class MlaCache:
             self._refuse_if_holding(layer, "set_projection")
             self._proj[layer] = _Projection(up_k, up_v, down)
 
-    def fit(self, layer: int, k: Any, v: Any) -> None:
+    def fit(self, layer: int, k: Array, v: Array) -> None:
         """Fit the projections of ``layer`` from calibration keys and values by SVD.
 
         Parameters
@@ -191,7 +191,7 @@ class MlaCache:
         with self._locks[layer]:
             self._data[layer] = {}
 
-    def projection(self, layer: int) -> tuple:
+    def projection(self, layer: int) -> tuple[Array, Array, Array] | None:
         """``(up_k, up_v, down)`` of ``layer`` (None when not set).
 
         Parameters
@@ -209,10 +209,10 @@ class MlaCache:
         p = self._proj[layer]
         return None if p is None else (p.up_k, p.up_v, p.down)
 
-    def _stack_up(self, xp: Any, up_k: Any, up_v: Any):
+    def _stack_up(self, xp: Namespace, up_k: Array, up_v: Array) -> Array:
         return xp.concat([xp.reshape(up_k, (-1, self.latent_dim)), xp.reshape(up_v, (-1, self.latent_dim))], axis=0)
 
-    def _stack_tokens(self, xp: Any, k32: Any, v32: Any):
+    def _stack_tokens(self, xp: Namespace, k32: Array, v32: Array) -> Array:
         """(heads, t, head_dim), (heads, t, dv) → (t, in_dim) = [k_nope of every head, v of every head]."""
         t = int(k32.shape[1])
         kn = xp.reshape(xp.permute_dims(k32[:, :, : self.nope_dim], (1, 0, 2)), (t, -1))
@@ -243,10 +243,10 @@ class MlaCache:
             with self._locks[i]:
                 self._data[i].pop(sid, None)
 
-    def _check_seq(self, seq_id: Any) -> int:
+    def _check_seq(self, seq_id: int) -> int:
         return self._ids.check(seq_id)
 
-    def _check_kv(self, k: Any, v: Any):
+    def _check_kv(self, k: Array, v: Array) -> tuple[Namespace, int]:
         xp = array_namespace(k=k, v=v)
         for name, x, d in (("k", k, self.head_dim), ("v", v, self.v_head_dim)):
             if x.ndim != 3 or int(x.shape[0]) != self.num_heads or int(x.shape[2]) != d:
@@ -265,7 +265,7 @@ class MlaCache:
         return xp, int(k.shape[1])
 
     # -- tokens ---------------------------------------------------------------------
-    def append(self, layer: int, seq_id: int, k: Any, v: Any) -> None:
+    def append(self, layer: int, seq_id: int, k: Array, v: Array) -> None:
         """Project full keys/values to latents and append them.
 
         Parameters
@@ -293,7 +293,7 @@ class MlaCache:
                 rope = rope[:1, ...]
             self._store(layer, xp, seq_id, latent, rope)
 
-    def append_compressed(self, layer: int, seq_id: int, latent: Any, k_rope: Any = None) -> None:
+    def append_compressed(self, layer: int, seq_id: int, latent: Array, k_rope: Array | None = None) -> None:
         """Append latents computed by the model itself.
 
         Parameters
@@ -344,7 +344,7 @@ class MlaCache:
             raise ValueError(f"layer {layer} has no projections; call set_projection() or fit() first")
         return p
 
-    def _store(self, layer: int, xp: Any, seq_id: Any, latent: Any, rope: Any) -> None:
+    def _store(self, layer: int, xp: Namespace, seq_id: int, latent: Array, rope: Array) -> None:
         sid = self._check_seq(seq_id)
         buf = self._data[layer].get(sid)
         arrays = {"latent": latent[None, None, :, :], "k_rope": rope[None, ...]}
@@ -359,7 +359,7 @@ class MlaCache:
         buf.append(arrays)
         self._data[layer][sid] = buf
 
-    def get_compressed_kv(self, layer: int, seq_id: int) -> tuple:
+    def get_compressed_kv(self, layer: int, seq_id: int) -> tuple[Array, Array]:
         """``(latent (seq_len, latent_dim), k_rope (rope_heads, seq_len, rope_dim))`` (views).
 
         Parameters
@@ -381,14 +381,14 @@ class MlaCache:
             buf = self._buf(layer, seq_id)
             return buf.view("latent")[0, 0, ...], buf.view("k_rope")[0, ...]
 
-    def _buf(self, layer: int, seq_id: Any) -> TokenBuffers:
+    def _buf(self, layer: int, seq_id: int) -> TokenBuffers:
         sid = self._check_seq(seq_id)
         buf = self._data[layer].get(sid)
         if buf is None or buf.length == 0:
             raise ValueError(f"seq_id {sid} holds no tokens in layer {layer}")
         return buf
 
-    def get_kv(self, layer: int, seq_id: int) -> tuple:
+    def get_kv(self, layer: int, seq_id: int) -> tuple[Array, Array]:
         """Reconstructed ``k`` (heads, seq_len, head_dim) and ``v`` (heads, seq_len, v_head_dim).
 
         Parameters
@@ -409,6 +409,7 @@ class MlaCache:
         with self._locks[layer]:
             buf = self._buf(layer, seq_id)
             p = self._proj[layer]
+            assert p is not None  # tokens are stored only once the layer has projections
             latent = buf.view("latent")[0, 0, ...]
             rope = buf.view("k_rope")[0, ...]
             xp = _compat.namespace(latent)
@@ -467,6 +468,7 @@ class MlaCache:
             if length == 0:
                 self._data[layer].pop(sid, None)
             elif length < held:
+                assert buf is not None  # it holds tokens
                 buf.truncate(length)
 
     def seq_len(self, layer: int, seq_id: int) -> int:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from .. import _compat
+from .._types import Array, Namespace
 from .._validation import array_namespace, check_bool, check_finite, check_int, dtype_name, is_floating
 from .sequences import SequenceIds, check_truncate_length, fork_store
 
@@ -16,12 +16,12 @@ class _Layer:
     """Pools and bookkeeping of one layer (guarded by its lock)."""
 
     def __init__(self) -> None:
-        self.k_pool = None
-        self.v_pool = None
-        self.xp = None
-        self.free: list = []
-        self.tables: dict = {}  # seq_id -> list of block ids
-        self.lengths: dict = {}  # seq_id -> tokens
+        self.k_pool: Array = None
+        self.v_pool: Array = None
+        self.xp: Namespace = None
+        self.free: list[int] = []
+        self.tables: dict[int, list[int]] = {}  # seq_id -> list of block ids
+        self.lengths: dict[int, int] = {}  # seq_id -> tokens
 
     def copy(self) -> _Layer:
         out = _Layer()
@@ -100,7 +100,7 @@ class PagedKVCache:
         """
         return self._ids.allocate()
 
-    def sequences(self) -> list:
+    def sequences(self) -> list[int]:
         """Ids of the live sequences, ascending.
 
         Returns
@@ -110,10 +110,10 @@ class PagedKVCache:
         """
         return self._ids.live()
 
-    def _check_seq(self, seq_id: Any) -> int:
+    def _check_seq(self, seq_id: int) -> int:
         return self._ids.check(seq_id)
 
-    def _check_layer(self, layer: Any) -> int:
+    def _check_layer(self, layer: int) -> int:
         return check_int("layer", layer, low=0, high=self.num_layers - 1)
 
     def free(self, seq_id: int) -> None:
@@ -132,7 +132,7 @@ class PagedKVCache:
                 lay.free.extend(reversed(blocks))
 
     # -- tokens ---------------------------------------------------------------------
-    def append(self, layer: int, seq_id: int, k: Any, v: Any) -> None:
+    def append(self, layer: int, seq_id: int, k: Array, v: Array) -> None:
         """Append tokens to one sequence of one layer.
 
         Parameters
@@ -253,7 +253,7 @@ class PagedKVCache:
                 lay.tables.pop(sid, None)
                 lay.lengths.pop(sid, None)
 
-    def _check_tokens(self, k: Any, v: Any):
+    def _check_tokens(self, k: Array, v: Array) -> tuple[Namespace, int]:
         xp = array_namespace(k=k, v=v)
         for name, x, d in (("k", k, self.head_dim), ("v", v, self.v_head_dim)):
             if x.ndim != 3:
@@ -278,7 +278,7 @@ class PagedKVCache:
             check_finite(xp, k=k, v=v)
         return xp, int(k.shape[1])
 
-    def get_kv(self, layer: int, seq_id: int) -> tuple:
+    def get_kv(self, layer: int, seq_id: int) -> tuple[Array, Array]:
         """Keys and values of ``seq_id`` in ``layer``: two arrays (heads, seq_len, dim), copies.
 
         Parameters
@@ -310,7 +310,7 @@ class PagedKVCache:
                 raise ValueError(f"seq_id {sid} holds no tokens in layer {layer}")
             return self._gather(lay, lay.tables[sid], length)
 
-    def _gather(self, lay: _Layer, table: list, length: int) -> tuple:
+    def _gather(self, lay: _Layer, table: list[int], length: int) -> tuple[Array, Array]:
         xp = lay.xp
         ids = xp.asarray(table, dtype=xp.int64, device=_compat.device(lay.k_pool))
         out = []
@@ -321,7 +321,7 @@ class PagedKVCache:
             out.append(seq[:, :length, :])
         return out[0], out[1]
 
-    def get_batch(self, layer: int, seq_ids: list) -> tuple:
+    def get_batch(self, layer: int, seq_ids: list[int]) -> tuple[Array, Array, list[int]]:
         """Sequences of different lengths as one zero-padded batch.
 
         Parameters
@@ -386,7 +386,7 @@ class PagedKVCache:
             sid = self._check_seq(seq_id)
             return self._layers[layer].lengths.get(sid, 0)
 
-    def block_table(self, layer: int, seq_id: int) -> list:
+    def block_table(self, layer: int, seq_id: int) -> list[int]:
         """Block ids of ``seq_id`` in ``layer``, in token order (a copy).
 
         Parameters

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from .._validation import check_int
 
@@ -19,7 +20,7 @@ class SequenceIds:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: set = set()
+        self._live: set[int] = set()
         self._next = 0
 
     def allocate(self) -> int:
@@ -30,12 +31,12 @@ class SequenceIds:
             self._live.add(sid)
             return sid
 
-    def live(self) -> list:
+    def live(self) -> list[int]:
         """The live ids, ascending."""
         with self._lock:
             return sorted(self._live)
 
-    def check(self, seq_id: Any) -> int:
+    def check(self, seq_id: int) -> int:
         """``seq_id`` as an int if it is live, else ``ValueError`` saying why not."""
         sid = check_int("seq_id", seq_id, low=0)
         with self._lock:
@@ -51,7 +52,7 @@ class SequenceIds:
             twin._live, twin._next = set(self._live), self._next
         return twin
 
-    def release(self, seq_id: Any) -> int:
+    def release(self, seq_id: int) -> int:
         """Retire a live id and return it; ``ValueError`` when it was already freed or never allocated."""
         sid = check_int("seq_id", seq_id, low=0)
         with self._lock:
@@ -68,7 +69,17 @@ def check_truncate_length(length: int, held: int, sid: int, layer: int) -> None:
         raise ValueError(f"length must be in [0, {held}] (seq_len of seq_id {sid} in layer {layer}), received {length}")
 
 
-def fork_store(source: Any, attr: str, copy_entry) -> Any:
+class _Store(Protocol):
+    """What :func:`fork_store` reads of a cache besides its per-layer list."""
+
+    _locks: list[threading.Lock]
+    _ids: SequenceIds
+
+
+_S = TypeVar("_S", bound=_Store)
+
+
+def fork_store(source: _S, attr: str, copy_entry: Callable[[Any], Any]) -> _S:
     """A copy of a multi-sequence cache ``source``: its own locks and sequence ids, and
     ``copy_entry`` of each entry of its per-layer list ``attr``, taken under every layer lock
     (in index order); everything else is shared (options, and state that is replaced, never
