@@ -15,13 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
+from .._types import Array
 from .._validation import check_softmax_scale
 from ..quant.bitpack import unpack_bits
 
 __all__ = ["int_decode_attention_reference", "check_query", "layer_exponents"]
 
 
-def check_query(codec: Any, q: Any) -> tuple:
+def check_query(codec: Any, q: Array) -> tuple:
     """Check ``q`` against the layer ``codec`` (shared with the kernels); return ``(b, h, g, d)``."""
     if q.ndim != 4 or int(q.shape[2]) != 1:
         raise ValueError(
@@ -55,7 +56,7 @@ def check_query(codec: Any, q: Any) -> tuple:
     return b, h, qh // h, d
 
 
-def int_decode_attention_reference(codec: Any, q: Any, scale: float):
+def int_decode_attention_reference(codec: Any, q: Array, scale: float) -> Array:
     """Array-API version of :func:`int_decode_attention`, with the same scale/offset folding.
 
     Same inputs and output as :func:`int_decode_attention`. Memory is

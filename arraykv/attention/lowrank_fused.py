@@ -14,23 +14,22 @@ converting the whole layer to float32 at every step.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import _compat
+from .._types import Array, Namespace
 from .._validation import check_softmax_scale
 
 __all__ = ["lowrank_decode_attention", "check_decode_args"]
 
 
-def _f32(xp: Any, x: Any):
+def _f32(xp: Namespace, x: Array) -> Array:
     return x if x.dtype == xp.float32 else xp.astype(x, xp.float32)
 
 
-def _shape(x: Any) -> tuple:
+def _shape(x: Array) -> tuple:
     return tuple(int(s) for s in x.shape)
 
 
-def _lead(x: Any) -> tuple | None:
+def _lead(x: Array) -> tuple | None:
     """``(batch, heads, last)`` of a 4-D array's shape, None for anything else (a plain tuple: cheap to compare)."""
     if x is None or x.ndim != 4:
         return None
@@ -39,7 +38,15 @@ def _lead(x: Any) -> tuple | None:
 
 
 def check_decode_args(
-    q: Any, k_coef: Any, k_basis: Any, k_mean: Any, v_coef: Any, v_basis: Any, v_mean: Any, k_extra: Any, v_extra: Any
+    q: Array,
+    k_coef: Array,
+    k_basis: Array,
+    k_mean: Array,
+    v_coef: Array,
+    v_basis: Array,
+    v_mean: Array,
+    k_extra: Array,
+    v_extra: Array,
 ) -> tuple:
     """Shape checks of :func:`lowrank_decode_attention` (shared with its kernels).
 
@@ -98,18 +105,18 @@ def check_decode_args(
 
 
 def lowrank_decode_attention(
-    q: Any,
-    k_coef: Any,
-    k_basis: Any,
-    k_mean: Any,
-    v_coef: Any,
-    v_basis: Any,
-    v_mean: Any,
-    k_extra: Any,
-    v_extra: Any,
+    q: Array,
+    k_coef: Array,
+    k_basis: Array,
+    k_mean: Array,
+    v_coef: Array,
+    v_basis: Array,
+    v_mean: Array,
+    k_extra: Array,
+    v_extra: Array,
     *,
     softmax_scale: float,
-):
+) -> Array:
     """One decode step of attention over a low-rank layer.
 
     Parameters

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
+from .._types import Array, DType
 from .._validation import check_softmax_scale
 from ..quant.bitpack import unpack_bits
 from ..quant.qjl import QJL_SCALE
@@ -21,7 +22,7 @@ from ..quant.rotation import rotate, unrotate
 __all__ = ["polar_decode_attention_reference", "prepare_queries", "key_mean_logits", "merge_window"]
 
 
-def prepare_queries(codec: Any, q: Any, scale: float) -> dict:
+def prepare_queries(codec: Any, q: Array, scale: float) -> dict:
     """Per-query quantities that turn a token's codes into its logit.
 
     Parameters
@@ -78,7 +79,7 @@ def prepare_queries(codec: Any, q: Any, scale: float) -> dict:
     return out
 
 
-def key_mean_logits(codec: Any, q32: Any, scale: float, t0: int, t1: int):
+def key_mean_logits(codec: Any, q32: Array, scale: float, t0: int, t1: int) -> Array:
     """``scale · q · m_p`` for the quantized tokens ``t0 .. t1 - 1`` of a rotating key mean.
 
     Parameters
@@ -100,7 +101,7 @@ def key_mean_logits(codec: Any, q32: Any, scale: float, t0: int, t1: int):
     return xp.matmul(q32, xp.matrix_transpose(mt)) * scale
 
 
-def merge_window(codec: Any, prep: dict, scale: float, m: Any, l: Any, acc_rot: Any, out_dtype: Any):
+def merge_window(codec: Any, prep: dict, scale: float, m: Array, l: Array, acc_rot: Array, out_dtype: DType) -> Array:
     """Combine the quantized tokens' softmax state with the float16 window; return the output.
 
     Parameters
@@ -136,7 +137,7 @@ def merge_window(codec: Any, prep: dict, scale: float, m: Any, l: Any, acc_rot: 
     return xp.astype(xp.reshape(out, (b, h * g, 1, d)), out_dtype)
 
 
-def polar_decode_attention_reference(codec: Any, q: Any, scale: float):
+def polar_decode_attention_reference(codec: Any, q: Array, scale: float) -> Array:
     """Array-API version: decode every code in the rotated domain, then one softmax.
 
     Same inputs and output as :func:`polar_decode_attention`. Memory is O(tokens · head_dim)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import _compat
+from .._types import Array, Namespace
 from .._validation import check_softmax_scale, dtype_name, is_floating
 
 __all__ = ["attention"]
 
 
-def attention(q: Any, k: Any, v: Any, *, softmax_scale: float, logit_bias: Any = None, causal: bool = True):
+def attention(
+    q: Array, k: Array, v: Array, *, softmax_scale: float, logit_bias: Array | None = None, causal: bool = True
+) -> Array:
     """Scaled dot-product attention with grouped-query heads.
 
     Parameters
@@ -76,7 +77,7 @@ def attention(q: Any, k: Any, v: Any, *, softmax_scale: float, logit_bias: Any =
     return xp.astype(xp.reshape(out, (b, hq, t, dv)), out_dtype, copy=False)
 
 
-def _check_shapes(xp: Any, q: Any, k: Any, v: Any, logit_bias: Any) -> None:
+def _check_shapes(xp: Namespace, q: Array, k: Array, v: Array, logit_bias: Array | None) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(

@@ -7,9 +7,8 @@ against it.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import _compat
+from .._types import Array
 from ..quant.vq import VQCodebook, VQCodes, check_decode_attention_args, vq_decode
 from .reference import attention
 
@@ -17,17 +16,17 @@ __all__ = ["vq_decode_attention_reference"]
 
 
 def vq_decode_attention_reference(
-    q: Any,
-    k_codes: Any,
-    k_centroids: Any,
-    v_codes: Any,
-    v_centroids: Any,
-    k_extra: Any,
-    v_extra: Any,
+    q: Array,
+    k_codes: Array,
+    k_centroids: Array,
+    v_codes: Array,
+    v_centroids: Array,
+    k_extra: Array,
+    v_extra: Array,
     *,
     bits: int,
     softmax_scale: float,
-):
+) -> Array:
     """One decode step of attention over VQ-coded (product-quantized) keys and values plus a few dense tokens.
 
     Decodes every key and value with :func:`~arraykv.quant.vq.vq_decode`, appends the dense tokens and runs
