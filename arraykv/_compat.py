@@ -13,10 +13,10 @@ namespace with ``xp.asarray``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import array_api_compat as _aac
 import numpy as np
+
+from ._types import Array, Device, DType, Namespace
 
 __all__ = [
     "namespace",
@@ -41,7 +41,7 @@ __all__ = [
 _BY_TYPES: dict = {}
 
 
-def namespace(*arrays: Any):
+def namespace(*arrays: Array) -> Namespace:
     """Return the array-API namespace shared by ``arrays``.
 
     Parameters
@@ -77,27 +77,27 @@ def namespace(*arrays: Any):
     return xp
 
 
-def device(x: Any):
+def device(x: Array) -> Device:
     """Return the device of array ``x`` (``"cpu"`` for NumPy)."""
     return _aac.device(x)
 
 
-def is_numpy(xp: Any) -> bool:
+def is_numpy(xp: Namespace) -> bool:
     """True when ``xp`` is the NumPy namespace (plain or wrapped)."""
     return _aac.is_numpy_namespace(xp)
 
 
-def is_cupy(xp: Any) -> bool:
+def is_cupy(xp: Namespace) -> bool:
     """True when ``xp`` is the CuPy namespace (plain or wrapped)."""
     return _aac.is_cupy_namespace(xp)
 
 
-def is_torch(xp: Any) -> bool:
+def is_torch(xp: Namespace) -> bool:
     """True when ``xp`` is the PyTorch namespace (``array_api_compat.torch``, or ``torch`` itself)."""
     return _aac.is_torch_namespace(xp)
 
 
-def array_nbytes(x: Any) -> int:
+def array_nbytes(x: Array) -> int:
     """Bytes held by the elements of ``x`` (``size * itemsize``), for any array-API array."""
     n = 1
     for s in x.shape:
@@ -105,7 +105,7 @@ def array_nbytes(x: Any) -> int:
     return n * _itemsize(x.dtype)
 
 
-def _itemsize(dtype: Any) -> int:
+def _itemsize(dtype: DType) -> int:
     size = getattr(dtype, "itemsize", None)
     if size is not None:
         return int(size)
@@ -116,7 +116,7 @@ def _itemsize(dtype: Any) -> int:
     raise TypeError(f"cannot determine the item size of dtype {dtype!r}")
 
 
-def to_numpy(x: Any, *, copy: bool = False):
+def to_numpy(x: Array, *, copy: bool = False) -> Array:
     """``x`` as a NumPy array on the host (used for inspection, I/O and tests).
 
     A NumPy input is returned as it is unless ``copy``; other arrays are always copied.
@@ -131,10 +131,10 @@ def to_numpy(x: Any, *, copy: bool = False):
     return np.asarray(x)
 
 
-_FLOATS: dict = {}
+_FLOATS: dict[int, tuple[DType, ...]] = {}
 
 
-def float_dtypes(xp: Any) -> tuple:
+def float_dtypes(xp: Namespace) -> tuple[DType, ...]:
     """The real floating dtypes that ``xp`` offers (float16 only where it exists); looked up once per namespace."""
     out = _FLOATS.get(id(xp))
     if out is None:
@@ -144,7 +144,7 @@ def float_dtypes(xp: Any) -> tuple:
     return out
 
 
-def plain_numpy(*arrays: Any) -> bool:
+def plain_numpy(*arrays: Array) -> bool:
     """Whether every argument is a plain ``numpy.ndarray`` (no subclass, no other library's array):
     the arrays whose checks may take a direct NumPy path."""
 
@@ -156,7 +156,7 @@ def plain_numpy(*arrays: Any) -> bool:
 _JOINT_CHECK_MAX = 1 << 15
 
 
-def all_finite(xp: Any, arrays: list) -> bool:
+def all_finite(xp: Namespace, arrays: list[Array]) -> bool:
     """Whether every array of ``arrays`` (floating dtypes, of namespace ``xp``) holds only finite values.
 
     A store checks a handful of small arrays per call; each ``xp.all(xp.isfinite(a))`` costs
@@ -178,13 +178,13 @@ def all_finite(xp: Any, arrays: list) -> bool:
     return all(bool(xp.all(xp.isfinite(a))) for a in arrays)
 
 
-def host_numpy():
+def host_numpy() -> Namespace:
     """NumPy, for computations on the host of fixed tables (codebooks, seeded rotations)."""
 
     return np
 
 
-def from_host(xp: Any, table: Any, *, device: Any = None):
+def from_host(xp: Namespace, table: Array, *, device: Device | None = None) -> Array:
     """A fixed host table (a NumPy array, often a shared read-only memo) in namespace ``xp``.
 
     NumPy keeps the table as it is (read-only, shared). A namespace that would share the
@@ -196,7 +196,7 @@ def from_host(xp: Any, table: Any, *, device: Any = None):
     return xp.asarray(table, device=device)
 
 
-def host_uniform(xp: Any, shape: tuple, *, seed: int, device: Any = None):
+def host_uniform(xp: Namespace, shape: tuple[int, ...], *, seed: int, device: Device | None = None) -> Array:
     """Uniform float32 numbers in ``[0, 1)`` of ``shape`` from ``numpy.random.default_rng(seed)``.
 
     The array API has no random module, so algorithms that need reproducible randomness

@@ -13,6 +13,7 @@ import operator
 from typing import Any
 
 from . import _compat
+from ._types import Array, Device, DType, Namespace
 
 __all__ = [
     "check_auto_bool",
@@ -29,7 +30,7 @@ __all__ = [
 ]
 
 
-def dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: DType) -> str:
     """A short printable name of ``dtype`` (``'float32'``, also for ``torch.float32``)."""
     s = str(dtype)
     for prefix in ("array_api_strict.", "dtype(", "<class 'numpy.", "torch."):
@@ -37,7 +38,7 @@ def dtype_name(dtype: Any) -> str:
     return s.strip("')>")
 
 
-def is_floating(xp: Any, dtype: Any) -> bool:
+def is_floating(xp: Namespace, dtype: DType) -> bool:
     """True for real floating dtypes (float16/float32/float64) of namespace ``xp``."""
     return dtype in _compat.float_dtypes(xp)
 
@@ -57,7 +58,7 @@ def check_bool(name: str, value: Any) -> bool:
     return bool(value)
 
 
-def check_auto_bool(name: str, value: Any) -> Any:
+def check_auto_bool(name: str, value: Any) -> bool | str:
     """Return ``"auto"`` or ``value`` as a Python ``bool`` (NumPy booleans included).
 
     Raises ``ValueError`` for anything else (``1``, ``1.0`` and ``"yes"`` included).
@@ -148,7 +149,7 @@ def check_softmax_scale(value: Any, name: str = "softmax_scale") -> float:
     return check_real(name, value, low=0.0, low_open=True, high=MAX_SOFTMAX_SCALE)
 
 
-def _check_array(name: str, x: Any) -> None:
+def _check_array(name: str, x: Array) -> None:
     try:
         _compat.namespace(x)
     except TypeError:
@@ -165,14 +166,16 @@ def _check_array(name: str, x: Any) -> None:
         raise ValueError(f"{name} is a meta tensor (a shape without data); pass a tensor that holds values")
 
 
-def array_namespace(**arrays: Any) -> Any:
+def array_namespace(**arrays: Array) -> Namespace:
     """The one namespace of the named arrays; ``TypeError`` naming the first that is not an array."""
     for name, x in arrays.items():
         _check_array(name, x)
     return _compat.namespace(*arrays.values())
 
 
-def check_kv(k: Any, v: Any, *, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None):
+def check_kv(
+    k: Array, v: Array, *, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None
+) -> tuple[Namespace, tuple[int, int, int, int]]:
     """Check a ``(batch, kv_heads, new_tokens, head_dim)`` key/value pair.
 
     Returns
@@ -207,7 +210,7 @@ def check_kv(k: Any, v: Any, *, num_kv_heads: int, head_dim: int, v_head_dim: in
     return xp, (b, h, t, d)
 
 
-def check_float_array(xp: Any, name: str, x: Any, axes: str) -> None:
+def check_float_array(xp: Namespace, name: str, x: Array, axes: str) -> None:
     """Check that ``x`` has one dimension per name in ``axes`` (e.g. ``"(heads, n, head_dim)"``) and a floating dtype.
 
     Raises
@@ -225,7 +228,9 @@ def check_float_array(xp: Any, name: str, x: Any, axes: str) -> None:
         raise TypeError(f"{name} must have a floating dtype ({allowed}), received {dtype_name(x.dtype)}")
 
 
-def check_query(q: Any, xp: Any, kv_shape: tuple, *, q_head_dim: int | None = None, device: Any = None) -> int:
+def check_query(
+    q: Array, xp: Namespace, kv_shape: tuple[int, ...], *, q_head_dim: int | None = None, device: Device = None
+) -> int:
     """Check ``q`` against a checked K shape (and ``k``'s ``device`` when given); return
     ``n_kv_groups`` (query heads per KV head)."""
     _check_array("q", q)
@@ -249,7 +254,7 @@ def check_query(q: Any, xp: Any, kv_shape: tuple, *, q_head_dim: int | None = No
     return qh // h
 
 
-def check_finite(xp: Any, **arrays: Any) -> None:
+def check_finite(xp: Namespace, **arrays: Array) -> None:
     """Raise ``ValueError`` if any named array holds NaN or infinity."""
     if _compat.all_finite(xp, list(arrays.values())):
         return

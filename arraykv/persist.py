@@ -20,11 +20,11 @@ built, so the kernels never read metadata that was not checked.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import numpy as np
 
 from . import _compat
+from ._types import Namespace
 from .caches.base import LayeredCache
 from .caches.hybrid import HybridCache
 from .caches.registry import available_methods, make_cache
@@ -33,7 +33,7 @@ from .storage.cache_file import FORMAT_VERSION, CacheFileError, read_cache_file
 __all__ = ["save_cache", "load_cache", "CacheFileError", "FORMAT_VERSION"]
 
 
-def save_cache(cache: Any, path: str | os.PathLike) -> int:
+def save_cache(cache: LayeredCache | HybridCache, path: str | os.PathLike) -> int:
     """Write ``cache`` to ``path``; return the file's size in bytes (see :meth:`LayeredCache.save`).
 
     Parameters
@@ -50,7 +50,7 @@ def save_cache(cache: Any, path: str | os.PathLike) -> int:
     return cache.save(path)
 
 
-def load_cache(path: str | os.PathLike, *, xp: Any = None):
+def load_cache(path: str | os.PathLike, *, xp: Namespace | None = None) -> LayeredCache | HybridCache:
     """Read a cache written by :func:`save_cache`.
 
     Parameters
