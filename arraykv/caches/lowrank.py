@@ -6,12 +6,13 @@ are those of every fitted cache (:mod:`arraykv.caches.fitted`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .. import _compat, ops
 from .._types import Array, DType, Namespace
 from .._validation import check_bool, check_int
-from ..compressor import LowRank, samples_by_head
+from ..compressor import KVCacheCompressor, LowRank, samples_by_head
 from ..quant.lowrank import LowRankBasis, check_rank_energy, fit_basis, row_products
 from ..quant.polar import half_dtype
 from ..storage import TokenBuffers
@@ -20,6 +21,9 @@ from .layout import Layout, Spec, bounded
 from .rollback import DEFAULT_ROLLBACK_TOKENS
 
 __all__ = ["LowRankCache"]
+
+#: One layer's given bases: a fitted compressor, or a ``(k_basis, v_basis)`` pair.
+LowRankItem = KVCacheCompressor | tuple[LowRankBasis, LowRankBasis]
 
 _COEFF_DTYPES = ("float16", "float32")
 
@@ -120,7 +124,7 @@ class LowRankCache(FittedCache):
         energy: float | None = None,
         center: bool = True,
         coeff_dtype: str = "float16",
-        calibration: Any = None,
+        calibration: LowRankItem | Sequence[LowRankItem | None] | None = None,
         min_calibration: int | None = None,
         residual_window: int = DEFAULT_WINDOW,
         sink_tokens: int = DEFAULT_SINKS,

@@ -8,13 +8,14 @@ nearest centroid in a per-(layer, KV head, sub-space) k-means codebook
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .. import _compat, ops
 from .._types import Array, DType, Namespace
 from .._validation import check_int
 from ..attention.reference import attention
-from ..compressor import VectorQuantization, samples_by_head
+from ..compressor import KVCacheCompressor, VectorQuantization, samples_by_head
 from ..quant.bitpack import packed_nbytes, unpack_bits_reference
 from ..quant.vq import VQCodebook, VQCodes, check_vq_options, code_bits, train_vq, vq_decode, vq_encode
 from ..storage import TokenBuffers
@@ -23,6 +24,9 @@ from .layout import Layout, Spec, bounded, join
 from .rollback import DEFAULT_ROLLBACK_TOKENS
 
 __all__ = ["VQCache"]
+
+#: One layer's given codebooks: a fitted compressor, or a ``(k_codebook, v_codebook)`` pair.
+VQItem = KVCacheCompressor | tuple[VQCodebook, VQCodebook]
 
 #: ``vq`` fits its codebooks once it holds this many vectors per centroid (per head).
 VQ_VECTORS_PER_CENTROID = 4
@@ -146,7 +150,7 @@ class VQCache(FittedCache):
         max_iter: int = 25,
         tol: float = 1e-4,
         seed: int = 0,
-        calibration: Any = None,
+        calibration: VQItem | Sequence[VQItem | None] | None = None,
         min_calibration: int | None = None,
         max_calibration: int | None = None,
         residual_window: int = DEFAULT_WINDOW,
