@@ -7,8 +7,6 @@ reads the same state without building K/V (:mod:`arraykv.attention.polar_fused`)
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import _compat, ops
 from .._types import Array
 from ..quant.polar import PolarCode, polar_decode
@@ -17,11 +15,12 @@ from ..quant.qjl import QJL_SCALE
 from .polar_calibration import PolarCalibration
 from .polar_codec import PolarFixed
 from .polar_options import PolarOptions
+from .window import WindowLayer
 
 __all__ = ["decode_layer", "decode_tokens", "qjl_logit_bias"]
 
 
-def decode_layer(st: Any, fixed: PolarFixed, opts: PolarOptions, start: int = 0) -> tuple[Array, Array]:
+def decode_layer(st: WindowLayer, fixed: PolarFixed, opts: PolarOptions, start: int = 0) -> tuple[Array, Array]:
     """float32 K/V of the tokens ``start ..`` of layer ``st``: (b, h, total - start, d) each.
 
     Layout: the sink tokens, the encoded tokens, the recent window; only the codes of tokens
@@ -97,7 +96,7 @@ def decode_tokens(
     return kd, vd
 
 
-def qjl_logit_bias(st: Any, fixed: PolarFixed, q: Array, scale: float) -> Array:
+def qjl_logit_bias(st: WindowLayer, fixed: PolarFixed, q: Array, scale: float) -> Array:
     """``(batch, q_heads, new_tokens, total)`` float32 QJL logit correction of layer ``st``, times ``scale``.
 
     For an encoded key with residual sketch ``±1(S r)`` and norm ``‖r‖`` the logit of ``q``
