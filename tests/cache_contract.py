@@ -42,10 +42,16 @@ def snapshot(cache):
     ]
 
 
-def assert_same_snapshot(a, b):
+def assert_same_snapshot(a, b, *, restored=False):
+    """Equal snapshots; with ``restored`` (``a`` continued from a prefix-store entry, which leaves
+    out the rollback copies) ``a``'s rollback copies are the last of ``b``'s."""
     assert len(a) == len(b)
     for (la, da), (lb, db) in zip(a, b):
         assert la == lb
         assert sorted(da) == sorted(db)
         for n in da:
-            np.testing.assert_array_equal(da[n], db[n], err_msg=n)
+            x, y = np.asarray(da[n]), np.asarray(db[n])
+            if restored and n in ("k_rollback", "v_rollback"):
+                assert x.shape[2] <= y.shape[2], n
+                y = y[:, :, y.shape[2] - x.shape[2] :]
+            np.testing.assert_array_equal(x, y, err_msg=n)

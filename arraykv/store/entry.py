@@ -14,16 +14,24 @@ layer holds the expected number of tokens.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import struct
 import tempfile
 from typing import Any
 
-from ..storage.cache_file import FORMAT_VERSION, MAGIC, CacheFileError, read_cache_file, write_cache_file
+from ..storage.cache_file import (
+    FORMAT_VERSION,
+    MAGIC,
+    CacheFileError,
+    LayerRecord,
+    read_cache_file,
+    write_cache_file,
+)
 from .backend import EntryError
 
-__all__ = ["encode_cache", "restore_entry", "peek_entry", "HEADER_LIMIT"]
+__all__ = ["encode_cache", "restore_entry", "peek_entry", "HEADER_LIMIT", "ROLLBACK_ARRAYS"]
 
 #: The longest JSON header :func:`peek_entry` reads (a 64-layer cache's header is about 40 KB).
 HEADER_LIMIT = 1 << 24
@@ -35,13 +43,25 @@ def _scratch_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
-def encode_cache(cache: Any) -> bytes:
+#: The arrays of a layer that only serve truncation: copies of its latest encoded tokens.
+ROLLBACK_ARRAYS = ("k_rollback", "v_rollback")
+
+
+def encode_cache(cache: Any, *, rollback_copies: bool = True) -> bytes:
     """The bytes of ``cache`` saved (what :meth:`~arraykv.caches.LayeredCache.save` writes).
 
     Parameters
     ----------
     cache : LayeredCache or HybridCache
         Any cache with ``get_config()`` and ``snapshot(host=True)``.
+    rollback_copies : bool, default True
+        False leaves out the float16 copies of each layer's latest encoded tokens that let
+        :meth:`~arraykv.caches.LayeredCache.truncate` go back into them exactly (``k_rollback``
+        and ``v_rollback`` are saved with no rows). They take no part in attention: the restored
+        cache computes, stores and decodes the same as the original, and holds copies again
+        once it has encoded ``rollback_tokens`` tokens of its own; until then it cannot be
+        truncated back past the tokens it encoded itself (``min_truncate_length`` says so).
+        What a store keeps of a prefix (:class:`~arraykv.store.PrefixStore`).
 
     Returns
     -------
@@ -52,11 +72,20 @@ def encode_cache(cache: Any) -> bytes:
         raise TypeError(
             f"cache must be an arraykv cache (LayeredCache or HybridCache), received {type(cache).__name__}"
         )
+    layers = cache.snapshot(host=True)
+    if not rollback_copies:
+        layers = [None if rec is None else _without_rollback_copies(rec) for rec in layers]
     with tempfile.TemporaryDirectory(prefix="arraykv-entry-", dir=_scratch_dir()) as tmp:
         path = os.path.join(tmp, "entry")
-        write_cache_file(path, cache.get_config(), cache.snapshot(host=True))
+        write_cache_file(path, cache.get_config(), layers)
         with open(path, "rb") as f:
             return f.read()
+
+
+def _without_rollback_copies(rec: LayerRecord) -> LayerRecord:
+    """``rec`` with its rollback copies cut to no rows (axis 2: batch, heads, copies, head_dim)."""
+    arrays = {k: (v[:, :, :0, :] if k in ROLLBACK_ARRAYS else v) for k, v in rec.arrays.items()}
+    return dataclasses.replace(rec, arrays=arrays)
 
 
 @contextlib.contextmanager

@@ -272,7 +272,7 @@ def test_generate_with_a_prefix_store_continues_bit_for_bit(dec, graph, ids, met
         cache = dec.make_cache(method)
         assert dec.generate(prompt, 6, cache=cache, prefill_chunk=16, store=store) == want
         assert store.last_report.reused == reused and store.last_report.stored == ([96] if not reused else [])
-        assert_same_snapshot(snapshot(cache), snapshot(plain_cache))
+        assert_same_snapshot(snapshot(cache), snapshot(plain_cache), restored=reused > 0)
     # the same graph in another form finds the entry (the same model); another model's graph does not
     same = OrtGraphDecoder(graph.SerializeToString() if hasattr(graph, "SerializeToString") else graph)
     assert same.generate(prompt, 6, method=method, prefill_chunk=16, store=store) == want

@@ -16,6 +16,7 @@ from arraykv.store import (
     restore_entry,
     segmented_prefill,
 )
+from arraykv.store.entry import ROLLBACK_ARRAYS
 
 S, CHUNK = 64, 32  # tokens per stored segment, the decoder's prefill chunk within a segment
 
@@ -32,14 +33,20 @@ def arrays(cache) -> list:
     ]
 
 
-def assert_same_state(a, b):
+def assert_same_state(a, b, *, restored=False):
+    """Every array of cache ``a`` equals ``b``'s; with ``restored`` (``a`` continued from a store
+    entry, which leaves out the rollback copies), ``a``'s copies are the last of ``b``'s."""
     for la, lb in zip(arrays(a), arrays(b)):
         assert (la is None) == (lb is None)
         if la is None:
             continue
         assert la[:2] == lb[:2] and la[2].keys() == lb[2].keys()
         for name in la[2]:
-            assert la[2][name].dtype == lb[2][name].dtype and np.array_equal(la[2][name], lb[2][name]), name
+            x, y = la[2][name], lb[2][name]
+            if restored and name in ROLLBACK_ARRAYS:
+                assert x.shape[2] <= y.shape[2]
+                y = y[:, :, y.shape[2] - x.shape[2] :]
+            assert x.dtype == y.dtype and np.array_equal(x, y), name
 
 
 def decode_steps(model, cache, logits, steps=3) -> list:
@@ -70,7 +77,7 @@ def test_continuing_a_stored_prefix_equals_a_fresh_run(model, tmp_path, method):
         got = store.prefill(model, ids[:cut], warm, chunk_size=CHUNK)
         assert store.last_report.reused == (cut - 1) // S * S
         assert got.dtype == want.dtype and np.array_equal(got, want)
-        assert_same_state(warm, fresh)
+        assert_same_state(warm, fresh, restored=True)
         if cut == len(ids):
             steps = decode_steps(model, warm, got)
             assert all(np.array_equal(a, b) for a, b in zip(steps, ref_steps))
@@ -176,6 +183,31 @@ def test_a_crafted_or_foreign_entry_is_refused_and_the_prompt_computed(model, tm
         with pytest.raises(EntryError, match=why):
             strict.prefill(model, ids, empty, chunk_size=CHUNK)
         assert empty.seq_len(0) == 0  # a refused entry leaves the cache as it was
+
+
+@pytest.mark.parametrize("method", ["pqo4", "int4"])
+def test_an_entry_without_rollback_copies_continues_the_same(model, method):
+    ids = prompt(90)
+    c = model.make_cache(method)
+    model.prefill(ids[:60], c, chunk_size=CHUNK)
+    for t in ids[60:]:  # decode steps: the copies now reach back into them
+        model.decode(t, c)
+    assert c.min_truncate_length(0) < 90
+    full, lean = encode_cache(c), encode_cache(c, rollback_copies=False)
+    copies = sum(r.arrays[n].nbytes for r in c.snapshot(host=True) for n in ROLLBACK_ARRAYS)
+    assert copies > 0 and copies <= len(full) - len(lean) <= copies + 1024  # the copies' bytes (and header digits)
+    target = model.make_cache(method)
+    restore_entry(target, lean, tokens=90)
+    assert_same_state(target, c, restored=True)
+    assert target.min_truncate_length(0) > c.min_truncate_length(0)  # no going back into the prefix
+    with pytest.raises(ValueError):
+        target.truncate(0, c.min_truncate_length(0))
+    token = int(ids[-1])
+    for _ in range(41):  # past the window and rollback_tokens: the copies are the original's again
+        a, b = model.decode(token, target), model.decode(token, c)
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+        token = int(np.argmax(np.asarray(a)))
+    assert_same_state(target, c)
 
 
 def test_restore_entry_checks(model):

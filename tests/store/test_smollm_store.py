@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from arraykv.store import LocalStore, PrefixStore, segmented_prefill
+from arraykv.store.entry import ROLLBACK_ARRAYS
 
 
 @pytest.mark.slow
@@ -27,7 +28,11 @@ def test_smollm2_pqo4_continues_a_stored_prefix_bit_for_bit(tmp_path):
     assert np.array_equal(warm, want)
     for a, b in zip(fresh.snapshot(host=True), warm_cache.snapshot(host=True)):
         assert a.arrays.keys() == b.arrays.keys()
-        assert all(np.array_equal(a.arrays[n], b.arrays[n]) for n in a.arrays)
+        for n in a.arrays:  # an entry leaves out the rollback copies: the warm cache holds the last of them
+            x, y = b.arrays[n], a.arrays[n]
+            if n in ROLLBACK_ARRAYS:
+                y = y[:, :, y.shape[2] - x.shape[2] :]
+            assert np.array_equal(x, y), n
     # and the next steps: generation through the store gives the tokens of the fresh cache
     tokens = [int(np.argmax(want))]
     for _ in range(3):
