@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 
 import arraykv  # noqa: E402
 from arraykv.ops import int_decode_attention, polar_decode_attention, vq_decode_attention  # noqa: E402
+from arraykv.quant.vq import VQLayerCodes  # noqa: E402
 
 t_import = time.perf_counter() - t_start
 
@@ -38,7 +39,7 @@ def main(which: str) -> None:
         e = np.zeros((1, h, 0, d), np.float32)
         t_setup = time.perf_counter() - t0
         t0 = time.perf_counter()
-        vq_decode_attention(q[:, :, 0], codes, cent, codes, cent, e, e, bits=4, softmax_scale=0.1)
+        vq_decode_attention(q[:, :, 0], VQLayerCodes(codes, cent, codes, cent, bits=4), e, e, softmax_scale=0.1)
     else:
         cache = arraykv.make_cache(which, num_layers=1, num_kv_heads=h, head_dim=d)
         cache.prefill(0, k, k, rng.standard_normal((1, h * g, n, d)).astype(np.float32))

@@ -52,7 +52,9 @@ import numpy as np
 
 import arraykv
 from arraykv.ops import polar_decode_attention
+from arraykv.quant.lowrank import LowRankLayerCoefficients
 from arraykv.quant.polar import PolarCode, polar_decode
+from arraykv.quant.vq import VQLayerCodes
 
 PER_TOKEN = ("k_codes", "k_norms", "v_codes", "v_norms", "k_outliers", "k_qjl", "k_qjl_norms")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -356,8 +358,9 @@ def _steps(method, k, v, q, scale, rng, baseline=None):
         cent = rng.standard_normal((h, m, kk, 2)).astype(np.float32)
         e = np.zeros((b, h, 0, d), np.float32)
         q3 = q[:, :, 0]
+        codes = VQLayerCodes(kc, cent, vc, cent, bits=4)
         return (
-            lambda: arraykv.ops.vq_decode_attention(q3, kc, cent, vc, cent, e, e, bits=4, softmax_scale=scale),
+            lambda: arraykv.ops.vq_decode_attention(q3, codes, e, e, softmax_scale=scale),
             kc.nbytes + vc.nbytes + 2 * cent.nbytes,
             None,
         )
@@ -367,10 +370,9 @@ def _steps(method, k, v, q, scale, rng, baseline=None):
         basis = np.linalg.qr(rng.standard_normal((h, d, r)))[0].astype(np.float32)
         mean = np.zeros((h, d), np.float32)
         e = np.zeros((b, h, 0, d), np.float16)
+        coefficients = LowRankLayerCoefficients(kc, basis, mean, vc, basis, mean)
         return (
-            lambda: arraykv.ops.lowrank_decode_attention(
-                q, kc, basis, mean, vc, basis, mean, e, e, softmax_scale=scale
-            ),
+            lambda: arraykv.ops.lowrank_decode_attention(q, coefficients, e, e, softmax_scale=scale),
             kc.nbytes + vc.nbytes + 2 * (basis.nbytes + mean.nbytes),
             None,
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 from .. import _compat
 from .._types import Array, Namespace
 from .._validation import check_softmax_scale
+from ..quant.lowrank import LowRankLayerCoefficients
 
 __all__ = ["lowrank_decode_attention", "check_decode_args"]
 
@@ -105,17 +106,7 @@ def check_decode_args(
 
 
 def lowrank_decode_attention(
-    q: Array,
-    k_coef: Array,
-    k_basis: Array,
-    k_mean: Array,
-    v_coef: Array,
-    v_basis: Array,
-    v_mean: Array,
-    k_extra: Array,
-    v_extra: Array,
-    *,
-    softmax_scale: float,
+    q: Array, layer_coefficients: LowRankLayerCoefficients, k_extra: Array, v_extra: Array, *, softmax_scale: float
 ) -> Array:
     """One decode step of attention over a low-rank layer.
 
@@ -123,11 +114,10 @@ def lowrank_decode_attention(
     ----------
     q : array of float, shape (batch, q_heads, 1, head_dim)
         ``q_heads`` a multiple of the KV heads ``h``; query head ``i`` uses KV head ``i // (q_heads // h)``.
-    k_coef, v_coef : array of float16/float32, shape (batch, h, T, r_k) and (batch, h, T, r_v)
-        Coefficients of the ``T`` encoded tokens (``T`` may be 0).
-    k_basis, v_basis : array of float32, shape (h, head_dim, r_k) and (h, head_dim, r_v)
-        Orthonormal columns (ignored, and may be None, when ``T = 0``).
-    k_mean, v_mean : array of float32, shape (h, head_dim), or None when ``T = 0``
+    layer_coefficients : LowRankLayerCoefficients
+        The coefficients (batch, h, T, r) of the ``T`` encoded tokens (``T`` may be 0), bases
+        (h, head_dim, r) and means (h, head_dim)
+        (:class:`~arraykv.quant.lowrank.LowRankLayerCoefficients`).
     k_extra, v_extra : array of float, shape (batch, h, E, head_dim)
         Tokens kept as vectors (sinks and window; ``E`` may be 0). ``T + E ≥ 1``.
     softmax_scale : float
@@ -154,6 +144,9 @@ def lowrank_decode_attention(
     """
     softmax_scale = check_softmax_scale(softmax_scale)
     xp = _compat.namespace(q)
+    lc = layer_coefficients
+    k_coef, k_basis, k_mean = lc.k_coef, lc.k_basis, lc.k_mean
+    v_coef, v_basis, v_mean = lc.v_coef, lc.v_basis, lc.v_mean
     b, h, g, d, n_t, n_e, _, _ = check_decode_args(
         q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra
     )

@@ -9,23 +9,14 @@ from __future__ import annotations
 
 from .. import _compat
 from .._types import Array
-from ..quant.vq import VQCodebook, VQCodes, check_decode_attention_args, vq_decode
+from ..quant.vq import VQCodebook, VQCodes, VQLayerCodes, check_decode_attention_args, vq_decode
 from .reference import attention
 
 __all__ = ["vq_decode_attention_reference"]
 
 
 def vq_decode_attention_reference(
-    q: Array,
-    k_codes: Array,
-    k_centroids: Array,
-    v_codes: Array,
-    v_centroids: Array,
-    k_extra: Array,
-    v_extra: Array,
-    *,
-    bits: int,
-    softmax_scale: float,
+    q: Array, layer_codes: VQLayerCodes, k_extra: Array, v_extra: Array, *, softmax_scale: float
 ) -> Array:
     """One decode step of attention over VQ-coded (product-quantized) keys and values plus a few dense tokens.
 
@@ -37,16 +28,11 @@ def vq_decode_attention_reference(
     q : array of float, shape (batch, q_heads, head_dim)
         The new token's queries; ``q_heads`` is a multiple of the KV heads ``h`` and query head
         ``i`` uses KV head ``i // (q_heads // h)`` (grouped-query attention).
-    k_codes, v_codes : array, shape (batch, h, T, ceil(m * bits / 8)) uint8 or (batch, h, T, m) uint16
-        VQ codes of the ``T`` coded tokens (:attr:`~arraykv.quant.vq.VQCodes.codes`): packed with
-        :func:`arraykv.quant.bitpack.pack_bits` when ``bits <= 8``, one uint16 per code otherwise.
-    k_centroids, v_centroids : array of float, shape (h, m, K, s)
-        The codebooks (:attr:`~arraykv.quant.vq.VQCodebook.centroids`), ``m * s == head_dim``; ``K`` may differ
-        between keys and values.
+    layer_codes : VQLayerCodes
+        The layer's codes (batch, h, T, ·), codebooks (h, m, K, s) and code width
+        (:class:`~arraykv.quant.vq.VQLayerCodes`), ``m * s == head_dim``.
     k_extra, v_extra : array of float, shape (batch, h, E, head_dim)
         Dense tokens (a cache's float16 sinks and recent window); ``E`` may be 0.
-    bits : int
-        Bits per code, 1 to 16 (``code_bits(K)``).
     softmax_scale : float
         Multiplies ``q · k`` before the softmax.
 
@@ -66,8 +52,10 @@ def vq_decode_attention_reference(
     decoding: see :mod:`arraykv.ops.numba.vq_fused`.
     """
     xp = _compat.namespace(q)
+    lc = layer_codes
+    k_codes, k_centroids, v_codes, v_centroids = lc.k_codes, lc.k_centroids, lc.v_codes, lc.v_centroids
     b, hq, h, t, e, d, m, bits = check_decode_attention_args(
-        q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits
+        q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, lc.bits
     )
     f32 = xp.float32
     ks, vs = [], []

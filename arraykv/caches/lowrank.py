@@ -13,7 +13,7 @@ from .. import _compat, ops
 from .._types import Array, DType, Namespace
 from .._validation import check_bool, check_int
 from ..compressor import KVCacheCompressor, LowRank, samples_by_head
-from ..quant.lowrank import LowRankBasis, check_rank_energy, fit_basis, row_products
+from ..quant.lowrank import LowRankBasis, LowRankLayerCoefficients, check_rank_energy, fit_basis, row_products
 from ..quant.polar import half_dtype
 from ..storage import TokenBuffers
 from .fitted import DEFAULT_SINKS, DEFAULT_WINDOW, FittedCache, FittedLayer, _f32
@@ -237,21 +237,17 @@ class LowRankCache(FittedCache):
         buf, calib = st.codes, st.calib
         ke, ve = self._extras(st)
         if calib is None or not buf.length:
-            return ops.lowrank_decode_attention(
-                q, ke[:, :, :0, :], None, None, ve[:, :, :0, :], None, None, ke, ve, softmax_scale=scale
-            )
-        return ops.lowrank_decode_attention(
-            q,
-            buf.view("k_coef"),
-            calib["k_basis"],
-            calib["k_mean"],
-            buf.view("v_coef"),
-            calib["v_basis"],
-            calib["v_mean"],
-            ke,
-            ve,
-            softmax_scale=scale,
+            empty = LowRankLayerCoefficients(ke[:, :, :0, :], None, None, ve[:, :, :0, :], None, None)
+            return ops.lowrank_decode_attention(q, empty, ke, ve, softmax_scale=scale)
+        coefficients = LowRankLayerCoefficients(
+            k_coef=buf.view("k_coef"),
+            k_basis=calib["k_basis"],
+            k_mean=calib["k_mean"],
+            v_coef=buf.view("v_coef"),
+            v_basis=calib["v_basis"],
+            v_mean=calib["v_mean"],
         )
+        return ops.lowrank_decode_attention(q, coefficients, ke, ve, softmax_scale=scale)
 
     def _decode_tokens(
         self, xp: Namespace, calib: dict[str, Array], buf: TokenBuffers, start: int = 0

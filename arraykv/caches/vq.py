@@ -17,7 +17,7 @@ from .._validation import check_int
 from ..attention.reference import attention
 from ..compressor import KVCacheCompressor, VectorQuantization, samples_by_head
 from ..quant.bitpack import packed_nbytes, unpack_bits_reference
-from ..quant.vq import VQCodebook, VQCodes, check_vq_options, code_bits, train_vq, vq_decode, vq_encode
+from ..quant.vq import VQCodebook, VQCodes, VQLayerCodes, check_vq_options, code_bits, train_vq, vq_decode, vq_encode
 from ..storage import TokenBuffers
 from .fitted import DEFAULT_SINKS, DEFAULT_WINDOW, FittedCache, FittedLayer, _f32
 from .layout import Layout, Spec, bounded, join
@@ -294,17 +294,10 @@ class VQCache(FittedCache):
             r = self._decoded(st)
             return attention(q, r.k, r.v, softmax_scale=scale, causal=False)
         b, hq, _, d = (int(s) for s in q.shape)
-        out = ops.vq_decode_attention(
-            xp.reshape(q, (b, hq, d)),
-            buf.view("k_codes"),
-            kc,
-            buf.view("v_codes"),
-            vc,
-            ke,
-            ve,
-            bits=bits,
-            softmax_scale=scale,
+        codes = VQLayerCodes(
+            k_codes=buf.view("k_codes"), k_centroids=kc, v_codes=buf.view("v_codes"), v_centroids=vc, bits=bits
         )
+        out = ops.vq_decode_attention(xp.reshape(q, (b, hq, d)), codes, ke, ve, softmax_scale=scale)
         out = xp.reshape(out, (b, hq, 1, d))
         return out if out.dtype == q.dtype else xp.astype(out, q.dtype)
 

@@ -14,6 +14,8 @@ from typing import Any
 from .. import _compat
 from .._validation import check_softmax_scale
 from ..attention.int_fused import layer_exponents
+from ..quant.lowrank import LowRankLayerCoefficients
+from ..quant.vq import VQLayerCodes
 from .registry import implementation, lookup, reference
 
 __all__ = [
@@ -97,52 +99,32 @@ def int_decode_attention(codec: Any, q: Any, scale: float):
     return out * 2.0**v_exp if v_exp else out
 
 
-def vq_decode_attention(
-    q: Any,
-    k_codes: Any,
-    k_centroids: Any,
-    v_codes: Any,
-    v_centroids: Any,
-    k_extra: Any,
-    v_extra: Any,
-    *,
-    bits: int,
-    softmax_scale: float,
-):
+def vq_decode_attention(q: Any, layer_codes: VQLayerCodes, k_extra: Any, v_extra: Any, *, softmax_scale: float):
     """One decode step of attention over VQ-coded keys and values plus a few dense tokens.
 
     Arguments and result of :func:`arraykv.attention.vq_fused.vq_decode_attention_reference`:
-    ``q`` (batch, q_heads, head_dim), codes (batch, h, T, ·), codebooks (h, m, K, s), dense
-    tokens (batch, h, E, head_dim); returns float32 (batch, q_heads, head_dim).
+    ``q`` (batch, q_heads, head_dim), the layer's codes (batch, h, T, ·), codebooks (h, m, K, s)
+    and code width (:class:`~arraykv.quant.vq.VQLayerCodes`), dense tokens (batch, h, E,
+    head_dim); returns float32 (batch, q_heads, head_dim).
     """
     softmax_scale = check_softmax_scale(softmax_scale)
     xp = _compat.namespace(q)
     fn = implementation("vq_decode_attention", xp, _device(xp, q))
-    return fn(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits=bits, softmax_scale=softmax_scale)
+    return fn(q, layer_codes, k_extra, v_extra, softmax_scale=softmax_scale)
 
 
 def lowrank_decode_attention(
-    q: Any,
-    k_coef: Any,
-    k_basis: Any,
-    k_mean: Any,
-    v_coef: Any,
-    v_basis: Any,
-    v_mean: Any,
-    k_extra: Any,
-    v_extra: Any,
-    *,
-    softmax_scale: float,
+    q: Any, layer_coefficients: LowRankLayerCoefficients, k_extra: Any, v_extra: Any, *, softmax_scale: float
 ):
     """One decode step of attention over a low-rank layer, in coefficient space.
 
     Arguments and result of :func:`arraykv.attention.lowrank_fused.lowrank_decode_attention`:
-    ``q`` (batch, q_heads, 1, head_dim), coefficients (batch, h, T, r) of float16 or float32,
-    bases (h, head_dim, r) and means (h, head_dim) (None when ``T = 0``), kept tokens
-    (batch, h, E, head_dim); returns (batch, q_heads, 1, head_dim) in the dtype of ``q``. On
-    NumPy the kernel reads float16 coefficients in place instead of converting the layer at
-    every step.
+    ``q`` (batch, q_heads, 1, head_dim), the layer's coefficients (batch, h, T, r) of float16 or
+    float32, bases (h, head_dim, r) and means (h, head_dim) (None when ``T = 0``;
+    :class:`~arraykv.quant.lowrank.LowRankLayerCoefficients`), kept tokens (batch, h, E,
+    head_dim); returns (batch, q_heads, 1, head_dim) in the dtype of ``q``. On NumPy the kernel
+    reads float16 coefficients in place instead of converting the layer at every step.
     """
     xp = _compat.namespace(q)
     fn = implementation("lowrank_decode_attention", xp, _device(xp, q))
-    return fn(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra, softmax_scale=softmax_scale)
+    return fn(q, layer_coefficients, k_extra, v_extra, softmax_scale=softmax_scale)

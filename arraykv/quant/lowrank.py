@@ -14,7 +14,15 @@ from .._types import Array, DType
 from .._validation import check_float_array, check_int, check_real
 from ._dims import axis_length
 
-__all__ = ["LowRankBasis", "fit_basis", "project", "reconstruct", "eckart_young_error", "choose_rank"]
+__all__ = [
+    "LowRankBasis",
+    "LowRankLayerCoefficients",
+    "fit_basis",
+    "project",
+    "reconstruct",
+    "eckart_young_error",
+    "choose_rank",
+]
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,35 @@ class LowRankBasis:
         total = xp.sum(self.variance, axis=-1)
         kept = xp.sum(self.variance[:, : self.rank], axis=-1)
         return kept / xp.where(total > 0.0, total, 1.0)
+
+
+@dataclass(frozen=True)
+class LowRankLayerCoefficients:
+    """A low-rank layer's encoded tokens and bases: what the fused decode attention reads besides the query.
+
+    The argument object of :func:`arraykv.ops.lowrank_decode_attention`, its array-API reference
+    (:func:`arraykv.attention.lowrank_fused.lowrank_decode_attention`) and its Numba kernel
+    (:mod:`arraykv.ops.numba.lowrank_fused`), built per step by
+    :class:`~arraykv.caches.lowrank.LowRankCache`: token ``t``'s key is ``k_mean + k_basis @
+    k_coef[..., t, :]``, its value likewise. It holds references, never copies; shapes are
+    checked by the ops (:func:`arraykv.attention.lowrank_fused.check_decode_args`).
+
+    Attributes
+    ----------
+    k_coef, v_coef : array of float16 or float32, shape (batch, h, T, r_k) and (batch, h, T, r_v)
+        Coefficients of the ``T`` encoded tokens (``T`` may be 0).
+    k_basis, v_basis : array of float32, shape (h, head_dim, r_k) and (h, head_dim, r_v), or None
+        Orthonormal columns (:attr:`LowRankBasis.basis`); None, and ignored, when ``T = 0``.
+    k_mean, v_mean : array of float32, shape (h, head_dim), or None
+        The means the coefficients are centred on; None, and ignored, when ``T = 0``.
+    """
+
+    k_coef: Array
+    k_basis: Array
+    k_mean: Array
+    v_coef: Array
+    v_basis: Array
+    v_mean: Array
 
 
 def choose_rank(variance: Array, energy: float) -> int:

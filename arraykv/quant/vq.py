@@ -28,6 +28,7 @@ from .kmeans import assign_reference, gather_rows, kmeans_pp, split_subspaces, u
 __all__ = [
     "VQCodebook",
     "VQCodes",
+    "VQLayerCodes",
     "check_vq_options",
     "train_vq",
     "vq_encode",
@@ -94,6 +95,36 @@ class VQCodes:
     @property
     def nbytes(self) -> int:
         return _compat.array_nbytes(self.codes)
+
+
+@dataclass(frozen=True)
+class VQLayerCodes:
+    """A VQ layer's coded tokens and codebooks: what the fused decode attention reads besides the query.
+
+    The argument object of :func:`arraykv.ops.vq_decode_attention`, its array-API reference
+    (:func:`arraykv.attention.vq_fused.vq_decode_attention_reference`) and its Numba kernel
+    (:mod:`arraykv.ops.numba.vq_fused`), built per step by :class:`~arraykv.caches.vq.VQCache`.
+    It holds references, never copies; shapes and dtypes are checked by the ops
+    (:func:`check_decode_attention_args`).
+
+    Attributes
+    ----------
+    k_codes, v_codes : array, shape (batch, h, T, ceil(m * bits / 8)) uint8 or (batch, h, T, m) uint16
+        VQ codes of the ``T`` coded tokens (:attr:`VQCodes.codes`): packed with
+        :func:`arraykv.quant.bitpack.pack_bits` when ``bits <= 8``, one uint16 per code otherwise;
+        ``T`` may be 0.
+    k_centroids, v_centroids : array of float, shape (h, m, K, s)
+        The codebooks (:attr:`VQCodebook.centroids`), ``m * s == head_dim``; ``K`` may differ
+        between keys and values.
+    bits : int
+        Bits per code of both, 1 to 16 (:func:`code_bits` of the larger codebook).
+    """
+
+    k_codes: Array
+    k_centroids: Array
+    v_codes: Array
+    v_centroids: Array
+    bits: int
 
 
 def code_bits(codebook_size: int) -> int:

@@ -16,6 +16,7 @@ from arraykv.attention.lowrank_fused import lowrank_decode_attention
 from arraykv.attention.polar_fused import polar_decode_attention_reference
 from arraykv.compressor import Hybrid, LowRank
 from arraykv.ops import int_decode_attention, polar_decode_attention
+from arraykv.quant.lowrank import LowRankLayerCoefficients
 from arraykv.quant.rotary_mean import check_rope
 
 BAD_SCALES = [
@@ -69,7 +70,8 @@ def test_fused_attention_functions_refuse_meaningless_scales(rng, scale, exc):
             fn(pc, q, scale)
     empty = np.zeros((1, 2, 0, 4), np.float32)
     with pytest.raises(exc, match="softmax_scale"):
-        lowrank_decode_attention(q, empty, None, None, empty, None, None, k, v, softmax_scale=scale)
+        no_coded = LowRankLayerCoefficients(empty, None, None, empty, None, None)
+        lowrank_decode_attention(q, no_coded, k, v, softmax_scale=scale)
     if scale is not None:  # None is this option's default: 1/sqrt(head_dim)
         with pytest.raises(exc, match="softmax_scale"):
             arraykv.make_cache("pqo4", num_layers=1, num_kv_heads=2, head_dim=d, softmax_scale=scale)

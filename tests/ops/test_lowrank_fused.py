@@ -9,6 +9,7 @@ import arraykv
 from arraykv import ops
 from arraykv.attention.lowrank_fused import lowrank_decode_attention as reference
 from arraykv.ops.numba import lowrank_fused as nf
+from arraykv.quant.lowrank import LowRankLayerCoefficients
 
 
 def _case(rng, *, b=1, h=2, g=1, d=64, r=8, T=7, E=0, coef=np.float16, extra=np.float16):
@@ -34,6 +35,12 @@ def _case(rng, *, b=1, h=2, g=1, d=64, r=8, T=7, E=0, coef=np.float16, extra=np.
         k_extra=(rng.standard_normal((b, h, E, d)) * 2).astype(extra),
         v_extra=rng.standard_normal((b, h, E, d)).astype(extra),
     )
+
+
+def _split(args):
+    """``(q, layer coefficients, k_extra, v_extra)``: the ops' positional arguments from a case's dict."""
+    names = ("k_coef", "k_basis", "k_mean", "v_coef", "v_basis", "v_mean")
+    return args["q"], LowRankLayerCoefficients(*(args[n] for n in names)), args["k_extra"], args["v_extra"]
 
 
 def _dense(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra, *, softmax_scale):
@@ -89,9 +96,9 @@ def test_kernel_matches_reference_and_dense_attention(rng, shape):
     b, h, g, d, r, T, E, dt = shape
     args = _case(rng, b=b, h=h, g=g, d=d, r=r, T=T, E=E, coef=dt)
     scale = d**-0.5
-    got = nf.lowrank_decode_attention(**args, softmax_scale=scale)
+    got = nf.lowrank_decode_attention(*_split(args), softmax_scale=scale)
     assert got.dtype == np.float32 and got.shape == (b, h * g, 1, d)
-    _close(got, reference(**args, softmax_scale=scale))
+    _close(got, reference(*_split(args), softmax_scale=scale))
     _close(got, _dense(**args, softmax_scale=scale))
 
 
@@ -109,15 +116,15 @@ def test_no_coded_tokens_needs_no_basis(rng):
         ),
         softmax_scale=0.125,
     )
-    _close(nf.lowrank_decode_attention(**args, softmax_scale=0.125), want)
-    _close(reference(**args, softmax_scale=0.125), want)
+    _close(nf.lowrank_decode_attention(*_split(args), softmax_scale=0.125), want)
+    _close(reference(*_split(args), softmax_scale=0.125), want)
 
 
 def test_strided_and_noncontiguous_inputs(rng):
     """Coefficients sliced from a longer buffer (the cache's layout), strided along tokens or
     channels, transposed bases, a strided query and strided kept tokens."""
     args = _case(rng, b=2, h=2, g=3, d=64, r=32, T=300, E=5)
-    want = reference(**args, softmax_scale=0.125)
+    want = reference(*_split(args), softmax_scale=0.125)
 
     def buffer(c):  # a token buffer with room for more: the cache's view of its first T tokens
         big = np.zeros(c.shape[:2] + (512, c.shape[3]), c.dtype)
@@ -137,7 +144,7 @@ def test_strided_and_noncontiguous_inputs(rng):
     for make in (buffer, every_other_token, every_other_channel, np.asfortranarray):
         a = dict(args, k_coef=make(args["k_coef"]), v_coef=make(args["v_coef"]))
         assert not a["k_coef"].flags.c_contiguous
-        _close(nf.lowrank_decode_attention(**a, softmax_scale=0.125), want)
+        _close(nf.lowrank_decode_attention(*_split(a), softmax_scale=0.125), want)
     q = np.zeros((2, 6, 2, 64), np.float32)
     q[:, :, :1] = args["q"]
     ke = np.zeros((2, 2, 10, 64), np.float16)
@@ -150,7 +157,7 @@ def test_strided_and_noncontiguous_inputs(rng):
         k_basis=np.ascontiguousarray(args["k_basis"].transpose(0, 2, 1)).transpose(0, 2, 1),
         k_coef=every_other_token(args["k_coef"]),
     )
-    _close(nf.lowrank_decode_attention(**a, softmax_scale=0.125), want)
+    _close(nf.lowrank_decode_attention(*_split(a), softmax_scale=0.125), want)
 
 
 def test_dtypes(rng):
@@ -158,14 +165,14 @@ def test_dtypes(rng):
     args = _case(rng, b=1, h=2, g=2, d=64, r=8, T=100, E=5)
     want = _dense(**args, softmax_scale=0.125)
     for dt, tol in ((np.float16, 2e-3), (np.float32, 1e-5), (np.float64, 1e-5)):
-        got = nf.lowrank_decode_attention(**dict(args, q=args["q"].astype(dt)), softmax_scale=0.125)
+        got = nf.lowrank_decode_attention(*_split(dict(args, q=args["q"].astype(dt))), softmax_scale=0.125)
         assert got.dtype == dt
         _close(got, _dense(**dict(args, q=args["q"].astype(dt)), softmax_scale=0.125), tol)
     wide = {k: v.astype(np.float64) for k, v in args.items()}
-    got = nf.lowrank_decode_attention(**dict(wide, q=args["q"]), softmax_scale=0.125)
+    got = nf.lowrank_decode_attention(*_split(dict(wide, q=args["q"])), softmax_scale=0.125)
     _close(got, want)
     mixed = dict(args, k_extra=args["k_extra"].astype(np.float32), v_coef=args["v_coef"].astype(np.float32))
-    _close(nf.lowrank_decode_attention(**mixed, softmax_scale=0.125), want)
+    _close(nf.lowrank_decode_attention(*_split(mixed), softmax_scale=0.125), want)
 
 
 @pytest.mark.parametrize("scale", [30.0, 1000.0])
@@ -173,14 +180,14 @@ def test_large_logits_are_stable(rng, scale):
     """Logits spanning thousands, rising along the context: the running maximum moves up tile after tile."""
     args = _case(rng, b=1, h=2, g=3, d=64, r=8, T=1200, E=5)
     args["k_coef"] = (args["k_coef"] + np.linspace(0, 20, 1200)[None, None, :, None]).astype(np.float16)
-    got = nf.lowrank_decode_attention(**args, softmax_scale=scale)
+    got = nf.lowrank_decode_attention(*_split(args), softmax_scale=scale)
     assert np.all(np.isfinite(got))
-    _close(got, reference(**args, softmax_scale=scale), 1e-4)
+    _close(got, reference(*_split(args), softmax_scale=scale), 1e-4)
 
 
 def test_value_rank_above_head_dim_runs_the_reference(rng):
     args = _case(rng, b=1, h=1, g=2, d=16, r=(8, 24), T=30, E=2)
-    _close(nf.lowrank_decode_attention(**args, softmax_scale=0.25), _dense(**args, softmax_scale=0.25))
+    _close(nf.lowrank_decode_attention(*_split(args), softmax_scale=0.25), _dense(**args, softmax_scale=0.25))
 
 
 BAD = {
@@ -213,10 +220,10 @@ def test_bad_shapes_are_refused_like_the_reference(rng, bad):
     fns = [reference] + ([nf.lowrank_decode_attention] if nf is not None else [])
     for fn in fns:
         with pytest.raises(ValueError):
-            fn(**args, softmax_scale=0.125)
+            fn(*_split(args), softmax_scale=0.125)
     for fn in fns:
         with pytest.raises(ValueError, match="softmax_scale"):
-            fn(**_case(rng), softmax_scale=-1.0)
+            fn(*_split(_case(rng)), softmax_scale=-1.0)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
@@ -225,7 +232,7 @@ def test_threaded_kernel_and_token_splits(rng, splits, monkeypatch):
     if nf.nb.get_num_threads() < 2:
         pytest.skip("Numba has one thread")
     args = _case(rng, b=2, h=2, g=3, d=64, r=32, T=3000, E=5)
-    serial = nf.lowrank_decode_attention(**args, softmax_scale=0.125)
+    serial = nf.lowrank_decode_attention(*_split(args), softmax_scale=0.125)
     calls = []
     real = nf._step_parallel
 
@@ -235,12 +242,12 @@ def test_threaded_kernel_and_token_splits(rng, splits, monkeypatch):
 
     monkeypatch.setattr(nf, "_plan", lambda bh, n, r: (nf.nb.get_num_threads(), splits))
     monkeypatch.setattr(nf, "_step_parallel", spy)
-    got = nf.lowrank_decode_attention(**args, softmax_scale=0.125)
+    got = nf.lowrank_decode_attention(*_split(args), softmax_scale=0.125)
     assert calls == [splits]
     _close(got, serial)
-    _close(got, reference(**args, softmax_scale=0.125))
+    _close(got, reference(*_split(args), softmax_scale=0.125))
     few = _case(rng, b=1, h=2, g=1, d=64, r=8, T=3, E=2)  # more spans than tokens
-    _close(nf.lowrank_decode_attention(**few, softmax_scale=0.125), reference(**few, softmax_scale=0.125))
+    _close(nf.lowrank_decode_attention(*_split(few), softmax_scale=0.125), reference(*_split(few), softmax_scale=0.125))
 
 
 def test_long_contexts_use_threads_and_small_steps_do_not(rng, monkeypatch, parallel_threshold):
@@ -254,7 +261,7 @@ def test_long_contexts_use_threads_and_small_steps_do_not(rng, monkeypatch, para
         raise AssertionError("the threaded kernel ran for a small step")
 
     monkeypatch.setattr(nf, "_step_parallel", fail)
-    serial = nf.lowrank_decode_attention(**args, softmax_scale=0.125)
+    serial = nf.lowrank_decode_attention(*_split(args), softmax_scale=0.125)
     monkeypatch.undo()
     calls = []
     real = nf._step_parallel
@@ -266,20 +273,20 @@ def test_long_contexts_use_threads_and_small_steps_do_not(rng, monkeypatch, para
     monkeypatch.setattr(nf, "_step_parallel", spy)
     parallel_threshold(1)
     long_args = _case(rng, b=1, h=3, g=3, d=64, r=32, T=4000, E=24)
-    got = nf.lowrank_decode_attention(**long_args, softmax_scale=0.125)
+    got = nf.lowrank_decode_attention(*_split(long_args), softmax_scale=0.125)
     assert len(calls) == 1 and calls[0] >= 2
-    _close(got, reference(**long_args, softmax_scale=0.125))
-    _close(nf.lowrank_decode_attention(**args, softmax_scale=0.125), serial)
+    _close(got, reference(*_split(long_args), softmax_scale=0.125))
+    _close(nf.lowrank_decode_attention(*_split(args), softmax_scale=0.125), serial)
 
 
 def test_op_is_registered_and_falls_back(rng):
     args = _case(rng, b=1, h=2, g=2, d=64, r=8, T=30, E=3)
-    want = reference(**args, softmax_scale=0.125)
+    want = reference(*_split(args), softmax_scale=0.125)
     assert ops.has_kernel("lowrank_decode_attention", arraykv._compat.namespace(args["q"])) is (nf is not None)
-    _close(ops.lowrank_decode_attention(**args, softmax_scale=0.125), want)
+    _close(ops.lowrank_decode_attention(*_split(args), softmax_scale=0.125), want)
     with ops.set_kernels_enabled(False):
         assert ops.implementation("lowrank_decode_attention", arraykv._compat.namespace(args["q"])) is reference
-        _close(ops.lowrank_decode_attention(**args, softmax_scale=0.125), want)
+        _close(ops.lowrank_decode_attention(*_split(args), softmax_scale=0.125), want)
 
 
 @pytest.mark.parametrize("coeff_dtype", ["float16", "float32"])

@@ -13,7 +13,7 @@ from arraykv.attention.vq_fused import vq_decode_attention_reference
 from arraykv.ops import lookup
 from arraykv.ops.numba import vq_fused as nf
 from arraykv.quant.bitpack import pack_bits
-from arraykv.quant.vq import code_bits
+from arraykv.quant.vq import VQLayerCodes, code_bits
 
 from conftest import asarray, to_np
 
@@ -38,6 +38,12 @@ def _case(rng, *, b=1, h=2, g=1, d=32, K=16, s=2, T=7, E=0, kv_K=None, scale_q=1
         v_extra=rng.standard_normal((b, h, E, d)).astype(np.float16),
     )
     return args, bits
+
+
+def _split(args, bits):
+    """``(q, layer codes, k_extra, v_extra)``: the ops' positional arguments from a case's dict."""
+    codes = VQLayerCodes(args["k_codes"], args["k_centroids"], args["v_codes"], args["v_centroids"], bits)
+    return args["q"], codes, args["k_extra"], args["v_extra"]
 
 
 def _naive(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale):
@@ -118,7 +124,7 @@ def test_reference_matches_naive_loop(xp, rng, shape):
         k: asarray(xp, v, np.float32 if v.dtype == np.float16 and not hasattr(xp, "float16") else None)
         for k, v in args.items()
     }
-    got = vq_decode_attention_reference(**conv, bits=bits, softmax_scale=scale)
+    got = vq_decode_attention_reference(*_split(conv, bits), softmax_scale=scale)
     assert got.dtype == xp.float32 and tuple(got.shape) == (b, h * g, d)
     _close(to_np(got), want)
 
@@ -144,17 +150,17 @@ def test_kernel_matches_reference(rng, shape, mode, monkeypatch):
     args, bits = _case(rng, b=b, h=h, g=g, d=d, K=K, s=s, T=T, E=E)
     _skip_unless_lanes(mode, args, bits)
     scale = d**-0.5
-    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
-    got = nf.vq_decode_attention(**args, bits=bits, softmax_scale=scale)
+    want = vq_decode_attention_reference(*_split(args, bits), softmax_scale=scale)
+    got = nf.vq_decode_attention(*_split(args, bits), softmax_scale=scale)
     assert got.dtype == np.float32 and got.shape == (b, h * g, d)
     _close(got, want)
 
 
 def test_different_key_and_value_codebook_sizes(rng):
     args, bits = _case(rng, b=2, h=2, g=2, d=32, K=16, kv_K=5, s=2, T=300, E=3)
-    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=0.2)
+    want = vq_decode_attention_reference(*_split(args, bits), softmax_scale=0.2)
     for mode in ("tables", "direct") + (("lanes",) if nf.VECTOR_TILES else ()):
-        _close(nf.decode_attention_mode(**args, bits=bits, softmax_scale=0.2, mode=mode), want)
+        _close(nf.decode_attention_mode(*_split(args, bits), softmax_scale=0.2, mode=mode), want)
 
 
 @pytest.mark.parametrize("mode", ["tables", "direct", "lanes"])
@@ -164,8 +170,8 @@ def test_large_logit_ranges_are_stable(rng, mode, scale, monkeypatch):
     monkeypatch.setattr(nf, "vq_decode_attention", partial(nf.decode_attention_mode, mode=mode))
     args, bits = _case(rng, b=1, h=2, g=4, d=64, K=16, s=2, T=5000, E=5)
     _skip_unless_lanes(mode, args, bits)
-    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
-    got = nf.vq_decode_attention(**args, bits=bits, softmax_scale=scale)
+    want = vq_decode_attention_reference(*_split(args, bits), softmax_scale=scale)
+    got = nf.vq_decode_attention(*_split(args, bits), softmax_scale=scale)
     assert np.all(np.isfinite(got))
     _close(got, want)
     # key codes that rise with the token index: the running maximum moves up tile after tile
@@ -176,8 +182,8 @@ def test_large_logit_ranges_are_stable(rng, mode, scale, monkeypatch):
     cent = np.broadcast_to(np.linspace(-1, 1, 16, dtype=np.float32)[None, None, :, None], (2, m, 16, 2))
     args.update(k_codes=pack_bits(np.ascontiguousarray(rising), 4), k_centroids=np.ascontiguousarray(cent))
     args["q"] = np.abs(args["q"])
-    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
-    got = nf.vq_decode_attention(**args, bits=bits, softmax_scale=scale)
+    want = vq_decode_attention_reference(*_split(args, bits), softmax_scale=scale)
+    got = nf.vq_decode_attention(*_split(args, bits), softmax_scale=scale)
     assert np.all(np.isfinite(got)) and np.all(np.isfinite(want))
     _close(got, want)
 
@@ -185,11 +191,11 @@ def test_large_logit_ranges_are_stable(rng, mode, scale, monkeypatch):
 def test_float16_query_and_strided_codes(rng):
     """Any float dtype for q and the codebooks, codes read in place through strides."""
     args, bits = _case(rng, b=2, h=2, g=2, d=64, K=16, s=2, T=301, E=2)
-    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=0.1)
+    want = vq_decode_attention_reference(*_split(args, bits), softmax_scale=0.1)
     wide = np.zeros(args["k_codes"].shape[:2] + (602, args["k_codes"].shape[3]), np.uint8)
     wide[:, :, ::2] = args["k_codes"]
     args = dict(args, k_codes=wide[:, :, ::2], k_centroids=args["k_centroids"].astype(np.float64))
-    _close(nf.vq_decode_attention(**args, bits=bits, softmax_scale=0.1), want)
+    _close(nf.vq_decode_attention(*_split(args, bits), softmax_scale=0.1), want)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
@@ -200,7 +206,7 @@ def test_parallel_kernel_and_token_splits(rng, splits, mode, monkeypatch, parall
         pytest.skip("Numba has one thread")
     args, bits = _case(rng, b=2, h=2, g=4, d=32, K=16, s=2, T=200, E=5)
     _skip_unless_lanes(mode, args, bits)
-    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=0.3)
+    want = vq_decode_attention_reference(*_split(args, bits), softmax_scale=0.3)
     calls = []
     real = nf._step_parallel
 
@@ -212,13 +218,13 @@ def test_parallel_kernel_and_token_splits(rng, splits, mode, monkeypatch, parall
     parallel_threshold(0)
     monkeypatch.setattr(nf, "_splits", lambda bh, n, threads, span: splits)
     monkeypatch.setattr(nf, "_step_parallel", spy)
-    _close(nf.vq_decode_attention(**args, bits=bits, softmax_scale=0.3), want)
+    _close(nf.vq_decode_attention(*_split(args, bits), softmax_scale=0.3), want)
     assert calls == [splits]
     # more spans than tokens: trailing spans are empty
     few, _ = _case(rng, b=1, h=2, g=1, d=32, K=16, s=2, T=3, E=0)
     _close(
-        nf.vq_decode_attention(**few, bits=bits, softmax_scale=0.3),
-        vq_decode_attention_reference(**few, bits=bits, softmax_scale=0.3),
+        nf.vq_decode_attention(*_split(few, bits), softmax_scale=0.3),
+        vq_decode_attention_reference(*_split(few, bits), softmax_scale=0.3),
     )
 
 
@@ -228,7 +234,7 @@ def test_small_steps_run_serially(rng, monkeypatch):
 
     monkeypatch.setattr(nf, "_step_parallel", fail)
     args, bits = _case(rng, b=1, h=3, g=3, d=64, K=16, s=2, T=500)
-    nf.vq_decode_attention(**args, bits=bits, softmax_scale=0.125)
+    nf.vq_decode_attention(*_split(args, bits), softmax_scale=0.125)
 
 
 #: (b, h, g, d, K, s): sub_dim 1, 2 and 4; codebooks of 16 and 9 entries (4-bit codes), 5 (3 bits),
@@ -254,8 +260,8 @@ def test_every_path_on_fresh_inputs(rng, shape, T, mode):
     args, bits = _case(rng, b=b, h=h, g=g, d=d, K=K, s=s, T=T, E=0 if T % 2 else 6, scale_q=2.0)
     _skip_unless_lanes(mode, args, bits)
     scale = d**-0.5
-    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=scale)
-    got = nf.decode_attention_mode(**args, bits=bits, softmax_scale=scale, mode=mode)
+    want = vq_decode_attention_reference(*_split(args, bits), softmax_scale=scale)
+    got = nf.decode_attention_mode(*_split(args, bits), softmax_scale=scale, mode=mode)
     assert got.dtype == np.float32 and got.shape == (b, h * g, d)
     _close(got, want)
 
@@ -275,7 +281,7 @@ def test_lanes_fit():
     assert not nf._lanes_fit(4, 16, 16, 24, odd["k_codes"], odd["v_codes"])
     if not fits:
         with pytest.raises(ValueError, match="lanes"):
-            nf.decode_attention_mode(**args, bits=4, softmax_scale=0.1, mode="lanes")
+            nf.decode_attention_mode(*_split(args, 4), softmax_scale=0.1, mode="lanes")
 
 
 @pytest.mark.parametrize("mode", [None, "tables", "direct"])
@@ -284,7 +290,7 @@ def test_dense_token_dtypes(rng, extra, mode):
     """float16 dense tokens are read as bit patterns and converted in the kernel: same result as float32."""
     args, bits = _case(rng, b=2, h=2, g=3, d=64, K=16, s=2, T=100, E=7)
     k16, v16 = args["k_extra"], args["v_extra"]
-    want = vq_decode_attention_reference(**args, bits=bits, softmax_scale=0.2)
+    want = vq_decode_attention_reference(*_split(args, bits), softmax_scale=0.2)
     if extra == "float16-strided":
         wide = np.zeros(k16.shape[:2] + (14, 64), np.float16)
         wide[:, :, ::2] = k16
@@ -293,7 +299,7 @@ def test_dense_token_dtypes(rng, extra, mode):
         args.update(k_extra=k16.astype(extra), v_extra=v16.astype(extra))
     elif extra == "mixed":
         args["v_extra"] = v16.astype(np.float32)
-    _close(nf.decode_attention_mode(**args, bits=bits, softmax_scale=0.2, mode=mode), want)
+    _close(nf.decode_attention_mode(*_split(args, bits), softmax_scale=0.2, mode=mode), want)
 
 
 def test_float16_bits_convert_exactly():
@@ -377,9 +383,9 @@ def test_step_memory_does_not_grow_with_context(rng, threaded, monkeypatch, para
 
     def peak(n):
         a = dict(args, k_codes=args["k_codes"][:, :, :n], v_codes=args["v_codes"][:, :, :n])
-        nf.vq_decode_attention(**a, bits=bits, softmax_scale=0.1)  # compiled and warm
+        nf.vq_decode_attention(*_split(a, bits), softmax_scale=0.1)  # compiled and warm
         tracemalloc.start()
-        nf.vq_decode_attention(**a, bits=bits, softmax_scale=0.1)
+        nf.vq_decode_attention(*_split(a, bits), softmax_scale=0.1)
         _, top = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         return top
@@ -409,4 +415,4 @@ def test_bad_inputs_are_rejected(rng, change, match):
     fns = [vq_decode_attention_reference] + ([nf.vq_decode_attention] if nf is not None else [])
     for fn in fns:
         with pytest.raises(ValueError, match=match):
-            fn(**args, bits=bits, softmax_scale=0.1)
+            fn(*_split(args, bits), softmax_scale=0.1)

@@ -52,6 +52,7 @@ from numba.core.extending import intrinsic
 
 from ..._validation import check_softmax_scale
 from ...attention.lowrank_fused import check_decode_args, lowrank_decode_attention as _reference
+from ...quant.lowrank import LowRankLayerCoefficients
 from .cpu_features import VECTOR_TILES
 from .fused_driver import (
     FASTMATH,
@@ -407,7 +408,7 @@ def _plan(bh: int, n: int, r: int) -> tuple:
     return plan(bh, n, bh * n * r, 4 * TILE)
 
 
-def lowrank_decode_attention(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra, *, softmax_scale):
+def lowrank_decode_attention(q, layer_coefficients: LowRankLayerCoefficients, k_extra, v_extra, *, softmax_scale):
     """Fused decode attention over a low-rank layer (NumPy), reading float16 coefficients in place.
 
     Same contract as :func:`arraykv.attention.lowrank_fused.lowrank_decode_attention`.
@@ -416,11 +417,15 @@ def lowrank_decode_attention(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean
     ----------
     q : ndarray of float, shape (batch, q_heads, 1, head_dim)
         Any float dtype; computed in float32.
-    k_coef, v_coef : ndarray of float16 or float32, shape (batch, h, T, r_k) and (batch, h, T, r_v)
-        Read in place (float16 through a ``uint16`` view), any strides; other float dtypes are
-        converted to float32.
-    k_basis, v_basis : ndarray of float, shape (h, head_dim, r_k) and (h, head_dim, r_v), or None when ``T = 0``
-    k_mean, v_mean : ndarray of float, shape (h, head_dim), or None when ``T = 0``
+    layer_coefficients : LowRankLayerCoefficients
+        The layer's coefficients, bases and means, unpacked here and nowhere else:
+
+        * ``k_coef``, ``v_coef``: ndarray of float16 or float32, shape (batch, h, T, r_k) and
+          (batch, h, T, r_v): read in place (float16 through a ``uint16`` view), any strides;
+          other float dtypes are converted to float32.
+        * ``k_basis``, ``v_basis``: ndarray of float, shape (h, head_dim, r_k) and
+          (h, head_dim, r_v), or None when ``T = 0``.
+        * ``k_mean``, ``v_mean``: ndarray of float, shape (h, head_dim), or None when ``T = 0``.
     k_extra, v_extra : ndarray of float, shape (batch, h, E, head_dim)
         Kept tokens, read like the coefficients.
     softmax_scale : float
@@ -430,11 +435,12 @@ def lowrank_decode_attention(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean
     ndarray, shape (batch, q_heads, 1, head_dim), dtype of ``q``
     """
     softmax_scale = check_softmax_scale(softmax_scale)
+    lc = layer_coefficients
+    k_coef, k_basis, k_mean = lc.k_coef, lc.k_basis, lc.k_mean
+    v_coef, v_basis, v_mean = lc.v_coef, lc.v_basis, lc.v_mean
     b, h, g, d, n, e, rk, rv = check_decode_args(q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra)
     if rv > d:  # the value sum lives in the step's (G, head_dim) accumulator; bases wider than tall do not fit
-        return _reference(
-            q, k_coef, k_basis, k_mean, v_coef, v_basis, v_mean, k_extra, v_extra, softmax_scale=softmax_scale
-        )
+        return _reference(q, layer_coefficients, k_extra, v_extra, softmax_scale=softmax_scale)
     if n:
         k16, k32 = _pair(k_coef)
         v16, v32 = _pair(v_coef)

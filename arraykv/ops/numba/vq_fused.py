@@ -57,7 +57,7 @@ import numpy as np
 from numba import types as nbt
 from numba.extending import overload
 
-from ...quant.vq import check_decode_attention_args
+from ...quant.vq import VQLayerCodes, check_decode_attention_args
 from .cpu_features import VECTOR_TILES
 from .fused_driver import (
     FASTMATH,
@@ -555,16 +555,12 @@ def _lanes_fit(bits: int, kk: int, kv: int, d: int, k_codes, v_codes) -> bool:
     )
 
 
-def vq_decode_attention(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale):
+def vq_decode_attention(q, layer_codes: VQLayerCodes, k_extra, v_extra, *, softmax_scale):
     """Fused decode attention over VQ codes (NumPy); see :func:`decode_attention_mode`."""
-    return decode_attention_mode(
-        q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits=bits, softmax_scale=softmax_scale
-    )
+    return decode_attention_mode(q, layer_codes, k_extra, v_extra, softmax_scale=softmax_scale)
 
 
-def decode_attention_mode(
-    q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, *, bits, softmax_scale, mode=None
-):
+def decode_attention_mode(q, layer_codes: VQLayerCodes, k_extra, v_extra, *, softmax_scale, mode=None):
     """Fused decode attention over VQ codes (NumPy): ADC scores and histogram value sums.
 
     Same contract as :func:`arraykv.attention.vq_fused.vq_decode_attention_reference`.
@@ -573,16 +569,19 @@ def decode_attention_mode(
     ----------
     q : ndarray of float, shape (batch, q_heads, head_dim)
         Any float dtype; computed in float32. Query head ``i`` uses KV head ``i // (q_heads // h)``.
-    k_codes, v_codes : ndarray, shape (batch, h, T, ceil(m * bits / 8)) uint8 or (batch, h, T, m) uint16
-        Packed codes (``bits <= 8``, :func:`~arraykv.quant.bitpack.pack_bits` layout) or one
-        uint16 per code (``bits > 8``); read in place, any strides.
-    k_centroids, v_centroids : ndarray of float, shape (h, m, K, s)
-        Codebooks; ``K`` may differ between keys and values. Codes ``>= K`` (never written by
-        :func:`~arraykv.quant.vq.vq_encode`) are read as ``K - 1``.
+    layer_codes : VQLayerCodes
+        The layer's codes, codebooks and code width, unpacked here and nowhere else:
+
+        * ``k_codes``, ``v_codes``: ndarray, shape (batch, h, T, ceil(m * bits / 8)) uint8 or
+          (batch, h, T, m) uint16: packed codes (``bits <= 8``,
+          :func:`~arraykv.quant.bitpack.pack_bits` layout) or one uint16 per code
+          (``bits > 8``); read in place, any strides.
+        * ``k_centroids``, ``v_centroids``: ndarray of float, shape (h, m, K, s): codebooks;
+          ``K`` may differ between keys and values. Codes ``>= K`` (never written by
+          :func:`~arraykv.quant.vq.vq_encode`) are read as ``K - 1``.
+        * ``bits``: int, bits per code, 1 to 16.
     k_extra, v_extra : ndarray of float, shape (batch, h, E, head_dim)
         Dense tokens (float16 sinks and window); ``E`` may be 0.
-    bits : int
-        Bits per code, 1 to 16.
     softmax_scale : float
     mode : {None, "lanes", "tables", "direct"}
         Force a path (tests; ``"lanes"`` raises ValueError where the call cannot take it); None
@@ -624,6 +623,8 @@ def decode_attention_mode(
     the group's query heads), instead of ``16 · m`` loads and ``16 · m`` scatter-adds; the
     reference maximum of the softmax is then the exact running maximum.
     """
+    lc = layer_codes
+    k_codes, k_centroids, v_codes, v_centroids, bits = lc.k_codes, lc.k_centroids, lc.v_codes, lc.v_centroids, lc.bits
     shapes = _numpy_shapes(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits)
     if shapes is None:  # not plain NumPy arrays, or a check fails: the full checks (and their messages)
         shapes = check_decode_attention_args(q, k_codes, k_centroids, v_codes, v_centroids, k_extra, v_extra, bits)
