@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, overload, runtime_checkable
 
 __all__ = [
     "StoreBackend",
@@ -183,6 +183,10 @@ def check_key(key: object) -> str:
     return key
 
 
+@overload
+def check_limit(name: str, value: object, *, allow_none: Literal[False]) -> int | float: ...
+@overload
+def check_limit(name: str, value: object, *, allow_none: bool = True) -> int | float | None: ...
 def check_limit(name: str, value: object, *, allow_none: bool = True) -> int | float | None:
     """A positive number (or None where allowed) for a size or time limit, else a ValueError naming it."""
     if value is None and allow_none:

@@ -19,6 +19,7 @@ import json
 import os
 import struct
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from ..storage.cache_file import (
@@ -89,7 +90,7 @@ def _without_rollback_copies(rec: LayerRecord) -> LayerRecord:
 
 
 @contextlib.contextmanager
-def _as_file(data: bytes):
+def _as_file(data: bytes) -> Iterator[str]:
     """A path from which the cache file reader reads ``data`` (an anonymous memory file on Linux)."""
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("arraykv-entry", os.MFD_CLOEXEC)
@@ -112,7 +113,7 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _read(data: bytes, what: str):
+def _read(data: bytes, what: str) -> tuple[dict[str, Any], list[LayerRecord | None]]:
     """``(config, layers)`` of entry bytes, or an EntryError saying why not."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"an entry is bytes, received {type(data).__name__}")

@@ -24,11 +24,13 @@ import hashlib
 import json
 import os
 import weakref
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, cast
 
 import numpy as np
 
 from .. import _compat
+from .._types import Array
 
 __all__ = ["model_identity", "gguf_identity", "onnx_identity", "namespace_root", "chain_keys", "SAMPLE_VALUES"]
 
@@ -38,7 +40,7 @@ SAMPLE_VALUES = 4096
 _IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _tensors(model: Any):
+def _tensors(model: Any) -> Iterator[tuple[str, Array]]:
     """``(name, array)`` of a decoder's weights, in a fixed order."""
     yield "embedding", model.embedding
     yield "output_norm", model.output_norm
@@ -70,7 +72,8 @@ def model_identity(model: Any) -> str:
         on the file and pass it as ``model_id``.
     """
     try:
-        return _IDENTITIES[model]
+        known: str = _IDENTITIES[model]
+        return known
     except (KeyError, TypeError):
         pass
     config = getattr(model, "config", None)
@@ -80,7 +83,7 @@ def model_identity(model: Any) -> str:
             "pass model_id= for another engine"
         )
     h = hashlib.sha256()
-    cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(vars(config))
+    cfg = dataclasses.asdict(cast(Any, config)) if dataclasses.is_dataclass(config) else dict(vars(config))
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
     for name, a in _tensors(model):
         shape = tuple(int(s) for s in a.shape)

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from .._types import Array, DType
 from ..caches.registry import make_cache
 from .backend import EntryError
 from .entry import encode_cache, restore_entry
@@ -70,14 +71,14 @@ def _geometry(shape: tuple, head_dim: int) -> tuple:
     return layers, tokens, hidden // head_dim
 
 
-def chunk_cache(shape: tuple, *, head_dim: int, method: str = "pqo4", options: dict | None = None):
+def chunk_cache(shape: tuple, *, head_dim: int, method: str = "pqo4", options: dict | None = None) -> Any:
     """An empty cache for a chunk of ``shape`` (``[2, L, T, hidden]``)."""
     layers, _, heads = _geometry(shape, head_dim)
     opts = dict(DEFAULT_OPTIONS if options is None else options)
     return make_cache(method, num_layers=layers, num_kv_heads=heads, head_dim=head_dim, **opts)
 
 
-def encode_chunk(kv: Any, *, head_dim: int, method: str = "pqo4", options: dict | None = None) -> bytes:
+def encode_chunk(kv: Array, *, head_dim: int, method: str = "pqo4", options: dict | None = None) -> bytes:
     """The serialized form of one KV chunk (module docstring), without padding.
 
     Parameters
@@ -114,7 +115,7 @@ def _measured(shape: tuple, dtype: str, head_dim: int, method: str, options_json
 
 
 def serialized_size(
-    shape: tuple, dtype: Any, *, head_dim: int, method: str = "pqo4", options: dict | None = None
+    shape: tuple, dtype: DType, *, head_dim: int, method: str = "pqo4", options: dict | None = None
 ) -> int:
     """An upper bound of :func:`encode_chunk`'s size for any chunk of ``shape`` and ``dtype``.
 
@@ -167,16 +168,17 @@ def decode_chunk(
     return out
 
 
-def serde_classes():
+def serde_classes() -> tuple[type, type]:
     """``(Serializer, Deserializer)`` subclasses of LMCache's serde interfaces (imports ``lmcache``)."""
     import torch
     from lmcache.v1.distributed.serde.base import Deserializer, Serializer
 
-    def host(t: Any) -> np.ndarray:
+    def host(t: Array) -> np.ndarray:
         t = t.detach().to("cpu")
         if t.dtype not in (torch.float16, torch.float32):
             t = t.float()
-        return t.numpy()
+        out: np.ndarray = t.numpy()
+        return out
 
     class ArraykvSerializer(Serializer):
         """Compress each KV chunk into an arraykv cache file (``method`` and ``options``)."""

@@ -23,6 +23,8 @@ import contextlib
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from typing import BinaryIO
 
 from .backend import DEFAULT_MAX_ENTRY_BYTES, EntryError, EntryInfo, StoreError, check_key, check_limit
 from .entry import HEADER_LIMIT, peek_entry
@@ -287,7 +289,7 @@ class LocalStore:
     def _expired(self, mtime: float, now: float | None = None) -> bool:
         return self.ttl is not None and (time.time() if now is None else now) - mtime > self.ttl
 
-    def _files(self, *, tmp_too: bool = False):
+    def _files(self, *, tmp_too: bool = False) -> Iterator[tuple[str, os.stat_result]]:
         """``(path, stat)`` of every entry file (and temporary file), skipping ones that vanish."""
         try:
             folders = os.listdir(self._base)
@@ -309,7 +311,7 @@ class LocalStore:
                     continue
 
 
-def _head(f) -> bytes:
+def _head(f: BinaryIO) -> bytes:
     """The first bytes of an entry file: its prefix and header, at most ``HEADER_LIMIT``."""
     head = f.read(20)
     if len(head) < 20:

@@ -62,8 +62,9 @@ import operator
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from .._compat import namespace as _namespace
 from ..storage.cache_file import FORMAT_VERSION
@@ -72,6 +73,8 @@ from .entry import encode_cache, restore_entry
 from .keys import chain_keys, model_identity, namespace_root
 
 __all__ = ["PrefixStore", "PrefillReport", "StoreWarning", "segmented_prefill", "open_backend", "POLICIES"]
+
+_T = TypeVar("_T")
 
 #: The storing policies (module docstring).
 POLICIES = ("last", "every", "none")
@@ -139,7 +142,7 @@ def open_backend(spec: Any) -> StoreBackend:
 
         return LocalStore(text)
     if all(callable(getattr(spec, m, None)) for m in ("get", "put", "contains", "delete", "entries", "evict")):
-        return spec
+        return cast(StoreBackend, spec)
     raise TypeError(
         f"a store backend must offer get/put/contains/delete/entries/evict, or be a folder or a "
         f"redis:// URL; received {type(spec).__name__}"
@@ -335,7 +338,7 @@ class PrefixStore:
         ids = _ids(ids)
         keys = self.keys(model, cache, ids, **schedule)
         for j in range(min(len(keys), (len(ids) - 1) // self.chunk_tokens), 0, -1):
-            if self._try(lambda key=keys[j - 1]: self.backend.contains(key), False):
+            if self._try(functools.partial(self.backend.contains, keys[j - 1]), False):
                 return j * self.chunk_tokens
         return 0
 
@@ -425,7 +428,7 @@ class PrefixStore:
     def _restore(self, cache: Any, keys: list, top: int) -> int:
         """Restore the longest acceptable entry among the first ``top`` keys; its tokens (0 if none)."""
         for j in range(top, 0, -1):
-            data = self._try(lambda key=keys[j - 1]: self.backend.get(key), None)
+            data = self._try(functools.partial(self.backend.get, keys[j - 1]), None)
             if data is None:
                 continue
             tokens = j * self.chunk_tokens
@@ -443,11 +446,14 @@ class PrefixStore:
     def _put(self, key: str, cache: Any, tokens: int) -> bool:
         if self._try(lambda: self.backend.contains(key), True):
             return False
-        return self._try(
-            lambda: (self.backend.put(key, encode_cache(cache, rollback_copies=False), tokens=tokens), True)[1], False
-        )
 
-    def _try(self, fn, fallback):
+        def put() -> bool:
+            self.backend.put(key, encode_cache(cache, rollback_copies=False), tokens=tokens)
+            return True
+
+        return self._try(put, False)
+
+    def _try(self, fn: Callable[[], _T], fallback: _T) -> _T:
         try:
             return fn()
         except (StoreError, EntryError) as exc:

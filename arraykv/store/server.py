@@ -226,7 +226,7 @@ class ValkeyServer:
     def __enter__(self) -> ValkeyServer:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def __repr__(self) -> str:
@@ -243,7 +243,9 @@ def main(argv: list | None = None) -> int:
     import argparse
     import signal
 
-    parser = argparse.ArgumentParser(prog="python -m arraykv.store.server", description=main.__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m arraykv.store.server", description=(main.__doc__ or "").split("\n")[0]
+    )
     parser.add_argument("--port", type=int, default=None, help="default: a free port")
     parser.add_argument("--maxmemory", type=int, default=None, help="bytes held before eviction; default no limit")
     parser.add_argument("--ready-file", default=None, help="write the URL here once the server answers")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .backend import DEFAULT_MAX_ENTRY_BYTES, EntryError, EntryInfo, StoreError, check_key, check_limit
@@ -61,14 +62,14 @@ def connect(url: str, **kwargs: Any) -> Any:
         Neither client is installed (``pip install "arraykv[store]"``).
     """
     try:
-        import valkey as lib
+        import valkey
 
-        cls = lib.Valkey
+        cls = valkey.Valkey
     except ImportError:
         try:
-            import redis as lib
+            import redis
 
-            cls = lib.Redis
+            cls = redis.Redis
         except ImportError:
             raise ImportError(
                 'the Valkey backend needs the valkey (or redis) client: pip install "arraykv[store]"'
@@ -153,7 +154,7 @@ class ValkeyStore:
         """
         return f"{self.prefix}e:{check_key(key)}"
 
-    def _call(self, what: str, fn, *args, **kwargs):
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except self._errors as exc:
@@ -182,7 +183,8 @@ class ValkeyStore:
         if reply[0] != 0:
             why = reply[1].decode(errors="replace") if len(reply) > 1 and isinstance(reply[1], bytes) else "?"
             raise EntryError(f"entry {key[:16]}... refused: {why}")
-        data, digest = reply[1], reply[2].decode("ascii", errors="replace")
+        data: bytes = reply[1]
+        digest = reply[2].decode("ascii", errors="replace")
         if hashlib.sha256(data).hexdigest() != digest:
             raise EntryError(f"entry {key[:16]}... is corrupted (its bytes do not match its sha256)")
         return data
