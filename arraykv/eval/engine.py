@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
+from .._types import Array
 
 __all__ = ["geometry", "context_length", "decode_logits"]
 
@@ -40,7 +41,7 @@ def context_length(engine: Any) -> int | None:
     return None if limit is None else int(limit)
 
 
-def decode_logits(engine: Any, token: int, cache: Any) -> Any:
+def decode_logits(engine: Any, token: int, cache: Any) -> Array:
     """Logits after one decode step on ``token``, as NumPy of shape (vocab,).
 
     ``DecoderModel.decode`` answers ``(vocab,)`` for an int and ``OrtKVDecoder.decode``

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _compat
+from .._types import Array
 
 __all__ = ["ExactPrefill", "exact_prefill", "PREFILL_MODES"]
 
@@ -42,7 +43,7 @@ class _Recorder:
         self.cache = cache
         self.chunks: list = [([], [], []) for _ in range(num_layers)]
 
-    def prefill(self, layer: int, k: Any, v: Any, q: Any):
+    def prefill(self, layer: int, k: Array, v: Array, q: Array) -> Any:
         result = self.cache.prefill(layer, k, v, q)
         ks, vs, qs = self.chunks[layer]
         ks.append(k)
@@ -52,9 +53,10 @@ class _Recorder:
         return result
 
     def seq_len(self, layer: int) -> int:
-        return self.cache.seq_len(layer)
+        n: int = self.cache.seq_len(layer)
+        return n
 
-    def joined(self):
+    def joined(self) -> list[tuple[Array, ...]]:
         """Per layer ``(K, V, Q)`` with the chunks concatenated along the token axis; chunks dropped."""
         out = []
         for i, parts in enumerate(self.chunks):
@@ -92,7 +94,7 @@ class ExactPrefill:
 
     tokens: int
     cache: Any
-    logits: Any
+    logits: Array
     layers: tuple | None
     seconds: float
 
@@ -261,7 +263,7 @@ def bits_per_value(model: Any, cache: Any) -> tuple:
     return (kv_bytes * 8.0 / values if values else 0.0), kv_bytes, tokens
 
 
-def progress_bar(enabled: bool, total: int, label: str):
+def progress_bar(enabled: bool, total: int, label: str) -> Any:
     """A tqdm bar when ``enabled`` and tqdm is installed, else None."""
     if not enabled:
         return None

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from .._types import Array
 from .exact_prefill import bits_per_value, check_common, exact_prefill, method_cache, progress_bar
 from .needle_result import NeedlePrompt, NeedleResult, NeedleRow
 
@@ -94,7 +95,7 @@ class NeedleTask:
     answer_tokens: int = 8
     align: str = "sentence"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("haystack", "intro", "needle", "question", "answer_prefix"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name} must be a str, received {type(getattr(self, name)).__name__}")
@@ -397,7 +398,7 @@ def _check_seq(name: str, values: Any, check: Callable) -> list:
     return out
 
 
-def _log_softmax(logits: Any) -> Any:
+def _log_softmax(logits: Array) -> Array:
     import numpy as np
 
     z = np.asarray(logits, dtype=np.float64)

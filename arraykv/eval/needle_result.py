@@ -164,7 +164,7 @@ class NeedleResult:
         The texts, keys and answer length of the cells.
     """
 
-    rows: tuple
+    rows: tuple[NeedleRow, ...]
     methods: tuple
     lengths: tuple
     depths: tuple
@@ -289,7 +289,7 @@ def format_markdown(head: Sequence[str], body: Sequence[Sequence[str]], *, markd
         return "\n".join(lines)
     widths = [max([len(h)] + [len(row[i]) for row in body]) for i, h in enumerate(head)]
 
-    def line(cells):
+    def line(cells: Sequence[str]) -> str:
         return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     return "\n".join([line(head)] + [line(row) for row in body])

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .. import _compat
+from .._types import Array
 from .engine import context_length, decode_logits, geometry
 from .exact_prefill import held_rows, stored_bytes
 from .texts import builtin_text, builtin_token_ids
@@ -79,7 +80,7 @@ class TeacherForced:
     """
 
     method: str
-    logits: Any
+    logits: Array
     seconds: float
     kv_bytes: int
     tokens: int
@@ -268,7 +269,7 @@ def calibrate(model: Any, token_ids: Any, method: Any) -> list:
     return out
 
 
-def _log_softmax(z: Any) -> Any:
+def _log_softmax(z: Array) -> Array:
     import numpy as np
 
     z = z.astype(np.float64)
@@ -323,8 +324,8 @@ def compare(
         max_diff = max(max_diff, float(np.abs(run.logits[s : s + chunk] - exact.logits[s : s + chunk]).max()))
     ppl = math.exp(nll_r / n)
     ppl_e = math.exp(nll_e / n)
-    rows = num_layers * run.tokens if run.held_rows is None else run.held_rows
-    values = 2 * num_kv_heads * rows * head_dim
+    held = num_layers * run.tokens if run.held_rows is None else run.held_rows
+    values = 2 * num_kv_heads * held * head_dim
     bits = run.kv_bytes * 8.0 / values
     return EvalRow(
         method=run.method,
@@ -427,7 +428,7 @@ def _run(model: Any, ids: list, method: str, options: Mapping[str, Any], prefill
             bar.close()
 
 
-def _bar(enabled: bool, total: int, label: str):
+def _bar(enabled: bool, total: int, label: str) -> Any:
     if not enabled:
         return None
     try:
