@@ -15,12 +15,16 @@ restore, save and :func:`arraykv.load`).
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, cast
 
+from .._types import Array, Namespace
 from .._validation import check_int
-from ..storage.cache_file import write_cache_file
+from ..protocol import AttendConfig, DecodeOutput, DequantResult
+from ..storage.cache_file import LayerRecord, write_cache_file
+from .base import LayeredCache
 from .registry import make_cache
-from .window_cache import OUTLIER_OPTIONS, POLAR_STORAGE
+from .window_cache import OUTLIER_OPTIONS, POLAR_STORAGE, SlidingWindowCache
 
 __all__ = ["HybridCache", "LAYER_TYPES", "check_layer_types", "default_window_storage"]
 
@@ -145,7 +149,7 @@ class HybridCache:
         window_options: dict | None = None,
         check_finite: bool = True,
         max_tokens: int | None = None,
-    ):
+    ) -> None:
         self.num_layers = check_int("num_layers", num_layers, low=1)
         self.layer_types = check_layer_types(layer_types, self.num_layers)
         self.window = check_int("window", window, low=1)
@@ -162,15 +166,18 @@ class HybridCache:
             for name in OUTLIER_OPTIONS:
                 if name in self.full_options:
                     self.window_options.setdefault(name, self.full_options[name])
-        common = dict(
+        common: dict[str, Any] = dict(
             num_layers=self.num_layers,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             check_finite=check_finite,
             max_tokens=max_tokens,
         )
-        self.full = make_cache(full_method, **common, **self.full_options)
-        self.sliding = make_cache("window", window=self.window, **common, **self.window_options)
+        # every method but hybrid (refused above) makes a LayeredCache; "window" a SlidingWindowCache
+        self.full = cast(LayeredCache, make_cache(full_method, **common, **self.full_options))
+        self.sliding = cast(
+            SlidingWindowCache, make_cache("window", window=self.window, **common, **self.window_options)
+        )
         self.num_kv_heads = self.full.num_kv_heads
         self.head_dim = self.full.head_dim
         self.check_finite = check_finite
@@ -190,9 +197,10 @@ class HybridCache:
         bool
             True where ``layer_types[layer]`` is ``"sliding_attention"``.
         """
-        return self.layer_types[check_int("layer", layer, low=0, high=self.num_layers - 1)] == "sliding_attention"
+        kind: str = self.layer_types[check_int("layer", layer, low=0, high=self.num_layers - 1)]
+        return kind == "sliding_attention"
 
-    def cache_of(self, layer: int):
+    def cache_of(self, layer: int) -> LayeredCache:
         """The sub-cache that serves ``layer``.
 
         Parameters
@@ -212,7 +220,7 @@ class HybridCache:
         return (self.full, self.sliding)
 
     # -- the contract ------------------------------------------------------------------
-    def prefill(self, layer, k, v, q):
+    def prefill(self, layer: int, k: Array, v: Array, q: Array) -> DequantResult:
         """Store new tokens in ``layer``'s sub-cache and return what it returns.
 
         Parameters
@@ -232,7 +240,7 @@ class HybridCache:
         """
         return self.cache_of(layer).prefill(layer, k, v, q)
 
-    def decode(self, layer, k, v, q, config):
+    def decode(self, layer: int, k: Array, v: Array, q: Array, config: AttendConfig) -> DecodeOutput:
         """Store one token in ``layer``'s sub-cache and return what its ``decode`` returns.
 
         Parameters
@@ -254,7 +262,7 @@ class HybridCache:
         """
         return self.cache_of(layer).decode(layer, k, v, q, config)
 
-    def append(self, layer, k, v, q) -> None:
+    def append(self, layer: int, k: Array, v: Array, q: Array) -> None:
         """Store new tokens in ``layer``'s sub-cache as :meth:`prefill` does, returning nothing.
 
         Parameters
@@ -268,7 +276,7 @@ class HybridCache:
         """
         self.cache_of(layer).append(layer, k, v, q)
 
-    def seq_len(self, layer) -> int:
+    def seq_len(self, layer: int) -> int:
         """Tokens stored in ``layer`` (positions, for a sliding layer too).
 
         Parameters
@@ -353,7 +361,7 @@ class HybridCache:
         """The global layers' decode path (sliding layers always return K/V)."""
         return getattr(self.full, "decode_path", "dequantized")
 
-    def held_tokens(self, layer) -> int:
+    def held_tokens(self, layer: int) -> int:
         """Tokens ``layer`` holds: ``seq_len`` for a global layer, at most the window (plus the
         rollback margin) for a sliding one.
 
@@ -370,7 +378,7 @@ class HybridCache:
         return self.sliding.held_tokens(layer) if self.is_sliding(layer) else self.full.seq_len(layer)
 
     # -- reading -----------------------------------------------------------------------
-    def stable_length(self, layer) -> int:
+    def stable_length(self, layer: int) -> int:
         """Leading tokens of ``layer`` whose reconstruction will not change (its sub-cache's answer).
 
         Parameters
@@ -386,7 +394,7 @@ class HybridCache:
         """
         return self.cache_of(layer).stable_length(layer)
 
-    def dequantize(self, layer, start: int = 0):
+    def dequantize(self, layer: int, start: int = 0) -> DequantResult | None:
         """K/V of the tokens ``start ..`` that ``layer``'s sub-cache holds, reconstructed.
 
         Parameters
@@ -403,7 +411,7 @@ class HybridCache:
         """
         return self.cache_of(layer).dequantize(layer, start)
 
-    def layer_arrays(self, layer) -> dict:
+    def layer_arrays(self, layer: int) -> dict[str, Array]:
         """Copies of the raw arrays that ``layer`` holds in its sub-cache, by name.
 
         Parameters
@@ -419,7 +427,7 @@ class HybridCache:
         return self.cache_of(layer).layer_arrays(layer)
 
     # -- rollback ----------------------------------------------------------------------
-    def truncate(self, layer, length) -> None:
+    def truncate(self, layer: int, length: int) -> None:
         """Drop the tokens of ``layer`` from index ``length`` on, in its sub-cache.
 
         Parameters
@@ -431,7 +439,7 @@ class HybridCache:
         """
         self.cache_of(layer).truncate(layer, length)
 
-    def min_truncate_length(self, layer) -> int:
+    def min_truncate_length(self, layer: int) -> int:
         """The smallest length above 0 from which :meth:`truncate` reaches every length up to ``seq_len``.
 
         Parameters
@@ -446,7 +454,7 @@ class HybridCache:
         """
         return self.cache_of(layer).min_truncate_length(layer)
 
-    def can_truncate(self, layer, length) -> bool:
+    def can_truncate(self, layer: int, length: int) -> bool:
         """Whether :meth:`truncate` of ``layer`` to ``length`` would succeed now.
 
         Parameters
@@ -463,7 +471,7 @@ class HybridCache:
         """
         return self.cache_of(layer).can_truncate(layer, length)
 
-    def truncate_all(self, length) -> None:
+    def truncate_all(self, length: int) -> None:
         """Truncate every layer to ``length`` (all or none: every layer is checked first).
 
         Parameters
@@ -521,7 +529,7 @@ class HybridCache:
             "max_tokens": self.max_tokens,
         }
 
-    def snapshot(self, *, host: bool = False) -> list:
+    def snapshot(self, *, host: bool = False) -> list[LayerRecord | None]:
         """Per layer the record of the part that serves it (see :meth:`LayeredCache.snapshot`).
 
         Parameters
@@ -537,7 +545,7 @@ class HybridCache:
         full, win = self.full.snapshot(host=host), self.sliding.snapshot(host=host)
         return [win[i] if kind == "sliding_attention" else full[i] for i, kind in enumerate(self.layer_types)]
 
-    def restore(self, layers: list, *, xp: Any = None) -> None:
+    def restore(self, layers: list[LayerRecord | None], *, xp: Namespace | None = None) -> None:
         """Replace every layer's state (both parts checked before either changes).
 
         Parameters
@@ -561,7 +569,7 @@ class HybridCache:
             self.full.restore(before)
             raise
 
-    def save(self, path) -> int:
+    def save(self, path: str | os.PathLike) -> int:
         """Write the cache to ``path`` (as :func:`arraykv.persist.save_cache` does); :func:`arraykv.load` reads it.
 
         Parameters

@@ -21,10 +21,12 @@ without codes or copies, before).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .._compat import array_nbytes
+from .._types import Array, Device, Namespace
 from ..quant.polar import half_dtype
 from ..storage import TokenBuffers
 from .layer import LayerState, refuse_overflow
@@ -49,7 +51,7 @@ __all__ = [
 ]
 
 
-def _f32(xp: Any, x: Any):
+def _f32(xp: Namespace, x: Array) -> Array:
     return x if x.dtype == xp.float32 else xp.astype(x, xp.float32)
 
 
@@ -66,18 +68,18 @@ class ExactTokens:
         Sink tokens held.
     """
 
-    k: Any
-    v: Any
+    k: Array
+    v: Array
     n_sink: int = 0
 
     @classmethod
-    def empty(cls, xp: Any, dev: Any, batch: int, heads: int, head_dim: int) -> ExactTokens:
+    def empty(cls, xp: Namespace, dev: Device, batch: int, heads: int, head_dim: int) -> ExactTokens:
         """No token: blocks of shape (batch, heads, 0, head_dim) in the namespace's half dtype."""
         z = xp.zeros((batch, heads, 0, head_dim), dtype=half_dtype(xp), device=dev)
         return cls(k=z, v=z, n_sink=0)
 
     @classmethod
-    def from_parts(cls, xp: Any, k_sink: Any, v_sink: Any, k_recent: Any, v_recent: Any) -> ExactTokens:
+    def from_parts(cls, xp: Namespace, k_sink: Array, v_sink: Array, k_recent: Array, v_recent: Array) -> ExactTokens:
         """The block of separately held sinks and recent tokens (each (b, h, n, d))."""
         n = int(k_sink.shape[2])
         if not n:
@@ -108,7 +110,7 @@ class ExactTokens:
         """Bytes of the two blocks."""
         return array_nbytes(self.k) + array_nbytes(self.v)
 
-    def step(self, xp: Any, k: Any, v: Any, q: Any = None, *, sink_tokens: int) -> WindowStep:
+    def step(self, xp: Namespace, k: Array, v: Array, q: Array | None = None, *, sink_tokens: int) -> WindowStep:
         """Plan the store of new tokens ``k``, ``v`` (b, h, t, d): the first become sinks while
         fewer than ``sink_tokens`` are held; the rest follow the recent window.
 
@@ -137,14 +139,14 @@ class WindowStep:
     :class:`ExactTokens` left once ``spill`` of them have left the window.
     """
 
-    xp: Any
-    k_sink: Any
-    v_sink: Any
-    k_recent: Any
-    v_recent: Any
-    k: Any
-    v: Any
-    q: Any
+    xp: Namespace
+    k_sink: Array
+    v_sink: Array
+    k_recent: Array
+    v_recent: Array
+    k: Array
+    v: Array
+    q: Array
     taken: int
 
     @property
@@ -170,7 +172,7 @@ class WindowStep:
         """``(k, v)``: the first ``n`` tokens of ``recent ++ new`` as float32 (b, h, n, d); only those are converted."""
         return self._first(self.k_recent, self.k, n), self._first(self.v_recent, self.v, n)
 
-    def _first(self, held: Any, new: Any, n: int):
+    def _first(self, held: Array, new: Array, n: int) -> Array:
         xp = self.xp
         a = min(n, int(held.shape[2]))
         parts = [_f32(xp, held[:, :, :a, :])] if a else []
@@ -243,10 +245,10 @@ class WindowLayer(LayerState):
         (:func:`commit_store`); stale when those fields hold other arrays (:func:`sliding_rows`).
     """
 
-    codes: TokenBuffers = None
-    exact: ExactTokens = None
+    codes: TokenBuffers = None  # type: ignore[assignment]  # set when the layer is created
+    exact: ExactTokens = None  # type: ignore[assignment]
     calib: Any = None
-    rollback: ExactTokens = None
+    rollback: ExactTokens = None  # type: ignore[assignment]
     window_rows: SlidingRows | None = None
     rollback_rows: SlidingRows | None = None
 
@@ -257,7 +259,7 @@ class WindowLayer(LayerState):
 def sliding_rows(st: WindowLayer, name: str, held: ExactTokens) -> SlidingRows:
     """The layer's :class:`SlidingRows` ``name`` (``"window_rows"``, ``"rollback_rows"``) holding the
     block ``held``; made from ``held`` (a copy) when the field holds another block or none."""
-    rows = getattr(st, name)
+    rows: SlidingRows | None = getattr(st, name)
     if rows is None or not rows.holds(held.k):
         rows = SlidingRows(st.xp, held.k, held.v)
         setattr(st, name, rows)
@@ -267,7 +269,7 @@ def sliding_rows(st: WindowLayer, name: str, held: ExactTokens) -> SlidingRows:
 _SLIDING = {"exact": "window_rows", "rollback": "rollback_rows"}
 
 
-def block_room(st: WindowLayer, which: str, rows: int):
+def block_room(st: WindowLayer, which: str, rows: int) -> tuple[SlidingRows, int, Callable[[int], None]]:
     """Room for ``rows`` more rows after the block ``which`` of layer ``st`` (``"exact"``: the
     sinks and window; ``"rollback"``: the rollback copies), in two steps for atomic stores.
 
@@ -284,21 +286,21 @@ def block_room(st: WindowLayer, which: str, rows: int):
     if block.k is not held.k:  # the same rows, moved: renewed views
         setattr(st, which, ExactTokens(k=block.k, v=block.v, n_sink=n_sink))
 
-    def push(drop: int):
+    def push(drop: int) -> None:
         k, v = block.advance(n_sink, drop, rows)
         setattr(st, which, ExactTokens(k=k, v=v, n_sink=n_sink))
 
     return block, row, push
 
 
-def rollback_room(st: WindowLayer, rows: int, keep: int):
+def rollback_room(st: WindowLayer, rows: int, keep: int) -> tuple[SlidingRows, int, Callable[[], None]]:
     """:func:`block_room` of the rollback copies; its ``push()`` drops the oldest copies beyond ``keep``."""
     block, row, push = block_room(st, "rollback", rows)
     return block, row, lambda: push(max(0, st.rollback.count + rows - keep))
 
 
 def commit_store(
-    xp: Any,
+    xp: Namespace,
     method: str,
     st: WindowLayer,
     step: WindowStep,
@@ -343,7 +345,7 @@ def commit_store(
 
 
 def _new_block(
-    xp: Any,
+    xp: Namespace,
     method: str,
     st: WindowLayer,
     step: WindowStep,
@@ -351,7 +353,7 @@ def _new_block(
     arrays: dict | None,
     new_calib: dict,
     rollback: int,
-):
+) -> Callable[[], None]:
     """:func:`commit_store`'s window and rollback copies by concatenation; returns the commit."""
     exact = step.block(spill)
     k_new, v_new = step.added_rows(exact, spill)
@@ -363,14 +365,14 @@ def _new_block(
         margin = ExactTokens(k=keep_last(xp, margin.k, kr, rollback), v=keep_last(xp, margin.v, vr, rollback))
     refuse_overflow(xp, method, {"window": k_new, "value window": v_new, **(arrays or {}), **new_calib})
 
-    def finish():
+    def finish() -> None:
         st.exact, st.rollback = exact, margin
 
     return finish
 
 
 def _sliding_block(
-    xp: Any,
+    xp: Namespace,
     method: str,
     st: WindowLayer,
     step: WindowStep,
@@ -378,7 +380,7 @@ def _sliding_block(
     arrays: dict | None,
     new_calib: dict,
     rollback: int,
-):
+) -> Callable[[], None]:
     """:func:`commit_store`'s window and rollback copies slid in place (no sink taken): the
     checks and every allocation; returns the commit, which allocates nothing."""
     half = half_dtype(xp)
@@ -401,7 +403,7 @@ def _sliding_block(
         margin.value_rows[:, :, mrow : mrow + r, ...] = vr
     window, row, slide = block_room(st, "exact", keep_new)
 
-    def finish():
+    def finish() -> None:
         if push is not None:
             push()
         window.key_rows[:, :, row : row + keep_new, ...] = k_new
@@ -458,6 +460,10 @@ class WindowRollback:
     #: Whether a calibration may be given rather than made by a call (``lowrank``/``vq``): a
     #: layer whose file did not record its calibrating call is then never uncalibrated.
     _calibration_given: bool = True
+    #: Set by the cache (its option).
+    residual_window: int
+    #: The cache's hook: whether a direct build of ``length`` tokens has made no calibration yet.
+    _uncalibrated_at: Callable[[Any, int], bool]
 
     def _cut(self, st: Any, length: int, calibrated: bool = True) -> tuple:
         """``(n_s', w', c', lo)`` of a truncation of ``st`` to ``length`` (see Notes);
@@ -509,7 +515,7 @@ class WindowRollback:
             return [(1, st.length)]
         return ([(1, low)] if low else []) + [(top, st.length)]
 
-    def _truncate_plan(self, st: Any, length: int):
+    def _truncate_plan(self, st: Any, length: int) -> Callable[[], None]:
         xp = st.xp
         uncal = self._uncalibrating(st, length)
         ns2, w2, c2, lo = self._cut(st, length, calibrated=not uncal)
@@ -527,7 +533,7 @@ class WindowRollback:
         margin = ExactTokens(k=st.rollback.k[:, :, :keep, :], v=st.rollback.v[:, :, :keep, :])
         plan = st.codes.truncate_plan(c2)
 
-        def commit():
+        def commit() -> None:
             st.codes.commit_truncate(plan)
             st.exact, st.rollback = exact, margin
             if uncal:  # the direct build has not calibrated: a later spill calibrates as it would
@@ -536,7 +542,8 @@ class WindowRollback:
         return commit
 
     def _rollback_nbytes(self, st: Any) -> int:
-        return st.rollback.nbytes() + RECORD_NBYTES
+        held: int = st.rollback.nbytes()
+        return held + RECORD_NBYTES
 
     def _side_spare_nbytes(self, st: WindowLayer) -> int:
         """The spare rows of the buffers the window and the rollback copies slide in."""
@@ -575,7 +582,7 @@ def restore_rollback(st: Any, arrays: dict) -> None:
         st.fixed_end, st.fixed_known = st.length, False
 
 
-def rollback_layout(xp: Any, batch: int, heads: int, head_dim: int) -> Layout:
+def rollback_layout(xp: Namespace, batch: int, heads: int, head_dim: int) -> Layout:
     """The :class:`~arraykv.caches.layout.Layout` of the saved rollback state of a window layer:
     ``k_rollback``, ``v_rollback`` (half, (b, h, ``"copies"``, d), together; absent in files
     written before rollback copies existed) and ``fixed_end``."""

@@ -15,12 +15,14 @@ tokens, the *last* ``n`` positions of the sequence, and the caller masks by posi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _compat, ops
+from .._types import Array, Device, DType, Namespace
 from .._validation import check_int
-from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
+from ..protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype
 from .base import LayeredCache, LayerState, check_decode_path, refuse_overflow
@@ -72,11 +74,11 @@ class WindowLayer(LayerState):
     rows: dict = field(default_factory=dict)
     off: int = 0
     n: int = 0
-    tail_k: Any = None
-    tail_v: Any = None
-    calib: Any = None
+    tail_k: Array = None
+    tail_v: Array = None
+    calib: PolarCalibration | None = None
 
-    def held(self) -> dict:
+    def held(self) -> dict[str, Array]:
         """Views of the held rows by name, each ``(batch, kv_heads, n, ...)``."""
         return {name: b[:, :, self.off : self.off + self.n, ...] for name, b in self.rows.items()}
 
@@ -85,7 +87,7 @@ class WindowLayer(LayerState):
         return 0 if self.tail_k is None else int(self.tail_k.shape[2])
 
 
-class SlidingWindowCache(LayeredCache):
+class SlidingWindowCache(LayeredCache[WindowLayer]):
     """Keys and values of the last ``window + rollback_tokens`` tokens of each layer.
 
     Parameters
@@ -170,7 +172,7 @@ class SlidingWindowCache(LayeredCache):
         max_outliers: int | None = None,
         check_finite: bool = True,
         max_tokens: int | None = None,
-    ):
+    ) -> None:
         super().__init__(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
@@ -222,16 +224,17 @@ class SlidingWindowCache(LayeredCache):
         self._fixed: dict = {}
 
     @property
-    def stores_exactly(self) -> bool:
+    def stores_exactly(self) -> bool:  # type: ignore[override]  # a class attribute of the base
         """Whether tokens are held as given (or float16): a prompt then needs no exact staging."""
         return self.bits is None
 
     # -- the pq codec ------------------------------------------------------------------
-    def _codec(self, xp: Any, dev: Any) -> PolarFixed:
+    def _codec(self, xp: Namespace, dev: Device) -> PolarFixed:
         """Rotation and codebooks of the ``pq`` storage on ``xp``/``dev`` (built once)."""
         key = (id(xp), str(dev))
-        got = self._fixed.get(key)
+        got: PolarFixed | None = self._fixed.get(key)
         if got is None:
+            assert self.bits is not None  # only the pq storages have a codec
             got = PolarFixed.build(
                 xp, dev, head_dim=self.head_dim, key_bits=self.bits, value_bits=self.bits, seed=self.seed, qjl=False
             )
@@ -241,10 +244,10 @@ class SlidingWindowCache(LayeredCache):
     def _fixed_nbytes(self) -> int:
         return sum(c.nbytes() for c in list(self._fixed.values()))
 
-    def _fused_auto(self, xp: Any) -> bool:
+    def _fused_auto(self, xp: Namespace) -> bool:
         return ops.has_kernel("polar_decode_attention", xp)
 
-    def _fused(self, xp: Any) -> bool:
+    def _fused(self, xp: Namespace) -> bool:
         return self.bits is not None and super()._fused(xp)  # float rows are returned as they are
 
     def _on_reset(self) -> None:
@@ -273,7 +276,7 @@ class SlidingWindowCache(LayeredCache):
             out["k_outliers"] = (n_outliers,)
         return out
 
-    def _row_dtypes(self, xp: Any, dtype: Any) -> dict:
+    def _row_dtypes(self, xp: Namespace, dtype: DType) -> dict:
         if self.bits is None:
             d = xp.float16 if self.storage == "float16" else dtype
             return {"k": d, "v": d}
@@ -281,10 +284,10 @@ class SlidingWindowCache(LayeredCache):
         return {"k_codes": xp.uint8, "k_norms": h, "v_codes": xp.uint8, "v_norms": h, "k_outliers": h}
 
     # -- storing -----------------------------------------------------------------------
-    def _new_layer(self, xp, dev, batch, dtype) -> WindowLayer:
+    def _new_layer(self, xp: Namespace, dev: Device, batch: int, dtype: DType) -> WindowLayer:
         return WindowLayer(xp=xp, device=dev, batch=batch, dtype=dtype)
 
-    def _encode(self, st: WindowLayer, k: Any, v: Any, q: Any, start: int) -> tuple:
+    def _encode(self, st: WindowLayer, k: Array, v: Array, q: Array, start: int) -> tuple:
         """``(rows, calib, tail)`` of new tokens at positions ``start ..``: the rows in the
         storage form by name, the calibration this call makes (None when the layer has one,
         or for float storage) and the float16 rows for the tail (None without one). Nothing
@@ -297,12 +300,15 @@ class SlidingWindowCache(LayeredCache):
             refuse_overflow(xp, self.method, out)
             return out, None, None
         fixed = self._codec(xp, st.device)
+        opts = self.options
+        assert opts is not None  # set with bits
         kf, vf = xp.astype(k, xp.float32), xp.astype(v, xp.float32)
         new = None
         if st.calib is None:
-            new = calibrate(self.options, xp, kf, vf, xp.astype(q, xp.float32), start)
+            new = calibrate(opts, xp, kf, vf, xp.astype(q, xp.float32), start)
         c = st.calib if new is None else new
-        enc = fixed.encoder(c, key_length=self.options.key_length, value_length=self.options.value_length, qjl=False)
+        assert c is not None  # made above when the layer had none
+        enc = fixed.encoder(c, key_length=opts.key_length, value_length=opts.value_length, qjl=False)
         out = ops.polar_encode_tokens(kf, vf, enc, start)
         t = int(k.shape[2])
         m = min(t, self.tail_keep)
@@ -314,7 +320,9 @@ class SlidingWindowCache(LayeredCache):
         )
         return out, new, tail
 
-    def _apply(self, st: WindowLayer, rows: dict, calib: Any, tail: Any, end: int) -> None:
+    def _apply(
+        self, st: WindowLayer, rows: dict, calib: PolarCalibration | None, tail: tuple[Array, Array] | None, end: int
+    ) -> None:
         """Commit what :meth:`_encode` computed; ``end`` is the length after the call."""
         if calib is not None:
             st.calib, st.fixed_end = calib, end
@@ -335,6 +343,7 @@ class SlidingWindowCache(LayeredCache):
         if self.bits is None:
             k, v = rows["k"], rows["v"]
         else:
+            assert st.calib is not None  # pq rows are stored with the calibration they were made with
             k, v = decode_tokens(rows, st.calib, self._codec(xp, st.device), self.bits, self.bits, first)
             n = int(k.shape[2])
             exact = min(st.tail_rows(), self.exact_tail)
@@ -388,14 +397,14 @@ class SlidingWindowCache(LayeredCache):
             st.off += st.n - keep
             st.n = keep
 
-    def _store_at(self, st: WindowLayer, k: Any, v: Any, q: Any, start: int, end: int) -> None:
+    def _store_at(self, st: WindowLayer, k: Array, v: Array, q: Array, start: int, end: int) -> None:
         rows, calib, tail = self._encode(st, k, v, q, start)
         self._apply(st, rows, calib, tail, end)
 
-    def _store(self, st, k, v, q) -> None:
+    def _store(self, st: WindowLayer, k: Array, v: Array, q: Array) -> None:
         self._store_at(st, k, v, q, st.length, st.length + int(k.shape[2]))
 
-    def _prefill(self, st, k, v, q) -> DequantResult:
+    def _prefill(self, st: WindowLayer, k: Array, v: Array, q: Array) -> DequantResult:
         xp, start, t = st.xp, st.length, int(k.shape[2])
         rows, calib, tail = self._encode(st, k, v, q, start)
         # the new rows as stored (float storage), or as given (pq: a call's own tokens are
@@ -410,7 +419,7 @@ class SlidingWindowCache(LayeredCache):
         self._apply(st, rows, calib, tail, start + t)
         return DequantResult(k=rk, v=rv)
 
-    def _decode(self, st, k, v, q, config: AttendConfig):
+    def _decode(self, st: WindowLayer, k: Array, v: Array, q: Array, config: AttendConfig) -> DecodeOutput:
         end = st.length + int(k.shape[2])
         self._store_tokens(st, k, v, q)
         w = min(st.n, self.window)
@@ -433,6 +442,7 @@ class SlidingWindowCache(LayeredCache):
         t0 = st.tail_rows() - e
         rows = {name: a[:, :, st.n - w : st.n - e, ...] for name, a in st.held().items()}
         calib = st.calib
+        assert calib is not None  # a pq layer holding rows is calibrated
         k_mean = calib.k_mean
         if calib.k_mean_freq is not None:
             k_mean = xp.astype(calib.key_mean(xp, end - w, 1)[:, :, 0, :], half_dtype(xp))
@@ -463,11 +473,11 @@ class SlidingWindowCache(LayeredCache):
             k_qjl_norms=None,
         )
 
-    def _decoded(self, st, start: int = 0) -> DequantResult:
+    def _decoded(self, st: WindowLayer, start: int = 0) -> DequantResult:
         rk, rv = self._decode_rows(st, st.held(), st.length - st.n, st.length)
         return DequantResult(k=rk, v=rv)
 
-    def _dequantize_from(self, st, start: int) -> DequantResult:
+    def _dequantize_from(self, st: WindowLayer, start: int) -> DequantResult:
         first = st.length - st.n  # position of the oldest held row
         if start < first:
             raise ValueError(
@@ -478,7 +488,7 @@ class SlidingWindowCache(LayeredCache):
         rk, rv = self._decode_rows(st, rows, start, st.length)
         return DequantResult(k=rk, v=rv)
 
-    def append_last(self, layer: int, k: Any, v: Any, q: Any, tokens: int) -> None:
+    def append_last(self, layer: int, k: Array, v: Array, q: Array, tokens: int) -> None:
         """Store ``tokens`` new tokens of which only the last ones are given.
 
         For a caller that computed a long prompt itself and kept only what this layer will
@@ -522,35 +532,35 @@ class SlidingWindowCache(LayeredCache):
         int
             The rows held, at most ``window + rollback_tokens`` after a call.
         """
-        got = self._with_layer(layer, lambda st: st.n)
+        got: int | None = self._with_layer(layer, lambda st: st.n)
         return 0 if got is None else got
 
-    def _stable_length(self, st) -> int:
+    def _stable_length(self, st: WindowLayer) -> int:
         return 0  # the oldest held rows leave as tokens arrive: no row index stays put
 
     # -- bytes -------------------------------------------------------------------------
-    def _tail_nbytes(self, st, rows: int) -> int:
+    def _tail_nbytes(self, st: WindowLayer, rows: int) -> int:
         return 0 if st.tail_k is None else rows * 2 * _compat.array_nbytes(st.tail_k[:, :, :1, :])
 
-    def _side_nbytes(self, st) -> int:
+    def _side_nbytes(self, st: WindowLayer) -> int:
         rows = sum(_compat.array_nbytes(b[:, :, :1, ...]) for b in st.rows.values()) * st.n
         calib = 0 if st.calib is None else st.calib.nbytes()
         return rows + self._tail_nbytes(st, st.tail_rows()) + calib + self._rollback_record(st)
 
-    def _side_spare_nbytes(self, st) -> int:
+    def _side_spare_nbytes(self, st: WindowLayer) -> int:
         rows = sum(_compat.array_nbytes(b[:, :, :1, ...]) for b in st.rows.values())
         return sum(_compat.array_nbytes(b) for b in st.rows.values()) - rows * st.n
 
-    def _rollback_record(self, st) -> int:
+    def _rollback_record(self, st: WindowLayer) -> int:
         return 0 if st.calib is None else 8  # fixed_end, saved as one int64
 
-    def _rollback_nbytes(self, st) -> int:
+    def _rollback_nbytes(self, st: WindowLayer) -> int:
         """The tail rows beyond ``exact_tail`` (held for truncation) and the calibrating call's record."""
         extra = max(0, st.tail_rows() - self.exact_tail)
         return self._tail_nbytes(st, extra) + self._rollback_record(st)
 
     # -- truncate, snapshots -----------------------------------------------------------
-    def _truncate_floor(self, st) -> int:
+    def _truncate_floor(self, st: WindowLayer) -> int:
         first = st.length - st.n
         if first == 0:
             floor = 1  # every token is held
@@ -565,10 +575,10 @@ class SlidingWindowCache(LayeredCache):
                 floor = max(floor, st.length - (tail - self.exact_tail))
         return floor
 
-    def _truncate_plan(self, st, length: int):
+    def _truncate_plan(self, st: WindowLayer, length: int) -> Callable[[], None]:
         drop = st.length - length
 
-        def apply():
+        def apply() -> None:
             st.n -= drop
             if st.tail_k is not None:
                 keep = st.tail_rows() - min(drop, st.tail_rows())
@@ -576,17 +586,18 @@ class SlidingWindowCache(LayeredCache):
 
         return apply
 
-    def _layer_arrays(self, st) -> dict:
+    def _layer_arrays(self, st: WindowLayer) -> dict[str, Array]:
         if not st.rows:
             return {}
         out = st.held()
         if self.bits is not None:
+            assert st.calib is not None  # a pq layer holding rows is calibrated
             out["k_tail"], out["v_tail"] = st.tail_k, st.tail_v
             out.update(st.calib.arrays())
             out["fixed_end"] = st.xp.asarray([st.fixed_end], dtype=st.xp.int64, device=st.device)
         return out
 
-    def _layer_layout(self, xp, batch, dtype, length) -> Layout:
+    def _layer_layout(self, xp: Namespace, batch: int, dtype: DType, length: int) -> Layout:
         """The saved arrays of a layer: its held rows (:meth:`row_shapes`, at least
         ``min(length, window - 1)`` and at most ``min(length, keep)``, one at least), and for the
         ``pq`` storages the calibration (:func:`~arraykv.caches.polar_calibration.calibration_layout`,
@@ -597,7 +608,7 @@ class SlidingWindowCache(LayeredCache):
         dtypes = self._row_dtypes(xp, dtype)
         arrays = {name: Spec(dtypes[name], (b, h, "rows") + tail) for name, tail in self.row_shapes().items()}
 
-        def rows(sizes: dict, held: frozenset):
+        def rows(sizes: dict, held: frozenset) -> str | None:
             n, lo, hi = sizes["rows"], min(length, self.window - 1), min(length, self.keep)
             if lo <= n <= hi and n:
                 return None
@@ -613,7 +624,7 @@ class SlidingWindowCache(LayeredCache):
             fixed_end=Spec(xp.int64, (1,), low=1, high="length"),
         )
 
-        def codec(sizes: dict, held: frozenset):
+        def codec(sizes: dict, held: frozenset) -> str | None:
             if "k_mean" not in held:
                 return "a pq window layer holds its calibration; 'k_mean' and the rest are missing"
             if ("k_outliers" in held) != (sizes.get("n_out", 0) > 0):
@@ -630,7 +641,9 @@ class SlidingWindowCache(LayeredCache):
             calibration_layout(xp, b, h, d), Layout(arrays=arrays), sizes={"length": length}, rules=(rows, codec)
         )
 
-    def _restore_layer(self, xp, dev, batch, dtype, length, arrays) -> WindowLayer:
+    def _restore_layer(
+        self, xp: Namespace, dev: Device, batch: int, dtype: DType, length: int, arrays: dict[str, Array]
+    ) -> WindowLayer:
         st = WindowLayer(xp=xp, device=dev, batch=batch, dtype=dtype, length=length)
         if self.bits is not None:
             st.calib = PolarCalibration.from_arrays(xp, arrays)
@@ -647,7 +660,7 @@ class SlidingWindowCache(LayeredCache):
             "storage": self.storage,
             "seed": self.seed,
         }
-        if self.bits is not None:
+        if self.options is not None:  # the pq storages (bits set)
             out["exact_tail"] = self.exact_tail
             out["decode_path"] = self.decode_path
             out["outliers"] = self.options.outliers
