@@ -38,10 +38,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
+
+from .._types import Array, Device
 
 __all__ = ["route", "bridged", "dispatching"]
 
@@ -63,7 +65,7 @@ def _is_backend_array(x: Any) -> bool:
     return cupy is not None and isinstance(x, cupy.ndarray)
 
 
-def route(device: Any) -> str | None:
+def route(device: Device) -> str | None:
     """The kernel backend for tensors on ``device``: ``"numpy"`` (CPU), ``"cupy"`` (CUDA) or None."""
     kind = getattr(device, "type", device)
     if kind == "cpu":
@@ -73,7 +75,7 @@ def route(device: Any) -> str | None:
     return None
 
 
-def _first_tensor(obj: Any, depth: int = 0):
+def _first_tensor(obj: Any, depth: int = 0) -> Array | None:
     """The first tensor in ``obj`` (arguments, tuples, dataclasses), or None."""
     if _is_tensor(obj):
         return obj
@@ -86,7 +88,7 @@ def _first_tensor(obj: Any, depth: int = 0):
     return None
 
 
-def _children(obj: Any):
+def _children(obj: Any) -> Iterable[Any]:
     if isinstance(obj, (tuple, list)):
         return obj
     if isinstance(obj, dict):
@@ -96,7 +98,7 @@ def _children(obj: Any):
     return ()
 
 
-def _convert(obj: Any, leaf: Callable, is_leaf: Callable, depth: int = 0) -> Any:
+def _convert(obj: Any, leaf: Callable[[Array], Array], is_leaf: Callable[[Any], bool], depth: int = 0) -> Any:
     """``obj`` with every leaf ``x`` (``is_leaf(x)``) replaced by ``leaf(x)``; containers rebuilt only when changed."""
     if is_leaf(obj):
         return leaf(obj)
@@ -113,7 +115,7 @@ def _convert(obj: Any, leaf: Callable, is_leaf: Callable, depth: int = 0) -> Any
         out = {key: _convert(val, leaf, is_leaf, depth + 1) for key, val in obj.items()}
         return obj if all(out[key] is obj[key] for key in obj) else out
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changed = {}
+        changed: dict[str, Any] = {}
         for f in dataclasses.fields(obj):
             val = getattr(obj, f.name)
             new = _convert(val, leaf, is_leaf, depth + 1)
@@ -128,18 +130,18 @@ def _convert(obj: Any, leaf: Callable, is_leaf: Callable, depth: int = 0) -> Any
     return obj
 
 
-def _to_numpy(t: Any):
+def _to_numpy(t: Array) -> Array:
 
     return np.from_dlpack(t)
 
 
-def _to_cupy(t: Any):
+def _to_cupy(t: Array) -> Array:
     import cupy
 
     return cupy.from_dlpack(t)
 
 
-def _to_torch(a: Any):
+def _to_torch(a: Array) -> Array:
     import torch
 
     if type(a).__module__.startswith("numpy"):
@@ -150,7 +152,7 @@ def _to_torch(a: Any):
 
 
 @contextlib.contextmanager
-def _cuda_context(t: Any):
+def _cuda_context(t: Array) -> Iterator[None]:
     """CuPy's current device and stream set to ``t``'s device and PyTorch's current stream there."""
     import cupy
     import torch
@@ -161,7 +163,9 @@ def _cuda_context(t: Any):
         yield
 
 
-def _run(kernel: Callable, backend: str, args: tuple, kwargs: dict, first: Any):
+def _run(
+    kernel: Callable[..., Any], backend: str, args: tuple[Any, ...], kwargs: dict[str, Any], first: Array | None
+) -> Any:
     to = _to_numpy if backend == "numpy" else _to_cupy
     cargs = _convert(args, to, _is_tensor)
     ckwargs = _convert(kwargs, to, _is_tensor)
@@ -173,7 +177,7 @@ def _run(kernel: Callable, backend: str, args: tuple, kwargs: dict, first: Any):
     return _convert(out, _to_torch, _is_backend_array)
 
 
-def bridged(kernel: Callable, backend: str) -> Callable:
+def bridged(kernel: Callable[..., Any], backend: str) -> Callable[..., Any]:
     """``kernel`` (the ``backend`` kernel of an op) as a function of tensors.
 
     Parameters
@@ -192,16 +196,18 @@ def bridged(kernel: Callable, backend: str) -> Callable:
     if backend not in ("numpy", "cupy"):
         raise ValueError(f"backend must be 'numpy' or 'cupy', received {backend!r}")
 
-    def run(*args, **kwargs):
+    def run(*args: Any, **kwargs: Any) -> Any:
         return _run(kernel, backend, args, kwargs, _first_tensor((args, kwargs)))
 
-    run.__wrapped__ = kernel
+    run.__wrapped__ = kernel  # type: ignore[attr-defined]  # what inspect.signature follows
     run.__name__ = getattr(kernel, "__name__", "kernel")
     run.__doc__ = getattr(kernel, "__doc__", None)
     return run
 
 
-def dispatching(resolve: Callable, reference: Callable) -> Callable:
+def dispatching(
+    resolve: Callable[[str], Callable[..., Any] | None], reference: Callable[..., Any]
+) -> Callable[..., Any]:
     """A function of tensors that picks the kernel by the device of its first tensor argument.
 
     ``resolve(backend)`` returns the kernel for ``"numpy"`` or ``"cupy"`` (or None). Where
@@ -211,11 +217,11 @@ def dispatching(resolve: Callable, reference: Callable) -> Callable:
     their arguments in other units than the reference (``int_decode_attention``).
     """
 
-    def run(*args, **kwargs):
+    def run(*args: Any, **kwargs: Any) -> Any:
         first = _first_tensor((args, kwargs))
         backend = route(first.device) if first is not None else None
         kernel = resolve(backend) if backend is not None else None
-        if kernel is None:
+        if kernel is None or backend is None:
             return reference(*args, **kwargs)
         return _run(kernel, backend, args, kwargs, first)
 

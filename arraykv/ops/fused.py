@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
+from .._types import Array, Device, Namespace
 from .._validation import check_softmax_scale
 from ..attention.int_fused import layer_exponents
 from ..quant.lowrank import LowRankLayerCoefficients
@@ -31,7 +32,7 @@ __all__ = [
 INT_KERNEL_BITS = (2, 4, 8)
 
 
-def has_kernel(name: str, xp: Any, device: Any = None) -> bool:
+def has_kernel(name: str, xp: Namespace, device: Device = None) -> bool:
     """Whether op ``name`` has a usable kernel for namespace ``xp`` (kernels enabled and importable).
 
     For PyTorch without a ``device``: whether it has one for CPU or CUDA tensors
@@ -40,12 +41,12 @@ def has_kernel(name: str, xp: Any, device: Any = None) -> bool:
     return lookup(name, xp, device) is not None
 
 
-def _device(xp: Any, x: Any):
+def _device(xp: Namespace, x: Array) -> Device:
     """``x``'s device where the namespace needs it to pick a kernel (PyTorch), else None."""
     return _compat.device(x) if _compat.is_torch(xp) else None
 
 
-def polar_decode_attention(codec: Any, q: Any, scale: float):
+def polar_decode_attention(codec: Any, q: Array, scale: float) -> Array:
     """Attention of one query per head over a PolarQuant layer, from its packed codes.
 
     Parameters
@@ -68,7 +69,7 @@ def polar_decode_attention(codec: Any, q: Any, scale: float):
     return implementation("polar_decode_attention", xp, _device(xp, q))(codec, q, scale)
 
 
-def int_decode_attention(codec: Any, q: Any, scale: float):
+def int_decode_attention(codec: Any, q: Array, scale: float) -> Array:
     """Attention of one query per head over an integer-cache layer, from its packed codes.
 
     Parameters
@@ -99,7 +100,9 @@ def int_decode_attention(codec: Any, q: Any, scale: float):
     return out * 2.0**v_exp if v_exp else out
 
 
-def vq_decode_attention(q: Any, layer_codes: VQLayerCodes, k_extra: Any, v_extra: Any, *, softmax_scale: float):
+def vq_decode_attention(
+    q: Array, layer_codes: VQLayerCodes, k_extra: Array, v_extra: Array, *, softmax_scale: float
+) -> Array:
     """One decode step of attention over VQ-coded keys and values plus a few dense tokens.
 
     Arguments and result of :func:`arraykv.attention.vq_fused.vq_decode_attention_reference`:
@@ -114,8 +117,8 @@ def vq_decode_attention(q: Any, layer_codes: VQLayerCodes, k_extra: Any, v_extra
 
 
 def lowrank_decode_attention(
-    q: Any, layer_coefficients: LowRankLayerCoefficients, k_extra: Any, v_extra: Any, *, softmax_scale: float
-):
+    q: Array, layer_coefficients: LowRankLayerCoefficients, k_extra: Array, v_extra: Array, *, softmax_scale: float
+) -> Array:
     """One decode step of attention over a low-rank layer, in coefficient space.
 
     Arguments and result of :func:`arraykv.attention.lowrank_fused.lowrank_decode_attention`:

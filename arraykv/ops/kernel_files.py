@@ -9,23 +9,27 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from importlib.abc import Traversable
 
 __all__ = ["kernel_source", "kernel_names"]
 
 
-def _root():
+def _root() -> Traversable | Path:
     try:
         return resources.files("arraykv.kernels")
     except ModuleNotFoundError:
         return Path(__file__).resolve().parents[2] / "kernels"
 
 
-def kernel_names() -> list:
+def kernel_names() -> list[str]:
     """Names of the ``.cu`` files that ship with the package, sorted."""
     return sorted(p.name for p in _root().iterdir() if p.name.endswith(".cu"))
 
 
-def kernel_source(name: str) -> tuple:
+def kernel_source(name: str) -> tuple[str, Path]:
     """Return ``(text, path)`` of kernel source ``name`` (for example ``"decode_attn.cu"``).
 
     Raises

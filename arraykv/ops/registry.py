@@ -30,11 +30,12 @@ import importlib
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _compat
+from .._types import Device, Namespace
 
 __all__ = [
     "register_op",
@@ -58,11 +59,11 @@ OPTIONAL_MODULES = frozenset({"cupy", "cupy_backends", "cupyx", "fastrlock"})
 @dataclass
 class _Op:
     reference: str
-    targets: dict = field(default_factory=dict)
+    targets: dict[str, str] = field(default_factory=dict)
 
 
 _OPS: dict[str, _Op] = {}
-_RESOLVED: dict[tuple, Any] = {}
+_RESOLVED: dict[tuple[str | None, ...], Callable[..., Any] | None] = {}
 _LOCK = threading.Lock()
 _state = threading.local()
 _GLOBAL_ENABLED = os.environ.get("ARRAYKV_DISABLE_KERNELS", "") in ("", "0")
@@ -90,7 +91,7 @@ def register_op(name: str, reference: str, **targets: str) -> None:
             del _RESOLVED[key]
 
 
-def op_names() -> list:
+def op_names() -> list[str]:
     """Names of the registered ops, sorted."""
     return sorted(_OPS)
 
@@ -102,11 +103,11 @@ def kernel_target(name: str, backend: str) -> str | None:
 
 def kernels_enabled() -> bool:
     """Whether accelerated kernels are used (per thread; ``ARRAYKV_DISABLE_KERNELS=1`` turns them off)."""
-    return getattr(_state, "enabled", _GLOBAL_ENABLED)
+    return bool(getattr(_state, "enabled", _GLOBAL_ENABLED))
 
 
 @contextlib.contextmanager
-def set_kernels_enabled(enabled: bool):
+def set_kernels_enabled(enabled: bool) -> Iterator[None]:
     """Context manager that turns accelerated kernels on or off in this thread."""
     old = kernels_enabled()
     _state.enabled = bool(enabled)
@@ -123,14 +124,15 @@ def _op(name: str) -> _Op:
         raise KeyError(f"no op named {name!r}; registered: {', '.join(op_names())}") from None
 
 
-def _load(path: str) -> Callable:
+def _load(path: str) -> Callable[..., Any]:
     mod_name, attr = path.split(":")
-    return getattr(importlib.import_module(mod_name), attr)
+    fn: Callable[..., Any] = getattr(importlib.import_module(mod_name), attr)
+    return fn
 
 
-def _optional_missing(exc: BaseException) -> bool:
+def _optional_missing(exc: BaseException | None) -> bool:
     """Whether ``exc`` (or an error it was raised from) says an optional accelerator module is absent."""
-    seen = set()
+    seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, ImportError) and (exc.name or "").split(".")[0] in OPTIONAL_MODULES:
@@ -139,7 +141,7 @@ def _optional_missing(exc: BaseException) -> bool:
     return False
 
 
-def reference(name: str) -> Callable:
+def reference(name: str) -> Callable[..., Any]:
     """The array-API reference of op ``name``."""
     key = (name, "reference")
     fn = _RESOLVED.get(key)
@@ -150,7 +152,7 @@ def reference(name: str) -> Callable:
     return fn
 
 
-def _backend(xp: Any) -> str | None:
+def _backend(xp: Namespace) -> str | None:
     if _compat.is_numpy(xp):
         return "numpy"
     if _compat.is_cupy(xp):
@@ -160,13 +162,13 @@ def _backend(xp: Any) -> str | None:
     return None
 
 
-def _resolve(name: str, backend: str) -> Callable | None:
+def _resolve(name: str, backend: str) -> Callable[..., Any] | None:
     """The kernel of op ``name`` for ``backend`` ("numpy" or "cupy"), imported once, or None."""
     key = (name, backend)
     if key in _RESOLVED:
         return _RESOLVED[key]
     target = _op(name).targets.get(backend)
-    fn = None
+    fn: Callable[..., Any] | None = None
     if target is not None:
         try:
             fn = _load(target)
@@ -183,7 +185,7 @@ def _resolve(name: str, backend: str) -> Callable | None:
     return fn
 
 
-def _resolve_torch(name: str, device: Any) -> Callable | None:
+def _resolve_torch(name: str, device: Device) -> Callable[..., Any] | None:
     """A kernel of op ``name`` that takes and returns torch tensors (:mod:`arraykv.ops.bridge`), or None.
 
     With a ``device``, the kernel of that device's backend (NumPy's for CPU tensors, CuPy's for
@@ -214,7 +216,7 @@ def _resolve_torch(name: str, device: Any) -> Callable | None:
     return fn
 
 
-def lookup(name: str, xp: Any, device: Any = None) -> Callable | None:
+def lookup(name: str, xp: Namespace, device: Device = None) -> Callable[..., Any] | None:
     """The kernel of op ``name`` for namespace ``xp``, or None (none registered or importable, or disabled).
 
     Parameters
@@ -240,7 +242,7 @@ def lookup(name: str, xp: Any, device: Any = None) -> Callable | None:
     return _resolve(name, backend)
 
 
-def implementation(name: str, xp: Any, device: Any = None) -> Callable:
+def implementation(name: str, xp: Namespace, device: Device = None) -> Callable[..., Any]:
     """What op ``name`` runs for namespace ``xp`` (and ``device``): its kernel (:func:`lookup`) or its reference."""
     return lookup(name, xp, device) or reference(name)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..._types import Array, Namespace
 from .loader import get_kernel, require_cupy
 
 __all__ = [
@@ -21,7 +22,7 @@ SOURCE = "bitpack.cu"
 _FAMILY = [f"{kind}<{b}>" for kind in ("pack_bits", "unpack_bits") for b in range(1, 9)]
 
 
-def name_expressions() -> list:
+def name_expressions() -> list[str]:
     """Every kernel name expression these launchers ask the compiler for (all compiled together)."""
     return list(_FAMILY)
 
@@ -32,8 +33,8 @@ class BitpackLaunch(NamedTuple):
     rows: int
     n: int
     row_bytes: int
-    grid: tuple
-    block: tuple
+    grid: tuple[int]
+    block: tuple[int]
 
 
 def plan_bitpack(rows: int, n: int, bits: int, threads: int = 256) -> BitpackLaunch:
@@ -49,7 +50,7 @@ def plan_bitpack(rows: int, n: int, bits: int, threads: int = 256) -> BitpackLau
     return BitpackLaunch(rows, n, (n * bits + 7) // 8, (blocks,), (threads,))
 
 
-def _output(cp, shape, out):
+def _output(cp: Namespace, shape: tuple[int, ...], out: Array | None) -> Array:
     if out is None:
         return cp.empty(shape, dtype=cp.uint8)
     if tuple(out.shape) != tuple(shape) or out.dtype != cp.uint8 or not out.flags.c_contiguous:
@@ -57,17 +58,17 @@ def _output(cp, shape, out):
     return out
 
 
-def pack_bits(codes, bits):
+def pack_bits(codes: Array, bits: int) -> Array:
     """GPU :func:`arraykv.quant.bitpack.pack_bits_reference` (see :func:`pack_bits_into`)."""
     return pack_bits_into(codes, bits)
 
 
-def unpack_bits(packed, bits, n):
+def unpack_bits(packed: Array, bits: int, n: int) -> Array:
     """GPU :func:`arraykv.quant.bitpack.unpack_bits_reference` (see :func:`unpack_bits_into`)."""
     return unpack_bits_into(packed, bits, n)
 
 
-def pack_bits_into(codes, bits: int, out=None):
+def pack_bits_into(codes: Array, bits: int, out: Array | None = None) -> Array:
     """Pack CuPy uint8 codes (..., n) into (..., ceil(n*bits/8)) bytes on the GPU (into ``out`` if given)."""
     cp = require_cupy()
     codes = cp.ascontiguousarray(codes)
@@ -83,7 +84,7 @@ def pack_bits_into(codes, bits: int, out=None):
     return out
 
 
-def unpack_bits_into(packed, bits: int, n: int, out=None):
+def unpack_bits_into(packed: Array, bits: int, n: int, out: Array | None = None) -> Array:
     """Inverse of :func:`pack_bits_into`: CuPy uint8 (..., row_bytes) -> (..., n)."""
     cp = require_cupy()
     packed = cp.ascontiguousarray(packed)

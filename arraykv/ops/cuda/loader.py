@@ -13,17 +13,19 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from ..._types import Namespace
 from ..kernel_files import kernel_source
 
 __all__ = ["require_cupy", "load_module", "get_kernel", "DEFAULT_OPTIONS"]
 
 DEFAULT_OPTIONS = ("-std=c++17",)
-_MODULES: dict[tuple, Any] = {}
-_FUNCTIONS: dict[tuple, Any] = {}
+# the compiled CuPy modules and kernels, by what made them (CuPy has no type information)
+_MODULES: dict[tuple[str, tuple[str, ...], tuple[str, ...]], Any] = {}
+_FUNCTIONS: dict[tuple[str, str, tuple[str, ...], tuple[str, ...]], Any] = {}
 _LOCK = threading.Lock()
 
 
-def require_cupy():
+def require_cupy() -> Namespace:
     """Import CuPy or raise an ImportError that says how to install it."""
     try:
         import cupy
@@ -32,7 +34,7 @@ def require_cupy():
     return cupy
 
 
-def load_module(source: str, name_expressions: Iterable[str], options: Iterable[str] = DEFAULT_OPTIONS):
+def load_module(source: str, name_expressions: Iterable[str], options: Iterable[str] = DEFAULT_OPTIONS) -> Any:
     """Compile (once) and return the ``cupy.RawModule`` of ``kernels/<source>``.
 
     Parameters
@@ -62,7 +64,9 @@ def load_module(source: str, name_expressions: Iterable[str], options: Iterable[
     return mod
 
 
-def get_kernel(source: str, name: str, family: Iterable[str] | None = None, options: Iterable[str] = DEFAULT_OPTIONS):
+def get_kernel(
+    source: str, name: str, family: Iterable[str] | None = None, options: Iterable[str] = DEFAULT_OPTIONS
+) -> Any:
     """The kernel ``name`` of ``kernels/<source>``; ``family`` lists sibling instantiations
     compiled in the same module (so one compilation serves them all).
 

@@ -11,12 +11,17 @@ kept per thread and shape and reused, not allocated per call.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ... import _compat
+from ..._types import Array, DType, Namespace
 from ...attention.polar_fused import polar_decode_attention_reference
+from ...quant.codebooks import Codebook
 from ...quant.polar import polar_decode_reference, polar_encode_reference
 from ...quant.qjl import QJL_SCALE
 from ...quant.rotary_mean import RotaryMeanPlan
+from ...quant.rotation import Rotation
 from .loader import get_kernel, require_cupy
 from .polar_plan import (  # noqa: F401 - re-exported: the launch planning lives in polar_plan
     BLOCKS_PER_SM,
@@ -54,7 +59,7 @@ __all__ = [
 SOURCE = "polar.cu"
 _SCRATCH_ENTRIES = 16
 _scratch = threading.local()
-_SM_COUNT: dict = {}
+_SM_COUNT: dict[int, int] = {}
 #: ``(head_dim, hadamard)`` and ``(key bits, value bits, qjl)`` that :func:`name_expressions`
 #: covers: the head sizes of the supported models, the smallest one and a dense rotation, and
 #: every code width the presets use.
@@ -62,7 +67,7 @@ _BUILD_HEADS = ((64, True), (128, True), (256, True), (96, False), (32, True))
 _BUILD_BITS = ((4, 4, False), (3, 3, False), (2, 2, True), (1, 1, False), (3, 2, True))
 
 
-def name_expressions() -> list:
+def name_expressions() -> list[str]:
     """Kernel name expressions these launchers ask the compiler for, over the configurations the caches use.
 
     Returns
@@ -73,7 +78,7 @@ def name_expressions() -> list:
         configuration of ``_BUILD_HEADS`` and ``_BUILD_BITS``. A build check compiles them
         all, so a template that fails to instantiate is caught without a GPU.
     """
-    names = set()
+    names: set[str] = set()
     for d, had in _BUILD_HEADS:
         for kb, vb, qjl in _BUILD_BITS:
             for pf in (False, True):
@@ -85,7 +90,7 @@ def name_expressions() -> list:
     return sorted(names)
 
 
-def _device_sm_count(cp) -> int:
+def _device_sm_count(cp: Namespace) -> int:
     dev = cp.cuda.Device().id
     n = _SM_COUNT.get(dev)
     if n is None:
@@ -93,10 +98,10 @@ def _device_sm_count(cp) -> int:
     return n
 
 
-_OCCUPANCY: dict = {}
+_OCCUPANCY: dict[tuple[int, str], int] = {}
 
 
-def _blocks_per_sm(cp, kern, name) -> int:
+def _blocks_per_sm(cp: Namespace, kern: Any, name: str) -> int:
     """Resident attention blocks per multiprocessor for ``kern`` (driver occupancy query)."""
     key = (cp.cuda.Device().id, name)
     n = _OCCUPANCY.get(key)
@@ -113,11 +118,11 @@ def _blocks_per_sm(cp, kern, name) -> int:
     return n
 
 
-def _hadamard(rotation) -> bool:
+def _hadamard(rotation: Rotation) -> bool:
     return rotation.matrix is None
 
 
-def _check_out(cp, out, shape, dtype, name):
+def _check_out(cp: Namespace, out: Array | None, shape: tuple[int, ...], dtype: DType, name: str) -> Array:
     if out is None:
         return cp.empty(shape, dtype=dtype)
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous:
@@ -128,7 +133,7 @@ def _check_out(cp, out, shape, dtype, name):
     return out
 
 
-def polar_encode(x, codebook, rotation, *, unbiased=False):
+def polar_encode(x: Array, codebook: Codebook, rotation: Rotation, *, unbiased: bool = False) -> tuple[Array, Array]:
     """GPU :func:`arraykv.quant.polar.polar_encode_reference`: CuPy ``(..., dim)`` -> (codes uint8, gains float16).
 
     Vectors the kernel does not code (``codec_unsupported_reason``: a head_dim that is not a
@@ -140,7 +145,7 @@ def polar_encode(x, codebook, rotation, *, unbiased=False):
     return polar_encode_into(x, codebook, rotation, unbiased=unbiased)
 
 
-def polar_decode(codes, norms, codebook, rotation):
+def polar_decode(codes: Array, norms: Array, codebook: Codebook, rotation: Rotation) -> Array:
     """GPU :func:`arraykv.quant.polar.polar_decode_reference`: packed codes + gains -> float32 ``(..., dim)``.
 
     Geometries the kernel does not serve go through the reference (see :func:`polar_encode`).
@@ -150,7 +155,15 @@ def polar_decode(codes, norms, codebook, rotation):
     return polar_decode_into(codes, norms, codebook, rotation)
 
 
-def polar_encode_into(x, codebook, rotation, *, unbiased=False, codes_out=None, norms_out=None):
+def polar_encode_into(
+    x: Array,
+    codebook: Codebook,
+    rotation: Rotation,
+    *,
+    unbiased: bool = False,
+    codes_out: Array | None = None,
+    norms_out: Array | None = None,
+) -> tuple[Array, Array]:
     """GPU ``polar_encode``: CuPy ``(..., dim)`` float16/float32 -> (codes uint8, gains float16).
 
     ``unbiased`` stores ``‖x‖ / ⟨y, ŷ⟩`` instead of the least-squares length.
@@ -186,7 +199,9 @@ def polar_encode_into(x, codebook, rotation, *, unbiased=False, codes_out=None, 
     return codes, gains
 
 
-def polar_decode_into(codes, norms, codebook, rotation, *, out=None):
+def polar_decode_into(
+    codes: Array, norms: Array, codebook: Codebook, rotation: Rotation, *, out: Array | None = None
+) -> Array:
     """GPU ``polar_decode``: packed codes + float16 gains -> float32 ``(..., dim)`` (into ``out`` if given)."""
     cp = require_cupy()
     dim = rotation.dim
@@ -203,19 +218,19 @@ def polar_decode_into(codes, norms, codebook, rotation, *, out=None):
 
 
 # ---- fused decode attention ------------------------------------------------------------------
-def _store():
+def _store() -> dict[tuple[Any, ...], dict[str, Array]]:
     st = getattr(_scratch, "bufs", None)
     if st is None:
         st = _scratch.bufs = {}
     return st
 
 
-def scratch_buffers() -> list:
+def scratch_buffers() -> list[Array]:
     """The decode scratch arrays held by the calling thread (tests poison them)."""
     return [a for bufs in _store().values() for a in bufs.values()]
 
 
-def _buffers(cp, key, shapes: dict) -> dict:
+def _buffers(cp: Namespace, key: tuple[Any, ...], shapes: dict[str, tuple[tuple[int, ...], DType]]) -> dict[str, Array]:
     """Per-thread scratch arrays for ``key``, allocated on first use and then reused."""
     store = _store()
     full = (cp.cuda.Device().id,) + key
@@ -227,12 +242,12 @@ def _buffers(cp, key, shapes: dict) -> dict:
     return bufs
 
 
-def _capacity(arr) -> int:
+def _capacity(arr: Array) -> int:
     """Token capacity of the buffer behind a (b, h, n, ...) view (from its strides)."""
     return int(arr.strides[1] // arr.strides[2]) if arr.shape[1] > 1 or arr.shape[0] > 1 else int(arr.shape[2])
 
 
-def _token_view_ok(arr, cap: int) -> bool:
+def _token_view_ok(arr: Array, cap: int) -> bool:
     """A (b, h, n, ...) view of a C-contiguous (b, h, cap, ...) buffer, 16-byte aligned."""
     inner = arr.itemsize
     for s in arr.shape[3:]:
@@ -249,7 +264,7 @@ def _token_view_ok(arr, cap: int) -> bool:
     return _capacity(arr) == cap or (b == 1 and h == 1)
 
 
-def unsupported_reason(codec, q, rotary_plan=None) -> str | None:
+def unsupported_reason(codec: Any, q: Array, rotary_plan: RotaryMeanPlan | None = None) -> str | None:
     """Why the fused GPU kernel cannot serve this call (None when it can).
 
     ``rotary_plan``: the codec's rotating-key-mean plan when the caller has made it
@@ -281,7 +296,7 @@ def unsupported_reason(codec, q, rotary_plan=None) -> str | None:
     return None
 
 
-def _rotary_plan(codec):
+def _rotary_plan(codec: Any) -> RotaryMeanPlan:
     """The codec's rotating-key-mean plan, or one made here from its arrays when it carries none
     or one of another namespace (a torch cache's plan, when the codec's tensors reach this op as
     CuPy views through :mod:`arraykv.ops.bridge`)."""
@@ -291,7 +306,7 @@ def _rotary_plan(codec):
     return plan
 
 
-def rotary_phase_rows(freq, start: int, n: int, family=None):
+def rotary_phase_rows(freq: Array, start: int, n: int, family: Iterable[str] | None = None) -> Array:
     """GPU :meth:`~arraykv.quant.rotary_mean.RotaryMeanPlan.phase_rows`: float32 ``[cos ω t | sin ω t | 1]``.
 
     The rows are (n, 2J + 1).
@@ -313,7 +328,16 @@ def rotary_phase_rows(freq, start: int, n: int, family=None):
     return out
 
 
-def _key_mean_bias(cp, codec, q, scale, n, family, phase_rows=rotary_phase_rows, plan=None):
+def _key_mean_bias(
+    cp: Namespace,
+    codec: Any,
+    q: Array,
+    scale: float,
+    n: int,
+    family: Iterable[str] | None,
+    phase_rows: Callable[[Array, int, int, Iterable[str] | None], Array] = rotary_phase_rows,
+    plan: RotaryMeanPlan | None = None,
+) -> Array:
     """``scale · q · R_p μ`` for the quantized tokens, positions ``n_sink .. n_sink + n - 1``: (B*H*G, n) float32.
 
     :meth:`~arraykv.quant.rotary_mean.RotaryMeanPlan.logits` (one cuBLAS product of the plan's
@@ -334,11 +358,11 @@ def _key_mean_bias(cp, codec, q, scale, n, family, phase_rows=rotary_phase_rows,
     return out.reshape(b * qh, n)
 
 
-def _half_or_dummy(cp, arr, dummy):
+def _half_or_dummy(cp: Namespace, arr: Array | None, dummy: Array) -> Array:
     return dummy if arr is None else cp.ascontiguousarray(arr)
 
 
-def polar_decode_attention(codec, q, scale):
+def polar_decode_attention(codec: Any, q: Array, scale: float) -> Array:
     """GPU :func:`~arraykv.attention.polar_fused.polar_decode_attention_reference`.
 
     See :func:`polar_decode_attention_into`.
@@ -346,7 +370,7 @@ def polar_decode_attention(codec, q, scale):
     return polar_decode_attention_into(codec, q, scale)
 
 
-def polar_decode_attention_into(codec, q, scale, *, out=None):
+def polar_decode_attention_into(codec: Any, q: Array, scale: float, *, out: Array | None = None) -> Array:
     """Fused decode attention on the GPU over a :class:`~arraykv.caches.polar.PolarLayerCodec`.
 
     Parameters
@@ -461,7 +485,7 @@ def polar_decode_attention_into(codec, q, scale, *, out=None):
             bufs["sq"],
         ),
     )
-    if n:
+    if plan is not None:  # n > 0
         cap = _capacity(codec.k_norms)
         k_out = codec.k_outliers if nout else dh
         k_qjl = codec.k_qjl if use_qjl else bufs["dummy_u8"]
