@@ -26,7 +26,7 @@ import sys
 __all__ = ["main"]
 
 
-def main(argv: list | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m arraykv`` (and the ``arraykv`` console script)."""
     from . import cli_bench, cli_demo, cli_longctx, cli_speculative, cli_store, inspect_pqo
 

@@ -10,7 +10,7 @@ from pathlib import Path
 __all__ = ["add_parser", "run", "find_benchmarks"]
 
 
-def find_benchmarks(root: str | None = None) -> list:
+def find_benchmarks(root: str | None = None) -> list[Path]:
     """The ``benchmarks/*.py`` scripts next to the package (a source checkout), sorted.
 
     Raises
@@ -27,7 +27,7 @@ def find_benchmarks(root: str | None = None) -> list:
     return sorted(p for p in base.glob("*.py") if not p.name.startswith("_"))
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "bench", help="run the benchmark scripts (benchmarks/*.py) and print their tables", description=__doc__
     )
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if args.list or not scripts:
         print("\n".join(p.stem for p in scripts) or "no benchmark scripts found")
         return 0
-    failed = []
+    failed: list[str] = []
     for script in scripts:
         print(f"\n=== {script.stem} ({script}) ===", flush=True)
         rc = subprocess.call([sys.executable, str(script)])

@@ -10,6 +10,7 @@ the two outputs are the same tokens.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from .cli_args import nonnegative_int, positive_int
 
@@ -21,7 +22,7 @@ _PROMPT = (
 )
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "speculative",
         help="speculative decoding through a compressed cache, beside plain decoding",
@@ -37,7 +38,7 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace, *, out=print) -> int:
+def run(args: argparse.Namespace, *, out: Callable[[str], object] = print) -> int:
     """Run ``speculative`` with parsed ``args``; ``out`` prints a line."""
     import time
 
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace, *, out=print) -> int:
     draft = draft_from_spec(args.draft)
     model = load_model(args.model)
     ids = model.tokenizer.chat_prompt(args.prompt)
-    stamps: list = []
+    stamps: list[float] = []
     plain = model.generate(
         ids,
         args.max_new_tokens,

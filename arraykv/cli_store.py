@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
 from .cli_args import positive_int
+
+if TYPE_CHECKING:
+    from .store.backend import EntryInfo
+    from .store.local import LocalStore
+    from .store.valkey import ValkeyStore
 
 __all__ = ["add_parser", "run", "format_entries"]
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("store", help="list a prefix store's entries and bytes, evict, remove", description=__doc__)
     p.add_argument("action", choices=["ls", "evict", "rm"], help="ls: list entries; evict: trim; rm: remove keys")
     p.add_argument("store", help="a store folder, or a redis:// URL of a Valkey/Redis server")
@@ -41,7 +47,7 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-def format_entries(entries: list, now: float | None = None) -> str:
+def format_entries(entries: list[EntryInfo], now: float | None = None) -> str:
     """A Markdown table of :class:`~arraykv.store.EntryInfo`, most recently used first, and the total."""
     now = time.time() if now is None else now
     rows = ["| key | tokens | bytes | created | last used | expires in |", "|---|---|---|---|---|---|"]
@@ -56,7 +62,7 @@ def format_entries(entries: list, now: float | None = None) -> str:
     return "\n".join(rows)
 
 
-def _backend(args: argparse.Namespace):
+def _backend(args: argparse.Namespace) -> LocalStore | ValkeyStore:
     from .store.local import LocalStore
     from .store.valkey import ValkeyStore
 

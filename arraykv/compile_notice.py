@@ -14,13 +14,17 @@ import contextlib
 import sys
 import threading
 import time
-from typing import Any, TextIO
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from numba.core.event import Event
 
 __all__ = ["compile_notice"]
 
 
 class _Notice:
-    def __init__(self, after: float, stream: TextIO):
+    def __init__(self, after: float, stream: TextIO) -> None:
         self.after = after
         self.stream = stream
         self.depth = 0
@@ -29,7 +33,7 @@ class _Notice:
         self.timer: threading.Timer | None = None
         self.lock = threading.Lock()
 
-    def on_start(self, ev: Any) -> None:
+    def on_start(self, ev: Event) -> None:
         with self.lock:
             self.depth += 1
             if self.depth > 1:
@@ -40,7 +44,7 @@ class _Notice:
             self.timer.daemon = True
             self.timer.start()
 
-    def on_end(self, ev: Any) -> None:
+    def on_end(self, ev: Event) -> None:
         with self.lock:
             self.depth = max(0, self.depth - 1)
             if self.depth:
@@ -67,7 +71,7 @@ class _Notice:
         )
 
 
-def _kernel_name(ev: Any) -> str:
+def _kernel_name(ev: Event) -> str:
     data = getattr(ev, "data", None) or {}
     disp = data.get("dispatcher")
     py = getattr(disp, "py_func", None)
@@ -81,7 +85,7 @@ def _kernel_name(ev: Any) -> str:
 
 
 @contextlib.contextmanager
-def compile_notice(after: float = 3.0, stream: TextIO | None = None):
+def compile_notice(after: float = 3.0, stream: TextIO | None = None) -> Iterator[None]:
     """Within the block, print a line when a Numba compilation runs longer than ``after`` seconds.
 
     Parameters

@@ -22,15 +22,20 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._types import Array
 from .cli_args import code_bits, nonnegative_int
+
+if TYPE_CHECKING:
+    from .integrations.llama import DecoderModel
 
 __all__ = ["add_parser", "run", "stages", "distortion_curve", "layer_errors"]
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "inspect",
         help="follow one vector through a PolarQuant cache and save plots",
@@ -49,7 +54,7 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def stages(x, bits: int, *, seed: int = 0) -> dict:
+def stages(x: Array, bits: int, *, seed: int = 0) -> dict[str, Any]:
     """Every intermediate of TurboQuant-MSE on vector ``x``.
 
     Parameters
@@ -91,7 +96,7 @@ def stages(x, bits: int, *, seed: int = 0) -> dict:
     }
 
 
-def distortion_curve(dim: int = 64, n: int = 4000, *, seed: int = 0) -> list:
+def distortion_curve(dim: int = 64, n: int = 4000, *, seed: int = 0) -> list[tuple[int, float, float, float]]:
     """Measured TurboQuant-MSE distortion ``E‖u − û‖²`` of random unit vectors, bits 1-4.
 
     Returns
@@ -107,7 +112,7 @@ def distortion_curve(dim: int = 64, n: int = 4000, *, seed: int = 0) -> list:
     u = rng.standard_normal((n, dim)).astype(np.float32)
     u /= np.linalg.norm(u, axis=1, keepdims=True)
     rot = make_rotation(dim, seed, like=u)
-    out = []
+    out: list[tuple[int, float, float, float]] = []
     for b in range(1, 5):
         cb = make_codebook(b, dim, like=u)
         rec = np.asarray(polar_decode(polar_encode(u, cb, rot), cb, rot, dtype=np.float32))
@@ -115,7 +120,7 @@ def distortion_curve(dim: int = 64, n: int = 4000, *, seed: int = 0) -> list:
     return out
 
 
-def layer_errors(model, method: str, token_ids) -> list:
+def layer_errors(model: DecoderModel, method: str, token_ids: list[int]) -> list[tuple[int, float, float]]:
     """Relative K and V error per layer of a cache after prefilling ``token_ids``.
 
     Returns
@@ -129,7 +134,7 @@ def layer_errors(model, method: str, token_ids) -> list:
     dense, cache = model.make_cache("dense"), model.make_cache(method)
     model.prefill(token_ids, dense)
     model.prefill(token_ids, cache)
-    rows = []
+    rows: list[tuple[int, float, float]] = []
     for layer in range(model.config.num_layers):
         a, b = dense.dequantize(layer), cache.dequantize(layer)
         ek = float(np.sum((to_numpy(b.k) - to_numpy(a.k)) ** 2) / np.sum(to_numpy(a.k) ** 2))
@@ -138,7 +143,7 @@ def layer_errors(model, method: str, token_ids) -> list:
     return rows
 
 
-def _fmt(a, n: int = 8) -> str:
+def _fmt(a: Array, n: int = 8) -> str:
     return "[" + ", ".join(f"{float(v):+.3f}" for v in a[:n]) + ", ...]"
 
 
@@ -220,7 +225,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plots(out: Path, s: dict, keys, curve, per_layer, bits: int, method: str) -> None:
+def _plots(
+    out: Path,
+    s: dict[str, Any],
+    keys: Array | None,
+    curve: list[tuple[int, float, float, float]],
+    per_layer: list[tuple[int, float, float]] | None,
+    bits: int,
+    method: str,
+) -> None:
     try:
         import matplotlib
 

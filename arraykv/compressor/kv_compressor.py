@@ -7,15 +7,20 @@ dataclasses: :class:`LowRank`, :class:`VectorQuantization`, :class:`Hybrid`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypeAlias, TypedDict, cast
 
 from .. import _compat, ops
+from .._types import Array, Namespace
 from .._validation import array_namespace, check_finite, dtype_name, is_floating
 from ..quant.intq import IntQuantized, dequantize_groups, quantize_groups
 from ..quant.lowrank import LowRankBasis, fit_basis, project
 from ..quant.outliers import SparseOutliers, scatter_outliers
 from ..quant.vq import VQCodebook, VQCodes, train_vq, vq_decode, vq_encode
 from .methods import CompressedKV, CompressedTensor, Hybrid, LowRank, VectorQuantization, _check_quant_bits
+
+if TYPE_CHECKING:
+    from ..storage.mla import MlaCache
+    from ..storage.paged import PagedKVCache
 
 __all__ = [
     "KVCacheCompressor",
@@ -25,6 +30,17 @@ __all__ = [
     "compress_mla_cache",
     "decompress_to_mla_cache",
 ]
+
+#: A fitted model: the basis of a low-rank or hybrid method, the codebooks of VQ.
+_Model: TypeAlias = "LowRankBasis | VQCodebook"
+
+
+class _Fit(TypedDict):
+    heads: int
+    head_dim: int
+    v_head_dim: int
+    k: _Model
+    v: _Model
 
 
 class KVCacheCompressor:
@@ -56,7 +72,7 @@ class KVCacheCompressor:
     True
     """
 
-    def __init__(self, method: Any, quant_bits: int | None = None):
+    def __init__(self, method: LowRank | VectorQuantization | Hybrid, quant_bits: int | None = None) -> None:
         if not isinstance(method, (LowRank, VectorQuantization, Hybrid)):
             raise TypeError(f"method must be LowRank, VectorQuantization or Hybrid, received {type(method).__name__}")
         if quant_bits is None:
@@ -68,7 +84,7 @@ class KVCacheCompressor:
             )
         self.method = method
         self.quant_bits = quant_bits
-        self._fit: dict | None = None
+        self._fit: _Fit | None = None
 
     @property
     def kind(self) -> str:
@@ -82,7 +98,7 @@ class KVCacheCompressor:
         return f"KVCacheCompressor({self.method!r}, quant_bits={self.quant_bits}, fitted={self.fitted})"
 
     # -- validation ---------------------------------------------------------------
-    def _check_pair(self, k: Any, v: Any, ndim: int):
+    def _check_pair(self, k: Array, v: Array, ndim: int) -> Namespace:
         xp = array_namespace(k=k, v=v)
         what = "(batch, heads, seq, head_dim)" if ndim == 4 else "(heads, seq, head_dim)"
         for name, x in (("k", k), ("v", v)):
@@ -128,7 +144,7 @@ class KVCacheCompressor:
             )
 
     # -- fitting ------------------------------------------------------------------
-    def fit(self, k: Any, v: Any) -> KVCacheCompressor:
+    def fit(self, k: Array, v: Array) -> KVCacheCompressor:
         """Fit the bases (low rank, hybrid) or codebooks (VQ) once, on calibration K/V.
 
         Parameters
@@ -153,7 +169,7 @@ class KVCacheCompressor:
             raise
         if nd == 3:
             k, v = k[None, ...], v[None, ...]
-        fit = {
+        fit: _Fit = {
             "heads": int(k.shape[1]),
             "head_dim": int(k.shape[3]),
             "v_head_dim": int(v.shape[3]),
@@ -163,7 +179,7 @@ class KVCacheCompressor:
         self._fit = fit
         return self
 
-    def fitted_models(self) -> tuple:
+    def fitted_models(self) -> tuple[_Model, _Model]:
         """``(k_model, v_model)``: the fitted bases (``LowRankBasis``) or codebooks of keys and values.
 
         Returns
@@ -185,7 +201,7 @@ class KVCacheCompressor:
         """Forget the fitted bases/codebooks (compression fits on every call again)."""
         self._fit = None
 
-    def _fit_one(self, xp: Any, x: Any, dense: Any = None):
+    def _fit_one(self, xp: Namespace, x: Array, dense: Array | None = None) -> _Model:
         m = self.method
         if isinstance(m, VectorQuantization):
             return train_vq(
@@ -208,7 +224,7 @@ class KVCacheCompressor:
         return fit_basis(samples_by_head(xp, src), rank=m.rank, center=m.center)
 
     # -- compression --------------------------------------------------------------
-    def compress_kv(self, k: Any, v: Any) -> CompressedKV:
+    def compress_kv(self, k: Array, v: Array) -> CompressedKV:
         """Compress keys and values of shape (batch, heads, seq, head_dim).
 
         Parameters
@@ -233,7 +249,7 @@ class KVCacheCompressor:
             k=self._compress_one(xp, k, "k"), v=self._compress_one(xp, v, "v"), layout="bhsd", method=self.kind
         )
 
-    def compress_kv_3d(self, k: Any, v: Any) -> CompressedKV:
+    def compress_kv_3d(self, k: Array, v: Array) -> CompressedKV:
         """Compress keys and values of shape (heads, seq, head_dim); ``layout="hsd"``.
 
         Parameters
@@ -254,7 +270,7 @@ class KVCacheCompressor:
             method=self.kind,
         )
 
-    def decompress_kv(self, c: CompressedKV) -> tuple:
+    def decompress_kv(self, c: CompressedKV) -> tuple[Array, Array]:
         """Reconstruct ``(k, v)`` in the layout, dtype and namespace they were given in.
 
         Parameters
@@ -277,7 +293,7 @@ class KVCacheCompressor:
             k, v = k[0, ...], v[0, ...]
         return k, v
 
-    def decompress_kv_3d(self, c: CompressedKV) -> tuple:
+    def decompress_kv_3d(self, c: CompressedKV) -> tuple[Array, Array]:
         """Reconstruct ``(k, v)`` of shape (heads, seq, head_dim) from a ``"hsd"`` CompressedKV.
 
         Parameters
@@ -298,16 +314,19 @@ class KVCacheCompressor:
             raise ValueError(f"decompress_kv_3d needs a CompressedKV with layout 'hsd', received {c.layout!r}")
         return self.decompress_kv(c)
 
-    def _model(self, xp: Any, x: Any, which: str, dense: Any = None):
+    def _model(
+        self, xp: Namespace, x: Array, which: Literal["k", "v"], dense: Array | None = None
+    ) -> tuple[_Model, bool]:
         if self._fit is not None:
             return self._fit[which], True
         return self._fit_one(xp, x, dense), False
 
-    def _compress_one(self, xp: Any, x: Any, which: str) -> CompressedTensor:
+    def _compress_one(self, xp: Namespace, x: Array, which: Literal["k", "v"]) -> CompressedTensor:
         shape = tuple(int(s) for s in x.shape)
         m = self.method
         if isinstance(m, VectorQuantization):
-            cb, shared = self._model(xp, x, which)
+            model, shared = self._model(xp, x, which)
+            cb = cast(VQCodebook, model)  # what a VQ method fits
             codes = vq_encode(x, cb, encode=ops.vq_encode)
             parts = {"codes": codes.codes, "centroids": cb.centroids}
             meta = {
@@ -318,7 +337,8 @@ class KVCacheCompressor:
             }
             return CompressedTensor("pq", shape, x.dtype, parts, frozenset({"centroids"} if shared else ()), meta)
         if isinstance(m, LowRank):
-            basis, shared = self._model(xp, x, which)
+            model, shared = self._model(xp, x, which)
+            basis = cast(LowRankBasis, model)  # what a low-rank method fits
             coeffs = project(x, basis)
             parts = {"coeffs": xp.astype(coeffs, x.dtype) if coeffs.dtype != x.dtype else coeffs, "basis": basis.basis}
             if basis.mean is not None:
@@ -331,7 +351,8 @@ class KVCacheCompressor:
         else:
             dense = xp.astype(x, xp.float32) if x.dtype != xp.float32 else x
             outl = None
-        basis, shared = self._model(xp, x, which, dense)
+        model, shared = self._model(xp, x, which, dense)
+        basis = cast(LowRankBasis, model)  # what a hybrid method fits
         coeffs_t = _project_t(xp, dense, basis)  # (b, h, r, s)
         group = m.group_size
         q = quantize_groups(
@@ -352,7 +373,7 @@ class KVCacheCompressor:
         }
         return CompressedTensor("hybrid", shape, x.dtype, parts, names, meta)
 
-    def _decompress_one(self, t: CompressedTensor):
+    def _decompress_one(self, t: CompressedTensor) -> Array:
         if not isinstance(t, CompressedTensor):
             raise TypeError(f"expected a CompressedTensor, received {type(t).__name__}")
         p = t.parts
@@ -391,7 +412,7 @@ class KVCacheCompressor:
         return out
 
     # -- bridges ------------------------------------------------------------------
-    def compress_paged_cache(self, cache: Any, layer: int, seq_id: int) -> CompressedKV:
+    def compress_paged_cache(self, cache: PagedKVCache, layer: int, seq_id: int) -> CompressedKV:
         """Compress the K/V of one sequence of a :class:`~arraykv.PagedKVCache` layer (``"hsd"``).
 
         Parameters
@@ -411,7 +432,7 @@ class KVCacheCompressor:
         k, v = cache.get_kv(layer, seq_id)
         return self.compress_kv_3d(k, v)
 
-    def decompress_to_paged_cache(self, c: CompressedKV, cache: Any, layer: int, seq_id: int) -> None:
+    def decompress_to_paged_cache(self, c: CompressedKV, cache: PagedKVCache, layer: int, seq_id: int) -> None:
         """Decompress ``c`` and append its tokens to ``seq_id`` in ``layer`` of a paged cache.
 
         Parameters
@@ -432,7 +453,7 @@ class KVCacheCompressor:
             k, v = k[0, ...], v[0, ...]
         cache.append(layer, seq_id, k, v)
 
-    def compress_mla_cache(self, cache: Any, layer: int, seq_id: int) -> CompressedKV:
+    def compress_mla_cache(self, cache: MlaCache, layer: int, seq_id: int) -> CompressedKV:
         """Compress the K/V that an :class:`~arraykv.MlaCache` sequence reconstructs (``"hsd"``).
 
         Parameters
@@ -452,7 +473,7 @@ class KVCacheCompressor:
         k, v = cache.get_kv(layer, seq_id)
         return self.compress_kv_3d(k, v)
 
-    def decompress_to_mla_cache(self, c: CompressedKV, cache: Any, layer: int, seq_id: int) -> None:
+    def decompress_to_mla_cache(self, c: CompressedKV, cache: MlaCache, layer: int, seq_id: int) -> None:
         """Decompress ``c`` and append its tokens to ``seq_id`` of an MLA cache (re-projected to latents).
 
         Parameters
@@ -474,20 +495,20 @@ class KVCacheCompressor:
         cache.append(layer, seq_id, k, v)
 
 
-def samples_by_head(xp: Any, x: Any):
+def samples_by_head(xp: Namespace, x: Array) -> Array:
     """(batch, heads, seq, d) → (heads, batch · seq, d): every head's vectors, the samples a fit sees."""
     b, h, s, d = (int(t) for t in x.shape)
     return xp.reshape(xp.permute_dims(x, (1, 0, 2, 3)), (h, b * s, d))
 
 
-def _project_t(xp: Any, x32: Any, b: LowRankBasis):
+def _project_t(xp: Namespace, x32: Array, b: LowRankBasis) -> Array:
     """Coefficients with tokens last: basisᵀ (h, r, d) @ (x - mean)ᵀ (b, h, d, s) → (b, h, r, s)."""
     if b.mean is not None:
         x32 = x32 - b.mean[:, None, :]
     return xp.matmul(xp.matrix_transpose(b.basis), xp.matrix_transpose(x32))
 
 
-def compress_paged_cache(compressor: KVCacheCompressor, cache: Any, layer: int, seq_id: int) -> CompressedKV:
+def compress_paged_cache(compressor: KVCacheCompressor, cache: PagedKVCache, layer: int, seq_id: int) -> CompressedKV:
     """Function form of :meth:`KVCacheCompressor.compress_paged_cache`.
 
     Parameters
@@ -510,7 +531,7 @@ def compress_paged_cache(compressor: KVCacheCompressor, cache: Any, layer: int, 
 
 
 def decompress_to_paged_cache(
-    compressor: KVCacheCompressor, c: CompressedKV, cache: Any, layer: int, seq_id: int
+    compressor: KVCacheCompressor, c: CompressedKV, cache: PagedKVCache, layer: int, seq_id: int
 ) -> None:
     """Function form of :meth:`KVCacheCompressor.decompress_to_paged_cache`.
 
@@ -530,7 +551,7 @@ def decompress_to_paged_cache(
     compressor.decompress_to_paged_cache(c, cache, layer, seq_id)
 
 
-def compress_mla_cache(compressor: KVCacheCompressor, cache: Any, layer: int, seq_id: int) -> CompressedKV:
+def compress_mla_cache(compressor: KVCacheCompressor, cache: MlaCache, layer: int, seq_id: int) -> CompressedKV:
     """Function form of :meth:`KVCacheCompressor.compress_mla_cache`.
 
     Parameters
@@ -553,7 +574,7 @@ def compress_mla_cache(compressor: KVCacheCompressor, cache: Any, layer: int, se
 
 
 def decompress_to_mla_cache(
-    compressor: KVCacheCompressor, c: CompressedKV, cache: Any, layer: int, seq_id: int
+    compressor: KVCacheCompressor, c: CompressedKV, cache: MlaCache, layer: int, seq_id: int
 ) -> None:
     """Function form of :meth:`KVCacheCompressor.decompress_to_mla_cache`.
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _compat
+from .._types import Array, DType
 from .._validation import check_bool, check_int, check_real
 from ..quant.lowrank import check_rank_energy
 from ..quant.vq import check_vq_options
@@ -42,7 +43,7 @@ class LowRank:
     center: bool = True
     per_head: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         rank, energy = check_rank_energy(self.rank, self.energy, 1 << 30)
         object.__setattr__(self, "rank", rank)
         object.__setattr__(self, "energy", energy)
@@ -74,7 +75,7 @@ class VectorQuantization:
     tol: float = 1e-4
     seed: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         cs, sd, mi, tol = check_vq_options(self.codebook_size, self.sub_dim, None, self.max_iter, self.tol)
         object.__setattr__(self, "codebook_size", cs)
         object.__setattr__(self, "sub_dim", sd)
@@ -108,7 +109,7 @@ class Hybrid:
     outlier_threshold: float | None = 6.0
     center: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "rank", check_int("rank", self.rank, low=1))
         object.__setattr__(self, "quant_bits", _check_quant_bits(self.quant_bits))
         object.__setattr__(self, "group_size", check_int("group_size", self.group_size, low=1))
@@ -120,12 +121,12 @@ class Hybrid:
 
 def _check_quant_bits(bits: Any) -> int:
     try:
-        bits = check_int("quant_bits", bits)
+        checked = check_int("quant_bits", bits)
     except TypeError:
         raise ValueError(f"quant_bits must be 4 or 8, received {bits!r}") from None
-    if bits not in (4, 8):
-        raise ValueError(f"quant_bits must be 4 or 8, received {bits!r}")
-    return bits
+    if checked not in (4, 8):
+        raise ValueError(f"quant_bits must be 4 or 8, received {checked!r}")
+    return checked
 
 
 @dataclass(frozen=True)
@@ -147,11 +148,11 @@ class CompressedTensor:
     """
 
     kind: str
-    shape: tuple
-    dtype: Any
-    parts: dict
-    shared: frozenset = field(default_factory=frozenset)
-    meta: dict = field(default_factory=dict)
+    shape: tuple[int, ...]
+    dtype: DType
+    parts: dict[str, Array]
+    shared: frozenset[str] = field(default_factory=frozenset)
+    meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -204,7 +205,7 @@ class CompressedKV:
     method: str
 
     @property
-    def shape(self) -> tuple:
+    def shape(self) -> tuple[int, ...]:
         """Shape of the original keys in the given layout."""
         return self.k.shape if self.layout == "bhsd" else self.k.shape[1:]
 
@@ -228,7 +229,7 @@ class CompressedKV:
         """Bytes of k and v as float16 divided by :attr:`nbytes`."""
         return 2.0 * (self.k.size + self.v.size) / self.nbytes
 
-    def parts(self) -> dict:
+    def parts(self) -> dict[str, Array]:
         """Every array, named ``"k.<part>"`` / ``"v.<part>"``.
 
         Returns
