@@ -67,8 +67,9 @@ _transformers = require("transformers", "hf")
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402 - after the install hint
 
 from .torch_tensors import float32_numpy, to_torch  # noqa: E402 - after the install hint
+from .transformers_store import generate_with_store  # noqa: E402 - after the install hint
 
-__all__ = ["ArraykvCache", "ArraykvLayer"]
+__all__ = ["ArraykvCache", "ArraykvLayer", "generate_with_store"]
 
 #: The arraykv cache methods whose output the model cannot use (a logit bias needs our attention).
 _LOGIT_BIAS_PREFIXES = ("tq",)
