@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import arraykv
+from arraykv.store.entry import ROLLBACK_ARRAYS
 
 from conftest import asarray, to_np
 
@@ -42,16 +43,38 @@ def snapshot(cache):
     ]
 
 
+def restored_counterpart(name, x, y, restored):
+    """The part of ``b``'s array ``y`` that ``a``'s array ``x`` must equal: all of it, or, with
+    ``restored`` (``a`` continued from a prefix-store entry, which leaves out the rollback
+    copies), for the rollback copies the last ``x.shape[2]`` of ``y``'s."""
+    if restored and name in ROLLBACK_ARRAYS:
+        assert x.shape[2] <= y.shape[2], name
+        return y[:, :, y.shape[2] - x.shape[2] :]
+    return y
+
+
 def assert_same_snapshot(a, b, *, restored=False):
-    """Equal snapshots; with ``restored`` (``a`` continued from a prefix-store entry, which leaves
-    out the rollback copies) ``a``'s rollback copies are the last of ``b``'s."""
+    """Equal snapshots (:func:`snapshot`); ``restored``: see :func:`restored_counterpart`."""
     assert len(a) == len(b)
     for (la, da), (lb, db) in zip(a, b):
         assert la == lb
         assert sorted(da) == sorted(db)
         for n in da:
-            x, y = np.asarray(da[n]), np.asarray(db[n])
-            if restored and n in ("k_rollback", "v_rollback"):
-                assert x.shape[2] <= y.shape[2], n
-                y = y[:, :, y.shape[2] - x.shape[2] :]
-            np.testing.assert_array_equal(x, y, err_msg=n)
+            x = np.asarray(da[n])
+            np.testing.assert_array_equal(x, restored_counterpart(n, x, np.asarray(db[n]), restored), err_msg=n)
+
+
+def assert_same_state(a, b, *, restored=False):
+    """Every saved array of cache ``a`` (``snapshot(host=True)``: per layer its length, dtype and
+    arrays) equals ``b``'s, dtype included; ``restored``: see :func:`restored_counterpart`."""
+    ra, rb = a.snapshot(host=True), b.snapshot(host=True)
+    assert len(ra) == len(rb)
+    for la, lb in zip(ra, rb):
+        assert (la is None) == (lb is None)
+        if la is None:
+            continue
+        assert (la.length, la.dtype) == (lb.length, lb.dtype) and la.arrays.keys() == lb.arrays.keys()
+        for name in la.arrays:
+            x = np.asarray(la.arrays[name])
+            y = restored_counterpart(name, x, np.asarray(lb.arrays[name]), restored)
+            assert x.dtype == y.dtype and np.array_equal(x, y), name

@@ -19,24 +19,12 @@ transformers = pytest.importorskip("transformers")
 
 from arraykv.integrations.transformers import ArraykvCache  # noqa: E402
 
-VOCAB = 256
+from tiny_hf import VOCAB, tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_llama(0)
 
 
 def _ids(batch: int, n: int, seed: int = 1):

@@ -9,7 +9,6 @@ restored cache's rollback copies are the last of the cold run's. On a tiny rando
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,57 +17,21 @@ transformers = pytest.importorskip("transformers")
 from arraykv.integrations.transformers import ArraykvCache, generate_with_store  # noqa: E402
 from arraykv.integrations.transformers_store import transformers_identity  # noqa: E402
 from arraykv.store import LocalStore, PrefixStore  # noqa: E402
-from arraykv.store.entry import ROLLBACK_ARRAYS  # noqa: E402
 
-VOCAB = 256
+from cache_contract import assert_same_state  # noqa: E402
+from tiny_hf import VOCAB, tiny_llama  # noqa: E402
+
 S = 16  # tokens per stored segment
-
-
-def _model(seed: int):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return _model(0)
+    return tiny_llama(0)
 
 
 def _ids(n: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (1, n), generator=g)
-
-
-def _arrays(cache) -> list:
-    return [
-        None if r is None else (r.length, r.dtype, {k: np.asarray(v) for k, v in r.arrays.items()})
-        for r in cache.snapshot(host=True)
-    ]
-
-
-def _assert_same_state(a, b, *, restored=False):
-    for la, lb in zip(_arrays(a), _arrays(b), strict=True):
-        assert (la is None) == (lb is None)
-        if la is None:
-            continue
-        assert la[:2] == lb[:2] and la[2].keys() == lb[2].keys()
-        for name in la[2]:
-            x, y = la[2][name], lb[2][name]
-            if restored and name in ROLLBACK_ARRAYS:
-                assert x.shape[2] <= y.shape[2]
-                y = y[:, :, y.shape[2] - x.shape[2] :]
-            assert x.dtype == y.dtype and np.array_equal(x, y), name
 
 
 def _run(model, ids, method, store, new=6, **cache_kwargs):
@@ -104,7 +67,7 @@ def test_continuing_a_stored_prefix_equals_the_cold_run(tiny, tmp_path, method):
         # a store with nothing in it gives the same (the cold run is the run without an entry)
         empty_out, empty = _run(tiny, ids, method, PrefixStore(LocalStore(tmp_path / "empty"), chunk_tokens=S))
         assert torch.equal(empty_out, cold_out)
-        _assert_same_state(empty.arraykv_cache, cold.arraykv_cache)
+        assert_same_state(empty.arraykv_cache, cold.arraykv_cache)
 
         for back in (1, 2):  # the longest stored prefix 1 and 2 segments back
             warm_store = PrefixStore(LocalStore(tmp_path / f"{method}-{n}-{back}"), chunk_tokens=S, policy="every")
@@ -116,12 +79,12 @@ def test_continuing_a_stored_prefix_equals_the_cold_run(tiny, tmp_path, method):
             warm_out, warm = _run(tiny, ids, method, warm_store)
             assert warm_store.last_report.reused == keep, (n, back)
             assert torch.equal(warm_out, cold_out)
-            _assert_same_state(warm.arraykv_cache, cold.arraykv_cache, restored=True)
+            assert_same_state(warm.arraykv_cache, cold.arraykv_cache, restored=True)
 
         again_out, again = _run(tiny, ids, method, store)  # everything stored: the prompt's n - 1 tokens back
         assert store.last_report.reused == stored[-1] and store.last_report.stored == []
         assert torch.equal(again_out, cold_out)
-        _assert_same_state(again.arraykv_cache, cold.arraykv_cache, restored=True)
+        assert_same_state(again.arraykv_cache, cold.arraykv_cache, restored=True)
 
 
 def test_a_hybrid_model_continues_the_same(tmp_path):
@@ -152,7 +115,7 @@ def test_a_hybrid_model_continues_the_same(tmp_path):
     warm_out, warm = _run(model, ids, "pqo4", warm_store)
     assert warm_store.last_report.reused == S
     assert torch.equal(warm_out, cold_out)
-    _assert_same_state(warm.arraykv_cache, cold.arraykv_cache, restored=True)
+    assert_same_state(warm.arraykv_cache, cold.arraykv_cache, restored=True)
 
 
 def test_the_cache_after_the_prompt_holds_what_a_forward_per_segment_gives(tiny, tmp_path):
@@ -176,9 +139,9 @@ def test_a_model_with_other_weights_does_not_find_the_entry(tiny, tmp_path):
     store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S, policy="every")
     _run(tiny, ids, "int4", store)
     assert store.last_report.stored == [S, 2 * S]
-    other = _model(7)
+    other = tiny_llama(7)
     assert transformers_identity(other) != transformers_identity(tiny)
-    assert transformers_identity(tiny) == transformers_identity(_model(0))
+    assert transformers_identity(tiny) == transformers_identity(tiny_llama(0))
     _run(other, ids, "int4", store)
     assert store.last_report.reused == 0
     _run(tiny, ids, "int4", store)

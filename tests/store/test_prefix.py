@@ -18,35 +18,13 @@ from arraykv.store import (
 )
 from arraykv.store.entry import ROLLBACK_ARRAYS
 
+from cache_contract import assert_same_state
+
 S, CHUNK = 64, 32  # tokens per stored segment, the decoder's prefill chunk within a segment
 
 
 def prompt(n: int, seed: int = 0) -> list:
     return np.random.default_rng(seed).integers(0, 101, n).tolist()
-
-
-def arrays(cache) -> list:
-    """Every array the cache holds, layer by layer, as host copies."""
-    return [
-        None if r is None else (r.length, r.dtype, {k: np.asarray(v) for k, v in r.arrays.items()})
-        for r in cache.snapshot(host=True)
-    ]
-
-
-def assert_same_state(a, b, *, restored=False):
-    """Every array of cache ``a`` equals ``b``'s; with ``restored`` (``a`` continued from a store
-    entry, which leaves out the rollback copies), ``a``'s copies are the last of ``b``'s."""
-    for la, lb in zip(arrays(a), arrays(b)):
-        assert (la is None) == (lb is None)
-        if la is None:
-            continue
-        assert la[:2] == lb[:2] and la[2].keys() == lb[2].keys()
-        for name in la[2]:
-            x, y = la[2][name], lb[2][name]
-            if restored and name in ROLLBACK_ARRAYS:
-                assert x.shape[2] <= y.shape[2]
-                y = y[:, :, y.shape[2] - x.shape[2] :]
-            assert x.dtype == y.dtype and np.array_equal(x, y), name
 
 
 def decode_steps(model, cache, logits, steps=3) -> list:
