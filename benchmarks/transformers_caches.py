@@ -137,7 +137,7 @@ def main() -> None:
     for name, make in configs:
         generate(make, 2)  # warm-up (Numba kernels, torch allocator)
         runs = [generate(make, args.new) for _ in range(args.repeats)]
-        t_one = min(r[0][0] for r in runs)
+        prefill_s = min(r[0][0] for r in runs)
         speed = max(r[0][1] for r in runs)
         _, out, cache = runs[-1]
         if reference is None:
@@ -145,7 +145,7 @@ def main() -> None:
         lp = stepped(make, reference)
         reserved, used = _held(cache)
         bits = 8 * used / (values_per_row * prompt.shape[0] * _held_rows(cache))
-        rows.append((name, speed, t_one, reserved, bits, lp, bool(torch.equal(out, reference))))
+        rows.append((name, speed, prefill_s, reserved, bits, lp, bool(torch.equal(out, reference))))
 
     ref_lp = rows[0][5]
     base_speed = rows[0][1]
@@ -159,11 +159,11 @@ def main() -> None:
         f"{'cache':40s} {'decode tok/s':>12s} {'ratio':>6s} {'prefill s':>9s} {'held MiB':>9s} {'bits/val':>8s} "
         f"{'KL vs Dyn':>10s} {'top-1':>6s} {'same tokens':>11s}"
     )
-    for name, speed, t_one, nbytes, bits, lp, same in rows:
+    for name, speed, prefill_s, nbytes, bits, lp, same in rows:
         kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).mean().item()
         top = (lp.argmax(-1) == ref_lp.argmax(-1)).double().mean().item()
         print(
-            f"{name:40s} {speed:12.1f} {speed / base_speed:6.2f} {t_one:9.2f} {nbytes / 2**20:9.2f} {bits:8.2f} "
+            f"{name:40s} {speed:12.1f} {speed / base_speed:6.2f} {prefill_s:9.2f} {nbytes / 2**20:9.2f} {bits:8.2f} "
             f"{kl:10.2e} {100 * top:5.1f}% {str(same):>11s}"
         )
 
