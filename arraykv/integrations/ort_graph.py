@@ -21,17 +21,18 @@ and ``out``:
 - :func:`arraykv.integrations.ort_gqa.rewrite_with_gqa` puts ONNX Runtime's
   ``com.microsoft.GroupQueryAttention`` there instead (its own int4/int8 KV cache).
 
-Two exporters are covered: the project's own (``examples/export_smollm2_onnx.py``: grouped
-queries, one constant scale on the scores) and torch's ONNX export of
-``scaled_dot_product_attention`` as Optimum writes it (``q`` and ``Kᵀ`` each multiplied by
-``sqrt(scale)``; heads repeated by ``Unsqueeze``/``Expand``/``Reshape``; a boolean mask built
-from ``attention_mask`` turned into ``Where(mask, 0, -inf)`` and added to the scores; the
-Softmax followed by ``Where(IsNaN(p), 0, p)``, which ``guard`` above stands for). A scale need
-not be a stored constant: one computed from constants and static dimensions (``1 / sqrt(d)``
-from ``Shape(q)``, ``Sqrt`` of a constant) is evaluated here in the graph's own element types,
-and a product within a few float32 ulps of ``1 / sqrt(head_dim)`` is taken as exactly that
-(two float32 square roots multiplied give ``0.12499999`` for ``0.125``). A scale that depends
-on a symbolic dimension is refused.
+Decomposed this way, two exporters are covered: the project's own
+(``examples/export_smollm2_onnx.py``: grouped queries, one constant scale on the scores) and
+torch's TorchScript-based ONNX export of ``scaled_dot_product_attention`` as Optimum writes it
+(``q`` and ``Kᵀ`` each multiplied by ``sqrt(scale)``; heads repeated by
+``Unsqueeze``/``Expand``/``Reshape``; a boolean mask built from ``attention_mask`` turned into
+``Where(mask, 0, -inf)`` and added to the scores; the Softmax followed by ``Where(IsNaN(p), 0,
+p)``, which ``guard`` above stands for). A scale need not be a stored constant: one computed
+from constants and static dimensions (``1 / sqrt(d)`` from ``Shape(q)``, ``Sqrt`` of a
+constant) is evaluated here in the graph's own element types (:mod:`.onnx_fold`), and a
+product within a few float32 ulps of ``1 / sqrt(head_dim)`` is taken as exactly that (two
+float32 square roots multiplied give ``0.12499999`` for ``0.125``). A scale that depends on a
+symbolic dimension is refused.
 
 Layout assumed of ``q``: ``(b, X, Y, d)`` with ``X * Y = q_heads * new_tokens`` holding the
 query heads in order and, within a head, the tokens in order (``(b, q_heads, t, d)``, or the
@@ -40,10 +41,31 @@ grouped ``(b, kv_heads, groups * t, d)`` of ``examples/export_smollm2_onnx.py``)
 over the tokens its cache holds, which is what an ``attention_mask`` of ones means (left
 padding in a batch is not supported).
 
-Graphs that do not have this shape (a fused ``Attention``/``GroupQueryAttention`` operator,
-a past concatenated on another axis, ``present.*`` used elsewhere than in the attention,
-anything but scales and masks between the score ``MatMul`` and the Softmax, non-float32 K/V)
-are refused with a :class:`GraphRewriteError` naming the layer and what was
+The attention may also be ONNX's own ``Attention`` operator (default domain, opset 23/24), in
+two forms:
+
+- over ``present.i.*``: ``Attention(q, f(present.i.key), f(present.i.value), mask)``, the
+  ``Concat`` with the past outside the operator and ``f`` at most ``repeat_kv``
+  (``Unsqueeze``/``Expand``/``Reshape``; with ``enable_gqa`` none, the operator pairs the heads
+  itself). This is what torch's dynamo exporter (``torch.onnx.export(..., dynamo=True,
+  opset_version=23)``) writes for ``scaled_dot_product_attention``; 4-D tensors, ``is_causal=0``
+  with a mask (``is_causal=1`` there aligns the mask top-left, query ``i`` seeing keys
+  ``0..i`` of the whole cache, and is refused);
+- with the past inside: ``Attention(q, k_new, v_new, mask?, past_key_values.i.key,
+  past_key_values.i.value) -> (out, present.i.key, present.i.value)``, 4-D or 3-D ``(b, t,
+  heads * d)`` (``q_num_heads``/``kv_num_heads``), causal by ``is_causal=1`` or a mask.
+
+The scale is the ``scale`` attribute, by default ``1 / sqrt(head_dim)``; the mask is dropped
+as above. 3-D tensors are brought to ``(b, heads, t, d)`` by ``Reshape``/``Transpose`` nodes
+around the replacement and its output back to ``(b, t, q_heads * d)``. A ``Shape`` node that
+reads the batch size (or a static dimension) from a past input, as the dynamo exporter writes
+them, reads it from another input (or becomes a constant) once the past inputs are gone.
+
+Graphs that do not have these shapes (ONNX Runtime's fused ``GroupQueryAttention``, a past
+concatenated on another axis, ``present.*`` used elsewhere than in the attention, anything but
+scales and masks between the score ``MatMul`` and the Softmax, an ``Attention`` with
+``softcap``, its scores as an output, ``nonpad_kv_seqlen`` or a softmax coarser than float32,
+non-float32 K/V) are refused with a :class:`GraphRewriteError` naming the layer and what was
 found; :class:`~arraykv.integrations.onnxruntime.OrtKVDecoder` (the hook) still drives them.
 """
 
@@ -56,6 +78,7 @@ from typing import Any
 
 import numpy as np
 
+from .onnx_fold import ConstantFolder
 from .onnx_queries import node_consumers
 
 __all__ = [
@@ -84,8 +107,14 @@ _SCORE_OPS = frozenset({"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity"}
 #: Operators allowed between the Softmax and the value MatMul.
 _PROB_OPS = frozenset({"Cast", "Identity", "Dropout"})
 _MAX_DEPTH = 16
-#: How deep :class:`_Folder` follows a scale's computation, and the largest initializer it reads.
-_MAX_FOLD_DEPTH, _MAX_FOLD_SIZE = 32, 64
+#: Operators allowed between ``present.*`` and an ONNX ``Attention`` operator's K/V inputs:
+#: ``repeat_kv`` only (no Transpose: the operator takes K as ``(b, heads, T, d)``, not ``Kᵀ``).
+_REPEAT_OPS = frozenset({"Reshape", "Expand", "Unsqueeze", "Identity"})
+#: Inputs of ONNX's ``Attention`` (opset 23/24) after Q, K, V: mask, past key, past value,
+#: and (opset 24) the valid lengths of an external, padded cache.
+_MASK, _PAST_KEY, _PAST_VALUE, _NONPAD = 3, 4, 5, 6
+#: Softmax precisions of ``Attention`` at least as fine as the replacement's float32.
+_FINE_SOFTMAX = (0, 1, 11)
 #: Relative distance within which a recovered scale is taken as ``1 / sqrt(head_dim)`` (a few float32 ulps).
 _SNAP = 2.0**-20
 
@@ -106,9 +135,15 @@ class AttentionSite:
     new_key, new_value : str
         The new tokens' keys and values, ``(b, kv_heads, t, head_dim)`` float32.
     output : str
-        The attention output, ``query``'s shape: the output of the value ``MatMul``.
+        The attention output, ``query``'s shape: the output of the value ``MatMul`` or of the
+        ``Attention`` operator.
     scale : float
         The factor the graph applies to ``query · key`` before the softmax.
+    flat_heads : tuple of (int, int) or None
+        ``(q_heads, kv_heads)`` when ``query``, ``new_key``, ``new_value`` and ``output`` are
+        in the 3-D form of ONNX's ``Attention`` operator, ``(b, t, heads * head_dim)``;
+        :func:`replace_sites` then brings them to the 4-D layouts above and back. None when
+        they already are in those layouts.
     """
 
     layer: int
@@ -117,6 +152,7 @@ class AttentionSite:
     new_value: str
     output: str
     scale: float
+    flat_heads: tuple | None = None
 
 
 def load_model_proto(model: Any):
@@ -128,234 +164,6 @@ def load_model_proto(model: Any):
     if isinstance(model, (bytes, bytearray)):
         return onnx.load_from_string(bytes(model))
     return onnx.load(str(model))
-
-
-class _Folder:
-    """Values of graph tensors known before the graph runs: constants, arithmetic on constants,
-    and the static dimensions a ``Shape`` node reads.
-
-    Exporters write the softmax scale in several forms: a constant, ``1 / sqrt(d)`` computed from
-    ``Shape(q)`` (torch's decomposition of ``scaled_dot_product_attention`` when no scale is
-    given), ``Sqrt`` of a constant applied to both ``q`` and ``Kᵀ``. :meth:`scalar` evaluates any
-    of these with NumPy, in the graph's own element types. A dimension that is symbolic (batch,
-    sequence) stays unknown, and so does every value computed from it. Shapes come from the
-    model's declared inputs, outputs and ``value_info``, and when those lack one, from ONNX shape
-    inference over a copy of the graph without its large weights (run once, when first needed).
-    """
-
-    _UNARY: dict = {"Sqrt": np.sqrt, "Reciprocal": np.reciprocal, "Neg": np.negative, "Abs": np.abs}
-    _BINARY: dict = {"Mul": np.multiply, "Add": np.add, "Sub": np.subtract, "Pow": np.power}
-
-    def __init__(self, model: Any, producers: dict):
-        self._model = model
-        self._producers = producers
-        self._inits = {t.name: t for t in model.graph.initializer}
-        self._memo: dict = {}
-        self._types: dict | None = None
-        self._inferred = False
-
-    def scalar(self, name: str) -> float | None:
-        """``name`` as a float when it is a one-element floating-point value known before the run."""
-        a = self.value(name)
-        if a is None or a.size != 1 or a.dtype.kind != "f":
-            return None
-        return float(a.reshape(()))
-
-    def value(self, name: str, depth: int = 0) -> np.ndarray | None:
-        """``name``'s value as a NumPy array (``object`` dtype with None for unknown dimensions), or None."""
-        if name in self._memo:
-            return self._memo[name]  # type: ignore[no-any-return]
-        if depth > _MAX_FOLD_DEPTH:
-            return None
-        out: np.ndarray | None = None
-        try:
-            got = self._compute(name, depth)
-            out = None if got is None else np.asarray(got)  # np.take of one element gives a scalar
-        except (ValueError, TypeError, IndexError, KeyError, OverflowError, ZeroDivisionError):
-            out = None
-        self._memo[name] = out
-        return out
-
-    def _known(self, name: str, depth: int) -> np.ndarray | None:
-        """``value(name)`` when every element is known (a numeric array), else None."""
-        a = self.value(name, depth + 1)
-        if a is None:
-            return None
-        if a.dtype == object:
-            if any(x is None for x in a.flat):
-                return None
-            a = a.astype(np.int64)
-        return a
-
-    def _compute(self, name: str, depth: int) -> Any:
-        from onnx import helper, numpy_helper
-
-        t = self._inits.get(name)
-        if t is not None:
-            return numpy_helper.to_array(t) if int(np.prod(t.dims)) <= _MAX_FOLD_SIZE else None
-        node = self._producers.get(name)
-        if node is None:
-            return None
-        op = node.op_type
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if op == "Constant":
-            for key, val in attrs.items():
-                if key == "value":
-                    return numpy_helper.to_array(val)
-                if key in ("value_float", "value_floats"):
-                    return np.asarray(val, np.float32)
-                if key in ("value_int", "value_ints"):
-                    return np.asarray(val, np.int64)
-            return None
-        if op == "Shape":
-            dims = self.dims(node.input[0])
-            if dims is None:
-                return None
-            rank = len(dims)
-            start, end = attrs.get("start", 0), attrs.get("end", rank)
-            dims = dims[slice(start, end)]
-            out = np.array(dims, dtype=object)
-            return out if any(d is None for d in dims) else out.astype(np.int64)
-        if op in ("Gather", "Slice", "Unsqueeze", "Squeeze", "Reshape", "Concat"):
-            return self._move(op, node, attrs, depth)
-        if op in self._UNARY or op == "Identity":
-            a = self._known(node.input[0], depth)
-            if a is None:
-                return None
-            return a if op == "Identity" else self._UNARY[op](a)
-        if op in self._BINARY or op == "Div":
-            a, b = self._known(node.input[0], depth), self._known(node.input[1], depth)
-            if a is None or b is None:
-                return None
-            if op == "Div":
-                if a.dtype.kind in "iu" and b.dtype.kind in "iu":
-                    return (np.sign(a) * np.sign(b) * (np.abs(a) // np.abs(b))).astype(np.result_type(a, b))
-                return np.divide(a, b)
-            return self._BINARY[op](a, b)
-        if op in ("Cast", "CastLike"):
-            a = self._known(node.input[0], depth)
-            if a is None:
-                return None
-            to = attrs.get("to") if op == "Cast" else self._elem_type(node.input[1])
-            if to is None:
-                return None
-            return a.astype(helper.tensor_dtype_to_np_dtype(int(to)))
-        return None
-
-    def _move(self, op: str, node: Any, attrs: dict, depth: int) -> Any:
-        """Gather, Slice, Unsqueeze, Squeeze, Reshape, Concat: on values whose elements may be unknown."""
-        data = self.value(node.input[0], depth + 1)
-        if data is None:
-            return None
-
-        def ints(i: int) -> list | None:
-            if len(node.input) <= i or not node.input[i]:
-                return None
-            a = self._known(node.input[i], depth)
-            if a is None or a.dtype.kind not in "iu":
-                raise ValueError("not a constant integer input")
-            return [int(x) for x in a.reshape(-1)]
-
-        if op == "Gather":
-            idx = self._known(node.input[1], depth)
-            if idx is None:
-                return None
-            return np.take(data, idx, axis=attrs.get("axis", 0))
-        if op == "Slice":
-            starts, ends = ints(1), ints(2)
-            if starts is None or ends is None:
-                return None
-            index = [slice(None)] * data.ndim
-            for s, e, ax, st in zip(starts, ends, ints(3) or range(len(starts)), ints(4) or [1] * len(starts)):
-                index[ax] = slice(s, e, st)
-            return data[tuple(index)]
-        if op in ("Unsqueeze", "Squeeze"):
-            axes: list | None = ints(1) if len(node.input) > 1 else attrs.get("axes")
-            if op == "Unsqueeze":
-                if axes is None:
-                    return None
-                rank = data.ndim + len(axes)
-                return np.expand_dims(data, tuple(a % rank for a in axes))
-            if axes is None:
-                return np.squeeze(data)
-            return np.squeeze(data, tuple(a % data.ndim for a in axes))
-        if op == "Reshape":
-            shape = ints(1)
-            if shape is None:
-                return None
-            if not attrs.get("allowzero", 0):
-                shape = [data.shape[i] if s == 0 else s for i, s in enumerate(shape)]
-            return np.reshape(data, shape)
-        parts = []
-        for i in node.input:
-            p = self.value(i, depth + 1)
-            if p is None:
-                return None
-            parts.append(p)
-        if any(p.dtype == object for p in parts):
-            parts = [p.astype(object) for p in parts]
-        return np.concatenate(parts, axis=attrs.get("axis", 0))
-
-    def dims(self, name: str) -> list | None:
-        """The dimensions of ``name`` (None for a symbolic one), or None when its rank is unknown."""
-        info = self._type_info(name)
-        return None if info is None else info[1]
-
-    def _elem_type(self, name: str) -> int | None:
-        info = self._type_info(name)
-        return None if info is None else info[0]
-
-    def _type_info(self, name: str) -> tuple | None:
-        """``(element type, dims or None)`` of ``name``, or None when not even its type is known."""
-        if self._types is None:
-            self._types = {}
-            self._read_types(self._model.graph)
-            for t in self._model.graph.initializer:
-                self._types[t.name] = (t.data_type, [int(d) for d in t.dims])
-        assert self._types is not None
-        info = self._types.get(name)
-        if (info is None or info[1] is None) and not self._inferred:
-            self._inferred = True
-            self._read_types(_infer_without_weights(self._model).graph)
-            info = self._types.get(name)
-        return info
-
-    def _read_types(self, graph: Any) -> None:
-        types: dict = self._types if self._types is not None else {}
-        for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
-            tt = vi.type.tensor_type
-            if not tt.elem_type:
-                continue
-            dims = None
-            if tt.HasField("shape"):
-                dims = [int(d.dim_value) if d.HasField("dim_value") else None for d in tt.shape.dim]
-            old = types.get(vi.name)
-            if old is None or old[1] is None:
-                types[vi.name] = (tt.elem_type, dims)
-
-
-def _infer_without_weights(model: Any) -> Any:
-    """``model`` shape-inferred (with data propagation), its large initializers declared as inputs."""
-    import onnx
-
-    light = onnx.ModelProto()
-    light.ir_version = model.ir_version
-    light.opset_import.extend(model.opset_import)
-    g = light.graph
-    g.node.extend(model.graph.node)
-    g.input.extend(model.graph.input)
-    g.output.extend(model.graph.output)
-    g.value_info.extend(model.graph.value_info)
-    declared = {vi.name for vi in model.graph.input}
-    for t in model.graph.initializer:
-        if int(np.prod(t.dims)) <= _MAX_FOLD_SIZE:
-            g.initializer.append(t)
-        elif t.name not in declared:
-            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    try:
-        return onnx.shape_inference.infer_shapes(light, data_prop=True)
-    except Exception:  # noqa: BLE001 - inference is a best effort; without it dimensions stay unknown
-        return light
 
 
 def _producers(graph: Any) -> dict:
@@ -397,7 +205,7 @@ def _new_tokens(producers: dict, layer: int, kind: str) -> str:
     return node.input[1]
 
 
-def _follow_to_matmul(consumers: dict, folder: _Folder, start: str, allow_scale: bool):
+def _follow_to_matmul(consumers: dict, folder: ConstantFolder, start: str, allow_scale: bool):
     """The first ``MatMul`` whose right operand descends from ``start`` through moves (and constant scales).
 
     Returns ``(node, factor)``: the product of the constant scalars on the way, or ``(None, 1.0)``.
@@ -436,7 +244,7 @@ def _only_consumer(consumers: dict, name: str, layer: int, what: str):
     return nodes[0]
 
 
-def _unscaled_query(producers: dict, folder: _Folder, name: str) -> tuple:
+def _unscaled_query(producers: dict, folder: ConstantFolder, name: str) -> tuple:
     """``(q, factor)``: ``name`` is ``q`` times ``factor``, through ``Mul``/``Div`` by known scalars.
 
     torch's export of ``scaled_dot_product_attention`` multiplies both ``q`` and ``Kᵀ`` by
@@ -458,7 +266,7 @@ def _unscaled_query(producers: dict, folder: _Folder, name: str) -> tuple:
     return name, factor
 
 
-def _nan_guard(consumers: dict, folder: _Folder, name: str) -> Any:
+def _nan_guard(consumers: dict, folder: ConstantFolder, name: str) -> Any:
     """The ``Where(IsNaN(p), 0, p)`` that torch's export puts after a Softmax under a boolean mask, or None.
 
     A row the mask hides entirely is 0/0 = NaN after the Softmax; the guard turns it into zeros.
@@ -488,7 +296,148 @@ def _exact_scale(factor: float, head_dim: Any) -> float:
     return factor
 
 
-def _site(graph: Any, consumers: dict, producers: dict, folder: _Folder, layer: int) -> AttentionSite:
+def _is_attention(node: Any) -> bool:
+    """Whether ``node`` is ONNX's standard ``Attention`` operator (opset 23 and later)."""
+    return node.op_type == "Attention" and node.domain in ("", "ai.onnx")
+
+
+def _follow_to_attention(consumers: dict, start: str, slot: int) -> Any:
+    """The ``Attention`` node taking ``start``, through ``repeat_kv`` moves, as its input ``slot``; or None."""
+    frontier, seen = [start], {start}
+    for _ in range(_MAX_DEPTH):
+        nxt = []
+        for name in frontier:
+            for node in consumers.get(name, ()):
+                if _is_attention(node) and len(node.input) > slot and node.input[slot] == name:
+                    return node
+                if node.op_type in _REPEAT_OPS and node.input[0] == name and node.output[0] not in seen:
+                    seen.add(node.output[0])
+                    nxt.append(node.output[0])
+        if not nxt:
+            return None
+        frontier = nxt
+    return None
+
+
+def _input(node: Any, i: int) -> str:
+    """``node``'s input ``i``, or ``""`` when it is absent."""
+    return node.input[i] if len(node.input) > i else ""
+
+
+def _refuse_uncovered(where: str, node: Any, attrs: dict, inside: bool) -> None:
+    """Raise for what an ``Attention`` operator computes and the replacement does not."""
+    if attrs.get("softcap", 0.0) != 0.0:
+        raise GraphRewriteError(f"{where} caps its scores (softcap={attrs['softcap']}); the replacement has no softcap")
+    if len(node.output) > 3 and node.output[3]:
+        raise GraphRewriteError(f"{where} also returns its scores ({node.output[3]!r}), which the replacement does not")
+    if _input(node, _NONPAD):
+        raise GraphRewriteError(f"{where} takes nonpad_kv_seqlen: a padded cache outside the graph, not a past input")
+    if attrs.get("softmax_precision", 0) not in _FINE_SOFTMAX:
+        raise GraphRewriteError(f"{where} runs its softmax in element type {attrs['softmax_precision']}, not float32")
+    causal = attrs.get("is_causal", 0)
+    if causal and not inside:
+        raise GraphRewriteError(
+            f"{where} has is_causal=1 over keys already concatenated with the past and no past input: "
+            "its mask is then aligned top-left (query i sees keys 0..i, not the past; torch's is_causal=True "
+            "does the same), which is not attention over a past"
+        )
+    if not causal and not _input(node, _MASK):
+        raise GraphRewriteError(f"{where} has neither a mask nor is_causal=1: every new token sees every other")
+
+
+def _fused_site(folder: ConstantFolder, layer: int, node: Any, new_k: str, new_v: str, inside: bool) -> AttentionSite:
+    """The site of an ``Attention`` operator; ``inside``: it takes the past itself (``past_key``/``past_value``)."""
+    from onnx import helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    where = f"layer {layer}: the Attention operator {node.name or node.output[0]!r}"
+    _refuse_uncovered(where, node, attrs, inside)
+    dims = folder.dims(node.input[0])
+    rank = len(dims) if dims is not None else (3 if "q_num_heads" in attrs else 4)
+    heads = None
+    if rank == 3:
+        heads = (int(attrs.get("q_num_heads", 0)), int(attrs.get("kv_num_heads", 0)))
+        if not inside or min(heads) <= 0:
+            raise GraphRewriteError(
+                f"{where} has 3-D inputs (b, t, heads * d); the rewriter takes them only with the past as "
+                "past_key/past_value inputs and q_num_heads/kv_num_heads given"
+            )
+    elif rank != 4:
+        raise GraphRewriteError(f"{where} has {rank}-D inputs, not 3-D or 4-D")
+    head_dim = _head_dim(folder, layer, dims, heads)
+    scale = attrs.get("scale")
+    if scale is None:
+        if head_dim is None:
+            raise GraphRewriteError(f"{where} has the default scale 1/sqrt(head_dim), and head_dim is not known")
+        scale = 1.0 / math.sqrt(head_dim)
+    return AttentionSite(
+        layer=layer,
+        query=node.input[0],
+        new_key=new_k,
+        new_value=new_v,
+        output=node.output[0],
+        scale=_exact_scale(float(scale), head_dim),
+        flat_heads=heads,
+    )
+
+
+def _head_dim(folder: ConstantFolder, layer: int, q_dims: list | None, heads: tuple | None) -> int | None:
+    """The head dimension: the past keys' last dimension, else the query's (per head when it is 3-D)."""
+    past = folder.dims(f"past_key_values.{layer}.key")
+    if past is not None and len(past) == 4 and past[3]:
+        return int(past[3])
+    if q_dims is None or not q_dims[-1]:
+        return None
+    return int(q_dims[-1]) // (heads[0] if heads else 1)
+
+
+def _attention_over_present(
+    folder: ConstantFolder, layer: int, consumers: dict, producers: dict
+) -> AttentionSite | None:
+    """The site when ``Attention`` takes ``present.{layer}.*`` (the Concat with the past) as K/V; or None.
+
+    This is what torch's dynamo exporter writes for ``scaled_dot_product_attention`` on keys
+    and values concatenated with the past (the heads repeated or, with ``enable_gqa``, not).
+    """
+    node = _follow_to_attention(consumers, f"present.{layer}.key", 1)
+    if node is None:
+        return None
+    if _follow_to_attention(consumers, f"present.{layer}.value", 2) is not node:
+        raise GraphRewriteError(
+            f"layer {layer}: the Attention operator {node.name or node.output[0]!r} takes present.{layer}.key "
+            f"but not present.{layer}.value as its values"
+        )
+    if _input(node, _PAST_KEY) or _input(node, _PAST_VALUE):
+        raise GraphRewriteError(f"layer {layer}: the Attention operator takes a past on top of present.{layer}.*")
+    new_k = _new_tokens(producers, layer, "key")
+    new_v = _new_tokens(producers, layer, "value")
+    return _fused_site(folder, layer, node, new_k, new_v, inside=False)
+
+
+def _attention_with_past(folder: ConstantFolder, layer: int, node: Any) -> AttentionSite:
+    """The site of an ``Attention`` node that computes ``present.{layer}.key``: it must take the past inputs."""
+    past = [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
+    present = [f"present.{layer}.key", f"present.{layer}.value"]
+    got_past = [_input(node, _PAST_KEY), _input(node, _PAST_VALUE)]
+    if got_past != past or list(node.output[1:3]) != present:
+        raise GraphRewriteError(
+            f"layer {layer}: the Attention operator {node.name or node.output[0]!r} takes its past from "
+            f"{got_past} and returns {list(node.output[1:3])}, not the graph inputs {past} and outputs {present}"
+        )
+    return _fused_site(folder, layer, node, node.input[1], node.input[2], inside=True)
+
+
+def _site(graph: Any, consumers: dict, producers: dict, folder: ConstantFolder, layer: int) -> AttentionSite:
+    node = producers.get(f"present.{layer}.key")
+    if node is not None and _is_attention(node):
+        return _attention_with_past(folder, layer, node)
+    site = _attention_over_present(folder, layer, consumers, producers)
+    if site is not None:
+        return site
+    return _decomposed_site(consumers, producers, folder, layer)
+
+
+def _decomposed_site(consumers: dict, producers: dict, folder: ConstantFolder, layer: int) -> AttentionSite:
     new_k = _new_tokens(producers, layer, "key")
     new_v = _new_tokens(producers, layer, "value")
     score, k_factor = _follow_to_matmul(consumers, folder, f"present.{layer}.key", True)
@@ -580,8 +529,71 @@ def find_attention_sites(model: Any) -> list:
                 "only float32 K/V (type 1) can be rewritten"
             )
     consumers, producers = node_consumers(g), _producers(g)
-    folder = _Folder(model, producers)
+    folder = ConstantFolder(model, producers)
     return [_site(g, consumers, producers, folder, i) for i in range(n)]
+
+
+def _unflattened(site: AttentionSite, make_nodes: Any) -> list:
+    """``make_nodes(site)``, with a 3-D site's tensors brought to the 4-D layouts and its output back.
+
+    ``(b, t, heads * d)`` becomes ``(b, heads, t, d)`` by ``Reshape`` to ``(b, t, heads, d)`` and
+    ``Transpose``; the 4-D output ``(b, q_heads, t, d)`` goes back the same way.
+    """
+    from dataclasses import replace
+
+    from onnx import helper, numpy_helper
+
+    if site.flat_heads is None:
+        return list(make_nodes(site))
+    p = f"arraykv_flat{site.layer}_"
+
+    def const(name: str, value: list) -> Any:
+        return helper.make_node("Constant", [], [p + name], value=numpy_helper.from_array(np.array(value, np.int64)))
+
+    q_heads, kv_heads = site.flat_heads
+    nodes = [const("qshape", [0, 0, q_heads, -1]), const("kvshape", [0, 0, kv_heads, -1]), const("yshape", [0, 0, -1])]
+    for part, shape in (("query", "qshape"), ("new_key", "kvshape"), ("new_value", "kvshape")):
+        nodes.append(helper.make_node("Reshape", [getattr(site, part), p + shape], [p + part + "_split"]))
+        nodes.append(helper.make_node("Transpose", [p + part + "_split"], [p + part], perm=[0, 2, 1, 3]))
+    four = replace(
+        site, query=p + "query", new_key=p + "new_key", new_value=p + "new_value", output=p + "output", flat_heads=None
+    )
+    nodes.extend(make_nodes(four))
+    nodes.append(helper.make_node("Transpose", [p + "output"], [p + "output_t"], perm=[0, 2, 1, 3]))
+    nodes.append(helper.make_node("Reshape", [p + "output_t", p + "yshape"], [site.output]))
+    return nodes
+
+
+def _shape_elsewhere(node: Any, graph: Any) -> Any:
+    """``node``, or, when it is a ``Shape`` reading one dimension of a past input, a node reading it elsewhere.
+
+    torch's dynamo exporter reads a symbolic dimension (the batch) from whichever input has it,
+    the past included; once the past inputs are gone, a static dimension becomes a constant and
+    a symbolic one is read from another input that declares the same dimension name.
+    """
+    from onnx import helper, numpy_helper
+
+    if node.op_type != "Shape" or not _PAST.match(node.input[0]):
+        return node
+    declared = {vi.name: vi.type.tensor_type.shape.dim for vi in graph.input}
+    dims = declared.get(node.input[0], [])
+    attrs = {a.name: a.i for a in node.attribute}
+    start = attrs.get("start", 0) % max(len(dims), 1)
+    end = attrs.get("end", len(dims))
+    end = end % len(dims) if end < 0 else min(end, len(dims))
+    if end - start != 1:
+        return node
+    dim = dims[start]
+    if dim.HasField("dim_value"):
+        value = numpy_helper.from_array(np.array([dim.dim_value], np.int64))
+        return helper.make_node("Constant", [], list(node.output), name=node.name, value=value)
+    for name, other in declared.items():
+        if _PAST.match(name) or not dim.dim_param:
+            continue
+        for j, d in enumerate(other):
+            if d.dim_param == dim.dim_param:
+                return helper.make_node("Shape", [name], list(node.output), name=node.name, start=j, end=j + 1)
+    return node
 
 
 def replace_sites(model: Any, sites: list, make_nodes: Any, *, keep_kv_io: bool = False, domains: dict | None = None):
@@ -593,10 +605,12 @@ def replace_sites(model: Any, sites: list, make_nodes: Any, *, keep_kv_io: bool 
     sites : list of AttentionSite
     make_nodes : callable
         ``make_nodes(site) -> list of onnx.NodeProto`` computing ``site.output`` from
-        ``site.query``, ``site.new_key`` and ``site.new_value`` (and whatever else they add).
+        ``site.query``, ``site.new_key`` and ``site.new_value`` (and whatever else they add);
+        always given a site in the 4-D layouts (a 3-D site's tensors are converted around it).
     keep_kv_io : bool, default False
         Keep the ``past_key_values.*`` inputs and ``present.*`` outputs (the replacement then
-        reads/writes them itself); by default both are removed.
+        reads/writes them itself); by default both are removed, and ``Shape`` nodes reading a
+        dimension of a past input read it elsewhere (module notes).
     domains : dict of str to int, optional
         Operator set domains the new nodes need, added to the model's imports.
 
@@ -614,13 +628,14 @@ def replace_sites(model: Any, sites: list, make_nodes: Any, *, keep_kv_io: bool 
     concat_outs = {f"present.{s.layer}.{k}" for s in sites for k in ("key", "value")}
     nodes = []
     for node in g.node:
-        if node.output and node.output[0] in by_output and node.op_type == "MatMul":
-            nodes.extend(make_nodes(by_output[node.output[0]]))
+        if node.output and node.output[0] in by_output and (node.op_type == "MatMul" or _is_attention(node)):
+            nodes.extend(_unflattened(by_output[node.output[0]], make_nodes))
         elif node.op_type == "Concat" and node.output and node.output[0] in concat_outs:
             continue
         else:
             nodes.append(node)
     if not keep_kv_io:
+        nodes = [_shape_elsewhere(node, g) for node in nodes]
         kept_in = [vi for vi in g.input if not _PAST.match(vi.name)]
         kept_out = [vi for vi in g.output if vi.name not in concat_outs]
         del g.input[:]
@@ -662,7 +677,8 @@ def rewrite_with_cache_op(model: Any, handle: str):
     Parameters
     ----------
     model : onnx.ModelProto
-        A decoder with ``past_key_values.{i}.*`` inputs and ``present.{i}.*`` outputs.
+        A decoder with ``past_key_values.{i}.*`` inputs and ``present.{i}.*`` outputs, its
+        attention decomposed or ONNX's ``Attention`` operator (module notes).
     handle : str
         Written into every node's ``handle`` attribute: the key under which the Python side
         registers the object holding the cache (:func:`arraykv.integrations.ort_cache_op.register`).
