@@ -101,32 +101,30 @@ def expose_outputs(model: Any, names: list, elem_type: int) -> Any:
     return model
 
 
-def with_query_outputs(src: Any, required: bool) -> tuple:
-    """``(model source, query tensor names)``: ``src`` with its queries exposed, or as it was and None.
+def with_query_outputs(proto: Any, required: bool) -> tuple:
+    """``(model, query tensor names)``: ``proto`` with its queries exposed, or ``(None, None)``.
 
     Parameters
     ----------
-    src : str or bytes
-        An ONNX decoder file or its serialized ``ModelProto``.
+    proto : onnx.ModelProto
+        An ONNX decoder (its weights may be left in external data files: they are not read).
+        Changed in place when the queries are found.
     required : bool
-        Raise a ValueError instead of returning None when the queries cannot be exposed.
+        Raise a ValueError instead of returning ``(None, None)`` when the queries cannot be exposed.
 
     Returns
     -------
     tuple
-        ``(bytes, names)`` when every layer's queries were found (the serialized model with them
-        among its outputs), else ``(src, None)``.
+        ``(proto, names)`` when every layer's queries were found (``proto`` with them among its
+        outputs), else ``(None, None)``: the model is to be used as it is.
     """
-    import onnx
-
     from .onnx_names import discover_kv_names
 
-    proto = onnx.load_from_string(bytes(src)) if isinstance(src, (bytes, bytearray)) else onnx.load(src)
     graph_inputs = {i.name: i for i in proto.graph.input}
     try:
         n = discover_kv_names(list(graph_inputs), [o.name for o in proto.graph.output])
     except ValueError:
-        return src, None  # reported with its hint once the session is made
+        return None, None  # reported with its hint once the session is made
     names = find_query_outputs(proto, n)
     if names is None:
         if required:
@@ -134,13 +132,6 @@ def with_query_outputs(src: Any, required: bool) -> tuple:
                 "queries=True, but the graph has no MatMul taking a layer's keys (a fused attention "
                 "operator?); construct the decoder with queries='auto' or False"
             )
-        return src, None
+        return None, None
     elem = graph_inputs["past_key_values.0.key"].type.tensor_type.elem_type
-    try:
-        return expose_outputs(proto, names, elem).SerializeToString(), names
-    except Exception as exc:  # over protobuf's 2 GiB (ValueError or EncodeError): keep the model as it is
-        if required:
-            raise ValueError(
-                f"queries=True, but the model with its queries exposed cannot be serialized: {exc}"
-            ) from exc
-        return src, None
+    return expose_outputs(proto, names, elem), names

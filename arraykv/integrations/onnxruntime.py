@@ -67,6 +67,7 @@ from .generation import cache_length, check_sampling, chunked_logits, generate_t
 from .gguf import require
 from .onnx_names import PRESENT_NAME, discover_kv_names
 from .onnx_queries import with_query_outputs
+from .ort_graph_file import rewritten_session
 from .ort_store import graph_identity, store_prefill
 
 __all__ = ["OrtKVDecoder"]
@@ -134,9 +135,13 @@ class OrtKVDecoder:
             sess = model
         else:
             src = model if isinstance(model, (bytes, bytearray)) else str(model)
-            if queries is not False:
-                src, self.query_outputs = with_query_outputs(src, queries is True)
-            sess = ort.InferenceSession(src, providers=list(providers or ["CPUExecutionProvider"]))
+            providers = list(providers or ["CPUExecutionProvider"])
+            if queries is False:
+                sess = ort.InferenceSession(src, providers=providers)
+            else:  # opened from a file on the model's own weights (ort_graph_file), not from bytes
+                sess, _, _, self.query_outputs = rewritten_session(
+                    src, lambda p: with_query_outputs(p, queries is True), ort.SessionOptions(), providers
+                )
         self.session = sess
         inputs = {i.name: i for i in sess.get_inputs()}
         outputs = [o.name for o in sess.get_outputs()]

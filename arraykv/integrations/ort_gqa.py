@@ -56,12 +56,9 @@ def calibrate_kv_scales(model: Any, token_ids: Sequence[int], bits: int) -> list
     """
     import numpy as np
 
-    ort = require("onnxruntime", "onnx")
     if bits not in QMAX:
         raise ValueError(f"bits must be 4 or 8, received {bits!r}")
-    proto = load_model_proto(model)
-    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    loop = OrtPastLoop(sess)
+    loop = OrtPastLoop(model)  # a file opened by its path: its weights are not copied through Python
     state = loop.make_cache()
     ids = np.asarray(token_ids, dtype=np.int64)[None, :]
     outs = loop.run(ids, state, all_outputs=True)

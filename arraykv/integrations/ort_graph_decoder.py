@@ -30,7 +30,8 @@ from typing import Any
 from .generation import cache_length, check_sampling, chunked_logits, generate_tokens, prompt_ids, undo_on_failure
 from .gguf import require
 from .ort_cache_op import CacheSlot, register, session_options
-from .ort_graph import load_model_proto, rewrite_with_cache_op
+from .ort_graph import rewrite_with_cache_op
+from .ort_graph_file import rewritten_session
 from .ort_store import graph_identity, store_prefill
 
 __all__ = ["OrtGraphDecoder"]
@@ -53,6 +54,14 @@ class OrtGraphDecoder:
         default, new options with ``session.intra_op.allow_spinning = "0"``: ONNX Runtime's
         threads otherwise keep spinning while the operator's kernels run (measured on SmolLM2,
         pqo4 at 512 tokens, 2 cores: 4.0 tokens/s spinning, 5.2-6.2 not).
+    work_dir : str, optional
+        Where the rewritten graph is written while the session opens (default: the system's
+        temporary folder; :func:`~arraykv.integrations.ort_graph_file.rewritten_session`). The
+        session is opened from that file, on the original weights files where the model has
+        them, so ONNX Runtime does not hold a second copy of the weights (opened from bytes,
+        the SmolLM2 graph left the process 1.7 GiB larger). Weights stored inside the model file
+        (or a model given as bytes or a proto) are written there once, and removed with the
+        folder when the session is open.
 
     Attributes
     ----------
@@ -86,15 +95,26 @@ class OrtGraphDecoder:
         head_dim: int | None = None,
         providers: Sequence[str] | None = None,
         options: Any = None,
+        work_dir: str | None = None,
     ):
         ort = require("onnxruntime", "onnx")
-        proto = load_model_proto(model)
-        self._identity = graph_identity(proto)  # for prefix-store keys (the proto is not kept)
-        past = next((vi for vi in proto.graph.input if vi.name == "past_key_values.0.key"), None)
         self._handle = f"arraykv-{uuid.uuid4().hex}"
-        graph, self.sites = rewrite_with_cache_op(proto, self._handle)  # refuses graphs without a past
-        del proto
+        self._slot = CacheSlot()
+        register(self._handle, self._slot)
+        if options is None:
+            options = ort.SessionOptions()
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session, proto, base_dir, self.sites = rewritten_session(
+            model,
+            lambda p: rewrite_with_cache_op(p, self._handle),  # refuses graphs without a past
+            session_options(options),
+            providers or ["CPUExecutionProvider"],
+            work_dir=work_dir,
+        )
+        self._identity = graph_identity(proto, base_dir)  # for prefix-store keys
+        past = next(vi for vi in proto.graph.input if vi.name == "past_key_values.0.key")
         dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in past.type.tensor_type.shape.dim]
+        del past, proto  # the session holds the weights; keeping the proto would hold them twice
         if len(dims) != 4:
             raise ValueError(
                 f"past_key_values.0.key must have 4 dimensions (batch, kv_heads, past, head_dim), "
@@ -103,15 +123,6 @@ class OrtGraphDecoder:
         self.num_layers = len(self.sites)
         self.num_kv_heads = _dim(dims[1], num_kv_heads, "num_kv_heads")
         self.head_dim = _dim(dims[3], head_dim, "head_dim")
-        self._slot = CacheSlot()
-        register(self._handle, self._slot)
-        if options is None:
-            options = ort.SessionOptions()
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(
-            graph.SerializeToString(), session_options(options), providers=list(providers or ["CPUExecutionProvider"])
-        )
-        del graph  # the session holds the weights; keeping the proto would hold them twice
         inputs = {i.name: i for i in self.session.get_inputs()}
         if "input_ids" not in inputs:
             raise ValueError("the ONNX model has no input_ids input; only token-id decoders are supported")

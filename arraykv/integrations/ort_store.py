@@ -25,7 +25,7 @@ from typing import Any
 __all__ = ["graph_identity", "store_prefill"]
 
 
-def graph_identity(model: Any) -> Callable[[], str] | None:
+def graph_identity(model: Any, base_dir: str | None = None) -> Callable[[], str] | None:
     """A function giving ``model``'s identity for store keys, or None for a ready session.
 
     Parameters
@@ -34,6 +34,9 @@ def graph_identity(model: Any) -> Callable[[], str] | None:
         What the engine was built from. A file is hashed when the identity is first asked
         for (once; its external data files, if any, are not read); bytes and a proto now, since
         the engine does not keep them.
+    base_dir : str, optional
+        For a proto loaded without its external data: the folder of its file (see
+        :func:`~arraykv.store.keys.onnx_identity`).
     """
     from ..store.keys import gguf_identity, onnx_identity
 
@@ -51,7 +54,7 @@ def graph_identity(model: Any) -> Callable[[], str] | None:
         digest = "sha256:" + hashlib.sha256(model).hexdigest()
         return lambda: digest
     if hasattr(model, "graph"):
-        digest = "onnx:" + onnx_identity(model)
+        digest = "onnx:" + onnx_identity(model, base_dir)
         return lambda: digest
     return None
 

@@ -128,13 +128,17 @@ def gguf_identity(path: str | os.PathLike, *, block: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def onnx_identity(proto: Any) -> str:
+def onnx_identity(proto: Any, base_dir: str | None = None) -> str:
     """A hex digest naming an ONNX graph: its nodes whole and a sample of every initializer.
 
     Parameters
     ----------
     proto : onnx.ModelProto
         The model as given to an ONNX Runtime engine (before any rewriting).
+    base_dir : str, optional
+        The folder of the model's file, for initializers whose data was left in external data
+        files (``onnx.load(..., load_external_data=False)``): their samples are read from those
+        files, so the digest is the one of the model loaded whole.
 
     Returns
     -------
@@ -146,6 +150,11 @@ def onnx_identity(proto: Any) -> str:
         that differ in their structure or in any sampled weight get different identities; for
         a digest of every byte use :func:`gguf_identity` on the ``.onnx`` file (and its external
         data) and pass it as ``model_id``.
+
+    Raises
+    ------
+    ValueError
+        An initializer's data is in an external file and ``base_dir`` is not given.
     """
     graph = getattr(proto, "graph", None)
     if graph is None or not hasattr(graph, "initializer"):
@@ -156,12 +165,29 @@ def onnx_identity(proto: Any) -> str:
             h.update(item.SerializeToString(deterministic=True))
     for init in graph.initializer:
         h.update(f"{init.name}:{tuple(init.dims)}:{init.data_type}".encode())
-        data = init.raw_data or init.SerializeToString(deterministic=True)  # the values, or the typed fields
+        data = _external_bytes(init, base_dir)
+        if data is None:
+            data = np.frombuffer(init.raw_data or init.SerializeToString(deterministic=True), dtype=np.uint8)
         h.update(len(data).to_bytes(8, "little"))
-        words = np.frombuffer(data[: len(data) // 4 * 4], dtype=np.uint8).reshape(-1, 4)
+        words = data[: len(data) // 4 * 4].reshape(-1, 4)
         step = max(1, len(words) // SAMPLE_VALUES)
         h.update(np.ascontiguousarray(words[::step]).tobytes())
     return h.hexdigest()
+
+
+def _external_bytes(tensor: Any, base_dir: str | None) -> Any:
+    """A tensor's bytes in its external data file (a read-only map), or None if they are in the proto."""
+    if tensor.data_location != 1 or not tensor.external_data:  # onnx.TensorProto.EXTERNAL
+        return None
+    info = {e.key: e.value for e in tensor.external_data}
+    if base_dir is None:
+        raise ValueError(f"initializer {tensor.name!r} is in external data {info.get('location')!r}; pass base_dir")
+    path = os.path.join(base_dir, info["location"])
+    offset = int(info.get("offset", 0))
+    length = int(info["length"]) if "length" in info else os.path.getsize(path) - offset
+    if length == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(length,))
 
 
 def namespace_root(model_id: str, cache_config: dict, schedule: dict) -> bytes:

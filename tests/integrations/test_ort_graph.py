@@ -299,3 +299,89 @@ def test_graph_identity_names_structure_and_weights(graph):
     assert onnx_identity(changed) != base
     with pytest.raises(TypeError, match="ModelProto"):
         onnx_identity(b"not a model")
+
+
+def _save(graph, folder, name="model.onnx", **kw):
+    """``graph`` saved as ``folder/name`` (a copy: saving with external data changes the proto)."""
+    folder.mkdir(exist_ok=True)
+    if "/" in kw.get("location", ""):
+        (folder / kw["location"]).parent.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    copy = onnx.ModelProto()
+    copy.CopyFrom(graph)
+    onnx.save_model(copy, str(path), **kw)
+    return path
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"save_as_external_data": True, "location": "weights/w.bin", "size_threshold": 1024},
+        {"save_as_external_data": True, "location": "w.bin", "size_threshold": 0},  # scales on disk too
+        {},  # weights inside the file
+    ],
+    ids=["external", "all-external", "inside"],
+)
+def test_a_file_opens_on_its_own_weights_and_leaves_nothing_behind(graph, dec, ids, tmp_path, layout):
+    from arraykv.integrations.ort_graph_file import load_graph
+    from arraykv.store.keys import onnx_identity
+
+    path = _save(graph, tmp_path, **layout)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    from_file = OrtGraphDecoder(str(path))
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert [s.scale for s in from_file.sites] == [s.scale for s in dec.sites]
+    got = _run(from_file, ids, from_file.make_cache("pqo4"))
+    assert np.array_equal(got, _run(dec, ids, dec.make_cache("pqo4")))
+    # the store's name of the graph is the one of the model loaded whole
+    assert from_file._identity() == "onnx:" + onnx_identity(onnx.load(str(path)))
+    proto, base = load_graph(str(path))
+    if layout:  # the weights stayed on disk, the small constants were read
+        assert base == str(tmp_path)
+        assert max(len(t.raw_data) for t in proto.graph.initializer) <= 64 * 8
+
+
+def test_a_graph_written_elsewhere_links_the_weights(graph, dec, ids, tmp_path):
+    path = _save(graph, tmp_path / "m", save_as_external_data=True)
+    work = tmp_path / "work"
+    work.mkdir()
+    before = sorted(p.name for p in path.parent.iterdir())
+    from_file = OrtGraphDecoder(str(path), work_dir=str(work))
+    assert list(work.iterdir()) == []
+    assert sorted(p.name for p in path.parent.iterdir()) == before
+    got = _run(from_file, ids, from_file.make_cache("dense"))
+    assert np.array_equal(got, _run(dec, ids, dec.make_cache("dense")))
+
+
+def test_external_data_outside_the_models_folder_is_refused(graph, tmp_path):
+    folder = tmp_path / "m"
+    path = _save(graph, folder, save_as_external_data=True, location="w.bin")
+    proto = onnx.load(str(path), load_external_data=False)
+    for t in proto.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../w.bin"
+    (folder / "w.bin").rename(tmp_path / "w.bin")
+    onnx.save_model(proto, str(path))
+    with pytest.raises(ValueError, match="not inside the model's folder"):
+        OrtGraphDecoder(str(path))
+    assert sorted(p.name for p in folder.iterdir()) == ["model.onnx"]
+
+
+def test_the_operator_loads_without_the_extensions_packages_converters():
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "from arraykv.integrations.ort_cache_op import session_options\n"
+        "session_options()\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'onnxruntime_extensions') if m in sys.modules))\n"
+        "print(os.environ.get('PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION'))\n"
+        "ocos = sys.modules['onnxruntime_extensions._ocos']\n"
+        "import onnxruntime_extensions\n"  # the package itself still imports, on the same operator API
+        "print(onnxruntime_extensions.get_library_path() == ocos.get_library_path())\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split("\n")[:3] == ["[]", "None", "True"]
