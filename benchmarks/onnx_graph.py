@@ -41,6 +41,7 @@ Needs the ``model`` and ``onnx`` extras.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -321,14 +322,14 @@ def main(argv=None) -> int:
     import numpy as np
 
     ort = require("onnxruntime", "onnx")
-    ox = require("onnxruntime_extensions", "onnx")
+    ox_version = importlib.metadata.version("onnxruntime-extensions")  # not imported here: it imports torch
     from arraykv import eval as ev
     from arraykv.integrations.gguf_llama import load_model
 
     print(f"command: python benchmarks/onnx_graph.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs (shared with other work); onnxruntime "
-        f"{ort.__version__}, onnxruntime-extensions {ox.__version__}, arraykv {arraykv.__version__}"
+        f"{ort.__version__}, onnxruntime-extensions {ox_version}, arraykv {arraykv.__version__}"
     )
     model = load_model()
     paths, geometry = prepare(args, model)

@@ -53,7 +53,10 @@ class OrtGraphDecoder:
         Session options to start from (the extensions library is registered on them). By
         default, new options with ``session.intra_op.allow_spinning = "0"``: ONNX Runtime's
         threads otherwise keep spinning while the operator's kernels run (measured on SmolLM2,
-        pqo4 at 512 tokens, 2 cores: 4.0 tokens/s spinning, 5.2-6.2 not).
+        pqo4 at 512 tokens, 2 cores: 4.0 tokens/s spinning, 5.2-6.2 not). With spinning off
+        the decode kernels use all of Numba's threads (:attr:`CacheSlot.kernels
+        <arraykv.integrations.ort_cache_op.CacheSlot.kernels>`); options that leave it on get
+        serial kernels.
     work_dir : str, optional
         Where the rewritten graph is written while the session opens (default: the system's
         temporary folder; :func:`~arraykv.integrations.ort_graph_file.rewritten_session`). The
@@ -99,11 +102,11 @@ class OrtGraphDecoder:
     ):
         ort = require("onnxruntime", "onnx")
         self._handle = f"arraykv-{uuid.uuid4().hex}"
-        self._slot = CacheSlot()
-        register(self._handle, self._slot)
         if options is None:
             options = ort.SessionOptions()
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self._slot = CacheSlot("parallel" if _spinning(options) == "0" else "serial")
+        register(self._handle, self._slot)
         self.session, proto, base_dir, self.sites = rewritten_session(
             model,
             lambda p: rewrite_with_cache_op(p, self._handle),  # refuses graphs without a past
@@ -297,6 +300,14 @@ class OrtGraphDecoder:
             seed=seed,
             on_token=on_token,
         )
+
+
+def _spinning(options: Any) -> str | None:
+    """``options``' ``session.intra_op.allow_spinning`` entry, or None when it is not set (spinning)."""
+    try:
+        return str(options.get_session_config_entry("session.intra_op.allow_spinning"))
+    except Exception:  # noqa: BLE001 - onnxruntime raises a plain RuntimeError/Fail for a missing key
+        return None
 
 
 def _dim(declared: Any, given: int | None, name: str) -> int:

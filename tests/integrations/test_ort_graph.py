@@ -140,6 +140,37 @@ def test_decode_uses_the_caches_fused_attention(dec, ids, monkeypatch):
     assert seen == ["Fused", "Fused"]
 
 
+@pytest.mark.parametrize("spinning", [None, "0", "1"])
+def test_decode_kernels_use_numbas_threads_unless_ort_spins(graph, ids, monkeypatch, spinning):
+    """Inside the graph no OpenBLAS product runs between kernels: they go parallel, unless
+    ONNX Runtime's own threads spin (options given with allow_spinning left on)."""
+    import onnxruntime as ort
+
+    from arraykv.ops.numba import threads
+
+    options = None
+    if spinning is not None:
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
+    d = OrtGraphDecoder(graph, options=options)
+    want = "serial" if spinning == "1" else "parallel"
+    assert d._slot.kernels == want
+    cache = d.make_cache("pqo4")
+    d.prefill(ids[:PROMPT], cache)
+    seen = []
+    real = type(cache).decode
+
+    def spy(self, *a, **k):
+        seen.append(getattr(threads._override, "beside_blas", None))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(type(cache), "decode", spy)
+    d.decode(int(ids[PROMPT]), cache)
+    assert seen == [want, want]
+    with pytest.raises(ValueError, match="kernels must be"):
+        type(d._slot)("threads")
+
+
 @pytest.mark.parametrize("method", ["dense", "pqo4"])
 def test_batch_of_two_is_two_single_runs(dec, ids, method):
     other = np.random.default_rng(8).integers(0, CFG.vocab_size, len(ids))
