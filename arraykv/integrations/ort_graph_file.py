@@ -3,20 +3,21 @@
 ONNX Runtime given a model as serialized bytes keeps its own copy of every weight in the
 process; given a path whose weights are external data files, it reads them from there and the
 model's bytes never pass through Python. Measured on this project's SmolLM2 export (a 125 kB
-graph and a 653 MB ``.data`` file, onnxruntime 1.32, CPU): a session opened from the file left
-the process at 1.10 GiB, the same graph rewritten in Python and opened from bytes at 2.85 GiB
-(3.7 GiB at the peak); the rewritten graph written beside the original weights and opened by
-path again at 1.10 GiB.
+graph and a 653 MB ``.data`` file, onnxruntime 1.32, CPU; torch imported in both cases): a
+session opened from the file left the process at 1.10 GiB, the same graph rewritten in Python
+and opened from bytes at 2.85 GiB (3.7 GiB at the peak); the rewritten graph written beside the
+original weights and opened by path again at 1.10 GiB.
 
 :func:`rewritten_session` does the latter for any input:
 
-- a path: the graph is loaded **without** its external data (small initializers, which a
-  rewriter may read to fold a softmax scale, are loaded), rewritten, and written into the
-  model's own folder under a hidden unique name, so the new graph reads the original weights
-  (ONNX Runtime refuses external data outside the graph's folder, symbolic links resolved);
-  weights stored inside the original file are written once to an external data file beside it;
-- bytes or an ``onnx.ModelProto``: the rewritten graph and its weights are written into a
-  temporary folder.
+- a path whose weights are external data: the graph is loaded **without** them (small
+  initializers, which a rewriter may read to fold a softmax scale, are loaded), rewritten, and
+  written into the model's own folder under a hidden unique name, so the new graph reads the
+  original weights (ONNX Runtime refuses external data outside the graph's folder, symbolic
+  links resolved); only the graph is written there;
+- a path whose weights are inside the file, bytes or an ``onnx.ModelProto``: the rewritten
+  graph and its weights are written into a temporary folder (not beside the model: an
+  interrupted process would leave a copy of the weights there).
 
 Where the model's folder cannot be written, or ``work_dir`` names another folder, the graph goes
 into a temporary folder there and the original data files are hard-linked into it (copied
@@ -186,8 +187,8 @@ def rewritten_session(
     written: list = []
     folder = None
     try:
-        if base is not None and work_dir is None and os.access(base, os.W_OK):
-            written = write_graph(graph, base, stem)
+        if locations and work_dir is None and os.access(str(base), os.W_OK):
+            written = write_graph(graph, str(base), stem)  # the graph alone, beside its weights
         else:
             folder = tempfile.mkdtemp(prefix="arraykv-graph-", dir=work_dir)
             for location in locations:

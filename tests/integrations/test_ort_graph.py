@@ -353,14 +353,26 @@ def _save(graph, folder, name="model.onnx", **kw):
     ],
     ids=["external", "all-external", "inside"],
 )
-def test_a_file_opens_on_its_own_weights_and_leaves_nothing_behind(graph, dec, ids, tmp_path, layout):
+def test_a_file_opens_on_its_own_weights_and_leaves_nothing_behind(graph, dec, ids, tmp_path, layout, monkeypatch):
+    from arraykv.integrations import ort_graph_file
     from arraykv.integrations.ort_graph_file import load_graph
     from arraykv.store.keys import onnx_identity
 
     path = _save(graph, tmp_path, **layout)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    written = []
+    real_write = ort_graph_file.write_graph
+
+    def spy(g, folder, stem):
+        written.append(folder)
+        return real_write(g, folder, stem)
+
+    monkeypatch.setattr(ort_graph_file, "write_graph", spy)
     from_file = OrtGraphDecoder(str(path))
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    # only a graph that reads the model's data files is written beside them; weights held in
+    # the file go to a temporary folder, not next to the model
+    assert (written[0] == str(tmp_path)) == bool(layout)
     assert [s.scale for s in from_file.sites] == [s.scale for s in dec.sites]
     got = _run(from_file, ids, from_file.make_cache("pqo4"))
     assert np.array_equal(got, _run(dec, ids, dec.make_cache("pqo4")))
