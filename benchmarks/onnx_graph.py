@@ -30,6 +30,10 @@ set before the prompt (after the heap's free pages are given back, see :func:`_t
 the peak resident set (``VmHWM``, reset after the prompt) during a loop of ``--memory-loop``
 decode steps after a ``--memory-prompt``-token prompt.
 
+``--split`` adds a table of where a decode step's time goes: the in-graph operator's calls
+(:func:`arraykv.integrations.ort_cache_op.attend_from_cache`), ``cache.decode`` within them,
+and the rest of the graph (the timers cost a few microseconds per call).
+
 Run (2-core machine shared with other work: run it niced, once)::
 
     nice -n 10 python benchmarks/onnx_graph.py --contexts 512 4096 --decode 64 --no-memory
@@ -165,17 +169,56 @@ def warm_up(eng: Engine, ids: list) -> None:
     eng.reset()
 
 
+#: Seconds spent, during the timed decode steps, in the ``ArrayKVAttention`` operator's work
+#: (:func:`arraykv.integrations.ort_cache_op.attend_from_cache`) and in ``cache.decode`` within it.
+SPLIT = {"operator": 0.0, "cache.decode": 0.0, "on": False}
+
+
+def time_operator() -> None:
+    """Time the in-graph operator's calls into :data:`SPLIT` (while ``SPLIT["on"]``)."""
+    from arraykv.integrations import ort_cache_op
+
+    inner = ort_cache_op.attend_from_cache
+
+    def timed(slot, *args):
+        if not SPLIT["on"]:
+            return inner(slot, *args)
+        cache = slot.cache
+        decode = cache.decode
+
+        def timed_decode(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return decode(*a, **k)
+            finally:
+                SPLIT["cache.decode"] += time.perf_counter() - t0
+
+        cache.decode = timed_decode  # an instance attribute, removed after the call
+        t0 = time.perf_counter()
+        try:
+            return inner(slot, *args)
+        finally:
+            SPLIT["operator"] += time.perf_counter() - t0
+            del cache.decode
+
+    ort_cache_op.attend_from_cache = timed
+
+
 def quality_run(eng: Engine, ids: list, n: int, d: int) -> dict:
     import numpy as np
 
     eng.reset()
     eng.prompt(ids[: n - d])
     logits, seconds = [], 0.0
+    SPLIT.update(operator=0.0, on=True)
+    SPLIT["cache.decode"] = 0.0
     for t in ids[n - d : n]:
         t0 = time.perf_counter()
         logits.append(eng.step(t))
         seconds += time.perf_counter() - t0
+    SPLIT["on"] = False
     out = {"logits": np.stack(logits), "tok_s": d / seconds, "bytes": eng.held_bytes(), "values": eng.values()}
+    out["split_ms"] = (1e3 * seconds / d, 1e3 * SPLIT["operator"] / d, 1e3 * SPLIT["cache.decode"] / d)
     eng.reset()
     return out
 
@@ -313,6 +356,11 @@ def main(argv=None) -> int:
         default=MEMORY_ENGINES,
         help="engines whose peak memory is measured (each in a process of its own)",
     )
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="also print where a decode step's time goes: the in-graph operator, cache.decode, the rest",
+    )
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-only", action="store_true", help="skip the quality and speed tables")
     ap.add_argument("--workdir", default=str(cache_dir() / "onnx_graph_bench"))
@@ -340,6 +388,8 @@ def main(argv=None) -> int:
     del model
     names = engine_names(args)
     results: dict = {}
+    if args.split:
+        time_operator()
     for name in [] if args.memory_only else names:
         t0 = time.perf_counter()
         eng = Engine(name, paths, geometry)
@@ -370,6 +420,14 @@ def main(argv=None) -> int:
                 f"| {name} | {bits:.2f} | {r['bytes'] / 2**20:.1f} | {kl:.2e} | {100 * top1:.1f} % | {r['tok_s']:.1f} |"
                 + (f" {r['tok_s'] / base['tok_s']:.2f}x |" if base else "")
             )
+    if args.split and not args.memory_only:
+        print("\nwhere a decode step's time goes (ms per step; timers around the operator and cache.decode)")
+        print("| engine | context | step | in the operator | of which cache.decode | rest of the graph |")
+        print("|---|---|---|---|---|---|")
+        for name in names:
+            for n in args.contexts:
+                step, op, dec = results[(name, n)]["split_ms"]
+                print(f"| {name} | {n} | {step:.1f} | {op:.1f} | {dec:.1f} | {step - op:.1f} |")
     if args.no_memory:
         return 0
     print(
