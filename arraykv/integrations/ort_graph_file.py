@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = ["load_graph", "write_graph", "rewritten_session", "SMALL_INITIALIZER"]
@@ -68,10 +68,24 @@ def load_graph(model: Any) -> tuple:
     path = os.fspath(model)
     proto = onnx.load(path, load_external_data=False)
     base = os.path.dirname(os.path.abspath(path))
-    for tensor in external_data_helper._get_all_tensors(proto):
+    for tensor in _all_tensors(proto.graph):
         if external_data_helper.uses_external_data(tensor) and _elements(tensor) <= SMALL_INITIALIZER:
             external_data_helper.load_external_data_for_tensor(tensor, base)
     return proto, base
+
+
+def _all_tensors(graph: Any) -> Iterator[Any]:
+    """Every tensor ``graph`` holds: initializers and tensor attributes, subgraphs included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _all_tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _all_tensors(sub)
 
 
 def _elements(tensor: Any) -> int:
@@ -85,7 +99,7 @@ def _external_locations(proto: Any) -> set:
     from onnx import external_data_helper
 
     found = set()
-    for tensor in external_data_helper._get_all_tensors(proto):
+    for tensor in _all_tensors(proto.graph):
         if external_data_helper.uses_external_data(tensor):
             info = external_data_helper.ExternalDataInfo(tensor)
             found.add(info.location)
