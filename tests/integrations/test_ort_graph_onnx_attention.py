@@ -25,7 +25,7 @@ onnx = pytest.importorskip("onnx", reason="onnx (extra [onnx]) is not installed"
 pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not installed")
 pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (extra [onnx]) is not installed")
 
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
 
 from arraykv.integrations.ort_gqa import OrtPastLoop, rewrite_with_gqa  # noqa: E402
 from arraykv.integrations.ort_graph import (  # noqa: E402
@@ -36,58 +36,15 @@ from arraykv.integrations.ort_graph import (  # noqa: E402
 )
 from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder  # noqa: E402
 
+from onnx_graph_builder import GraphBuilder  # noqa: E402
+
 LAYERS, HEADS, HEAD_DIM, VOCAB, POSITIONS = 2, 4, 16, 61, 64
 HIDDEN = HEADS * HEAD_DIM
 PROMPT, STEPS = 12, 6
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
 
 
-class _Builder:
-    """Nodes and initializers with generated names."""
-
-    def __init__(self, rng: np.random.Generator):
-        self.rng = rng
-        self.nodes: list = []
-        self.inits: list = []
-        self.n = 0
-
-    def op(self, op_type: str, inputs: list, **attrs) -> str:
-        self.n += 1
-        out = f"t{self.n}_{op_type}"
-        self.nodes.append(helper.make_node(op_type, inputs, [out], name=f"n{self.n}", **attrs))
-        return out
-
-    def const(self, value, dtype=np.int64) -> str:
-        self.n += 1
-        out = f"c{self.n}"
-        self.nodes.append(
-            helper.make_node("Constant", [], [out], value=numpy_helper.from_array(np.asarray(value, dtype)))
-        )
-        return out
-
-    def weight(self, name: str, shape: tuple, std: float) -> str:
-        self.inits.append(numpy_helper.from_array((self.rng.standard_normal(shape) * std).astype(np.float32), name))
-        return name
-
-    def dim(self, x: str, i: int) -> str:
-        """``x.shape[i]`` as a one-element vector, the way the dynamo exporter reads it (``Shape(start, end)``)."""
-        return self.op("Shape", [x], start=i, end=i + 1)
-
-
-def _causal_mask(b: _Builder) -> str:
-    """(b, 1, t, T) boolean: key position <= query position, and ``attention_mask``; the past's
-    length read from ``past_key_values.0.key`` (nodes that die with the attention)."""
-    past = b.op("Squeeze", [b.dim("past_key_values.0.key", 2), b.const([0])])
-    total = b.op("Squeeze", [b.dim("attention_mask", 1), b.const([0])])
-    one, zero = b.const(1), b.const(0)
-    qpos = b.op("Range", [past, total, one])
-    kpos = b.op("Range", [zero, total, one])
-    causal = b.op("LessOrEqual", [b.op("Unsqueeze", [kpos, b.const([0])]), b.op("Unsqueeze", [qpos, b.const([1])])])
-    padding = b.op("Unsqueeze", [b.op("Cast", ["attention_mask"], to=TensorProto.BOOL), b.const([1, 2])])
-    return b.op("And", [b.op("Unsqueeze", [causal, b.const([0, 1])]), padding])
-
-
-def _repeat(b: _Builder, kv: str, kv_heads: int, batch: str) -> str:
+def _repeat(b: GraphBuilder, kv: str, kv_heads: int, batch: str) -> str:
     """repeat_kv as the dynamo exporter writes it: Unsqueeze(2), Expand, Reshape to (b, q_heads, T, d)."""
     groups = HEADS // kv_heads
     total = b.dim(kv, 2)
@@ -114,20 +71,14 @@ def build_attention_decoder(
     ``attention`` adds or overrides attributes of every ``Attention`` node; ``past_through``
     (``"inside"`` only) passes layer 0's past through that operator before the ``Attention``.
     """
-    b = _Builder(np.random.default_rng(seed))
+    b = GraphBuilder(np.random.default_rng(seed), shape_reads="slice")  # Shape(start, end), as the exporter reads
     std = 1.0 / np.sqrt(HIDDEN)
-    x = b.op(
-        "Add",
-        [
-            b.op("Gather", [b.weight("embed", (VOCAB, HIDDEN), 1.0), "input_ids"], axis=0),
-            b.op("Gather", [b.weight("positions", (POSITIONS, HIDDEN), 1.0), "position_ids"], axis=0),
-        ],
-    )
+    x = b.embedded_tokens(VOCAB, POSITIONS, HIDDEN)
     # the batch read from the last past input, the KV head count from the first (as the exporter does)
     batch = b.dim(f"past_key_values.{LAYERS - 1}.value", 0)
     seq = b.dim("input_ids", 1)
     kv_count = b.dim("past_key_values.0.key", 1)
-    mask = _causal_mask(b) if form == "present" else ""
+    mask = b.causal_mask() if form == "present" else ""
     kv_dim = kv_heads * HEAD_DIM
     attrs = {} if scale is None else {"scale": scale}
     attrs.update(attention or {})
@@ -164,25 +115,18 @@ def build_attention_decoder(
         if not flat:
             y = b.op("Reshape", [b.op("Transpose", [y], perm=[0, 2, 1, 3]), b.const([0, 0, -1])])
         x = b.op("Add", [x, b.op("MatMul", [y, b.weight(f"wo{i}", (HIDDEN, HIDDEN), std)])])
-    b.nodes.append(helper.make_node("MatMul", [x, b.weight("lm_head", (HIDDEN, VOCAB), std)], ["logits"]))
-    inputs = [
-        helper.make_tensor_value_info("input_ids", I64, ["batch", "seq"]),
-        helper.make_tensor_value_info("attention_mask", I64, ["batch", "total"]),
-        helper.make_tensor_value_info("position_ids", I64, ["batch", "seq"]),
-    ]
-    outputs = [helper.make_tensor_value_info("logits", F, ["batch", "seq", VOCAB])]
-    for i in range(LAYERS):
-        for name in ("key", "value"):
-            inputs.append(
-                helper.make_tensor_value_info(f"past_key_values.{i}.{name}", F, ["batch", kv_heads, "past", HEAD_DIM])
-            )
-            outputs.append(
-                helper.make_tensor_value_info(f"present.{i}.{name}", F, ["batch", kv_heads, "total", HEAD_DIM])
-            )
-    graph = helper.make_graph(b.nodes, "attention_decoder", inputs, outputs, b.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
-    onnx.checker.check_model(model)
-    return model
+    return b.decoder_model(
+        x,
+        "attention_decoder",
+        layers=LAYERS,
+        kv_heads=kv_heads,
+        head_dim=HEAD_DIM,
+        hidden=HIDDEN,
+        vocab=VOCAB,
+        std=std,
+        opset=23,
+        ir_version=10,
+    )
 
 
 def _run(engine, ids, cache):

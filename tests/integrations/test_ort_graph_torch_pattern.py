@@ -25,7 +25,7 @@ onnx = pytest.importorskip("onnx", reason="onnx (extra [onnx]) is not installed"
 pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not installed")
 pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (extra [onnx]) is not installed")
 
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
 
 from arraykv.integrations.ort_gqa import OrtPastLoop, rewrite_with_gqa  # noqa: E402
 from arraykv.integrations.ort_graph import (  # noqa: E402
@@ -36,54 +36,21 @@ from arraykv.integrations.ort_graph import (  # noqa: E402
 )
 from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder  # noqa: E402
 
+from onnx_graph_builder import GraphBuilder  # noqa: E402
+
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB, POSITIONS = 2, 4, 2, 8, 53, 64
 HIDDEN = HEADS * HEAD_DIM
 PROMPT, STEPS = 12, 6
 INT64_MAX = np.iinfo(np.int64).max
 
 
-class _Builder:
-    """Nodes and initializers with generated names."""
-
-    def __init__(self, rng: np.random.Generator):
-        self.rng = rng
-        self.nodes: list = []
-        self.inits: list = []
-        self.n = 0
-
-    def op(self, op_type: str, inputs: list, **attrs) -> str:
-        self.n += 1
-        out = f"t{self.n}_{op_type}"
-        self.nodes.append(helper.make_node(op_type, inputs, [out], name=f"n{self.n}", **attrs))
-        return out
-
-    def const(self, value, dtype=np.int64) -> str:
-        """A ``Constant`` node, as torch writes small values."""
-        self.n += 1
-        out = f"c{self.n}"
-        self.nodes.append(
-            helper.make_node("Constant", [], [out], value=numpy_helper.from_array(np.asarray(value, dtype)))
-        )
-        return out
-
-    def weight(self, name: str, shape: tuple, std: float) -> str:
-        self.inits.append(numpy_helper.from_array((self.rng.standard_normal(shape) * std).astype(np.float32), name))
-        return name
-
-    def dim(self, x: str, i: int) -> str:
-        """``x.shape[i]`` as a one-element int64 vector (Shape -> Gather -> Unsqueeze)."""
-        return self.op(
-            "Unsqueeze", [self.op("Gather", [self.op("Shape", [x]), self.const(i)], axis=0), self.const([0])]
-        )
-
-
-def _heads(b: _Builder, x: str, w: str, heads: int) -> str:
+def _heads(b: GraphBuilder, x: str, w: str, heads: int) -> str:
     """``x @ w`` as (b, heads, t, d): Reshape to a shape read from ``x``, then Transpose."""
     shape = b.op("Concat", [b.dim(x, 0), b.dim(x, 1), b.const([-1]), b.const([HEAD_DIM])], axis=0)
     return b.op("Transpose", [b.op("Reshape", [b.op("MatMul", [x, w]), shape])], perm=[0, 2, 1, 3])
 
 
-def _repeat(b: _Builder, kv: str, how: str = "expand") -> str:
+def _repeat(b: GraphBuilder, kv: str, how: str = "expand") -> str:
     """repeat_kv: (b, kv, T, d) -> Unsqueeze(2) -> Expand(b, kv, g, T, d) -> Reshape (b, kv * g, T, d).
 
     ``how="tile"``: ``Tile(kv, (1, g, 1, 1))`` instead, which pairs query head ``h`` with KV head
@@ -100,7 +67,7 @@ def _repeat(b: _Builder, kv: str, how: str = "expand") -> str:
     return b.op("Reshape", [expanded, b.op("Concat", [dims[0], heads, dims[2], dims[3]], axis=0)])
 
 
-def _scaled(b: _Builder, q: str, kt: str, scale: str) -> tuple:
+def _scaled(b: GraphBuilder, q: str, kt: str, scale: str) -> tuple:
     """The score MatMul's operands and what multiplies its output, for each form of the scale."""
     if scale == "folded":
         c = float(np.sqrt(np.float32(1.0 / np.sqrt(HEAD_DIM))))
@@ -123,25 +90,10 @@ def _scaled(b: _Builder, q: str, kt: str, scale: str) -> tuple:
 
 def build_torch_style_decoder(scale: str = "folded", *, guard_fill: float = 0.0, seed: int = 0, repeat: str = "expand"):
     """A 2-layer decoder ``(input_ids, attention_mask, position_ids, past) -> (logits, present)``."""
-    b = _Builder(np.random.default_rng(seed))
+    b = GraphBuilder(np.random.default_rng(seed))  # Shape -> Gather -> Unsqueeze, as torch's export reads
     std = 1.0 / np.sqrt(HIDDEN)
-    x = b.op(
-        "Add",
-        [
-            b.op("Gather", [b.weight("embed", (VOCAB, HIDDEN), 1.0), "input_ids"], axis=0),
-            b.op("Gather", [b.weight("positions", (POSITIONS, HIDDEN), 1.0), "position_ids"], axis=0),
-        ],
-    )
-    # mask (b, 1, t, T): key position <= query position, and attention_mask; the past's length
-    # read from past_key_values.0.key, as Optimum's export reads it
-    past = b.op("Squeeze", [b.dim("past_key_values.0.key", 2), b.const([0])])
-    total = b.op("Squeeze", [b.dim("attention_mask", 1), b.const([0])])
-    one, zero = b.const(1), b.const(0)
-    qpos = b.op("Range", [past, total, one])
-    kpos = b.op("Range", [zero, total, one])
-    causal = b.op("LessOrEqual", [b.op("Unsqueeze", [kpos, b.const([0])]), b.op("Unsqueeze", [qpos, b.const([1])])])
-    padding = b.op("Unsqueeze", [b.op("Cast", ["attention_mask"], to=TensorProto.BOOL), b.const([1, 2])])
-    mask = b.op("And", [b.op("Unsqueeze", [causal, b.const([0, 1])]), padding])
+    x = b.embedded_tokens(VOCAB, POSITIONS, HIDDEN)
+    mask = b.causal_mask()  # the past's length read from past_key_values.0.key, as Optimum's export reads it
     for i in range(LAYERS):
         q = _heads(b, x, b.weight(f"wq{i}", (HIDDEN, HIDDEN), 3 * std), HEADS)
         k = _heads(b, x, b.weight(f"wk{i}", (HIDDEN, KV_HEADS * HEAD_DIM), 3 * std), KV_HEADS)
@@ -161,26 +113,18 @@ def build_torch_style_decoder(scale: str = "folded", *, guard_fill: float = 0.0,
         o = b.op("MatMul", [p, _repeat(b, f"present.{i}.value", repeat)])
         o = b.op("Reshape", [b.op("Transpose", [o], perm=[0, 2, 1, 3]), b.const([0, 0, -1])])
         x = b.op("Add", [x, b.op("MatMul", [o, b.weight(f"wo{i}", (HIDDEN, HIDDEN), std)])])
-    b.nodes.append(helper.make_node("MatMul", [x, b.weight("lm_head", (HIDDEN, VOCAB), std)], ["logits"]))
-    f, i64 = TensorProto.FLOAT, TensorProto.INT64
-    inputs = [
-        helper.make_tensor_value_info("input_ids", i64, ["batch", "seq"]),
-        helper.make_tensor_value_info("attention_mask", i64, ["batch", "total"]),
-        helper.make_tensor_value_info("position_ids", i64, ["batch", "seq"]),
-    ]
-    outputs = [helper.make_tensor_value_info("logits", f, ["batch", "seq", VOCAB])]
-    for i in range(LAYERS):
-        for name in ("key", "value"):
-            inputs.append(
-                helper.make_tensor_value_info(f"past_key_values.{i}.{name}", f, ["batch", KV_HEADS, "past", HEAD_DIM])
-            )
-            outputs.append(
-                helper.make_tensor_value_info(f"present.{i}.{name}", f, ["batch", KV_HEADS, "total", HEAD_DIM])
-            )
-    graph = helper.make_graph(b.nodes, "torch_style_decoder", inputs, outputs, b.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
-    onnx.checker.check_model(model)
-    return model
+    return b.decoder_model(
+        x,
+        "torch_style_decoder",
+        layers=LAYERS,
+        kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        hidden=HIDDEN,
+        vocab=VOCAB,
+        std=std,
+        opset=18,
+        ir_version=9,
+    )
 
 
 @pytest.fixture(scope="module")
