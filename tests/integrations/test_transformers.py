@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from arraykv.integrations.transformers import ArraykvCache  # noqa: E402
 
-from tiny_hf import VOCAB, tiny_llama  # noqa: E402
+from tiny_hf import TINY_SIZES, VOCAB, tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -437,15 +437,7 @@ def test_a_forward_refused_part_way_is_taken_back_before_the_next_one(tiny):
 
 
 def test_a_config_of_another_model_and_a_dropped_logit_bias_are_refused(tiny):
-    small = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
+    small = transformers.LlamaConfig(**{**TINY_SIZES, "num_hidden_layers": 1})  # the tiny model, one layer short
     with pytest.raises(ValueError, match="model has 2 layers but the cache was built for 1"):
         ArraykvCache("dense", config=small, model=tiny)
     cache = ArraykvCache("dense", config=small)

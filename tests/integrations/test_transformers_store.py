@@ -19,7 +19,7 @@ from arraykv.integrations.transformers_store import transformers_identity  # noq
 from arraykv.store import LocalStore, PrefixStore  # noqa: E402
 
 from cache_contract import assert_same_state  # noqa: E402
-from tiny_hf import VOCAB, tiny_llama  # noqa: E402
+from tiny_hf import TINY_SIZES, VOCAB, tiny_llama  # noqa: E402
 
 S = 16  # tokens per stored segment
 
@@ -93,17 +93,7 @@ def test_a_hybrid_model_continues_the_same(tmp_path):
         pytest.skip("this transformers has no Gemma 3")
     torch.manual_seed(0)
     cfg = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
+        **TINY_SIZES, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
     )
     model = transformers.Gemma3ForCausalLM(cfg).eval()
     ids = _ids(3 * S + 5)
