@@ -161,7 +161,7 @@ def load_model_proto(model: Any):
 
     if isinstance(model, onnx.ModelProto):
         return model
-    if isinstance(model, (bytes, bytearray)):
+    if isinstance(model, (bytes, bytearray, memoryview)):
         return onnx.load_from_string(bytes(model))
     return onnx.load(str(model))
 

@@ -35,6 +35,8 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from .ort_graph import load_model_proto
+
 __all__ = ["load_graph", "write_graph", "rewritten_session", "SMALL_INITIALIZER"]
 
 #: Initializers of at most this many elements are loaded even when the graph's weights stay on
@@ -61,10 +63,8 @@ def load_graph(model: Any) -> tuple:
     import onnx
     from onnx import external_data_helper
 
-    if isinstance(model, onnx.ModelProto):
-        return model, None
-    if isinstance(model, (bytes, bytearray, memoryview)):
-        return onnx.load_from_string(bytes(model)), None
+    if isinstance(model, (onnx.ModelProto, bytes, bytearray, memoryview)):
+        return load_model_proto(model), None
     path = os.fspath(model)
     proto = onnx.load(path, load_external_data=False)
     base = os.path.dirname(os.path.abspath(path))
@@ -191,8 +191,10 @@ def rewritten_session(
 
     proto, base = load_graph(model)
     graph, info = rewrite(proto)
-    if graph is None:
-        source = os.fspath(model) if base is not None else proto.SerializeToString()
+    if graph is None:  # the model as given: its file, its bytes, or the proto's
+        source = os.fspath(model) if base is not None else model
+        if not isinstance(source, (str, bytes)):
+            source = proto.SerializeToString()
         return ort.InferenceSession(source, options, providers=list(providers)), proto, base, info
     locations = sorted(_checked_location(loc) for loc in _external_locations(graph))
     if locations and base is None:

@@ -179,12 +179,14 @@ def _external_bytes(tensor: Any, base_dir: str | None) -> Any:
     """A tensor's bytes in its external data file (a read-only map), or None if they are in the proto."""
     if tensor.data_location != 1 or not tensor.external_data:  # onnx.TensorProto.EXTERNAL
         return None
-    info = {e.key: e.value for e in tensor.external_data}
+    from onnx.external_data_helper import ExternalDataInfo  # only a proto that has external data gets here
+
+    info = ExternalDataInfo(tensor)
     if base_dir is None:
-        raise ValueError(f"initializer {tensor.name!r} is in external data {info.get('location')!r}; pass base_dir")
-    path = os.path.join(base_dir, info["location"])
-    offset = int(info.get("offset", 0))
-    length = int(info["length"]) if "length" in info else os.path.getsize(path) - offset
+        raise ValueError(f"initializer {tensor.name!r} is in external data {info.location!r}; pass base_dir")
+    path = os.path.join(base_dir, info.location)
+    offset = int(info.offset or 0)
+    length = int(info.length) if info.length is not None else os.path.getsize(path) - offset
     if length == 0:
         return np.zeros(0, dtype=np.uint8)
     return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(length,))
