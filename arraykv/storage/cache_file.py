@@ -18,7 +18,10 @@ layer or ``{"length", "batch", "dtype", "arrays": [names]}``. Each entry of ``ar
 start of ``data``.
 
 A file is written to a temporary name beside the target and renamed into place, so a crash
-never leaves a half-written file under the target name. :func:`read_cache_file` checks the
+never leaves a half-written file under the target name. The same bytes are built in memory by
+:func:`encode_cache_file` (one buffer of the file's size, nothing written anywhere) and read
+back by :func:`parse_cache_file` from any bytes-like object without copying it (each array is
+copied out once). :func:`read_cache_file` checks the
 magic, the version, the digest and every field of the header against the data (types,
 ranges, dtypes, shapes against byte counts, offsets inside the data, one entry per listed
 array) before it returns anything, and raises :class:`CacheFileError` for every defect: a
@@ -59,6 +62,8 @@ __all__ = [
     "LayerRecord",
     "write_cache_file",
     "read_cache_file",
+    "encode_cache_file",
+    "parse_cache_file",
     "FORMAT_VERSION",
     "LAYER_DTYPES",
     "MAX_HEAD_DIM",
@@ -119,13 +124,10 @@ class LayerRecord:
     arrays: dict
 
 
-def write_cache_file(path: str | os.PathLike, config: dict, layers: list) -> int:
-    """Write ``config`` and ``layers`` (``LayerRecord`` or None each) to ``path``; return its size.
-
-    The arrays of the records must be host (NumPy) arrays; ``path`` is replaced atomically.
-    """
+def _layout(config: dict, layers: list) -> tuple[bytes, list]:
+    """``(head, hosts)``: the file's magic, version, length and header, and the arrays in file order."""
     records: list[dict[str, Any] | None] = []
-    arrays, blobs = [], []
+    arrays, hosts = [], []
     offset = 0
     for i, rec in enumerate(layers):
         if rec is None:
@@ -136,7 +138,6 @@ def write_cache_file(path: str | os.PathLike, config: dict, layers: list) -> int
         )
         for name, a in rec.arrays.items():
             host = np.ascontiguousarray(a)
-            blob = host.tobytes()
             arrays.append(
                 {
                     "layer": i,
@@ -144,25 +145,61 @@ def write_cache_file(path: str | os.PathLike, config: dict, layers: list) -> int
                     "dtype": host.dtype.str,
                     "shape": list(host.shape),
                     "offset": offset,
-                    "nbytes": len(blob),
+                    "nbytes": int(host.nbytes),
                 }
             )
-            blobs.append(blob)
-            offset += len(blob)
+            hosts.append(host)
+            offset += int(host.nbytes)
     header = json.dumps({"config": config, "layers": records, "arrays": arrays}, sort_keys=True).encode("utf-8")
-    head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header
-    digest = hashlib.sha256(head)
-    for blob in blobs:
-        digest.update(blob)
+    return MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header, hosts
+
+
+def encode_cache_file(config: dict, layers: list) -> bytearray:
+    """The bytes of the cache file of ``config`` and ``layers``, built in one buffer in memory.
+
+    Parameters
+    ----------
+    config : dict
+        The cache's ``get_config()`` (JSON-serializable).
+    layers : list of LayerRecord or None
+        One per layer; the records' arrays are host (NumPy) arrays.
+
+    Returns
+    -------
+    bytearray
+        Exactly what :func:`write_cache_file` writes: header, arrays and digest, in one buffer
+        of the file's size (no other copy of the arrays is made).
+    """
+    head, hosts = _layout(config, layers)
+    size = len(head) + sum(int(h.nbytes) for h in hosts) + _DIGEST
+    out = bytearray(size)
+    dst = np.frombuffer(out, dtype=np.uint8)
+    dst[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    off = len(head)
+    for h in hosts:
+        n = int(h.nbytes)
+        if n:
+            dst[off : off + n] = h.reshape(-1).view(np.uint8)
+        off += n
+    del dst
+    view = memoryview(out)
+    view[off:] = hashlib.sha256(view[:off]).digest()
+    del view
+    return out
+
+
+def write_cache_file(path: str | os.PathLike, config: dict, layers: list) -> int:
+    """Write ``config`` and ``layers`` (``LayerRecord`` or None each) to ``path``; return its size.
+
+    The arrays of the records must be host (NumPy) arrays; ``path`` is replaced atomically.
+    """
+    data = encode_cache_file(config, layers)
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".arraykv-", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(head)
-            for blob in blobs:
-                f.write(blob)
-            f.write(digest.digest())
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -170,7 +207,7 @@ def write_cache_file(path: str | os.PathLike, config: dict, layers: list) -> int
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return len(head) + offset + _DIGEST
+    return len(data)
 
 
 def _int(where: str, value: Array, low: int, high: int | None = None) -> int:
@@ -202,18 +239,51 @@ def read_cache_file(path: str | os.PathLike) -> tuple[dict[str, Any], list[Layer
     """
     with open(os.fspath(path), "rb") as f:
         data = f.read()
-    if len(data) < _PREFIX + _DIGEST or data[: len(MAGIC)] != MAGIC:
+    return parse_cache_file(data, path)
+
+
+def parse_cache_file(
+    data: Any, path: str | os.PathLike = "the data", *, copy: bool = True
+) -> tuple[dict[str, Any], list[LayerRecord | None]]:
+    """Check the bytes of a cache file and read them: what :func:`read_cache_file` does, from memory.
+
+    Parameters
+    ----------
+    data : bytes-like
+        The whole file; read in place (not copied).
+    path : str or path-like, default "the data"
+        How errors name the bytes.
+    copy : bool, default True
+        Copy each array out of ``data``; False returns read-only views of it instead (no
+        memory beyond ``data``: for a reader that copies them itself, as a cache's ``restore``
+        does).
+
+    Returns
+    -------
+    config : dict
+        The cache's configuration.
+    layers : list of LayerRecord or None
+        One per layer; their arrays are copies (nothing refers to ``data`` after the call), or
+        with ``copy=False`` read-only views of ``data``.
+
+    Raises
+    ------
+    CacheFileError
+        Anything wrong with the bytes: every check is done before an array is built.
+    """
+    data = memoryview(data).cast("B")
+    if len(data) < _PREFIX + _DIGEST or bytes(data[: len(MAGIC)]) != MAGIC:
         raise CacheFileError(f"{path} is not an arraykv cache file (bad magic or too short)")
     version, hlen = struct.unpack_from("<IQ", data, len(MAGIC))
     if version != FORMAT_VERSION:
         raise CacheFileError(f"{path} has format version {version}; this arraykv reads version {FORMAT_VERSION}")
     if _PREFIX + hlen + _DIGEST > len(data):
         raise CacheFileError(f"{path} is truncated (header runs past the end of the file)")
-    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    body, digest = data[:-_DIGEST], bytes(data[-_DIGEST:])
     if hashlib.sha256(body).digest() != digest:
         raise CacheFileError(f"{path} is corrupted or truncated (checksum mismatch)")
     try:
-        header = json.loads(body[_PREFIX : _PREFIX + hlen].decode("utf-8"))
+        header = json.loads(bytes(body[_PREFIX : _PREFIX + hlen]).decode("utf-8"))
         config, layers, entries = header["config"], header["layers"], header["arrays"]
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CacheFileError(f"{path} has an unreadable header: {exc}") from None
@@ -221,7 +291,7 @@ def read_cache_file(path: str | os.PathLike) -> tuple[dict[str, Any], list[Layer
         raise CacheFileError(f"{path}: header fields config/layers/arrays must be an object and two lists")
     if config.get("num_layers") != len(layers):
         raise CacheFileError(f"{path} holds {len(layers)} layers but its config says {config.get('num_layers')!r}")
-    payload = memoryview(body)[_PREFIX + hlen :]
+    payload = body[_PREFIX + hlen :]
     by_layer: dict = {}
     for j, a in enumerate(entries):
         where = f"{path}: array entry {j}"
@@ -237,7 +307,12 @@ def read_cache_file(path: str | os.PathLike) -> tuple[dict[str, Any], list[Layer
         arrays = by_layer.setdefault(layer, {})
         if a["name"] in arrays:
             raise CacheFileError(f"{where}: layer {layer} lists array {a['name']!r} twice")
-        arrays[a["name"]] = np.frombuffer(payload[off : off + n], dtype=dt).reshape(shape).copy()
+        arr = np.frombuffer(payload[off : off + n], dtype=dt).reshape(shape)
+        if copy:
+            arr = arr.copy()
+        else:
+            arr.flags.writeable = False  # a view of the caller's bytes: never written through
+        arrays[a["name"]] = arr
     out: list[LayerRecord | None] = []
     for i, meta in enumerate(layers):
         held = by_layer.get(i, {})
