@@ -35,6 +35,7 @@ from .. import _compat
 from .._types import Array, Device, DType, Namespace
 from .._validation import check_bool, check_finite, check_int, check_kv, check_query, dtype_name
 from ..protocol import AttendConfig, DecodeOutput, DequantResult
+from .batch_rows import LayerBatchRows
 from .layer import DECODE_PATHS, LayerState, check_decode_path, refuse_overflow
 from .layout import Layout
 from .rollback import LayerRollback
@@ -51,7 +52,7 @@ _T = TypeVar("_T")
 _S = TypeVar("_S", bound=LayerState)
 
 
-class LayeredCache(LayerSnapshots[_S], LayerRollback[_S]):
+class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
     """Base class of the caches: a lock and a state per layer.
 
     Parameters
@@ -73,7 +74,9 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S]):
     :meth:`dequantize`), persistence (:class:`~arraykv.caches.snapshots.LayerSnapshots`:
     ``snapshot``, ``restore``, ``save``) and taking tokens back or copying the cache
     (:class:`~arraykv.caches.rollback.LayerRollback`: ``truncate``, ``truncate_all``,
-    ``min_truncate_length``, ``can_truncate``, ``rollback_bytes``, ``fork``).
+    ``min_truncate_length``, ``can_truncate``, ``rollback_bytes``, ``fork``), and reordering,
+    repeating or selecting batch rows (:class:`~arraykv.caches.batch_rows.LayerBatchRows`:
+    ``select_rows``, ``batch_size``).
     """
 
     method: str = "base"

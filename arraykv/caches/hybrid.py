@@ -23,6 +23,7 @@ from .._validation import check_int
 from ..protocol import AttendConfig, DecodeOutput, DequantResult
 from ..storage.cache_file import LayerRecord, write_cache_file
 from .base import LayeredCache
+from .batch_rows import select_rows_of
 from .registry import make_cache
 from .window_cache import OUTLIER_OPTIONS, POLAR_STORAGE, SlidingWindowCache
 
@@ -505,6 +506,33 @@ class HybridCache:
         twin.full = self.full.fork()
         twin.sliding = self.sliding.fork()
         return twin
+
+    # -- batch rows --------------------------------------------------------------------
+    def select_rows(self, indices: Any) -> None:
+        """Keep, in every layer of both kinds, the batch rows ``indices`` in that order.
+
+        As ``LayeredCache.select_rows`` (:mod:`arraykv.caches.batch_rows`): reorder, repeat or
+        select rows; both parts change together or, on a refusal or failure, neither does.
+
+        Parameters
+        ----------
+        indices : sequence of int or 1-D integer array
+            Row numbers, each ``0 <= i < batch``; repeats allowed.
+        """
+        select_rows_of([self.full, self.sliding], indices)
+
+    def batch_size(self) -> int:
+        """The batch of the stored tokens (0 for an empty cache).
+
+        Returns
+        -------
+        int
+            The batch every layer holding tokens has (a ``ValueError`` if they differ).
+        """
+        sizes = {s for s in (self.full.batch_size(), self.sliding.batch_size()) if s}
+        if len(sizes) > 1:
+            raise ValueError(f"the layers hold different batches {sorted(sizes)}; no one batch size")
+        return sizes.pop() if sizes else 0
 
     # -- persistence -------------------------------------------------------------------
     def get_config(self) -> dict:
