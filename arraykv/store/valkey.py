@@ -154,7 +154,10 @@ def connect(
         options.setdefault("cluster_error_retry_attempts", 1)
         return _LazyCluster(
             lambda: ValkeyCluster(
-                startup_nodes=[ClusterNode(h, p) for h, p in nodes],
+                # a URL (the first node) makes the client give every node a connection pool of
+                # this connection class; without one it passes connection_class to Valkey()
+                url=f"redis://{nodes[0][0]}:{nodes[0][1]}",
+                startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]],
                 connection_class=_bounded_connection(Connection, limit),
                 **auth,
                 **options,
