@@ -1,10 +1,10 @@
-"""A cache as the bytes of a store entry, and back: the checked, versioned cache file format.
+"""A cache as the bytes of a store entry's body, and back: the checked, versioned cache file format.
 
-An entry's bytes are exactly a cache file (:mod:`arraykv.storage.cache_file`: magic, version,
-JSON header with the cache's full configuration, raw arrays, SHA-256 trailer), so an entry of
-the local store is a file that :func:`arraykv.load` reads, and an entry fetched from a server
-is checked by the same reader: header against data, geometry bounded, every array against the
-layer it claims to be (``restore``), before anything is built.
+An entry's body is exactly a cache file (:mod:`arraykv.storage.cache_file`: magic, version,
+JSON header with the cache's full configuration, raw arrays, SHA-256 trailer), inside the
+envelope that binds it to its key, namespace and token ids (:mod:`arraykv.store.binding`,
+checked first). The body is checked by the cache file reader: header against data, geometry
+bounded, every array against the layer it claims to be (``restore``), before anything is built.
 
 :func:`restore_entry` puts an entry into an existing, empty cache and also checks that it is
 the entry that was asked for: the configuration it carries equals the cache's own, and every
@@ -31,6 +31,7 @@ from ..storage.cache_file import (
     write_cache_file,
 )
 from .backend import EntryError
+from .binding import read_header
 
 __all__ = ["encode_cache", "restore_entry", "peek_entry", "HEADER_LIMIT", "ROLLBACK_ARRAYS"]
 
@@ -113,7 +114,7 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _read(data: bytes, what: str) -> tuple[dict[str, Any], list[LayerRecord | None]]:
+def _read(data: bytes | bytearray | memoryview, what: str) -> tuple[dict[str, Any], list[LayerRecord | None]]:
     """``(config, layers)`` of entry bytes, or an EntryError saying why not."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"an entry is bytes, received {type(data).__name__}")
@@ -124,15 +125,17 @@ def _read(data: bytes, what: str) -> tuple[dict[str, Any], list[LayerRecord | No
             raise EntryError(f"{what} is not a valid cache file: {str(exc).replace(path, 'the entry')}") from None
 
 
-def restore_entry(cache: Any, data: bytes, *, tokens: int | None = None, what: str = "entry") -> None:
+def restore_entry(
+    cache: Any, data: bytes | bytearray | memoryview, *, tokens: int | None = None, what: str = "entry"
+) -> None:
     """Put the cache saved in ``data`` into ``cache`` (empty, of the same configuration).
 
     Parameters
     ----------
     cache : LayeredCache or HybridCache
         The cache to fill; its ``get_config()`` must equal the entry's.
-    data : bytes
-        An entry (:func:`encode_cache`).
+    data : bytes-like
+        A cache file (:func:`encode_cache`; a store entry's body).
     tokens : int, optional
         Tokens every layer of the entry must hold.
     what : str
@@ -164,15 +167,23 @@ def peek_entry(head: bytes) -> dict | None:
     Parameters
     ----------
     head : bytes
-        The entry's first bytes (its 20-byte prefix and JSON header at least).
+        The entry's first bytes (its 20-byte prefix and JSON header at least): a store entry
+        (:mod:`arraykv.store.binding`) or a bare cache file.
 
     Returns
     -------
     dict or None
         ``{"method": str, "tokens": int or None}``, or None when ``head`` does not start a
-        readable cache file. Nothing here is checked beyond parsing: loading an entry goes
-        through :func:`restore_entry`.
+        readable entry or cache file. Nothing here is checked beyond parsing: loading an entry
+        goes through :func:`~arraykv.store.binding.open_entry` and :func:`restore_entry`.
     """
+    sealed = read_header(head)
+    if sealed is not None:
+        method, tokens = sealed.get("method"), sealed.get("tokens")
+        return {
+            "method": method if isinstance(method, str) else None,
+            "tokens": tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None,
+        }
     if len(head) < _PREFIX or head[: len(MAGIC)] != MAGIC:
         return None
     version, hlen = struct.unpack_from("<IQ", head, len(MAGIC))

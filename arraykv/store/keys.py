@@ -1,16 +1,18 @@
 """Keys of stored prefixes: a namespace (model, cache, prefill schedule) and a hash chain over token chunks.
 
-A prefix of ``j`` whole chunks of ``chunk_tokens`` token ids has the key ``h_j``::
+A prefix of ``j`` whole chunks of ``chunk_tokens`` token ids has the chain digest ``h_j``::
 
     h_0 = SHA-256(namespace JSON)
     h_j = SHA-256(h_{j-1} || ids[(j-1)·chunk : j·chunk] as little-endian int64)
 
 so ``h_j`` names the namespace and every token before it, and a prompt finds its longest
 stored prefix by computing its chain once (one hash per chunk) and looking the keys up from
-the longest. The namespace JSON holds what the stored bytes depend on:
+the longest. A store without a secret uses ``h_j`` (hex) as the key; a store with one uses
+``HMAC(secret, h_j)`` (:class:`~arraykv.store.binding.Tenant`), so its keys say nothing to
+whoever lacks the secret. The namespace JSON holds what the stored bytes depend on:
 
-- ``model``: the model's identity (:func:`model_identity`, or :func:`gguf_identity` of its file,
-  or any string the caller gives);
+- ``model``: the model's identity (:func:`model_identity`: every byte of every weight, or
+  :func:`gguf_identity` of its file, or any string the caller gives);
 - ``cache``: the cache's full ``get_config()`` (method, options, seed, geometry);
 - ``schedule``: how the prefix was prefilled (``chunk_tokens``, the decoder's ``chunk_size``
   and ``prompt_store``), the array library it ran on, and the arraykv version and file format
@@ -23,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any, cast
@@ -32,30 +35,49 @@ import numpy as np
 from .. import _compat
 from .._types import Array
 
-__all__ = ["model_identity", "gguf_identity", "onnx_identity", "namespace_root", "chain_keys", "SAMPLE_VALUES"]
-
-#: Values of each weight tensor that :func:`model_identity` hashes (evenly spaced).
-SAMPLE_VALUES = 4096
+__all__ = [
+    "model_identity",
+    "gguf_identity",
+    "file_digest",
+    "onnx_identity",
+    "namespace_root",
+    "chain_digests",
+    "chain_keys",
+]
 
 _IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_IDENTITY_LOCK = threading.Lock()
+#: Digests of files by their identity (path, device, inode, size, modification time).
+_FILE_DIGESTS: dict = {}
 
 
 def _tensors(model: Any) -> Iterator[tuple[str, Array]]:
-    """``(name, array)`` of a decoder's weights, in a fixed order."""
+    """``(name, array)`` of a decoder's weights, in a fixed order; a TypeError where a layer is not
+    a dataclass of arrays (its weights could not all be named)."""
     yield "embedding", model.embedding
     yield "output_norm", model.output_norm
     if getattr(model, "lm_head", None) is not None:
         yield "lm_head", model.lm_head
     for i, lw in enumerate(model.layers):
-        fields = dataclasses.fields(lw) if dataclasses.is_dataclass(lw) else ()
-        for f in fields:
+        if not dataclasses.is_dataclass(lw):
+            raise TypeError(
+                f"layer {i} of the model is a {type(lw).__name__}, not a dataclass of weight arrays: "
+                "its weights cannot be named; pass model_id="
+            )
+        for f in dataclasses.fields(lw):
             a = getattr(lw, f.name)
-            if a is not None:
-                yield f"layers.{i}.{f.name}", a
+            if a is None:
+                continue
+            if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+                raise TypeError(
+                    f"layers.{i}.{f.name} is a {type(a).__name__}, not an array: the model's weights "
+                    "cannot be named; pass model_id="
+                )
+            yield f"layers.{i}.{f.name}", a
 
 
 def model_identity(model: Any) -> str:
-    """A hex digest naming a decoder's configuration and weights (memoised per model object).
+    """A hex digest naming a decoder's configuration and every byte of its weights (once per model object).
 
     Parameters
     ----------
@@ -67,9 +89,16 @@ def model_identity(model: Any) -> str:
     -------
     str
         SHA-256, hex, of the configuration and, for every weight tensor, its name, shape, dtype
-        and :data:`SAMPLE_VALUES` evenly spaced values. Two models that differ in any sampled
-        weight get different identities; for a digest of every byte use :func:`gguf_identity`
-        on the file and pass it as ``model_id``.
+        and all its bytes. Two models that differ in any weight get different identities. The
+        digest is computed on the first call for a model object and remembered for the object's
+        life (weights are read-only once loaded); SmolLM2-135M's 540 MB of float32 weights take
+        about 0.7 s.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not such a decoder, or holds weights that are not arrays: it cannot be
+        named, and ``PrefixStore(..., model_id=...)`` must name it.
     """
     try:
         known: str = _IDENTITIES[model]
@@ -82,24 +111,62 @@ def model_identity(model: Any) -> str:
             f"model must be a DecoderModel (config, embedding, layers), received {type(model).__name__}; "
             "pass model_id= for another engine"
         )
-    h = hashlib.sha256()
-    cfg = dataclasses.asdict(cast(Any, config)) if dataclasses.is_dataclass(config) else dict(vars(config))
-    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-    for name, a in _tensors(model):
-        shape = tuple(int(s) for s in a.shape)
-        h.update(f"{name}:{shape}:{a.dtype}".encode())
-        n = 1
-        for s in shape:
-            n *= s
-        flat = a.reshape(-1) if hasattr(a, "reshape") else a
-        step = max(1, n // SAMPLE_VALUES)
-        sample = np.ascontiguousarray(_compat.to_numpy(flat[::step]))
-        h.update(sample.tobytes())
+    with _IDENTITY_LOCK:  # two threads' first prompts hash the weights once
+        try:
+            known = _IDENTITIES[model]
+            return known
+        except (KeyError, TypeError):
+            pass
+        h = hashlib.sha256()
+        cfg = dataclasses.asdict(cast(Any, config)) if dataclasses.is_dataclass(config) else dict(vars(config))
+        h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+        for name, a in _tensors(model):
+            shape = tuple(int(s) for s in a.shape)
+            h.update(f"{name}:{shape}:{a.dtype}".encode())
+            host = np.ascontiguousarray(_compat.to_numpy(a))
+            h.update(host.reshape(-1).view(np.uint8).data)
+        digest = h.hexdigest()
+        try:
+            _IDENTITIES[model] = digest
+        except TypeError:
+            pass
+    return digest
+
+
+def file_digest(path: str | os.PathLike, *, block: int = 1 << 22) -> str:
+    """SHA-256 (hex) of a file's every byte, remembered by the file's identity.
+
+    Parameters
+    ----------
+    path : str or path-like
+        The file.
+    block : int, default 4194304
+        Bytes read at a time (4 MiB).
+
+    Returns
+    -------
+    str
+        The 64 hexadecimal digits of the file's SHA-256. A second call for the same file
+        (same real path, device, inode, size and modification time in nanoseconds) returns the
+        remembered digest without reading it; a file replaced or written since is read again.
+    """
+    real = os.path.realpath(os.fspath(path))
+    with open(real, "rb") as f:
+        st = os.fstat(f.fileno())
+        ident = (real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        known = _FILE_DIGESTS.get(ident)
+        if known is not None:
+            return str(known)
+        h = hashlib.sha256()
+        while True:
+            chunk = f.read(block)
+            if not chunk:
+                break
+            h.update(chunk)
+        after = os.fstat(f.fileno())
     digest = h.hexdigest()
-    try:
-        _IDENTITIES[model] = digest
-    except TypeError:
-        pass
+    if (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns):  # not written while read
+        _FILE_DIGESTS[ident] = digest
     return digest
 
 
@@ -116,20 +183,14 @@ def gguf_identity(path: str | os.PathLike, *, block: int = 1 << 22) -> str:
     Returns
     -------
     str
-        The 64 hexadecimal digits of the file's SHA-256.
+        The 64 hexadecimal digits of the file's SHA-256 (:func:`file_digest`: read once per file
+        identity in a process).
     """
-    h = hashlib.sha256()
-    with open(os.fspath(path), "rb") as f:
-        while True:
-            chunk = f.read(block)
-            if not chunk:
-                break
-            h.update(chunk)
-    return h.hexdigest()
+    return file_digest(path, block=block)
 
 
 def onnx_identity(proto: Any, base_dir: str | None = None) -> str:
-    """A hex digest naming an ONNX graph: its nodes whole and a sample of every initializer.
+    """A hex digest naming an ONNX graph: its nodes and every byte of every initializer.
 
     Parameters
     ----------
@@ -137,19 +198,18 @@ def onnx_identity(proto: Any, base_dir: str | None = None) -> str:
         The model as given to an ONNX Runtime engine (before any rewriting).
     base_dir : str, optional
         The folder of the model's file, for initializers whose data was left in external data
-        files (``onnx.load(..., load_external_data=False)``): their samples are read from those
-        files, so the digest is the one of the model loaded whole.
+        files (``onnx.load(..., load_external_data=False)``): their bytes are read from those
+        files (each region hashed once per file identity), so the digest is the one of the
+        model loaded whole.
 
     Returns
     -------
     str
         SHA-256, hex, of the graph's inputs, outputs and nodes (serialized whole: operators,
-        attributes, wiring) and, for every initializer, its name, dimensions, data type and
-        :data:`SAMPLE_VALUES` evenly spaced 4-byte words of its data (its ``raw_data``, the first
-        word first, or its serialized form where the values are in typed fields). Two graphs
-        that differ in their structure or in any sampled weight get different identities; for
-        a digest of every byte use :func:`gguf_identity` on the ``.onnx`` file (and its external
-        data) and pass it as ``model_id``.
+        attributes, wiring) and, for every initializer, its name, dimensions, data type and the
+        SHA-256 of its data (its ``raw_data``, or its serialized form where the values are in
+        typed fields, or its external data region). Two graphs that differ in their structure
+        or in any weight get different identities.
 
     Raises
     ------
@@ -165,18 +225,15 @@ def onnx_identity(proto: Any, base_dir: str | None = None) -> str:
             h.update(item.SerializeToString(deterministic=True))
     for init in graph.initializer:
         h.update(f"{init.name}:{tuple(init.dims)}:{init.data_type}".encode())
-        data = _external_bytes(init, base_dir)
-        if data is None:
-            data = np.frombuffer(init.raw_data or init.SerializeToString(deterministic=True), dtype=np.uint8)
-        h.update(len(data).to_bytes(8, "little"))
-        words = data[: len(data) // 4 * 4].reshape(-1, 4)
-        step = max(1, len(words) // SAMPLE_VALUES)
-        h.update(np.ascontiguousarray(words[::step]).tobytes())
+        digest = _external_digest(init, base_dir)
+        if digest is None:
+            digest = hashlib.sha256(init.raw_data or init.SerializeToString(deterministic=True)).digest()
+        h.update(digest)
     return h.hexdigest()
 
 
-def _external_bytes(tensor: Any, base_dir: str | None) -> Any:
-    """A tensor's bytes in its external data file (a read-only map), or None if they are in the proto."""
+def _external_digest(tensor: Any, base_dir: str | None) -> bytes | None:
+    """SHA-256 of a tensor's bytes in its external data file, or None if they are in the proto."""
     if tensor.data_location != 1 or not tensor.external_data:  # onnx.TensorProto.EXTERNAL
         return None
     from onnx.external_data_helper import ExternalDataInfo  # only a proto that has external data gets here
@@ -184,12 +241,28 @@ def _external_bytes(tensor: Any, base_dir: str | None) -> Any:
     info = ExternalDataInfo(tensor)
     if base_dir is None:
         raise ValueError(f"initializer {tensor.name!r} is in external data {info.location!r}; pass base_dir")
-    path = os.path.join(base_dir, info.location)
+    path = os.path.realpath(os.path.join(base_dir, info.location))
     offset = int(info.offset or 0)
-    length = int(info.length) if info.length is not None else os.path.getsize(path) - offset
-    if length == 0:
-        return np.zeros(0, dtype=np.uint8)
-    return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(length,))
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        length = int(info.length) if info.length is not None else st.st_size - offset
+        ident = ("region", path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, offset, length)
+        known = _FILE_DIGESTS.get(ident)
+        if known is not None:
+            return bytes(known)
+        if offset < 0 or length < 0 or offset + length > st.st_size:
+            raise ValueError(
+                f"initializer {tensor.name!r}: external data {info.location!r} holds {st.st_size} bytes, "
+                f"the tensor claims {length} at offset {offset}"
+            )
+        h = hashlib.sha256()
+        if length:
+            data = np.memmap(f, dtype=np.uint8, mode="r", offset=offset, shape=(length,))
+            h.update(data.data)
+            del data
+    out = h.digest()
+    _FILE_DIGESTS[ident] = out
+    return out
 
 
 def namespace_root(model_id: str, cache_config: dict, schedule: dict) -> bytes:
@@ -209,6 +282,32 @@ def namespace_root(model_id: str, cache_config: dict, schedule: dict) -> bytes:
     return hashlib.sha256(text.encode("utf-8")).digest()
 
 
+def chain_digests(root: bytes, ids: Any, chunk_tokens: int) -> list:
+    """The chain digests ``h_1 .. h_m`` (32 bytes each) of the prefixes of ``ids`` that end at a chunk boundary.
+
+    Parameters
+    ----------
+    root : bytes
+        :func:`namespace_root`.
+    ids : sequence of int
+        The prompt's token ids.
+    chunk_tokens : int
+        Tokens per chunk.
+
+    Returns
+    -------
+    list of bytes
+        ``len(ids) // chunk_tokens`` digests; entry ``j - 1`` names the first ``j * chunk_tokens`` ids.
+    """
+    a = np.asarray(ids, dtype="<i8").reshape(-1)
+    out = []
+    h = root
+    for j in range(len(a) // chunk_tokens):
+        h = hashlib.sha256(h + a[j * chunk_tokens : (j + 1) * chunk_tokens].tobytes()).digest()
+        out.append(h)
+    return out
+
+
 def chain_keys(root: bytes, ids: Any, chunk_tokens: int) -> list:
     """The keys (hex) of the prefixes of ``ids`` that end at a chunk boundary, shortest first.
 
@@ -224,12 +323,9 @@ def chain_keys(root: bytes, ids: Any, chunk_tokens: int) -> list:
     Returns
     -------
     list of str
-        ``len(ids) // chunk_tokens`` keys; entry ``j - 1`` names the first ``j * chunk_tokens`` ids.
+        ``len(ids) // chunk_tokens`` keys (:func:`chain_digests` in hex); entry ``j - 1`` names
+        the first ``j * chunk_tokens`` ids. These are the keys of a store without a secret; a
+        store with one derives its keys from the digests with it
+        (:meth:`~arraykv.store.binding.Tenant.key`).
     """
-    a = np.asarray(ids, dtype="<i8").reshape(-1)
-    keys = []
-    h = root
-    for j in range(len(a) // chunk_tokens):
-        h = hashlib.sha256(h + a[j * chunk_tokens : (j + 1) * chunk_tokens].tobytes()).digest()
-        keys.append(h.hex())
-    return keys
+    return [d.hex() for d in chain_digests(root, ids, chunk_tokens)]

@@ -69,10 +69,19 @@ from typing import Any, TypeVar, cast
 from .._compat import namespace as _namespace
 from ..storage.cache_file import FORMAT_VERSION
 from .backend import EntryError, StoreBackend, StoreError
+from .binding import Binding, Tenant, open_entry, seal_entry, secret_from
 from .entry import encode_cache, restore_entry
-from .keys import chain_keys, model_identity, namespace_root
+from .keys import chain_digests, model_identity, namespace_root
 
-__all__ = ["PrefixStore", "PrefillReport", "StoreWarning", "segmented_prefill", "open_backend", "POLICIES"]
+__all__ = [
+    "PrefixStore",
+    "PrefixKeys",
+    "PrefillReport",
+    "StoreWarning",
+    "segmented_prefill",
+    "open_backend",
+    "POLICIES",
+]
 
 _T = TypeVar("_T")
 
@@ -82,6 +91,22 @@ POLICIES = ("last", "every", "none")
 
 class StoreWarning(UserWarning):
     """The store failed or refused an entry; the prompt was computed instead."""
+
+
+class PrefixKeys(list):
+    """The keys of a prompt's whole-chunk prefixes (a list of str, shortest first) and their namespace.
+
+    Parameters
+    ----------
+    keys : iterable of str
+        Entry ``j - 1`` names the first ``j · chunk_tokens`` ids.
+    namespace : str
+        The namespace the entries of these keys name (hex; the store's tenant derives it).
+    """
+
+    def __init__(self, keys: Any, namespace: str):
+        super().__init__(keys)
+        self.namespace = namespace
 
 
 @dataclass
@@ -213,6 +238,15 @@ class PrefixStore:
         The model's identity; default :func:`~arraykv.store.keys.model_identity` of the model.
     on_error : {"warn", "raise"}, default "warn"
         What a failing backend or a refused entry does.
+    secret : bytes or str, optional
+        The tenant's secret (at least 16 bytes; text is taken as its UTF-8 bytes); default the
+        environment variable ``ARRAYKV_STORE_SECRET`` when set and not empty. With a secret,
+        keys are derived with it (``HMAC(secret, h_j)``: stores of other secrets share no key,
+        and nothing of a key or an entry's header tells a reader without the secret which
+        prompt it holds) and every entry carries an HMAC-SHA256 tag over its key, namespace and
+        bytes; an entry with no tag or a wrong one is refused and recomputed. Without one, an
+        entry is still bound to its key, namespace and token ids (:mod:`~arraykv.store.binding`),
+        but whoever can write the store can forge that binding (``docs/store.md``).
 
     Attributes
     ----------
@@ -229,6 +263,7 @@ class PrefixStore:
         policy: str = "last",
         model_id: str | None = None,
         on_error: str = "warn",
+        secret: bytes | str | None = None,
     ):
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be a positive integer, received {chunk_tokens!r}")
@@ -238,17 +273,26 @@ class PrefixStore:
             raise ValueError(f"on_error must be 'warn' or 'raise', received {on_error!r}")
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
             raise ValueError(f"model_id must be a non-empty string or None, received {model_id!r}")
+        self._tenant = Tenant(secret_from(secret))
         self.backend = open_backend(backend)
         self.chunk_tokens, self.policy, self.model_id, self.on_error = chunk_tokens, policy, model_id, on_error
         self.last_report: PrefillReport | None = None
 
     def __repr__(self) -> str:
-        return f"PrefixStore({self.backend!r}, chunk_tokens={self.chunk_tokens}, policy={self.policy!r})"
+        return (
+            f"PrefixStore({self.backend!r}, chunk_tokens={self.chunk_tokens}, policy={self.policy!r}, "
+            f"keyed={self.keyed})"
+        )
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the store has a secret (derived keys, tagged entries)."""
+        return self._tenant.keyed
 
     # -- keys ---------------------------------------------------------------------------
     def keys(
         self, model: Any, cache: Any, ids: Any, *, chunk_size: int | None = 512, prompt_store: str = "exact"
-    ) -> list:
+    ) -> PrefixKeys:
         """Keys of ``ids``'s whole-chunk prefixes for this model, cache configuration and schedule
         (:func:`~arraykv.store.keys.chain_keys`: entry ``j - 1`` names the first ``j · chunk_tokens``).
 
@@ -268,7 +312,7 @@ class PrefixStore:
 
         Returns
         -------
-        list of str
+        PrefixKeys
             ``len(ids) // chunk_tokens`` keys, shortest prefix first: entry ``j - 1`` names the
             first ``j * chunk_tokens`` ids.
         """
@@ -278,7 +322,7 @@ class PrefixStore:
         schedule = {"chunk_size": chunk_size, "prompt_store": prompt_store, "array_library": lib}
         return self.engine_keys(model_id, cache, ids, schedule)
 
-    def engine_keys(self, model_id: str, cache: Any, ids: Any, schedule: dict) -> list:
+    def engine_keys(self, model_id: str, cache: Any, ids: Any, schedule: dict) -> PrefixKeys:
         """Keys of ``ids``'s whole-chunk prefixes for any engine: ``model_id`` names the model,
         ``schedule`` (JSON-able) how the engine fills a segment; the chunk size, arraykv's
         version and the file format are added to it.
@@ -297,9 +341,9 @@ class PrefixStore:
 
         Returns
         -------
-        list of str
+        PrefixKeys
             ``len(ids) // chunk_tokens`` keys, shortest prefix first: entry ``j - 1`` names the
-            first ``j * chunk_tokens`` ids.
+            first ``j * chunk_tokens`` ids (the chain digests, or with a secret their HMACs).
         """
         if not isinstance(model_id, str) or not model_id:
             raise ValueError(f"model_id must be a non-empty string, received {model_id!r}")
@@ -311,7 +355,9 @@ class PrefixStore:
             "arraykv": _arraykv_version(),
             "format": FORMAT_VERSION,
         }
-        return chain_keys(namespace_root(model_id, cache.get_config(), schedule), _ids(ids), self.chunk_tokens)
+        root = namespace_root(model_id, cache.get_config(), schedule)
+        digests = chain_digests(root, _ids(ids), self.chunk_tokens)
+        return PrefixKeys((self._tenant.key(d) for d in digests), self._tenant.namespace(root))
 
     def longest(self, model: Any, cache: Any, ids: Any, **schedule: Any) -> int:
         """Tokens of the longest stored prefix of ``ids`` that :meth:`prefill` could reuse (0 if none).
@@ -374,7 +420,7 @@ class PrefixStore:
             keys,
         )
 
-    def prefill_segments(self, run: Any, ids: Any, cache: Any, keys: list) -> Any:
+    def prefill_segments(self, run: Any, ids: Any, cache: Any, keys: PrefixKeys) -> Any:
         """The store's prefill for any engine: restore the longest stored prefix of ``ids`` into the
         empty ``cache``, then ``run(segment)`` for each remaining segment, storing by the policy.
 
@@ -387,8 +433,9 @@ class PrefixStore:
             The prompt (one sequence).
         cache : LayeredCache or HybridCache
             Empty; the cache ``run`` fills.
-        keys : list of str
-            :meth:`keys` (this package's decoder) or :meth:`engine_keys` (another engine) of ``ids``.
+        keys : PrefixKeys
+            :meth:`keys` (this package's decoder) or :meth:`engine_keys` (another engine) of
+            ``ids``, or of its first tokens.
 
         Returns
         -------
@@ -398,20 +445,25 @@ class PrefixStore:
         ids = _ids(ids)
         if _length(cache) != 0:
             raise ValueError("cache must be empty; call cache.reset() first")
+        namespace = getattr(keys, "namespace", None)
+        if not isinstance(namespace, str) or not isinstance(keys, list) or len(keys) > len(ids) // self.chunk_tokens:
+            raise TypeError("keys must be what this store's keys() or engine_keys() returned for ids")
         n, S = len(ids), self.chunk_tokens
         report = PrefillReport(tokens=n)
         t0 = time.perf_counter()
-        start = self._restore(cache, keys, min(len(keys), (n - 1) // S))
+        start, refused = self._restore(cache, keys, ids, min(len(keys), (n - 1) // S))
         report.restore_s = time.perf_counter() - t0
         report.reused, report.computed = start, n - start
-        wanted = self._wanted(len(keys), start // S)
+        # a refused entry is replaced by the one computed now, whatever the policy would store
+        wanted = self._wanted(len(keys), start // S) | (refused if self.policy != "none" else set())
         out = None
         for s, e in _segments(start, n, S):
             t0 = time.perf_counter()
             out = run(ids[s:e])
             t1 = time.perf_counter()
             report.prefill_s += t1 - t0
-            if e % S == 0 and e // S in wanted and self._put(keys[e // S - 1], cache, e):
+            j = e // S
+            if e % S == 0 and j in wanted and self._put(self._binding(keys, ids, j), cache, replace=j in refused):
                 report.stored.append(e)
             report.store_s += time.perf_counter() - t1
         self.last_report = report
@@ -425,38 +477,62 @@ class PrefixStore:
             return {boundaries}
         return set(range(restored + 1, boundaries + 1))
 
-    def _restore(self, cache: Any, keys: list, top: int) -> int:
-        """Restore the longest acceptable entry among the first ``top`` keys; its tokens (0 if none)."""
+    def _binding(self, keys: PrefixKeys, ids: list, j: int) -> Binding:
+        """What the entry of the first ``j`` chunks of ``ids`` is: its key, namespace and tokens."""
+        tokens = j * self.chunk_tokens
+        return Binding(keys[j - 1], keys.namespace, tokens, self._tenant.tokens(ids[:tokens]))
+
+    def _restore(self, cache: Any, keys: PrefixKeys, ids: list, top: int) -> tuple[int, set]:
+        """Restore the longest acceptable entry among the first ``top`` keys.
+
+        Returns its tokens (0 if none) and the chunk counts whose entries were refused (to be
+        replaced). An entry is marked as used (``touch``) only once it was accepted.
+        """
+        refused = set()
         for j in range(top, 0, -1):
-            data = self._try(functools.partial(self.backend.get, keys[j - 1]), None)
-            if data is None:
-                continue
-            tokens = j * self.chunk_tokens
+            want = self._binding(keys, ids, j)
+            what = f"the stored {want.tokens}-token prefix {want.key[:16]}..."
             try:
-                restore_entry(
-                    cache, data, tokens=tokens, what=f"the stored {tokens}-token prefix {keys[j - 1][:16]}..."
-                )
-                return tokens
+                data = self._try(functools.partial(self.backend.get, want.key), None, refusals=False)
+                if data is None:
+                    continue
+                restore_entry(cache, open_entry(data, want, self._tenant, what=what), tokens=want.tokens, what=what)
             except EntryError as exc:
                 if self.on_error == "raise":
                     raise
                 warnings.warn(f"{exc}; computing it instead", StoreWarning, stacklevel=4)
-        return 0
+                refused.add(j)
+                continue
+            touch = getattr(self.backend, "touch", None)
+            if callable(touch):
+                self._try(functools.partial(touch, want.key), None)
+            return want.tokens, refused
+        return 0, refused
 
-    def _put(self, key: str, cache: Any, tokens: int) -> bool:
-        if self._try(lambda: self.backend.contains(key), True):
+    def _put(self, binding: Binding, cache: Any, *, replace: bool = False) -> bool:
+        """Store the cache as the entry of ``binding`` unless one is held (or ``replace``: it was refused)."""
+        if not replace and self._try(lambda: self.backend.contains(binding.key), True):
             return False
 
         def put() -> bool:
-            self.backend.put(key, encode_cache(cache, rollback_copies=False), tokens=tokens)
+            body = encode_cache(cache, rollback_copies=False)
+            method = cache.get_config().get("method")
+            data = seal_entry(binding, body, self._tenant, method=method if isinstance(method, str) else None)
+            del body
+            self.backend.put(binding.key, data, tokens=binding.tokens)
             return True
 
         return self._try(put, False)
 
-    def _try(self, fn: Callable[[], _T], fallback: _T) -> _T:
+    def _try(self, fn: Callable[[], _T], fallback: _T, *, refusals: bool = True) -> _T:
+        """``fn()``; a failure of the store is a warning and ``fallback`` (or raised, per ``on_error``).
+
+        ``refusals=False`` lets an :class:`EntryError` (an entry refused) through to the caller.
+        """
+        errors: tuple = (StoreError, EntryError) if refusals else (StoreError,)
         try:
             return fn()
-        except (StoreError, EntryError) as exc:
+        except errors as exc:
             if self.on_error == "raise":
                 raise
             warnings.warn(f"prefix store: {exc}", StoreWarning, stacklevel=4)

@@ -16,6 +16,7 @@ from arraykv.store import (
     restore_entry,
     segmented_prefill,
 )
+from arraykv.store.binding import seal_entry
 from arraykv.store.entry import ROLLBACK_ARRAYS
 
 from cache_contract import assert_same_state
@@ -130,7 +131,13 @@ def test_generate_with_a_store_gives_the_tokens_of_the_schedule(model, tmp_path)
         model.generate(ids, 2, store=42)
 
 
-def test_a_crafted_or_foreign_entry_is_refused_and_the_prompt_computed(model, tmp_path):
+def sealed(store, model, ids, j, body):
+    """``body`` in the envelope of the entry ``store`` would write for the first ``j`` chunks of ``ids``."""
+    keys = store.keys(model, model.make_cache("pqo4"), ids, chunk_size=CHUNK)
+    return seal_entry(store._binding(keys, ids, j), body, store._tenant, method="pqo4")
+
+
+def test_a_crafted_or_foreign_entry_is_refused_the_prompt_computed_and_the_entry_replaced(model, tmp_path):
     ids = prompt(S + 20)
     store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S)
     key = store.keys(model, model.make_cache("pqo4"), ids, chunk_size=CHUNK)[0]
@@ -145,16 +152,22 @@ def test_a_crafted_or_foreign_entry_is_refused_and_the_prompt_computed(model, tm
     flipped = bytearray(good)
     flipped[len(good) // 2] ^= 0x40
     for bad, why in (
-        (b"not a cache file", "not a valid cache file"),
-        (bytes(flipped), "checksum"),
-        (encode_cache(other), "another configuration"),
-        (encode_cache(short), f"should hold {S}"),
+        (b"not a cache file", "not a (cache file|store entry)"),  # refused by the backend or the reader
+        (good, "not a store entry"),  # a bare cache file: no binding
+        (sealed(store, model, ids, 1, bytes(flipped)), "checksum"),
+        (sealed(store, model, ids, 1, encode_cache(other)), "another configuration"),
+        (sealed(store, model, ids, 1, encode_cache(short)), f"should hold {S}"),
     ):
         store.backend.put(key, bad)
         warm = model.make_cache("pqo4")
         with pytest.warns(StoreWarning, match=why):
             got = store.prefill(model, ids, warm, chunk_size=CHUNK)
         assert store.last_report.reused == 0 and np.array_equal(got, want)
+        assert store.last_report.stored == [S]  # the refused entry replaced by the one computed
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = store.prefill(model, ids, model.make_cache("pqo4"), chunk_size=CHUNK)
+        assert store.last_report.reused == S and np.array_equal(again, want)
         strict = PrefixStore(store.backend, chunk_tokens=S, on_error="raise")
         store.backend.put(key, bad)
         empty = model.make_cache("pqo4")
