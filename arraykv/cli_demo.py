@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from .cli_args import positive_int
+from .cli_checks import UsageError, check_methods
 from .integrations.generation import stop_tokens, tokenizer_stops
 
-__all__ = ["add_parser", "run", "default_methods"]
+__all__ = ["add_parser", "check", "run", "default_methods"]
 
 _PREFERRED = ("dense", "pqo4", "pqo3", "pqo2", "int8", "int4")
 
@@ -55,28 +57,74 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+def check(args: argparse.Namespace) -> tuple:
+    """Check every argument of ``demo`` before the weights load (:mod:`arraykv.cli_checks`).
+
+    The values first, then the model's header (:func:`~arraykv.cli_model.model_header`: context
+    length, tokenizer, the built-in text's length in its tokens).
+
+    Returns
+    -------
+    (methods, generate_with, header)
+        The table's methods, the generation's method and the model's header.
+
+    Raises
+    ------
+    UsageError
+        An argument that cannot work, naming it.
+    """
+    from .caches import available_methods
+    from .cli_model import model_header
+    from .eval.texts import builtin_text
+
+    methods = check_methods("--methods", args.methods) if args.methods else default_methods()
+    if args.generate_with is not None:
+        check_methods("--generate-with", [args.generate_with])
+    gen = args.generate_with or ("pqo4" if "pqo4" in available_methods() else "dense")
+    if args.prefill + 2 > args.tokens:
+        raise UsageError(
+            f"--prefill: the table prefills --prefill tokens and scores at least one decoded after them, so "
+            f"--tokens must be at least --prefill + 2 = {args.prefill + 2}; received --tokens {args.tokens}"
+        )
+    header = model_header(args.model)
+    if header.tokenizer is None:
+        raise UsageError(f"--model: {header.path} has no tokenizer; the demo needs one")
+    limit = header.context_length
+    if args.tokens > limit:
+        raise UsageError(f"--tokens: {args.tokens} exceeds the model's context length of {limit}")
+    have = len(header.tokenizer.encode(builtin_text()))
+    if args.tokens > have:
+        raise UsageError(f"--tokens: the built-in text has {have} tokens of this model, fewer than {args.tokens}")
+    prompt = len(header.tokenizer.encode(_prompt_text(header.tokenizer, args.prompt)))
+    if prompt + args.max_new_tokens > limit:
+        raise UsageError(
+            f"--max-new-tokens: the prompt ({prompt} tokens) plus {args.max_new_tokens} new tokens exceed the "
+            f"model's context length of {limit}"
+        )
+    return methods, gen, header
+
+
+def _prompt_text(tokenizer: Any, prompt: str) -> str:
+    """The text generated from: the chat form for an instruction-tuned model, else the prompt."""
+    if tokenizer.chat_template is not None:
+        return str(tokenizer.chat_prompt(prompt))
+    return prompt if prompt != DEFAULT_PROMPT else "Here is one sentence about the sea:"
+
+
 def run(args: argparse.Namespace) -> int:
     from . import eval as ev
-    from .caches import available_methods
     from .integrations.gguf_llama import load_model
 
-    methods = args.methods or default_methods()
-    unknown = [m for m in methods if m not in available_methods()]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; available: {', '.join(available_methods())}")
+    methods, gen, header = check(args)
     print(f"Loading the model ({args.model or 'SmolLM2-135M-Instruct'}, float32 NumPy weights)...", flush=True)
     t0 = time.perf_counter()
-    model = load_model(args.model)
+    model = load_model(header.path)
     print(f"  {model!r} in {time.perf_counter() - t0:.1f} s\n")
 
-    gen = args.generate_with or ("pqo4" if "pqo4" in available_methods() else "dense")
-    if model.tokenizer is None:
-        raise ValueError("this GGUF file has no tokenizer; the demo needs one")
+    prompt = _prompt_text(model.tokenizer, args.prompt)
     if model.tokenizer.chat_template is not None:  # an instruction-tuned model: its chat form
-        prompt = model.tokenizer.chat_prompt(args.prompt)
         print(f"[{gen} cache] user: {args.prompt}\nassistant: ", end="", flush=True)
     else:  # a base model (no chat template in the file) continues text
-        prompt = args.prompt if args.prompt != DEFAULT_PROMPT else "Here is one sentence about the sea:"
         print(f"[{gen} cache] (a base model: the text is continued)\n{prompt}", end="", flush=True)
     cache = model.make_cache(gen)
     pieces: list = []

@@ -14,12 +14,18 @@ import platform
 import sys
 import time
 
-from .cli_args import fraction, positive_int
+from .cli_args import fraction, nonnegative_int, positive_int
+from .cli_checks import UsageError, check_distinct, check_methods, check_output_file, refuse_with
 
-__all__ = ["add_parser", "add_arguments", "run", "DEFAULT_METHODS"]
+__all__ = ["add_parser", "add_arguments", "check", "run", "DEFAULT_METHODS"]
 
 #: Methods of the default run (those registered).
 DEFAULT_METHODS = ("dense", "pqo4", "pqo3", "pqo2", "int8", "int4")
+
+#: The needle grid's options and their defaults (given with ``--no-needle``: refused).
+NEEDLE_DEFAULTS = {"lengths": [2048, 4096, 8192], "depths": [0.1, 0.5, 0.9], "haystack": "filler", "seed": 0}
+#: The long-text table's options and their defaults (given with ``--no-kl``: refused).
+KL_DEFAULTS = {"prefix_lengths": [3840, 7936], "text": "book", "positions": 256}
 
 
 def add_parser(sub) -> None:
@@ -46,31 +52,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--lengths",
         nargs="+",
         type=positive_int,
-        default=[2048, 4096, 8192],
-        help="needle context lengths in tokens (prompt + question)",
+        default=None,
+        help="needle context lengths in tokens (prompt + question; default 2048 4096 8192)",
     )
-    p.add_argument("--depths", nargs="+", type=fraction, default=[0.1, 0.5, 0.9], help="needle depths in [0, 1]")
+    p.add_argument(
+        "--depths", nargs="+", type=fraction, default=None, help="needle depths in [0, 1] (default 0.1 0.5 0.9)"
+    )
     p.add_argument(
         "--haystack",
-        default="filler",
-        help="filler text: 'filler' (the classic grass/sky/sun lines), 'book' (the shipped novel) or any text",
+        default=None,
+        help="filler text: 'filler' (default: the classic grass/sky/sun lines), 'book' (the shipped novel) or any text",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
+    p.add_argument("--seed", type=nonnegative_int, default=None, help="seed of the pass keys (default 0)")
     p.add_argument(
         "--prefix-lengths",
         nargs="+",
         type=positive_int,
-        default=[3840, 7936],
-        help="long-text prefix lengths (each + --positions must fit the context)",
+        default=None,
+        help="long-text prefix lengths (default 3840 7936; each + --positions must fit the context)",
     )
     p.add_argument(
         "--text",
-        default="book",
-        help="long text of the KL table: 'book' (the shipped novel, about 10k tokens), 'pydoc' (the "
+        default=None,
+        help="long text of the KL table: 'book' (default: the shipped novel, about 10k tokens), 'pydoc' (the "
         "Python language reference topics the interpreter ships, over 100k tokens: for prefixes "
         "beyond 9k) or the path of a UTF-8 file",
     )
-    p.add_argument("--positions", type=positive_int, default=256, help="decoded positions scored after each prefix")
+    p.add_argument(
+        "--positions", type=positive_int, default=None, help="decoded positions scored after each prefix (default 256)"
+    )
     p.add_argument("--chunk-size", type=positive_int, default=512, help="tokens per prefill chunk")
     p.add_argument(
         "--prefill-mode",
@@ -87,31 +97,113 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def run(args: argparse.Namespace, *, out=print) -> int:
-    """Run ``longctx`` with parsed ``args``; ``out`` prints a line."""
-    from . import __version__, eval as ev
+def check(args: argparse.Namespace) -> tuple:
+    """Check every argument of ``longctx`` before the weights load; fill in the defaults.
+
+    Values against each other and the file system first; then, from the model's header
+    (:func:`~arraykv.cli_model.model_header`), lengths against its context length, every needle
+    cell against the room its intro, needle and question take in the model's tokens, and the
+    long text against the tokens the prefixes need. Options of a part that does not run
+    (``--no-needle``, ``--no-kl``) are refused.
+
+    Returns
+    -------
+    (methods, task, text, label, header)
+        ``task`` None with ``--no-needle``; ``text`` and ``label`` None with ``--no-kl``.
+
+    Raises
+    ------
+    UsageError
+        An argument that cannot work, naming it.
+    ImportError
+        ``--plot`` without matplotlib.
+    """
+    from . import eval as ev
     from .caches import available_methods
-    from .eval.texts import long_text_by_name, text_token_ids
-    from .integrations.gguf_llama import load_model
+    from .cli_model import model_header
+    from .eval.texts import long_text_by_name
 
     if args.no_needle and args.no_kl:
-        raise ValueError("--no-needle and --no-kl leave nothing to run")
+        raise UsageError("--no-needle and --no-kl leave nothing to run")
+    for skipped, defaults, mode in (
+        (args.no_needle, NEEDLE_DEFAULTS, "--no-needle"),
+        (args.no_kl, KL_DEFAULTS, "--no-kl"),
+    ):
+        if skipped:
+            refuse_with({"--" + k.replace("_", "-"): getattr(args, k) for k in defaults}, mode)
+        for k, v in defaults.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
     have = available_methods()
-    methods = args.methods or [m for m in DEFAULT_METHODS if m in have]
-    unknown = [m for m in methods if m not in have]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; available: {', '.join(have)}")
+    methods = check_methods("--methods", args.methods) if args.methods else [m for m in DEFAULT_METHODS if m in have]
+    for flag in ("lengths", "depths", "prefix_lengths"):
+        check_distinct("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError as exc:
             raise ImportError('--plot needs matplotlib: pip install "arraykv[plot]"') from exc
-    text, label = long_text_by_name(args.text) if not args.no_kl else (None, None)
-    haystack = ev.FILLER if args.haystack == "filler" else args.haystack
-    task = ev.NeedleTask(haystack=haystack, seed=args.seed)
+        check_output_file("--plot", args.plot)
+        ext = os.path.splitext(args.plot)[1].lstrip(".").lower()
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        kinds = FigureCanvasAgg.get_supported_filetypes()
+        if ext and ext not in kinds:
+            raise UsageError(f"--plot: matplotlib cannot write .{ext} files; use one of {', '.join(sorted(kinds))}")
+    text = label = task = None
+    if not args.no_kl:
+        try:
+            text, label = long_text_by_name(args.text)
+        except ValueError as exc:
+            raise UsageError(f"--text: {exc}") from None
+    if not args.no_needle:
+        if not args.haystack.strip():
+            raise UsageError("--haystack: the filler text is empty")
+        haystack = ev.FILLER if args.haystack == "filler" else args.haystack
+        task = ev.NeedleTask(haystack=haystack, seed=args.seed)
+    header = model_header(args.model, quiet=args.no_progress)
+    if header.tokenizer is None:
+        raise UsageError(f"--model: {header.path} has no tokenizer; longctx works on text")
+    limit = header.context_length
+    if task is not None:
+        over = [n for n in args.lengths if n > limit]
+        if over:
+            raise UsageError(f"--lengths: {over} exceed the model's context length of {limit}")
+        try:
+            for n in args.lengths:  # the prompts needle_grid builds, each once
+                for d in args.depths:
+                    p = task.build(header.tokenizer, n, d)
+                    room = max(task.answer_tokens, len(p.target_ids)) - 1
+                    if n + room > limit:
+                        task.build(header.tokenizer, n, d, total=limit - room)
+        except ValueError as exc:
+            raise UsageError(f"--lengths: {exc}") from None
+    if text is not None:
+        over = [p for p in args.prefix_lengths if p + args.positions > limit]
+        if over:
+            raise UsageError(
+                f"--prefix-lengths: {over} plus --positions {args.positions} exceed the model's context length "
+                f"of {limit}"
+            )
+        need = max(args.prefix_lengths) + args.positions + 1
+        got = len(header.tokenizer.encode(text))
+        if got < need:
+            raise UsageError(
+                f"--text: {label} has {got} tokens of this model; the longest prefix plus --positions needs {need}"
+            )
+    return methods, task, text, label, header
+
+
+def run(args: argparse.Namespace, *, out=print) -> int:
+    """Run ``longctx`` with parsed ``args``; ``out`` prints a line."""
+    from . import __version__, eval as ev
+    from .eval.texts import text_token_ids
+    from .integrations.gguf_llama import load_model
+
+    methods, task, text, label, header = check(args)
     progress = not args.no_progress and sys.stderr.isatty()
 
-    model = load_model(args.model, quiet=args.no_progress)
+    model = load_model(header.path, quiet=args.no_progress)
     if model.tokenizer is None:
         raise ValueError("this GGUF file has no tokenizer; longctx needs one")
     c = model.config

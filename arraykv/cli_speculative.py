@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from .cli_args import nonnegative_int, positive_int
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "check", "run"]
 
 _PROMPT = (
     "Repeat this list exactly, then repeat it once more: apples, pears, plums, figs, "
@@ -38,16 +38,69 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(run=run)
 
 
+def check(args: argparse.Namespace) -> tuple:
+    """Check every argument of ``speculative`` before the weights load.
+
+    The target's method and a ``cache:METHOD`` draft's against the registry and against the
+    tokens ``-k`` may take back (a cache of each is made on the model's geometry, which holds no
+    tokens); then, from the model's header (:func:`~arraykv.cli_model.model_header`), a
+    ``layers:N`` draft against the layer count and the prompt plus ``--max-new-tokens`` and the
+    drafted tokens against the context length.
+
+    Returns
+    -------
+    (draft, header)
+
+    Raises
+    ------
+    UsageError
+        An argument that cannot work, naming it.
+    """
+    from .caches import make_cache
+    from .cli_checks import UsageError, check_methods
+    from .cli_model import model_header
+    from .integrations.drafts import CacheDraft, LayerDraft, draft_from_spec, require_truncate
+
+    check_methods("--method", [args.method])
+    try:
+        draft = draft_from_spec(args.draft)
+    except ValueError as exc:
+        raise UsageError(f"--draft: {exc}") from None
+    if isinstance(draft, CacheDraft):
+        check_methods("--draft", [draft.method])
+    depth = 2 * args.k - 1 if args.concurrent else args.k - 1  # as speculative_generate takes back
+    header = model_header(args.model)
+    if header.tokenizer is None:
+        raise UsageError(f"--model: {header.path} has no tokenizer; speculative encodes --prompt")
+    if isinstance(draft, LayerDraft) and draft.layers >= header.num_layers:
+        raise UsageError(
+            f"--draft: layers must be below the model's {header.num_layers} layers, received {draft.layers}"
+        )
+    geometry = dict(num_layers=header.num_layers, num_kv_heads=header.num_kv_heads, head_dim=header.head_dim)
+    caches = [("--method", args.method)] + ([("--draft", draft.method)] if isinstance(draft, CacheDraft) else [])
+    for flag, method in caches:
+        try:
+            require_truncate(make_cache(method, **geometry), f"the {method} cache", depth)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"{flag}: {exc}") from None
+    prompt = len(header.tokenizer.encode(header.tokenizer.chat_prompt(args.prompt)))
+    if prompt + args.max_new_tokens + 2 * args.k > header.context_length:
+        raise UsageError(
+            f"--max-new-tokens: the prompt ({prompt} tokens) plus {args.max_new_tokens} new tokens and 2 x -k "
+            f"drafted ones exceed the model's context length of {header.context_length}"
+        )
+    return draft, header
+
+
 def run(args: argparse.Namespace, *, out: Callable[[str], object] = print) -> int:
     """Run ``speculative`` with parsed ``args``; ``out`` prints a line."""
     import time
 
-    from .integrations.drafts import draft_from_spec
     from .integrations.gguf_llama import load_model
     from .integrations.speculative import speculative_generate
 
-    draft = draft_from_spec(args.draft)
-    model = load_model(args.model)
+    draft, header = check(args)
+    model = load_model(header.path)
     ids = model.tokenizer.chat_prompt(args.prompt)
     stamps: list[float] = []
     plain = model.generate(

@@ -32,7 +32,7 @@ from .cli_args import code_bits, nonnegative_int
 if TYPE_CHECKING:
     from .integrations.llama import DecoderModel
 
-__all__ = ["add_parser", "run", "stages", "distortion_curve", "layer_errors"]
+__all__ = ["add_parser", "check", "run", "stages", "distortion_curve", "layer_errors"]
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -42,14 +42,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--bits", type=code_bits, default=3, help="bits per coordinate (1-4), default 3")
-    p.add_argument("--layer", type=nonnegative_int, default=5, help="layer of the real key vector, default 5")
+    p.add_argument(
+        "--layer",
+        type=nonnegative_int,
+        default=None,
+        help="layer of the real key vector, default 5 (not with --synthetic)",
+    )
     p.add_argument(
         "--synthetic",
         action="store_true",
         help="use a random vector with two outlier channels instead of loading the model",
     )
-    p.add_argument("--model", default=None, help="a Llama .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--out", default="arraykv-inspect", help="folder for the plots (default ./arraykv-inspect)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or a known model (default: SmolLM2-135M-Instruct; not with --synthetic)",
+    )
+    p.add_argument("--out", default=None, help="folder for the plots (default ./arraykv-inspect; not with --no-plots)")
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(run=run)
 
@@ -147,13 +156,52 @@ def _fmt(a: Array, n: int = 8) -> str:
     return "[" + ", ".join(f"{float(v):+.3f}" for v in a[:n]) + ", ...]"
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> Any:
+    """Check every argument of ``inspect`` before the model loads; fill in the defaults.
 
-    bits = int(args.bits)
-    if not 1 <= bits <= 4:
-        raise ValueError(f"--bits must be 1 to 4, received {bits}")
-    model = None
+    ``--layer`` and ``--model`` do not apply with ``--synthetic``, nor ``--out`` with
+    ``--no-plots``; ``--out`` must be a folder that can be made; ``--layer`` is checked against
+    the model's layer count, read from its header (:func:`~arraykv.cli_model.model_header`).
+
+    Returns
+    -------
+    ModelHeader or None
+        The model's header (None with ``--synthetic``).
+
+    Raises
+    ------
+    UsageError
+        An argument that cannot work, naming it.
+    """
+    from .cli_checks import UsageError, check_output_folder, refuse_with
+
     if args.synthetic:
+        refuse_with({"--layer": args.layer, "--model": args.model}, "--synthetic")
+    if args.no_plots:
+        refuse_with({"--out": args.out}, "--no-plots")
+    else:
+        args.out = "arraykv-inspect" if args.out is None else args.out
+        check_output_folder("--out", args.out)
+    if args.synthetic:
+        return None
+    from .cli_model import model_header
+
+    args.layer = 5 if args.layer is None else args.layer
+    header = model_header(args.model)
+    if args.layer >= header.num_layers:
+        raise UsageError(f"--layer: must be below the model's {header.num_layers} layers, received {args.layer}")
+    if header.tokenizer is None:
+        raise UsageError(f"--model: {header.path} has no tokenizer; inspect encodes its built-in text")
+    if header.context_length < 256:
+        raise UsageError(f"--model: inspect runs 256 tokens; the model's context length is {header.context_length}")
+    return header
+
+
+def run(args: argparse.Namespace) -> int:
+    header = check(args)
+    bits = int(args.bits)
+    model = None
+    if header is None:
         rng = np.random.default_rng(0)
         x = rng.standard_normal(64).astype(np.float32)
         x[[3, 40]] *= 12.0  # two outlier channels, as real keys have
@@ -163,9 +211,7 @@ def run(args: argparse.Namespace) -> int:
         from . import eval as ev
         from .integrations.gguf_llama import load_model
 
-        model = load_model(args.model)
-        if not 0 <= args.layer < model.config.num_layers:
-            raise ValueError(f"--layer must be in [0, {model.config.num_layers}), received {args.layer}")
+        model = load_model(header.path)
         ids = ev.builtin_token_ids(model, 128)
         cache = model.make_cache("dense")
         model.prefill(ids, cache)
