@@ -113,12 +113,12 @@ def _prompt_text(tokenizer: Any, prompt: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from . import eval as ev
-    from .integrations.gguf_llama import load_model
+    from .cli_model import load_model_of
 
     methods, gen, header = check(args)
     print(f"Loading the model ({args.model or 'SmolLM2-135M-Instruct'}, float32 NumPy weights)...", flush=True)
     t0 = time.perf_counter()
-    model = load_model(header.path)
+    model = load_model_of(header)
     print(f"  {model!r} in {time.perf_counter() - t0:.1f} s\n")
 
     prompt = _prompt_text(model.tokenizer, args.prompt)

@@ -197,13 +197,13 @@ def check(args: argparse.Namespace) -> tuple:
 def run(args: argparse.Namespace, *, out=print) -> int:
     """Run ``longctx`` with parsed ``args``; ``out`` prints a line."""
     from . import __version__, eval as ev
+    from .cli_model import load_model_of
     from .eval.texts import text_token_ids
-    from .integrations.gguf_llama import load_model
 
     methods, task, text, label, header = check(args)
     progress = not args.no_progress and sys.stderr.isatty()
 
-    model = load_model(header.path, quiet=args.no_progress)
+    model = load_model_of(header, quiet=args.no_progress)
     if model.tokenizer is None:
         raise ValueError("this GGUF file has no tokenizer; longctx needs one")
     c = model.config

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelHeader", "model_header", "read_metadata"]
+__all__ = ["ModelHeader", "model_header", "load_model_of", "read_metadata"]
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -194,3 +194,26 @@ def model_header(model: str | None, *, quiet: bool = False) -> ModelHeader:
         head_dim=size("attention.key_length", hidden // heads),
         tokenizer=tok,
     )
+
+
+def load_model_of(header: ModelHeader, *, quiet: bool = False) -> Any:
+    """The model ``header`` describes, its weights loaded, with the tokenizer ``header`` built.
+
+    The tokenizer is not built a second time (Gemma 3's 262k-token vocabulary takes seconds).
+
+    Parameters
+    ----------
+    header : ModelHeader
+    quiet : bool, default False
+
+    Returns
+    -------
+    DecoderModel
+        Not shared with :func:`~arraykv.integrations.gguf_llama.load_model`'s reuse (its
+        ``tokenizer`` is set here).
+    """
+    from .integrations.gguf_llama import load_model
+
+    model = load_model(header.path, tokenizer=False, quiet=quiet, reuse=False)
+    model.tokenizer = header.tokenizer
+    return model

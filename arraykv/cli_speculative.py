@@ -96,11 +96,11 @@ def run(args: argparse.Namespace, *, out: Callable[[str], object] = print) -> in
     """Run ``speculative`` with parsed ``args``; ``out`` prints a line."""
     import time
 
-    from .integrations.gguf_llama import load_model
+    from .cli_model import load_model_of
     from .integrations.speculative import speculative_generate
 
     draft, header = check(args)
-    model = load_model(header.path)
+    model = load_model_of(header)
     ids = model.tokenizer.chat_prompt(args.prompt)
     stamps: list[float] = []
     plain = model.generate(

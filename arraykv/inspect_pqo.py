@@ -209,9 +209,9 @@ def run(args: argparse.Namespace) -> int:
         keys = None
     else:
         from . import eval as ev
-        from .integrations.gguf_llama import load_model
+        from .cli_model import load_model_of
 
-        model = load_model(header.path)
+        model = load_model_of(header)
         ids = ev.builtin_token_ids(model, 128)
         cache = model.make_cache("dense")
         model.prefill(ids, cache)

@@ -132,3 +132,27 @@ def test_a_long_text_shorter_than_the_prefixes_is_refused_before_the_weights(hea
     argv = ["longctx", "--model", headless, "--no-needle", "--text", str(story), "--prefix-lengths", "300"]
     err = _refused([*argv, "--positions", "8"], capsys)
     assert f"--text: the file {story} has " in err and "needs 309" in err
+
+
+def test_the_header_reader_reads_what_the_gguf_package_reads(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from arraykv.cli_model import model_header, read_metadata
+    from arraykv.eval.texts import builtin_text
+    from arraykv.integrations.tokenizer import tokenizer_from_gguf
+
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    reader = gguf.GGUFReader(str(path))
+    meta = read_metadata(path)
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert meta == fields
+    header = model_header(str(path))
+    assert (header.num_layers, header.context_length, header.num_kv_heads, header.head_dim) == (2, 512, 2, 8)
+    text = builtin_text()[:2000]
+    assert header.tokenizer.encode(text) == tokenizer_from_gguf(reader).encode(text)
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(40))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_metadata(tmp_path / "not.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:300])  # inside the metadata
+    with pytest.raises(ValueError, match="past the end of the file"):
+        read_metadata(cut)
