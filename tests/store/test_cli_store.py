@@ -144,3 +144,47 @@ def test_every_action_takes_the_server_urls_store_takes(valkey_store, capsys, sc
     assert main(["store", "evict", url, "--max-bytes", "100", *prefix]) == 0
     assert "dropped 1 entries" in capsys.readouterr().out
     assert valkey_store.entries() == []
+
+
+@pytest.fixture(scope="module")
+def cluster_url():
+    """A three-primary Valkey Cluster: ``ARRAYKV_TEST_VALKEY_CLUSTER_URL``'s, else one started here."""
+    import os
+
+    from arraykv.store.server import ValkeyCluster, find_server_binary
+
+    url = os.environ.get("ARRAYKV_TEST_VALKEY_CLUSTER_URL")
+    if url:
+        yield url
+        return
+    try:
+        find_server_binary()
+    except FileNotFoundError as exc:
+        if os.environ.get("CI") and sys.version_info >= (3, 11):
+            raise
+        pytest.skip(str(exc))
+    with ValkeyCluster(3) as cluster:
+        yield cluster.url
+
+
+def test_every_action_takes_a_cluster_url(cluster_url, capsys, request):
+    import zlib
+
+    from arraykv.store import ValkeyStore
+
+    prefix = f"cli{zlib.crc32(request.node.nodeid.encode()):08x}:"
+    store = ValkeyStore(cluster_url, prefix=prefix)
+    keys = [f"{i:02x}" * 16 for i in range(1, 7)]  # spread over the nodes' slots
+    for i, key in enumerate(keys):
+        store.put(key, b"c" * (100 + i), tokens=32)
+    try:
+        assert main(["store", "ls", cluster_url, "--prefix", prefix]) == 0
+        out = capsys.readouterr().out
+        assert all(f"| {k} | 32 |" in out for k in keys) and "6 entries" in out
+        assert main(["store", "rm", cluster_url, keys[0], keys[1], "--prefix", prefix]) == 0
+        assert sorted(e.key for e in store.entries()) == keys[2:]
+        assert main(["store", "evict", cluster_url, "--max-bytes", "250", "--prefix", prefix]) == 0
+        assert len(store.entries()) == 2
+    finally:
+        for e in store.entries():
+            store.delete(e.key)
