@@ -306,3 +306,33 @@ def test_no_room_anywhere_is_one_clear_error_and_leaves_nothing(graph, tmp_path,
     assert "in a temporary folder in" in lines[0] and str(private_tmp) in lines[0]
     assert "work_dir=" in lines[0]
     assert _tree(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_the_smollm2_export_opens_from_a_hub_cache(tmp_path, private_tmp):
+    """SmolLM2-135M exported (653 MB of external data) into huggingface_hub's cache layout."""
+    from arraykv import eval as ev
+
+    from smollm import smollm_or_skip
+
+    model = smollm_or_skip()
+    ids = ev.builtin_token_ids(model, 24)
+    path = _hub(_exporter().build_llama_onnx(model), tmp_path / "hub")
+    del model
+    plain = ort.InferenceSession(str(path))  # the float graph, the past empty
+    n = len(ids)
+    feeds = {
+        "input_ids": np.asarray([ids], np.int64),
+        "attention_mask": np.ones((1, n), np.int64),
+        "position_ids": np.arange(n, dtype=np.int64)[None],
+    }
+    for i in plain.get_inputs():
+        if i.name.startswith("past_key_values."):
+            feeds[i.name] = np.zeros((1, 3, 0, 64), np.float32)
+    want = plain.run(["logits"], feeds)[0].reshape(n, -1)
+    del plain
+    before = _tree(tmp_path)
+    dec = OrtGraphDecoder(str(path))
+    assert _tree(tmp_path) == before  # nothing left in snapshots/, blobs/ or the temporary folder
+    got = np.asarray(dec.prefill(ids, dec.make_cache("dense"))).reshape(n, -1)
+    assert np.abs(got - want).max() < 1e-4
