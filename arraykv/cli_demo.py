@@ -96,6 +96,8 @@ def check(args: argparse.Namespace) -> tuple:
     if args.tokens > have:
         raise UsageError(f"--tokens: the built-in text has {have} tokens of this model, fewer than {args.tokens}")
     prompt = len(header.tokenizer.encode(_prompt_text(header.tokenizer, args.prompt)))
+    if prompt == 0:
+        raise UsageError("--prompt: the text is empty, and this base model has nothing to continue")
     if prompt + args.max_new_tokens > limit:
         raise UsageError(
             f"--max-new-tokens: the prompt ({prompt} tokens) plus {args.max_new_tokens} new tokens exceed the "

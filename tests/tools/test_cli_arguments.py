@@ -110,6 +110,7 @@ def test_the_headless_model_does_not_load(headless, capsys):
         (["inspect", "--layer", "2"], "--layer: must be below the model's 2 layers, received 2"),
         (["demo", "--tokens", "600"], "--tokens: 600 exceeds the model's context length of 512"),
         (["demo", "--max-new-tokens", "600"], "--max-new-tokens: the prompt ("),
+        (["demo", "--prompt", ""], "--prompt: the text is empty"),
         (["longctx", "--lengths", "1"], "--lengths: length must be an integer >= 2, received 1"),
         (["longctx", "--lengths", "30"], "--lengths: length 30 leaves no room for filler"),
         (["longctx", "--lengths", "600"], "--lengths: [600] exceed the model's context length of 512"),
