@@ -15,11 +15,15 @@ Examples
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
-from .gguf import ModelDownloadError, cache_dir, find_model, read_gguf
+from . import weight_cache
+from .gguf import ModelDownloadError, cache_dir, find_model, read_gguf, require
 from .llama import DecoderModel, unpermute_qk
+from .llama_weights import LAYOUT_VERSION, layout_arrays, layout_from_arrays, layout_gguf_tensors
 from .model_config import ModelConfig
 from .models import KNOWN_MODELS, resolve_model
 from .tokenizer import GGUFTokenizer, tokenizer_from_gguf
@@ -47,6 +51,7 @@ def load_model(
     download: bool = True,
     quiet: bool = False,
     reuse: bool = True,
+    cache_weights: bool = True,
 ) -> DecoderModel:
     """Load a decoder GGUF file into a float32 :class:`DecoderModel`.
 
@@ -69,6 +74,12 @@ def load_model(
     reuse : bool, default True
         Return the model already loaded from the same file in this process (weights are
         read-only; about 540 MB for SmolLM2 in float32).
+    cache_weights : bool, default True
+        Keep the dequantized float32 weights, the config and the tokenizer of a file on disk
+        after its first load, and map them read-only on later loads instead of dequantizing
+        again (:mod:`arraykv.integrations.weight_cache`: keyed by the file's path, size and
+        modification time; a stale or damaged cache file is rebuilt, never used). False, or
+        ``ARRAYKV_WEIGHT_CACHE=0``, reads the GGUF file every time.
 
     Returns
     -------
@@ -93,11 +104,95 @@ def load_model(
     key = (str(p.resolve()), getattr(xp, "__name__", None), bool(tokenizer))
     if reuse and key in _LOADED:
         return _LOADED[key]
-    config, tensors, reader = read_gguf(p)
-    has_vocab = reader.fields.get("tokenizer.ggml.model") is not None
-    tok = tokenizer_from_gguf(reader) if (tokenizer and has_vocab) else None
-    model = DecoderModel.from_gguf_tensors(config, tensors, tokenizer=tok, xp=xp)
-    del tensors, reader
+    if xp is None:
+        import array_api_compat.numpy as xp  # noqa: PLW0127 - the default namespace
+    location = weight_cache.cache_location() if cache_weights else None
+    loaded = _load_cached(p, location, tokenizer, xp) if location is not None else None
+    if loaded is None:
+        config, tensors, reader = read_gguf(p)
+        has_vocab = reader.fields.get("tokenizer.ggml.model") is not None
+        tok = tokenizer_from_gguf(reader) if (tokenizer and has_vocab) else None
+        del reader
+        layout = layout_gguf_tensors(config, tensors, _np_xp())
+        del tensors
+        if location is not None:
+            _store_cached(p, location, config, layout, tok, has_vocab)
+        parts = layout_from_arrays(config, layout_arrays(*layout), xp)
+    else:
+        config, parts, tok = loaded
+    model = DecoderModel(config, *parts, tokenizer=tok)
     if reuse:
         _LOADED[key] = model
     return model
+
+
+def _np_xp() -> Any:
+    """NumPy's array-API namespace (where weights are laid out before they move to ``xp``)."""
+    import array_api_compat.numpy as xnp
+
+    return xnp
+
+
+def _version() -> str:
+    """The loader's version in the weight cache's identity: layout, dequantizer and file format."""
+    from importlib import metadata
+
+    try:
+        gguf_version = metadata.version("gguf")
+    except metadata.PackageNotFoundError:
+        gguf_version = "?"
+    return f"layout{LAYOUT_VERSION}-gguf{gguf_version}"
+
+
+def _store_cached(p: Path, location: Path, config: ModelConfig, layout: tuple, tok: Any, has_vocab: bool) -> None:
+    """Write the laid-out weights, config and tokenizer of ``p`` to the weight cache (best effort)."""
+    tok_meta: Any = None
+    if tok is not None:
+        tok_meta = {
+            "json": tok._tok.to_str(),
+            "bos_id": tok.bos_id,
+            "eos_id": tok.eos_id,
+            "add_bos": tok.add_bos,
+            "chat_template": tok.chat_template,
+            "stop_ids": list(tok.stop_ids),
+        }
+    meta = {
+        "config": {**dataclasses.asdict(config), "layer_types": list(config.layer_types)},
+        "has_vocab": has_vocab,
+        "tokenizer": tok_meta,
+    }
+    target = weight_cache.cache_file(location, p)
+    if weight_cache.write(target, weight_cache.identity(p, _version()), meta, layout_arrays(*layout)):
+        weight_cache.prune(location, keep=target)
+
+
+def _load_cached(p: Path, location: Path, tokenizer: bool, xp: Any) -> tuple | None:
+    """``(config, (layers, embedding, output_norm, lm_head), tokenizer)`` from the weight cache, or None."""
+    found = weight_cache.read(weight_cache.cache_file(location, p), weight_cache.identity(p, _version()))
+    if found is None:
+        return None
+    meta, arrays = found
+    try:
+        cfg = dict(meta["config"])
+        cfg["layer_types"] = tuple(cfg["layer_types"])
+        config = ModelConfig(**cfg)
+        tok_meta = meta["tokenizer"]
+        has_vocab = bool(meta["has_vocab"])
+        parts = layout_from_arrays(config, arrays, xp)
+    except (KeyError, TypeError, ValueError):
+        return None
+    tok = None
+    if tokenizer and has_vocab:
+        if tok_meta is None:  # cached by a load without a tokenizer: build it from the file
+            tok = tokenizer_from_gguf(require("gguf").GGUFReader(str(p)))
+        else:
+            tk = require("tokenizers")
+            tok = GGUFTokenizer(
+                tk.Tokenizer.from_str(tok_meta["json"]),
+                bos_id=tok_meta["bos_id"],
+                eos_id=tok_meta["eos_id"],
+                add_bos=tok_meta["add_bos"],
+                chat_template=tok_meta["chat_template"],
+                stop_ids=tok_meta["stop_ids"],
+            )
+    return config, parts, tok

@@ -7,7 +7,7 @@ module holds the forward pass only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,20 @@ import numpy as np
 from .architectures import architecture
 from .model_config import ModelConfig
 
-__all__ = ["LayerWeights", "layout_gguf_tensors", "random_gguf_tensors", "tensor_shapes", "unpermute_qk"]
+__all__ = [
+    "LAYOUT_VERSION",
+    "LayerWeights",
+    "layout_arrays",
+    "layout_from_arrays",
+    "layout_gguf_tensors",
+    "random_gguf_tensors",
+    "tensor_shapes",
+    "unpermute_qk",
+]
+
+#: Version of :func:`layout_gguf_tensors`' output: a change to it must change this number, since
+#: the weight cache (:mod:`arraykv.integrations.weight_cache`) holds laid-out weights.
+LAYOUT_VERSION = 1
 
 
 def unpermute_qk(w: Any, heads: int) -> Any:
@@ -141,6 +154,78 @@ def layout_gguf_tensors(config: ModelConfig, tensors: dict, xp: Any) -> tuple:
         )
     head = tensors.get("output.weight")
     return layers, put(get("token_embd.weight")), put(get("output_norm.weight")), None if head is None else put(head)
+
+
+_FIELDS = tuple(f.name for f in fields(LayerWeights))
+
+
+def layout_arrays(layers: list, embedding: Any, output_norm: Any, lm_head: Any) -> dict:
+    """The laid-out weights (:func:`layout_gguf_tensors`' result, NumPy) as one flat dict of arrays.
+
+    Parameters
+    ----------
+    layers : list of LayerWeights
+    embedding, output_norm, lm_head : numpy.ndarray (``lm_head`` may be None)
+
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        ``"embedding"``, ``"output_norm"``, ``"lm_head"`` (when present) and
+        ``"layers.{i}.{field}"`` for every field of every layer that is not None.
+        :func:`layout_from_arrays` is its inverse.
+    """
+    out = {"embedding": embedding, "output_norm": output_norm}
+    if lm_head is not None:
+        out["lm_head"] = lm_head
+    for i, lw in enumerate(layers):
+        for name in _FIELDS:
+            a = getattr(lw, name)
+            if a is not None:
+                out[f"layers.{i}.{name}"] = a
+    return out
+
+
+def layout_from_arrays(config: ModelConfig, arrays: dict, xp: Any) -> tuple:
+    """The inverse of :func:`layout_arrays`: ``(layers, embedding, output_norm, lm_head)`` in namespace ``xp``.
+
+    Parameters
+    ----------
+    config : ModelConfig
+    arrays : dict of str to numpy.ndarray
+        :func:`layout_arrays`' output (read-only memory maps stay as they are under NumPy).
+    xp : array namespace
+        Where the weights go.
+
+    Returns
+    -------
+    tuple
+        As :func:`layout_gguf_tensors`.
+
+    Raises
+    ------
+    ValueError
+        An array a layer needs is missing.
+    """
+
+    def put(name):
+        return xp.asarray(arrays[name])
+
+    try:
+        layers = [
+            LayerWeights(
+                **{name: put(f"layers.{i}.{name}") if f"layers.{i}.{name}" in arrays else None for name in _FIELDS}
+            )
+            for i in range(config.num_layers)
+        ]
+        head = put("lm_head") if "lm_head" in arrays else None
+        embedding, norm = put("embedding"), put("output_norm")
+    except KeyError as exc:
+        raise ValueError(f"the laid-out weights lack {exc.args[0]!r}") from None
+    for i, lw in enumerate(layers):
+        missing = [n for n in ("attn_norm", "wqkv", "wo", "ffn_norm", "wgu", "wdown") if getattr(lw, n) is None]
+        if missing:
+            raise ValueError(f"the laid-out weights lack layers.{i}.{missing[0]}")
+    return layers, embedding, norm, head
 
 
 def tensor_shapes(config: ModelConfig) -> dict:
