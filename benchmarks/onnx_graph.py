@@ -15,9 +15,12 @@ Engines, all from the same float32 graph (``examples/export_smollm2_onnx.py``):
   ``--calib-source long-tail`` over ``--calib`` tokens of the long text after the measured ones).
 
 Protocol, per context ``N`` (``--contexts``): the first ``N - D`` tokens of the long built-in
-text (*Pride and Prejudice*) go through the engine as a prompt in chunks of 512 (each chunk
-after the first attends to what the engine's cache holds of the earlier ones), then the next
-``D = --decode`` tokens are fed one decode step each (teacher forcing). Reported: mean KL
+text (*Pride and Prejudice*) go through the engine as a prompt in chunks of 512, then the next
+``D = --decode`` tokens are fed one decode step each (teacher forcing). The in-graph decoder
+stages the prompt's chunks exactly and stores it compressed at its end, as the NumPy decoder
+does (``--prompt-store exact``, its default); ``--prompt-store chunks`` stores each chunk as it
+comes, the later chunks attending to the stored form of the earlier ones. The hook and ORT's
+own loops store each chunk as it comes. Reported: mean KL
 (float cache || engine) and top-1 agreement over those ``D`` positions, the bytes of K/V the
 engine holds at the end (bits per value: ``bytes * 8 / (2 * layers * kv_heads * N * head_dim)``;
 the hook counts the cache and the float past it keeps), and decode tokens/s over the ``D``
@@ -95,10 +98,11 @@ def engine_names(args) -> list:
 class Engine:
     """One engine behind a uniform step interface: ``prompt(ids)``, ``step(token)``, ``held_bytes()``."""
 
-    def __init__(self, name: str, paths: dict, geometry: dict):
+    def __init__(self, name: str, paths: dict, geometry: dict, prompt_store: str = "exact"):
         from arraykv.integrations.ort_gqa import OrtPastLoop
 
         self.name = name
+        self.prompt_store = prompt_store
         self.geometry = geometry
         if name == "ORT float":
             self.engine = OrtPastLoop(str(paths["float"]))
@@ -127,6 +131,9 @@ class Engine:
         import numpy as np
 
         a = np.asarray([ids], dtype=np.int64)
+        if self.kind == "graph":
+            self.engine.prefill(a, self.state, chunk_size=CHUNK, prompt_store=self.prompt_store, logits="last")
+            return
         for s in range(0, a.shape[1], CHUNK):
             if self.kind == "hook":
                 self.engine.step(a[:, s : s + CHUNK], self.state)
@@ -248,7 +255,9 @@ def memory_child(args) -> int:
     work = Path(args.workdir)
     meta = json.loads((work / "meta.json").read_text())
     ids = np.load(work / "ids.npy").tolist()
-    eng = Engine(args.memory_child, {k: work / v for k, v in meta["paths"].items()}, meta["geometry"])
+    eng = Engine(
+        args.memory_child, {k: work / v for k, v in meta["paths"].items()}, meta["geometry"], args.prompt_store
+    )
 
     def status(key):
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -361,6 +370,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="also print where a decode step's time goes: the in-graph operator, cache.decode, the rest",
     )
+    ap.add_argument(
+        "--prompt-store",
+        choices=["exact", "chunks"],
+        default="exact",
+        help="how the in-graph decoder stores the prompt's chunks (OrtGraphDecoder.prefill's prompt_store)",
+    )
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-only", action="store_true", help="skip the quality and speed tables")
     ap.add_argument("--workdir", default=str(cache_dir() / "onnx_graph_bench"))
@@ -392,7 +407,7 @@ def main(argv=None) -> int:
         time_operator()
     for name in [] if args.memory_only else names:
         t0 = time.perf_counter()
-        eng = Engine(name, paths, geometry)
+        eng = Engine(name, paths, geometry, args.prompt_store)
         warm_up(eng, ids)
         for n in args.contexts:
             results[(name, n)] = quality_run(eng, ids, n, args.decode)
@@ -401,7 +416,8 @@ def main(argv=None) -> int:
     for n in [] if args.memory_only else args.contexts:
         ref = logp(results[("ORT float", n)]["logits"])
         print(
-            f"\ncontext {n}: prompt {n - args.decode} tokens in chunks of {CHUNK}, then {args.decode} "
+            f"\ncontext {n}: prompt {n - args.decode} tokens in chunks of {CHUNK} (in graph: prompt_store="
+            f"{args.prompt_store!r}), then {args.decode} "
             "teacher-forced decode steps"
         )
         base = results.get((SPEED_BASE, n))
@@ -451,6 +467,8 @@ def main(argv=None) -> int:
             str(args.memory_prompt),
             "--memory-loop",
             str(args.memory_loop),
+            "--prompt-store",
+            args.prompt_store,
         ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:

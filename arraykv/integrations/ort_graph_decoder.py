@@ -27,9 +27,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .generation import cache_length, check_sampling, chunked_logits, generate_tokens, prompt_ids, undo_on_failure
+from .generation import cache_length, check_sampling, generate_tokens, prompt_ids, undo_on_failure
 from .gguf import require
-from .ort_cache_op import CacheSlot, register, session_options
+from .ort_cache_op import CacheSlot, register, run_prompt, session_options
 from .ort_graph import rewrite_with_cache_op
 from .ort_graph_file import rewritten_session
 from .ort_store import graph_identity, store_prefill
@@ -170,21 +170,19 @@ class OrtGraphDecoder:
         already stored in earlier layers are taken back (``cache.truncate_all``) and the
         operator's own exception is raised.
         """
-        import numpy as np
-
         if mode not in ("prefill", "decode"):
             raise ValueError(f"mode must be 'prefill' or 'decode', received {mode!r}")
-        ids = np.asarray(input_ids)
-        if ids.ndim == 1:
-            ids = ids[None, :]
-        if ids.ndim != 2 or ids.shape[1] == 0 or ids.dtype.kind not in "iu":
-            raise ValueError(
-                f"input_ids must be integers of shape (batch, new_tokens), received {ids.shape} {ids.dtype}"
-            )
+        return self._run(_token_ids(input_ids), cache, mode, cache)
+
+    def _run(self, ids: Any, cache: Any, mode: str, into: Any) -> Any:
+        """:meth:`step` on checked ``ids``, the nodes storing into ``into``: ``cache``, or a
+        :class:`~arraykv.integrations.prompt_stage.PromptStage` standing in for it."""
+        import numpy as np
+
         batch, t = ids.shape
         if mode == "decode" and t != 1:
             raise ValueError(f"a decode step takes one token per sequence, received {t}")
-        past_len = cache_length(cache, self.num_layers)
+        past_len = cache_length(into, self.num_layers)
         if mode == "decode" and past_len == 0:
             raise ValueError("decode needs a cache holding earlier tokens; call prefill first")
         feeds = {"input_ids": ids.astype(self._int_type["input_ids"])}
@@ -195,7 +193,7 @@ class OrtGraphDecoder:
             feeds["position_ids"] = np.broadcast_to(pos, (batch, t)).copy()
         self._check_geometry(cache)
         slot = self._slot
-        slot.cache, slot.mode, slot.error = cache, mode, None
+        slot.cache, slot.mode, slot.error = into, mode, None
         try:
             with undo_on_failure(cache, past_len):
                 logits = self.session.run([self.logits_name], feeds)[0]
@@ -215,9 +213,33 @@ class OrtGraphDecoder:
                     f"the cache has {name}={have}, this graph needs {want}; make it with decoder.make_cache(method)"
                 )
 
-    def prefill(self, input_ids: Any, cache: Any) -> Any:
-        """The tokens ``input_ids`` (batch, tokens) after what ``cache`` holds; logits (batch, tokens, vocab)."""
-        return self.step(input_ids, cache, mode="prefill")
+    def prefill(
+        self,
+        input_ids: Any,
+        cache: Any,
+        *,
+        chunk_size: int | None = None,
+        prompt_store: str = "exact",
+        logits: str = "all",
+    ) -> Any:
+        """The tokens ``input_ids`` (batch, tokens) after what ``cache`` holds, stored in it.
+
+        ``chunk_size`` (tokens per graph run, None: one run), ``prompt_store`` ("exact": a
+        prompt of several chunks is computed over its exact keys and values and stored
+        compressed in one piece at its end; "chunks": each chunk stored as it comes) and
+        ``logits`` ("all": (batch, tokens, vocab); "last": (batch, vocab)) as in
+        :meth:`DecoderModel.prefill <arraykv.integrations.llama.DecoderModel.prefill>`; see
+        :func:`~arraykv.integrations.ort_cache_op.run_prompt`.
+        """
+        return run_prompt(
+            lambda a, into: self._run(a, cache, "prefill", into),
+            _token_ids(input_ids),
+            cache,
+            self.num_layers,
+            chunk_size=chunk_size,
+            prompt_store=prompt_store,
+            logits=logits,
+        )
 
     def decode(self, input_ids: Any, cache: Any) -> Any:
         """One token per sequence (an int, or shape (batch,) or (batch, 1)); logits (batch, 1, vocab)."""
@@ -260,8 +282,9 @@ class OrtGraphDecoder:
         stop_at_eos, temperature, top_k, seed, on_token
             As in :meth:`DecoderModel.generate <arraykv.integrations.llama.DecoderModel.generate>`.
         prefill_chunk : int or None, default 512
-            The prompt goes through :meth:`prefill` in chunks of this many tokens (each chunk
-            attends to the cache's stored form of the earlier ones); None feeds it in one piece.
+            The prompt goes through :meth:`prefill` in chunks of this many tokens, computed over
+            its exact keys and values and stored compressed at its end (``prompt_store="exact"``);
+            None feeds it in one piece.
         store : PrefixStore, folder or ``redis://`` URL, optional
             Reuse the longest stored prefix of the prompt, prefill only the rest and store new
             prefixes (:mod:`arraykv.integrations.ort_store`); the result equals a run without a
@@ -273,6 +296,8 @@ class OrtGraphDecoder:
             The new token ids (the prompt excluded).
         """
 
+        import numpy as np
+
         ids = prompt_ids(prompt, None)
         temperature = check_sampling(max_new_tokens, temperature, top_k, prefill_chunk)
         if cache is None:
@@ -280,13 +305,15 @@ class OrtGraphDecoder:
         elif cache_length(cache, self.num_layers) != 0:
             raise ValueError("cache must be empty; call cache.reset() first")
 
-        def run(a: Any) -> Any:
-            return self.prefill(a, cache)
+        def run(a: Any) -> Any:  # a prompt or a store segment, staged exactly when it takes several chunks
+            return self.prefill(a, cache, chunk_size=prefill_chunk, logits="last")[0]
 
         def prefill_last(p: list) -> Any:
             if store is not None:
-                return store_prefill(store, "onnxruntime-graph", self._identity, cache, p, prefill_chunk, run)
-            return chunked_logits(run, p, prefill_chunk)[0, -1]
+                return store_prefill(
+                    store, "onnxruntime-graph", self._identity, cache, p, prefill_chunk, run, segments=True
+                )
+            return run(np.asarray([p], dtype=np.int64))
 
         return generate_tokens(
             prefill_last,
@@ -300,6 +327,18 @@ class OrtGraphDecoder:
             seed=seed,
             on_token=on_token,
         )
+
+
+def _token_ids(input_ids: Any) -> Any:
+    """``input_ids`` as a NumPy integer array (batch, new_tokens), or a ValueError."""
+    import numpy as np
+
+    ids = np.asarray(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None, :]
+    if ids.ndim != 2 or ids.shape[1] == 0 or ids.dtype.kind not in "iu":
+        raise ValueError(f"input_ids must be integers of shape (batch, new_tokens), received {ids.shape} {ids.dtype}")
+    return ids
 
 
 def _spinning(options: Any) -> str | None:

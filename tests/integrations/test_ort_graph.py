@@ -289,15 +289,19 @@ def test_gqa_float_path_matches_and_quantized_paths_hold_fewer_bytes(graph, ids)
 @pytest.mark.parametrize("method", ["pqo4", "int4"])
 def test_generate_with_a_prefix_store_continues_bit_for_bit(dec, graph, ids, method, tmp_path):
     """A prompt through a prefix store: the cold run stores its prefix, the warm run restores it;
-    both hold every array a run without a store holds, and generate its tokens."""
+    both hold every array the store's schedule without a store holds (the prompt in segments of
+    ``chunk_tokens``, each staged exactly over its prefill chunks), and generate its tokens."""
     from arraykv.store import LocalStore, PrefixStore
+    from arraykv.store.prefix import segmented_prefill
 
     from cache_contract import assert_same_snapshot, snapshot
 
     rng = np.random.default_rng(11)
     prompt = [int(t) for t in rng.integers(0, CFG.vocab_size, 100)]
     plain_cache = dec.make_cache(method)
-    want = dec.generate(prompt, 6, cache=plain_cache, prefill_chunk=16)
+    want = [int(np.argmax(segmented_prefill(dec, prompt, plain_cache, chunk_tokens=32, chunk_size=16)))]
+    while len(want) < 6:
+        want.append(int(np.argmax(dec.decode(want[-1], plain_cache))))
     store = PrefixStore(LocalStore(tmp_path / "s"), chunk_tokens=32)
     for reused in (0, 96):  # (100 - 1) // 32 = 3 whole chunks: the longest prefix that leaves a token
         cache = dec.make_cache(method)
