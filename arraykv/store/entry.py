@@ -13,13 +13,9 @@ layer holds the expected number of tokens.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
 import struct
-import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 from ..storage.cache_file import (
@@ -27,8 +23,8 @@ from ..storage.cache_file import (
     MAGIC,
     CacheFileError,
     LayerRecord,
-    read_cache_file,
-    write_cache_file,
+    encode_cache_file,
+    parse_cache_file,
 )
 from .backend import EntryError
 from .binding import read_header
@@ -40,16 +36,11 @@ HEADER_LIMIT = 1 << 24
 _PREFIX = len(MAGIC) + 12
 
 
-def _scratch_dir() -> str | None:
-    """A memory-backed folder for the transient file where there is one (Linux), else the default."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-
-
 #: The arrays of a layer that only serve truncation: copies of its latest encoded tokens.
 ROLLBACK_ARRAYS = ("k_rollback", "v_rollback")
 
 
-def encode_cache(cache: Any, *, rollback_copies: bool = True) -> bytes:
+def encode_cache(cache: Any, *, rollback_copies: bool = True) -> bytearray:
     """The bytes of ``cache`` saved (what :meth:`~arraykv.caches.LayeredCache.save` writes).
 
     Parameters
@@ -67,8 +58,9 @@ def encode_cache(cache: Any, *, rollback_copies: bool = True) -> bytes:
 
     Returns
     -------
-    bytes
-        The whole cache file: configuration and every layer's arrays, taken to host memory.
+    bytearray
+        The whole cache file: configuration and every layer's arrays, taken to host memory
+        and written into one buffer (no file, no second copy).
     """
     if not (hasattr(cache, "get_config") and hasattr(cache, "snapshot")):
         raise TypeError(
@@ -77,11 +69,7 @@ def encode_cache(cache: Any, *, rollback_copies: bool = True) -> bytes:
     layers = cache.snapshot(host=True)
     if not rollback_copies:
         layers = [None if rec is None else _without_rollback_copies(rec) for rec in layers]
-    with tempfile.TemporaryDirectory(prefix="arraykv-entry-", dir=_scratch_dir()) as tmp:
-        path = os.path.join(tmp, "entry")
-        write_cache_file(path, cache.get_config(), layers)
-        with open(path, "rb") as f:
-            return f.read()
+    return encode_cache_file(cache.get_config(), layers)  # in memory: no scratch file, no disk to fill
 
 
 def _without_rollback_copies(rec: LayerRecord) -> LayerRecord:
@@ -90,39 +78,15 @@ def _without_rollback_copies(rec: LayerRecord) -> LayerRecord:
     return dataclasses.replace(rec, arrays=arrays)
 
 
-@contextlib.contextmanager
-def _as_file(data: bytes) -> Iterator[str]:
-    """A path from which the cache file reader reads ``data`` (an anonymous memory file on Linux)."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("arraykv-entry", os.MFD_CLOEXEC)
-        try:
-            os.write(fd, data) if len(data) < (1 << 30) else _write_all(fd, data)
-            yield f"/proc/self/fd/{fd}"
-        finally:
-            os.close(fd)
-        return
-    with tempfile.TemporaryDirectory(prefix="arraykv-entry-") as tmp:
-        path = os.path.join(tmp, "entry")
-        with open(path, "wb") as f:
-            f.write(data)
-        yield path
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
 def _read(data: bytes | bytearray | memoryview, what: str) -> tuple[dict[str, Any], list[LayerRecord | None]]:
     """``(config, layers)`` of entry bytes, or an EntryError saying why not."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"an entry is bytes, received {type(data).__name__}")
-    with _as_file(bytes(data)) as path:
-        try:
-            return read_cache_file(path)
-        except CacheFileError as exc:
-            raise EntryError(f"{what} is not a valid cache file: {str(exc).replace(path, 'the entry')}") from None
+    try:
+        # read in place: the arrays are read-only views of ``data``, which the cache's restore copies
+        return parse_cache_file(data, "the entry", copy=False)
+    except CacheFileError as exc:
+        raise EntryError(f"{what} is not a valid cache file: {exc}") from None
 
 
 def restore_entry(

@@ -12,24 +12,48 @@ Concurrency without locks:
   once it is older than :data:`STALE_TMP_SECONDS`;
 - two writers of one key: the last rename wins, both files whole;
 - a reader holds an open file: an eviction that unlinks it meanwhile does not disturb the read;
-- recency: a read sets the file's access time (``os.utime``, whatever the mount's ``noatime``);
-  eviction drops the files read longest ago; the modification time is the creation time (the
-  rename keeps the writer's), which the TTL counts from.
+- recency: :meth:`LocalStore.touch`, which a reader calls once the entry it read was accepted,
+  sets the file's access time (``os.utime``, whatever the mount's ``noatime``); a read alone does
+  not, so a damaged entry that is read and refused stays first in line for eviction. Eviction
+  drops the files used longest ago; the modification time is the creation time (the rename
+  keeps the writer's), which the TTL counts from.
+
+Size: by default the entries' total is kept under :data:`DEFAULT_MAX_BYTES` (10 GiB) or half
+the size of the file system that holds the folder, whichever is smaller (``max_bytes="auto"``);
+``max_bytes=None`` lifts the bound.
+
+Whatever else is found at an entry's path (a folder, a FIFO, a device, a symbolic link, a loop
+of links, a file where a subfolder should be, an unreadable file) is a
+:class:`~arraykv.store.backend.StoreError`: entry files are opened without following links and
+without blocking (``O_NOFOLLOW | O_NONBLOCK``), checked to be regular files (``fstat``) and to
+start with the cache file's magic number before the rest is read, and never read past the
+size checked against ``max_entry_bytes``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
 from typing import BinaryIO
 
+from ..storage.cache_file import MAGIC
 from .backend import DEFAULT_MAX_ENTRY_BYTES, EntryError, EntryInfo, StoreError, check_key, check_limit
+from .binding import ENTRY_MAGIC
 from .entry import HEADER_LIMIT, peek_entry
 
-__all__ = ["LocalStore", "STALE_TMP_SECONDS"]
+__all__ = ["LocalStore", "STALE_TMP_SECONDS", "DEFAULT_MAX_BYTES"]
+
+#: The default bound of a folder store's entries (``max_bytes="auto"``), unless half the file
+#: system is smaller.
+DEFAULT_MAX_BYTES = 10 << 30
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_OPEN_FLAGS |= getattr(os, "O_BINARY", 0)
+_NOATIME = getattr(os, "O_NOATIME", 0)
 
 #: Age after which a temporary file is taken for a dead writer's and removed by ``evict``.
 STALE_TMP_SECONDS = 3600.0
@@ -42,10 +66,13 @@ class LocalStore:
     Parameters
     ----------
     root : str or path-like
-        The store's folder (``~`` expanded); several processes may use it at once.
-    max_bytes : int, optional
+        The store's folder (``~`` expanded), created if missing; several processes may use it
+        at once. One that cannot be made (a file in the way, no rights) is no error here: every
+        use then fails with a :class:`~arraykv.store.backend.StoreError`.
+    max_bytes : int, "auto" or None, default "auto"
         Budget of the entries' total size: after each ``put`` the least recently used entries
-        are removed until the total is at most this. None: no budget.
+        are removed until the total is at most this. "auto": :data:`DEFAULT_MAX_BYTES` or half
+        the size of the folder's file system, whichever is smaller. None: no budget.
     ttl : float, optional
         Seconds an entry is served after it was written; older ones are misses and are removed
         by ``evict``. None: no expiry.
@@ -61,21 +88,23 @@ class LocalStore:
         self,
         root: str | os.PathLike,
         *,
-        max_bytes: int | None = None,
+        max_bytes: int | str | None = "auto",
         ttl: float | None = None,
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
         fsync: bool = True,
     ):
-        self.max_bytes = check_limit("max_bytes", max_bytes)
+        if max_bytes != "auto":
+            check_limit("max_bytes", max_bytes)  # before the folder is made
         self.ttl = check_limit("ttl", ttl)
         self.max_entry_bytes = int(check_limit("max_entry_bytes", max_entry_bytes, allow_none=False))
         self.fsync = bool(fsync)
         self.root = os.path.abspath(os.path.expanduser(os.fspath(root)))
         self._base = os.path.join(self.root, "v1")
-        try:
+        # made now where it can be; where it cannot (a file in the way, no rights, a full disk),
+        # every use fails with a StoreError instead, which a PrefixStore turns into warnings
+        with contextlib.suppress(OSError):
             os.makedirs(self._base, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(f"cannot create the store folder {self._base}: {exc}") from None
+        self.max_bytes = _auto_budget(self._base) if max_bytes == "auto" else check_limit("max_bytes", max_bytes)
 
     def __repr__(self) -> str:
         return f"LocalStore({self.root!r}, max_bytes={self.max_bytes}, ttl={self.ttl})"
@@ -97,7 +126,7 @@ class LocalStore:
         return os.path.join(self._base, key[:2], key + _SUFFIX)
 
     # -- the interface --------------------------------------------------------------
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> bytes | bytearray | None:
         """The entry's bytes, or None when there is no file or it expired (see :meth:`StoreBackend.get`).
 
         Parameters
@@ -107,15 +136,15 @@ class LocalStore:
 
         Returns
         -------
-        bytes or None
-            The file's bytes; None for a miss. A hit marks the file as used (its access time).
+        bytearray or None
+            The file's bytes (a ``bytearray``: one buffer, filled in place); None for a miss.
+            Reading is not a use: :meth:`touch` marks the entry once it was accepted.
         """
         path = self.path_of(key)
-        try:
-            f = open(path, "rb")
-        except FileNotFoundError:
+        fd = self._open(path, key)
+        if fd is None:
             return None
-        with f:
+        with os.fdopen(fd, "rb", buffering=0) as f:
             st = os.fstat(f.fileno())
             if self._expired(st.st_mtime):
                 return None
@@ -125,12 +154,70 @@ class LocalStore:
                     f"entry {key[:16]}... declares {size} bytes, more than max_entry_bytes="
                     f"{self.max_entry_bytes}; not read"
                 )
-            data = f.read(size)  # never more than the size checked above
-        if len(data) != size:
-            raise EntryError(f"entry {key[:16]}... holds {len(data)} bytes, its file declares {size}")
-        with contextlib.suppress(OSError):  # recency for eviction; the file may be gone already
-            os.utime(path, (time.time(), st.st_mtime))
+            magic = f.read(len(MAGIC))  # before anything of the entry's size is allocated
+            if magic not in (MAGIC, ENTRY_MAGIC):  # a store entry (binding.py) or a bare cache file
+                raise EntryError(f"entry {key[:16]}... is not a cache file (bad magic number); not read")
+            data = bytearray(size)  # the one buffer: never more than the size checked above
+            view = memoryview(data)
+            view[: len(MAGIC)] = magic
+            got = len(MAGIC) + _read_into(f, view[len(MAGIC) :])
+            del view
+        if got != size:
+            raise EntryError(f"entry {key[:16]}... holds {got} bytes, its file declares {size}")
         return data
+
+    def touch(self, key: str) -> bool:
+        """Mark ``key``'s entry as used now (its access time); whether there was one.
+
+        Parameters
+        ----------
+        key : str
+            The entry's key: 16-128 lower-case hexadecimal digits.
+
+        Returns
+        -------
+        bool
+            True when a regular file was held and marked.
+        """
+        path = self.path_of(key)
+        st = _lstat(path)
+        if st is None or not stat.S_ISREG(st.st_mode):
+            return False
+        try:
+            os.utime(path, (time.time(), st.st_mtime), follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StoreError(f"cannot mark entry {key[:16]}... as used: {exc}") from None
+        return True
+
+    def _open(self, path: str, key: str) -> int | None:
+        """A descriptor of ``path`` if it is a regular file, None if there is nothing; else a StoreError.
+
+        Opened without following a link and without blocking (a FIFO or a device cannot hang
+        the reader); the type is checked on the open file, so nothing can be swapped in between.
+        """
+        try:
+            try:
+                fd = os.open(path, _OPEN_FLAGS | _NOATIME)  # a read is not a use: the access time stays
+            except PermissionError:  # O_NOATIME is for the file's owner only
+                if not _NOATIME:
+                    raise
+                fd = os.open(path, _OPEN_FLAGS)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            what = "a symbolic link" if exc.errno in (errno.ELOOP, errno.EMLINK) else os.strerror(exc.errno or 0)
+            raise StoreError(f"entry {key[:16]}... cannot be read at {path}: {what}") from None
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError as exc:
+            os.close(fd)
+            raise StoreError(f"entry {key[:16]}... cannot be read at {path}: {exc}") from None
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise StoreError(f"entry {key[:16]}... at {path} is not a regular file ({_kind(mode)})")
+        return fd
 
     def put(self, key: str, data: bytes, *, tokens: int | None = None) -> None:
         """Write ``data`` to a temporary file, then rename it over ``key``'s file; evict to ``max_bytes``.
@@ -184,12 +271,11 @@ class LocalStore:
         Returns
         -------
         bool
-            True for an unexpired entry.
+            True for an unexpired entry (a regular file: what else is at the path is no entry,
+            and ``put`` replaces it where it can).
         """
-        try:
-            return not self._expired(os.stat(self.path_of(key)).st_mtime)
-        except FileNotFoundError:
-            return False
+        st = _lstat(self.path_of(key))
+        return st is not None and stat.S_ISREG(st.st_mode) and not self._expired(st.st_mtime)
 
     def delete(self, key: str) -> bool:
         """Remove ``key``'s file; whether there was one.
@@ -223,9 +309,11 @@ class LocalStore:
         for path, st in self._files():
             key = os.path.basename(path)[: -len(_SUFFIX)]
             info = None
-            with contextlib.suppress(OSError):
-                with open(path, "rb") as f:
-                    info = peek_entry(_head(f))
+            with contextlib.suppress(OSError, StoreError):
+                fd = self._open(path, key)
+                if fd is not None:
+                    with os.fdopen(fd, "rb") as f:
+                        info = peek_entry(_head(f))
             out.append(
                 EntryInfo(
                     key=key,
@@ -293,22 +381,24 @@ class LocalStore:
         """``(path, stat)`` of every entry file (and temporary file), skipping ones that vanish."""
         try:
             folders = os.listdir(self._base)
-        except FileNotFoundError:
+        except OSError:
             return
         for sub in folders:
             folder = os.path.join(self._base, sub)
+            st = _lstat(folder)
+            if st is None or not stat.S_ISDIR(st.st_mode):
+                continue  # a file or a link where a subfolder should be: not the store's
             try:
                 names = os.listdir(folder)
-            except (NotADirectoryError, FileNotFoundError):
+            except OSError:
                 continue
             for name in names:
                 if not name.endswith(_SUFFIX) or (name.startswith(".tmp-") and not tmp_too):
                     continue
                 path = os.path.join(folder, name)
-                try:
-                    yield path, os.stat(path)
-                except FileNotFoundError:
-                    continue
+                st = _lstat(path)
+                if st is not None and stat.S_ISREG(st.st_mode):
+                    yield path, st
 
 
 def _head(f: BinaryIO) -> bytes:
@@ -324,8 +414,52 @@ def _unlink(path: str) -> bool:
     try:
         os.unlink(path)
         return True
-    except FileNotFoundError:
+    except OSError:
         return False
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    """``os.lstat(path)``, None when nothing (or nothing reachable) is there."""
+    try:
+        return os.lstat(path)
+    except OSError:
+        return None
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _read_into(f: BinaryIO, view: memoryview) -> int:
+    """Fill ``view`` from ``f``; the bytes read (fewer only at the file's end)."""
+    got = 0
+    while got < len(view):
+        k = f.readinto(view[got:])  # type: ignore[attr-defined]
+        if not k:
+            break
+        got += k
+    return got
+
+
+def _auto_budget(folder: str) -> int:
+    """:data:`DEFAULT_MAX_BYTES`, or half the size of ``folder``'s file system if that is smaller."""
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)  # not made (yet): the file system it would be on
+    try:
+        vfs = os.statvfs(folder)
+        return max(1, min(DEFAULT_MAX_BYTES, vfs.f_frsize * vfs.f_blocks // 2))
+    except (OSError, AttributeError):  # no statvfs (Windows)
+        return DEFAULT_MAX_BYTES
 
 
 def _fsync_dir(folder: str) -> None:

@@ -68,7 +68,7 @@ from typing import Any, TypeVar, cast
 
 from .._compat import namespace as _namespace
 from ..storage.cache_file import FORMAT_VERSION
-from .backend import EntryError, StoreBackend, StoreError
+from .backend import EntryError, StoreBackend, StoreError, guarded
 from .binding import Binding, Tenant, open_entry, seal_entry, secret_from
 from .entry import encode_cache, restore_entry
 from .keys import chain_digests, model_identity, namespace_root
@@ -143,8 +143,9 @@ def open_backend(spec: Any) -> StoreBackend:
     ----------
     spec : StoreBackend, str or path-like
         A backend object (any object with callable ``get``, ``put``, ``contains``, ``delete``,
-        ``entries`` and ``evict``), a ``redis://``, ``rediss://``, ``valkey://``, ``valkeys://``
-        or ``unix://`` URL, or a folder.
+        ``entries`` and ``evict``), a ``redis://``, ``rediss://``, ``valkey://``, ``valkeys://``,
+        ``unix://`` or cluster (``redis+cluster://host:port,host:port``, ``valkey+cluster://``)
+        URL, or a folder.
 
     Returns
     -------
@@ -159,7 +160,9 @@ def open_backend(spec: Any) -> StoreBackend:
     """
     if isinstance(spec, (str, os.PathLike)):
         text = os.fspath(spec)
-        if text.startswith(("redis://", "rediss://", "valkey://", "valkeys://", "unix://")):
+        if text.startswith(
+            ("redis://", "rediss://", "valkey://", "valkeys://", "unix://", "redis+cluster://", "valkey+cluster://")
+        ):
             from .valkey import ValkeyStore
 
             return ValkeyStore(text.replace("valkey", "redis", 1) if text.startswith("valkey") else text)
@@ -274,7 +277,7 @@ class PrefixStore:
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
             raise ValueError(f"model_id must be a non-empty string or None, received {model_id!r}")
         self._tenant = Tenant(secret_from(secret))
-        self.backend = open_backend(backend)
+        self.backend = guarded(open_backend(backend))  # every failure a StoreError; a circuit breaker
         self.chunk_tokens, self.policy, self.model_id, self.on_error = chunk_tokens, policy, model_id, on_error
         self.last_report: PrefillReport | None = None
 

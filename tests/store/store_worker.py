@@ -27,8 +27,9 @@ KEYS = [f"{i:02x}" * 16 for i in range(4)]
 
 
 def payload(seed: int, size: int) -> bytes:
+    """The cache file magic number (what a folder store checks first), the body's SHA-256, the body."""
     body = hashlib.shake_128(f"{seed}".encode()).digest(size)
-    return hashlib.sha256(body).digest() + body
+    return b"ARRAYKV\x00" + hashlib.sha256(body).digest() + body
 
 
 def backend(spec: str, prefix: str):
@@ -54,7 +55,7 @@ def main(argv: list) -> int:
                 data = store.get(key)
                 if data is not None:
                     reads += 1
-                    torn += hashlib.sha256(data[32:]).digest() != data[:32]
+                    torn += hashlib.sha256(data[40:]).digest() != data[8:40]
         print(reads, torn, flush=True)
         return 1 if torn else 0
     if cmd == "writeloop":

@@ -8,19 +8,21 @@ import time
 
 import pytest
 
+from arraykv.storage.cache_file import MAGIC
 from arraykv.store import EntryError, EntryInfo, LocalStore, StoreBackend, ValkeyStore
 
 K1, K2, K3 = "11" * 16, "22" * 16, "33" * 16
 
 
 def payload(seed: int, size: int) -> bytes:
-    """Self-checking bytes: the SHA-256 of the body, then the body."""
+    """Self-checking bytes: the cache file magic number (what a folder store checks first), the
+    SHA-256 of the body, then the body."""
     body = hashlib.shake_128(f"{seed}".encode()).digest(size)
-    return hashlib.sha256(body).digest() + body
+    return MAGIC + hashlib.sha256(body).digest() + body
 
 
 def whole(data: bytes) -> bool:
-    return hashlib.sha256(data[32:]).digest() == data[:32]
+    return hashlib.sha256(data[40:]).digest() == data[8:40]
 
 
 def test_round_trip_contains_delete_and_entries(backend):
@@ -62,11 +64,22 @@ def test_evict_drops_least_recently_used_first(backend):
     for i, k in enumerate((K1, K2, K3)):
         backend.put(k, payload(i, 10_000))
         time.sleep(1.05 if isinstance(backend, ValkeyStore) else 0.02)  # IDLETIME counts seconds
-    backend.get(K1)  # K1 used last now: K2 is the oldest
+    assert backend.touch(K1)  # K1 used last now: K2 is the oldest
+    assert not backend.touch("44" * 16)
     dropped = backend.evict(25_000)
     assert dropped == [K2]
     assert backend.contains(K1) and backend.contains(K3)
     assert sum(e.nbytes for e in backend.entries()) <= 25_000
+
+
+def test_reading_an_entry_is_not_a_use(backend):
+    """Only touch (called once an entry was accepted) moves an entry's use time: an entry read
+    and refused as damaged must not outlive the good ones in eviction."""
+    for i, k in enumerate((K1, K2, K3)):
+        backend.put(k, payload(i, 10_000))
+        time.sleep(1.05 if isinstance(backend, ValkeyStore) else 0.02)
+    assert backend.get(K1) is not None and backend.get(K2) is not None
+    assert backend.evict(25_000) == [K1]  # read, but never marked used: still the oldest
 
 
 def test_ttl_expires_entries(backend):
@@ -95,8 +108,18 @@ def test_local_store_budget_applies_on_put_and_removes_dead_writers_files(tmp_pa
     assert not os.path.exists(stale)
 
 
+def test_a_folder_store_is_bounded_by_default(tmp_path):
+    from arraykv.store.local import DEFAULT_MAX_BYTES
+
+    vfs = os.statvfs(tmp_path)
+    assert LocalStore(tmp_path).max_bytes == min(DEFAULT_MAX_BYTES, vfs.f_frsize * vfs.f_blocks // 2)
+    assert LocalStore(tmp_path, max_bytes=None).max_bytes is None
+    assert LocalStore(tmp_path, max_bytes=123).max_bytes == 123
+
+
 def test_bad_limits_are_refused(tmp_path):
     for kwargs in (
+        {"max_bytes": "big"},
         {"max_bytes": 0},
         {"ttl": -1},
         {"ttl": float("nan")},

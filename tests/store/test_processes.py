@@ -38,7 +38,7 @@ def _url(store: ValkeyStore) -> str:
 def whole(data: bytes) -> bool:
     import hashlib
 
-    return hashlib.sha256(data[32:]).digest() == data[:32]
+    return hashlib.sha256(data[40:]).digest() == data[8:40]
 
 
 def test_four_processes_writing_and_reading_one_store_never_see_a_torn_entry(backend):
