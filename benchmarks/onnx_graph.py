@@ -18,9 +18,10 @@ Protocol, per context ``N`` (``--contexts``): the first ``N - D`` tokens of the 
 text (*Pride and Prejudice*) go through the engine as a prompt in chunks of 512, then the next
 ``D = --decode`` tokens are fed one decode step each (teacher forcing). The in-graph decoder
 stages the prompt's chunks exactly and stores it compressed at its end, as the NumPy decoder
-does (``--prompt-store exact``, its default); ``--prompt-store chunks`` stores each chunk as it
-comes, the later chunks attending to the stored form of the earlier ones. The hook and ORT's
-own loops store each chunk as it comes. Reported: mean KL
+does (``in graph, <method>``); with ``--prompt-store exact chunks`` the engines
+``in graph, <method>, chunks`` are measured beside them, storing each chunk as it comes, the
+later chunks attending to the stored form of the earlier ones (how the in-graph decoder stored a
+prompt before). The hook and ORT's own loops store each chunk as it comes. Reported: mean KL
 (float cache || engine) and top-1 agreement over those ``D`` positions, the bytes of K/V the
 engine holds at the end (bits per value: ``bytes * 8 / (2 * layers * kv_heads * N * head_dim)``;
 the hook counts the cache and the float past it keeps), and decode tokens/s over the ``D``
@@ -85,7 +86,11 @@ def export_module():
 
 
 def engine_names(args) -> list:
-    names = ["ORT float"] + [f"in graph, {m}" for m in args.graph_methods]
+    names = ["ORT float"] + [
+        f"in graph, {m}" + ("" if store == "exact" else f", {store}")
+        for m in args.graph_methods
+        for store in args.prompt_store
+    ]
     names += [f"hook, {m}" for m in args.hook_methods] + list(GQA)
     if args.engines:
         unknown = set(args.engines) - set(names)
@@ -98,11 +103,10 @@ def engine_names(args) -> list:
 class Engine:
     """One engine behind a uniform step interface: ``prompt(ids)``, ``step(token)``, ``held_bytes()``."""
 
-    def __init__(self, name: str, paths: dict, geometry: dict, prompt_store: str = "exact"):
+    def __init__(self, name: str, paths: dict, geometry: dict):
         from arraykv.integrations.ort_gqa import OrtPastLoop
 
         self.name = name
-        self.prompt_store = prompt_store
         self.geometry = geometry
         if name == "ORT float":
             self.engine = OrtPastLoop(str(paths["float"]))
@@ -114,7 +118,9 @@ class Engine:
             from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder
 
             self.engine = OrtGraphDecoder(str(paths["float"]))
-            self.method = name.split(", ")[1]
+            parts = name.split(", ")
+            self.method = parts[1]
+            self.prompt_store = parts[2] if len(parts) > 2 else "exact"
             self.kind = "graph"
         else:
             from arraykv.integrations.onnxruntime import OrtKVDecoder
@@ -255,9 +261,7 @@ def memory_child(args) -> int:
     work = Path(args.workdir)
     meta = json.loads((work / "meta.json").read_text())
     ids = np.load(work / "ids.npy").tolist()
-    eng = Engine(
-        args.memory_child, {k: work / v for k, v in meta["paths"].items()}, meta["geometry"], args.prompt_store
-    )
+    eng = Engine(args.memory_child, {k: work / v for k, v in meta["paths"].items()}, meta["geometry"])
 
     def status(key):
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -372,9 +376,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--prompt-store",
+        nargs="+",
         choices=["exact", "chunks"],
-        default="exact",
-        help="how the in-graph decoder stores the prompt's chunks (OrtGraphDecoder.prefill's prompt_store)",
+        default=["exact"],
+        help="how the in-graph engines store the prompt's chunks (OrtGraphDecoder.prefill's prompt_store); "
+        "'chunks' engines are named 'in graph, <method>, chunks'",
     )
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-only", action="store_true", help="skip the quality and speed tables")
@@ -407,7 +413,7 @@ def main(argv=None) -> int:
         time_operator()
     for name in [] if args.memory_only else names:
         t0 = time.perf_counter()
-        eng = Engine(name, paths, geometry, args.prompt_store)
+        eng = Engine(name, paths, geometry)
         warm_up(eng, ids)
         for n in args.contexts:
             results[(name, n)] = quality_run(eng, ids, n, args.decode)
@@ -416,8 +422,7 @@ def main(argv=None) -> int:
     for n in [] if args.memory_only else args.contexts:
         ref = logp(results[("ORT float", n)]["logits"])
         print(
-            f"\ncontext {n}: prompt {n - args.decode} tokens in chunks of {CHUNK} (in graph: prompt_store="
-            f"{args.prompt_store!r}), then {args.decode} "
+            f"\ncontext {n}: prompt {n - args.decode} tokens in chunks of {CHUNK}, then {args.decode} "
             "teacher-forced decode steps"
         )
         base = results.get((SPEED_BASE, n))
@@ -467,8 +472,6 @@ def main(argv=None) -> int:
             str(args.memory_prompt),
             "--memory-loop",
             str(args.memory_loop),
-            "--prompt-store",
-            args.prompt_store,
         ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
