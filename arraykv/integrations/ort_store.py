@@ -47,7 +47,7 @@ def graph_identity(model: Any, base_dir: str | None = None) -> Callable[[], str]
     callable or None
         ``identity() -> str``: every byte of the graph and its weights enters it.
     """
-    from ..store.keys import file_digest, onnx_identity
+    from ..store.keys import file_digest, onnx_identity_later
 
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
@@ -63,8 +63,8 @@ def graph_identity(model: Any, base_dir: str | None = None) -> Callable[[], str]
         digest = "sha256:" + hashlib.sha256(model).hexdigest()
         return lambda: digest
     if hasattr(model, "graph"):
-        digest = "onnx:" + onnx_identity(model, base_dir)
-        return lambda: digest
+        later = onnx_identity_later(model, base_dir)  # external data read on first use only
+        return lambda: "onnx:" + later()
     return None
 
 

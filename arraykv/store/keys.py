@@ -27,7 +27,7 @@ import json
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import numpy as np
@@ -40,6 +40,7 @@ __all__ = [
     "gguf_identity",
     "file_digest",
     "onnx_identity",
+    "onnx_identity_later",
     "namespace_root",
     "chain_digests",
     "chain_keys",
@@ -148,7 +149,9 @@ def file_digest(path: str | os.PathLike, *, block: int = 1 << 22) -> str:
     str
         The 64 hexadecimal digits of the file's SHA-256. A second call for the same file
         (same real path, device, inode, size and modification time in nanoseconds) returns the
-        remembered digest without reading it; a file replaced or written since is read again.
+        remembered digest without reading it; a file replaced or written since is read again
+        (unless it was rewritten in place to the same size within the file system's timestamp
+        resolution, as for any tool that trusts modification times).
     """
     real = os.path.realpath(os.fspath(path))
     with open(real, "rb") as f:
@@ -216,6 +219,31 @@ def onnx_identity(proto: Any, base_dir: str | None = None) -> str:
     ValueError
         An initializer's data is in an external file and ``base_dir`` is not given.
     """
+    return onnx_identity_later(proto, base_dir)()
+
+
+def onnx_identity_later(proto: Any, base_dir: str | None = None) -> Callable[[], str]:
+    """:func:`onnx_identity` in two steps: what the proto holds now, its external data when asked.
+
+    Parameters
+    ----------
+    proto : onnx.ModelProto
+        As for :func:`onnx_identity`; not kept.
+    base_dir : str, optional
+        As for :func:`onnx_identity`.
+
+    Returns
+    -------
+    callable
+        ``identity() -> str``, :func:`onnx_identity`'s digest. The graph and the data held in the
+        proto are hashed now; the regions of external data files (most of a large model's bytes)
+        on the first call, so an engine that never uses a store never reads them.
+
+    Raises
+    ------
+    ValueError
+        An initializer's data is in an external file and ``base_dir`` is not given.
+    """
     graph = getattr(proto, "graph", None)
     if graph is None or not hasattr(graph, "initializer"):
         raise TypeError(f"proto must be an onnx.ModelProto, received {type(proto).__name__}")
@@ -223,17 +251,29 @@ def onnx_identity(proto: Any, base_dir: str | None = None) -> str:
     for part in (graph.input, graph.output, graph.node):
         for item in part:
             h.update(item.SerializeToString(deterministic=True))
+    parts: list = []  # per initializer: its name line, then its data digest or where to read it
     for init in graph.initializer:
-        h.update(f"{init.name}:{tuple(init.dims)}:{init.data_type}".encode())
-        digest = _external_digest(init, base_dir)
-        if digest is None:
-            digest = hashlib.sha256(init.raw_data or init.SerializeToString(deterministic=True)).digest()
-        h.update(digest)
-    return h.hexdigest()
+        parts.append(f"{init.name}:{tuple(init.dims)}:{init.data_type}".encode())
+        region = _external_region(init, base_dir)
+        if region is None:
+            parts.append(hashlib.sha256(init.raw_data or init.SerializeToString(deterministic=True)).digest())
+        else:
+            parts.append(region)
+    memo: list = []
+
+    def identity() -> str:
+        if not memo:
+            whole = h.copy()
+            for part in parts:
+                whole.update(part if isinstance(part, bytes) else _region_digest(*part))
+            memo.append(whole.hexdigest())
+        return str(memo[0])
+
+    return identity
 
 
-def _external_digest(tensor: Any, base_dir: str | None) -> bytes | None:
-    """SHA-256 of a tensor's bytes in its external data file, or None if they are in the proto."""
+def _external_region(tensor: Any, base_dir: str | None) -> tuple | None:
+    """``(name, path, offset, length or None)`` of a tensor's external data, or None if it is in the proto."""
     if tensor.data_location != 1 or not tensor.external_data:  # onnx.TensorProto.EXTERNAL
         return None
     from onnx.external_data_helper import ExternalDataInfo  # only a proto that has external data gets here
@@ -242,17 +282,32 @@ def _external_digest(tensor: Any, base_dir: str | None) -> bytes | None:
     if base_dir is None:
         raise ValueError(f"initializer {tensor.name!r} is in external data {info.location!r}; pass base_dir")
     path = os.path.realpath(os.path.join(base_dir, info.location))
-    offset = int(info.offset or 0)
+    st = os.stat(path)  # the file as it is now: read later only if it is still this file
+    seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return tensor.name, path, int(info.offset or 0), None if info.length is None else int(info.length), seen
+
+
+def _region_digest(name: str, path: str, offset: int, length: int | None, seen: tuple) -> bytes:
+    """SHA-256 of ``length`` bytes of ``path`` at ``offset`` (to its end: None), remembered by file identity.
+
+    ``seen`` is the file's ``(device, inode, size, mtime_ns)`` when the proto was read: a file
+    replaced or written since is refused rather than named for weights it no longer holds.
+    """
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
-        length = int(info.length) if info.length is not None else st.st_size - offset
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != seen:
+            raise ValueError(
+                f"initializer {name!r}: its external data file {path!r} changed since the model was read; "
+                "its identity cannot be taken from it (pass model_id=)"
+            )
+        length = st.st_size - offset if length is None else length
         ident = ("region", path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, offset, length)
         known = _FILE_DIGESTS.get(ident)
         if known is not None:
             return bytes(known)
         if offset < 0 or length < 0 or offset + length > st.st_size:
             raise ValueError(
-                f"initializer {tensor.name!r}: external data {info.location!r} holds {st.st_size} bytes, "
+                f"initializer {name!r}: external data {path!r} holds {st.st_size} bytes, "
                 f"the tensor claims {length} at offset {offset}"
             )
         h = hashlib.sha256()

@@ -21,7 +21,7 @@ import pytest
 
 from arraykv.store import LocalStore, PrefixStore, StoreWarning, segmented_prefill
 from arraykv.store.binding import SECRET_ENV, Tenant, open_entry, read_header, seal_entry
-from arraykv.store.keys import model_identity, onnx_identity
+from arraykv.store.keys import model_identity, onnx_identity, onnx_identity_later
 
 from .tiny_store_model import tiny_model
 
@@ -315,6 +315,13 @@ def test_onnx_identity_covers_every_weight_inline_and_external(tmp_path):
     ext = {n: onnx.load(str(tmp_path / f"{n}.onnx"), load_external_data=False) for n in "ab"}
     assert onnx_identity(ext["a"], str(tmp_path)) == base  # external data named as the model loaded whole
     assert onnx_identity(ext["b"], str(tmp_path)) != base
+    # an engine's identity reads the external data on first use, and only if it is still the file read
+    later = onnx_identity_later(ext["b"], str(tmp_path))
+    assert later() == onnx_identity(ext["b"], str(tmp_path))
+    stale = onnx_identity_later(ext["a"], str(tmp_path))
+    (tmp_path / "a.bin").write_bytes((tmp_path / "b.bin").read_bytes() + b"\0")  # another size: changed
+    with pytest.raises(ValueError, match="changed since the model was read"):
+        stale()
 
 
 def test_an_onnx_files_identity_covers_its_external_data(tmp_path):
@@ -334,10 +341,14 @@ def test_an_onnx_files_identity_covers_its_external_data(tmp_path):
     path = tmp_path / "m.onnx"
     onnx.save_model(helper.make_model(g), str(path), save_as_external_data=True, location="w.bin", size_threshold=0)
     before = graph_identity(str(path))()
+    copy = tmp_path / "copy"  # the same graph file beside data that differs in one weight's bit
+    copy.mkdir()
+    (copy / "m.onnx").write_bytes(path.read_bytes())
     data = bytearray((tmp_path / "w.bin").read_bytes())
-    data[100] ^= 1  # one weight's bit, in the data file only
-    (tmp_path / "w.bin").write_bytes(bytes(data))
-    assert graph_identity(str(path))() != before
+    data[100] ^= 1
+    (copy / "w.bin").write_bytes(bytes(data))
+    assert graph_identity(str(copy / "m.onnx"))() != before
+    assert graph_identity(str(path))() == before
 
 
 def _tiny_hf():
