@@ -26,7 +26,6 @@ call leaves the layer as it was.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
@@ -40,6 +39,7 @@ from .layer import DECODE_PATHS, LayerState, check_decode_path, refuse_overflow
 from .layout import Layout
 from .rollback import LayerRollback
 from .snapshots import LayerSnapshots
+from .transaction import CacheTransaction, LayerUndo, checkpoint
 
 __all__ = ["LayeredCache", "LayerState", "refuse_overflow", "check_decode_path", "DECODE_PATHS"]
 
@@ -100,6 +100,8 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
         self.max_tokens = None if max_tokens is None else check_int("max_tokens", max_tokens, low=1)
         self._locks = [threading.Lock() for _ in range(self.num_layers)]
         self._states: list[_S | None] = [None] * self.num_layers
+        #: Open transactions, outermost first (:meth:`transaction`).
+        self._transactions: list[CacheTransaction] = []
 
     # -- the contract ------------------------------------------------------------
     def prefill(self, layer: int, k: Array, v: Array, q: Array) -> DequantResult:
@@ -126,7 +128,6 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
             state = self._admit(layer, xp, k, v, shape[2])
             with self._taking_back(layer, state, shape[2]):
                 result = self._prefill(state, k, v, q)
-            self._commit(layer, state, shape[2])
             return result
 
     def append(self, layer: int, k: Array, v: Array, q: Array) -> None:
@@ -149,8 +150,8 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
         xp, shape = self._check_inputs(k, v, q)
         with self._locks[layer]:
             state = self._admit(layer, xp, k, v, shape[2])
-            self._append_tokens(state, k, v, q)
-            self._commit(layer, state, shape[2])
+            with self._taking_back(layer, state, shape[2]):
+                self._append_tokens(state, k, v, q)
 
     def stable_length(self, layer: int) -> int:
         """Leading tokens of ``layer`` whose reconstruction will not change as tokens are added.
@@ -212,7 +213,6 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
             state = self._admit(layer, xp, k, v, 1)
             with self._taking_back(layer, state, 1):
                 out = self._decode(state, k, v, q, config)
-            self._commit(layer, state, 1)
             return out
 
     def seq_len(self, layer: int) -> int:
@@ -234,10 +234,135 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
             return 0 if st is None else st.length
 
     def reset(self) -> None:
-        """Forget every token of every layer (takes all layer locks, in order)."""
+        """Forget every token of every layer (takes all layer locks, in order).
+
+        Inside a :meth:`transaction` the layers are recorded first, so a rollback brings
+        them back."""
         with self._all_layers_locked():
+            self._note_every_layer()
             self._states = [None] * self.num_layers
             self._on_reset()
+
+    # -- transactions (arraykv.caches.transaction) ----------------------------------------
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[CacheTransaction]:
+        """Calls on several layers that take effect together or not at all.
+
+        Inside ``with cache.transaction():`` every layer is recorded just before a call first
+        changes it; when the block raises anything (an exception, ``KeyboardInterrupt``,
+        ``MemoryError``), every layer it changed is put back exactly as it was (lengths, arrays,
+        calibration, windows, rollback copies) with the cache-wide state made meanwhile
+        (rotations, codebooks), and the exception goes on. Any number of tokens, any layer:
+        not bounded by ``rollback_tokens``. Transactions nest (an inner one rolls back to
+        its own start). Calls from other threads inside the block belong to it.
+
+        Yields
+        ------
+        CacheTransaction
+            Its ``commit()`` or ``rollback()`` ends it early; the block's end then does nothing.
+
+        Notes
+        -----
+        Cost: one undo record per layer changed (:mod:`arraykv.caches.transaction`). The
+        built-in global caches (``dense``, ``int*``, ``pq*``/``pqo*``/``tq*``, ``lowrank``,
+        ``vq``) keep their fields by reference and copy only their float16 windows and
+        rollback copies (tens of rows); a window cache's layer is copied (its window). A
+        :meth:`truncate` inside a transaction also copies the rows that the layer's records
+        share with it. :meth:`restore` and :meth:`fork` are outside any transaction.
+
+        Examples
+        --------
+        >>> import numpy as np, arraykv
+        >>> cache = arraykv.make_cache("pqo4", num_layers=2, num_kv_heads=1, head_dim=64)
+        >>> x = np.ones((1, 1, 40, 64), np.float32)
+        >>> try:
+        ...     with cache.transaction():
+        ...         cache.prefill(0, x, x, x)
+        ...         raise KeyboardInterrupt  # before layer 1 got its tokens
+        ... except KeyboardInterrupt:
+        ...     pass
+        >>> cache.seq_len(0), cache.seq_len(1)
+        (0, 0)
+        """
+        txn = self.begin_transaction()
+        try:
+            yield txn
+        except BaseException:
+            txn.rollback()
+            raise
+        txn.commit()
+
+    def begin_transaction(self) -> CacheTransaction:
+        """Begin a :meth:`transaction` to end by hand (``commit()`` or ``rollback()``).
+
+        For a caller whose calls do not nest in one block (transformers calls a cache's
+        ``update`` once per layer).
+
+        Returns
+        -------
+        CacheTransaction
+            Open until its ``commit()`` or ``rollback()``.
+        """
+        with self._all_layers_locked():
+            txn = CacheTransaction(self, self._fixed_record())
+            self._transactions.append(txn)
+            return txn
+
+    def _end_transaction(self, txn: CacheTransaction, *, commit: bool) -> None:
+        """Commit or roll back ``txn`` and the transactions begun inside it (all locks held)."""
+        with self._all_layers_locked():
+            if not txn.open:
+                return
+            while self._transactions:
+                top = self._transactions.pop()
+                top.open = False
+                if not commit:
+                    for layer, record in top.records.items():
+                        self._states[layer] = record.restore()
+                    self._restore_fixed(top.fixed)
+                top.records = {}
+                if top is txn:
+                    return
+
+    def _fixed_record(self) -> Any:
+        """The cache-wide state a rollback puts back: a copy of the ``_fixed`` dict (rotations,
+        codebooks made on first use), or None for a cache without one."""
+        fixed = getattr(self, "_fixed", None)
+        return dict(fixed) if isinstance(fixed, dict) else None
+
+    def _restore_fixed(self, record: Any) -> None:
+        if record is not None:
+            self._fixed = dict(record)
+
+    def _checkpoint(self, state: _S | None) -> LayerUndo:
+        """The undo record of a layer now (:func:`arraykv.caches.transaction.checkpoint`)."""
+        return checkpoint(state, self._copy_layer)
+
+    def _note(self, layer: int, *, truncating: bool = False) -> LayerUndo | None:
+        """Record ``layer`` in every open transaction that has no record of it (its lock held);
+        the record made, else None. ``truncating``: a truncation follows, so the layer's
+        records stop sharing rows with it first."""
+        if not self._transactions:
+            return None
+        if truncating:
+            for txn in self._transactions:
+                record = txn.records.get(layer)
+                if record is not None:
+                    record.detach()
+        made = None
+        for txn in self._transactions:
+            if layer not in txn.records:
+                if made is None:
+                    made = self._checkpoint(self._states[layer])
+                    if truncating:
+                        made.detach()
+                txn.records[layer] = made
+        return made
+
+    def _note_every_layer(self) -> None:
+        """:meth:`_note` of every layer (all locks held), before a change to all of them."""
+        for i in range(self.num_layers):
+            self._note(i)
 
     def reallocations(self) -> int:
         """Times any layer's token buffers were reallocated to grow (amortized growth check).
@@ -451,45 +576,26 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
 
     @contextlib.contextmanager
     def _taking_back(self, layer: int, state: _S, tokens: int) -> Iterator[None]:
-        """Undo a call that failed after its tokens were stored (lock held).
+        """Run a call that stores ``tokens`` in ``layer`` and count them, or put the layer back
+        exactly as it was when it fails anywhere (lock held).
 
         A prefill or decode stores its tokens (all-or-nothing), then builds its result: float
-        keys and values of the whole layer, or the attention. A failure there (a
+        keys and values of the whole layer, or the attention; a failure there (a
         ``MemoryError`` reconstructing a long layer, an interrupt) would leave the buffers
-        holding ``tokens`` more than ``seq_len`` counts. A call within the rollback margin
-        (``rollback_tokens``; any call of a cache without one, which truncates anywhere) is
-        taken back as :meth:`truncate` takes tokens back. A longer call cannot be truncated
-        away (the window tokens it pushed out were encoded), so the layer is copied before it
-        (:meth:`fork`'s copy of one layer: the compressed arrays, less than the float keys and
-        values the call builds) and the copy put back. A new layer is simply not kept.
+        holding tokens that ``seq_len`` does not count. So the layer is recorded before the
+        call (:mod:`arraykv.caches.transaction`: its fields, or a copy) and put back from the
+        record on any failure, whatever the number of tokens. The same record serves the open
+        transactions that had none of this layer yet. A new layer is simply not kept.
         """
-        before = state.length
         existing = self._states[layer] is state
-        saved = None
-        if existing and tokens > getattr(self, "rollback_tokens", math.inf):
-            saved = self._copy_layer(state)
+        made = self._note(layer)
+        record = made if made is not None else self._checkpoint(state if existing else None)
         try:
             yield
-        except BaseException as exc:
-            stored, state.stored = state.stored, False
-            if not stored or not existing:
-                raise  # nothing stored, or a new layer that is not kept: nothing to undo
-            if saved is not None:
-                self._states[layer] = saved
-                raise
-            state.length = before + tokens  # what the buffers hold
-            try:
-                reachable = self._reachable(state, before)
-                if reachable:
-                    self._truncate_plan(state, before)()
-                    state.length = before
-            except Exception:  # noqa: BLE001 - the original failure is the one to report
-                reachable = False
-            if not reachable and hasattr(exc, "add_note"):  # Python 3.11+
-                exc.add_note(
-                    f"arraykv: layer {layer} keeps this call's {tokens} tokens (seq_len {state.length}): "
-                    f"they were stored before the failure and could not be taken back"
-                )
+            self._commit(layer, state, tokens)
+        except BaseException:
+            state.stored = False
+            self._states[layer] = record.restore()
             raise
 
     # -- hooks -------------------------------------------------------------------

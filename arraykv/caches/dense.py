@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .._types import Array, Device, DType, Namespace
 from ..protocol import AttendConfig, Dequantized, DequantResult
@@ -19,6 +20,7 @@ class DenseLayer(LayerState):
     """One layer of a :class:`DenseCache`: ``buf`` holds arrays ``k`` and ``v`` (b, h, tokens, d)."""
 
     buf: TokenBuffers = None  # type: ignore[assignment]  # set by DenseCache._new_layer
+    undo: ClassVar[str] = "fields"  # a token buffer, appended to (arraykv.caches.transaction)
 
     def buffers(self) -> tuple[TokenBuffers, ...]:
         return (self.buf,)

@@ -15,7 +15,9 @@ restore, save and :func:`arraykv.load`).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any, cast
 
 from .._types import Array, Namespace
@@ -25,9 +27,10 @@ from ..storage.cache_file import LayerRecord, write_cache_file
 from .base import LayeredCache
 from .batch_rows import select_rows_of
 from .registry import make_cache
+from .transaction import CacheTransaction
 from .window_cache import OUTLIER_OPTIONS, POLAR_STORAGE, SlidingWindowCache
 
-__all__ = ["HybridCache", "LAYER_TYPES", "check_layer_types", "default_window_storage"]
+__all__ = ["HybridCache", "HybridTransaction", "LAYER_TYPES", "check_layer_types", "default_window_storage"]
 
 #: The layer kinds a hybrid cache serves, named as transformers' ``config.layer_types`` names them.
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -100,6 +103,45 @@ def default_window_storage(full_method: str, full_options: dict | None = None) -
     elif full_method[-1:].isdigit() and full_method.rstrip("0123456789") in ("pq", "pqo", "tq", "int"):
         bits = int(full_method[len(full_method.rstrip("0123456789")) :])
     return f"pq{max(bits + 1, 4)}" if bits in (2, 3, 4) else "float16"
+
+
+class HybridTransaction:
+    """A transaction of both parts of a :class:`HybridCache` (global and sliding layers).
+
+    Parameters
+    ----------
+    full, sliding : CacheTransaction
+        The parts' open transactions.
+    """
+
+    def __init__(self, full: CacheTransaction, sliding: CacheTransaction):
+        self.full = full
+        self.sliding = sliding
+
+    @property
+    def open(self) -> bool:
+        """True until :meth:`commit` or :meth:`rollback`."""
+        return self.full.open or self.sliding.open
+
+    @property
+    def layers(self) -> list[int]:
+        """The layers changed so far, ascending."""
+        return sorted(self.full.layers + self.sliding.layers)
+
+    def commit(self) -> None:
+        """Keep what the calls did (both parts)."""
+        self.sliding.commit()
+        self.full.commit()
+
+    def rollback(self) -> None:
+        """Put every layer changed since the transaction began back as it was (both parts)."""
+        try:
+            self.sliding.rollback()
+        finally:
+            self.full.rollback()
+
+    def __repr__(self) -> str:
+        return f"HybridTransaction({'open' if self.open else 'ended'}, layers={self.layers})"
 
 
 class HybridCache:
@@ -296,6 +338,43 @@ class HybridCache:
         """Forget every token of every layer (both sub-caches reset)."""
         for c in self._parts():
             c.reset()
+
+    # -- transactions --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[HybridTransaction]:
+        """Calls on several layers that take effect together or not at all (both parts).
+
+        As ``LayeredCache.transaction``: when the block raises anything, every layer it
+        changed, global or sliding, is put back exactly as it was.
+
+        Yields
+        ------
+        HybridTransaction
+            The two parts' transactions; its ``commit()`` or ``rollback()`` ends it early.
+        """
+        txn = self.begin_transaction()
+        try:
+            yield txn
+        except BaseException:
+            txn.rollback()
+            raise
+        txn.commit()
+
+    def begin_transaction(self) -> HybridTransaction:
+        """Begin a :meth:`transaction` of both parts, to end by hand.
+
+        Returns
+        -------
+        HybridTransaction
+            Open until its ``commit()`` or ``rollback()``.
+        """
+        full = self.full.begin_transaction()
+        try:
+            sliding = self.sliding.begin_transaction()
+        except BaseException:
+            full.rollback()
+            raise
+        return HybridTransaction(full, sliding)
 
     def memory_usage(self) -> int:
         """Bytes held by both kinds of layers (:meth:`memory_by_kind` splits them).

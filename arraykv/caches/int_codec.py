@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .._types import Array, DType
 from ..quant.bitpack import packed_nbytes
@@ -38,6 +39,7 @@ class IntLayer(LayerState):
     exp: tuple[int | None, ...] = (None, None)
     k_rollback: Array = None
     v_rollback: Array = None
+    undo: ClassVar[str] = "fields"  # token buffers appended to, the rest replaced by each store
 
     def buffers(self) -> tuple[TokenBuffers, ...]:
         return (self.kq, self.vq)

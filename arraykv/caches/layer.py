@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import _compat
 from .._types import Array, Device, DType, Namespace
@@ -51,10 +51,23 @@ class LayerState:
     #: Set by :meth:`~arraykv.caches.LayeredCache._store_tokens` once a call's tokens are in
     #: the layer's buffers (before ``length`` counts them): what a failure after it must undo.
     stored: bool = False
+    #: How a failed call or transaction puts the layer back (:mod:`arraykv.caches.transaction`):
+    #: ``"copy"`` (a copy of the layer, any state) or ``"fields"`` (its fields kept by reference,
+    #: for a state whose arrays are token buffers, float16 blocks or arrays replaced by each store,
+    #: never written in place otherwise).
+    undo: ClassVar[str] = "copy"
 
     def buffers(self) -> tuple[TokenBuffers, ...]:
         """The growable token buffers of the layer (for :meth:`LayeredCache.reallocations`)."""
         return ()
+
+    def mark_rows(self) -> Any:
+        """For ``undo == "fields"``: what :meth:`rewind_rows` needs to put back the rows this
+        state writes in place besides token buffers and sliding blocks (None: there are none)."""
+        return None
+
+    def rewind_rows(self, mark: Any) -> None:
+        """Write back the rows :meth:`mark_rows` recorded, after the fields were restored."""
 
 
 #: ``decode_path`` values of the caches with a fused decode: attend from the stored form where

@@ -76,10 +76,13 @@ class LayerRollback(Generic[_S]):
         num_layers: int
         _locks: list[threading.Lock]
         _states: list[_S | None]
+        _transactions: list[Any]
 
         def _check_layer(self, layer: int) -> int: ...
         def _all_layers_locked(self) -> contextlib.AbstractContextManager[None]: ...
         def _on_reset(self) -> None: ...
+        def _note(self, layer: int, *, truncating: bool = False) -> Any: ...
+        def _note_every_layer(self) -> None: ...
         def _with_layer(self, layer: int, read: Callable[[_S], _T]) -> _T | None: ...
         def _layer_arrays(self, state: _S) -> dict[str, Array]: ...
         def _restore_layer(
@@ -162,6 +165,7 @@ class LayerRollback(Generic[_S]):
             if length > top:
                 raise ValueError(f"length must be in [0, {top}] (the longest layer's seq_len), received {length}")
             if length == 0:
+                self._note_every_layer()
                 self._states = [None] * self.num_layers
                 self._on_reset()
                 return
@@ -259,6 +263,7 @@ class LayerRollback(Generic[_S]):
         """
         twin = copy.copy(self)
         twin._locks = [threading.Lock() for _ in range(self.num_layers)]
+        twin._transactions = []  # the fork is outside this cache's transactions
         twin._fork_fixed(self)
         with self._all_layers_locked():
             twin._states = [None if st is None else self._copy_layer(st) for st in self._states]
@@ -274,13 +279,19 @@ class LayerRollback(Generic[_S]):
         if length == n:
             return None
         if length == 0:
-            return lambda: self._states.__setitem__(layer, None)
+
+            def empty() -> None:
+                self._note(layer)
+                self._states[layer] = None
+
+            return empty
         assert st is not None  # 0 < length < n
         if not self._reachable(st, length):
             raise ValueError(self._refusal(layer, st, length))
         commit = self._truncate_plan(st, length)
 
         def apply() -> None:
+            self._note(layer, truncating=True)  # before the rows it shares with its records are cut
             commit()
             st.length = length
 

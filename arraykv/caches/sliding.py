@@ -131,6 +131,23 @@ class SlidingRows:
         fresh = SlidingRows(namespace(self._kb), self.k, self.v, spare=rows - int(self.k.shape[2]) + SPARE_ROWS)
         self._kb, self._vb, self._off, self.k, self.v = fresh._kb, fresh._vb, 0, fresh.k, fresh.v
 
+    def mark(self) -> tuple:
+        """What :meth:`rewind` needs to put this block back where it is now: the buffers, the
+        offset and a copy of the block's rows (the rows a later step may overwrite)."""
+        xp = namespace(self._kb)
+        return (self._kb, self._vb, self._off, xp.asarray(self.k, copy=True), xp.asarray(self.v, copy=True))
+
+    def rewind(self, mark: tuple) -> None:
+        """The block of :meth:`mark` again, in the same buffers at the same offset (the rows
+        written back), so that what reads it sees the same memory as before; new views."""
+        kb, vb, off, k, v = mark
+        n = int(k.shape[2])
+        kb[:, :, off : off + n, ...] = k
+        vb[:, :, off : off + n, ...] = v
+        self._kb, self._vb, self._off = kb, vb, off
+        self.k = kb[:, :, off : off + n, ...]
+        self.v = vb[:, :, off : off + n, ...]
+
     def spare_nbytes(self) -> int:
         """Bytes of the buffers outside the current block."""
         return array_nbytes(self._kb) + array_nbytes(self._vb) - array_nbytes(self.k) - array_nbytes(self.v)

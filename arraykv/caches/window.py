@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from .._compat import array_nbytes
 from .._types import Array, Device, Namespace
@@ -251,6 +251,8 @@ class WindowLayer(LayerState):
     rollback: ExactTokens = None  # type: ignore[assignment]
     window_rows: SlidingRows | None = None
     rollback_rows: SlidingRows | None = None
+    #: Token buffers appended to, float16 blocks, a calibration replaced whole (see LayerState).
+    undo: ClassVar[str] = "fields"
 
     def buffers(self) -> tuple:
         return (self.codes,)

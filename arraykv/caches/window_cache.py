@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from .. import _compat, ops
 from .._types import Array, Device, DType, Namespace
@@ -78,9 +78,23 @@ class WindowLayer(LayerState):
     tail_v: Array = None
     calib: PolarCalibration | None = None
 
+    #: The buffers of ``rows`` are written in place (:meth:`mark_rows`); every other field is
+    #: replaced by a store (:mod:`arraykv.caches.transaction`).
+    undo: ClassVar[str] = "fields"
+
     def held(self) -> dict[str, Array]:
         """Views of the held rows by name, each ``(batch, kv_heads, n, ...)``."""
         return {name: b[:, :, self.off : self.off + self.n, ...] for name, b in self.rows.items()}
+
+    def mark_rows(self) -> dict[str, Array]:
+        """Copies of the held rows (a store moves and overwrites rows of the buffers in place)."""
+        return {name: self.xp.asarray(a, copy=True) for name, a in self.held().items()}
+
+    def rewind_rows(self, mark: dict[str, Array]) -> None:
+        """The held rows of :meth:`mark_rows` written back into ``rows`` at ``off`` (the fields
+        ``rows``, ``off`` and ``n`` restored first): the same buffers and places as before."""
+        for name, a in mark.items():
+            self.rows[name][:, :, self.off : self.off + self.n, ...] = a
 
     def tail_rows(self) -> int:
         """Rows of the float16 tail (the last positions, ``pq`` storages); 0 without one."""
@@ -516,8 +530,8 @@ class SlidingWindowCache(LayeredCache[WindowLayer]):
             raise ValueError(f"k must hold the last {min(tokens, self.keep)} of the {tokens} tokens, received {t}")
         with self._locks[layer]:
             st = self._admit(layer, xp, k, v, tokens)
-            self._store_at(st, k, v, q, st.length + tokens - t, st.length + tokens)
-            self._commit(layer, st, tokens)
+            with self._taking_back(layer, st, tokens):
+                self._store_at(st, k, v, q, st.length + tokens - t, st.length + tokens)
 
     def held_tokens(self, layer: int) -> int:
         """Rows ``layer`` holds (the last positions of the sequence); 0 for an empty layer.

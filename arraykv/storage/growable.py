@@ -12,6 +12,8 @@ __all__ = ["TokenBuffers"]
 
 #: What :meth:`TokenBuffers.truncate_plan` returns: ``(length, fresh arrays or None, capacity)``.
 TruncatePlan = tuple[int, dict[str, Array] | None, int]
+#: What :meth:`TokenBuffers.mark` returns: ``(arrays, length, capacity, reallocations)``.
+BufferMark = tuple[dict[str, Array], int, int, int]
 
 
 class TokenBuffers:
@@ -196,6 +198,27 @@ class TokenBuffers:
         With ``max_tokens`` the buffers keep their one allocation.
         """
         self.commit_truncate(self.truncate_plan(length))
+
+    def mark(self) -> BufferMark:
+        """What the buffers hold now, for :meth:`rewind` (no copy: the arrays are referenced).
+
+        Appends write only rows past ``length`` and growth copies into new arrays, so the rows
+        a mark covers stay as they were until a :meth:`truncate` below its length is followed
+        by an append; :meth:`detach_mark` makes a mark independent of that (a copy).
+        """
+        return (dict(self._arrays), self.length, self.capacity, self.reallocations)
+
+    def rewind(self, mark: BufferMark) -> None:
+        """Put back what :meth:`mark` recorded: the same arrays, length and capacity (cannot fail)."""
+        arrays, self.length, self.capacity, self.reallocations = mark
+        self._arrays = dict(arrays)
+
+    @staticmethod
+    def detach_mark(mark: BufferMark) -> BufferMark:
+        """``mark`` with its rows copied into exact-size arrays, independent of later writes."""
+        arrays, length, _, reallocations = mark
+        held = {n: _compat.namespace(a).asarray(a[:, :, :length, ...], copy=True) for n, a in arrays.items()}
+        return (held, length, length if held else 0, reallocations)
 
     def copy(self) -> TokenBuffers:
         """An independent copy: the in-use tokens in exact-size arrays, same options."""
