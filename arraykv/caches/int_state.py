@@ -155,17 +155,15 @@ def int_layout(
             parts = []
             if f"{side}_scale" in held:
                 o = xp.astype(held[f"{side}_offset"], xp.float32)
-                parts.append(xp.maximum(xp.abs(o), xp.abs(o + xp.astype(held[f"{side}_scale"], xp.float32) * top)))
-            exact = held.get("k_residual" if side == "k" else "v_window")
-            if exact is not None:
-                parts.append(xp.abs(xp.astype(exact, xp.float32)))
+                top_of = xp.abs(o + xp.astype(held[f"{side}_scale"], xp.float32) * top)
+                parts.append((f"'{side}_scale' and '{side}_offset'", xp.maximum(xp.abs(o), top_of)))
+            exact_name = "k_residual" if side == "k" else "v_window"
+            if held.get(exact_name) is not None:
+                parts.append((f"'{exact_name}'", xp.abs(xp.astype(held[exact_name], xp.float32))))
             unit = 2.0 ** (0 if exp == NO_EXP else exp)
-            for a in parts:
+            for names, a in parts:
                 if math.prod(int(n) for n in a.shape) and float(xp.max(a)) * unit > limit:
-                    return (
-                        f"stored {side} groups or exact tokens reconstruct to magnitudes beyond {limit:g}, the "
-                        f"range of the layer's dtype"
-                    )
+                    return f"stored {names} reconstruct to magnitudes beyond {limit:g}, the range of the layer's dtype"
         return None
 
     return Layout(

@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import _compat, ops
 from .._types import Array, Device, DType, Namespace
-from .._validation import check_int
+from .._validation import check_int, dtype_name
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.intq import HALF_MAX, half_exponent, quantize_groups
 from ..storage import TokenBuffers
@@ -23,6 +23,7 @@ from .int_codec import IntLayer, IntLayerCodec, codec_state
 from .int_decode import decode_int_layer
 from .int_state import int_layout, key_copies, layer_arrays, restore_layer, truncate_floor, truncate_plan
 from .layout import Layout
+from .restore_checks import check_int_room
 from .rollback import DEFAULT_ROLLBACK_TOKENS, RECORD_NBYTES, check_rollback_tokens, keep_last
 
 _INTQ_OPS: dict[str, Callable[..., Any]] = {
@@ -326,7 +327,18 @@ class IntQuantCache(LayeredCache[IntLayer]):
     def _restore_layer(
         self, xp: Namespace, dev: Device, batch: int, dtype: DType, length: int, arrays: dict[str, Array]
     ) -> IntLayer:
-        return restore_layer(self._new_layer(xp, dev, batch, dtype), arrays, length, self.group_size)
+        st = restore_layer(self._new_layer(xp, dev, batch, dtype), arrays, length, self.group_size)
+        exact = {"k": {"k_residual": st.k_residual, "k_rollback": st.k_rollback}, "v": {"v_rollback": st.v_rollback}}
+        if self.residual_window:
+            exact["v"]["v_window"] = st.v_window
+        check_int_room(
+            xp,
+            exact=exact,
+            exps=st.exp,
+            half_params=self._pdt(xp) == "float16",
+            half_output=dtype_name(dtype) == "float16",
+        )
+        return st
 
     def _side_nbytes(self, st: IntLayer) -> int:
         return _compat.array_nbytes(st.k_residual) + _compat.array_nbytes(st.v_window) + self._rollback_nbytes(st)

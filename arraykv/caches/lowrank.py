@@ -11,13 +11,14 @@ from typing import Any
 
 from .. import _compat, ops
 from .._types import Array, DType, Namespace
-from .._validation import check_bool, check_int
+from .._validation import check_bool, check_int, dtype_name
 from ..compressor import KVCacheCompressor, LowRank, samples_by_head
 from ..quant.lowrank import LowRankBasis, LowRankLayerCoefficients, check_rank_energy, fit_basis, row_products
 from ..quant.polar import half_dtype
 from ..storage import TokenBuffers
 from .fitted import DEFAULT_SINKS, DEFAULT_WINDOW, FittedCache, FittedLayer, _f32
 from .layout import Layout, Spec, bounded
+from .restore_checks import check_lowrank_room
 from .rollback import DEFAULT_ROLLBACK_TOKENS
 
 __all__ = ["LowRankCache"]
@@ -229,6 +230,20 @@ class LowRankCache(FittedCache):
             c = row_products(x - calib[f"{name}_mean"][:, None, :], calib[f"{name}_basis"])  # per token, one order
             out[f"{name}_coef"] = c if c.dtype == cdt else xp.astype(c, cdt)
         return out
+
+    def _check_room(self, st: FittedLayer) -> None:
+        kw, vw = st.exact.recent()
+        check_lowrank_room(
+            st.xp,
+            head_dim=self.head_dim,
+            calib=st.calib,
+            blocks={
+                "k": {"k_window": kw, "k_rollback": st.rollback.k},
+                "v": {"v_window": vw, "v_rollback": st.rollback.v},
+            },
+            coeff_half=self._cdt(st.xp) != st.xp.float32,
+            half_output=dtype_name(st.dtype) == "float16",
+        )
 
     def _fused_auto(self, xp: Namespace) -> bool:
         return True  # matrix products in coefficient space: cheaper than reconstructing, everywhere

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .. import ops
 from .._types import Array, Device, DType, Namespace
+from .._validation import dtype_name
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype
@@ -35,6 +36,7 @@ from .polar_options import (
     check_polar_options,
     default_residual_window,
 )
+from .restore_checks import check_polar_room, check_qjl_lengths
 from .rollback import DEFAULT_ROLLBACK_TOKENS
 from .window import (
     ExactTokens,
@@ -503,7 +505,35 @@ class PolarCache(WindowRollback, LayeredCache[PolarLayer]):
         restore_tokens(st, arrays, _PER_TOKEN, exact, length)
         st.calib = PolarCalibration.from_arrays(xp, arrays)
         restore_rollback(st, arrays)
+        self._check_room(st)
         return st
+
+    def _check_room(self, st: PolarLayer) -> None:
+        """Refuse a restored layer that leaves no float16 room for its window or the next token
+        (:mod:`arraykv.caches.restore_checks`), or holds ``tq`` residual lengths its codes cannot have."""
+        xp = st.xp
+        fixed = self._codec(xp, st.device)
+        kw, vw = st.exact.recent()
+        check_polar_room(
+            xp,
+            head_dim=self.head_dim,
+            calib=st.calib,
+            k_blocks={"k_window": kw, "k_rollback": st.rollback.k},
+            v_blocks={"v_window": vw, "v_rollback": st.rollback.v},
+            k_codebook=fixed.k_codebook,
+            v_codebook=fixed.v_codebook,
+            qjl=self.qjl,
+            half_output=dtype_name(st.dtype) == "float16",
+        )
+        if self.qjl and st.codes.length:
+            check_qjl_lengths(
+                xp,
+                k_norms=st.codes.view("k_norms"),
+                k_qjl_norms=st.codes.view("k_qjl_norms"),
+                k_codebook=fixed.k_codebook,
+                head_dim=self.head_dim,
+                unbiased=self.key_length == "unbiased",
+            )
 
     def _side_nbytes(self, st: PolarLayer) -> int:
         return st.exact.nbytes() + self._rollback_nbytes(st) + (0 if st.calib is None else st.calib.nbytes())

@@ -10,8 +10,10 @@ trusted: each record's header is checked (``length`` and ``batch`` integers of a
 ``dtype`` one of :data:`~arraykv.storage.cache_file.LAYER_DTYPES` that the namespace offers,
 ``arrays`` a dict of arrays by name), then its arrays against the cache's layout of a layer
 of that header (:func:`~arraykv.caches.layout.check_layout`: every dtype, shape, size, index
-and value range), and only then is a layer built. A layer of float16 (or bfloat16) callers is
-then decoded once: parts each inside their range (a length, a mean, a channel weight) can
+and value range), and only then is a layer built; the cache's ``_restore_layer`` then refuses
+a layer that leaves no float16 room for its window or the next token of ordinary magnitude
+(:mod:`arraykv.caches.restore_checks`: a mean, window token, basis or exact key that would make
+every later call fail). A layer of float16 (or bfloat16) callers is then decoded once: parts each inside their range (a length, a mean, a channel weight) can
 still decode to keys or values beyond that dtype, which no bound on the parts excludes without
 refusing real files (float32 layers are covered by the parts' bounds). Every layer is built
 before any replaces the cache's, so a refused restore leaves the cache as it was.
@@ -166,8 +168,13 @@ class LayerSnapshots(Generic[_S]):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # the overflow is the finding, said below
                 r = self._decoded(st)
-            if not _compat.all_finite(ns, [r.k, r.v]):
-                raise ValueError(f"the stored state decodes to keys or values beyond the range of {name}")
+            for side, decoded in (("k", r.k), ("v", r.v)):
+                if not _compat.all_finite(ns, [decoded]):
+                    held = sorted(n for n in arrays if n.startswith(side + "_"))
+                    raise ValueError(
+                        f"the stored {'keys' if side == 'k' else 'values'} (arrays {held}) decode beyond the "
+                        f"range of {name}"
+                    )
         return st
 
     def _record(self, st: _S, *, host: bool) -> LayerRecord:

@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import _compat, ops
 from .._types import Array, DType, Namespace
-from .._validation import check_int
+from .._validation import check_int, dtype_name
 from ..attention.reference import attention
 from ..compressor import KVCacheCompressor, VectorQuantization, samples_by_head
 from ..quant.bitpack import packed_nbytes, unpack_bits_reference
@@ -21,6 +21,7 @@ from ..quant.vq import VQCodebook, VQCodes, VQLayerCodes, check_vq_options, code
 from ..storage import TokenBuffers
 from .fitted import DEFAULT_SINKS, DEFAULT_WINDOW, FittedCache, FittedLayer, _f32
 from .layout import Layout, Spec, bounded, join
+from .restore_checks import check_centroids
 from .rollback import DEFAULT_ROLLBACK_TOKENS
 
 __all__ = ["VQCache"]
@@ -279,6 +280,10 @@ class VQCache(FittedCache):
             f"{name}_codes": vq_encode(x, VQCodebook(centroids=calib[f"{name}_centroids"]), encode=ops.vq_encode).codes
             for name, x in (("k", k), ("v", v))
         }
+
+    def _check_room(self, st: FittedLayer) -> None:
+        if st.calib is not None and dtype_name(st.dtype) == "float16":  # centroids are its keys and values
+            check_centroids(st.xp, {n: st.calib[n] for n in ("k_centroids", "v_centroids")})
 
     def _fused_auto(self, xp: Namespace) -> bool:
         return ops.has_kernel("vq_decode_attention", xp)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from .. import _compat, ops
 from .._types import Array, Device, DType, Namespace
-from .._validation import check_int
+from .._validation import check_int, dtype_name
 from ..protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype
@@ -31,6 +31,7 @@ from .polar_calibration import PolarCalibration, calibrate, calibration_layout
 from .polar_codec import PolarFixed, PolarLayerCodec
 from .polar_decode import decode_tokens
 from .polar_options import check_polar_options
+from .restore_checks import check_encoded_storage_room
 from .rollback import DEFAULT_ROLLBACK_TOKENS, check_rollback_tokens
 
 __all__ = ["SlidingWindowCache", "WindowLayer", "WINDOW_STORAGE", "POLAR_STORAGE", "OUTLIER_OPTIONS"]
@@ -664,6 +665,8 @@ class SlidingWindowCache(LayeredCache[WindowLayer]):
             st.fixed_end = int(arrays["fixed_end"][0])
             st.tail_k = xp.asarray(arrays["k_tail"], copy=True)
             st.tail_v = xp.asarray(arrays["v_tail"], copy=True)
+            fixed, half = self._codec(xp, dev), dtype_name(dtype)
+            check_encoded_storage_room(xp, head_dim=self.head_dim, calib=st.calib, fixed=fixed, dtype=half)
         self._push(st, {name: arrays[name] for name in self.row_shapes(0 if st.calib is None else st.calib.n_outliers)})
         return st
 
