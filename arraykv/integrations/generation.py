@@ -27,7 +27,7 @@ position" and "logits after one more token".
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import numpy as np
@@ -70,22 +70,36 @@ def cache_length(cache: Any, num_layers: int = 1) -> int:
 
 
 @contextlib.contextmanager
-def undo_on_failure(cache: Any, length: int):
-    """Run a step that stores tokens after ``length``; if it raises, truncate ``cache`` back to ``length``.
+def undo_on_failure(cache: Any, length: int) -> Iterator[None]:
+    """Run a step that stores tokens after ``length`` all or nothing: if it raises, every layer
+    of ``cache`` is left exactly as it was.
 
-    Layers run in sequence, so a step refused by layer ``i`` (non-finite keys, a full cache)
-    has already stored its tokens in layers ``0 .. i-1``. With a cache that offers
-    ``truncate_all`` (every arraykv cache) those tokens are taken back, so the failed step
-    leaves every layer as it was; the original error is re-raised either way. A cache that
-    cannot take them back exactly keeps them, and :func:`cache_length` then refuses it.
+    Layers run in sequence, so a step that fails at layer ``i`` (non-finite keys, a full cache,
+    ``MemoryError``, ``KeyboardInterrupt``) has already stored its tokens in layers ``0 ..
+    i-1``. With a cache that offers ``transaction()`` (every arraykv cache) the step runs in
+    one, and a failure puts every layer it changed back as it was, at any length
+    (:meth:`arraykv.caches.LayeredCache.transaction`). A cache of the protocol only is truncated
+    back to ``length`` with its ``truncate_all`` when it has one; when that is impossible, the
+    step's exception gets a note saying so (and :func:`cache_length` refuses the cache later).
+    The step's own exception is raised in every case.
     """
+    transaction = getattr(cache, "transaction", None)
+    if callable(transaction):
+        with transaction():
+            yield
+        return
     try:
         yield
-    except BaseException:
+    except BaseException as exc:
         truncate_all = getattr(cache, "truncate_all", None)
-        if callable(truncate_all):
-            with contextlib.suppress(Exception):  # the step's own error is the one to report
+        why = None if callable(truncate_all) else "it has neither transaction() nor truncate_all()"
+        if why is None:
+            try:
                 truncate_all(length)
+            except Exception as undo:  # noqa: BLE001 - the step's own error is the one to report
+                why = f"truncate_all({length}) failed: {undo}"
+        if why is not None:
+            exc.add_note(f"arraykv: the cache may keep part of this step in some layers ({why})")
         raise
 
 

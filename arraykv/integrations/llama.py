@@ -519,18 +519,19 @@ class DecoderModel:
 
             run = as_prefix_store(store).prefill
             prefill_last = lambda p: run(self, p, cache, chunk_size=prefill_chunk)  # noqa: E731
-        return generate_tokens(
-            lambda p: _compat.to_numpy(prefill_last(p)),
-            lambda tok: _compat.to_numpy(self.decode(tok, cache)),
-            ids,
-            max_new_tokens,
-            eos=eos_id,
-            stop_at_eos=stop_at_eos,
-            temperature=temperature,
-            top_k=top_k,
-            seed=seed,
-            on_token=on_token,
-        )
+        with undo_on_failure(cache, 0):  # a failed generation leaves the cache empty, as it came
+            return generate_tokens(
+                lambda p: _compat.to_numpy(prefill_last(p)),
+                lambda tok: _compat.to_numpy(self.decode(tok, cache)),
+                ids,
+                max_new_tokens,
+                eos=eos_id,
+                stop_at_eos=stop_at_eos,
+                temperature=temperature,
+                top_k=top_k,
+                seed=seed,
+                on_token=on_token,
+            )
 
     def __repr__(self) -> str:
         c = self.config

@@ -63,7 +63,14 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .generation import cache_length, check_sampling, chunked_logits, generate_tokens, prompt_ids
+from .generation import (
+    cache_length,
+    check_sampling,
+    chunked_logits,
+    generate_tokens,
+    prompt_ids,
+    undo_on_failure,
+)
 from .gguf import require
 from .onnx_names import PRESENT_NAME, discover_kv_names
 from .onnx_queries import with_query_outputs
@@ -285,11 +292,12 @@ class OrtKVDecoder:
         queries = self._queries(res[1 + 2 * self.num_layers :], batch, t)
         before = self._held.get(cache, {})
         held = {}
-        for i, (k_new, v_new) in enumerate(new):
-            prev = before.get(i)
-            if prev is not None and (past_len == 0 or prev[2] != past_len):
-                prev = None  # not the past this step ran on: read the layer back whole
-            held[i] = self._store(cache, i, k_new, v_new, queries[i], prev)
+        with undo_on_failure(cache, past_len):  # layer by layer: a failure puts every layer back
+            for i, (k_new, v_new) in enumerate(new):
+                prev = before.get(i)
+                if prev is not None and (past_len == 0 or prev[2] != past_len):
+                    prev = None  # not the past this step ran on: read the layer back whole
+                held[i] = self._store(cache, i, k_new, v_new, queries[i], prev)
         self._held[cache] = held
         return res[0]
 
@@ -436,18 +444,19 @@ class OrtKVDecoder:
                 )
             return to_numpy(chunked_logits(lambda a: self.step(a, cache), p, prefill_chunk))[0, -1]
 
-        return generate_tokens(
-            prefill_last,
-            lambda tok: to_numpy(self.decode([tok], cache))[0, -1],
-            ids,
-            max_new_tokens,
-            eos=eos_id,
-            stop_at_eos=stop_at_eos,
-            temperature=temperature,
-            top_k=top_k,
-            seed=seed,
-            on_token=on_token,
-        )
+        with undo_on_failure(cache, 0):  # a failed generation leaves the cache empty, as it came
+            return generate_tokens(
+                prefill_last,
+                lambda tok: to_numpy(self.decode([tok], cache))[0, -1],
+                ids,
+                max_new_tokens,
+                eos=eos_id,
+                stop_at_eos=stop_at_eos,
+                temperature=temperature,
+                top_k=top_k,
+                seed=seed,
+                on_token=on_token,
+            )
 
 
 def _dim(declared: Any, given: int | None, name: str) -> int:

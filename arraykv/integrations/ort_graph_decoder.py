@@ -166,9 +166,10 @@ class OrtGraphDecoder:
 
         Notes
         -----
-        If the run fails (for example a layer's cache refuses non-finite keys), the tokens
-        already stored in earlier layers are taken back (``cache.truncate_all``) and the
-        operator's own exception is raised.
+        If the run fails anywhere (a layer's cache refuses non-finite keys, ``MemoryError``,
+        ``KeyboardInterrupt``), every layer is put back as it was (the step runs in a
+        ``cache.transaction()``, :func:`~arraykv.integrations.generation.undo_on_failure`) and
+        the operator's own exception is raised.
         """
         if mode not in ("prefill", "decode"):
             raise ValueError(f"mode must be 'prefill' or 'decode', received {mode!r}")
@@ -315,18 +316,19 @@ class OrtGraphDecoder:
                 )
             return run(np.asarray([p], dtype=np.int64))
 
-        return generate_tokens(
-            prefill_last,
-            lambda tok: self.decode([tok], cache)[0, -1],
-            ids,
-            max_new_tokens,
-            eos=eos_id,
-            stop_at_eos=stop_at_eos,
-            temperature=temperature,
-            top_k=top_k,
-            seed=seed,
-            on_token=on_token,
-        )
+        with undo_on_failure(cache, 0):  # a failed generation leaves the cache empty, as it came
+            return generate_tokens(
+                prefill_last,
+                lambda tok: self.decode([tok], cache)[0, -1],
+                ids,
+                max_new_tokens,
+                eos=eos_id,
+                stop_at_eos=stop_at_eos,
+                temperature=temperature,
+                top_k=top_k,
+                seed=seed,
+                on_token=on_token,
+            )
 
 
 def _token_ids(input_ids: Any) -> Any:

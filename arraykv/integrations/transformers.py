@@ -535,7 +535,11 @@ class ArraykvCache(Cache):
 
     # -- the Cache interface ---------------------------------------------------------------
     def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple:
-        """Store the new K/V of layer ``layer_idx`` (transformers' ``Cache.update``), checked."""
+        """Store the new K/V of layer ``layer_idx`` (transformers' ``Cache.update``), checked.
+
+        With the model given (every layer hooked), a forward's updates form one transaction of
+        the arraykv cache, begun at layer 0's update: a forward that fails part way is taken
+        back whole at the next call (:meth:`_take_back_a_torn_step`)."""
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
             raise ValueError(
                 f"the model updates layer {layer_idx!r}, but this ArraykvCache was built for "
@@ -543,6 +547,9 @@ class ArraykvCache(Cache):
             )
         if layer_idx == 0:
             self._take_back_a_torn_step()
+            begin = getattr(self.arraykv_cache, "begin_transaction", None)
+            if self.hooked_layers == self.num_layers and callable(begin):
+                self._step_txn = begin()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -552,23 +559,39 @@ class ArraykvCache(Cache):
         return super().get_seq_length(layer_idx)
 
     def _take_back_a_torn_step(self) -> None:
-        """A forward that failed part way (refused at layer ``i`` after layers ``0 .. i-1`` stored its
-        tokens) leaves the layers at different lengths: take the partial step back, as the NumPy
-        decoder does, before anything reads the cache. Only for a cache given its model (every
-        layer hooked): the model's forward updates every layer, so layers at different lengths
-        mean a failed one; a caller updating single layers by hand is left alone."""
+        """Settle the last forward before anything reads or extends the cache.
+
+        A forward that failed part way (at layer ``i``, after layers ``0 .. i-1`` stored its
+        tokens; any exception, ``KeyboardInterrupt``, ``MemoryError``) leaves the layers at
+        different lengths: its transaction (begun at layer 0's update) is rolled back, which
+        puts every layer back exactly as it was before that forward, at any length. A forward
+        whose every layer stored its tokens is committed. Only for a cache given its model
+        (every layer hooked): the model's forward updates every layer, so layers at different
+        lengths mean a failed one; a caller updating single layers by hand is left alone.
+        """
+        txn, self._step_txn = getattr(self, "_step_txn", None), None
+        if txn is not None and not txn.open:
+            txn = None  # ended by hand
         if self.hooked_layers != self.num_layers:
+            if txn is not None:
+                txn.commit()  # detached since: nothing to judge by
             return  # without the model, updates of single layers are legitimate: nothing to judge by
         cache = self.arraykv_cache
         lengths = [int(cache.seq_len(i)) for i in range(self.num_layers)]
-        low = min(lengths)
-        if low == max(lengths):
+        torn = min(lengths) != max(lengths)
+        if not torn:
+            if txn is not None:
+                txn.commit()
             return
+        if txn is not None:
+            txn.rollback()
         self._held.clear()
         self._pending.clear()
         self._q_parts.clear()
-        try:
-            cache.truncate_all(low)
+        if txn is not None:
+            return
+        try:  # a cache without transactions: truncate the partial step away where it can
+            cache.truncate_all(min(lengths))
         except (AttributeError, ValueError) as exc:
             raise RuntimeError(
                 f"a failed forward left layers at lengths {sorted(set(lengths))} and the "

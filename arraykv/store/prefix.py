@@ -453,22 +453,26 @@ class PrefixStore:
             raise TypeError("keys must be what this store's keys() or engine_keys() returned for ids")
         n, S = len(ids), self.chunk_tokens
         report = PrefillReport(tokens=n)
-        t0 = time.perf_counter()
-        start, refused = self._restore(cache, keys, ids, min(len(keys), (n - 1) // S))
-        report.restore_s = time.perf_counter() - t0
-        report.reused, report.computed = start, n - start
-        # a refused entry is replaced by the one computed now, whatever the policy would store
-        wanted = self._wanted(len(keys), start // S) | (refused if self.policy != "none" else set())
-        out = None
-        for s, e in _segments(start, n, S):
+        try:
             t0 = time.perf_counter()
-            out = run(ids[s:e])
-            t1 = time.perf_counter()
-            report.prefill_s += t1 - t0
-            j = e // S
-            if e % S == 0 and j in wanted and self._put(self._binding(keys, ids, j), cache, replace=j in refused):
-                report.stored.append(e)
-            report.store_s += time.perf_counter() - t1
+            start, refused = self._restore(cache, keys, ids, min(len(keys), (n - 1) // S))
+            report.restore_s = time.perf_counter() - t0
+            report.reused, report.computed = start, n - start
+            # a refused entry is replaced by the one computed now, whatever the policy would store
+            wanted = self._wanted(len(keys), start // S) | (refused if self.policy != "none" else set())
+            out = None
+            for s, e in _segments(start, n, S):
+                t0 = time.perf_counter()
+                out = run(ids[s:e])
+                t1 = time.perf_counter()
+                report.prefill_s += t1 - t0
+                j = e // S
+                if e % S == 0 and j in wanted and self._put(self._binding(keys, ids, j), cache, replace=j in refused):
+                    report.stored.append(e)
+                report.store_s += time.perf_counter() - t1
+        except BaseException:
+            cache.reset()  # the cache came empty: a prefill that fails anywhere leaves it so
+            raise
         self.last_report = report
         return out
 
