@@ -275,11 +275,21 @@ def test_smollm2_matches_arraykv_decoder():
     assert kl(ak_logits(ak.make_cache("int4")), hf_int4).mean() < 0.03  # measured 0.010
     assert 1e-4 < kl(exact, hf_int4).mean() < 0.03  # measured 0.011
 
-    # greedy generation, 20 new tokens after the 100-token prompt
-    for method, options in (("dense", {}), ("pqo4", {"key_scale": False})):
-        want = ak.generate(ids[:prompt], 20, cache=ak.make_cache(method, **options), stop_at_eos=False)
-        got = _generate(hf, torch.tensor([ids[:prompt]]), ArraykvCache(method, config=hf.config), 20)
-        assert got[0, prompt:].tolist() == want, method
+    # greedy generation, 20 new tokens after the 100-token prompt: dense picks the decoder's tokens
+    want = ak.generate(ids[:prompt], 20, cache=ak.make_cache("dense"), stop_at_eos=False)
+    got = _generate(hf, torch.tensor([ids[:prompt]]), ArraykvCache("dense", config=hf.config), 20)
+    assert got[0, prompt:].tolist() == want
+    # pqo4: every token transformers picks is the decoder's choice on the same tokens, up to a near
+    # tie. Exact equality of the sequences is not a property of two float engines over a quantized
+    # cache: a logit difference of 5e-4 flips a code or a tie (measured: step 9 of this text has a
+    # top-2 margin of 0.0047 in the decoder and -0.0006 in transformers, and the sequences part there)
+    got = _generate(hf, torch.tensor([ids[:prompt]]), ArraykvCache("pqo4", config=hf.config), 20)[0, prompt:]
+    cache = ak.make_cache("pqo4", key_scale=False)
+    logits = [ak.prefill(ids[:prompt], cache, logits="last")]
+    logits += [ak.decode(int(t), cache) for t in got[:-1]]
+    gaps = [float(z.max() - z[int(t)]) for z, t in zip(logits, got)]
+    assert max(gaps) < 0.02, gaps  # 0 where the engines agree; the tie above measured 0.0047
+    assert sum(g > 0 for g in gaps) <= 2, gaps
 
 
 def test_a_hooked_model_hands_the_cache_its_attention_queries(tiny):
