@@ -30,13 +30,25 @@ uses, so ``"pqo4"`` is then the quantizer of the NumPy decoder's ``pqo4``. Witho
 ``q`` of shape ``(batch, kv_heads, new_tokens, head_dim)``, every key channel weight is 1, and
 ``"pqo4"`` is the quantizer :class:`~arraykv.integrations.llama.DecoderModel` runs with
 ``key_scale=False`` (see docs/transformers.md for the measured difference).
-:attr:`ArraykvCache.hooked_layers` says how many layers hand their queries over;
-:meth:`ArraykvCache.detach` removes the hooks.
+:attr:`ArraykvCache.hooked_layers` says how many layers hand their queries over.
 
 Attention. By default the model computes attention itself over the K/V ``update`` returns, so
 a ``logit_bias`` (the ``tq`` QJL correction) cannot be used and ``tq`` methods are refused.
-With ``fused=True`` (and ``model=``) one-token decode steps of one sequence attend from the
+With ``fused=True`` (the default with ``model=``) one-token decode steps attend from the
 cache instead: :mod:`arraykv.integrations.transformers_attention`.
+
+The model is borrowed, not changed. The hooks and the switched attention implementation last
+as long as the cache: :meth:`ArraykvCache.detach` removes them, and so does the cache's
+garbage collection (a finalizer that does not keep the cache alive); the last fused cache on a
+model to go puts back the exact implementation each of its configs had. While a cache is
+attached, every call it does not own (no cache, a ``DynamicCache``, another ArraykvCache) runs
+the model's own attention function with the model's own mask, so its logits are the model's to
+the last bit. Several caches may be attached to one model: each serves the calls it is passed
+to (``cache=``/``past_key_values=``).
+
+Batch rows. Beam search (``reorder_cache``), ``num_return_sequences`` and contrastive search
+(``batch_repeat_interleave``, ``batch_select_indices``) move whole rows of every layer:
+:meth:`ArraykvCache.select_rows` (:mod:`arraykv.caches.batch_rows`).
 
 Memory. The compressed cache is what persists between steps. During a step the model attends
 over float K/V, so the reconstructed past of the layer being computed exists as float32 (plus
@@ -70,6 +82,11 @@ from .torch_tensors import float32_numpy, to_torch  # noqa: E402 - after the ins
 from .transformers_store import generate_with_store  # noqa: E402 - after the install hint
 
 __all__ = ["ArraykvCache", "ArraykvLayer", "generate_with_store"]
+
+#: Why a layer of an ArraykvCache does not move its batch rows by itself.
+_WHOLE_CACHE = (
+    "an ArraykvCache moves the batch rows of all its layers in one step: call {0} on the cache, not on one layer"
+)
 
 #: The arraykv cache methods whose output the model cannot use (a logit bias needs our attention).
 _LOGIT_BIAS_PREFIXES = ("tq",)
@@ -199,22 +216,16 @@ class ArraykvLayer(CacheLayerMixin):
         self._owner._crop(self.index, tokens_to_remove)
 
     def reorder_cache(self, beam_idx: Any) -> None:
-        if self.get_seq_length() > 0:
-            raise NotImplementedError(
-                "ArraykvCache does not reorder its batch (beam search): an arraykv cache's batch rows "
-                "cannot be permuted in place; use greedy or sampled decoding (num_beams=1)"
-            )
+        """Refused: the rows of every layer move together, :meth:`ArraykvCache.reorder_cache`."""
+        raise NotImplementedError(_WHOLE_CACHE.format("reorder_cache"))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.get_seq_length() > 0 and repeats != 1:
-            raise NotImplementedError(
-                "ArraykvCache cannot repeat its batch rows once filled "
-                "(contrastive search, num_return_sequences after prefill)"
-            )
+        """Refused: the rows of every layer move together, :meth:`ArraykvCache.batch_repeat_interleave`."""
+        raise NotImplementedError(_WHOLE_CACHE.format("batch_repeat_interleave"))
 
     def batch_select_indices(self, indices: Any) -> None:
-        if self.get_seq_length() > 0:
-            raise NotImplementedError("ArraykvCache cannot select batch rows once filled")
+        """Refused: the rows of every layer move together, :meth:`ArraykvCache.batch_select_indices`."""
+        raise NotImplementedError(_WHOLE_CACHE.format("batch_select_indices"))
 
     def offload(self) -> None:  # nothing held in torch memory to move
         return None
@@ -249,14 +260,17 @@ class ArraykvCache(Cache):
         changed (faster; holds a float32 copy of the whole past, more than ``DynamicCache``).
     model : transformers.PreTrainedModel, optional
         The model the cache serves: its attention modules are hooked so that each update gets
-        the layer's queries (see the module notes). The hooks stay until :meth:`detach`.
+        the layer's queries (see the module notes). The hooks stay until :meth:`detach` or
+        until the cache is garbage collected, whichever comes first.
     fused : bool, optional
-        Needs ``model``: switch the model's attention to
-        :func:`~arraykv.integrations.transformers_attention.fused_attention`, so that one-token
-        decode steps are attended from the cache (its fused kernels) instead of over a rebuilt
-        float past; a step whose attention mask hides a stored token (padding) is attended over
-        the rebuilt past instead. :meth:`detach` switches it back. Default: on when ``model`` is
-        given (and ``incremental`` is not).
+        Needs ``model``: switch the model's attention modules to the fused attention function
+        (:mod:`~arraykv.integrations.transformers_attention`, registered as
+        ``"arraykv_fused_<implementation>"``), so that one-token decode steps are attended from
+        the cache (its fused kernels) instead of over a rebuilt float past; a step whose
+        attention mask hides a stored token (padding) is attended over the rebuilt past
+        instead. Calls the cache does not own go to the model's own attention unchanged.
+        :meth:`detach` or the cache's collection switches it back. Default: on when ``model``
+        is given (and ``incremental`` is not).
     **cache_options
         Passed to :func:`arraykv.make_cache` (e.g. ``bits``, ``window``, ``max_tokens``).
 
@@ -278,9 +292,16 @@ class ArraykvCache(Cache):
     Notes
     -----
     Tensors must be on the CPU (arraykv's NumPy caches); float16 and bfloat16 K/V are stored
-    as float32 and returned in the input dtype. Beam search (``reorder_cache``) and batch
-    expansion after prefill raise NotImplementedError; ``crop`` (assisted decoding) works as
-    far as the arraykv cache can truncate exactly. Not compileable (``torch.compile``
+    as float32 and returned in the input dtype. Beam search (``reorder_cache``), batch
+    expansion after prefill (``batch_repeat_interleave``) and ``batch_select_indices`` move
+    the rows of every layer at once (:meth:`select_rows`); ``crop`` (assisted decoding) works
+    as far as the arraykv cache can truncate exactly.
+
+    Two caches on one model: each is attached by its own hooks, and the fused attention serves
+    a call from the cache whose ``update`` returned the key tensor it is given, i.e. the cache
+    passed to that call; both can be used alternately, each giving what it gives alone (tested).
+    The model's attention implementation comes back when the last of them is detached or
+    collected. Without ``model=`` a cache changes nothing on the model. Not compileable (``torch.compile``
     of the model with this cache is not supported). See the module notes for what the missing
     queries mean for the ``pqo`` methods and what is held in memory.
     """
@@ -342,11 +363,10 @@ class ArraykvCache(Cache):
         )
         # layer -> the attention module's captured q projection and (cos, sin) of its current call
         self._q_parts: dict = {}
-        self._hooks: list = []
-        # layer -> the new token's (k, v) held for the fused attention of this step
+        # layer -> the new token's (k, v) and the key tensor update returned, held for the fused
+        # attention of this step (which claims it by that tensor)
         self._pending: dict = {}
         self.fused = False
-        self._model = None
         if fused is None:  # the fast path wherever it is correct: with the model's attention modules
             fused = model is not None and not incremental
         if not isinstance(fused, bool):
@@ -354,86 +374,81 @@ class ArraykvCache(Cache):
         if fused and model is None:
             raise ValueError("fused=True needs the model (model=...): its attention is switched to the cache's")
         if model is not None:
-            self._hook_queries(model)
-        if fused:
-            self._use_fused_attention(model)
+            import weakref
+
+            from .transformers_attention import attach
+
+            attachment = attach(self, model, fused=fused)
+            # hooks off and the model's attention back when this cache is collected (or detach()ed)
+            self._release = weakref.finalize(self, attachment.release)
+            self._release.atexit = False
+            self.hooked_layers = attachment.hooked_layers
+            self.fused = attachment.fused
 
     # -- fused decode attention (arraykv.integrations.transformers_attention) ----------------
-    def _use_fused_attention(self, model: Any) -> None:
-        import weakref
-
-        from .transformers_attention import FUSED_NAME, register_fused_attention
-
-        if self.hooked_layers != self.num_layers:
-            self.detach()
-            raise ValueError(
-                f"fused=True needs every layer's attention module hooked; found {self.hooked_layers} "
-                f"of {self.num_layers} (modules with layer_idx, q_proj and apply_rotary_pos_emb)"
-            )
-        current = getattr(model.config, "_attn_implementation", None)
-        self._base_attention = current if current not in (FUSED_NAME, None) else "sdpa"
-        register_fused_attention(self._base_attention)
-        model.set_attn_implementation(FUSED_NAME)
-        self._model = weakref.ref(model)
-        self.fused = True
+    def _claim(self, i: int, key: Any) -> tuple | None:
+        """The token held for layer ``i`` if this call's ``key`` is the tensor ``update`` returned
+        for it (the call is this cache's), taken; else None."""
+        pending = self._pending.get(i)
+        if pending is None or pending[2] is not key:
+            return None
+        del self._pending[i]
+        return pending
 
     def _fused_step(
-        self, module: Any, pending: tuple, query: Any, attention_mask: Any, scaling: Any, base: Any, kwargs: dict
+        self, module: Any, pending: tuple, query: Any, attention_mask: Any, own: Any, args: tuple, kwargs: dict
     ) -> tuple:
-        """Store the held token with the arraykv cache's ``decode`` and return the attention output."""
+        """Store the held token with the arraykv cache's ``decode`` and return the attention output.
 
+        ``own`` is the model's own attention function, called with the model's ``args`` and
+        ``kwargs`` where the cache answers with K/V, or where the fused kernels cannot do what
+        the call asks: a mask that hides a stored token (padding), a logit soft-cap, dropout.
+        """
         from ..protocol import AttendConfig, Fused
 
-        k, v = pending
+        k, v, _ = pending
         i = module.layer_idx
         q = float32_numpy(query)
-        if _hides_a_token(attention_mask):  # padding: the fused kernels attend to every stored token
-            r = self.arraykv_cache.prefill(i, k, v, q)
+        cache = self.arraykv_cache
+        if _hides_a_token(attention_mask) or kwargs.get("softcap") is not None or kwargs.get("dropout"):
+            before = cache.seq_len(i)
+            r = cache.prefill(i, k, v, q)
             if self.incremental:
                 self._held.pop(i, None)
-            w = int(attention_mask.shape[-1])  # the keys the mask covers (a sliding layer: its window)
-            return base(
-                module,
-                query,
-                to_torch(r.k[:, :, -w:], query.dtype),
-                to_torch(r.v[:, :, -w:], query.dtype),
-                attention_mask,
-                scaling=scaling,
-                **kwargs,
-            )
+            if attention_mask is not None:
+                keep = int(attention_mask.shape[-1])  # the keys the mask covers (a sliding layer: its window)
+            elif self.layer_types[i] == "sliding_attention":
+                keep = min(before, self.layers[i].sliding_window - 1) + 1
+            else:
+                keep = int(r.k.shape[2])
+            kk, vv = to_torch(r.k[:, :, -keep:], query.dtype), to_torch(r.v[:, :, -keep:], query.dtype)
+            return own(module, query, kk, vv, attention_mask, *args, **kwargs)
+        scaling = kwargs.get("scaling")
         scale = float(scaling) if scaling is not None else self.head_dim**-0.5
-        r = self.arraykv_cache.decode(i, k, v, q, AttendConfig(scale, int(q.shape[1]) // self.num_kv_heads))
+        r = cache.decode(i, k, v, q, AttendConfig(scale, int(q.shape[1]) // self.num_kv_heads))
         if self.incremental:
             self._held.pop(i, None)
         if isinstance(r, Fused):
-            out = _torch.from_numpy(np.ascontiguousarray(r.output)).to(query.dtype)  # (1, heads, 1, d)
+            out = _torch.from_numpy(np.ascontiguousarray(r.output)).to(query.dtype)  # (b, heads, 1, d)
             return out.transpose(1, 2).contiguous(), None
         kk, vv = to_torch(r.result.k, query.dtype), to_torch(r.result.v, query.dtype)
-        return base(module, query, kk, vv, attention_mask, scaling=scaling, **kwargs)
-
-    # -- the layers' queries ---------------------------------------------------------------
-    def _hook_queries(self, model: Any) -> None:
-        from .transformers_attention import hook_queries
-
-        self._hooks, self.hooked_layers = hook_queries(self, model)
+        return own(module, query, kk, vv, attention_mask, *args, **kwargs)
 
     def detach(self) -> None:
         """Remove the hooks that hand this cache the model's queries (later updates get zeros), and
-        give the model back its own attention if ``fused`` switched it."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        give the model its own attention back if ``fused`` switched it.
+
+        The same happens when the cache is garbage collected. Another cache attached to the same
+        model keeps its own hooks; the model's attention implementation comes back when the last
+        fused cache on it is detached or collected. Calling it again does nothing.
+        """
+        release = getattr(self, "_release", None)
+        if release is not None:
+            release()
         self._q_parts.clear()
         self._pending.clear()
         self.hooked_layers = 0
-        model = self._model() if self._model is not None else None
-        if self.fused and model is not None:
-            model.set_attn_implementation(self._base_attention)
-            for module in model.modules():
-                if getattr(module, "_arraykv_owner", None) is not None and module._arraykv_owner() in (self, None):
-                    del module._arraykv_owner
         self.fused = False
-        self._model = None
 
     def _queries(self, i: int, k: Any) -> Any:
         """Layer ``i``'s queries of this update as float32 NumPy (b, heads, t, d); zeros like ``k``
@@ -475,10 +490,13 @@ class ArraykvCache(Cache):
         dtype = key_states.dtype
         k, v = float32_numpy(key_states), float32_numpy(value_states)
 
-        if self.fused and k.shape[2] == 1 and self.arraykv_cache.seq_len(i) > 0:
-            # one new token per sequence: the attention function stores and attends (fused)
+        self._pending.pop(i, None)  # a token held by a call that never reached attention: gone
+        part = self._q_parts.get(i)
+        if self.fused and k.shape[2] == 1 and self.arraykv_cache.seq_len(i) > 0 and part and "pos" in part:
+            # one new token per sequence, in a call of the hooked model: the attention function
+            # claims it by the key tensor returned here, stores it and attends (fused)
             self._q_parts.pop(i, None)
-            self._pending[i] = (k.copy(), v.copy())
+            self._pending[i] = (k.copy(), v.copy(), key_states)
             return key_states, value_states
 
         q = self._queries(i, k)  # the hooked model's queries, or zeros (see module notes)
@@ -598,6 +616,75 @@ class ArraykvCache(Cache):
                 f"{self.method!r} cache cannot take the partial step back exactly ({exc}); "
                 "call cache.reset()"
             ) from None
+
+    # -- batch rows: beam search, num_return_sequences, contrastive search ---------------------
+    def select_rows(self, indices: Any) -> None:
+        """Keep the batch rows ``indices`` of every layer, in that order (reorder, repeat, select).
+
+        Row ``i`` of every layer becomes row ``indices[i]`` of before
+        (:meth:`arraykv.caches.LayeredCache.select_rows`: codes, norms, calibration, windows,
+        rollback copies; state shared by all rows kept); atomic. Nothing happens to an empty cache.
+
+        Parameters
+        ----------
+        indices : sequence of int or 1-D integer tensor/array
+            Row numbers, each ``0 <= i < batch``; repeats allowed.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Not 1-D integers, empty, or a row outside the batch; nothing changes.
+        """
+        from ..caches.batch_rows import check_rows
+
+        rows = check_rows(indices)
+        self._take_back_a_torn_step()
+        cache = self.arraykv_cache
+        if not any(cache.seq_len(i) for i in range(self.num_layers)):
+            return
+        cache.select_rows(rows)
+        self._pending.clear()
+        self._q_parts.clear()
+        try:  # the float pasts of incremental mode follow their rows
+            self._held = {i: (h[0][rows], h[1][rows], h[2], h[3]) for i, h in self._held.items()}
+        except BaseException:
+            self._held = {}  # they are only a shortcut: read back whole next time
+            raise
+
+    def reorder_cache(self, beam_idx: Any) -> None:
+        """Beam search: row ``i`` of every layer becomes row ``beam_idx[i]`` of before (:meth:`select_rows`).
+
+        Parameters
+        ----------
+        beam_idx : torch.LongTensor, shape (batch,)
+            The row each beam continues.
+        """
+        self.select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times in place (rows ``0, 0, 1, 1, ...``), as transformers' layers do.
+
+        Parameters
+        ----------
+        repeats : int
+            At least 1.
+        """
+        from .._validation import check_int
+
+        repeats = check_int("repeats", repeats, low=1)
+        batch = self.arraykv_cache.batch_size()
+        if batch and repeats > 1:
+            self.select_rows([r for r in range(batch) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: Any) -> None:
+        """Keep only the rows ``indices`` (:meth:`select_rows`).
+
+        Parameters
+        ----------
+        indices : torch.LongTensor or sequence of int, shape (rows,)
+            The rows kept, in order.
+        """
+        self.select_rows(indices)
 
     def reset(self) -> None:
         """Forget every token of every layer."""

@@ -1,111 +1,264 @@
 """The hooks of an ArraykvCache in a transformers model: the layers' queries, and decode attention from the cache.
 
-Queries (:func:`hook_queries`, :func:`layer_queries`): a forward hook on each attention
-module's ``q_proj`` (``q_norm`` where there is one) keeps its output and a pre-hook its
+Queries (:func:`attach`, :func:`layer_queries`): a forward hook on each attention module's
+``q_proj`` (``q_norm`` where there is one) keeps its output and a pre-hook its
 ``position_embeddings``; the cache's ``update`` turns them into the layer's queries with the
 module's own ``apply_rotary_pos_emb``.
 
-Fused decode (:func:`fused_attention`):
+Fused decode: a transformers model calls ``cache.update(k, v)`` and then its attention
+function over the K/V that ``update`` returned, so an
+:class:`~arraykv.integrations.transformers.ArraykvCache` normally rebuilds every layer's float
+past each step. With ``fused=True`` the configs of the hooked attention modules are switched to
+an attention function of this module, registered under :func:`fused_name` of the
+implementation they had (``"arraykv_fused_sdpa"`` for ``"sdpa"``), with that implementation's
+mask function. On a one-token decode step ``update`` only holds the new token's K/V; the
+attention function stores it with the arraykv cache's ``decode`` and answers with the cache's
+attention output (:class:`~arraykv.Fused`: computed from the packed codes by the fused kernels,
+no float past rebuilt), or, for a cache that answers with :class:`~arraykv.Dequantized`, with
+the model's own attention over those K/V.
 
-A transformers model calls ``cache.update(k, v)`` and then its attention function over the K/V
-that ``update`` returned, so an :class:`~arraykv.integrations.transformers.ArraykvCache`
-normally rebuilds every layer's float past each step. With ``fused=True`` the cache registers
-the attention function :func:`fused_attention` under the name ``"arraykv_fused"`` and switches
-the model to it: on a one-token decode step of a single sequence, ``update`` only holds the new
-token's K/V, and the attention function stores it with the arraykv cache's ``decode`` and
-answers with the cache's attention output (:class:`~arraykv.Fused`: computed from the packed
-codes by the fused kernels, no float past rebuilt), or, for a cache that answers with
-:class:`~arraykv.Dequantized`, with the model's own attention over those K/V. Every other call
-(the prompt, several sequences, several new tokens) goes to the attention function the model
-used before.
+Which cache a call belongs to: the one whose ``update`` returned the very key tensor the
+attention function is given (the models of transformers pass it straight on). Every other call
+(the prompt, several new tokens, a call with another cache or none) goes to the model's own
+attention function, called with exactly its arguments, so its output is the model's own to
+the last bit. Several caches may be attached to one model at once: each serves the calls it
+is passed to.
+
+Lifetime (:class:`Attachment`): the hooks, the switched configs and the caches' places in the
+module registry are held by an attachment that the cache releases on ``detach()`` and, through
+:func:`weakref.finalize`, when it is garbage collected. The last attachment released on a
+config puts its exact former ``_attn_implementation_internal`` back (unless someone changed
+it meanwhile), so a model without live caches is the model it was.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
+import weakref
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["FUSED_NAME", "register_fused_attention", "fused_attention", "hook_queries", "layer_queries"]
+__all__ = [
+    "FUSED_NAME",
+    "Attachment",
+    "attach",
+    "fused_name",
+    "register_fused_attention",
+    "fused_attention",
+    "layer_queries",
+]
 
-#: The attention-implementation name the fused function is registered under.
+#: The prefix of the attention-implementation names the fused functions are registered under.
 FUSED_NAME = "arraykv_fused"
 
+#: Guards the registries below (re-entrant: a garbage collection may release an attachment
+#: while this thread holds it).
+_LOCK = threading.RLock()
+#: Attention module -> ((token, weak reference to the cache), ...) of the attached caches whose
+#: fused decode may serve it; replaced, never mutated, so readers need no lock.
+_SERVING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: id(config) -> its switch (configs are not hashable).
+_SWITCHED: dict[int, _Switch] = {}
+#: fused name -> the implementation it serves for.
+_BASES: dict[str, str | None] = {}
 
-def register_fused_attention(base: str = "sdpa") -> None:
-    """Register :func:`fused_attention` with transformers' ``AttentionInterface`` (idempotent).
 
-    Its masks are built as for ``base``, the implementation it hands every other call to (a
-    padded batch needs the mask in that implementation's form).
+def fused_name(base: str | None) -> str:
+    """The name the fused function for implementation ``base`` is registered under.
+
+    ``FUSED_NAME + "_" + base`` (``"arraykv_fused_sdpa"``): the base's name stays inside it, so
+    checks of transformers that read the name (``"flash" in ...``) answer as for the base.
+    """
+    return f"{FUSED_NAME}_{'unset' if base is None else base}"
+
+
+def register_fused_attention(base: str | None = "sdpa") -> str:
+    """Register the fused attention function for implementation ``base`` (idempotent); its name.
+
+    The function hands every call no cache owns to ``base``'s attention function (as the model
+    looks it up: ``ALL_ATTENTION_FUNCTIONS.get_interface(base, <its module's eager attention>)``)
+    and its masks are built by ``base``'s mask function, or not at all where ``base`` has none,
+    as for ``base`` itself.
+
+    Parameters
+    ----------
+    base : str or None
+        The attention implementation the model had (``"sdpa"``, ``"eager"``, ...).
+
+    Returns
+    -------
+    str
+        :func:`fused_name` of ``base``.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    AttentionInterface.register(FUSED_NAME, fused_attention)
-    mask_of = ALL_MASK_ATTENTION_FUNCTIONS.get(base if base in ALL_MASK_ATTENTION_FUNCTIONS else "sdpa")
-    AttentionMaskInterface.register(FUSED_NAME, mask_of)
+    name = fused_name(base)
+    with _LOCK:
+        if _BASES.get(name, 0) == base:
+            return name
+        AttentionInterface.register(name, _fused_for(base))
+        masks = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+        if base in masks:
+            AttentionMaskInterface.register(name, masks[base])
+        _BASES[name] = base
+    return name
 
 
-def _base(name: str):
+def _own_attention(base: str | None, module: Any) -> Callable:
+    """The attention function the model calls for ``module`` under implementation ``base``."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if name in (None, "eager", FUSED_NAME):
-        from transformers.models.llama.modeling_llama import eager_attention_forward
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as eager
+    if base is None:  # what get_interface(None, eager) answers, without its warning
+        return eager
+    return ALL_ATTENTION_FUNCTIONS.get_interface(base, eager)
 
-        return eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[name]
+
+#: base -> its fused function (one per implementation, so that registering again is a no-op).
+_FUNCTIONS: dict = {}
+
+
+def _fused_for(base: str | None) -> Callable:
+    made = _FUNCTIONS.get(base)
+    if made is not None:
+        return made
+
+    def fused(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> tuple:
+        own = _own_attention(base, module)
+        for _, ref in _SERVING.get(module, ()):
+            cache = ref()
+            pending = None if cache is None else cache._claim(module.layer_idx, key)
+            if pending is not None:
+                return cache._fused_step(module, pending, query, attention_mask, own, args, kwargs)
+        return own(module, query, key, value, attention_mask, *args, **kwargs)
+
+    fused.__name__ = fused.__qualname__ = f"fused_attention_{base}"
+    fused.__doc__ = fused_attention.__doc__
+    return _FUNCTIONS.setdefault(base, fused)
 
 
 def fused_attention(
-    module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None, **kwargs: Any
+    module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any
 ) -> tuple:
-    """The attention of ``module`` for transformers: the arraykv cache's fused decode where it has one.
+    """The attention of ``module`` for transformers: the arraykv cache's fused decode where a cache owns the call.
+
+    The function registered for ``"sdpa"`` (the one for another implementation,
+    :func:`register_fused_attention`, differs only in the function it hands other calls to).
 
     Parameters
     ----------
     module : torch.nn.Module
-        An attention module hooked by an ``ArraykvCache(..., fused=True)``.
+        An attention module of the model.
     query : torch.Tensor, shape (batch, heads, new_tokens, head_dim)
     key, value : torch.Tensor, shape (batch, kv_heads, kv_tokens, head_dim)
         What the cache's ``update`` returned (the new token alone on a fused step).
     attention_mask : torch.Tensor or None
-    scaling : float, optional
-        Softmax scale (default ``head_dim ** -0.5``).
+    *args, **kwargs
+        The model's other arguments (``scaling``, ``dropout``, ...), passed on unchanged.
 
     Returns
     -------
     tuple
-        ``(attn_output (batch, new_tokens, heads, head_dim), None)``, as transformers' attention
-        functions return.
+        ``(attn_output (batch, new_tokens, heads, head_dim), attention weights or None)``, as
+        transformers' attention functions return.
     """
-    owner = getattr(module, "_arraykv_owner", None)
-    cache = owner() if owner is not None else None
-    base = _base(getattr(cache, "_base_attention", None))
-    if cache is None:
-        return base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    pending = cache._pending.pop(module.layer_idx, None)
-    if pending is None:
-        return base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    return cache._fused_step(module, pending, query, attention_mask, scaling, base, kwargs)
+    return _fused_for("sdpa")(module, query, key, value, attention_mask, *args, **kwargs)
 
 
-def hook_queries(cache: Any, model: Any) -> tuple:
-    """Hook every attention module of ``model`` whose queries ``cache`` can rebuild.
+class _Switch:
+    """A config switched to a fused name: what to put back, and the attachments holding it."""
+
+    def __init__(self, config: Any, original: Any, name: str):
+        self.config = weakref.ref(config)
+        self.original = original
+        self.name = name
+        self.holders: set = set()
+
+
+class Attachment:
+    """One cache's hold on one model: hooks, switched configs, its place in the registry.
+
+    Holds no reference to the cache (the hooks hold a weak one), so the cache can be collected;
+    :meth:`release` undoes everything and may be called any number of times, from ``detach()``
+    or from the finalizer of the collected cache.
+
+    Attributes
+    ----------
+    hooked_layers : int
+        Layers whose queries reach the cache.
+    fused : bool
+        Whether the model's attention modules were switched to the fused function.
+    """
+
+    def __init__(self) -> None:
+        self.token = object()
+        self.hooks: list = []
+        self.modules: list = []  # weak references to the attention modules served
+        self.configs: list = []  # ids of the configs switched
+        self.hooked_layers = 0
+        self.fused = False
+
+    def release(self) -> None:
+        """Remove the hooks, leave the registry, and give the configs their implementation back."""
+        with _LOCK:
+            hooks, self.hooks = self.hooks, []
+            for h in hooks:
+                h.remove()
+            modules, self.modules = self.modules, []
+            for ref in modules:
+                module = ref()
+                if module is None:
+                    continue
+                left = tuple(e for e in _SERVING.get(module, ()) if e[0] is not self.token)
+                if left:
+                    _SERVING[module] = left
+                else:
+                    _SERVING.pop(module, None)
+            configs, self.configs = self.configs, []
+            for key in configs:
+                switch = _SWITCHED.get(key)
+                if switch is None or self.token not in switch.holders:
+                    continue
+                switch.holders.discard(self.token)
+                if switch.holders:
+                    continue
+                del _SWITCHED[key]
+                cfg = switch.config()
+                if cfg is not None and getattr(cfg, "_attn_implementation_internal", None) == switch.name:
+                    cfg._attn_implementation_internal = switch.original
+            self.fused = False
+            self.hooked_layers = 0
+
+
+def attach(cache: Any, model: Any, *, fused: bool) -> Attachment:
+    """Hook ``model``'s attention modules for ``cache``, and switch them to the fused function if ``fused``.
 
     Parameters
     ----------
     cache : ArraykvCache
-        Receives each call's parts in ``cache._q_parts[layer]`` (held through a weak reference).
+        Receives each call's query parts in ``cache._q_parts[layer]`` (through a weak reference).
     model : torch.nn.Module
         Attention modules are those with an int ``layer_idx`` below ``cache.num_layers``, a
         ``q_proj`` and an ``apply_rotary_pos_emb`` in their module.
+    fused : bool
+        Also switch the configs of those modules to :func:`fused_name` of their implementation
+        (needs every layer hooked, and a ``config`` on each module).
 
     Returns
     -------
-    tuple
-        ``(hook handles, number of layers hooked)``.
-    """
-    import sys
-    import weakref
+    Attachment
+        To release on ``detach()`` and when the cache is collected.
 
+    Raises
+    ------
+    ValueError
+        The model has another number of layers than the cache, or ``fused`` and not every layer
+        could be hooked; nothing is left attached.
+    """
     cfg = getattr(model, "config", None)
     get_text = getattr(cfg, "get_text_config", None)
     if callable(get_text):
@@ -116,8 +269,26 @@ def hook_queries(cache: Any, model: Any) -> tuple:
             f"the model has {n} layers but the cache was built for {cache.num_layers}; "
             "build it from the model's own config (model.config)"
         )
+    out = Attachment()
+    try:
+        modules = _hook_queries(cache, model, out)
+        if fused:
+            if out.hooked_layers != cache.num_layers:
+                raise ValueError(
+                    f"fused=True needs every layer's attention module hooked; found {out.hooked_layers} "
+                    f"of {cache.num_layers} (modules with layer_idx, q_proj and apply_rotary_pos_emb)"
+                )
+            _switch(cache, modules, out)
+    except BaseException:
+        out.release()
+        raise
+    return out
+
+
+def _hook_queries(cache: Any, model: Any, out: Attachment) -> list:
+    """Hook every attention module whose queries ``cache`` can rebuild; the modules hooked."""
     me = weakref.ref(cache)
-    hooks, found = [], 0
+    modules = []
     for module in model.modules():
         i = getattr(module, "layer_idx", None)
         q_proj = getattr(module, "q_proj", None)
@@ -130,26 +301,57 @@ def hook_queries(cache: Any, model: Any) -> tuple:
         q_src = q_proj if q_norm is None else q_norm
         head_dim = int(getattr(module, "head_dim", cache.head_dim))
 
-        def keep_q(mod, args, out, i=i, head_dim=head_dim, rope=rope):
+        def keep_q(mod: Any, args: Any, result: Any, i: int = i, head_dim: int = head_dim, rope: Any = rope) -> None:
             owner = me()
             if owner is not None:
                 owner._q_parts.setdefault(i, {}).update(
-                    q=out, head_dim=head_dim, rope=rope, heads_first=_heads_first(args[0] if args else out)
+                    q=result, head_dim=head_dim, rope=rope, heads_first=_heads_first(args[0] if args else result)
                 )
 
-        def keep_pos(mod, args, kwargs, i=i):
+        def keep_pos(mod: Any, args: Any, kwargs: Any, i: int = i) -> None:
             owner = me()
             pos = kwargs.get("position_embeddings")
             if pos is None and len(args) > 1:
                 pos = args[1]
             if owner is not None:
                 owner._q_parts.setdefault(i, {})["pos"] = pos
-                mod._arraykv_owner = me  # fused_attention finds its cache here
 
-        hooks.append(q_src.register_forward_hook(keep_q))
-        hooks.append(module.register_forward_pre_hook(keep_pos, with_kwargs=True))
-        found += 1
-    return hooks, min(found, cache.num_layers)
+        out.hooks.append(q_src.register_forward_hook(keep_q))
+        out.hooks.append(module.register_forward_pre_hook(keep_pos, with_kwargs=True))
+        modules.append(module)
+    out.hooked_layers = min(len(modules), cache.num_layers)
+    return modules
+
+
+def _switch(cache: Any, modules: list, out: Attachment) -> None:
+    """Switch the configs of ``modules`` to the fused function and register ``cache`` as serving them."""
+    configs = {}
+    for module in modules:
+        cfg = getattr(module, "config", None)
+        if cfg is None or not hasattr(cfg, "_attn_implementation_internal"):
+            raise ValueError(
+                f"fused=True needs attention modules with a transformers config; {type(module).__name__} has none"
+            )
+        configs[id(cfg)] = cfg
+    with _LOCK:
+        for key, cfg in configs.items():
+            current = cfg._attn_implementation_internal
+            switch = _SWITCHED.get(key)
+            if switch is not None and switch.config() is cfg and current == switch.name:
+                switch.holders.add(out.token)  # another live cache switched it: share its switch
+            else:
+                base = _BASES.get(current, current) if isinstance(current, str) else current
+                name = register_fused_attention(base)
+                replaced = switch.holders if switch is not None and switch.config() is cfg else set()
+                switch = _SWITCHED[key] = _Switch(cfg, current, name)
+                switch.holders |= replaced | {out.token}
+                cfg._attn_implementation_internal = name
+            out.configs.append(key)
+        entry = (out.token, weakref.ref(cache))
+        for module in modules:
+            _SERVING[module] = _SERVING.get(module, ()) + (entry,)
+            out.modules.append(weakref.ref(module))
+        out.fused = True
 
 
 def layer_queries(part: Any, k: Any, num_kv_heads: int) -> Any:
