@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -250,12 +251,16 @@ def _field(reader: Any, key: str, default: Any = None):
     return value
 
 
-def read_gguf(path: str | os.PathLike) -> tuple:
+def read_gguf(path: str | os.PathLike, *, on_config: Callable[[ModelConfig], None] | None = None) -> tuple:
     """Read a decoder GGUF file: its config, float32 tensors and raw metadata fields.
 
     Parameters
     ----------
     path : str or PathLike
+    on_config : callable, optional
+        Called with the config as soon as the metadata is read, before the tensors are
+        dequantized (the longer part), so that work needing only the config (compiling the
+        kernels of its geometry) can start.
 
     Returns
     -------
@@ -357,17 +362,11 @@ def read_gguf(path: str | os.PathLike) -> tuple:
         layer_types = periodic_layer_types(num_layers, arch.sliding_period)
     else:
         window = 0
-    tensors: dict = {}
-    for t in reader.tensors:
-        try:
-            a = gguf.quants.dequantize(t.data, t.tensor_type)
-        except (NotImplementedError, ValueError) as exc:
-            raise ValueError(f"tensor {t.name} of {p} has the unsupported type {t.tensor_type.name}: {exc}") from exc
-        tensors[t.name] = np.ascontiguousarray(a, dtype=np.float32)
-    emb = tensors.get("token_embd.weight")
-    if emb is None:
+    emb_info = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if emb_info is None:
         raise ValueError(f"{p} has no token_embd.weight tensor; the file is incomplete")
-    vocab = size("vocab_size", get("vocab_size", emb.shape[0]))
+    # GGUF lists dimensions fastest first: (hidden, vocab) for the (vocab, hidden) embedding
+    vocab = size("vocab_size", get("vocab_size", int(emb_info.shape[-1])))
     cfg = ModelConfig(
         num_layers=num_layers,
         hidden_size=hidden,
@@ -384,6 +383,15 @@ def read_gguf(path: str | os.PathLike) -> tuple:
         layer_types=layer_types,
         sliding_window=window,
     )
+    if on_config is not None:
+        on_config(cfg)
+    tensors: dict = {}
+    for t in reader.tensors:
+        try:
+            a = gguf.quants.dequantize(t.data, t.tensor_type)
+        except (NotImplementedError, ValueError) as exc:
+            raise ValueError(f"tensor {t.name} of {p} has the unsupported type {t.tensor_type.name}: {exc}") from exc
+        tensors[t.name] = np.ascontiguousarray(a, dtype=np.float32)
     from .llama_weights import tensor_shapes
 
     for name, shape in tensor_shapes(cfg).items():

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import _compat
 from . import weight_cache
 from .gguf import ModelDownloadError, cache_dir, find_model, read_gguf, require
 from .llama import DecoderModel, unpermute_qk
 from .llama_weights import LAYOUT_VERSION, layout_arrays, layout_from_arrays, layout_gguf_tensors
 from .model_config import ModelConfig
 from .models import KNOWN_MODELS, resolve_model
+from .precompile import default_methods as precompile_methods, start as start_precompile
 from .tokenizer import GGUFTokenizer, tokenizer_from_gguf
 
 __all__ = [
@@ -41,6 +44,8 @@ __all__ = [
 ]
 
 _LOADED: dict = {}
+#: Files smaller than this (test models) start no kernel compilation unless asked to.
+PRECOMPILE_MIN_BYTES = 32 << 20
 
 
 def load_model(
@@ -52,6 +57,7 @@ def load_model(
     quiet: bool = False,
     reuse: bool = True,
     cache_weights: bool = True,
+    precompile: Sequence[str] | None = None,
 ) -> DecoderModel:
     """Load a decoder GGUF file into a float32 :class:`DecoderModel`.
 
@@ -80,6 +86,12 @@ def load_model(
         again (:mod:`arraykv.integrations.weight_cache`: keyed by the file's path, size and
         modification time; a stale or damaged cache file is rebuilt, never used). False, or
         ``ARRAYKV_WEIGHT_CACHE=0``, reads the GGUF file every time.
+    precompile : sequence of str, optional
+        Cache methods whose CPU kernels are compiled in a separate process while the weights
+        load (:mod:`arraykv.integrations.precompile`; ``make_cache`` of such a method waits
+        for it). None: ``$ARRAYKV_PRECOMPILE`` or ``("pqo4",)`` for a file of at least
+        :data:`PRECOMPILE_MIN_BYTES` (a small file loads at once: nothing to overlap); ``()``
+        for none. Nothing is started when the kernels were compiled before.
 
     Returns
     -------
@@ -99,6 +111,8 @@ def load_model(
     ImportError
         ``gguf`` or ``tokenizers`` is missing (``pip install "arraykv[model]"``).
     """
+    if precompile is not None and (isinstance(precompile, str) or not all(isinstance(m, str) for m in precompile)):
+        raise TypeError(f"precompile must be a sequence of method names or None, received {precompile!r}")
     known = resolve_model(path, download=download, quiet=quiet)
     p = known if known is not None else find_model(path, download=download, quiet=quiet)
     key = (str(p.resolve()), getattr(xp, "__name__", None), bool(tokenizer))
@@ -106,10 +120,19 @@ def load_model(
         return _LOADED[key]
     if xp is None:
         import array_api_compat.numpy as xp  # noqa: PLW0127 - the default namespace
+    if precompile is None:
+        methods = precompile_methods() if p.stat().st_size >= PRECOMPILE_MIN_BYTES else ()
+    else:
+        methods = tuple(precompile)
+
+    def start_compiling(config: ModelConfig) -> None:
+        if methods and _compat.is_numpy(xp):
+            start_precompile(config, methods)
+
     location = weight_cache.cache_location() if cache_weights else None
-    loaded = _load_cached(p, location, tokenizer, xp) if location is not None else None
+    loaded = _load_cached(p, location, tokenizer, xp, start_compiling) if location is not None else None
     if loaded is None:
-        config, tensors, reader = read_gguf(p)
+        config, tensors, reader = read_gguf(p, on_config=start_compiling)
         has_vocab = reader.fields.get("tokenizer.ggml.model") is not None
         tok = tokenizer_from_gguf(reader) if (tokenizer and has_vocab) else None
         del reader
@@ -166,16 +189,28 @@ def _store_cached(p: Path, location: Path, config: ModelConfig, layout: tuple, t
         weight_cache.prune(location, keep=target)
 
 
-def _load_cached(p: Path, location: Path, tokenizer: bool, xp: Any) -> tuple | None:
+def _config_of(meta: dict) -> ModelConfig:
+    cfg = dict(meta["config"])
+    cfg["layer_types"] = tuple(cfg["layer_types"])
+    return ModelConfig(**cfg)
+
+
+def _load_cached(p: Path, location: Path, tokenizer: bool, xp: Any, on_config: Any) -> tuple | None:
     """``(config, (layers, embedding, output_norm, lm_head), tokenizer)`` from the weight cache, or None."""
-    found = weight_cache.read(weight_cache.cache_file(location, p), weight_cache.identity(p, _version()))
+
+    def on_meta(meta: dict) -> None:
+        try:
+            config = _config_of(meta)
+        except (KeyError, TypeError, ValueError):
+            return
+        on_config(config)
+
+    found = weight_cache.read(weight_cache.cache_file(location, p), weight_cache.identity(p, _version()), on_meta)
     if found is None:
         return None
     meta, arrays = found
     try:
-        cfg = dict(meta["config"])
-        cfg["layer_types"] = tuple(cfg["layer_types"])
-        config = ModelConfig(**cfg)
+        config = _config_of(meta)
         tok_meta = meta["tokenizer"]
         has_vocab = bool(meta["has_vocab"])
         parts = layout_from_arrays(config, arrays, xp)

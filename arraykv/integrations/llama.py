@@ -137,7 +137,9 @@ class DecoderModel:
         ``rollback_tokens``).
         """
         from ..caches import make_cache
+        from ..ops.pending import wait as wait_for_kernels
 
+        wait_for_kernels(method)  # its kernels compiling in another process (integrations.precompile)
         c = self.config
         geometry = dict(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
         if not c.hybrid:

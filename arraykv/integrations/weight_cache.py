@@ -37,7 +37,7 @@ import os
 import struct
 import tempfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -178,7 +178,7 @@ def _header(path: Path) -> tuple | None:
     return head, start + _pad(start)
 
 
-def read(path: Path, ident: dict) -> tuple | None:
+def read(path: Path, ident: dict, on_meta: Callable[[dict], None] | None = None) -> tuple | None:
     """The cached ``(meta, arrays)`` of ``path`` when its identity is ``ident`` and it is whole; else None.
 
     Parameters
@@ -186,6 +186,9 @@ def read(path: Path, ident: dict) -> tuple | None:
     path : Path
     ident : dict
         :func:`identity` of the source now.
+    on_meta : callable, optional
+        Called with the metadata as soon as the header is read and matches ``ident``, before
+        the arrays are checked (the longer part); the arrays may still turn out damaged.
 
     Returns
     -------
@@ -199,6 +202,8 @@ def read(path: Path, ident: dict) -> tuple | None:
     head, start = found
     if head.get("identity") != ident:
         return None
+    if on_meta is not None:
+        on_meta(head.get("meta", {}))
     try:
         size = Path(path).stat().st_size
         if size != start + int(head["data_bytes"]):
