@@ -180,3 +180,42 @@ def test_two_children_at_once_fill_the_cache_and_a_new_process_compiles_nothing(
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+_SMALL_INTQ = textwrap.dedent(
+    """
+    import json
+    import numpy as np
+    from numba.core import event
+    from arraykv import ops
+
+    seen = []
+
+    class L(event.Listener):
+        def on_start(self, ev):
+            disp = ev.data.get("dispatcher")
+            py = getattr(disp, "py_func", None)
+            if getattr(py, "__module__", "").startswith("arraykv"):
+                seen.append([py.__qualname__, bool(disp.targetoptions.get("parallel"))])
+
+        def on_end(self, ev):
+            pass
+
+    event.register("numba:compile", L())
+    x = np.random.default_rng(0).standard_normal((2, 3, 64)).astype(np.float32)
+    mn, mx = ops.intq_group_minmax(x, 32)
+    scale = np.maximum(mx - mn, 1e-6) / 15
+    codes = ops.intq_quantize_pack(x, 32, 4, mn, 1 / scale)
+    ops.intq_dequantize(codes, 4, 32, 64, scale, mn)
+    print(json.dumps(seen))
+    """
+)
+
+
+def test_a_small_integer_quantization_call_compiles_no_parallel_kernel(tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    out = subprocess.run([sys.executable, "-c", _SMALL_INTQ], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    compiled = json.loads(out.stdout.strip().splitlines()[-1])
+    assert compiled, "nothing compiled: the check saw no kernel"
+    assert [name for name, parallel in compiled if parallel] == []

@@ -16,13 +16,13 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from .threads import launch
+from .polar.codec import _named
+from .threads import launch, threads_for
 
 __all__ = ["group_minmax", "quantize_pack", "dequantize"]
 
 
-@nb.njit(cache=True, nogil=True, parallel=True)
-def _minmax(x, g, mn, mx):
+def _minmax_py(x, g, mn, mx):
     rows, n = x.shape
     groups = mn.shape[1]
     for r in nb.prange(rows):
@@ -52,8 +52,7 @@ def _level(x, off, inv, levels):
     return t
 
 
-@nb.njit(cache=True, nogil=True, parallel=True)
-def _quant_pack(x, g, bits, off, inv, out):
+def _quant_pack_py(x, g, bits, off, inv, out):
     rows, n = x.shape
     levels = np.float32((1 << bits) - 1)
     for r in nb.prange(rows):
@@ -72,8 +71,7 @@ def _quant_pack(x, g, bits, off, inv, out):
                 out[r, p] = np.uint8(byte)
 
 
-@nb.njit(cache=True, nogil=True, parallel=True)
-def _dequant(codes, bits, g, n, s, o, out):
+def _dequant_py(codes, bits, g, n, s, o, out):
     rows = codes.shape[0]
     for r in nb.prange(rows):
         for i in range(n):
@@ -87,6 +85,31 @@ def _dequant(codes, bits, g, n, s, o, out):
             out[r, i] = np.float32(c) * s[r, j] + o[r, j]
 
 
+# A parallel variant of each loop for large calls and a serial one for small calls (a decode
+# step), under names of their own (Numba keys its disk cache by a function's name and first
+# line, not its options: see arraykv.ops.numba.polar.codec._named). A small call compiles and
+# runs the serial variant only, which compiles in a fraction of the parallel one's time.
+def _variants(fn, name: str) -> tuple:
+    return (
+        nb.njit(cache=True, nogil=True)(_named(fn, name + "_ser")),
+        nb.njit(cache=True, nogil=True, parallel=True)(_named(fn, name + "_par")),
+    )
+
+
+_minmax_ser, _minmax_par = _variants(_minmax_py, "_minmax")
+_quant_pack_ser, _quant_pack_par = _variants(_quant_pack_py, "_quant_pack")
+_dequant_ser, _dequant_par = _variants(_dequant_py, "_dequant")
+
+
+def _run(serial, parallel, work: int, *args) -> None:
+    """``serial(*args)`` when ``work`` values get one thread (:func:`threads_for`), else ``parallel`` in a launch."""
+    if threads_for(work) == 1:
+        serial(*args)
+        return
+    with launch(work):
+        parallel(*args)
+
+
 def _rows(a):
     a = np.ascontiguousarray(a)
     return a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1)
@@ -97,8 +120,9 @@ def group_minmax(x32, group_size):
     groups = -(-n // group_size)
     mn = np.empty(lead + (groups,), np.float32)
     mx = np.empty(lead + (groups,), np.float32)
-    with launch(x32.size):
-        _minmax(_rows(x32), int(group_size), mn.reshape(-1, groups), mx.reshape(-1, groups))
+    _run(
+        _minmax_ser, _minmax_par, x32.size, _rows(x32), int(group_size), mn.reshape(-1, groups), mx.reshape(-1, groups)
+    )
     return mn, mx
 
 
@@ -107,15 +131,17 @@ def quantize_pack(x32, group_size, bits, off32, inv):
     nbytes = (n * bits + 7) // 8
     out = np.empty(lead + (nbytes,), np.uint8)
     groups = off32.shape[-1]
-    with launch(x32.size):
-        _quant_pack(
-            _rows(x32),
-            int(group_size),
-            int(bits),
-            _rows(np.asarray(off32, np.float32)).reshape(-1, groups),
-            _rows(np.asarray(inv, np.float32)).reshape(-1, groups),
-            out.reshape(-1, nbytes),
-        )
+    _run(
+        _quant_pack_ser,
+        _quant_pack_par,
+        x32.size,
+        _rows(x32),
+        int(group_size),
+        int(bits),
+        _rows(np.asarray(off32, np.float32)).reshape(-1, groups),
+        _rows(np.asarray(inv, np.float32)).reshape(-1, groups),
+        out.reshape(-1, nbytes),
+    )
     return out
 
 
@@ -123,14 +149,16 @@ def dequantize(codes, bits, group_size, n, s32, o32):
     lead = codes.shape[:-1]
     out = np.empty(lead + (int(n),), np.float32)
     groups = s32.shape[-1]
-    with launch(out.size):
-        _dequant(
-            _rows(codes),
-            int(bits),
-            int(group_size),
-            int(n),
-            _rows(s32).reshape(-1, groups),
-            _rows(o32).reshape(-1, groups),
-            out.reshape(-1, int(n)),
-        )
+    _run(
+        _dequant_ser,
+        _dequant_par,
+        out.size,
+        _rows(codes),
+        int(bits),
+        int(group_size),
+        int(n),
+        _rows(s32).reshape(-1, groups),
+        _rows(o32).reshape(-1, groups),
+        out.reshape(-1, int(n)),
+    )
     return out
