@@ -30,7 +30,9 @@ Atomic and thread-safe: the caller's indices are checked first (1-D integers, at
 each inside every layer's batch), then every layer lock is taken in index order (for a
 :class:`~arraykv.caches.HybridCache`: its global layers' cache, then its sliding layers'),
 every new layer is built, and only then are they put in place; a failure on the way (a
-``MemoryError`` copying a long layer, an interrupt) leaves the cache as it was.
+``MemoryError`` copying a long layer, an interrupt) leaves the cache as it was. Inside a
+:meth:`~arraykv.caches.LayeredCache.transaction` the layers are recorded before they are
+replaced, so the transaction's rollback puts the rows back as they were.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class LayerBatchRows(Generic[_S]):
         _states: list[_S | None]
 
         def _all_layers_locked(self) -> contextlib.AbstractContextManager[None]: ...
+        def _note_every_layer(self) -> None: ...
         def _layer_arrays(self, state: _S) -> dict[str, Array]: ...
         def _layer_layout(self, xp: Namespace, batch: int, dtype: DType, length: int) -> Layout | None: ...
         def _restore_layer(
@@ -233,5 +236,7 @@ def select_rows_of(caches: Sequence[LayerBatchRows], indices: Any) -> None:
         for cache in caches:
             locks.enter_context(cache._all_layers_locked())
         built = [cache._selected_states(rows) for cache in caches]
+        for cache in caches:  # inside a transaction: its rollback puts these layers back
+            cache._note_every_layer()
         for cache, states in zip(caches, built):  # nothing below can fail
             cache._states = states

@@ -235,6 +235,20 @@ def test_a_failure_part_way_leaves_every_layer_as_it_was():
     _assert_same(_state(cache), before, "after a failed selection")
 
 
+@pytest.mark.parametrize("method", ["pqo4", "hybrid"])
+def test_a_transaction_rolled_back_puts_the_rows_back(method):
+    k, v, q = _data(8, 3, PROMPT + 1)
+    cache = _make(method)
+    _feed(cache, k, v, q, 0, PROMPT, prompt=True)
+    before = _state(cache)
+    with pytest.raises(KeyboardInterrupt), cache.transaction():
+        cache.select_rows([2, 0])
+        _feed(cache, k[:, [2, 0]], v[:, [2, 0]], q[:, [2, 0]], PROMPT, PROMPT + 1, prompt=False)
+        raise KeyboardInterrupt
+    _assert_same(_state(cache), before, "after the rollback")
+    assert cache.batch_size() == 3
+
+
 def test_selection_waits_for_a_call_in_flight():
     """select_rows takes every layer lock: a decode holding a layer's lock finishes first."""
     k, v, q = _data(6, 2, PROMPT + 1)
