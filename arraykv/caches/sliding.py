@@ -18,10 +18,10 @@ block by another array (a truncation, a store by concatenation) is detected by i
 
 from __future__ import annotations
 
-from .._compat import array_nbytes, device, namespace
+from .._compat import array_nbytes, device, namespace, plain_numpy
 from .._types import Array, Namespace
 
-__all__ = ["SlidingRows", "SPARE_ROWS"]
+__all__ = ["SlidingRows", "SPARE_ROWS", "copied"]
 
 #: Spare rows after a sliding block (bytes: ``2 · batch · heads · head_dim · 2`` per row for
 #: float16 keys and values); the block moves back to the buffer's start once every that many steps.
@@ -134,8 +134,7 @@ class SlidingRows:
     def mark(self) -> tuple:
         """What :meth:`rewind` needs to put this block back where it is now: the buffers, the
         offset and a copy of the block's rows (the rows a later step may overwrite)."""
-        xp = namespace(self._kb)
-        return (self._kb, self._vb, self._off, xp.asarray(self.k, copy=True), xp.asarray(self.v, copy=True))
+        return (self._kb, self._vb, self._off, copied(self.k), copied(self.v))
 
     def rewind(self, mark: tuple) -> None:
         """The block of :meth:`mark` again, in the same buffers at the same offset (the rows
@@ -151,6 +150,13 @@ class SlidingRows:
     def spare_nbytes(self) -> int:
         """Bytes of the buffers outside the current block."""
         return array_nbytes(self._kb) + array_nbytes(self._vb) - array_nbytes(self.k) - array_nbytes(self.v)
+
+
+def copied(x: Array) -> Array:
+    """A copy of ``x``: a plain NumPy array's own ``copy`` (a tenth of the array-API call's
+    cost for the few rows of a window, paid by every decode step's undo record), else
+    ``xp.asarray(x, copy=True)``."""
+    return x.copy() if plain_numpy(x) else namespace(x).asarray(x, copy=True)
 
 
 def _move(buf: Array, dst: int, src: int, rows: int) -> None:

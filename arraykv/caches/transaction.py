@@ -36,7 +36,6 @@ may still need.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -101,26 +100,30 @@ class FieldUndo:
 
     def __init__(self, state: LayerState):
         self._state = state
-        values: dict[str, Any] = {}
+        values = dict(vars(state))  # the dataclass fields, by reference
         marks: dict[str, tuple] = {}
         rows: dict[str, tuple] = {}
         blocks: dict[str, Any] = {}
-        sliding = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
-        sliding = {n: r for n, r in sliding.items() if isinstance(r, SlidingRows)}
-        for f in dataclasses.fields(state):
-            value = getattr(state, f.name)
-            if isinstance(value, TokenBuffers):
-                marks[f.name] = value.mark()
-            elif isinstance(value, SlidingRows):
-                rows[f.name] = value.mark()
-            elif isinstance(value, ExactTokens):
-                holder = next((n for n, r in sliding.items() if r.holds(value.k)), None)
-                # a view of sliding rows is put back in place (the same memory); another block is
-                # replaced by each store, never written into: kept as it is
-                blocks[f.name] = (holder, value.n_sink) if holder is not None else value
-            elif isinstance(value, dict):
-                value = dict(value)  # arrays by name, replaced whole by a store
-            values[f.name] = value
+        sliding: dict[str, SlidingRows] = {}
+        exact: list[tuple[str, ExactTokens]] = []
+        for name, value in values.items():
+            kind = _KINDS[type(value)] if type(value) in _KINDS else _kind(value)
+            if kind is None:
+                continue
+            if kind == "buffers":
+                marks[name] = value.mark()
+            elif kind == "rows":
+                sliding[name] = value
+                rows[name] = value.mark()
+            elif kind == "block":
+                exact.append((name, value))
+            else:  # arrays by name, replaced whole by a store
+                values[name] = dict(value)
+        for name, block in exact:
+            holder = next((n for n, r in sliding.items() if r.holds(block.k)), None)
+            # a view of sliding rows is put back in place (the same memory); another block is
+            # replaced by each store, never written into: kept as it is
+            blocks[name] = (holder, block.n_sink) if holder is not None else block
         self._values, self._marks, self._rows, self._blocks = values, marks, rows, blocks
         self._own = state.mark_rows()
 
@@ -142,6 +145,17 @@ class FieldUndo:
 
     def detach(self) -> None:
         self._marks = {name: TokenBuffers.detach_mark(m) for name, m in self._marks.items()}
+
+
+#: The field types a :class:`FieldUndo` treats apart, by exact type (subclasses: :func:`_kind`).
+_KINDS: dict[type, str | None] = {TokenBuffers: "buffers", SlidingRows: "rows", ExactTokens: "block", dict: "dict"}
+
+
+def _kind(value: Any) -> str | None:
+    """The kind of a value of a type not met yet (remembered for its type)."""
+    kind = next((k for cls, k in _KINDS.items() if k and isinstance(value, cls)), None)
+    _KINDS[type(value)] = kind
+    return kind
 
 
 def checkpoint(state: LayerState | None, copy_layer: Callable[[Any], Any]) -> LayerUndo:

@@ -33,6 +33,7 @@ from .polar_decode import decode_tokens
 from .polar_options import check_polar_options
 from .restore_checks import check_encoded_storage_room
 from .rollback import DEFAULT_ROLLBACK_TOKENS, check_rollback_tokens
+from .sliding import copied
 
 __all__ = ["SlidingWindowCache", "WindowLayer", "WINDOW_STORAGE", "POLAR_STORAGE", "OUTLIER_OPTIONS"]
 
@@ -89,7 +90,7 @@ class WindowLayer(LayerState):
 
     def mark_rows(self) -> dict[str, Array]:
         """Copies of the held rows (a store moves and overwrites rows of the buffers in place)."""
-        return {name: self.xp.asarray(a, copy=True) for name, a in self.held().items()}
+        return {name: copied(a) for name, a in self.held().items()}
 
     def rewind_rows(self, mark: dict[str, Array]) -> None:
         """The held rows of :meth:`mark_rows` written back into ``rows`` at ``off`` (the fields
