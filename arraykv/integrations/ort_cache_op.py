@@ -31,6 +31,7 @@ run, arrays copied in and out), so about 4.5 ms per step for a 30-layer model.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
@@ -109,13 +110,7 @@ def attend_from_cache(slot: CacheSlot, layer: int, scale: float, q: Any, k: Any,
     -------
     numpy.ndarray, float32, shape of ``q``
     """
-    import numpy as np
-
-    from .._compat import to_numpy
-    from ..ops.numba.threads import beside_blas
-    from ..protocol import AttendConfig, Fused
-    from .llama_attention import attend_chunk, attend_one
-
+    np, to_numpy, beside_blas, Fused, attend_chunk, attend_one = _runtime()
     cache = slot.cache
     if cache is None:
         raise RuntimeError(
@@ -135,7 +130,7 @@ def attend_from_cache(slot: CacheSlot, layer: int, scale: float, q: Any, k: Any,
         if t != 1:
             raise ValueError(f"layer {layer}: a decode step takes one token per sequence, received {t}")
         with beside_blas(slot.kernels):
-            res = cache.decode(layer, k, v, q4, AttendConfig(softmax_scale=scale, n_kv_groups=heads // hkv))
+            res = cache.decode(layer, k, v, q4, _attend_config(scale, heads // hkv))
         if isinstance(res, Fused):
             out = to_numpy(res.output)
         else:
@@ -155,6 +150,27 @@ def attend_from_cache(slot: CacheSlot, layer: int, scale: float, q: Any, k: Any,
             in_place=True,
         )
     return np.ascontiguousarray(out, dtype=np.float32).reshape(q.shape)
+
+
+@functools.cache
+def _runtime() -> tuple:
+    """What a node call uses, imported once (NumPy, Numba's thread policy, the attention functions)."""
+    import numpy as np
+
+    from .._compat import to_numpy
+    from ..ops.numba.threads import beside_blas
+    from ..protocol import Fused
+    from .llama_attention import attend_chunk, attend_one
+
+    return np, to_numpy, beside_blas, Fused, attend_chunk, attend_one
+
+
+@functools.lru_cache(maxsize=256)
+def _attend_config(scale: float, groups: int) -> Any:
+    """The (checked, frozen) ``AttendConfig`` of a node's geometry, made once instead of every call."""
+    from ..protocol import AttendConfig
+
+    return AttendConfig(softmax_scale=scale, n_kv_groups=groups)
 
 
 def run_prompt(
@@ -288,29 +304,64 @@ def ensure_registered() -> None:
 
         P = ox.PyCustomOpDef
 
-        @ox.Opdef.declare(
+        def _arraykv_attention(q: Any, k: Any, v: Any, **attrs: Any) -> Any:
+            return _node(q, k, v, attrs["handle"], int(attrs["layer"]), float(attrs["scale"]))
+
+        opdef = ox.Opdef.declare(
             op_type=CACHE_OP,
             inputs=[P.dt_float, P.dt_float, P.dt_float],
             outputs=[P.dt_float],
             attrs={"handle": P.dt_string, "layer": P.dt_int64, "scale": P.dt_float},
-        )
-        def _arraykv_attention(q: Any, k: Any, v: Any, **attrs: Any) -> Any:
-            # An exception escaping a Python operator terminates the process (onnxruntime-extensions
-            # 0.15.2 under onnxruntime 1.32: "terminate called after throwing an instance of
-            # 'pybind11::error_already_set'"), so errors are kept on the slot for the caller to raise
-            # after the run, the output is NaN, and the later layers of the run store nothing.
-            import numpy as np
-
-            slot = _SLOTS.get(attrs["handle"])
-            if slot is None or slot.error is not None:
-                return np.full(q.shape, np.nan, dtype=np.float32)
-            try:
-                return attend_from_cache(slot, int(attrs["layer"]), float(attrs["scale"]), q, k, v)
-            except Exception as exc:  # noqa: BLE001 - handed to the caller, see above
-                slot.error = exc
-                return np.full(q.shape, np.nan, dtype=np.float32)
-
+        )(_arraykv_attention)
+        _install_invoker(ox, id(opdef))  # the extensions package keys its operators by id(opdef)
         _REGISTERED[0] = True
+
+
+def _node(q: Any, k: Any, v: Any, handle: str, layer: int, scale: float) -> Any:
+    """One ``ArrayKVAttention`` node call: the attention output (float32, C order, shape of ``q``).
+
+    An exception escaping a Python operator terminates the process (onnxruntime-extensions
+    0.15.2 under onnxruntime 1.32: "terminate called after throwing an instance of
+    'pybind11::error_already_set'"), so errors are kept on the slot for the caller to raise
+    after the run, the output is NaN, and the later layers of the run store nothing.
+    """
+    slot = _SLOTS.get(handle)
+    if slot is not None and slot.error is None:
+        try:
+            return attend_from_cache(slot, layer, scale, q, k, v)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, see above
+            slot.error = exc
+    np = _runtime()[0]
+    return np.full(q.shape, np.nan, dtype=np.float32)
+
+
+def _install_invoker(ox: Any, op_id: int) -> None:
+    """Make ONNX Runtime's calls of the ``ArrayKVAttention`` operator skip the package's list round trip.
+
+    ``onnxruntime-extensions`` calls every Python operator through one function installed with
+    ``PyCustomOpDef.install_hooker``. Its own (``_ocos._on_pyop_invocation``) turns the
+    operator's answer into a Python list (``rv.flatten().tolist()``), which the C++ side turns
+    back into a float64 and then a float32 array before copying it into the output tensor: three
+    conversions of every output value, for a 512-token chunk of SmolLM2 295k values per layer.
+    The C++ side takes any array (``cast<py::array>``; a float32 one of the declared size is
+    copied with one ``memcpy``), so this invoker hands it the C-ordered float32 array the node
+    returns, and parses a node's attributes once (the package converts the strings it gets
+    every call). Calls of any other Python operator go to the package's own function as before.
+    """
+    fallback = ox._on_pyop_invocation
+    nodes: dict = {}
+
+    def invoke(k_id: int, feed: Any, attributes: Any) -> Any:
+        if k_id != op_id:
+            return fallback(k_id, feed, attributes)
+        key = (attributes["handle"], attributes["layer"], attributes["scale"])
+        node = nodes.get(key)
+        if node is None:
+            node = nodes[key] = (str(key[0]), int(key[1]), float(key[2]))
+        out = _node(feed[0], feed[1], feed[2], *node)
+        return (k_id, out.shape, out)
+
+    ox.PyCustomOpDef.install_hooker(invoke)
 
 
 def session_options(options: Any = None) -> Any:
