@@ -100,8 +100,8 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
         self.max_tokens = None if max_tokens is None else check_int("max_tokens", max_tokens, low=1)
         self._locks = [threading.Lock() for _ in range(self.num_layers)]
         self._states: list[_S | None] = [None] * self.num_layers
-        #: Open transactions, outermost first (:meth:`transaction`).
-        self._transactions: list[CacheTransaction] = []
+        #: Open transactions by the thread that began them, outermost first (:meth:`transaction`).
+        self._transactions: dict[int, list[CacheTransaction]] = {}
 
     # -- the contract ------------------------------------------------------------
     def prefill(self, layer: int, k: Array, v: Array, q: Array) -> DequantResult:
@@ -254,7 +254,8 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
         calibration, windows, rollback copies) with the cache-wide state made meanwhile
         (rotations, codebooks), and the exception goes on. Any number of tokens, any layer:
         not bounded by ``rollback_tokens``. Transactions nest (an inner one rolls back to
-        its own start). Calls from other threads inside the block belong to it.
+        its own start). A transaction holds the calls of the thread that began it: calls
+        that other threads make meanwhile (on other layers) are not part of it.
 
         Yields
         ------
@@ -305,7 +306,7 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
         """
         with self._all_layers_locked():
             txn = CacheTransaction(self, self._fixed_record())
-            self._transactions.append(txn)
+            self._transactions.setdefault(txn.owner, []).append(txn)
             return txn
 
     def _end_transaction(self, txn: CacheTransaction, *, commit: bool) -> None:
@@ -313,8 +314,9 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
         with self._all_layers_locked():
             if not txn.open:
                 return
-            while self._transactions:
-                top = self._transactions.pop()
+            stack = self._transactions.get(txn.owner, [])
+            while stack:
+                top = stack.pop()
                 top.open = False
                 if not commit:
                     for layer, record in top.records.items():
@@ -322,7 +324,9 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
                     self._restore_fixed(top.fixed)
                 top.records = {}
                 if top is txn:
-                    return
+                    break
+            if not stack:
+                self._transactions.pop(txn.owner, None)
 
     def _fixed_record(self) -> Any:
         """The cache-wide state a rollback puts back: a copy of the ``_fixed`` dict (rotations,
@@ -339,18 +343,22 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
         return checkpoint(state, self._copy_layer)
 
     def _note(self, layer: int, *, truncating: bool = False) -> LayerUndo | None:
-        """Record ``layer`` in every open transaction that has no record of it (its lock held);
-        the record made, else None. ``truncating``: a truncation follows, so the layer's
-        records stop sharing rows with it first."""
+        """Record ``layer`` in every open transaction of this thread that has no record of it
+        (its lock held); the record made, else None. ``truncating``: a truncation follows, so
+        the layer's records (every thread's) stop sharing rows with it first."""
         if not self._transactions:
             return None
         if truncating:
-            for txn in self._transactions:
-                record = txn.records.get(layer)
-                if record is not None:
-                    record.detach()
+            for stack in list(self._transactions.values()):
+                for txn in stack:
+                    record = txn.records.get(layer)
+                    if record is not None:
+                        record.detach()
+        mine = self._transactions.get(threading.get_ident())
+        if not mine:
+            return None
         made = None
-        for txn in self._transactions:
+        for txn in mine:
             if layer not in txn.records:
                 if made is None:
                     made = self._checkpoint(self._states[layer])

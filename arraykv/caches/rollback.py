@@ -76,7 +76,7 @@ class LayerRollback(Generic[_S]):
         num_layers: int
         _locks: list[threading.Lock]
         _states: list[_S | None]
-        _transactions: list[Any]
+        _transactions: dict[int, list[Any]]
 
         def _check_layer(self, layer: int) -> int: ...
         def _all_layers_locked(self) -> contextlib.AbstractContextManager[None]: ...
@@ -263,7 +263,7 @@ class LayerRollback(Generic[_S]):
         """
         twin = copy.copy(self)
         twin._locks = [threading.Lock() for _ in range(self.num_layers)]
-        twin._transactions = []  # the fork is outside this cache's transactions
+        twin._transactions = {}  # the fork is outside this cache's transactions
         twin._fork_fixed(self)
         with self._all_layers_locked():
             twin._states = [None if st is None else self._copy_layer(st) for st in self._states]

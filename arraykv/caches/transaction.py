@@ -36,6 +36,7 @@ may still need.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -173,7 +174,8 @@ class CacheTransaction:
     Made by :meth:`arraykv.caches.LayeredCache.begin_transaction` (or entered with
     ``with cache.transaction():``). Until :meth:`commit` or :meth:`rollback`, every layer a
     call changes gets an undo record first (once per transaction). Transactions nest: an inner
-    one rolls back to its own start, an outer one to its start.
+    one rolls back to its own start, an outer one to its start. The calls of the thread that
+    began it belong to it; other threads' calls (on other layers) do not.
 
     Attributes
     ----------
@@ -183,6 +185,8 @@ class CacheTransaction:
 
     def __init__(self, cache: Any, fixed: Any):
         self._cache = cache
+        #: The thread that began it: its calls are the transaction's (``threading.get_ident()``).
+        self.owner = threading.get_ident()
         self.records: dict[int, LayerUndo] = {}
         self.fixed = fixed
         #: True until :meth:`commit` or :meth:`rollback` ends the transaction.

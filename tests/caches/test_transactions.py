@@ -240,3 +240,31 @@ def test_a_commit_keeps_every_call_and_the_records_are_the_layers_fields():
     assert txn.layers == [0, 1, 2] and txn.full.layers == [1] and txn.sliding.layers == [0, 2]
     txn.commit()
     assert not txn.open
+
+
+def test_a_transaction_holds_the_calls_of_its_own_thread_only():
+    """Two threads writing different layers (a draft and a verifier): one thread's rollback puts
+    back its own layer and leaves the other thread's write, made meanwhile, in place."""
+    import threading
+
+    cache = _filled(FACTORIES["pqo4"])
+    k, v, q = _tokens(13, 20)
+    before = cache_state(cache, L)
+    other_done = threading.Event()
+
+    def other():
+        cache.prefill(1, k, v, q)  # no transaction of its own
+        other_done.set()
+
+    with pytest.raises(KeyboardInterrupt):
+        with cache.transaction() as txn:
+            cache.prefill(0, k, v, q)
+            worker = threading.Thread(target=other)
+            worker.start()
+            worker.join()
+            assert other_done.is_set() and txn.layers == [0]
+            raise KeyboardInterrupt
+    got = cache_state(cache, L)
+    assert [n for n, _ in got[0]] == [30, 50, 30]
+    assert_same_state(([got[0][0]], got[1], 0), ([before[0][0]], before[1], 0), "layer 0 put back")
+    assert cache._transactions == {}
