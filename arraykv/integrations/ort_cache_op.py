@@ -329,7 +329,7 @@ def _node(q: Any, k: Any, v: Any, handle: str, layer: int, scale: float) -> Any:
     if slot is not None and slot.error is None:
         try:
             return attend_from_cache(slot, layer, scale, q, k, v)
-        except Exception as exc:  # noqa: BLE001 - handed to the caller, see above
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, see above (KeyboardInterrupt too)
             slot.error = exc
     np = _runtime()[0]
     return np.full(q.shape, np.nan, dtype=np.float32)

@@ -280,3 +280,27 @@ def test_a_transformers_forward_failing_at_any_layer_is_taken_back_whole(method,
             got = model(ids[:, 30:], cache=cache).logits
         cache.detach()
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["pqo4", "int4"])
+def test_an_onnx_graph_step_failing_at_any_layer_leaves_the_cache_as_it_was(method):
+    """OrtGraphDecoder: the graph's cache nodes store layer by layer inside ONNX Runtime; a step
+    that fails at any of them (the operator reports it after the run) is rolled back whole."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxruntime_extensions")
+    import importlib.util
+    from pathlib import Path
+
+    from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder
+
+    spec = importlib.util.spec_from_file_location(
+        "export_smollm2_onnx", Path(__file__).resolve().parents[2] / "examples" / "export_smollm2_onnx.py"
+    )
+    exporter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exporter)
+    cfg = ModelConfig(**{**LLAMA.__dict__, "num_layers": 2, "head_dim": 64, "hidden_size": 128, "name": "tiny-onnx"})
+    model = DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg, seed=3))
+    dec = OrtGraphDecoder(exporter.build_llama_onnx(model))
+    for op in (lambda c: dec.prefill(np.asarray([MORE]), c), lambda c: dec.decode([5], c)):
+        _run_interrupted(model, lambda: dec.make_cache(method), op, lambda c: dec.prefill(np.asarray([PROMPT]), c))
