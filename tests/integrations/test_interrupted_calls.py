@@ -84,9 +84,12 @@ def _run_interrupted(model, make, op, start, check_rerun=True):
     ref = make()
     start(ref)
     before = cache_state(ref, model.config.num_layers)
-    counter = FailingCache(ref)
-    want = np.array(op(counter))
+    want = np.array(op(ref))  # the cache itself, as the re-runs get it (an engine may key state by it)
     after = cache_state(ref, model.config.num_layers)
+    counter = FailingCache(make())
+    start(counter)
+    counter.calls = 0  # the op's calls only
+    op(counter)
     assert counter.calls > 0
     for k in range(counter.calls):
         for j, mode in enumerate(MODES):
@@ -304,3 +307,22 @@ def test_an_onnx_graph_step_failing_at_any_layer_leaves_the_cache_as_it_was(meth
     dec = OrtGraphDecoder(exporter.build_llama_onnx(model))
     for op in (lambda c: dec.prefill(np.asarray([MORE]), c), lambda c: dec.decode([5], c)):
         _run_interrupted(model, lambda: dec.make_cache(method), op, lambda c: dec.prefill(np.asarray([PROMPT]), c))
+
+
+@pytest.mark.parametrize("method", ["pqo4", "int8"])
+def test_an_onnx_hook_step_failing_at_any_layer_leaves_the_cache_as_it_was(method):
+    """OrtKVDecoder stores every layer's new K/V after the session run, layer by layer: a store
+    that fails at any of them leaves the cache as it was (40 tokens: beyond a truncation's reach)."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from types import SimpleNamespace
+
+    from test_onnx_hook import _decoder_graph
+
+    from arraykv.integrations.onnxruntime import OrtKVDecoder
+
+    dec = OrtKVDecoder(_decoder_graph())
+    shim = SimpleNamespace(config=SimpleNamespace(num_layers=dec.num_layers))
+    prompt, more = [t % 50 for t in PROMPT], [t % 50 for t in MORE]
+    for op in (lambda c: dec.step(np.asarray([more]), c), lambda c: dec.step(np.asarray([[7]]), c)):
+        _run_interrupted(shim, lambda: dec.make_cache(method), op, lambda c: dec.step(np.asarray([prompt]), c))
