@@ -135,11 +135,12 @@ def load_model(
         config, tensors, reader = read_gguf(p, on_config=start_compiling)
         has_vocab = reader.fields.get("tokenizer.ggml.model") is not None
         tok = tokenizer_from_gguf(reader) if (tokenizer and has_vocab) else None
+        cached_tok = tok if tok is not None or not has_vocab or location is None else _tokenizer_if_possible(reader)
         del reader
         layout = layout_gguf_tensors(config, tensors, _np_xp())
         del tensors
         if location is not None:
-            _store_cached(p, location, config, layout, tok, has_vocab)
+            _store_cached(p, location, config, layout, cached_tok, has_vocab)
         parts = layout_from_arrays(config, layout_arrays(*layout), xp)
     else:
         config, parts, tok = loaded
@@ -147,6 +148,14 @@ def load_model(
     if reuse:
         _LOADED[key] = model
     return model
+
+
+def _tokenizer_if_possible(reader: Any) -> GGUFTokenizer | None:
+    """The file's tokenizer for the weight cache of a load that did not ask for one (None when it cannot be built)."""
+    try:
+        return tokenizer_from_gguf(reader)
+    except (ImportError, ValueError):
+        return None
 
 
 def _np_xp() -> Any:
@@ -218,16 +227,15 @@ def _load_cached(p: Path, location: Path, tokenizer: bool, xp: Any, on_config: A
         return None
     tok = None
     if tokenizer and has_vocab:
-        if tok_meta is None:  # cached by a load without a tokenizer: build it from the file
-            tok = tokenizer_from_gguf(require("gguf").GGUFReader(str(p)))
-        else:
-            tk = require("tokenizers")
-            tok = GGUFTokenizer(
-                tk.Tokenizer.from_str(tok_meta["json"]),
-                bos_id=tok_meta["bos_id"],
-                eos_id=tok_meta["eos_id"],
-                add_bos=tok_meta["add_bos"],
-                chat_template=tok_meta["chat_template"],
-                stop_ids=tok_meta["stop_ids"],
-            )
+        if tok_meta is None:  # cached without the tokenizer: read the file again, and cache it with one
+            return None
+        tk = require("tokenizers")
+        tok = GGUFTokenizer(
+            tk.Tokenizer.from_str(tok_meta["json"]),
+            bos_id=tok_meta["bos_id"],
+            eos_id=tok_meta["eos_id"],
+            add_bos=tok_meta["add_bos"],
+            chat_template=tok_meta["chat_template"],
+            stop_ids=tok_meta["stop_ids"],
+        )
     return config, parts, tok

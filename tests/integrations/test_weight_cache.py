@@ -19,7 +19,7 @@ pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not inst
 pytest.importorskip("tokenizers", reason="the tokenizers package (extra [model]) is not installed")
 
 from arraykv.integrations import weight_cache  # noqa: E402
-from arraykv.integrations.gguf_llama import load_model  # noqa: E402
+from arraykv.integrations.gguf_llama import _version, load_model  # noqa: E402
 from arraykv.integrations.gguf_write import write_gguf  # noqa: E402
 from arraykv.integrations.llama_weights import random_gguf_tensors  # noqa: E402
 from arraykv.integrations.model_config import ModelConfig  # noqa: E402
@@ -163,6 +163,10 @@ def test_a_model_without_tokenizer_and_a_later_load_with_one(tmp_path, cache):
     path = _write(tmp_path / "m.gguf")
     no_tok = load_model(path, reuse=False, tokenizer=False)
     assert no_tok.tokenizer is None
+    # the cache holds the tokenizer all the same: a later load with one does not parse the file
+    (f,) = _files(cache)
+    meta, _ = weight_cache.read(f, weight_cache.identity(path, _version()))
+    assert meta["tokenizer"] is not None
     with_tok = load_model(path, reuse=False)
     assert _mapped(with_tok.embedding)
     assert with_tok.tokenizer.encode("hello") == load_model(path, reuse=False, cache_weights=False).tokenizer.encode(
