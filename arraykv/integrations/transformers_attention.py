@@ -18,7 +18,9 @@ no float past rebuilt), or, for a cache that answers with :class:`~arraykv.Dequa
 the model's own attention over those K/V.
 
 Which cache a call belongs to: the one whose ``update`` returned the very key tensor the
-attention function is given (the models of transformers pass it straight on). Every other call
+attention function is given (the models of transformers pass it straight on; a model that
+changes the keys in between is refused with a ``RuntimeError`` rather than attended over the
+new token alone). Every other call
 (the prompt, several new tokens, a call with another cache or none) goes to the model's own
 attention function, called with exactly its arguments, so its output is the model's own to
 the last bit. Several caches may be attached to one model at once: each serves the calls it
@@ -129,11 +131,19 @@ def _fused_for(base: str | None) -> Callable:
 
     def fused(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> tuple:
         own = _own_attention(base, module)
-        for _, ref in _SERVING.get(module, ()):
-            cache = ref()
-            pending = None if cache is None else cache._claim(module.layer_idx, key)
+        serving = [c for c in (ref() for _, ref in _SERVING.get(module, ())) if c is not None]
+        for cache in serving:
+            pending = cache._claim(module.layer_idx, key)
             if pending is not None:
                 return cache._fused_step(module, pending, query, attention_mask, own, args, kwargs)
+        if any(module.layer_idx in cache._pending for cache in serving):
+            # held by this very call's update (the pre-hook dropped older ones), yet not the key
+            # tensor update returned: attending over the new token alone would be silently wrong
+            raise RuntimeError(
+                f"layer {module.layer_idx}: the attention function was given other keys than the "
+                "ArraykvCache's update returned (the model changes them in between); build the cache "
+                "with fused=False"
+            )
         return own(module, query, key, value, attention_mask, *args, **kwargs)
 
     fused.__name__ = fused.__qualname__ = f"fused_attention_{base}"
@@ -315,6 +325,7 @@ def _hook_queries(cache: Any, model: Any, out: Attachment) -> list:
                 pos = args[1]
             if owner is not None:
                 owner._q_parts.setdefault(i, {})["pos"] = pos
+                owner._pending.pop(i, None)  # a token held by an earlier call that failed before attention
 
         out.hooks.append(q_src.register_forward_hook(keep_q))
         out.hooks.append(module.register_forward_pre_hook(keep_pos, with_kwargs=True))

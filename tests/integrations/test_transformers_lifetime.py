@@ -233,3 +233,23 @@ def test_a_real_model_is_its_own_after_caches_were_used_and_dropped(name):
         del cache
         gc.collect()
         assert_own(model, want, impl, n_hooks)
+
+
+def test_keys_changed_between_update_and_attention_are_refused():
+    """The fused function serves the call whose key tensor its cache's update returned; keys
+    changed in between (here: copied) are refused rather than attended as the new token alone."""
+    model = tiny_llama(0)
+    cache = ArraykvCache("pqo4", config=model.config, model=model)
+    ids = _ids(1, 12)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        layer = cache.layers[1]
+        real = layer.update
+        layer.update = lambda k, v, *a, **kw: tuple(t.clone() for t in real(k, v, *a, **kw))
+        with pytest.raises(RuntimeError, match="other keys than the ArraykvCache's update returned"):
+            model(ids[:, :1], cache=cache)
+        del layer.update
+    want = own_outputs(tiny_llama(0))
+    for got, exp in zip(own_outputs(model), want):  # a held token is no one's afterwards
+        assert torch.equal(got, exp)
+    cache.detach()
