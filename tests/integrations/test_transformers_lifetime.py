@@ -253,3 +253,34 @@ def test_keys_changed_between_update_and_attention_are_refused():
     for got, exp in zip(own_outputs(model), want):  # a held token is no one's afterwards
         assert torch.equal(got, exp)
     cache.detach()
+
+
+def test_a_model_of_sub_models_gets_each_configs_implementation_back():
+    """Gemma 3 with a vision tower: only the text model's attention modules are switched (the vision
+    config and the top config keep theirs), and each config's value comes back exactly."""
+    if not hasattr(transformers, "Gemma3ForConditionalGeneration"):
+        pytest.skip("this transformers has no Gemma 3")
+    torch.manual_seed(0)
+    text = transformers.Gemma3TextConfig(
+        **TINY_SIZES, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
+    )
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    model.config.vision_config._attn_implementation_internal = "eager"  # sub-models of different kinds
+    impl, n_hooks = implementations(model), hooks(model)
+    ids = _ids(1, 20)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        cache = ArraykvCache("pqo4", config=model.config, model=model)
+        switched = dict(implementations(model))
+        assert switched["Gemma3TextConfig"] == "arraykv_fused_sdpa"
+        assert switched["SiglipVisionConfig"] == "eager" and switched["Gemma3Config"] == "sdpa"
+        model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(model(input_ids=ids).logits, want)
+        del cache
+        gc.collect()
+        assert implementations(model) == impl and hooks(model) == n_hooks
+        assert torch.equal(model(input_ids=ids).logits, want)
