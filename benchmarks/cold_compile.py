@@ -39,19 +39,26 @@ def main(which: str) -> None:
         e = np.zeros((1, h, 0, d), np.float32)
         t_setup = time.perf_counter() - t0
         t0 = time.perf_counter()
-        vq_decode_attention(q[:, :, 0], VQLayerCodes(codes, cent, codes, cent, bits=4), e, e, softmax_scale=0.1)
+        out = vq_decode_attention(q[:, :, 0], VQLayerCodes(codes, cent, codes, cent, bits=4), e, e, softmax_scale=0.1)
     else:
         cache = arraykv.make_cache(which, num_layers=1, num_kv_heads=h, head_dim=d)
         cache.prefill(0, k, k, rng.standard_normal((1, h * g, n, d)).astype(np.float32))
         codec = cache.layer_codec_state(0)
         t_setup = time.perf_counter() - t0
         t0 = time.perf_counter()
-        (polar_decode_attention if which.startswith("pq") else int_decode_attention)(codec, q, 0.1)
+        out = (polar_decode_attention if which.startswith("pq") else int_decode_attention)(codec, q, 0.1)
     t_call = time.perf_counter() - t0
     print(
         f"{which}: import {t_import:.1f} s, setup {t_setup:.1f} s, first call {t_call:.1f} s, "
-        f"total {time.perf_counter() - t_start:.1f} s"
+        f"total {time.perf_counter() - t_start:.1f} s; output sha256 {_digest(out)}"
     )
+
+
+def _digest(out) -> str:
+    """The first 16 hex digits of the SHA-256 of the output's bytes (bit-identical results match)."""
+    import hashlib
+
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(out)).tobytes()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

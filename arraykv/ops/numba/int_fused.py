@@ -406,7 +406,7 @@ def _finish_head(b, h, m_sp, l_sp, acc_sp, out):
 alloc_state, prepare = alloc_queries, prepare_queries  # the state: scaled queries per slot
 
 
-@nb.njit
+@nb.njit(inline="always")
 def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
     G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, v_win, tab, half = args
     _attend_span(
@@ -433,12 +433,12 @@ def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
     )
 
 
-@nb.njit
+@nb.njit(inline="always")
 def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
     _finish_head(b, h, m_sp, l_sp, acc_sp, out)
 
 
-@nb.njit
+@nb.njit(inline="always")
 def span_unit(args):
     """Spans start at key-group boundaries."""
     return args[0]

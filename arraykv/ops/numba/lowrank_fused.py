@@ -336,7 +336,7 @@ def _finish_head(b, h, n, qs, m_sp, l_sp, acc_sp, v_basis, v_mean, ke16, ke32, v
 # args = (k16, k32, k_basis, k_mean, v16, v32, v_basis, v_mean, ke16, ke32, ve16, ve32, table)
 
 
-@nb.njit
+@nb.njit(inline="always")
 def alloc_state(b_n, h_n, g_n, d, args):
     rk = args[2].shape[2]
     return (
@@ -346,19 +346,19 @@ def alloc_state(b_n, h_n, g_n, d, args):
     )
 
 
-@nb.njit
+@nb.njit(inline="always")
 def prepare(q, b, h, scale, args, state, sb, sh):
     _prepare_head(q, b, h, scale, args[2], args[3], state[0][sb, sh], state[1][sb, sh], state[2][sb, sh])
 
 
-@nb.njit
+@nb.njit(inline="always")
 def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
     _attend_span(
         b, h, t_lo, t_hi, state[1][sb, sh], state[2][sb, sh], args[0], args[1], args[4], args[5], args[12], m, l, acc
     )
 
 
-@nb.njit
+@nb.njit(inline="always")
 def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
     n = args[0].shape[2] if args[0].shape[0] else args[1].shape[2]
     _finish_head(
@@ -380,7 +380,7 @@ def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
     )
 
 
-@nb.njit
+@nb.njit(inline="always")
 def span_unit(args):
     return 1
 

@@ -425,18 +425,18 @@ def _span_path_impl(b, h, t_lo, t_hi, qs, bits, path, k_codes, k_cent, v_codes, 
     )
 
 
-@nb.njit
+@nb.njit(inline="always")
 def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
     bits, path, k_codes, k_cent, v_codes, v_cent, _, _ = args
     _span_path(b, h, t_lo, t_hi, state[0][sb, sh], bits, path, k_codes, k_cent, v_codes, v_cent, m, l, acc)
 
 
-@nb.njit
+@nb.njit(inline="always")
 def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
     _finish_head(b, h, state[0][sb, sh], m_sp, l_sp, acc_sp, args[6], args[7], out)
 
 
-@nb.njit
+@nb.njit(inline="always")
 def span_unit(args):
     return 1
 

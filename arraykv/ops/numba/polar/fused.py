@@ -318,7 +318,7 @@ def _attend_span(
 #         n_window, k_window, v_window, half)
 
 
-@nb.njit
+@nb.njit(inline="always")
 def alloc_state(b_n, h_n, g_n, d, args):
     """Per (batch, KV head) slot: ``qr, qout, qconst, sq`` (:func:`prepare_head`), the rotating
     mean's ``ra, rb, rw, ct, st, step`` and pair count (:func:`prepare_rotating`), and a scratch row."""
@@ -341,7 +341,7 @@ def alloc_state(b_n, h_n, g_n, d, args):
     )
 
 
-@nb.njit
+@nb.njit(inline="always")
 def prepare(q, b, h, scale, args, state, sb, sh):
     k_scale, k_mean, k_idx, signs, rot, sketch_t = args[10], args[11], args[13], args[15], args[16], args[17]
     rm_freq, rm_pairs, half = args[21], args[22], args[27]
@@ -389,7 +389,7 @@ def prepare(q, b, h, scale, args, state, sb, sh):
             rows[g, :] = x
 
 
-@nb.njit
+@nb.njit(inline="always")
 def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
     (
         k_codes,
@@ -460,7 +460,7 @@ def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
     )
 
 
-@nb.njit
+@nb.njit(inline="always")
 def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
     v_mean, signs, rot, n_window, k_window, v_window, half = (
         args[12],
@@ -491,7 +491,7 @@ def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
     )
 
 
-@nb.njit
+@nb.njit(inline="always")
 def span_unit(args):
     return 1
 
