@@ -25,8 +25,9 @@ run returns NaN without touching the cache; :class:`~arraykv.integrations.ort_gr
 raises the recorded exception after the run and takes back what earlier layers stored. A graph
 run without a registered slot (outside the decoder) gives NaN logits.
 
-Measured on this 2-core machine: a node call costs about 0.15 ms of overhead (a one-node graph
-run, arrays copied in and out), so about 4.5 ms per step for a 30-layer model.
+The call itself: the package's own invoker turns each answer into a Python list and back,
+which cost about 0.15 ms a decode-shaped call and 156 ms for a 512-token chunk's answer (2-core
+machine, loaded); :func:`_install_invoker` hands the array over instead (15 µs and 0.33 ms).
 """
 
 from __future__ import annotations
