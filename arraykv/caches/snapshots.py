@@ -13,9 +13,10 @@ of that header (:func:`~arraykv.caches.layout.check_layout`: every dtype, shape,
 and value range), and only then is a layer built; the cache's ``_restore_layer`` then refuses
 a layer that leaves no float16 room for its window or the next token of ordinary magnitude
 (:mod:`arraykv.caches.restore_checks`: a mean, window token, basis or exact key that would make
-every later call fail). A layer of float16 (or bfloat16) callers is then decoded once: parts each inside their range (a length, a mean, a channel weight) can
-still decode to keys or values beyond that dtype, which no bound on the parts excludes without
-refusing real files (float32 layers are covered by the parts' bounds). Every layer is built
+every later call fail). A layer of float16 (or bfloat16) callers is then decoded once: parts
+each inside their range (a length, a mean, a channel weight) can still decode to keys or values
+beyond that dtype, which no bound on the parts excludes without refusing real files (float32
+layers are covered by the parts' bounds). Every layer is built
 before any replaces the cache's, so a refused restore leaves the cache as it was.
 """
 
