@@ -58,8 +58,10 @@ class OrtGraphDecoder:
         <arraykv.integrations.ort_cache_op.CacheSlot.kernels>`); options that leave it on get
         serial kernels.
     work_dir : str, optional
-        Where the rewritten graph is written while the session opens (default: the system's
-        temporary folder; :func:`~arraykv.integrations.ort_graph_file.rewritten_session`). The
+        Where the rewritten graph is written while the session opens (default: beside the
+        model's data files when it reads them from a folder, else a temporary folder; a full or
+        unwritable folder falls back to a temporary one:
+        :func:`~arraykv.integrations.ort_graph_file.rewritten_session`). The
         session is opened from that file, on the original weights files where the model has
         them, so ONNX Runtime does not hold a second copy of the weights (opened from bytes,
         the SmolLM2 graph left the process 1.7 GiB larger). Weights stored inside the model file
