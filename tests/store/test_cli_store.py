@@ -146,27 +146,6 @@ def test_every_action_takes_the_server_urls_store_takes(valkey_store, capsys, sc
     assert valkey_store.entries() == []
 
 
-@pytest.fixture(scope="module")
-def cluster_url():
-    """A three-primary Valkey Cluster: ``ARRAYKV_TEST_VALKEY_CLUSTER_URL``'s, else one started here."""
-    import os
-
-    from arraykv.store.server import ValkeyCluster, find_server_binary
-
-    url = os.environ.get("ARRAYKV_TEST_VALKEY_CLUSTER_URL")
-    if url:
-        yield url
-        return
-    try:
-        find_server_binary()
-    except FileNotFoundError as exc:
-        if os.environ.get("CI") and sys.version_info >= (3, 11):
-            raise
-        pytest.skip(str(exc))
-    with ValkeyCluster(3) as cluster:
-        yield cluster.url
-
-
 def test_every_action_takes_a_cluster_url(cluster_url, capsys, request):
     import zlib
 

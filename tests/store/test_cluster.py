@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -12,30 +11,13 @@ import numpy as np
 import pytest
 
 from arraykv.store import PrefixStore, StoreError, StoreWarning, ValkeyStore, open_backend, segmented_prefill
-from arraykv.store.server import ValkeyCluster, find_server_binary
+from arraykv.store.server import ValkeyCluster
 
 S, CHUNK = 64, 32
 
 
 def prompt(n: int, seed: int = 0) -> list:
     return np.random.default_rng(seed).integers(0, 101, n).tolist()
-
-
-@pytest.fixture(scope="module")
-def cluster_url():
-    """The cluster at ``ARRAYKV_TEST_VALKEY_CLUSTER_URL`` (``.ci/run`` starts it), else one started here."""
-    url = os.environ.get("ARRAYKV_TEST_VALKEY_CLUSTER_URL")
-    if url:
-        yield url
-        return
-    try:
-        find_server_binary()
-    except FileNotFoundError as exc:
-        if os.environ.get("CI") and sys.version_info >= (3, 11):
-            raise
-        pytest.skip(str(exc))
-    with ValkeyCluster(3) as cluster:
-        yield cluster.url
 
 
 @pytest.fixture
