@@ -9,7 +9,7 @@ from typing import Any
 
 from .cli_args import positive_int
 from .cli_checks import UsageError, check_methods
-from .integrations.generation import stop_tokens, tokenizer_stops
+from .integrations.common.generation import stop_tokens, tokenizer_stops
 
 __all__ = ["add_parser", "check", "run", "default_methods"]
 

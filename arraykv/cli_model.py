@@ -1,10 +1,10 @@
 """What the command line checks its arguments against: a GGUF model's header, read without its weights.
 
 ``--layer``, context lengths, draft layers and text lengths in tokens depend on the model. The
-commands check them against :func:`model_header` before :func:`~arraykv.integrations.gguf_llama.
+commands check them against :func:`model_header` before :func:`~arraykv.integrations.decoder.gguf_loading.
 load_model` reads (and dequantizes) the weights: the metadata key/value section of the file is
 read here with :mod:`struct` alone, and the tokenizer is built from it as the loader builds it
-(:func:`~arraykv.integrations.tokenizer.tokenizer_from_gguf`). ``gguf.GGUFReader`` makes a
+(:func:`~arraykv.integrations.decoder.tokenizer.tokenizer_from_gguf`). ``gguf.GGUFReader`` makes a
 NumPy view of every array element of that section (about 100k for SmolLM2's vocabulary and
 merges) and takes seconds; this reads SmolLM2's header in a fraction of one.
 """
@@ -146,7 +146,7 @@ def model_header(model: str | None, *, quiet: bool = False) -> ModelHeader:
     Parameters
     ----------
     model : str or None
-        As :func:`~arraykv.integrations.gguf_llama.load_model` takes it; a known model not
+        As :func:`~arraykv.integrations.decoder.gguf_loading.load_model` takes it; a known model not
         cached yet is fetched, as the command would fetch it.
     quiet : bool, default False
 
@@ -161,10 +161,9 @@ def model_header(model: str | None, *, quiet: bool = False) -> ModelHeader:
     ValueError
         Not a GGUF file, an architecture the loader does not take, or sizes missing.
     """
-    from .integrations.architectures import ARCHITECTURES
-    from .integrations.gguf import find_model
-    from .integrations.models import resolve_model
-    from .integrations.tokenizer import tokenizer_from_gguf
+    from .integrations.common.downloads import find_model, resolve_model
+    from .integrations.decoder.architectures import ARCHITECTURES
+    from .integrations.decoder.tokenizer import tokenizer_from_gguf
 
     known = resolve_model(model, quiet=quiet)
     path = known if known is not None else find_model(model, quiet=quiet)
@@ -209,10 +208,10 @@ def load_model_of(header: ModelHeader, *, quiet: bool = False) -> Any:
     Returns
     -------
     DecoderModel
-        Not shared with :func:`~arraykv.integrations.gguf_llama.load_model`'s reuse (its
+        Not shared with :func:`~arraykv.integrations.decoder.gguf_loading.load_model`'s reuse (its
         ``tokenizer`` is set here).
     """
-    from .integrations.gguf_llama import load_model
+    from .integrations.decoder.gguf_loading import load_model
 
     model = load_model(header.path, tokenizer=False, quiet=quiet, reuse=False)
     model.tokenizer = header.tokenizer

@@ -59,7 +59,7 @@ def check(args: argparse.Namespace) -> tuple:
     from .caches import make_cache
     from .cli_checks import UsageError, check_methods
     from .cli_model import model_header
-    from .integrations.drafts import CacheDraft, LayerDraft, draft_from_spec, require_truncate
+    from .integrations.decoder.drafts import CacheDraft, LayerDraft, draft_from_spec, require_truncate
 
     check_methods("--method", [args.method])
     try:
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace, *, out: Callable[[str], object] = print) -> in
     import time
 
     from .cli_model import load_model_of
-    from .integrations.speculative import speculative_generate
+    from .integrations.decoder.speculative import speculative_generate
 
     draft, header = check(args)
     model = load_model_of(header)

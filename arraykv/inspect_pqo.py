@@ -30,7 +30,7 @@ from ._types import Array
 from .cli_args import code_bits, nonnegative_int
 
 if TYPE_CHECKING:
-    from .integrations.llama import DecoderModel
+    from .integrations.decoder.model import DecoderModel
 
 __all__ = ["add_parser", "check", "run", "stages", "distortion_curve", "layer_errors"]
 

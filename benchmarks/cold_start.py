@@ -72,7 +72,7 @@ def child(model_name: str, method: str, tokens: int) -> None:
 
     comp = _Compiles()
     event.register("numba:compile", comp.listener())
-    from arraykv.integrations.gguf_llama import load_model
+    from arraykv.integrations.decoder.gguf_loading import load_model
 
     t_load = time.perf_counter()
     model = load_model(MODELS[model_name], quiet=True)

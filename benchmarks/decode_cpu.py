@@ -212,7 +212,7 @@ def small(args, baseline):
 def model_steps(args, baseline):
     """Decode time per token of SmolLM2-135M with each cache (the model's weights included)."""
     from arraykv import eval as ev
-    from arraykv.integrations.gguf_llama import load_model
+    from arraykv.integrations.decoder.gguf_loading import load_model
     from arraykv.ops import registry
 
     model = load_model(None)

@@ -4,13 +4,14 @@ Engines, all from the same float32 graph (``examples/export_smollm2_onnx.py``):
 
 - ``ORT float`` — the plain ONNX Runtime loop, ``present.*`` fed back as ``past_key_values.*``:
   the reference ("the float cache") every KL is measured against;
-- ``in graph, <method>`` — :class:`~arraykv.integrations.ort_graph_decoder.OrtGraphDecoder`:
+- ``in graph, <method>`` — :class:`~arraykv.integrations.onnxruntime.graph_decoder.OrtGraphDecoder`:
   each layer's attention replaced by the ``ArrayKVAttention`` operator over an arraykv cache;
 - ``hook, <method>`` — :class:`~arraykv.integrations.onnxruntime.OrtKVDecoder`, the graph as
   exported, the past reconstructed by the cache and fed back every step;
 - ``ORT GQA int8 / int4 / float32`` — the graph rewritten with ONNX Runtime's
-  ``GroupQueryAttention`` (:mod:`arraykv.integrations.ort_gqa`), its KV cache quantized per
-  channel with scales calibrated on another text (:func:`~arraykv.integrations.ort_gqa.calibrate_kv_scales`
+  ``GroupQueryAttention`` (:mod:`arraykv.integrations.onnxruntime.gqa_rewrite`), its KV cache quantized per
+  channel with scales calibrated on another text
+  (:func:`~arraykv.integrations.onnxruntime.gqa_rewrite.calibrate_kv_scales`
   over the first ``--calib`` tokens of :func:`arraykv.eval.builtin_text`, or with
   ``--calib-source long-tail`` over ``--calib`` tokens of the long text after the measured ones).
 
@@ -35,7 +36,7 @@ the peak resident set (``VmHWM``, reset after the prompt) during a loop of ``--m
 decode steps after a ``--memory-prompt``-token prompt.
 
 ``--split`` adds a table of where a decode step's time goes: the in-graph operator's calls
-(:func:`arraykv.integrations.ort_cache_op.attend_from_cache`), ``cache.decode`` within them,
+(:func:`arraykv.integrations.onnxruntime.cache_operator.attend_from_cache`), ``cache.decode`` within them,
 and the rest of the graph (the timers cost a few microseconds per call).
 
 Run (2-core machine shared with other work: run it niced, once)::
@@ -104,7 +105,7 @@ class Engine:
     """One engine behind a uniform step interface: ``prompt(ids)``, ``step(token)``, ``held_bytes()``."""
 
     def __init__(self, name: str, paths: dict, geometry: dict):
-        from arraykv.integrations.ort_gqa import OrtPastLoop
+        from arraykv.integrations.onnxruntime.gqa_rewrite import OrtPastLoop
 
         self.name = name
         self.geometry = geometry
@@ -115,7 +116,7 @@ class Engine:
             self.engine = OrtPastLoop(str(paths[name]))
             self.kind = "past"
         elif name.startswith("in graph, "):
-            from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder
+            from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder
 
             self.engine = OrtGraphDecoder(str(paths["float"]))
             parts = name.split(", ")
@@ -183,15 +184,15 @@ def warm_up(eng: Engine, ids: list) -> None:
 
 
 #: Seconds spent, during the timed decode steps, in the ``ArrayKVAttention`` operator's work
-#: (:func:`arraykv.integrations.ort_cache_op.attend_from_cache`) and in ``cache.decode`` within it.
+#: (:func:`arraykv.integrations.onnxruntime.cache_operator.attend_from_cache`) and in ``cache.decode`` within it.
 SPLIT = {"operator": 0.0, "cache.decode": 0.0, "on": False}
 
 
 def time_operator() -> None:
     """Time the in-graph operator's calls into :data:`SPLIT` (while ``SPLIT["on"]``)."""
-    from arraykv.integrations import ort_cache_op
+    from arraykv.integrations.onnxruntime import cache_operator
 
-    inner = ort_cache_op.attend_from_cache
+    inner = cache_operator.attend_from_cache
 
     def timed(slot, *args):
         if not SPLIT["on"]:
@@ -214,7 +215,7 @@ def time_operator() -> None:
             SPLIT["operator"] += time.perf_counter() - t0
             del cache.decode
 
-    ort_cache_op.attend_from_cache = timed
+    cache_operator.attend_from_cache = timed
 
 
 def quality_run(eng: Engine, ids: list, n: int, d: int) -> dict:
@@ -299,7 +300,7 @@ def prepare(args, model) -> tuple:
     import onnx
 
     from arraykv import eval as ev
-    from arraykv.integrations.ort_gqa import calibrate_kv_scales, rewrite_with_gqa
+    from arraykv.integrations.onnxruntime.gqa_rewrite import calibrate_kv_scales, rewrite_with_gqa
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -346,7 +347,8 @@ def prepare(args, model) -> tuple:
 
 def main(argv=None) -> int:
     import arraykv
-    from arraykv.integrations.gguf import cache_dir, require
+    from arraykv.integrations.common.downloads import cache_dir
+    from arraykv.integrations.common.optional import require
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
@@ -395,7 +397,7 @@ def main(argv=None) -> int:
     ort = require("onnxruntime", "onnx")
     ox_version = importlib.metadata.version("onnxruntime-extensions")  # not imported here: it imports torch
     from arraykv import eval as ev
-    from arraykv.integrations.gguf_llama import load_model
+    from arraykv.integrations.decoder.gguf_loading import load_model
 
     print(f"command: python benchmarks/onnx_graph.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
     print(

@@ -38,11 +38,12 @@ def export_module():
 def main(argv=None) -> int:
     import arraykv
     from arraykv import eval as ev
-    from arraykv.integrations.gguf import cache_dir, require
+    from arraykv.integrations.common.downloads import cache_dir
+    from arraykv.integrations.common.optional import require
 
     onnx = require("onnx", "onnx")
     ort = require("onnxruntime", "onnx")
-    from arraykv.integrations.gguf_llama import load_model
+    from arraykv.integrations.decoder.gguf_loading import load_model
     from arraykv.integrations.onnxruntime import OrtKVDecoder
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

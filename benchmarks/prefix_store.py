@@ -70,7 +70,7 @@ def _median_time(fn, repeats: int):
 
 def main(argv=None) -> int:
     from arraykv import eval as ev
-    from arraykv.integrations.gguf_llama import load_model
+    from arraykv.integrations.decoder.gguf_loading import load_model
     from arraykv.store import LocalStore, PrefixStore, ValkeyServer, ValkeyStore, encode_cache, restore_entry
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
 def quality(args) -> int:
     """KL and top-1 agreement against dense after a prefix prefilled in one piece or in segments."""
     from arraykv import eval as ev
-    from arraykv.integrations.gguf_llama import load_model
+    from arraykv.integrations.decoder.gguf_loading import load_model
     from arraykv.store import segmented_prefill
 
     model = load_model(args.model, quiet=True)

@@ -80,7 +80,7 @@ def calibrated_rows(model, ids, prefill: int, exact) -> list:
 def main(argv=None) -> int:
     import arraykv
     from arraykv import eval as ev
-    from arraykv.integrations.gguf_llama import load_model
+    from arraykv.integrations.decoder.gguf_loading import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=None, help="default: every registered method, dense first")

@@ -28,9 +28,9 @@ import statistics
 
 def main(argv=None) -> int:
     from arraykv import eval as ev
-    from arraykv.integrations.drafts import draft_from_spec
-    from arraykv.integrations.gguf_llama import load_model
-    from arraykv.integrations.speculative import greedy_agreement, greedy_with_gaps, speculative_generate
+    from arraykv.integrations.decoder.drafts import draft_from_spec
+    from arraykv.integrations.decoder.gguf_loading import load_model
+    from arraykv.integrations.decoder.speculative import greedy_agreement, greedy_with_gaps, speculative_generate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=["dense", "pqo4", "int4"])

@@ -60,7 +60,7 @@ def _requests(model, args) -> list:
 def _worker(rank: int, args, specs: dict, barrier, results) -> None:
     import warnings
 
-    from arraykv.integrations.gguf_llama import load_model
+    from arraykv.integrations.decoder.gguf_loading import load_model
     from arraykv.store import PrefixStore, segmented_prefill
 
     model = load_model(args.model, quiet=True)

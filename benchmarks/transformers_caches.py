@@ -66,8 +66,8 @@ def main() -> None:
     import torch
     import transformers
 
-    from arraykv.integrations.gguf_llama import load_model
-    from arraykv.integrations.models import model_path
+    from arraykv.integrations.common.downloads import model_path
+    from arraykv.integrations.decoder.gguf_loading import load_model
     from arraykv.integrations.transformers import ArraykvCache
 
     path = model_path(args.model)

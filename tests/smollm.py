@@ -9,8 +9,8 @@ def smollm_or_skip():
     """The loaded model; skips the test only when it is not cached and the package index is unreachable."""
     pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not installed")
     pytest.importorskip("tokenizers", reason="the tokenizers package (extra [model]) is not installed")
-    from arraykv.integrations.gguf import ModelDownloadError, find_model
-    from arraykv.integrations.gguf_llama import load_model
+    from arraykv.integrations.common.downloads import ModelDownloadError, find_model
+    from arraykv.integrations.decoder.gguf_loading import load_model
 
     try:
         path = find_model()

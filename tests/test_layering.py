@@ -9,7 +9,9 @@ mapped to a layer:
 3. ``storage``, ``compressor``
 4. ``caches``
 5. ``persist``, ``store``
-6. ``integrations``
+6. ``integrations``: inside it ``integrations.common`` lies below the engine subpackages
+   ``decoder``, ``onnxruntime`` and ``transformers``, which never import one another
+   (:func:`test_integration_engines_import_no_other_engine`)
 7. tools: ``eval``, ``inspect*``, ``cli*``, ``__main__``, ``data``
 
 ``arraykv/__init__.py`` may import anything; importing a name from it counts as layer 7. Modules of
@@ -143,6 +145,46 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
     src.write_text("def f():\n    import numpy as np\n    from ..ops import lookup\n")
     names = [n for n, _ in _imports(src, ("quant", "m"))]
     assert "numpy" in names and "arraykv.ops" in names
+
+
+#: The engine subpackages of ``integrations``: siblings above ``integrations.common``.
+ENGINES = ("decoder", "onnxruntime", "transformers")
+
+
+def _engine_violations(path: Path, parts: tuple) -> list:
+    """Imports of ``integrations`` modules that cross between engines, or go from ``common`` up to one."""
+    if len(parts) < 2 or parts[0] != "integrations" or parts[1] not in (*ENGINES, "common"):
+        return []
+    mine = parts[1]
+    bad = []
+    for name, line in _imports(path, parts):
+        target = name.split(".")
+        if target[:2] != ["arraykv", "integrations"] or len(target) < 3:
+            continue
+        theirs = target[2]
+        if theirs in ENGINES and theirs != mine:
+            bad.append(f"line {line}: {name}")
+    return bad
+
+
+@pytest.mark.parametrize(
+    "path,parts",
+    [(p, m) for p, m in MODULES if m[:1] == ("integrations",) and len(m) > 1],
+    ids=lambda v: ".".join(v) if isinstance(v, tuple) else "",
+)
+def test_integration_engines_import_no_other_engine(path, parts):
+    bad = _engine_violations(path, parts)
+    assert not bad, f"{'.'.join(parts)} imports another engine (or common imports an engine): {bad}"
+
+
+def test_the_engine_check_sees_an_engine_importing_another(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from ..decoder.model import DecoderModel\n    from ..common import optional\n")
+    assert _engine_violations(src, ("integrations", "onnxruntime", "m")) == [
+        "line 2: arraykv.integrations.decoder.model"
+    ]
+    assert _engine_violations(src, ("integrations", "common", "m")) == ["line 2: arraykv.integrations.decoder.model"]
+    assert _engine_violations(src, ("integrations", "decoder", "m")) == []
 
 
 def _import_graph() -> dict:

@@ -5,7 +5,7 @@ Teacher forcing on a short text (:mod:`.teacher_forced`)::
     evaluate(model, token_ids, methods, *, prefill=64, ...) -> list[EvalRow]
     teacher_forced(model, token_ids, cache=None, *, prefill=64) -> TeacherForced   # .logits
 
-where ``model`` is a :class:`~arraykv.integrations.llama.DecoderModel` or an
+where ``model`` is a :class:`~arraykv.integrations.decoder.model.DecoderModel` or an
 :class:`~arraykv.integrations.onnxruntime.OrtKVDecoder`, so two engines of one model compare in
 three lines: ``a = teacher_forced(model, ids).logits``, ``b = teacher_forced(decoder,
 ids).logits``, ``abs(a - b).max()``.

@@ -1,4 +1,4 @@
-"""What the evaluations need from an engine, for :class:`~arraykv.integrations.llama.DecoderModel` and
+"""What the evaluations need from an engine, for :class:`~arraykv.integrations.decoder.model.DecoderModel` and
 :class:`~arraykv.integrations.onnxruntime.OrtKVDecoder` alike.
 
 An engine has ``make_cache(method, **options)``, ``prefill(ids, cache)`` and

@@ -11,7 +11,7 @@ decode steps.
 ``prefill_mode="cache"`` is the path users run: the prompt goes chunk by chunk through the
 model's own prefill with the method's cache (:meth:`DecoderModel.prefill` with ``chunk_size``,
 which keeps the prompt exact while it runs and stores it compressed at the end,
-:mod:`arraykv.integrations.prompt_stage`). ``prefill_mode="cache-chunks"`` stores each chunk as
+:mod:`arraykv.integrations.common.prompt_stage`). ``prefill_mode="cache-chunks"`` stores each chunk as
 it comes (``prompt_store="chunks"``), so later chunks attend to the compressed earlier ones.
 """
 

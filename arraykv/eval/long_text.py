@@ -150,7 +150,7 @@ def long_text_quality(
     ----------
     model : DecoderModel
         Anything with ``config``, ``prefill``, ``decode`` and ``make_cache``
-        (:func:`arraykv.integrations.gguf_llama.load_model`); with a tokenizer when
+        (:func:`arraykv.integrations.decoder.gguf_loading.load_model`); with a tokenizer when
         ``token_ids`` is not given.
     methods : sequence of str
         Names from :func:`arraykv.available_methods`; the exact cache is always reported first,

@@ -290,7 +290,7 @@ def needle_grid(
     Parameters
     ----------
     model : DecoderModel
-        With a tokenizer (:func:`arraykv.integrations.gguf_llama.load_model`).
+        With a tokenizer (:func:`arraykv.integrations.decoder.gguf_loading.load_model`).
     methods : sequence of str
         Names from :func:`arraykv.available_methods`. The exact cache is always run and
         reported as ``"dense"`` (first), whether listed or not.

@@ -359,7 +359,7 @@ def evaluate(
     Parameters
     ----------
     model : DecoderModel or OrtKVDecoder
-        From :func:`arraykv.integrations.gguf_llama.load_model`, or an ONNX decoder.
+        From :func:`arraykv.integrations.decoder.gguf_loading.load_model`, or an ONNX decoder.
     token_ids : sequence of int, length N >= prefill + 2
         For example ``builtin_token_ids(model, 512)``.
     methods : sequence of str

@@ -83,7 +83,7 @@ def model_identity(model: Any) -> str:
     Parameters
     ----------
     model : DecoderModel
-        A decoder of :mod:`arraykv.integrations.llama` (``config``, ``embedding``,
+        A decoder of :mod:`arraykv.integrations.decoder.model` (``config``, ``embedding``,
         ``output_norm``, ``lm_head``, ``layers``).
 
     Returns

@@ -25,7 +25,7 @@ entry (30 layers x 16 tokens).
 
 Segments are what make that hold. The decoder's default ``prompt_store="exact"`` keeps a
 prompt's keys and values exact while its chunks run and compresses them, calibrating on the
-whole prompt, at its end (:mod:`arraykv.integrations.prompt_stage`). A state in the middle of
+whole prompt, at its end (:mod:`arraykv.integrations.common.prompt_stage`). A state in the middle of
 such a prompt is not a compressed cache, and a cache restored there and continued would
 calibrate on, and attend to, other things than one run in a piece: the two differ. So the
 exact staging spans one segment: within a segment the prompt is computed exactly, and each
@@ -195,7 +195,7 @@ def segmented_prefill(
     Parameters
     ----------
     model : DecoderModel
-        The model that prefills (:class:`~arraykv.integrations.llama.DecoderModel`).
+        The model that prefills (:class:`~arraykv.integrations.decoder.model.DecoderModel`).
     ids : sequence of int
         The prompt (one sequence).
     cache : CompressedKVCache
@@ -400,7 +400,7 @@ class PrefixStore:
         Parameters
         ----------
         model : DecoderModel
-            The model that prefills (:class:`~arraykv.integrations.llama.DecoderModel`).
+            The model that prefills (:class:`~arraykv.integrations.decoder.model.DecoderModel`).
         ids : sequence of int
             The prompt (one sequence).
         cache : LayeredCache or HybridCache

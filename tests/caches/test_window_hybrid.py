@@ -882,8 +882,8 @@ def test_hybrid_bad_arguments():
 
 # -- 6. end to end: a tiny Gemma-3-like decoder ---------------------------------------------------
 def _model():
-    from arraykv.integrations.llama import DecoderModel, random_gguf_tensors
-    from arraykv.integrations.model_config import ModelConfig
+    from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors
+    from arraykv.integrations.decoder.model_config import ModelConfig
 
     cfg = ModelConfig(
         num_layers=3,

@@ -9,8 +9,8 @@ import pytest
 
 import arraykv
 from arraykv import eval as ev
-from arraykv.integrations.llama import DecoderModel, random_gguf_tensors
-from arraykv.integrations.model_config import ModelConfig
+from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors
+from arraykv.integrations.decoder.model_config import ModelConfig
 
 CFG = ModelConfig(
     num_layers=2,

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from arraykv import eval as ev
-from arraykv.integrations.llama import DecoderModel, random_gguf_tensors
-from arraykv.integrations.model_config import ModelConfig
+from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors
+from arraykv.integrations.decoder.model_config import ModelConfig
 
 
 class CharTokenizer:

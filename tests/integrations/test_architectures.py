@@ -1,6 +1,6 @@
 """Every supported architecture: tiny GGUF files of random weights, read by arraykv's decoder and by transformers.
 
-The decoder is one class driven by an :class:`~arraykv.integrations.architectures.Architecture`;
+The decoder is one class driven by an :class:`~arraykv.integrations.decoder.architectures.Architecture`;
 these tests write a small model of each architecture with :func:`write_gguf` and check that
 its logits are transformers' (the same file, float32) and that every way of feeding the tokens
 (one call, chunks, decode steps, a hybrid cache for sliding layers) gives the same logits.
@@ -13,12 +13,12 @@ import pytest
 
 pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not installed")
 
-from arraykv.integrations.architectures import ARCHITECTURES, architecture, periodic_layer_types  # noqa: E402
-from arraykv.integrations.gguf import read_gguf  # noqa: E402
-from arraykv.integrations.gguf_llama import load_model  # noqa: E402
-from arraykv.integrations.gguf_write import write_gguf  # noqa: E402
-from arraykv.integrations.llama import DecoderModel, random_gguf_tensors  # noqa: E402
-from arraykv.integrations.model_config import ModelConfig  # noqa: E402
+from arraykv.integrations.decoder.architectures import ARCHITECTURES, architecture, periodic_layer_types  # noqa: E402
+from arraykv.integrations.decoder.gguf_loading import load_model  # noqa: E402
+from arraykv.integrations.decoder.gguf_reader import read_gguf  # noqa: E402
+from arraykv.integrations.decoder.gguf_writer import write_gguf  # noqa: E402
+from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors  # noqa: E402
+from arraykv.integrations.decoder.model_config import ModelConfig  # noqa: E402
 
 #: Head sizes transformers can read back for each architecture: it derives llama's and qwen2's
 #: from hidden / heads, takes qwen3's default (128), and reads gemma3's from the file.
@@ -219,7 +219,7 @@ def test_prompt_store_is_checked_and_a_failed_commit_leaves_the_cache_as_it_was(
 def test_speculative_decoding_on_a_hybrid_cache_is_plain_greedy(method):
     """Drafts verified and rolled back on a hybrid cache (sliding layers past their window):
     the output is the model's greedy decoding through that cache, token for token."""
-    from arraykv.integrations.speculative import CacheDraft, LayerDraft, NgramDraft, speculative_generate
+    from arraykv.integrations.decoder.speculative import CacheDraft, LayerDraft, NgramDraft, speculative_generate
 
     cfg = tiny_config(
         "gemma3",

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.integrations.llama import DecoderModel, random_gguf_tensors
-from arraykv.integrations.model_config import ModelConfig
+from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors
+from arraykv.integrations.decoder.model_config import ModelConfig
 
 _ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
 needs_onnx = pytest.mark.skipif(not _ONNX, reason="onnx and onnxruntime (extra [onnx]) are not installed")

@@ -1,7 +1,7 @@
 """Gemma-3-270M (gemma3: sliding-window layers, QK-norm, one KV head of 256 channels) end to end.
 
 Slow: the weights (253 MB, installed once from their package, see
-:mod:`arraykv.integrations.models`) load into a 1.1 GB float32 decoder. Skipped, saying why,
+:mod:`arraykv.integrations.common.downloads`) load into a 1.1 GB float32 decoder. Skipped, saying why,
 where they cannot be installed.
 """
 

@@ -9,10 +9,11 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not installed")
 
-from arraykv.integrations.gguf import find_model, read_gguf  # noqa: E402
-from arraykv.integrations.gguf_llama import load_model  # noqa: E402
-from arraykv.integrations.llama import random_gguf_tensors, unpermute_qk  # noqa: E402
-from arraykv.integrations.model_config import ModelConfig  # noqa: E402
+from arraykv.integrations.common.downloads import find_model  # noqa: E402
+from arraykv.integrations.decoder.gguf_loading import load_model  # noqa: E402
+from arraykv.integrations.decoder.gguf_reader import read_gguf  # noqa: E402
+from arraykv.integrations.decoder.model import random_gguf_tensors, unpermute_qk  # noqa: E402
+from arraykv.integrations.decoder.model_config import ModelConfig  # noqa: E402
 
 CFG = ModelConfig(
     num_layers=2,

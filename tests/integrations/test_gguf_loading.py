@@ -10,11 +10,12 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not installed")
 
-from arraykv.integrations.gguf import cache_dir, find_model, read_gguf  # noqa: E402
-from arraykv.integrations.gguf_llama import load_model  # noqa: E402
-from arraykv.integrations.gguf_write import write_gguf  # noqa: E402
-from arraykv.integrations.llama import DecoderModel, random_gguf_tensors  # noqa: E402
-from arraykv.integrations.model_config import ModelConfig  # noqa: E402
+from arraykv.integrations.common.downloads import cache_dir, find_model  # noqa: E402
+from arraykv.integrations.decoder.gguf_loading import load_model  # noqa: E402
+from arraykv.integrations.decoder.gguf_reader import read_gguf  # noqa: E402
+from arraykv.integrations.decoder.gguf_writer import write_gguf  # noqa: E402
+from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors  # noqa: E402
+from arraykv.integrations.decoder.model_config import ModelConfig  # noqa: E402
 
 CFG = ModelConfig(
     num_layers=2,

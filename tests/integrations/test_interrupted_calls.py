@@ -17,9 +17,9 @@ import pytest
 from interrupts import MODES, FailingCache, assert_same_state, cache_state
 
 import arraykv
-from arraykv.integrations.architectures import periodic_layer_types
-from arraykv.integrations.llama import DecoderModel, random_gguf_tensors
-from arraykv.integrations.model_config import ModelConfig
+from arraykv.integrations.decoder.architectures import periodic_layer_types
+from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors
+from arraykv.integrations.decoder.model_config import ModelConfig
 
 LLAMA = ModelConfig(
     num_layers=3,
@@ -137,7 +137,7 @@ def test_a_failed_generation_leaves_the_cache_empty_and_a_rerun_is_exact(cfg, me
 
 def test_a_cache_without_transactions_gets_a_note_when_it_cannot_be_taken_back():
     """The fallback for a cache of the protocol only: truncate_all, and a note when that fails."""
-    from arraykv.integrations.generation import undo_on_failure
+    from arraykv.integrations.common.generation import undo_on_failure
 
     class Plain:  # the protocol's methods, no transaction(), a truncate_all that refuses
         def seq_len(self, layer):
@@ -295,7 +295,7 @@ def test_an_onnx_graph_step_failing_at_any_layer_leaves_the_cache_as_it_was(meth
     import importlib.util
     from pathlib import Path
 
-    from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder
+    from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder
 
     spec = importlib.util.spec_from_file_location(
         "export_smollm2_onnx", Path(__file__).resolve().parents[2] / "examples" / "export_smollm2_onnx.py"

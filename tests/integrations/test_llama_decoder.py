@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.integrations.llama import DecoderModel, random_gguf_tensors, unpermute_qk
-from arraykv.integrations.model_config import ModelConfig
+from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors, unpermute_qk
+from arraykv.integrations.decoder.model_config import ModelConfig
 
 CFG = ModelConfig(
     num_layers=2,

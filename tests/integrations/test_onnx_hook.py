@@ -11,8 +11,8 @@ ort = pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is n
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import arraykv  # noqa: E402
-from arraykv.integrations.onnx_names import discover_kv_names  # noqa: E402
 from arraykv.integrations.onnxruntime import OrtKVDecoder  # noqa: E402
+from arraykv.integrations.onnxruntime.kv_names import discover_kv_names  # noqa: E402
 
 from conftest import BUILTIN_METHODS  # noqa: E402
 
@@ -387,7 +387,7 @@ def test_a_conversation_parked_as_a_file_resumes_where_it_stopped(graph, rng, tm
 
 def _run_with_queries(graph_bytes, prompt):
     """present.* and the queries of every layer, from a session whose outputs were extended by hand."""
-    from arraykv.integrations.onnx_queries import expose_outputs
+    from arraykv.integrations.onnxruntime.graph_queries import expose_outputs
 
     proto = onnx.load_from_string(graph_bytes)
     names = [f"l{i}_wq_t" for i in range(LAYERS)]
@@ -456,7 +456,7 @@ def test_queries_true_is_refused_where_they_cannot_be_had(graph):
 def test_grouped_query_keys_are_followed_through_their_repeat():
     """K repeated for its query heads (Unsqueeze, Expand, Reshape) and scaled on both sides, as
     exports of grouped-query attention do: the search still reaches the score MatMul."""
-    from arraykv.integrations.onnx_queries import find_query_outputs
+    from arraykv.integrations.onnxruntime.graph_queries import find_query_outputs
 
     nodes = [
         helper.make_node("Concat", ["past_key_values.0.key", "k_new"], ["present.0.key"], axis=2),

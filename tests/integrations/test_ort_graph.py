@@ -18,16 +18,16 @@ pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not ins
 pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (extra [onnx]) is not installed")
 
 import arraykv  # noqa: E402
-from arraykv.integrations.llama import DecoderModel, random_gguf_tensors  # noqa: E402
-from arraykv.integrations.model_config import ModelConfig  # noqa: E402
-from arraykv.integrations.ort_gqa import OrtPastLoop, calibrate_kv_scales, rewrite_with_gqa  # noqa: E402
-from arraykv.integrations.ort_graph import (  # noqa: E402
+from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors  # noqa: E402
+from arraykv.integrations.decoder.model_config import ModelConfig  # noqa: E402
+from arraykv.integrations.onnxruntime.gqa_rewrite import OrtPastLoop, calibrate_kv_scales, rewrite_with_gqa  # noqa: E402
+from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder  # noqa: E402
+from arraykv.integrations.onnxruntime.graph_rewrite import (  # noqa: E402
     CACHE_OP,
     GraphRewriteError,
     find_attention_sites,
     rewrite_with_cache_op,
 )
-from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = ModelConfig(
@@ -358,20 +358,20 @@ def _save(graph, folder, name="model.onnx", **kw):
     ids=["external", "all-external", "inside"],
 )
 def test_a_file_opens_on_its_own_weights_and_leaves_nothing_behind(graph, dec, ids, tmp_path, layout, monkeypatch):
-    from arraykv.integrations import ort_graph_file
-    from arraykv.integrations.ort_graph_file import load_graph
+    from arraykv.integrations.onnxruntime import graph_files
+    from arraykv.integrations.onnxruntime.graph_files import load_graph
     from arraykv.store.keys import onnx_identity
 
     path = _save(graph, tmp_path, **layout)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     written = []
-    real_write = ort_graph_file.write_graph
+    real_write = graph_files.write_graph
 
     def spy(g, folder, stem):
         written.append(folder)
         return real_write(g, folder, stem)
 
-    monkeypatch.setattr(ort_graph_file, "write_graph", spy)
+    monkeypatch.setattr(graph_files, "write_graph", spy)
     from_file = OrtGraphDecoder(str(path))
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     # only a graph that reads the model's data files is written beside them; weights held in
@@ -421,7 +421,7 @@ def test_the_operator_loads_without_the_extensions_packages_converters():
 
     code = (
         "import os, sys\n"
-        "from arraykv.integrations.ort_cache_op import session_options\n"
+        "from arraykv.integrations.onnxruntime.cache_operator import session_options\n"
         "session_options()\n"
         "print(sorted(m for m in ('torch', 'transformers', 'onnxruntime_extensions') if m in sys.modules))\n"
         "print(os.environ.get('PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION'))\n"

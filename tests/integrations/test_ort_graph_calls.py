@@ -18,9 +18,9 @@ pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (ex
 from test_ort_graph import CFG, _exporter  # noqa: E402
 
 from arraykv import protocol  # noqa: E402
-from arraykv.integrations.llama import DecoderModel, random_gguf_tensors  # noqa: E402
-from arraykv.integrations.ort_cache_op import custom_op_api  # noqa: E402
-from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder  # noqa: E402
+from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors  # noqa: E402
+from arraykv.integrations.onnxruntime.cache_operator import custom_op_api  # noqa: E402
+from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from arraykv.integrations.ort_cache_op import custom_op_api, session_options
+from arraykv.integrations.onnxruntime.cache_operator import custom_op_api, session_options
 
 ox = custom_op_api()
 session_options()  # the ArrayKVAttention operator and its invoker are registered first

@@ -2,7 +2,7 @@
 
 :class:`OrtGraphDecoder` and the hook (:class:`OrtKVDecoder`, queries exposed) write a
 rewritten graph for the moment ONNX Runtime opens it
-(:mod:`arraykv.integrations.ort_graph_file`). These tests build the layouts users have on disk
+(:mod:`arraykv.integrations.onnxruntime.graph_files`). These tests build the layouts users have on disk
 (huggingface_hub's cache: ``snapshots/<rev>/`` files as relative links into ``blobs/``; a linked
 model file; a linked folder), kill a real process while its file exists, and run out of room.
 """
@@ -24,12 +24,11 @@ onnx = pytest.importorskip("onnx", reason="onnx (extra [onnx]) is not installed"
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not installed")
 pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (extra [onnx]) is not installed")
 
-from arraykv.integrations import ort_graph_file  # noqa: E402
-from arraykv.integrations.llama import DecoderModel, random_gguf_tensors  # noqa: E402
-from arraykv.integrations.model_config import ModelConfig  # noqa: E402
-from arraykv.integrations.onnxruntime import OrtKVDecoder  # noqa: E402
-from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder  # noqa: E402
-from arraykv.integrations.scratch_files import owned_name, remove_stale  # noqa: E402
+from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors  # noqa: E402
+from arraykv.integrations.decoder.model_config import ModelConfig  # noqa: E402
+from arraykv.integrations.onnxruntime import OrtKVDecoder, graph_files  # noqa: E402
+from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder  # noqa: E402
+from arraykv.integrations.onnxruntime.scratch_files import owned_name, remove_stale  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = ModelConfig(
@@ -165,7 +164,7 @@ def paused(path, *a, **k):
 onnxruntime.InferenceSession = paused
 import tempfile
 tempfile.tempdir = sys.argv[3]
-from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder
+from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder
 OrtGraphDecoder(sys.argv[1], work_dir=sys.argv[2] or None)
 """
 
@@ -258,7 +257,7 @@ def test_an_interrupt_while_the_session_opens_leaves_nothing(graph, tmp_path, pr
 def test_no_room_beside_the_weights_falls_back_to_a_temp_folder(graph, expected, tmp_path, private_tmp, monkeypatch):
     path = _save(graph, tmp_path / "m" / "model.onnx")
     before = _tree(tmp_path)
-    real_write = ort_graph_file.write_graph
+    real_write = graph_files.write_graph
     places = []
 
     def full_beside(g, folder, stem):  # the model's disk is full: a partial file, then ENOSPC
@@ -268,7 +267,7 @@ def test_no_room_beside_the_weights_falls_back_to_a_temp_folder(graph, expected,
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_write(g, folder, stem)
 
-    monkeypatch.setattr(ort_graph_file, "write_graph", full_beside)
+    monkeypatch.setattr(graph_files, "write_graph", full_beside)
     dec = OrtGraphDecoder(str(path))
     assert [Path(p).parent for p in places] == [tmp_path, private_tmp]
     assert _tree(tmp_path) == before
@@ -278,7 +277,7 @@ def test_no_room_beside_the_weights_falls_back_to_a_temp_folder(graph, expected,
 _FULL = """
 import os, resource, signal, sys, tempfile
 tempfile.tempdir = sys.argv[2]
-from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder
+from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 try:

@@ -27,14 +27,14 @@ pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (ex
 
 from onnx import TensorProto, helper  # noqa: E402
 
-from arraykv.integrations.ort_gqa import OrtPastLoop, rewrite_with_gqa  # noqa: E402
-from arraykv.integrations.ort_graph import (  # noqa: E402
+from arraykv.integrations.onnxruntime.gqa_rewrite import OrtPastLoop, rewrite_with_gqa  # noqa: E402
+from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder  # noqa: E402
+from arraykv.integrations.onnxruntime.graph_rewrite import (  # noqa: E402
     CACHE_OP,
     GraphRewriteError,
     find_attention_sites,
     rewrite_with_cache_op,
 )
-from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder  # noqa: E402
 
 from onnx_graph_builder import GraphBuilder  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 The NumPy decoder computes a prompt of several chunks over its exact keys and values and stores
 it compressed in one piece at its end (``prompt_store="exact"``,
-:mod:`arraykv.integrations.prompt_stage`); :class:`OrtGraphDecoder` must do the same, so that the
+:mod:`arraykv.integrations.common.prompt_stage`); :class:`OrtGraphDecoder` must do the same, so that the
 engine does not change the quality. The 2-layer random decoder of ``test_ort_graph`` runs both
 as the NumPy decoder and as its rewritten graph.
 """
@@ -19,9 +19,9 @@ pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (ex
 from test_ort_graph import CFG, _exporter  # noqa: E402
 
 import arraykv  # noqa: E402
-from arraykv.integrations import prompt_stage  # noqa: E402
-from arraykv.integrations.llama import DecoderModel, random_gguf_tensors  # noqa: E402
-from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder  # noqa: E402
+from arraykv.integrations.common import prompt_stage  # noqa: E402
+from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors  # noqa: E402
+from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder  # noqa: E402
 
 CHUNK = 16
 

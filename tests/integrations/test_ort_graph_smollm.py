@@ -16,7 +16,7 @@ pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not ins
 pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (extra [onnx]) is not installed")
 
 from arraykv import eval as ev  # noqa: E402
-from arraykv.integrations.ort_graph_decoder import OrtGraphDecoder  # noqa: E402
+from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder  # noqa: E402
 
 from smollm import mean_kl, smollm_or_skip  # noqa: E402
 

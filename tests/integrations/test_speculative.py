@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from arraykv.integrations.drafts import NgramDraft, run_layers
-from arraykv.integrations.llama import DecoderModel, random_gguf_tensors
-from arraykv.integrations.model_config import ModelConfig
-from arraykv.integrations.speculative import (
+from arraykv.integrations.decoder.drafts import NgramDraft, run_layers
+from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors
+from arraykv.integrations.decoder.model_config import ModelConfig
+from arraykv.integrations.decoder.speculative import (
     CacheDraft,
     LayerDraft,
     greedy_agreement,

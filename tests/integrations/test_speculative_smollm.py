@@ -11,8 +11,8 @@ pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not inst
 pytest.importorskip("tokenizers", reason="the tokenizers package (extra [model]) is not installed")
 
 from arraykv import eval as ev  # noqa: E402
-from arraykv.integrations.drafts import draft_from_spec  # noqa: E402
-from arraykv.integrations.speculative import greedy_agreement, greedy_with_gaps, speculative_generate  # noqa: E402
+from arraykv.integrations.decoder.drafts import draft_from_spec  # noqa: E402
+from arraykv.integrations.decoder.speculative import greedy_agreement, greedy_with_gaps, speculative_generate  # noqa: E402
 
 from smollm import smollm_or_skip  # noqa: E402
 

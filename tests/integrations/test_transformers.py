@@ -220,7 +220,7 @@ def test_smollm2_matches_arraykv_decoder():
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
     ak = smollm_or_skip()
-    from arraykv.integrations.gguf import find_model
+    from arraykv.integrations.common.downloads import find_model
 
     gguf_path = find_model(download=False)  # the installed package or the cache directory
     hf = transformers.AutoModelForCausalLM.from_pretrained(

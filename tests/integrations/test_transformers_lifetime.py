@@ -207,7 +207,7 @@ def _real(name: str):
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
     if name == "smollm2":
-        from arraykv.integrations.gguf import find_model
+        from arraykv.integrations.common.downloads import find_model
 
         from smollm import smollm_or_skip
 

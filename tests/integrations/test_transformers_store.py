@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from arraykv.integrations.transformers import ArraykvCache, generate_with_store  # noqa: E402
-from arraykv.integrations.transformers_store import transformers_identity  # noqa: E402
+from arraykv.integrations.transformers.prefix_store import transformers_identity  # noqa: E402
 from arraykv.store import LocalStore, PrefixStore  # noqa: E402
 
 from cache_contract import assert_same_state  # noqa: E402

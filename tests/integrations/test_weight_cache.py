@@ -18,11 +18,11 @@ import pytest
 pytest.importorskip("gguf", reason="the gguf package (extra [model]) is not installed")
 pytest.importorskip("tokenizers", reason="the tokenizers package (extra [model]) is not installed")
 
-from arraykv.integrations import weight_cache  # noqa: E402
-from arraykv.integrations.gguf_llama import _version, load_model  # noqa: E402
-from arraykv.integrations.gguf_write import write_gguf  # noqa: E402
-from arraykv.integrations.llama_weights import random_gguf_tensors  # noqa: E402
-from arraykv.integrations.model_config import ModelConfig  # noqa: E402
+from arraykv.integrations.decoder import weight_cache  # noqa: E402
+from arraykv.integrations.decoder.gguf_loading import _version, load_model  # noqa: E402
+from arraykv.integrations.decoder.gguf_writer import write_gguf  # noqa: E402
+from arraykv.integrations.decoder.model_config import ModelConfig  # noqa: E402
+from arraykv.integrations.decoder.weights import random_gguf_tensors  # noqa: E402
 
 CFG = ModelConfig(
     num_layers=2,

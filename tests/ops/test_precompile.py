@@ -1,4 +1,4 @@
-"""Compiling a method's kernels in a child process while a model loads (arraykv.integrations.precompile).
+"""Compiling a method's kernels in a child process while a model loads (arraykv.integrations.decoder.precompile).
 
 The slow test runs two children at once into one empty Numba cache directory and then checks
 that a new process answering with the same method and geometry compiles none of arraykv's
@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("numba")
 
-from arraykv.integrations import precompile  # noqa: E402
-from arraykv.integrations.model_config import ModelConfig  # noqa: E402
+from arraykv.integrations.decoder import precompile  # noqa: E402
+from arraykv.integrations.decoder.model_config import ModelConfig  # noqa: E402
 from arraykv.ops import pending  # noqa: E402
 
 CFG = ModelConfig(
@@ -64,6 +64,14 @@ def test_the_key_follows_what_changes_the_compiled_code(dirs, monkeypatch):
     assert key != precompile.kernel_key(dataclasses.replace(CFG, arch="qwen2"), "pqo4")
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(dirs / "elsewhere"))
     assert key != precompile.kernel_key(CFG, "pqo4")
+
+
+def test_the_key_covers_the_kernel_sources_of_the_package():
+    import arraykv.ops.codecs
+
+    sources = {path for path, _, _ in precompile._kernel_sources()}
+    assert "ops/codecs.py" in sources and arraykv.ops.codecs.__file__.endswith(os.path.join("ops", "codecs.py"))
+    assert {path.split("/")[0] for path in sources} == {"ops", "caches", "quant", "attention", "storage"}
 
 
 def test_the_small_model_keeps_every_layer_kind_and_the_attention_geometry():
@@ -125,7 +133,7 @@ def test_a_failed_child_is_not_an_error(dirs):
 
 def test_load_model_checks_precompile():
     pytest.importorskip("gguf")
-    from arraykv.integrations.gguf_llama import load_model
+    from arraykv.integrations.decoder.gguf_loading import load_model
 
     with pytest.raises(TypeError, match="precompile"):
         load_model("nowhere.gguf", precompile="pqo4")
@@ -135,10 +143,10 @@ _CHECK = textwrap.dedent(
     """
     import json, sys
     from numba.core import event
-    from arraykv.integrations.llama import DecoderModel
-    from arraykv.integrations.llama_weights import random_gguf_tensors
-    from arraykv.integrations.model_config import ModelConfig
-    from arraykv.integrations.precompile import _small_config
+    from arraykv.integrations.decoder.model import DecoderModel
+    from arraykv.integrations.decoder.weights import random_gguf_tensors
+    from arraykv.integrations.decoder.model_config import ModelConfig
+    from arraykv.integrations.decoder.precompile import _small_config
 
     seen = []
 
@@ -169,7 +177,14 @@ def test_two_children_at_once_fill_the_cache_and_a_new_process_compiles_nothing(
     folder = dirs / "ak" / "kernels"
     folder.mkdir(parents=True)
     key = precompile.kernel_key(CFG, method)
-    cmd = [sys.executable, "-m", "arraykv.integrations.precompile", json.dumps(cfg), str(folder), f"{method}={key}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "arraykv.integrations.decoder.precompile",
+        json.dumps(cfg),
+        str(folder),
+        f"{method}={key}",
+    ]
     env = dict(os.environ)
     both = [subprocess.Popen(cmd, env=env) for _ in range(2)]
     assert [p.wait(1800) for p in both] == [0, 0]

@@ -328,7 +328,7 @@ def test_an_onnx_files_identity_covers_its_external_data(tmp_path):
     onnx = pytest.importorskip("onnx")
     from onnx import helper, numpy_helper
 
-    from arraykv.integrations.ort_store import graph_identity
+    from arraykv.integrations.onnxruntime.prefix_store import graph_identity
 
     w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
     g = helper.make_graph(
@@ -368,7 +368,7 @@ def _tiny_hf():
 def test_transformers_identity_covers_every_weight_and_in_place_changes():
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from arraykv.integrations.transformers_store import transformers_identity
+    from arraykv.integrations.transformers.prefix_store import transformers_identity
 
     tiny_llama = _tiny_hf().tiny_llama
     m = tiny_llama(0)

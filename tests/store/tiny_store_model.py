@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from arraykv.integrations.llama import DecoderModel, ModelConfig, random_gguf_tensors
+from arraykv.integrations.decoder.model import DecoderModel, ModelConfig, random_gguf_tensors
 
 #: A two-layer decoder with random weights: fast enough to prefill hundreds of tokens per test.
 TINY = ModelConfig(

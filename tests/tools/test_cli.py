@@ -63,7 +63,7 @@ def test_inspect_rejects_bad_bits(capsys):
 @pytest.mark.slow
 def test_demo_generates_and_prints_the_table(tmp_path):
     pytest.importorskip("gguf", reason="extra [model] not installed")
-    from arraykv.integrations.gguf import ModelDownloadError, find_model
+    from arraykv.integrations.common.downloads import ModelDownloadError, find_model
 
     try:
         find_model()
@@ -108,9 +108,9 @@ def _tiny_llama_gguf(path):
     """A 2-layer random Llama GGUF whose byte-level vocabulary covers printable ASCII and newline."""
     pytest.importorskip("gguf", reason="extra [model] not installed")
     pytest.importorskip("tokenizers", reason="extra [model] not installed")
-    from arraykv.integrations.gguf_write import write_gguf
-    from arraykv.integrations.llama import random_gguf_tensors
-    from arraykv.integrations.model_config import ModelConfig
+    from arraykv.integrations.decoder.gguf_writer import write_gguf
+    from arraykv.integrations.decoder.model import random_gguf_tensors
+    from arraykv.integrations.decoder.model_config import ModelConfig
 
     tokens = ["<|end|>", "Ċ", "Ġ"] + [chr(c) for c in range(33, 127)] + ["ĠT", "he"]
     cfg = ModelConfig(

@@ -139,7 +139,7 @@ def test_the_header_reader_reads_what_the_gguf_package_reads(tmp_path):
     gguf = pytest.importorskip("gguf")
     from arraykv.cli_model import model_header, read_metadata
     from arraykv.eval.texts import builtin_text
-    from arraykv.integrations.tokenizer import tokenizer_from_gguf
+    from arraykv.integrations.decoder.tokenizer import tokenizer_from_gguf
 
     path = _tiny_llama_gguf(tmp_path / "tiny.gguf")
     reader = gguf.GGUFReader(str(path))
