@@ -33,7 +33,18 @@ from typing import Any, TypeVar, cast
 from .. import _compat
 from .._types import Array, Device, DType, Namespace
 from .._validation import check_bool, check_finite, check_int, check_kv, check_query, dtype_name
-from ..protocol import AttendConfig, DecodeOutput, DequantResult
+from ..protocol import (
+    AttendConfig,
+    BatchRowsKVCache,
+    CompressedKVCache,
+    DecodeOutput,
+    DequantResult,
+    IncrementalKVCache,
+    SnapshotKVCache,
+    TransactionalKVCache,
+    TruncatableKVCache,
+    contract_doc,
+)
 from .batch_rows import LayerBatchRows
 from .layer import DECODE_PATHS, LayerState, check_decode_path, refuse_overflow
 from .layout import Layout
@@ -52,7 +63,17 @@ _T = TypeVar("_T")
 _S = TypeVar("_S", bound=LayerState)
 
 
-class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
+class LayeredCache(
+    LayerSnapshots[_S],
+    LayerRollback[_S],
+    LayerBatchRows[_S],
+    CompressedKVCache,
+    IncrementalKVCache,
+    TruncatableKVCache,
+    TransactionalKVCache,
+    SnapshotKVCache,
+    BatchRowsKVCache,
+):
     """Base class of the caches: a lock and a state per layer.
 
     Parameters
@@ -70,13 +91,17 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
 
     Notes
     -----
-    Besides the contract: incremental reading (:meth:`append`, :meth:`stable_length`,
-    :meth:`dequantize`), persistence (:class:`~arraykv.caches.snapshots.LayerSnapshots`:
-    ``snapshot``, ``restore``, ``save``) and taking tokens back or copying the cache
-    (:class:`~arraykv.caches.rollback.LayerRollback`: ``truncate``, ``truncate_all``,
-    ``min_truncate_length``, ``can_truncate``, ``rollback_bytes``, ``fork``), and reordering,
-    repeating or selecting batch rows (:class:`~arraykv.caches.batch_rows.LayerBatchRows`:
-    ``select_rows``, ``batch_size``).
+    Besides the contract, the capabilities of :mod:`arraykv.protocol` it declares by its bases
+    (the protocols' docstrings state them): incremental reading
+    (:class:`~arraykv.protocol.IncrementalKVCache`: :meth:`append`, :meth:`stable_length`,
+    :meth:`dequantize`), transactions (:class:`~arraykv.protocol.TransactionalKVCache`),
+    persistence (:class:`~arraykv.protocol.SnapshotKVCache`, implemented by
+    :class:`~arraykv.caches.snapshots.LayerSnapshots`: ``get_config``, ``snapshot``,
+    ``restore``, and ``save``), taking tokens back
+    (:class:`~arraykv.protocol.TruncatableKVCache`, implemented by
+    :class:`~arraykv.caches.rollback.LayerRollback` with ``rollback_bytes`` and ``fork``), and
+    reordering, repeating or selecting batch rows (:class:`~arraykv.protocol.BatchRowsKVCache`,
+    implemented by :class:`~arraykv.caches.batch_rows.LayerBatchRows`).
     """
 
     method: str = "base"
@@ -104,24 +129,8 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
         self._transactions: dict[int, list[CacheTransaction]] = {}
 
     # -- the contract ------------------------------------------------------------
+    @contract_doc(CompressedKVCache.prefill)
     def prefill(self, layer: int, k: Array, v: Array, q: Array) -> DequantResult:
-        """Store ``new_tokens`` keys and values; return K/V of every token stored in ``layer``.
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-        k, v : array, shape (batch, kv_heads, new_tokens, head_dim)
-            Keys (after RoPE) and values of the new tokens, floating, in the namespace, device,
-            batch and dtype of the tokens the layer already holds.
-        q : array, shape (batch, q_heads, new_tokens, head_dim)
-            Queries of the new tokens, ``q_heads`` a multiple of ``kv_heads``.
-
-        Returns
-        -------
-        DequantResult
-            ``k``, ``v`` of shape ``(batch, kv_heads, total, head_dim)`` in the input dtype.
-        """
         layer = self._check_layer(layer)
         xp, shape = self._check_inputs(k, v, q)
         with self._locks[layer]:
@@ -130,22 +139,8 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
                 result = self._prefill(state, k, v, q)
             return result
 
+    @contract_doc(IncrementalKVCache.append)
     def append(self, layer: int, k: Array, v: Array, q: Array) -> None:
-        """Store ``new_tokens`` keys and values exactly as :meth:`prefill` does, returning nothing.
-
-        For callers that read the stored K/V back incrementally (:meth:`stable_length`,
-        :meth:`dequantize` with ``start``), so that nothing is reconstructed that they already
-        hold. Same parameters, checks and errors as :meth:`prefill`.
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-        k, v : array, shape (batch, kv_heads, new_tokens, head_dim)
-            Keys (after RoPE) and values of the new tokens.
-        q : array, shape (batch, q_heads, new_tokens, head_dim)
-            Queries of the new tokens.
-        """
         layer = self._check_layer(layer)
         xp, shape = self._check_inputs(k, v, q)
         with self._locks[layer]:
@@ -153,51 +148,15 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
             with self._taking_back(layer, state, shape[2]):
                 self._append_tokens(state, k, v, q)
 
+    @contract_doc(IncrementalKVCache.stable_length)
     def stable_length(self, layer: int) -> int:
-        """Leading tokens of ``layer`` whose reconstruction will not change as tokens are added.
-
-        A token held exactly in a recent-token window, or a key waiting for its quantization
-        group to fill, is reconstructed differently once it is encoded; tokens before this
-        index are encoded for good (or never will be). ``dequantize(layer)[..., :s, :]`` with
-        ``s = stable_length(layer)`` stays the same, bit for bit, whatever is stored later,
-        until :meth:`reset` or a :meth:`truncate` below it. 0 for an empty layer.
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-
-        Returns
-        -------
-        int
-            The number of leading tokens encoded for good, ``0 <= s <= seq_len(layer)``.
-        """
         layer = self._check_layer(layer)
         with self._locks[layer]:
             st = self._states[layer]
             return 0 if st is None else self._stable_length(st)
 
+    @contract_doc(CompressedKVCache.decode)
     def decode(self, layer: int, k: Array, v: Array, q: Array, config: AttendConfig) -> DecodeOutput:
-        """Store one token and attend with ``q``.
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-        k, v : array, shape (batch, kv_heads, 1, head_dim)
-            Key (after RoPE) and value of the new token.
-        q : array, shape (batch, q_heads, 1, head_dim)
-            Query of the new token.
-        config : AttendConfig
-            ``n_kv_groups`` must equal ``q_heads // kv_heads``.
-
-        Returns
-        -------
-        Fused or Dequantized
-            :class:`~arraykv.Fused` (the attention output) where the cache attends from its
-            compressed form itself, else :class:`~arraykv.Dequantized` (every stored token's
-            keys and values).
-        """
         layer = self._check_layer(layer)
         if not isinstance(config, AttendConfig):
             raise TypeError(f"config must be an AttendConfig, received {type(config).__name__}")
@@ -215,19 +174,8 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
                 out = self._decode(state, k, v, q, config)
             return out
 
+    @contract_doc(CompressedKVCache.seq_len)
     def seq_len(self, layer: int) -> int:
-        """Tokens stored in ``layer``.
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-
-        Returns
-        -------
-        int
-            Tokens stored so far, 0 for an empty layer.
-        """
         layer = self._check_layer(layer)
         with self._locks[layer]:
             st = self._states[layer]
@@ -248,14 +196,9 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
     def transaction(self) -> Iterator[CacheTransaction]:
         """Calls on several layers that take effect together or not at all.
 
-        Inside ``with cache.transaction():`` every layer is recorded just before a call first
-        changes it; when the block raises anything (an exception, ``KeyboardInterrupt``,
-        ``MemoryError``), every layer it changed is put back exactly as it was (lengths, arrays,
-        calibration, windows, rollback copies) with the cache-wide state made meanwhile
-        (rotations, codebooks), and the exception goes on. Any number of tokens, any layer:
-        not bounded by ``rollback_tokens``. Transactions nest (an inner one rolls back to
-        its own start). A transaction holds the calls of the thread that began it: calls
-        that other threads make meanwhile (on other layers) are not part of it.
+        As :meth:`arraykv.protocol.TransactionalKVCache.transaction` states it: a layer's
+        lengths, arrays, calibration, windows and rollback copies are put back, with the
+        cache-wide state (rotations, codebooks); not bounded by ``rollback_tokens``.
 
         Yields
         ------
@@ -278,7 +221,7 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
         >>> x = np.ones((1, 1, 40, 64), np.float32)
         >>> try:
         ...     with cache.transaction():
-        ...         cache.prefill(0, x, x, x)
+        ...         _ = cache.prefill(0, x, x, x)
         ...         raise KeyboardInterrupt  # before layer 1 got its tokens
         ... except KeyboardInterrupt:
         ...     pass
@@ -293,17 +236,8 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
             raise
         txn.commit()
 
+    @contract_doc(TransactionalKVCache.begin_transaction)
     def begin_transaction(self) -> CacheTransaction:
-        """Begin a :meth:`transaction` to end by hand (``commit()`` or ``rollback()``).
-
-        For a caller whose calls do not nest in one block (transformers calls a cache's
-        ``update`` once per layer).
-
-        Returns
-        -------
-        CacheTransaction
-            Open until its ``commit()`` or ``rollback()``.
-        """
         with self._all_layers_locked():
             txn = CacheTransaction(self, self._fixed_record())
             self._transactions.setdefault(txn.owner, []).append(txn)
@@ -435,23 +369,8 @@ class LayeredCache(LayerSnapshots[_S], LayerRollback[_S], LayerBatchRows[_S]):
                     total += per_layer(st)
         return total
 
+    @contract_doc(IncrementalKVCache.dequantize)
     def dequantize(self, layer: int, start: int = 0) -> DequantResult | None:
-        """K/V of the tokens ``start ..`` stored in ``layer``, reconstructed, without storing anything.
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-        start : int, default 0
-            First token returned, ``0 <= start <= seq_len``: skips tokens a caller already
-            holds (the codes before it are not decoded).
-
-        Returns
-        -------
-        DequantResult or None
-            ``k``, ``v`` of shape ``(batch, kv_heads, total - start, head_dim)`` in the stored
-            dtype; None for an empty layer.
-        """
         layer = self._check_layer(layer)
         with self._locks[layer]:
             st = self._states[layer]

@@ -16,17 +16,31 @@ restore, save and :func:`arraykv.load`).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
-from collections.abc import Iterator
-from typing import Any, cast
+from collections.abc import Callable, Iterator
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from .._types import Array, Namespace
 from .._validation import check_int
-from ..protocol import AttendConfig, DecodeOutput, DequantResult
+from ..protocol import (
+    AttendConfig,
+    BatchRowsKVCache,
+    CompressedKVCache,
+    DecodeOutput,
+    DequantResult,
+    IncrementalKVCache,
+    LayerRoutedKVCache,
+    SnapshotKVCache,
+    TransactionalKVCache,
+    TruncatableKVCache,
+    contract_doc,
+)
 from ..storage.cache_file import LayerRecord, write_cache_file
 from .base import LayeredCache
 from .batch_rows import select_rows_of
 from .registry import make_cache
+from .rollback import LayerRollback
 from .transaction import CacheTransaction
 from .window_cache import OUTLIER_OPTIONS, POLAR_STORAGE, SlidingWindowCache
 
@@ -105,6 +119,46 @@ def default_window_storage(full_method: str, full_options: dict | None = None) -
     return f"pq{max(bits + 1, 4)}" if bits in (2, 3, 4) else "float16"
 
 
+_A = ParamSpec("_A")
+_R = TypeVar("_R")
+
+
+def _delegate(source: Callable[..., Any], method: Callable[..., Any]) -> None:
+    """Name ``method`` as ``source`` on :class:`HybridCache`, with its docstring and signature."""
+    method.__name__ = source.__name__
+    method.__qualname__ = f"HybridCache.{source.__name__}"
+    method.__doc__ = source.__doc__
+    method.__signature__ = inspect.signature(source)  # type: ignore[attr-defined]  # what help() and numpydoc read
+
+
+def _routed(source: Callable[Concatenate[Any, _A], _R]) -> Callable[Concatenate[Any, _A], _R]:
+    """A :class:`HybridCache` method that calls its namesake on the part serving ``layer``, its
+    first argument (``source``: the method whose docstring, the contract's, it takes)."""
+    name = source.__name__
+
+    def method(self: HybridCache, layer: int, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.cache_of(layer), name)(layer, *args, **kwargs)
+
+    def command(self: HybridCache, layer: int, *args: Any, **kwargs: Any) -> None:  # returns nothing, as numpydoc reads
+        getattr(self.cache_of(layer), name)(layer, *args, **kwargs)
+
+    chosen = command if inspect.signature(source).return_annotation in (None, "None") else method
+    _delegate(source, chosen)
+    return cast(Callable[Concatenate[Any, _A], _R], chosen)
+
+
+def _summed(source: Callable[[Any], int]) -> Callable[[Any], int]:
+    """A :class:`HybridCache` method that adds up its namesake over both parts (``source`` as in
+    :func:`_routed`)."""
+    name = source.__name__
+
+    def method(self: HybridCache) -> int:
+        return int(getattr(self.full, name)() + getattr(self.sliding, name)())
+
+    _delegate(source, method)
+    return method
+
+
 class HybridTransaction:
     """A transaction of both parts of a :class:`HybridCache` (global and sliding layers).
 
@@ -144,7 +198,15 @@ class HybridTransaction:
         return f"HybridTransaction({'open' if self.open else 'ended'}, layers={self.layers})"
 
 
-class HybridCache:
+class HybridCache(
+    CompressedKVCache,
+    IncrementalKVCache,
+    TruncatableKVCache,
+    TransactionalKVCache,
+    SnapshotKVCache,
+    BatchRowsKVCache,
+    LayerRoutedKVCache,
+):
     """Global layers in one cache method, sliding-window layers in a window cache.
 
     Parameters
@@ -175,6 +237,11 @@ class HybridCache:
     -----
     ``prefill`` and ``decode`` of a sliding layer return only the tokens it holds (the last
     positions): see :mod:`arraykv.caches.window_cache` for how a caller masks them.
+
+    Its capabilities are those its bases, the protocols of :mod:`arraykv.protocol`, declare;
+    a per-layer method is answered by the part serving the layer (:meth:`cache_of`), a
+    cache-wide one by both parts. The parts' own capabilities (the window cache's
+    ``append_last``) are reached through :meth:`cache_of`.
     """
 
     method = "hybrid"
@@ -244,7 +311,7 @@ class HybridCache:
         return kind == "sliding_attention"
 
     def cache_of(self, layer: int) -> LayeredCache:
-        """The sub-cache that serves ``layer``.
+        """The sub-cache that serves ``layer`` (:class:`~arraykv.protocol.LayerRoutedKVCache`).
 
         Parameters
         ----------
@@ -262,119 +329,23 @@ class HybridCache:
     def _parts(self) -> tuple:
         return (self.full, self.sliding)
 
-    # -- the contract ------------------------------------------------------------------
+    # -- the contract (arraykv.protocol states it) ----------------------------------------
+    @contract_doc(CompressedKVCache.prefill)
     def prefill(self, layer: int, k: Array, v: Array, q: Array) -> DequantResult:
-        """Store new tokens in ``layer``'s sub-cache and return what it returns.
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-        k, v : array, shape (batch, kv_heads, new_tokens, head_dim)
-            Keys (after RoPE) and values of the new tokens.
-        q : array, shape (batch, q_heads, new_tokens, head_dim)
-            Queries of the new tokens.
-
-        Returns
-        -------
-        DequantResult
-            Every token a global layer holds; a sliding layer's held and new tokens (the last
-            positions, see the Notes of the class).
-        """
         return self.cache_of(layer).prefill(layer, k, v, q)
 
+    @contract_doc(CompressedKVCache.decode)
     def decode(self, layer: int, k: Array, v: Array, q: Array, config: AttendConfig) -> DecodeOutput:
-        """Store one token in ``layer``'s sub-cache and return what its ``decode`` returns.
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-        k, v : array, shape (batch, kv_heads, 1, head_dim)
-            Key (after RoPE) and value of the new token.
-        q : array, shape (batch, q_heads, 1, head_dim)
-            Query of the new token.
-        config : AttendConfig
-            ``n_kv_groups`` must equal ``q_heads // kv_heads``.
-
-        Returns
-        -------
-        Fused or Dequantized
-            The global method's result for a global layer; for a sliding layer the last
-            ``window`` tokens (or the attention over them, from the codes).
-        """
         return self.cache_of(layer).decode(layer, k, v, q, config)
 
-    def append(self, layer: int, k: Array, v: Array, q: Array) -> None:
-        """Store new tokens in ``layer``'s sub-cache as :meth:`prefill` does, returning nothing.
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-        k, v : array, shape (batch, kv_heads, new_tokens, head_dim)
-            Keys (after RoPE) and values of the new tokens.
-        q : array, shape (batch, q_heads, new_tokens, head_dim)
-            Queries of the new tokens.
-        """
-        self.cache_of(layer).append(layer, k, v, q)
-
+    @contract_doc(CompressedKVCache.seq_len)
     def seq_len(self, layer: int) -> int:
-        """Tokens stored in ``layer`` (positions, for a sliding layer too).
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-
-        Returns
-        -------
-        int
-            Tokens given to ``layer`` so far, 0 for an empty layer.
-        """
         return self.cache_of(layer).seq_len(layer)
 
     def reset(self) -> None:
         """Forget every token of every layer (both sub-caches reset)."""
         for c in self._parts():
             c.reset()
-
-    # -- transactions --------------------------------------------------------------------
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[HybridTransaction]:
-        """Calls on several layers that take effect together or not at all (both parts).
-
-        As ``LayeredCache.transaction``: when the block raises anything, every layer it
-        changed, global or sliding, is put back exactly as it was.
-
-        Yields
-        ------
-        HybridTransaction
-            The two parts' transactions; its ``commit()`` or ``rollback()`` ends it early.
-        """
-        txn = self.begin_transaction()
-        try:
-            yield txn
-        except BaseException:
-            txn.rollback()
-            raise
-        txn.commit()
-
-    def begin_transaction(self) -> HybridTransaction:
-        """Begin a :meth:`transaction` of both parts, to end by hand.
-
-        Returns
-        -------
-        HybridTransaction
-            Open until its ``commit()`` or ``rollback()``.
-        """
-        full = self.full.begin_transaction()
-        try:
-            sliding = self.sliding.begin_transaction()
-        except BaseException:
-            full.rollback()
-            raise
-        return HybridTransaction(full, sliding)
 
     def memory_usage(self) -> int:
         """Bytes held by both kinds of layers (:meth:`memory_by_kind` splits them).
@@ -386,6 +357,20 @@ class HybridCache:
         """
         return sum(c.memory_usage() for c in self._parts())
 
+    # -- per layer: the part serving the layer answers -------------------------------------
+    append = _routed(IncrementalKVCache.append)
+    stable_length = _routed(IncrementalKVCache.stable_length)
+    dequantize = _routed(IncrementalKVCache.dequantize)
+    layer_arrays = _routed(LayeredCache.layer_arrays)
+    truncate = _routed(TruncatableKVCache.truncate)
+    min_truncate_length = _routed(TruncatableKVCache.min_truncate_length)
+    can_truncate = _routed(TruncatableKVCache.can_truncate)
+
+    # -- over both parts -------------------------------------------------------------------
+    used_bytes = _summed(LayeredCache.used_bytes)
+    rollback_bytes = _summed(LayerRollback.rollback_bytes)
+    reallocations = _summed(LayeredCache.reallocations)
+
     def memory_by_kind(self) -> dict:
         """``{"full_attention": bytes, "sliding_attention": bytes}`` (:meth:`memory_usage` of each part).
 
@@ -396,16 +381,6 @@ class HybridCache:
         """
         return {"full_attention": self.full.memory_usage(), "sliding_attention": self.sliding.memory_usage()}
 
-    def used_bytes(self) -> int:
-        """Bytes of the stored tokens' state, both kinds of layers (see ``LayeredCache.used_bytes``).
-
-        Returns
-        -------
-        int
-            The sum of both sub-caches' ``used_bytes()``.
-        """
-        return sum(c.used_bytes() for c in self._parts())
-
     def reserved_bytes(self) -> int:
         """Bytes allocated, spare capacity included: the same as :meth:`memory_usage`.
 
@@ -415,26 +390,6 @@ class HybridCache:
             :meth:`memory_usage`.
         """
         return self.memory_usage()
-
-    def rollback_bytes(self) -> int:
-        """Bytes held for :meth:`truncate` by both kinds of layers.
-
-        Returns
-        -------
-        int
-            The sum of both sub-caches' ``rollback_bytes()``.
-        """
-        return sum(c.rollback_bytes() for c in self._parts())
-
-    def reallocations(self) -> int:
-        """Times any layer's token buffers were reallocated to grow.
-
-        Returns
-        -------
-        int
-            The sum of both sub-caches' ``reallocations()``.
-        """
-        return sum(c.reallocations() for c in self._parts())
 
     @property
     def decode_path(self) -> str:
@@ -457,108 +412,40 @@ class HybridCache:
         """
         return self.sliding.held_tokens(layer) if self.is_sliding(layer) else self.full.seq_len(layer)
 
-    # -- reading -----------------------------------------------------------------------
-    def stable_length(self, layer: int) -> int:
-        """Leading tokens of ``layer`` whose reconstruction will not change (its sub-cache's answer).
+    # -- transactions ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[HybridTransaction]:
+        """Calls on several layers that take effect together or not at all (both parts).
 
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
+        As :meth:`arraykv.protocol.TransactionalKVCache.transaction` states it: when the block
+        raises anything, every layer it changed, global or sliding, is put back exactly as it was.
 
-        Returns
-        -------
-        int
-            The sub-cache's ``stable_length(layer)``: always 0 for a sliding layer, whose oldest
-            rows leave as tokens arrive.
+        Yields
+        ------
+        HybridTransaction
+            The two parts' transactions; its ``commit()`` or ``rollback()`` ends it early.
         """
-        return self.cache_of(layer).stable_length(layer)
+        txn = self.begin_transaction()
+        try:
+            yield txn
+        except BaseException:
+            txn.rollback()
+            raise
+        txn.commit()
 
-    def dequantize(self, layer: int, start: int = 0) -> DequantResult | None:
-        """K/V of the tokens ``start ..`` that ``layer``'s sub-cache holds, reconstructed.
+    @contract_doc(TransactionalKVCache.begin_transaction)
+    def begin_transaction(self) -> HybridTransaction:
+        full = self.full.begin_transaction()
+        try:
+            sliding = self.sliding.begin_transaction()
+        except BaseException:
+            full.rollback()
+            raise
+        return HybridTransaction(full, sliding)
 
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-        start : int, default 0
-            First token returned (see ``LayeredCache.dequantize``).
-
-        Returns
-        -------
-        DequantResult or None
-            The sub-cache's ``dequantize(layer, start)``; None for an empty layer.
-        """
-        return self.cache_of(layer).dequantize(layer, start)
-
-    def layer_arrays(self, layer: int) -> dict[str, Array]:
-        """Copies of the raw arrays that ``layer`` holds in its sub-cache, by name.
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-
-        Returns
-        -------
-        dict of str to array
-            The sub-cache's ``layer_arrays(layer)``; empty for an empty layer.
-        """
-        return self.cache_of(layer).layer_arrays(layer)
-
-    # -- rollback ----------------------------------------------------------------------
-    def truncate(self, layer: int, length: int) -> None:
-        """Drop the tokens of ``layer`` from index ``length`` on, in its sub-cache.
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-        length : int
-            Tokens kept (see ``LayeredCache.truncate`` for the lengths reachable).
-        """
-        self.cache_of(layer).truncate(layer, length)
-
-    def min_truncate_length(self, layer: int) -> int:
-        """The smallest length above 0 from which :meth:`truncate` reaches every length up to ``seq_len``.
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-
-        Returns
-        -------
-        int
-            The sub-cache's ``min_truncate_length(layer)``.
-        """
-        return self.cache_of(layer).min_truncate_length(layer)
-
-    def can_truncate(self, layer: int, length: int) -> bool:
-        """Whether :meth:`truncate` of ``layer`` to ``length`` would succeed now.
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-        length : int
-            The length to reach, ``>= 0``.
-
-        Returns
-        -------
-        bool
-            The sub-cache's ``can_truncate(layer, length)``.
-        """
-        return self.cache_of(layer).can_truncate(layer, length)
-
+    # -- rollback --------------------------------------------------------------------------
+    @contract_doc(TruncatableKVCache.truncate_all)
     def truncate_all(self, length: int) -> None:
-        """Truncate every layer to ``length`` (all or none: every layer is checked first).
-
-        Parameters
-        ----------
-        length : int
-            Tokens every layer keeps at most, ``0 <= length <=`` the longest layer's ``seq_len``.
-        """
         length = check_int("length", length, low=0)
         top = max(self.seq_len(i) for i in range(self.num_layers))
         if length > top:
@@ -587,27 +474,12 @@ class HybridCache:
         return twin
 
     # -- batch rows --------------------------------------------------------------------
+    @contract_doc(BatchRowsKVCache.select_rows)
     def select_rows(self, indices: Any) -> None:
-        """Keep, in every layer of both kinds, the batch rows ``indices`` in that order.
-
-        As ``LayeredCache.select_rows`` (:mod:`arraykv.caches.batch_rows`): reorder, repeat or
-        select rows; both parts change together or, on a refusal or failure, neither does.
-
-        Parameters
-        ----------
-        indices : sequence of int or 1-D integer array
-            Row numbers, each ``0 <= i < batch``; repeats allowed.
-        """
         select_rows_of([self.full, self.sliding], indices)
 
+    @contract_doc(BatchRowsKVCache.batch_size)
     def batch_size(self) -> int:
-        """The batch of the stored tokens (0 for an empty cache).
-
-        Returns
-        -------
-        int
-            The batch every layer holding tokens has (a ``ValueError`` if they differ).
-        """
         sizes = {s for s in (self.full.batch_size(), self.sliding.batch_size()) if s}
         if len(sizes) > 1:
             raise ValueError(f"the layers hold different batches {sorted(sizes)}; no one batch size")
@@ -636,33 +508,13 @@ class HybridCache:
             "max_tokens": self.max_tokens,
         }
 
+    @contract_doc(SnapshotKVCache.snapshot)
     def snapshot(self, *, host: bool = False) -> list[LayerRecord | None]:
-        """Per layer the record of the part that serves it (see :meth:`LayeredCache.snapshot`).
-
-        Parameters
-        ----------
-        host : bool, default False
-            Copy the arrays to NumPy arrays on the host instead of the cache's namespace.
-
-        Returns
-        -------
-        list of LayerRecord or None
-            ``num_layers`` entries, in layer order; None for an empty layer.
-        """
         full, win = self.full.snapshot(host=host), self.sliding.snapshot(host=host)
         return [win[i] if kind == "sliding_attention" else full[i] for i, kind in enumerate(self.layer_types)]
 
+    @contract_doc(SnapshotKVCache.restore)
     def restore(self, layers: list[LayerRecord | None], *, xp: Namespace | None = None) -> None:
-        """Replace every layer's state (both parts checked before either changes).
-
-        Parameters
-        ----------
-        layers : list
-            ``num_layers`` entries, as :meth:`snapshot` returns them (or a cache file holds
-            them): each None or a ``LayerRecord`` for the sub-cache serving that layer.
-        xp : namespace, optional
-            Namespace of the restored arrays; default: that of the arrays given.
-        """
         if not isinstance(layers, (list, tuple)) or len(layers) != self.num_layers:
             raise ValueError(f"layers must be a list of num_layers={self.num_layers} entries")
         sliding = [kind == "sliding_attention" for kind in self.layer_types]

@@ -62,6 +62,11 @@ def register_method(
     without one gets ``name``. Decorating the very class a path registration names is
     the same registration, not a second one.
 
+    What a cache offers besides the contract (truncation, transactions, snapshots, ...) the
+    integrations ask with :func:`arraykv.protocol.supports`; a class declares it by
+    subclassing the protocols of :mod:`arraykv.protocol` (as a subclass of
+    :class:`~arraykv.caches.LayeredCache` inherits them) or simply by defining their methods.
+
     Examples
     --------
     >>> import arraykv
