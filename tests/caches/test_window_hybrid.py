@@ -882,25 +882,9 @@ def test_hybrid_bad_arguments():
 
 # -- 6. end to end: a tiny Gemma-3-like decoder ---------------------------------------------------
 def _model():
-    from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors
-    from arraykv.integrations.decoder.model_config import ModelConfig
+    from tiny_models import WINDOW_GEMMA, decoder
 
-    cfg = ModelConfig(
-        num_layers=3,
-        hidden_size=32,
-        ffn_size=48,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        vocab_size=100,
-        context_length=256,
-        rope_theta=1e4,
-        rms_eps=1e-6,
-        arch="gemma3",
-        layer_types=("sliding_attention", "sliding_attention", "full_attention"),
-        sliding_window=5,
-    )
-    return DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg))
+    return decoder(WINDOW_GEMMA, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -20,21 +20,9 @@ import pytest
 pytest.importorskip("numba")
 
 from arraykv.integrations.decoder import precompile  # noqa: E402
-from arraykv.integrations.decoder.model_config import ModelConfig  # noqa: E402
 from arraykv.ops import pending  # noqa: E402
 
-CFG = ModelConfig(
-    num_layers=3,
-    hidden_size=32,
-    ffn_size=48,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    vocab_size=60,
-    context_length=256,
-    rope_theta=10000.0,
-    rms_eps=1e-5,
-)
+from tiny_models import PRECOMPILE_LLAMA as CFG  # noqa: E402
 
 
 @pytest.fixture
