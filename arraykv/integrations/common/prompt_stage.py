@@ -68,7 +68,7 @@ class _Staged:
 
     k: Any
     v: Any
-    queries: list
+    queries: list[Any]
     seen: int
 
 
@@ -92,20 +92,22 @@ class PromptStage:
         self._keep = [
             getattr(serving_cache(cache, i), "keep", None) if self._staged[i] else None for i in range(num_layers)
         ]
-        self._held: list = [None] * num_layers  # per staged layer: a _Staged once its first chunk came
-        self._before: list = [None] * num_layers  # earlier tokens of the target, float (k, v)
-        self._start = [cache.seq_len(i) for i in range(num_layers)]
+        self._held: list[_Staged | None] = [None] * num_layers  # per staged layer: a _Staged once its first chunk came
+        self._before: list[tuple[Any, Any] | None] = [None] * num_layers  # earlier tokens of the target, float (k, v)
+        self._start: list[int] = [cache.seq_len(i) for i in range(num_layers)]
 
     # what the decoder calls -----------------------------------------------------------
     def seq_len(self, layer: int) -> int:
         if not self._staged[layer]:
-            return self.cache.seq_len(layer)
+            n: int = self.cache.seq_len(layer)
+            return n
         held = self._held[layer]
         return self._start[layer] + (0 if held is None else held.seen)
 
-    def prefill(self, layer: int, k: Any, v: Any, q: Any):
+    def prefill(self, layer: int, k: Any, v: Any, q: Any) -> DequantResult:
         if not self._staged[layer]:
-            return self.cache.prefill(layer, k, v, q)
+            result: DequantResult = self.cache.prefill(layer, k, v, q)
+            return result
         xp = _compat.namespace(k)
         held = self._held[layer]
         k16, v16 = xp.astype(k, xp.float16), xp.astype(v, xp.float16)
@@ -144,6 +146,7 @@ class PromptStage:
             held.v = xp.asarray(held.v[:, :, n - keep :, :], copy=True)
             self._before[layer] = None
         else:
+            assert before is not None  # n < keep < n + n_before: there are earlier rows
             cut = n_before - (keep - n)
             self._before[layer] = (before[0][:, :, cut:, :], before[1][:, :, cut:, :])
 
