@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._types import Array, Namespace
 from ..common.layer_attention import causal_block
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
 ]
 
 
-def plain_numpy():
+def plain_numpy() -> Namespace:
     """NumPy itself when it offers the array-API names (NumPy 2), else ``array_api_compat.numpy``.
 
     Calling NumPy directly skips a wrapper per operation (a few percent of a decode step at 135M
@@ -44,7 +45,7 @@ def plain_numpy():
     return xnp
 
 
-def rope_tables(xp: Any, device: Any, length: int, head_dim: int, theta: float):
+def rope_tables(xp: Any, device: Any, length: int, head_dim: int, theta: float) -> tuple[Array, Array]:
     """``(cos, sin)`` of RoPE for positions ``0 .. length-1``.
 
     Returns

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from .model import DecoderModel, unpermute_qk
 from .model_config import ModelConfig
 from .precompile import default_methods as precompile_methods, start as start_precompile
 from .tokenizer import GGUFTokenizer, tokenizer_from_gguf
-from .weights import LAYOUT_VERSION, layout_arrays, layout_from_arrays, layout_gguf_tensors
+from .weights import LAYOUT_VERSION, WeightLayout, layout_arrays, layout_from_arrays, layout_gguf_tensors
 
 __all__ = [
     "load_model",
@@ -44,7 +44,7 @@ __all__ = [
     "unpermute_qk",
 ]
 
-_LOADED: dict = {}
+_LOADED: dict[tuple, DecoderModel] = {}
 #: Files smaller than this (test models) start no kernel compilation unless asked to.
 PRECOMPILE_MIN_BYTES = 32 << 20
 
@@ -177,7 +177,9 @@ def _version() -> str:
     return f"layout{LAYOUT_VERSION}-gguf{gguf_version}"
 
 
-def _store_cached(p: Path, location: Path, config: ModelConfig, layout: tuple, tok: Any, has_vocab: bool) -> None:
+def _store_cached(
+    p: Path, location: Path, config: ModelConfig, layout: WeightLayout, tok: GGUFTokenizer | None, has_vocab: bool
+) -> None:
     """Write the laid-out weights, config and tokenizer of ``p`` to the weight cache (best effort)."""
     tok_meta: Any = None
     if tok is not None:
@@ -205,7 +207,9 @@ def _config_of(meta: dict) -> ModelConfig:
     return ModelConfig(**cfg)
 
 
-def _load_cached(p: Path, location: Path, tokenizer: bool, xp: Any, on_config: Any) -> tuple | None:
+def _load_cached(
+    p: Path, location: Path, tokenizer: bool, xp: Any, on_config: Callable[[ModelConfig], None]
+) -> tuple[ModelConfig, WeightLayout, GGUFTokenizer | None] | None:
     """``(config, (layers, embedding, output_norm, lm_head), tokenizer)`` from the weight cache, or None."""
 
     def on_meta(meta: dict) -> None:

@@ -23,7 +23,7 @@ from .model_config import ModelConfig
 __all__ = ["read_gguf"]
 
 
-def _field(reader: Any, key: str, default: Any = None):
+def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
         return default
@@ -84,10 +84,10 @@ def read_gguf(path: str | os.PathLike, *, on_config: Callable[[ModelConfig], Non
         )
     pre = arch.name
 
-    def get(key: str, default: Any = None):
+    def get(key: str, default: Any = None) -> Any:
         return _field(reader, f"{pre}.{key}", default)
 
-    def need(key: str):
+    def need(key: str) -> Any:
         v = get(key)
         if v is None:
             raise ValueError(f"{p} lacks the metadata field {pre}.{key}; the file is incomplete")

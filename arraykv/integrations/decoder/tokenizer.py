@@ -113,7 +113,8 @@ class GGUFTokenizer:
         bad = [i for i in ids if not 0 <= i < n]
         if bad:
             raise ValueError(f"token ids must be in [0, {n}), received {bad[:5]}")
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        text: str = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
 
     def chat_prompt(self, user: str, *, system: str | None = None) -> str:
         """A chat prompt for one user message, without a Jinja dependency.
@@ -132,7 +133,7 @@ class GGUFTokenizer:
         return f"<|im_start|>system\n{sys_msg}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def _field(reader: Any, key: str, default: Any = None):
+def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
@@ -231,7 +232,7 @@ def _spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list:
     """
 
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id of a repeated piece
-    merges = []
+    merges: list[tuple[str, str]] = []
     add = merges.append
     for i in np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable").tolist():
         t = tokens[i]

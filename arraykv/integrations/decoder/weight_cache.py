@@ -122,7 +122,7 @@ def write(path: Path, ident: dict, meta: dict, arrays: Mapping[str, np.ndarray])
         if a.dtype.hasobject:
             raise TypeError(f"array {name!r} holds Python objects; only plain dtypes are cached")
         host[name] = a
-        crc = zlib.crc32(memoryview(a).cast("B")) if a.size else 0
+        crc = zlib.crc32(a.data.cast("B")) if a.size else 0
         entries.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape), "offset": offset, "crc": crc})
         offset += a.nbytes + _pad(a.nbytes)
     header = json.dumps({"identity": ident, "meta": meta, "arrays": entries, "data_bytes": offset}).encode()
@@ -138,7 +138,7 @@ def write(path: Path, ident: dict, meta: dict, arrays: Mapping[str, np.ndarray])
             f.write(header)
             f.write(b"\0" * (start - _PREFIX.size - len(header)))
             for a in host.values():
-                f.write(memoryview(a).cast("B") if a.size else b"")
+                f.write(a.data.cast("B") if a.size else b"")
                 f.write(b"\0" * _pad(a.nbytes))
             f.flush()
             os.fsync(f.fileno())
@@ -214,8 +214,8 @@ def read(path: Path, ident: dict, on_meta: Callable[[dict], None] | None = None)
             dt, shape = np.dtype(e["dtype"]), tuple(int(s) for s in e["shape"])
             nbytes = dt.itemsize * int(np.prod(shape, dtype=np.int64))
             lo = start + int(e["offset"])
-            raw = mm[lo : lo + nbytes] if nbytes else np.zeros(0, np.uint8)
-            if len(raw) != nbytes or (zlib.crc32(memoryview(raw).cast("B")) if nbytes else 0) != e["crc"]:
+            raw = mm[lo : lo + nbytes] if nbytes and mm is not None else np.zeros(0, np.uint8)
+            if len(raw) != nbytes or (zlib.crc32(raw.data.cast("B")) if nbytes else 0) != e["crc"]:
                 return None
             a = np.asarray(raw).view(dt).reshape(shape)
             arrays[str(e["name"])] = a

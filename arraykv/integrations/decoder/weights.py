@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
+from ..._types import Array
 from .architectures import architecture
 from .model_config import ModelConfig
 
@@ -24,6 +25,7 @@ __all__ = [
     "random_gguf_tensors",
     "tensor_shapes",
     "unpermute_qk",
+    "WeightLayout",
 ]
 
 #: Version of :func:`layout_gguf_tensors`' output: a change to it must change this number, since
@@ -87,7 +89,13 @@ class LayerWeights:
     post_ffn_norm: Any = None
 
 
-def layout_gguf_tensors(config: ModelConfig, tensors: dict, xp: Any) -> tuple:
+#: A model's laid-out weights, ``(layers, embedding, output_norm, lm_head)`` (``lm_head`` None
+#: for tied embeddings): the arguments of
+#: :class:`~arraykv.integrations.decoder.model.DecoderModel` after its config.
+WeightLayout: TypeAlias = tuple[list[LayerWeights], Array, Array, Array | None]
+
+
+def layout_gguf_tensors(config: ModelConfig, tensors: dict, xp: Any) -> WeightLayout:
     """Lay out dequantized GGUF tensors for fast decoding.
 
     Every matrix is stored transposed and contiguous, ``(in_features, out_features)``; Q, K and
@@ -115,13 +123,13 @@ def layout_gguf_tensors(config: ModelConfig, tensors: dict, xp: Any) -> tuple:
         A tensor is missing or the Q/K/V shapes disagree with ``config``.
     """
 
-    def get(name):
+    def get(name: str) -> Any:
         a = tensors.get(name)
         if a is None:
             raise ValueError(f"the model lacks tensor {name!r}; the GGUF file is incomplete or not a {c.arch} model")
         return a
 
-    def put(a):
+    def put(a: Any) -> Array:
         return xp.asarray(np.ascontiguousarray(a, dtype=np.float32))
 
     c = config
@@ -185,7 +193,7 @@ def layout_arrays(layers: list, embedding: Any, output_norm: Any, lm_head: Any) 
     return out
 
 
-def layout_from_arrays(config: ModelConfig, arrays: dict, xp: Any) -> tuple:
+def layout_from_arrays(config: ModelConfig, arrays: dict, xp: Any) -> WeightLayout:
     """The inverse of :func:`layout_arrays`: ``(layers, embedding, output_norm, lm_head)`` in namespace ``xp``.
 
     Parameters
@@ -207,7 +215,7 @@ def layout_from_arrays(config: ModelConfig, arrays: dict, xp: Any) -> tuple:
         An array a layer needs is missing.
     """
 
-    def put(name):
+    def put(name: str) -> Array:
         return xp.asarray(arrays[name])
 
     try:
