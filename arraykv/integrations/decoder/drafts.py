@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import _compat
+from ...protocol import DequantResult
 
 __all__ = [
     "Block",
@@ -118,15 +119,19 @@ class Block:
     """
 
     position: int
-    tokens: list
-    proposals: list = field(default_factory=list)
-    carries: list = field(default_factory=list)
+    tokens: list[int]
+    proposals: list[int] = field(default_factory=list)
+    carries: list[Any] = field(default_factory=list)
 
 
 class _StepDraft:
     """A draft that proposes one token per step, storing the one before it."""
 
     shares_cache = False
+
+    def step(self, token: int, position: int) -> tuple[int, Any]:
+        """Store ``token`` at ``position``; return (proposal, what the target continues from, or None)."""
+        raise NotImplementedError
 
     def propose(self, token: int, position: int, n: int, history: list) -> Block:
         """Store ``token`` and ``n - 1`` of its own proposals after it; ``n`` proposals in all."""
@@ -165,7 +170,9 @@ class LayerDraft(_StepDraft):
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
             raise ValueError(f"layers must be a positive integer, received {layers!r}")
         self.layers = layers
-        self.model = self.cache = None
+        #: The target and its cache, once bound.
+        self.model: Any = None
+        self.cache: Any = None
 
     def bind(self, model: Any, cache: Any, depth: int = 0) -> None:
         """Attach to the target ``model`` and its ``cache``."""
@@ -181,7 +188,7 @@ class LayerDraft(_StepDraft):
     def begin(self, prompt_ids: list) -> None:
         """Nothing to do after the prompt."""
 
-    def step(self, token: int, position: int) -> tuple:
+    def step(self, token: int, position: int) -> tuple[int, Any]:
         """Store ``token`` at ``position`` in the draft's layers; return (proposal, hidden state)."""
         m = self.model
         ids, _ = m._ids([[token]])
@@ -208,11 +215,13 @@ class _Tee:
         self.cache, self.other = cache, other
 
     def seq_len(self, layer: int) -> int:
-        return self.cache.seq_len(layer)
+        n: int = self.cache.seq_len(layer)
+        return n
 
-    def prefill(self, layer: int, k: Any, v: Any, q: Any):
+    def prefill(self, layer: int, k: Any, v: Any, q: Any) -> DequantResult:
         self.other.append(layer, k, v, q)
-        return self.cache.prefill(layer, k, v, q)
+        result: DequantResult = self.cache.prefill(layer, k, v, q)
+        return result
 
 
 class CacheDraft(_StepDraft):
@@ -240,7 +249,10 @@ class CacheDraft(_StepDraft):
         self.method = method if cache is None else getattr(cache, "method", type(cache).__name__)
         self.options = options
         self._model, self._cache = model, cache
-        self.model = self.cache = self.target = None
+        #: The draft model, its cache and the target, once bound.
+        self.model: Any = None
+        self.cache: Any = None
+        self.target: Any = None
 
     def bind(self, model: Any, cache: Any, depth: int = 0) -> None:
         """Attach to the target ``model``; build or check the draft's cache.
@@ -270,7 +282,7 @@ class CacheDraft(_StepDraft):
         if self.cache.seq_len(0) == 0:
             self.model.prefill(prompt_ids, self.cache, chunk_size=512, logits="last")
 
-    def step(self, token: int, position: int) -> tuple:
+    def step(self, token: int, position: int) -> tuple[int, Any]:
         """Decode ``token`` (at ``position``) with the draft; return (proposal, None)."""
         return argmax_rows(self.model.decode([token], self.cache)[None, :])[0], None
 
@@ -316,7 +328,7 @@ class NgramDraft:
         if min_ngram > max_ngram:
             raise ValueError(f"min_ngram ({min_ngram}) must not exceed max_ngram ({max_ngram})")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.target = None
+        self.target: Any = None
 
     def bind(self, model: Any, cache: Any, depth: int = 0) -> None:
         """Attach to the target ``model``."""

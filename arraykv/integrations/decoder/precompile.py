@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import subprocess
@@ -108,7 +109,9 @@ def kernel_key(config: ModelConfig, method: str) -> str:
         modification time.
     """
     import numba
-    from numba.core import config as nb_config
+
+    # its settings are module attributes set from the environment at import time, unknown to a type checker
+    nb_config = importlib.import_module("numba.core.config")
 
     c = config
     parts = {
@@ -125,7 +128,7 @@ def kernel_key(config: ModelConfig, method: str) -> str:
 
 
 def _host_cpu() -> str:
-    import llvmlite.binding as ll
+    ll = importlib.import_module("llvmlite.binding")  # llvmlite has no type information
 
     return f"{ll.get_host_cpu_name()}:{ll.get_host_cpu_features().flatten()}"
 

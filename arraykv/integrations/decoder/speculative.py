@@ -246,7 +246,7 @@ def _verify_beside_draft(
     """Verify ``block`` in a thread while drafting, here, the block after it (assuming all is accepted)."""
     box: dict = {}
 
-    def work():
+    def work() -> None:
         try:
             box["target"] = _verify(model, cache, draft, block, mode)
         except BaseException as exc:  # re-raised in the caller's thread
