@@ -28,7 +28,7 @@ def default_methods() -> list:
 DEFAULT_PROMPT = "Write one sentence about the sea."
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "demo",
         help="generate with SmolLM2-135M through a compressed cache and print a quality table",

@@ -13,6 +13,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 
 from .cli_args import fraction, nonnegative_int, positive_int
 from .cli_checks import UsageError, check_distinct, check_methods, check_output_file, refuse_with
@@ -28,7 +29,7 @@ NEEDLE_DEFAULTS = {"lengths": [2048, 4096, 8192], "depths": [0.1, 0.5, 0.9], "ha
 KL_DEFAULTS = {"prefix_lengths": [3840, 7936], "text": "book", "positions": 256}
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("longctx", help="needle retrieval and KL of cache methods at 2k-8k tokens", description=__doc__)
     add_arguments(p)
     p.set_defaults(run=run)
@@ -194,7 +195,7 @@ def check(args: argparse.Namespace) -> tuple:
     return methods, task, text, label, header
 
 
-def run(args: argparse.Namespace, *, out=print) -> int:
+def run(args: argparse.Namespace, *, out: Callable[[str], None] = print) -> int:
     """Run ``longctx`` with parsed ``args``; ``out`` prints a line."""
     from . import __version__, eval as ev
     from .cli_model import load_model_of
