@@ -24,6 +24,7 @@ from typing import Any
 
 from .. import _compat
 from .._types import Array
+from ..protocol import KV_CACHE, supports
 
 __all__ = ["ExactPrefill", "exact_prefill", "PREFILL_MODES"]
 
@@ -113,7 +114,7 @@ class ExactPrefill:
         """
         if self.layers is None:
             raise ValueError("this exact prefill kept no K/V/Q; run exact_prefill with record=True")
-        if not hasattr(cache, "prefill") or not hasattr(cache, "seq_len"):
+        if not supports(cache, KV_CACHE):
             raise TypeError(f"cache must be a CompressedKVCache, received {type(cache).__name__}")
         if cache.seq_len(0) != 0:
             raise ValueError("cache must be empty; call cache.reset() first")

@@ -18,6 +18,7 @@ import json
 import struct
 from typing import Any
 
+from ..protocol import SNAPSHOTS, supports
 from ..storage.cache_file import (
     FORMAT_VERSION,
     MAGIC,
@@ -62,7 +63,7 @@ def encode_cache(cache: Any, *, rollback_copies: bool = True) -> bytearray:
         The whole cache file: configuration and every layer's arrays, taken to host memory
         and written into one buffer (no file, no second copy).
     """
-    if not (hasattr(cache, "get_config") and hasattr(cache, "snapshot")):
+    if not supports(cache, SNAPSHOTS):
         raise TypeError(
             f"cache must be an arraykv cache (LayeredCache or HybridCache), received {type(cache).__name__}"
         )

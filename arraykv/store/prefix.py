@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from .._compat import namespace as _namespace
+from ..protocol import KV_CACHE, supports
 from ..storage.cache_file import FORMAT_VERSION
 from .backend import EntryError, StoreBackend, StoreError, guarded
 from .binding import Binding, Tenant, open_entry, seal_entry, secret_from
@@ -578,6 +579,6 @@ def _arraykv_version() -> str:
 
 
 def _length(cache: Any) -> int:
-    if not hasattr(cache, "seq_len"):
+    if not supports(cache, KV_CACHE):
         raise TypeError(f"cache must be a CompressedKVCache, received {type(cache).__name__}")
     return int(cache.seq_len(0))
