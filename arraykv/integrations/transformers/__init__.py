@@ -17,7 +17,7 @@ from ..common.optional import lazy_exports
 _EXPORTS = {
     "ArraykvCache": "cache",
     "ArraykvLayer": "cache",
-    "generate_with_store": "cache",
+    "generate_with_store": "prefix_store",
 }
 
 __all__ = sorted(_EXPORTS)

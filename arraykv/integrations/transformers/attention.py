@@ -39,7 +39,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
 __all__ = [
     "FUSED_NAME",
@@ -54,12 +54,43 @@ __all__ = [
 #: The prefix of the attention-implementation names the fused functions are registered under.
 FUSED_NAME = "arraykv_fused"
 
+#: What the model's attention function is: ``(attn_output, attention weights or None)`` back.
+AttentionFunction = Callable[..., tuple[Any, ...]]
+
+
+class _FusedOwner(Protocol):
+    """What the hooks and the fused function use of an ``ArraykvCache`` (which imports this module)."""
+
+    num_layers: int
+    head_dim: int
+    #: layer -> the hooked parts of its current call (``q``, ``pos``, ``head_dim``, ``rope``, ``heads_first``)
+    _q_parts: dict[int, dict[str, Any]]
+    #: layer -> the token ``update`` holds for the fused attention, and the key tensor it returned
+    _pending: dict[int, tuple[Any, Any, Any]]
+
+    def _claim(self, i: int, key: Any) -> tuple[Any, Any, Any] | None: ...
+
+    def _fused_step(
+        self,
+        module: Any,
+        pending: tuple[Any, Any, Any],
+        query: Any,
+        attention_mask: Any,
+        own: AttentionFunction,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, ...]: ...
+
+
+#: One attached cache in :data:`_SERVING`: its attachment's token and a weak reference to it.
+_Serving = tuple[object, weakref.ref[_FusedOwner]]
+
 #: Guards the registries below (re-entrant: a garbage collection may release an attachment
 #: while this thread holds it).
 _LOCK = threading.RLock()
 #: Attention module -> ((token, weak reference to the cache), ...) of the attached caches whose
 #: fused decode may serve it; replaced, never mutated, so readers need no lock.
-_SERVING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SERVING: weakref.WeakKeyDictionary[Any, tuple[_Serving, ...]] = weakref.WeakKeyDictionary()
 #: id(config) -> its switch (configs are not hashable).
 _SWITCHED: dict[int, _Switch] = {}
 #: fused name -> the implementation it serves for.
@@ -103,33 +134,38 @@ def register_fused_attention(base: str | None = "sdpa") -> str:
         AttentionInterface.register(name, _fused_for(base))
         masks = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
         if base in masks:
-            AttentionMaskInterface.register(name, masks[base])
+            # cast: mypy joins the mapping's differently typed mask functions into ``function``
+            AttentionMaskInterface.register(name, cast("Callable[..., Any]", masks[base]))
         _BASES[name] = base
     return name
 
 
-def _own_attention(base: str | None, module: Any) -> Callable:
+def _own_attention(base: str | None, module: Any) -> AttentionFunction:
     """The attention function the model calls for ``module`` under implementation ``base``."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    eager: AttentionFunction | None = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
-        from transformers.models.llama.modeling_llama import eager_attention_forward as eager
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        eager = eager_attention_forward
     if base is None:  # what get_interface(None, eager) answers, without its warning
         return eager
     return ALL_ATTENTION_FUNCTIONS.get_interface(base, eager)
 
 
 #: base -> its fused function (one per implementation, so that registering again is a no-op).
-_FUNCTIONS: dict = {}
+_FUNCTIONS: dict[str | None, AttentionFunction] = {}
 
 
-def _fused_for(base: str | None) -> Callable:
+def _fused_for(base: str | None) -> AttentionFunction:
     made = _FUNCTIONS.get(base)
     if made is not None:
         return made
 
-    def fused(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> tuple:
+    def fused(
+        module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any
+    ) -> tuple[Any, ...]:
         own = _own_attention(base, module)
         serving = [c for c in (ref() for _, ref in _SERVING.get(module, ())) if c is not None]
         for cache in serving:
@@ -153,7 +189,7 @@ def _fused_for(base: str | None) -> Callable:
 
 def fused_attention(
     module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any
-) -> tuple:
+) -> tuple[Any, ...]:
     """The attention of ``module`` for transformers: the arraykv cache's fused decode where a cache owns the call.
 
     The function registered for ``"sdpa"`` (the one for another implementation,
@@ -186,7 +222,7 @@ class _Switch:
         self.config = weakref.ref(config)
         self.original = original
         self.name = name
-        self.holders: set = set()
+        self.holders: set[object] = set()
 
 
 class Attachment:
@@ -206,9 +242,9 @@ class Attachment:
 
     def __init__(self) -> None:
         self.token = object()
-        self.hooks: list = []
-        self.modules: list = []  # weak references to the attention modules served
-        self.configs: list = []  # ids of the configs switched
+        self.hooks: list[Any] = []  # torch's RemovableHandle of each hook
+        self.modules: list[weakref.ref[Any]] = []  # weak references to the attention modules served
+        self.configs: list[int] = []  # ids of the configs switched
         self.hooked_layers = 0
         self.fused = False
 
@@ -244,7 +280,7 @@ class Attachment:
             self.hooked_layers = 0
 
 
-def attach(cache: Any, model: Any, *, fused: bool) -> Attachment:
+def attach(cache: _FusedOwner, model: Any, *, fused: bool) -> Attachment:
     """Hook ``model``'s attention modules for ``cache``, and switch them to the fused function if ``fused``.
 
     Parameters
@@ -295,7 +331,7 @@ def attach(cache: Any, model: Any, *, fused: bool) -> Attachment:
     return out
 
 
-def _hook_queries(cache: Any, model: Any, out: Attachment) -> list:
+def _hook_queries(cache: _FusedOwner, model: Any, out: Attachment) -> list[Any]:
     """Hook every attention module whose queries ``cache`` can rebuild; the modules hooked."""
     me = weakref.ref(cache)
     modules = []
@@ -334,11 +370,12 @@ def _hook_queries(cache: Any, model: Any, out: Attachment) -> list:
     return modules
 
 
-def _switch(cache: Any, modules: list, out: Attachment) -> None:
+def _switch(cache: _FusedOwner, modules: list[Any], out: Attachment) -> None:
     """Switch the configs of ``modules`` to the fused function and register ``cache`` as serving them."""
     configs = {}
     for module in modules:
         cfg = getattr(module, "config", None)
+        # a transformers config (PretrainedConfig) keeps the implementation in this attribute
         if cfg is None or not hasattr(cfg, "_attn_implementation_internal"):
             raise ValueError(
                 f"fused=True needs attention modules with a transformers config; {type(module).__name__} has none"
@@ -403,7 +440,7 @@ def _heads_first(x: Any) -> bool:
     """
     if getattr(x, "ndim", 0) != 4:
         return False
-    s1, s2 = x.stride(1), x.stride(2)
+    s1, s2 = int(x.stride(1)), int(x.stride(2))
     if s1 != s2:
         return s1 < s2
     return int(x.shape[2]) != 1 and int(x.shape[1]) == 1

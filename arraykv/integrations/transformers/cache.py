@@ -60,10 +60,12 @@ faster): that holds more memory than transformers' ``DynamicCache``, not less.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 
+from ...protocol import BATCH_ROWS, INCREMENTAL, TRANSACTIONS, TRUNCATION, KVTransaction, supports
 from ..common.optional import require
 
 try:
@@ -79,9 +81,8 @@ _transformers = require("transformers", "hf")
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402 - after the install hint
 
 from ..common.torch_tensors import float32_numpy, to_torch  # noqa: E402 - after the install hint
-from .prefix_store import generate_with_store  # noqa: E402 - after the install hint
 
-__all__ = ["ArraykvCache", "ArraykvLayer", "generate_with_store"]
+__all__ = ["ArraykvCache", "ArraykvLayer"]
 
 #: Why a layer of an ArraykvCache does not move its batch rows by itself.
 _WHOLE_CACHE = (
@@ -92,7 +93,7 @@ _WHOLE_CACHE = (
 _LOGIT_BIAS_PREFIXES = ("tq",)
 
 
-def _geometry(config: Any) -> tuple:
+def _geometry(config: Any) -> tuple[int, int, int, tuple[str, ...], int | None]:
     """``(num_layers, num_kv_heads, head_dim, layer_types, sliding_window)`` of a transformers
     decoder config, checked (``sliding_window`` None when no layer slides)."""
     if config is None:
@@ -353,7 +354,9 @@ class ArraykvCache(Cache):
         self.method = method
         self.incremental = incremental
         # layer -> (k, v, tokens, stable): the float32 past returned last (incremental mode only)
-        self._held: dict = {}
+        self._held: dict[int, tuple[np.ndarray, np.ndarray, int, int]] = {}
+        # the transaction of the forward under way, begun at layer 0's update (see update)
+        self._step_txn: KVTransaction | None = None
         self.hooked_layers = 0
         super().__init__(
             layers=[
@@ -362,10 +365,10 @@ class ArraykvCache(Cache):
             ]
         )
         # layer -> the attention module's captured q projection and (cos, sin) of its current call
-        self._q_parts: dict = {}
+        self._q_parts: dict[int, dict[str, Any]] = {}
         # layer -> the new token's (k, v) and the key tensor update returned, held for the fused
         # attention of this step (which claims it by that tensor)
-        self._pending: dict = {}
+        self._pending: dict[int, tuple[np.ndarray, np.ndarray, Any]] = {}
         self.fused = False
         if fused is None:  # the fast path wherever it is correct: with the model's attention modules
             fused = model is not None and not incremental
@@ -386,7 +389,7 @@ class ArraykvCache(Cache):
             self.fused = attachment.fused
 
     # -- fused decode attention (arraykv.integrations.transformers.attention) ----------------
-    def _claim(self, i: int, key: Any) -> tuple | None:
+    def _claim(self, i: int, key: Any) -> tuple[np.ndarray, np.ndarray, Any] | None:
         """The token held for layer ``i`` if this call's ``key`` is the tensor ``update`` returned
         for it (the call is this cache's), taken; else None."""
         pending = self._pending.get(i)
@@ -396,8 +399,15 @@ class ArraykvCache(Cache):
         return pending
 
     def _fused_step(
-        self, module: Any, pending: tuple, query: Any, attention_mask: Any, own: Any, args: tuple, kwargs: dict
-    ) -> tuple:
+        self,
+        module: Any,
+        pending: tuple[np.ndarray, np.ndarray, Any],
+        query: Any,
+        attention_mask: Any,
+        own: Callable[..., tuple[Any, ...]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, ...]:
         """Store the held token with the arraykv cache's ``decode`` and return the attention output.
 
         ``own`` is the model's own attention function, called with the model's ``args`` and
@@ -418,20 +428,20 @@ class ArraykvCache(Cache):
             if attention_mask is not None:
                 keep = int(attention_mask.shape[-1])  # the keys the mask covers (a sliding layer: its window)
             elif self.layer_types[i] == "sliding_attention":
-                keep = min(before, self.layers[i].sliding_window - 1) + 1
+                keep = min(before, self._window(i) - 1) + 1
             else:
                 keep = int(r.k.shape[2])
             kk, vv = to_torch(r.k[:, :, -keep:], query.dtype), to_torch(r.v[:, :, -keep:], query.dtype)
             return own(module, query, kk, vv, attention_mask, *args, **kwargs)
         scaling = kwargs.get("scaling")
         scale = float(scaling) if scaling is not None else self.head_dim**-0.5
-        r = cache.decode(i, k, v, q, AttendConfig(scale, int(q.shape[1]) // self.num_kv_heads))
+        decoded = cache.decode(i, k, v, q, AttendConfig(scale, int(q.shape[1]) // self.num_kv_heads))
         if self.incremental:
             self._held.pop(i, None)
-        if isinstance(r, Fused):
-            out = _torch.from_numpy(np.ascontiguousarray(r.output)).to(query.dtype)  # (b, heads, 1, d)
+        if isinstance(decoded, Fused):
+            out = _torch.from_numpy(np.ascontiguousarray(decoded.output)).to(query.dtype)  # (b, heads, 1, d)
             return out.transpose(1, 2).contiguous(), None
-        kk, vv = to_torch(r.result.k, query.dtype), to_torch(r.result.v, query.dtype)
+        kk, vv = to_torch(decoded.result.k, query.dtype), to_torch(decoded.result.v, query.dtype)
         return own(module, query, kk, vv, attention_mask, *args, **kwargs)
 
     def detach(self) -> None:
@@ -475,6 +485,13 @@ class ArraykvCache(Cache):
             )
         return q
 
+    def _window(self, i: int) -> int:
+        """The window of layer ``i``, a sliding one (its ``ArraykvLayer.sliding_window``)."""
+        window = cast(ArraykvLayer, self.layers[i]).sliding_window  # the layers are those __init__ made
+        if window is None:
+            raise ValueError(f"layer {i} is not a sliding-window layer")
+        return window
+
     # -- the work of one update ----------------------------------------------------------
     def _update(self, i: int, key_states: Any, value_states: Any) -> tuple:
         torch = _torch
@@ -507,26 +524,28 @@ class ArraykvCache(Cache):
         if self.layer_types[i] == "sliding_attention":  # what transformers' mask covers: the last window - 1
             before = cache.seq_len(i)
             r = cache.prefill(i, k, v, q)
-            keep = min(before, self.layers[i].sliding_window - 1) + int(k.shape[2])
+            keep = min(before, self._window(i) - 1) + int(k.shape[2])
             return to_torch(r.k[:, :, -keep:], dtype), to_torch(r.v[:, :, -keep:], dtype)
-        if prev is None or not hasattr(cache, "append"):
+        if prev is None or not supports(cache, INCREMENTAL):
             r = cache.prefill(i, k, v, q)
             kk, vv = r.k, r.v
             if self.incremental:
                 self._held[i] = (kk.copy(), vv.copy(), int(cache.seq_len(i)), 0)
-        else:
+        else:  # cache: narrowed to IncrementalKVCache (seq_len read through self.arraykv_cache)
             k_prev, v_prev, _, stable = prev
             cache.append(i, k, v, q)
             tail = cache.dequantize(i, stable)
+            if tail is None:  # None only for a layer holding nothing, which append just filled
+                raise RuntimeError(f"layer {i}: the cache holds no tokens after append")
             kk = np.concatenate([k_prev[:, :, :stable], tail.k], axis=2)
             vv = np.concatenate([v_prev[:, :, :stable], tail.v], axis=2)
-            self._held[i] = (kk, vv, int(cache.seq_len(i)), int(cache.stable_length(i)))
+            self._held[i] = (kk, vv, int(self.arraykv_cache.seq_len(i)), int(cache.stable_length(i)))
         return to_torch(kk, dtype), to_torch(vv, dtype)
 
     def _reset_layer(self, i: int) -> None:
         self._held.pop(i, None)
         if self.arraykv_cache.seq_len(i):
-            if hasattr(self.arraykv_cache, "truncate"):
+            if supports(self.arraykv_cache, TRUNCATION):
                 self.arraykv_cache.truncate(i, 0)
             else:
                 self.arraykv_cache.reset()
@@ -541,7 +560,7 @@ class ArraykvCache(Cache):
         if tokens_to_remove == 0 or n == 0:
             return
         target = max(0, n + tokens_to_remove)
-        if not hasattr(self.arraykv_cache, "truncate"):
+        if not supports(self.arraykv_cache, TRUNCATION):
             raise NotImplementedError(f"the {self.method!r} cache cannot drop tokens (no truncate)")
         if not self.arraykv_cache.can_truncate(i, target):
             raise NotImplementedError(
@@ -565,9 +584,8 @@ class ArraykvCache(Cache):
             )
         if layer_idx == 0:
             self._take_back_a_torn_step()
-            begin = getattr(self.arraykv_cache, "begin_transaction", None)
-            if self.hooked_layers == self.num_layers and callable(begin):
-                self._step_txn = begin()
+            if self.hooked_layers == self.num_layers and supports(self.arraykv_cache, TRANSACTIONS):
+                self._step_txn = self.arraykv_cache.begin_transaction()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -587,7 +605,7 @@ class ArraykvCache(Cache):
         (every layer hooked): the model's forward updates every layer, so layers at different
         lengths mean a failed one; a caller updating single layers by hand is left alone.
         """
-        txn, self._step_txn = getattr(self, "_step_txn", None), None
+        txn, self._step_txn = self._step_txn, None
         if txn is not None and not txn.open:
             txn = None  # ended by hand
         if self.hooked_layers != self.num_layers:
@@ -608,14 +626,21 @@ class ArraykvCache(Cache):
         self._q_parts.clear()
         if txn is not None:
             return
-        try:  # a cache without transactions: truncate the partial step away where it can
-            cache.truncate_all(min(lengths))
-        except (AttributeError, ValueError) as exc:
+        # a cache without transactions: truncate the partial step away where it can
+        why = None
+        if supports(cache, TRUNCATION):
+            try:
+                cache.truncate_all(min(lengths))
+            except ValueError as exc:
+                why = str(exc)
+        else:
+            why = "it has no truncate_all"
+        if why is not None:
             raise RuntimeError(
                 f"a failed forward left layers at lengths {sorted(set(lengths))} and the "
-                f"{self.method!r} cache cannot take the partial step back exactly ({exc}); "
+                f"{self.method!r} cache cannot take the partial step back exactly ({why}); "
                 "call cache.reset()"
-            ) from None
+            )
 
     # -- batch rows: beam search, num_return_sequences, contrastive search ---------------------
     def select_rows(self, indices: Any) -> None:
@@ -642,6 +667,8 @@ class ArraykvCache(Cache):
         cache = self.arraykv_cache
         if not any(cache.seq_len(i) for i in range(self.num_layers)):
             return
+        if not supports(cache, BATCH_ROWS):
+            raise NotImplementedError(f"the {self.method!r} cache cannot move batch rows (no select_rows)")
         cache.select_rows(rows)
         self._pending.clear()
         self._q_parts.clear()
@@ -672,6 +699,8 @@ class ArraykvCache(Cache):
         from ..._validation import check_int
 
         repeats = check_int("repeats", repeats, low=1)
+        if not supports(self.arraykv_cache, BATCH_ROWS):
+            raise NotImplementedError(f"the {self.method!r} cache cannot move batch rows (no batch_size)")
         batch = self.arraykv_cache.batch_size()
         if batch and repeats > 1:
             self.select_rows([r for r in range(batch) for _ in range(repeats)])
@@ -691,7 +720,7 @@ class ArraykvCache(Cache):
         self.arraykv_cache.reset()
         self._held.clear()
         for layer in self.layers:
-            layer.is_initialized = False
+            cast(ArraykvLayer, layer).is_initialized = False  # the layers are those __init__ made
 
     @property
     def is_compileable(self) -> bool:

@@ -133,9 +133,9 @@ def generate_with_store(model: Any, input_ids: Any, cache: Any, store: Any, **ge
     import transformers
 
     from ...store.prefix import as_prefix_store
+    from .cache import ArraykvCache
 
-    a_cache = isinstance(cache, transformers.cache_utils.Cache)  # (a bool: cache stays Any for the checks below)
-    if not a_cache or not hasattr(cache, "arraykv_cache"):
+    if not isinstance(cache, ArraykvCache):
         raise TypeError(f"cache must be an ArraykvCache, received {type(cache).__name__}")
     if cache.incremental:
         raise ValueError(
