@@ -21,7 +21,13 @@ with leading ``(b_n, h_n)`` axes), ``prepare(q, b, h, scale, args, state, sb, sh
 ``(sb, sh)`` of it for head ``(b, h)``), ``span(b, h, t_lo, t_hi, args, state, sb, sh, m, l,
 acc)``, ``finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out)`` and
 ``span_unit(args)`` (spans start at multiples of it), all ``@njit``; ``args`` is the kernel's
-tuple of arrays and scalars. :func:`build_steps` compiles the two step variants for it.
+:class:`typing.NamedTuple` of arrays and scalars, its fields read by name. :func:`build_steps`
+compiles the two step variants for it.
+
+A Python entry builds its named tuple and hands :func:`run_step` a :class:`Step`. The compiled
+steps take the fields as a plain tuple, in the order of the class (Numba converts a plain tuple
+of arrays to the explicit signatures' read-only, any-layout array types, never a named one),
+and make it the named tuple again before the kernel's functions see it.
 
 Compilation: a jitted function that receives other jitted functions as arguments, or closes over
 them, compiles per caller and is not cached on disk. :func:`build_steps` instead copies the
@@ -44,6 +50,7 @@ from __future__ import annotations
 import math
 import threading
 import types
+from typing import Any, NamedTuple
 
 import numba as nb
 import numpy as np
@@ -63,6 +70,8 @@ __all__ = [
     "tile_add_rows",
     "merge_top",
     "merge_splits",
+    "ScaledQueries",
+    "Step",
     "LazyStep",
     "build_steps",
     "plan",
@@ -260,20 +269,28 @@ def merge_splits(m_sp, l_sp, acc_sp, g, top, y):
     return den
 
 
+class ScaledQueries(NamedTuple):
+    """The query-side state of a kernel that needs only its scaled queries (:func:`alloc_queries`)."""
+
+    #: float32 (b_n, h_n, G, d): ``scale · q`` of the GQA group of each (batch, KV head) slot
+    qs: Any
+
+
 @nb.njit(inline="always")
 def alloc_queries(b_n, h_n, g_n, d, args):
     """``alloc_state`` of a kernel whose query-side state is the scaled queries of every slot."""
-    return (np.empty((b_n, h_n, g_n, d), np.float32),)
+    return ScaledQueries(np.empty((b_n, h_n, g_n, d), np.float32))
 
 
 @nb.njit(inline="always")
 def prepare_queries(q, b, h, scale, args, state, sb, sh):
     """``prepare`` of a kernel whose query-side state is the scaled queries (:func:`alloc_queries`)."""
-    scaled_queries(q, b, h, scale, state[0][sb, sh])
+    scaled_queries(q, b, h, scale, state.qs[sb, sh])
 
 
 def _step_serial(q, scale, n, h_n, args, splits, out):  # pragma: no cover - compiled per kernel
     """The whole step on the calling thread (``splits`` is ignored: one span per head)."""
+    args = Args(*args)  # noqa: F821 - the kernel's named tuple class (its own name: see _copy)
     b_n, qh, d = q.shape
     g_n = qh // h_n
     state = alloc_state(1, 1, g_n, d, args)  # noqa: F821 - the kernel module's
@@ -293,6 +310,7 @@ def _step_serial(q, scale, n, h_n, args, splits, out):  # pragma: no cover - com
 
 def _step_parallel(q, scale, n, h_n, args, splits, out):  # pragma: no cover - compiled per kernel
     """The step with each (batch, KV head)'s tokens cut into ``splits`` spans run on Numba's threads."""
+    args = Args(*args)  # noqa: F821
     b_n, qh, d = q.shape
     g_n = qh // h_n
     state = alloc_state(b_n, h_n, g_n, d, args)  # noqa: F821
@@ -325,9 +343,17 @@ def _step_parallel(q, scale, n, h_n, args, splits, out):  # pragma: no cover - c
             finish(q, b, h, scale, args, state, b, h, m[b, h], l[b, h], acc[b, h], out)  # noqa: F821
 
 
-def _copy(template, namespace: dict, name: str):
-    """``template`` as a function of the module whose globals are ``namespace``, named ``name``."""
-    code = template.__code__.replace(co_name=name, co_qualname=name, co_filename=namespace["__file__"])
+def _copy(template, namespace: dict, name: str, args_type: type):
+    """``template`` as a function of the module whose globals are ``namespace``, named ``name``.
+
+    The template's global ``Args`` becomes ``args_type``'s own name in that module: Numba's
+    parallel lowering rebuilds a named tuple inside a ``prange`` body by the name of the global
+    it was made from, spelt as its class's name.
+    """
+    if namespace.get(args_type.__name__) is not args_type:
+        raise ValueError(f"{args_type.__name__} is not a global of {namespace['__name__']}")
+    names = tuple(args_type.__name__ if n == "Args" else n for n in template.__code__.co_names)
+    code = template.__code__.replace(co_name=name, co_qualname=name, co_filename=namespace["__file__"], co_names=names)
     fn = types.FunctionType(code, namespace, name)
     fn.__module__ = namespace["__name__"]
     fn.__qualname__ = name
@@ -341,22 +367,25 @@ class LazyStep:
     Compiling every variant for every signature at import (as ``nb.njit(sigs)`` does) costs a
     process the parallel step and the unused parameter dtypes and head dims too, each a full
     compilation of the kernel's span loop; a first decode call needs one. ``pick(args)`` (a
-    Python function of the call's arguments, default: always 0) says which signature a call
+    Python function of the call's named tuple ``args``, default: always 0) says which signature a call
     takes; ``fns`` maps a head_dim (0: any other) to the step function compiled for it.
     Compiled code is cached on disk as before.
+
+    A call is ``step(q, scale, n, h_n, args, splits, out)`` with ``args`` the kernel's named tuple;
+    the compiled function receives its fields as a plain tuple (see the module notes).
     """
 
     def __init__(self, fns: dict, sigs, pick, opts):
         self._fns, self._sigs, self._pick, self._opts = fns, list(sigs), pick, opts
         self._disp: dict = {}
 
-    def __call__(self, *args):
-        d = args[0].shape[2]
+    def __call__(self, q, scale, n, h_n, args, splits, out):
+        d = q.shape[2]
         key = (d if d in self._fns else 0, self._pick(args) if self._pick is not None else 0)
         disp = self._disp.get(key)
         if disp is None:
             disp = self._compile(key)
-        return disp(*args)
+        return disp(q, scale, n, h_n, tuple(args), splits, out)
 
     def _compile(self, key):
         with _COMPILE_LOCK:
@@ -387,7 +416,7 @@ def _specialised(namespace: dict, dim: int) -> dict:
     return ns
 
 
-def build_steps(namespace: dict, sigs, pick=None, dims=()) -> tuple:
+def build_steps(namespace: dict, args_type: type, sigs, pick=None, dims=()) -> tuple:
     """``(step_serial, step_parallel)`` for the kernel module whose globals are ``namespace``.
 
     Parameters
@@ -395,10 +424,14 @@ def build_steps(namespace: dict, sigs, pick=None, dims=()) -> tuple:
     namespace : dict
         The kernel module's ``globals()``; it defines ``alloc_state``, ``prepare``, ``span``,
         ``finish`` and ``span_unit`` (see the module notes).
+    args_type : type
+        The kernel's :class:`typing.NamedTuple` class of ``args``, a global of the module under
+        its own name.
     sigs : list of numba signatures
-        ``void(q, scale, n, h_n, args, splits, out)`` for each argument type the kernel takes.
+        ``void(q, scale, n, h_n, args, splits, out)`` for each argument type the kernel takes,
+        ``args`` a plain ``Tuple`` of the types of ``args_type``'s fields, in their order.
     pick : callable or None
-        ``pick(step_args) -> int``: the index in ``sigs`` of a call's argument types (None: 0).
+        ``pick(args) -> int``: the index in ``sigs`` of a call's named tuple ``args`` (None: 0).
     dims : tuple of int
         Head dims that get steps of their own, compiled with the module global ``_D`` set to
         the dim (:func:`_specialised`); other dims run the steps of the module as it is.
@@ -411,14 +444,17 @@ def build_steps(namespace: dict, sigs, pick=None, dims=()) -> tuple:
     opts = dict(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
     spaces = {0: namespace, **{dim: _specialised(namespace, dim) for dim in dims}}
     serial = LazyStep(
-        {dim: _copy(_step_serial, ns, f"_step_serial_d{dim}" if dim else "_step_serial") for dim, ns in spaces.items()},
+        {
+            dim: _copy(_step_serial, ns, f"_step_serial_d{dim}" if dim else "_step_serial", args_type)
+            for dim, ns in spaces.items()
+        },
         sigs,
         pick,
         opts,
     )
     parallel = LazyStep(
         {
-            dim: _copy(_step_parallel, ns, f"_step_parallel_d{dim}" if dim else "_step_parallel")
+            dim: _copy(_step_parallel, ns, f"_step_parallel_d{dim}" if dim else "_step_parallel", args_type)
             for dim, ns in spaces.items()
         },
         sigs,
@@ -447,11 +483,25 @@ def split_count(bh: int, n: int, threads: int, min_span: int) -> int:
     return max(1, min(want, n // max(min_span, 1) or 1))
 
 
-def run_step(serial, parallel, threads: int, splits: int, work: int, args: tuple, out) -> None:
-    """Run one step: ``serial(*args, 1, out)`` on one thread or a single task, else ``parallel`` in a launch."""
-    q, h_n = args[0], args[3]
-    if threads == 1 or q.shape[0] * h_n * splits == 1:
-        serial(*args, 1, out)
+class Step(NamedTuple):
+    """The arguments of one step call besides its token splits and output (:func:`run_step`)."""
+
+    #: float32 (batch, q_heads, head_dim), C-contiguous: one query per head
+    q: Any
+    #: softmax scale
+    scale: float
+    #: tokens of the kernel's quantized part
+    n: int
+    #: KV heads
+    h_n: int
+    #: the kernel's named tuple of arrays and scalars
+    args: Any
+
+
+def run_step(serial, parallel, threads: int, splits: int, work: int, step: Step, out) -> None:
+    """Run one step: ``serial(*step, 1, out)`` on one thread or a single task, else ``parallel`` in a launch."""
+    if threads == 1 or step.q.shape[0] * step.h_n * splits == 1:
+        serial(*step, 1, out)
         return
     with launch(work):
-        parallel(*args, splits, out)
+        parallel(*step, splits, out)

@@ -35,6 +35,8 @@ time), for read-only arguments of any layout, when a call first needs them, and 
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numba as nb
 import numpy as np
 from numba import types as nbt
@@ -45,6 +47,7 @@ from .cpu_features import VECTOR_TILES
 from .fused_driver import (
     FASTMATH,
     TILE,
+    Step,
     alloc_queries,
     build_steps,
     merge_splits,
@@ -95,10 +98,41 @@ def _f32_impl(x, half):
     return lambda x, half: np.float32(x)
 
 
+class IntArgs(NamedTuple):
+    """The arrays and scalars of one step of the integer kernel (``args`` of its functions).
+
+    Scales and offsets are float16 (as ``uint16`` bit patterns) or float32, one dtype for all four.
+    """
+
+    #: tokens per key group ``G``
+    group_size: int
+    #: code width: 2, 4 or 8
+    bits: int
+    #: uint8 (b, h, n_groups, d, ceil(G · bits / 8)): key codes, one packed row per channel and group
+    k_codes: Any
+    #: (b, h, n_groups, d): key scales per group and channel
+    k_scale: Any
+    #: (b, h, n_groups, d): key offsets per group and channel
+    k_offset: Any
+    #: float32 (b, h, n_res, d), C-contiguous: exact keys after the last whole group
+    k_res: Any
+    #: uint8 (b, h, n_vq, ceil(d · bits / 8)): value codes, one packed row per token
+    v_codes: Any
+    #: (b, h, n_vq, d // G): value scales per token and channel group
+    v_scale: Any
+    #: (b, h, n_vq, d // G): value offsets per token and channel group
+    v_offset: Any
+    #: float32 (b, h, n_window, d), C-contiguous: exact values after the quantized ones
+    v_win: Any
+    #: uint64: byte -> codes as float32 words (:data:`_NIBBLES` for 4 bits, :data:`_QUADS` for 2)
+    table: Any
+    #: float32 (65536,): float16 bit pattern -> value (:data:`arraykv.ops.numba.half.HALF_TO_FLOAT`)
+    half: Any
+
+
 def _signature(param):
-    """``(q, scale, n, h_n, args, splits, out)`` with ``args`` = ``(G, bits, k_codes, k_scale, k_offset,
-    k_res, v_codes, v_scale, v_offset, v_win, table, half)``, float16 (``uint16``) or float32
-    scales and offsets."""
+    """``(q, scale, n, h_n, args, splits, out)`` with ``args`` the fields of :class:`IntArgs`, float16
+    (``uint16``) or float32 scales and offsets."""
     args = nbt.Tuple(
         (
             nbt.int64,
@@ -132,31 +166,24 @@ def _attend_span(
     t_lo,
     t_hi,
     qs,
-    G,
-    bits,
-    k_codes,
-    k_scale,
-    k_offset,
-    k_res,
-    v_codes,
-    v_scale,
-    v_offset,
-    v_win,
-    tab,
-    half,
+    args,
     m,
     l,
     acc,
 ):
     """Online softmax over tokens ``[t_lo, t_hi)`` of head ``(b, h)`` for every query head of its group.
 
-    ``qs`` (G_q, d) are the queries times the softmax scale; ``t_lo`` is a multiple of ``G``.
+    ``qs`` (G_q, d) are the queries times the softmax scale; ``args`` the step's
+    :class:`IntArgs`; ``t_lo`` is a multiple of ``G``.
     ``m``, ``l`` (G_q,) and ``acc`` (G_q, d) hold the running maximum logit, the sum of
     ``exp(logit − m)`` and ``Σ exp(logit − m) · v_t``; they are updated in place (a caller
     starts them at ``-inf``, ``0``, ``0``). Tokens below ``n_groups · G`` have quantized keys,
     the others are rows of ``k_res``; values likewise below ``v_codes.shape[2]``, then ``v_win``.
     ``tab`` is :data:`_NIBBLES` (4 bits) or :data:`_QUADS` (2 bits; 8 bits do not use it).
     """
+    G, bits, k_codes, k_scale, k_offset = args.group_size, args.bits, args.k_codes, args.k_scale, args.k_offset
+    k_res, v_codes, v_scale, v_offset, v_win = args.k_res, args.v_codes, args.v_scale, args.v_offset, args.v_win
+    tab, half = args.table, args.half
     g_n = qs.shape[0]
     d = _D if _D else qs.shape[1]
     n_groups = k_codes.shape[2]
@@ -400,37 +427,14 @@ def _finish_head(b, h, m_sp, l_sp, acc_sp, out):
             out[b, qi, j] *= inv
 
 
-# ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
-# args = (G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, v_win, tab, half)
+# ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver); args: IntArgs ----
 
 alloc_state, prepare = alloc_queries, prepare_queries  # the state: scaled queries per slot
 
 
 @nb.njit(inline="always")
 def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
-    G, bits, k_codes, k_scale, k_offset, k_res, v_codes, v_scale, v_offset, v_win, tab, half = args
-    _attend_span(
-        b,
-        h,
-        t_lo,
-        t_hi,
-        state[0][sb, sh],
-        G,
-        bits,
-        k_codes,
-        k_scale,
-        k_offset,
-        k_res,
-        v_codes,
-        v_scale,
-        v_offset,
-        v_win,
-        tab,
-        half,
-        m,
-        l,
-        acc,
-    )
+    _attend_span(b, h, t_lo, t_hi, state.qs[sb, sh], args, m, l, acc)
 
 
 @nb.njit(inline="always")
@@ -441,12 +445,12 @@ def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
 @nb.njit(inline="always")
 def span_unit(args):
     """Spans start at key-group boundaries."""
-    return args[0]
+    return args.group_size
 
 
 # signature 0: float16 scales and offsets (uint16 bit patterns), 1: float32
 _step_serial, _step_parallel = build_steps(
-    globals(), _SIGS, lambda step: int(step[4][3].dtype != np.uint16), dims=(64, 128)
+    globals(), IntArgs, _SIGS, lambda args: int(args.k_scale.dtype != np.uint16), dims=(64, 128)
 )
 
 
@@ -499,21 +503,21 @@ def int_decode_attention(codec, q, scale):
     out = np.empty((b, qh, d), np.float32)
     n_window = int(getattr(codec, "n_window", 0) or 0)
     v_win = np.ascontiguousarray(codec.v_window, np.float32) if n_window else np.zeros((b, h, 0, d), np.float32)
-    args = (
-        G,
-        bits,
-        codec.k_codes,
-        k_scale,
-        k_offset,
-        np.ascontiguousarray(codec.k_residual, dtype=np.float32),
-        codec.v_codes,
-        v_scale,
-        v_offset,
-        v_win,
-        _QUADS if bits == 2 else _NIBBLES,
-        HALF_TO_FLOAT,
+    args = IntArgs(
+        group_size=G,
+        bits=bits,
+        k_codes=codec.k_codes,
+        k_scale=k_scale,
+        k_offset=k_offset,
+        k_res=np.ascontiguousarray(codec.k_residual, dtype=np.float32),
+        v_codes=codec.v_codes,
+        v_scale=v_scale,
+        v_offset=v_offset,
+        v_win=v_win,
+        table=_QUADS if bits == 2 else _NIBBLES,
+        half=HALF_TO_FLOAT,
     )
-    step = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, h, args)
+    step = Step(np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, h, args)
     run_step(_step_serial, _step_parallel, threads, splits, b * h * n * d, step, out)
     out = out.reshape(b, qh, 1, d)
     return out if q.dtype == np.float32 else out.astype(q.dtype)

@@ -45,6 +45,8 @@ the result equals the reference to float32 rounding.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numba as nb
 import numpy as np
 from numba import types as nbt
@@ -56,6 +58,7 @@ from ...quant.lowrank import LowRankLayerCoefficients
 from .cpu_features import VECTOR_TILES
 from .fused_driver import (
     FASTMATH,
+    Step,
     build_steps,
     merge_splits,
     merge_top,
@@ -78,11 +81,56 @@ __all__ = ["lowrank_decode_attention", "TILE"]
 #: Measured (SmolLM2 shape, 490 and 4096 tokens): 256 beat 128 and 512 by 5–10 %.
 TILE = 256
 
+
+class LowRankArgs(NamedTuple):
+    """The arrays of one step of the low-rank kernel (``args`` of its functions).
+
+    Each coefficient or kept-token array comes twice, as ``uint16`` bit patterns of float16
+    (``…16``) and as float32 (``…32``), one of the two empty (shape ``(0, 0, 0, 0)``).
+    """
+
+    #: (b, h, T, r_k): key coefficients as float16 bit patterns
+    k_coef16: Any
+    #: (b, h, T, r_k): key coefficients as float32
+    k_coef32: Any
+    #: float32 (h, d, r_k), C-contiguous: key bases
+    k_basis: Any
+    #: float32 (h, d), C-contiguous: key means
+    k_mean: Any
+    #: (b, h, T, r_v): value coefficients as float16 bit patterns
+    v_coef16: Any
+    #: (b, h, T, r_v): value coefficients as float32
+    v_coef32: Any
+    #: float32 (h, d, r_v), C-contiguous: value bases
+    v_basis: Any
+    #: float32 (h, d), C-contiguous: value means
+    v_mean: Any
+    #: (b, h, E, d): kept keys as float16 bit patterns
+    k_extra16: Any
+    #: (b, h, E, d): kept keys as float32
+    k_extra32: Any
+    #: (b, h, E, d): kept values as float16 bit patterns
+    v_extra16: Any
+    #: (b, h, E, d): kept values as float32
+    v_extra32: Any
+    #: float32 (65536,): float16 bit pattern -> value (:data:`arraykv.ops.numba.half.HALF_TO_FLOAT`)
+    half: Any
+
+
+class LowRankState(NamedTuple):
+    """The query-side state of the step, per (batch, KV head) slot (:func:`_prepare_head`)."""
+
+    #: float32 (b_n, h_n, G, d): the scaled queries
+    qs: Any
+    #: float32 (b_n, h_n, G, r_k): the scaled queries projected on the key basis
+    qt: Any
+    #: float32 (b_n, h_n, G): the scaled queries' products with the key mean
+    bias: Any
+
+
 _U16_4, _F32_4 = ro(nbt.uint16, 4), ro(nbt.float32, 4)
 _F32_3C, _F32_2C, _F32_1C = ro(nbt.float32, 3, "C"), ro(nbt.float32, 2, "C"), ro(nbt.float32, 1, "C")
-#: ``(q, scale, n, h_n, args, splits, out)`` with ``args`` = ``(k16, k32, k_basis, k_mean, v16, v32, v_basis,
-#: v_mean, ke16, ke32, ve16, ve32, table)``: each coefficient or kept-token array twice, as uint16 bit
-#: patterns of float16 and as float32, one of the two empty.
+#: ``(q, scale, n, h_n, args, splits, out)`` with ``args`` the fields of :class:`LowRankArgs`.
 _SIG = nbt.void(
     _F32_3C,
     nbt.float64,
@@ -229,14 +277,15 @@ def _add_rows(w, x, n, r, acc):
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _attend_span(b, h, t_lo, t_hi, qt, bias, k16, k32, v16, v32, table, m, l, acc):
+def _attend_span(b, h, t_lo, t_hi, qt, bias, args, m, l, acc):
     """Online softmax over coded tokens ``[t_lo, t_hi)`` of head ``(b, h)`` for every query head of its group.
 
     ``qt`` (G, r_k) are the projected scaled queries and ``bias`` (G,) their products with the
-    key mean. ``m``, ``l`` (G,) and ``acc`` (G, d) hold the running maximum logit, the sum of
-    ``exp(logit − m)`` and, in ``acc[:, :r_v]``, ``Σ exp(logit − m) · e_t``; a caller starts
-    them at ``-inf``, ``0``, ``0``.
+    key mean; ``args`` the step's :class:`LowRankArgs`. ``m``, ``l`` (G,) and ``acc`` (G, d)
+    hold the running maximum logit, the sum of ``exp(logit − m)`` and, in ``acc[:, :r_v]``,
+    ``Σ exp(logit − m) · e_t``; a caller starts them at ``-inf``, ``0``, ``0``.
     """
+    k16, k32, v16, v32, table = args.k_coef16, args.k_coef32, args.v_coef16, args.v_coef32, args.half
     g_n = qt.shape[0]
     rk = qt.shape[1]
     rv = v16.shape[3] if v16.shape[0] else v32.shape[3]
@@ -284,12 +333,14 @@ def _prepare_head(q, b, h, scale, k_basis, k_mean, qs, qt, bias):
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _finish_head(b, h, n, qs, m_sp, l_sp, acc_sp, v_basis, v_mean, ke16, ke32, ve16, ve32, table, out):
+def _finish_head(b, h, n, qs, m_sp, l_sp, acc_sp, args, out):
     """Merge the token splits of head ``(b, h)`` (log-sum-exp), lift the value sum, add the kept tokens, write ``out``.
 
     The merged coded tokens are the starting state (maximum, sum, value sum ``B_V w + (Σ p) μ_V``)
     of an online softmax that then takes the kept tokens in tiles, like the coded ones.
     """
+    v_basis, v_mean, table = args.v_basis, args.v_mean, args.half
+    ke16, ke32, ve16, ve32 = args.k_extra16, args.k_extra32, args.v_extra16, args.v_extra32
     g_n, dd = acc_sp.shape[1], acc_sp.shape[2]
     d = _D if _D else dd
     e_n = ke16.shape[2] if ke16.shape[0] else ke32.shape[2]
@@ -332,14 +383,13 @@ def _finish_head(b, h, n, qs, m_sp, l_sp, acc_sp, v_basis, v_mean, ke16, ke32, v
             out[b, h * g_n + g, c] = o[g, c] * inv
 
 
-# ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
-# args = (k16, k32, k_basis, k_mean, v16, v32, v_basis, v_mean, ke16, ke32, ve16, ve32, table)
+# ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver); args: LowRankArgs
 
 
 @nb.njit(inline="always")
 def alloc_state(b_n, h_n, g_n, d, args):
-    rk = args[2].shape[2]
-    return (
+    rk = args.k_basis.shape[2]
+    return LowRankState(
         np.empty((b_n, h_n, g_n, d), np.float32),
         np.empty((b_n, h_n, g_n, rk), np.float32),
         np.zeros((b_n, h_n, g_n), np.float32),
@@ -348,36 +398,18 @@ def alloc_state(b_n, h_n, g_n, d, args):
 
 @nb.njit(inline="always")
 def prepare(q, b, h, scale, args, state, sb, sh):
-    _prepare_head(q, b, h, scale, args[2], args[3], state[0][sb, sh], state[1][sb, sh], state[2][sb, sh])
+    _prepare_head(q, b, h, scale, args.k_basis, args.k_mean, state.qs[sb, sh], state.qt[sb, sh], state.bias[sb, sh])
 
 
 @nb.njit(inline="always")
 def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
-    _attend_span(
-        b, h, t_lo, t_hi, state[1][sb, sh], state[2][sb, sh], args[0], args[1], args[4], args[5], args[12], m, l, acc
-    )
+    _attend_span(b, h, t_lo, t_hi, state.qt[sb, sh], state.bias[sb, sh], args, m, l, acc)
 
 
 @nb.njit(inline="always")
 def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
-    n = args[0].shape[2] if args[0].shape[0] else args[1].shape[2]
-    _finish_head(
-        b,
-        h,
-        n,
-        state[0][sb, sh],
-        m_sp,
-        l_sp,
-        acc_sp,
-        args[6],
-        args[7],
-        args[8],
-        args[9],
-        args[10],
-        args[11],
-        args[12],
-        out,
-    )
+    n = args.k_coef16.shape[2] if args.k_coef16.shape[0] else args.k_coef32.shape[2]
+    _finish_head(b, h, n, state.qs[sb, sh], m_sp, l_sp, acc_sp, args, out)
 
 
 @nb.njit(inline="always")
@@ -385,7 +417,7 @@ def span_unit(args):
     return 1
 
 
-_step_serial, _step_parallel = build_steps(globals(), [_SIG], dims=(64, 128))
+_step_serial, _step_parallel = build_steps(globals(), LowRankArgs, [_SIG], dims=(64, 128))
 
 _NO_U16_4 = np.zeros((0, 0, 0, 0), np.uint16)
 _NO_F32_4 = np.zeros((0, 0, 0, 0), np.float32)
@@ -454,8 +486,8 @@ def lowrank_decode_attention(q, layer_coefficients: LowRankLayerCoefficients, k_
     hq = h * g
     threads, splits = _plan(b * h, n, rk + rv)
     out = np.empty((b, hq, d), np.float32)
-    args = (k16, k32, kb, km, v16, v32, vb, vm, ke16, ke32, ve16, ve32, HALF_TO_FLOAT)
-    step = (np.ascontiguousarray(q.reshape(b, hq, d), dtype=np.float32), float(softmax_scale), n, h, args)
+    args = LowRankArgs(k16, k32, kb, km, v16, v32, vb, vm, ke16, ke32, ve16, ve32, HALF_TO_FLOAT)
+    step = Step(np.ascontiguousarray(q.reshape(b, hq, d), dtype=np.float32), float(softmax_scale), n, h, args)
     run_step(_step_serial, _step_parallel, threads, splits, b * h * n * (rk + rv), step, out)
     out = out.reshape(b, hq, 1, d)
     return out if q.dtype == np.float32 else out.astype(q.dtype)

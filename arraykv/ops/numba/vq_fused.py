@@ -51,6 +51,7 @@ array-API checks, which only run to report an error or for other arrays.
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import numba as nb
 import numpy as np
@@ -62,6 +63,7 @@ from .cpu_features import VECTOR_TILES
 from .fused_driver import (
     FASTMATH,
     TILE,
+    Step,
     alloc_queries,
     build_steps,
     merge_splits,
@@ -91,15 +93,36 @@ RESCALE_SLACK = 16.0
 LANE_TILE = 512
 #: Code rows prefetched ahead of the rows being read by the lanes path (one tile: the codes stream from memory).
 LANE_AHEAD = LANE_TILE
-#: ``args[1]`` of a call off the lanes path: centroid rows read directly, or ADC tables (None: the lanes path).
+#: ``args.path`` of a call off the lanes path: centroid rows read directly, or ADC tables (None: the lanes path).
 DIRECT, TABLES = 0, 1
 
 
+class VQArgs(NamedTuple):
+    """The arrays and scalars of one step of the VQ kernel (``args`` of its functions)."""
+
+    #: bits per code, 1 to 16
+    bits: int
+    #: :data:`TABLES` or :data:`DIRECT`; None on the lanes path (a step of its own, so that a call
+    #: compiles only the path it takes)
+    path: int | None
+    #: uint8 (b, h, T, ceil(m · bits / 8)) packed codes or uint16 (b, h, T, m): key codes
+    k_codes: Any
+    #: float32 (h, m, K, s), C-contiguous: key codebooks
+    k_cent: Any
+    #: value codes, as ``k_codes``
+    v_codes: Any
+    #: float32 (h, m, K_v, s), C-contiguous: value codebooks
+    v_cent: Any
+    #: float32, or float16 as ``uint16`` bit patterns, (b, h, E, d), C-contiguous: dense keys
+    k_extra: Any
+    #: dense values, as ``k_extra``
+    v_extra: Any
+
+
 def _signature(code, extra, lanes=False):
-    """``(q, scale, n, h_n, args, splits, out)``, ``args`` = ``(bits, path, k_codes, k_cent, v_codes, v_cent,
-    k_extra, v_extra)`` with uint8 (packed) or uint16 codes and float32 or float16 (``uint16`` bit
-    patterns) dense tokens; ``path`` is None on the lanes path (a step of its own, so that a call
-    compiles only the path it takes), else :data:`TABLES` or :data:`DIRECT`."""
+    """``(q, scale, n, h_n, args, splits, out)``, ``args`` the fields of :class:`VQArgs` with uint8
+    (packed) or uint16 codes and float32 or float16 (``uint16`` bit patterns) dense tokens;
+    ``path`` None (the lanes path) or an int."""
     ex = ro(extra, 4, "C")
     args = nbt.Tuple(
         (
@@ -125,23 +148,25 @@ _SIGS = [_signature(code, extra) for code in (nbt.uint8, nbt.uint16) for extra i
 ]
 
 
-def _pick(step) -> int:
-    """The index in :data:`_SIGS` of a step's arguments."""
-    args = step[4]
-    half = int(args[6].dtype == np.uint16)
-    if args[1] is None:
+def _pick(args: VQArgs) -> int:
+    """The index in :data:`_SIGS` of a step's :class:`VQArgs`."""
+    half = int(args.k_extra.dtype == np.uint16)
+    if args.path is None:
         return 4 + half
-    return 2 * int(args[2].dtype != np.uint8) + half
+    return 2 * int(args.k_codes.dtype != np.uint8) + half
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v_cent, mref, l, acc):
+def _attend_span(b, h, t_lo, t_hi, qs, args, mref, l, acc):
     """Online softmax over coded tokens ``[t_lo, t_hi)`` of head ``(b, h)`` for every query head of its group.
 
-    ``qs`` (G, d) are the queries times the softmax scale. ``mref``, ``l`` (G,) and ``acc``
-    (G, d) hold the reference maximum logit, ``Σ exp(logit − mref)`` and
-    ``Σ exp(logit − mref) · v_t``; a caller starts them at ``-inf``, ``0``, ``0``.
+    ``qs`` (G, d) are the queries times the softmax scale, ``args`` the step's :class:`VQArgs`
+    (``path`` :data:`TABLES` or :data:`DIRECT`). ``mref``, ``l`` (G,) and ``acc`` (G, d) hold
+    the reference maximum logit, ``Σ exp(logit − mref)`` and ``Σ exp(logit − mref) · v_t``; a
+    caller starts them at ``-inf``, ``0``, ``0``.
     """
+    bits, tables = args.bits, args.path == TABLES
+    k_codes, k_cent, v_codes, v_cent = args.k_codes, args.k_cent, args.v_codes, args.v_cent
     g_n, d = qs.shape
     m = k_cent.shape[1]
     kk = k_cent.shape[2]
@@ -291,7 +316,7 @@ def _attend_span(b, h, t_lo, t_hi, qs, bits, tables, k_codes, k_cent, v_codes, v
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _attend_lanes(b, h, t_lo, t_hi, qs, k_codes, k_cent, v_codes, v_cent, mref, l, acc):
+def _attend_lanes(b, h, t_lo, t_hi, qs, args, mref, l, acc):
     """:func:`_attend_span` for 4-bit codes of codebooks of at most 16 entries, sixteen tokens along the vector lanes.
 
     Every sub-space's 16-entry ADC table (``LUT[g, j]``, one per query head) and every
@@ -303,6 +328,7 @@ def _attend_lanes(b, h, t_lo, t_hi, qs, k_codes, k_cent, v_codes, v_cent, mref, 
     reads codes ``>= K`` as ``K - 1``. The online softmax of a tile is
     :func:`~arraykv.ops.numba.ir_softmax.softmax_rows` (the reference maximum is the running maximum).
     """
+    k_codes, k_cent, v_codes, v_cent = args.k_codes, args.k_cent, args.v_codes, args.v_cent
     g_n, d = qs.shape
     kk = k_cent.shape[2]
     kv = v_cent.shape[2]
@@ -403,37 +429,31 @@ def _finish_head(b, h, qs, m_sp, l_sp, acc_sp, k_extra, v_extra, out):
             o[c] *= inv
 
 
-# ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
-# args = (bits, path, k_codes, k_cent, v_codes, v_cent, k_extra, v_extra), path None on the lanes path
+# ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver); args: VQArgs -----
 
 alloc_state, prepare = alloc_queries, prepare_queries  # the state: scaled queries per slot
 
 
-def _span_path(b, h, t_lo, t_hi, qs, bits, path, k_codes, k_cent, v_codes, v_cent, m, l, acc):  # pragma: no cover
+def _span_path(b, h, t_lo, t_hi, qs, args, m, l, acc):  # pragma: no cover
     raise NotImplementedError  # replaced in compiled code by the overload below
 
 
 @overload(_span_path, inline="always")
-def _span_path_impl(b, h, t_lo, t_hi, qs, bits, path, k_codes, k_cent, v_codes, v_cent, m, l, acc):
-    """:func:`_attend_lanes` when ``path`` is None, else :func:`_attend_span` (chosen at compile time)."""
-    if isinstance(path, nbt.NoneType):
-        return lambda b, h, t_lo, t_hi, qs, bits, path, k_codes, k_cent, v_codes, v_cent, m, l, acc: _attend_lanes(
-            b, h, t_lo, t_hi, qs, k_codes, k_cent, v_codes, v_cent, m, l, acc
-        )
-    return lambda b, h, t_lo, t_hi, qs, bits, path, k_codes, k_cent, v_codes, v_cent, m, l, acc: _attend_span(
-        b, h, t_lo, t_hi, qs, bits, path == TABLES, k_codes, k_cent, v_codes, v_cent, m, l, acc
-    )
+def _span_path_impl(b, h, t_lo, t_hi, qs, args, m, l, acc):
+    """:func:`_attend_lanes` when ``args.path`` is None, else :func:`_attend_span` (chosen at compile time)."""
+    if isinstance(dict(zip(args.fields, args.types))["path"], nbt.NoneType):
+        return lambda b, h, t_lo, t_hi, qs, args, m, l, acc: _attend_lanes(b, h, t_lo, t_hi, qs, args, m, l, acc)
+    return lambda b, h, t_lo, t_hi, qs, args, m, l, acc: _attend_span(b, h, t_lo, t_hi, qs, args, m, l, acc)
 
 
 @nb.njit(inline="always")
 def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
-    bits, path, k_codes, k_cent, v_codes, v_cent, _, _ = args
-    _span_path(b, h, t_lo, t_hi, state[0][sb, sh], bits, path, k_codes, k_cent, v_codes, v_cent, m, l, acc)
+    _span_path(b, h, t_lo, t_hi, state.qs[sb, sh], args, m, l, acc)
 
 
 @nb.njit(inline="always")
 def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
-    _finish_head(b, h, state[0][sb, sh], m_sp, l_sp, acc_sp, args[6], args[7], out)
+    _finish_head(b, h, state.qs[sb, sh], m_sp, l_sp, acc_sp, args.k_extra, args.v_extra, out)
 
 
 @nb.njit(inline="always")
@@ -441,7 +461,7 @@ def span_unit(args):
     return 1
 
 
-_step_serial, _step_parallel = build_steps(globals(), _SIGS, _pick)
+_step_serial, _step_parallel = build_steps(globals(), VQArgs, _SIGS, _pick)
 
 
 def _use_tables(kk: int, kv: int, sub_dim: int, span: int) -> bool:
@@ -654,6 +674,6 @@ def decode_attention_mode(q, layer_codes: VQLayerCodes, k_extra, v_extra, *, sof
         path = None
     else:
         path = TABLES if mode == "tables" else DIRECT
-    args = (q32, float(softmax_scale), t, h, (bits, path, k_codes, kc, v_codes, vc, ke, ve))
-    run_step(_step_serial, _step_parallel, threads, splits, work, args, out)
+    args = VQArgs(bits=bits, path=path, k_codes=k_codes, k_cent=kc, v_codes=v_codes, v_cent=vc, k_extra=ke, v_extra=ve)
+    run_step(_step_serial, _step_parallel, threads, splits, work, Step(q32, float(softmax_scale), t, h, args), out)
     return out

@@ -39,13 +39,14 @@ first needs them, with head_dim fixed for 64 and 128 (its loops then unroll into
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import numba as nb
 import numpy as np
 from numba import types as nbt
 
 from ..cpu_features import VECTOR_TILES
-from ..fused_driver import FASTMATH, TILE, build_steps, plan, ro, run_step, softmax_tile, tile_add_rows, tile_dots
+from ..fused_driver import FASTMATH, TILE, Step, build_steps, plan, ro, run_step, softmax_tile, tile_add_rows, tile_dots
 from ..half import HALF_TO_FLOAT
 from ..ir_codes import tile_scores_codes_2, tile_scores_codes_4, tile_values_codes_2, tile_values_codes_4
 from ..ir_softmax import softmax_rows, softmax_rows_affine
@@ -69,14 +70,109 @@ from .rows import (
     unpack_rows,
 )
 
-__all__ = ["polar_decode_attention", "TILE", "HALF_TO_FLOAT"]
+__all__ = ["polar_decode_attention", "PolarArgs", "TILE", "HALF_TO_FLOAT"]
+
+
+class PolarArgs(NamedTuple):
+    """The arrays and scalars of one step of the PolarQuant/TurboQuant kernel (``args`` of its functions).
+
+    float16 arrays are read as their ``uint16`` bit patterns (:func:`~arraykv.ops.numba.polar.rows.bits16`);
+    an absent array is an empty one of the same number of axes.
+    """
+
+    #: uint8 (b, h, T, bytes per row), rows contiguous: packed key codes
+    k_codes: Any
+    #: float16 bits (b, h, T): key lengths
+    k_norms: Any
+    #: float32, C-contiguous: key centroids (one per code)
+    k_cent: Any
+    #: uint64, C-contiguous: byte-chunk table of the key centroids (:func:`~arraykv.ops.numba.polar.rows.fixed_args`)
+    k_table: Any
+    #: bits per key code
+    k_bits: int
+    #: uint8 (b, h, T, bytes per row), rows contiguous: packed value codes
+    v_codes: Any
+    #: float16 bits (b, h, T): value lengths
+    v_norms: Any
+    #: float32, C-contiguous: value centroids (one per code)
+    v_cent: Any
+    #: uint64, C-contiguous: byte-chunk table of the value centroids
+    v_table: Any
+    #: bits per value code
+    v_bits: int
+    #: float16 bits (b, h, d): key channel weights (empty: ones)
+    k_scale: Any
+    #: float16 bits (b, h, d): key mean (at position 0 for a rotating mean; empty: zeros)
+    k_mean: Any
+    #: float16 bits (b, h, d): value mean (empty: zeros)
+    v_mean: Any
+    #: int32 (b, h, n_out): the key channels kept exactly, ascending
+    k_idx: Any
+    #: float16 bits (b, h, T, n_out): their exact values
+    k_outliers: Any
+    #: float32 (d,), C-contiguous: the signs of the Walsh–Hadamard rotation (empty: dense ``rot``)
+    signs: Any
+    #: float32 (d, d), C-contiguous: the dense rotation (empty: Walsh–Hadamard with ``signs``)
+    rot: Any
+    #: float32 (d, m), C-contiguous: the transposed QJL sketch (m = 0: no QJL)
+    sketch_t: Any
+    #: uint64, C-contiguous: byte-chunk table of ``(-1, 1)``, for the QJL sign bits
+    sign_table: Any
+    #: uint8 (b, h, T, m / 8), rows contiguous: QJL sign bits
+    k_qjl: Any
+    #: float16 bits (b, h, T): QJL residual lengths
+    k_qjl_norms: Any
+    #: float32 (b, h, d // 2): angular frequency of each channel pair of a rotating key mean
+    rm_freq: Any
+    #: int32 (d // 2, 2): the channels of each pair (0 rows: no rotating mean)
+    rm_pairs: Any
+    #: position of quantized token 0 (the sink tokens come first)
+    pos0: int
+    #: exact tokens in the float16 window (sinks and recent tokens)
+    n_window: int
+    #: float16 bits (b, h, n_window, d): the window's keys
+    k_window: Any
+    #: float16 bits (b, h, n_window, d): the window's values
+    v_window: Any
+    #: float32 (65536,): float16 bit pattern -> value (:data:`HALF_TO_FLOAT`)
+    half: Any
+
+
+class PolarState(NamedTuple):
+    """The query-side state of the step, per (batch, KV head) slot (leading axes ``(b_n, h_n)``)."""
+
+    #: float32 (G, d): rotated scaled queries (planar order where the key codes are read so)
+    qr: Any
+    #: float32 (G, n_out): scaled queries at the outlier channels
+    qout: Any
+    #: float32 (G,): ``q·k_mean`` of each query head
+    qconst: Any
+    #: float32 (G, m): QJL sketch of the queries
+    sq: Any
+    #: float32 (G, n_p): cosine coefficients of the rotating mean's turning pairs
+    ra: Any
+    #: float32 (G, n_p): sine coefficients
+    rb: Any
+    #: float64 (n_p,): angular frequencies of the turning pairs
+    rw: Any
+    #: float32 (TILE, n_p): cosines of the phase advance within a tile
+    ct: Any
+    #: float32 (TILE, n_p): sines of the phase advance within a tile
+    st: Any
+    #: float64 (n_p, 2): the phase advance of one whole tile (cos, sin)
+    step: Any
+    #: int64: turning pairs in use (:func:`prepare_rotating`)
+    n_js: Any
+    #: float32 (d,): scratch row (not per slot)
+    x: Any
+
 
 _U8_4, _U16_3, _U16_4, _I32_3 = ro(nbt.uint8, 4), ro(nbt.uint16, 3), ro(nbt.uint16, 4), ro(nbt.int32, 3)
 _F32_1C, _F32_2C = ro(nbt.float32, 1, "C"), ro(nbt.float32, 2, "C")
 _Q = ro(nbt.float32, 3, "C")
 _OUT = nbt.Array(nbt.float32, 3, "C")
 _TAB = ro(nbt.uint64, 1, "C")
-#: (q, scale, n, h_n, args, splits, out), args as in the kernel's part of the step below
+#: (q, scale, n, h_n, args, splits, out), args the fields of :class:`PolarArgs`
 _ARGS = nbt.Tuple(
     (
         _U8_4,
@@ -117,45 +213,11 @@ _D = 0
 
 
 @nb.njit(fastmath=FASTMATH, error_model="numpy")
-def _attend_span(
-    b,
-    h,
-    t_lo,
-    t_hi,
-    qr,
-    qout,
-    qconst,
-    sq,
-    k_codes,
-    k_norms,
-    k_cent,
-    k_table,
-    k_bits,
-    v_codes,
-    v_norms,
-    v_cent,
-    v_table,
-    v_bits,
-    k_outliers,
-    k_qjl,
-    k_qjl_norms,
-    sign_table,
-    half,
-    n_j,
-    ra,
-    rb,
-    rw,
-    ct,
-    st,
-    step,
-    pos0,
-    m,
-    l,
-    acc,
-):
+def _attend_span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
     """Online softmax over quantized tokens ``[t_lo, t_hi)`` of head ``(b, h)``, every query head.
 
-    ``m``, ``l`` (G,) and ``acc`` (G, d) hold the running maximum logit, the sum of
+    ``args`` is the step's :class:`PolarArgs`, ``state`` its :class:`PolarState` (slot ``(sb, sh)``
+    is head ``(b, h)``'s). ``m``, ``l`` (G,) and ``acc`` (G, d) hold the running maximum logit, the sum of
     ``exp(logit − m)`` and ``Σ exp(logit − m) · ℓ_t c[codes_t]`` (rotated value domain);
     they are updated in place, so a caller starts them at ``-inf``, ``0``, ``0``.
     ``k_table``, ``v_table``, ``sign_table`` are :func:`arraykv.ops.numba.polar.rows._chunk_table` of the key and value
@@ -165,6 +227,13 @@ def _attend_span(
     (:func:`prepare_rotating`; token ``t`` sits at position ``pos0 + t``) add their share of
     ``q·m_p`` to each logit.
     """
+    qr, qout, qconst, sq = state.qr[sb, sh], state.qout[sb, sh], state.qconst[sb, sh], state.sq[sb, sh]
+    n_j, ra, rb, rw = state.n_js[sb, sh], state.ra[sb, sh], state.rb[sb, sh], state.rw[sb, sh]
+    ct, st, step = state.ct[sb, sh], state.st[sb, sh], state.step[sb, sh]
+    k_codes, k_norms, k_cent, k_table, k_bits = args.k_codes, args.k_norms, args.k_cent, args.k_table, args.k_bits
+    v_codes, v_norms, v_cent, v_table, v_bits = args.v_codes, args.v_norms, args.v_cent, args.v_table, args.v_bits
+    k_outliers, k_qjl, k_qjl_norms, sign_table = args.k_outliers, args.k_qjl, args.k_qjl_norms, args.sign_table
+    half, pos0 = args.half, args.pos0
     g_n = qr.shape[0]
     d = _D if _D else qr.shape[1]
     n_out = qout.shape[1]
@@ -312,20 +381,18 @@ def _attend_span(
     acc[:, :] = al
 
 
-# ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver) -------------------
-# args = (k_codes, k_norms, k_cent, k_table, k_bits, v_codes, v_norms, v_cent, v_table, v_bits, k_scale, k_mean,
-#         v_mean, k_idx, k_outliers, signs, rot, sketch_t, sign_table, k_qjl, k_qjl_norms, rm_freq, rm_pairs, pos0,
-#         n_window, k_window, v_window, half)
+# ---- the kernel's part of the shared step (arraykv.ops.numba.fused_driver); args: PolarArgs --
 
 
 @nb.njit(inline="always")
 def alloc_state(b_n, h_n, g_n, d, args):
-    """Per (batch, KV head) slot: ``qr, qout, qconst, sq`` (:func:`prepare_head`), the rotating
-    mean's ``ra, rb, rw, ct, st, step`` and pair count (:func:`prepare_rotating`), and a scratch row."""
-    n_out = args[13].shape[2]
-    m_rows = args[17].shape[1]
-    n_p = args[22].shape[0]
-    return (
+    """The :class:`PolarState`: per (batch, KV head) slot ``qr, qout, qconst, sq`` (:func:`prepare_head`),
+    the rotating mean's ``ra, rb, rw, ct, st, step`` and pair count (:func:`prepare_rotating`), and a
+    scratch row."""
+    n_out = args.k_idx.shape[2]
+    m_rows = args.sketch_t.shape[1]
+    n_p = args.rm_pairs.shape[0]
+    return PolarState(
         np.empty((b_n, h_n, g_n, d), np.float32),
         np.empty((b_n, h_n, g_n, n_out), np.float32),
         np.empty((b_n, h_n, g_n), np.float32),
@@ -343,21 +410,32 @@ def alloc_state(b_n, h_n, g_n, d, args):
 
 @nb.njit(inline="always")
 def prepare(q, b, h, scale, args, state, sb, sh):
-    k_scale, k_mean, k_idx, signs, rot, sketch_t = args[10], args[11], args[13], args[15], args[16], args[17]
-    rm_freq, rm_pairs, half = args[21], args[22], args[27]
-    qr, qout, qconst, sq, ra, rb, rw, ct, st, step, n_js, x = state
+    qr, qout, qconst, sq, ra, rb, rw, ct, st, step, n_js, x = (
+        state.qr,
+        state.qout,
+        state.qconst,
+        state.sq,
+        state.ra,
+        state.rb,
+        state.rw,
+        state.ct,
+        state.st,
+        state.step,
+        state.n_js,
+        state.x,
+    )
     prepare_head(
         q,
         b,
         h,
         scale,
-        k_scale,
-        k_mean,
-        k_idx,
-        signs,
-        rot,
-        sketch_t,
-        half,
+        args.k_scale,
+        args.k_mean,
+        args.k_idx,
+        args.signs,
+        args.rot,
+        args.sketch_t,
+        args.half,
         x,
         qr[sb, sh],
         qout[sb, sh],
@@ -369,10 +447,10 @@ def prepare(q, b, h, scale, args, state, sb, sh):
         b,
         h,
         scale,
-        k_mean,
-        rm_freq,
-        rm_pairs,
-        half,
+        args.k_mean,
+        args.rm_freq,
+        args.rm_pairs,
+        args.half,
         qconst[sb, sh],
         ra[sb, sh],
         rb[sb, sh],
@@ -381,7 +459,7 @@ def prepare(q, b, h, scale, args, state, sb, sh):
         st[sb, sh],
         step[sb, sh],
     )
-    k_per = planar_per_jit(args[4], x.shape[0])
+    k_per = planar_per_jit(args.k_bits, x.shape[0])
     if k_per:  # key codes come out of the tile unpacking in planar order: the queries follow
         rows = qr[sb, sh]
         for g in range(rows.shape[0]):
@@ -391,86 +469,11 @@ def prepare(q, b, h, scale, args, state, sb, sh):
 
 @nb.njit(inline="always")
 def span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc):
-    (
-        k_codes,
-        k_norms,
-        k_cent,
-        k_table,
-        k_bits,
-        v_codes,
-        v_norms,
-        v_cent,
-        v_table,
-        v_bits,
-        _,
-        _,
-        _,
-        _,
-        k_outliers,
-        _,
-        _,
-        _,
-        sign_table,
-        k_qjl,
-        k_qjl_norms,
-        _,
-        _,
-        pos0,
-        _,
-        _,
-        _,
-        half,
-    ) = args
-    qr, qout, qconst, sq, ra, rb, rw, ct, st, step, n_js, _ = state
-    _attend_span(
-        b,
-        h,
-        t_lo,
-        t_hi,
-        qr[sb, sh],
-        qout[sb, sh],
-        qconst[sb, sh],
-        sq[sb, sh],
-        k_codes,
-        k_norms,
-        k_cent,
-        k_table,
-        k_bits,
-        v_codes,
-        v_norms,
-        v_cent,
-        v_table,
-        v_bits,
-        k_outliers,
-        k_qjl,
-        k_qjl_norms,
-        sign_table,
-        half,
-        n_js[sb, sh],
-        ra[sb, sh],
-        rb[sb, sh],
-        rw[sb, sh],
-        ct[sb, sh],
-        st[sb, sh],
-        step[sb, sh],
-        pos0,
-        m,
-        l,
-        acc,
-    )
+    _attend_span(b, h, t_lo, t_hi, args, state, sb, sh, m, l, acc)
 
 
 @nb.njit(inline="always")
 def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
-    v_mean, signs, rot, n_window, k_window, v_window, half = (
-        args[12],
-        args[15],
-        args[16],
-        args[24],
-        args[25],
-        args[26],
-        args[27],
-    )
     finish_head(
         q,
         b,
@@ -479,14 +482,14 @@ def finish(q, b, h, scale, args, state, sb, sh, m_sp, l_sp, acc_sp, out):
         m_sp,
         l_sp,
         acc_sp,
-        n_window,
-        k_window,
-        v_window,
-        v_mean,
-        signs,
-        rot,
-        half,
-        planar_per_jit(args[9], acc_sp.shape[2]),
+        args.n_window,
+        args.k_window,
+        args.v_window,
+        args.v_mean,
+        args.signs,
+        args.rot,
+        args.half,
+        planar_per_jit(args.v_bits, acc_sp.shape[2]),
         out,
     )
 
@@ -496,7 +499,7 @@ def span_unit(args):
     return 1
 
 
-_step_serial, _step_parallel = build_steps(globals(), [_SIG], dims=(64, 128))
+_step_serial, _step_parallel = build_steps(globals(), PolarArgs, [_SIG], dims=(64, 128))
 
 
 def _plan(bh: int, n: int, d: int) -> tuple:
@@ -554,37 +557,37 @@ def polar_decode_attention(codec, q, scale):
         rm_pairs = np.ascontiguousarray(codec.k_mean_pairs, np.int32)
     threads, splits = _plan(b * h, n, d)
     out = np.empty((b, qh, d), np.float32)
-    args = (
-        k_codes,
-        bits16(codec.k_norms),
-        k_cent,
-        k_table,
-        k_bits,
-        v_codes,
-        bits16(codec.v_norms),
-        v_cent,
-        v_table,
-        v_bits,
-        bits16(getattr(codec, "k_scale", None)),
-        bits16(codec.k_mean),
-        bits16(codec.v_mean),
-        idx,
-        k_out,
-        signs,
-        rot,
-        sketch_t,
-        SIGN_TABLE,
-        k_qjl,
-        k_qjl_norms,
-        rm_freq,
-        rm_pairs,
-        int(codec.n_sink),
-        int(codec.n_window),
-        bits16(codec.k_window, NO_U16_4),
-        bits16(codec.v_window, NO_U16_4),
-        HALF_TO_FLOAT,
+    args = PolarArgs(
+        k_codes=k_codes,
+        k_norms=bits16(codec.k_norms),
+        k_cent=k_cent,
+        k_table=k_table,
+        k_bits=k_bits,
+        v_codes=v_codes,
+        v_norms=bits16(codec.v_norms),
+        v_cent=v_cent,
+        v_table=v_table,
+        v_bits=v_bits,
+        k_scale=bits16(getattr(codec, "k_scale", None)),
+        k_mean=bits16(codec.k_mean),
+        v_mean=bits16(codec.v_mean),
+        k_idx=idx,
+        k_outliers=k_out,
+        signs=signs,
+        rot=rot,
+        sketch_t=sketch_t,
+        sign_table=SIGN_TABLE,
+        k_qjl=k_qjl,
+        k_qjl_norms=k_qjl_norms,
+        rm_freq=rm_freq,
+        rm_pairs=rm_pairs,
+        pos0=int(codec.n_sink),
+        n_window=int(codec.n_window),
+        k_window=bits16(codec.k_window, NO_U16_4),
+        v_window=bits16(codec.v_window, NO_U16_4),
+        half=HALF_TO_FLOAT,
     )
-    step = (np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, h, args)
+    step = Step(np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, h, args)
     run_step(_step_serial, _step_parallel, threads, splits, b * h * n * d, step, out)
     out = out.reshape(b, qh, 1, d)
     return out if q.dtype == np.float32 else out.astype(q.dtype)
