@@ -9,21 +9,8 @@ import pytest
 
 import arraykv
 from arraykv import eval as ev
-from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors
-from arraykv.integrations.decoder.model_config import ModelConfig
 
-CFG = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    ffn_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    vocab_size=71,
-    context_length=128,
-    rope_theta=10000.0,
-    rms_eps=1e-5,
-)
+from tiny_models import EVAL_LLAMA as CFG, decoder
 
 
 @arraykv.register_method("test-noisy-f16", replace=True)
@@ -46,7 +33,7 @@ class _Float16KV(arraykv.DenseCache):
 
 @pytest.fixture(scope="module")
 def model():
-    return DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=5))
+    return decoder(CFG, seed=5)
 
 
 @pytest.fixture

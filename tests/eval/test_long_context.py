@@ -12,42 +12,15 @@ import numpy as np
 import pytest
 
 from arraykv import eval as ev
-from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors
-from arraykv.integrations.decoder.model_config import ModelConfig
 
-
-class CharTokenizer:
-    """One token per character of newline + printable ASCII; the last id is end-of-sequence."""
-
-    chars = "\n" + "".join(chr(c) for c in range(32, 127))
-    eos_id = len(chars)
-
-    def encode(self, text):
-        return [self.chars.index(ch) for ch in text]
-
-    def decode(self, ids):
-        return "".join(self.chars[i] for i in ids if i < len(self.chars))
-
-
-CFG = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    ffn_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    vocab_size=len(CharTokenizer.chars) + 1,
-    context_length=512,
-    rope_theta=10000.0,
-    rms_eps=1e-5,
-)
+from tiny_models import LONG_LLAMA as CFG, CharTokenizer, decoder
 
 SHORT = ev.NeedleTask(intro="Find the key.\n", needle=" Key {key}.", question="\nKey? ", key_digits=3, answer_tokens=4)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=11), tokenizer=CharTokenizer())
+    return decoder(CFG, seed=11, tokenizer=CharTokenizer())
 
 
 def _logp(z):
@@ -417,7 +390,7 @@ def test_bad_arguments_raise_clear_errors(model):
         ev.needle_grid(model, ["dense"], lengths=[150, 150], depths=[0.5], task=SHORT)
     with pytest.raises(ValueError, match="no room for filler"):
         ev.needle_grid(model, ["dense"], lengths=[20], depths=[0.5], task=SHORT)
-    bare = DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=11))
+    bare = decoder(CFG, seed=11)
     with pytest.raises(ValueError, match="no tokenizer"):
         ev.needle_grid(bare, ["dense"], **grid)
     with pytest.raises(ValueError, match="must contain"):

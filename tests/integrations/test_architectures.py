@@ -17,41 +17,15 @@ from arraykv.integrations.decoder.architectures import ARCHITECTURES, architectu
 from arraykv.integrations.decoder.gguf_loading import load_model  # noqa: E402
 from arraykv.integrations.decoder.gguf_reader import read_gguf  # noqa: E402
 from arraykv.integrations.decoder.gguf_writer import write_gguf  # noqa: E402
-from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors  # noqa: E402
-from arraykv.integrations.decoder.model_config import ModelConfig  # noqa: E402
+from arraykv.integrations.decoder.model import random_gguf_tensors  # noqa: E402
 
-#: Head sizes transformers can read back for each architecture: it derives llama's and qwen2's
-#: from hidden / heads, takes qwen3's default (128), and reads gemma3's from the file.
-HEAD_DIM = {"llama": 16, "qwen2": 16, "qwen3": 128, "gemma3": 32}
-
-
-def tiny_config(arch: str, **over) -> ModelConfig:
-    hybrid = architecture(arch).sliding_period
-    n = 7 if hybrid else 2
-    kw = dict(
-        num_layers=n,
-        hidden_size=64,
-        ffn_size=96,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=HEAD_DIM[arch],
-        vocab_size=128,
-        context_length=256,
-        rope_theta=1e6 if hybrid else 1e4,
-        rms_eps=1e-6,
-        arch=arch,
-        name=f"tiny-{arch}",
-    )
-    if hybrid:
-        kw.update(layer_types=periodic_layer_types(n, hybrid), sliding_window=6)
-    kw.update(over)
-    return ModelConfig(**kw)
+from tiny_models import arch_config, decoder  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def written(request, tmp_path_factory):
     arch = request.param
-    cfg = tiny_config(arch)
+    cfg = arch_config(arch)
     tensors = random_gguf_tensors(cfg, seed=3)
     folder = tmp_path_factory.mktemp(arch)
     write_gguf(folder / "m.gguf", cfg, tensors)
@@ -96,8 +70,8 @@ def test_logits_equal_transformers_on_the_same_file(written):
 
 
 def test_hybrid_model_gets_a_hybrid_cache_that_holds_only_the_window():
-    cfg = tiny_config("gemma3", num_layers=6, layer_types=periodic_layer_types(6, 3), sliding_window=5)
-    model = DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg, seed=1))
+    cfg = arch_config("gemma3", num_layers=6, layer_types=periodic_layer_types(6, 3), sliding_window=5)
+    model = decoder(cfg, seed=1)
     ids = _ids(60, seed=2)
     exact = model.forward(ids)
     for method in ("dense", "pqo4"):
@@ -121,8 +95,8 @@ def test_a_full_attention_cache_on_a_hybrid_model_still_attends_through_the_wind
     window: the decoder slices or masks what it returns."""
     import arraykv
 
-    cfg = tiny_config("gemma3", num_layers=3, layer_types=periodic_layer_types(3, 3), sliding_window=4)
-    model = DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg, seed=5))
+    cfg = arch_config("gemma3", num_layers=3, layer_types=periodic_layer_types(3, 3), sliding_window=4)
+    model = decoder(cfg, seed=5)
     ids = _ids(30, seed=4)
     plain = arraykv.make_cache("dense", num_layers=3, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
     out = np.concatenate(
@@ -148,8 +122,8 @@ def test_unknown_architecture_and_kinds_are_refused_clearly():
 
 
 def test_prompt_store_exact_attends_to_the_exact_prompt_and_stores_it_compressed():
-    cfg = tiny_config("llama", num_layers=3)
-    model = DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg, seed=7))
+    cfg = arch_config("llama", num_layers=3)
+    model = decoder(cfg, seed=7)
     ids = _ids(70, seed=8)
     exact = model.forward(ids[:64])
     staged_cache = model.make_cache("pqo4")
@@ -176,8 +150,8 @@ def test_prompt_store_exact_attends_to_the_exact_prompt_and_stores_it_compressed
 
 
 def test_prompt_store_exact_continues_a_cache_that_holds_earlier_tokens():
-    cfg = tiny_config("qwen3", num_layers=2)
-    model = DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg, seed=9))
+    cfg = arch_config("qwen3", num_layers=2)
+    model = decoder(cfg, seed=9)
     ids = _ids(50, seed=10)
     cache = model.make_cache("int4")
     model.prefill(ids[:20], cache)
@@ -188,8 +162,8 @@ def test_prompt_store_exact_continues_a_cache_that_holds_earlier_tokens():
 
 
 def test_prompt_store_is_checked_and_a_failed_commit_leaves_the_cache_as_it_was():
-    cfg = tiny_config("llama", num_layers=2)
-    model = DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg, seed=11))
+    cfg = arch_config("llama", num_layers=2)
+    model = decoder(cfg, seed=11)
     ids = _ids(40, seed=12)
     cache = model.make_cache("pqo4")
     with pytest.raises(ValueError, match="prompt_store must be 'exact' or 'chunks'"):
@@ -221,7 +195,7 @@ def test_speculative_decoding_on_a_hybrid_cache_is_plain_greedy(method):
     the output is the model's greedy decoding through that cache, token for token."""
     from arraykv.integrations.decoder.speculative import CacheDraft, LayerDraft, NgramDraft, speculative_generate
 
-    cfg = tiny_config(
+    cfg = arch_config(
         "gemma3",
         num_layers=6,
         layer_types=periodic_layer_types(6, 3),
@@ -230,7 +204,7 @@ def test_speculative_decoding_on_a_hybrid_cache_is_plain_greedy(method):
         head_dim=8,
         vocab_size=64,
     )
-    model = DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg, seed=1))
+    model = decoder(cfg, seed=1)
     ids = [int(t) for t in np.random.default_rng(0).integers(0, 64, 30)]
     want = model.generate(ids, 40, cache=model.make_cache(method))
     for draft in (NgramDraft(), LayerDraft(2), CacheDraft("pqo2")):
@@ -244,8 +218,8 @@ def test_bits_per_value_of_a_hybrid_cache_count_what_it_holds():
     window, not every token (dense float32 stays at 32 bits past the window)."""
     from arraykv import eval as ev
 
-    cfg = tiny_config("gemma3", num_layers=3, layer_types=periodic_layer_types(3, 3), sliding_window=5)
-    model = DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg, seed=2))
+    cfg = arch_config("gemma3", num_layers=3, layer_types=periodic_layer_types(3, 3), sliding_window=5)
+    model = decoder(cfg, seed=2)
     ids = [int(t) for t in _ids(60, seed=3)]
     rows = ev.evaluate(model, ids, ["dense"], prefill=40)
     assert abs(rows[0].bits_per_value - 32.0) < 0.5

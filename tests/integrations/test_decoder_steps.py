@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import arraykv
-from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors
-from arraykv.integrations.decoder.model_config import ModelConfig
+
+from tiny_models import STEP_LLAMA as CFG, decoder
 
 _ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
 needs_onnx = pytest.mark.skipif(not _ONNX, reason="onnx and onnxruntime (extra [onnx]) are not installed")
@@ -120,20 +120,6 @@ def test_layers_of_different_lengths_are_refused_not_grown_apart():
     assert [cache.seq_len(i) for i in range(dec.num_layers)] == [4, 3]
 
 
-CFG = ModelConfig(
-    num_layers=3,
-    hidden_size=32,
-    ffn_size=48,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    vocab_size=60,
-    context_length=64,
-    rope_theta=50000.0,
-    rms_eps=1e-5,
-)
-
-
 def _arrays(cache, layers):
     return [{n: np.array(a) for n, a in cache.layer_arrays(i).items()} for i in range(layers)]
 
@@ -148,7 +134,7 @@ def _assert_same(a, b):
 
 @pytest.mark.parametrize("method", ["dense", "int4", "pqo4", "tq3", "lowrank"])
 def test_llama_step_refused_by_a_later_layer_leaves_every_layer_as_it_was(method):
-    model = DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
+    model = decoder(CFG, seed=2)
     cache, ref = model.make_cache(method), model.make_cache(method)
     prompt = list(range(1, 31))
     model.prefill(prompt, cache)
@@ -178,7 +164,7 @@ def test_llama_step_refused_by_a_later_layer_leaves_every_layer_as_it_was(method
 
 @pytest.mark.parametrize("method", ["dense", "pqo4", "int8"])
 def test_llama_chunked_prefill_refused_in_a_later_chunk_is_taken_back_whole(method):
-    model = DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
+    model = decoder(CFG, seed=2)
     cache = model.make_cache(method, max_tokens=30)
     model.prefill(list(range(1, 21)), cache)
     before = _arrays(cache, 3)
@@ -191,7 +177,7 @@ def test_llama_chunked_prefill_refused_in_a_later_chunk_is_taken_back_whole(meth
 @pytest.mark.parametrize("method", ["dense", "int4"])
 def test_llama_refuses_a_cache_torn_by_hand(method):
     """A cache whose layers disagree (a step by hand that stopped part way) is refused, not grown apart."""
-    model = DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
+    model = decoder(CFG, seed=2)
     cache = model.make_cache(method)
     model.prefill([1, 2, 3], cache)
     k = np.ones((1, CFG.num_kv_heads, 1, CFG.head_dim), np.float32)
@@ -209,7 +195,7 @@ def test_llama_refuses_a_cache_torn_by_hand(method):
 
 
 def test_llama_refuses_a_cache_with_fewer_layers_before_storing():
-    model = DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=2))
+    model = decoder(CFG, seed=2)
     small = arraykv.make_cache("dense", num_layers=2, num_kv_heads=2, head_dim=8)
     with pytest.raises(ValueError, match="layer"):
         model.prefill([1, 2, 3], small)

@@ -13,20 +13,8 @@ from arraykv.integrations.common.downloads import find_model  # noqa: E402
 from arraykv.integrations.decoder.gguf_loading import load_model  # noqa: E402
 from arraykv.integrations.decoder.gguf_reader import read_gguf  # noqa: E402
 from arraykv.integrations.decoder.model import random_gguf_tensors, unpermute_qk  # noqa: E402
-from arraykv.integrations.decoder.model_config import ModelConfig  # noqa: E402
 
-CFG = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    ffn_size=48,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    vocab_size=60,
-    context_length=64,
-    rope_theta=50000.0,
-    rms_eps=1e-5,
-)
+from tiny_models import GGUF_LLAMA as CFG  # noqa: E402
 
 
 def _write(path, meta=None, tensors=None):

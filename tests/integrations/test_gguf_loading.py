@@ -15,37 +15,19 @@ from arraykv.integrations.decoder.gguf_loading import load_model  # noqa: E402
 from arraykv.integrations.decoder.gguf_reader import read_gguf  # noqa: E402
 from arraykv.integrations.decoder.gguf_writer import write_gguf  # noqa: E402
 from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors  # noqa: E402
-from arraykv.integrations.decoder.model_config import ModelConfig  # noqa: E402
 
-CFG = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    ffn_size=48,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    vocab_size=60,
-    context_length=64,
-    rope_theta=50000.0,
-    rms_eps=1e-5,
-)
+from tiny_models import GGUF_LLAMA as CFG, GGUF_LLAMA_TOKENIZED, MERGES, byte_tokens  # noqa: E402
 
 
 def _write(path, cfg, tensors, *, arch="llama", tokens=None):
     cfg = dataclasses.replace(cfg, arch=arch)
-    return Path(write_gguf(path, cfg, tensors, tokens=tokens, merges=["h e", "l l", "he ll"]))
-
-
-def _byte_tokens(n):
-    # "<|end|>", the byte-level alphabet of printable ASCII, then merges' results
-    base = ["<|end|>"] + [chr(c) for c in range(33, 127)] + ["Ġ", "he", "ll", "hell"]
-    return base[:n] if n <= len(base) else base + [f"x{i}" for i in range(n - len(base))]
+    return Path(write_gguf(path, cfg, tensors, tokens=tokens, merges=MERGES))
 
 
 def test_written_llama_gguf_loads_with_its_config_weights_and_tokenizer(tmp_path):
-    cfg = ModelConfig(**{**CFG.__dict__, "vocab_size": 110})
+    cfg = GGUF_LLAMA_TOKENIZED
     tensors = random_gguf_tensors(cfg, seed=1)
-    path = _write(tmp_path / "tiny.gguf", cfg, tensors, tokens=_byte_tokens(cfg.vocab_size))
+    path = _write(tmp_path / "tiny.gguf", cfg, tensors, tokens=byte_tokens(cfg.vocab_size))
     got_cfg, got, _ = read_gguf(path)
     assert (got_cfg.num_layers, got_cfg.num_heads, got_cfg.num_kv_heads, got_cfg.head_dim) == (2, 4, 2, 8)
     assert got_cfg.rope_theta == 50000.0 and got_cfg.vocab_size == 110

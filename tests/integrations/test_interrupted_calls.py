@@ -17,40 +17,10 @@ import pytest
 from interrupts import MODES, FailingCache, assert_same_state, cache_state
 
 import arraykv
-from arraykv.integrations.decoder.architectures import periodic_layer_types
-from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors
+from arraykv.integrations.decoder.model import DecoderModel
 from arraykv.integrations.decoder.model_config import ModelConfig
 
-LLAMA = ModelConfig(
-    num_layers=3,
-    hidden_size=32,
-    ffn_size=48,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    vocab_size=60,
-    context_length=128,
-    rope_theta=50000.0,
-    rms_eps=1e-5,
-    name="tiny-llama",
-)
-#: Gemma 3's layout in small: layers 0-4 slide over 6 tokens, layer 5 attends to everything.
-GEMMA = ModelConfig(
-    num_layers=6,
-    hidden_size=32,
-    ffn_size=48,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    vocab_size=60,
-    context_length=128,
-    rope_theta=1e6,
-    rms_eps=1e-6,
-    arch="gemma3",
-    layer_types=periodic_layer_types(6, 6),
-    sliding_window=6,
-    name="tiny-gemma",
-)
+from tiny_models import INTERRUPT_GEMMA as GEMMA, INTERRUPT_LLAMA as LLAMA, INTERRUPT_ONNX_LLAMA, decoder, llama_onnx
 
 PROMPT = [int(t) for t in np.random.default_rng(1).integers(0, 60, 30)]
 MORE = [int(t) for t in np.random.default_rng(2).integers(0, 60, 40)]
@@ -60,7 +30,7 @@ _MODELS: dict = {}
 
 def _model(cfg: ModelConfig) -> DecoderModel:
     if cfg.name not in _MODELS:
-        _MODELS[cfg.name] = DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg, seed=2))
+        _MODELS[cfg.name] = decoder(cfg, seed=2)
     return _MODELS[cfg.name]
 
 
@@ -241,11 +211,11 @@ def test_a_transformers_forward_failing_at_any_layer_is_taken_back_whole(method,
     pytest.importorskip("transformers")
     from arraykv.integrations.transformers import ArraykvCache
 
-    from tiny_hf import VOCAB, tiny_llama
+    from tiny_models import HF_VOCAB, hf_llama
 
-    model = tiny_llama(0)
+    model = hf_llama(0)
     n = model.config.num_hidden_layers
-    ids = torch.randint(0, VOCAB, (1, 30 + new), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, HF_VOCAB, (1, 30 + new), generator=torch.Generator().manual_seed(3))
     store = "decode" if fused else "prefill"
 
     def filled():
@@ -292,19 +262,10 @@ def test_an_onnx_graph_step_failing_at_any_layer_leaves_the_cache_as_it_was(meth
     pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxruntime_extensions")
-    import importlib.util
-    from pathlib import Path
-
     from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder
 
-    spec = importlib.util.spec_from_file_location(
-        "export_smollm2_onnx", Path(__file__).resolve().parents[2] / "examples" / "export_smollm2_onnx.py"
-    )
-    exporter = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(exporter)
-    cfg = ModelConfig(**{**LLAMA.__dict__, "num_layers": 2, "head_dim": 64, "hidden_size": 128, "name": "tiny-onnx"})
-    model = DecoderModel.from_gguf_tensors(cfg, random_gguf_tensors(cfg, seed=3))
-    dec = OrtGraphDecoder(exporter.build_llama_onnx(model))
+    model = decoder(INTERRUPT_ONNX_LLAMA, seed=3)
+    dec = OrtGraphDecoder(llama_onnx(model))
     for op in (lambda c: dec.prefill(np.asarray([MORE]), c), lambda c: dec.decode([5], c)):
         _run_interrupted(model, lambda: dec.make_cache(method), op, lambda c: dec.prefill(np.asarray([PROMPT]), c))
 

@@ -9,26 +9,13 @@ import pytest
 
 import arraykv
 from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors, unpermute_qk
-from arraykv.integrations.decoder.model_config import ModelConfig
 
-CFG = ModelConfig(
-    num_layers=2,
-    hidden_size=48,
-    ffn_size=80,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=8,
-    vocab_size=97,
-    context_length=96,
-    rope_theta=10000.0,
-    rms_eps=1e-5,
-    name="tiny",
-)
+from tiny_models import DECODER_LLAMA as CFG, decoder
 
 
 @pytest.fixture(scope="module")
 def model():
-    return DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=3))
+    return decoder(CFG, seed=3)
 
 
 @pytest.fixture

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("onnx", reason="onnx (extra [onnx]) is not installed")
@@ -14,18 +11,15 @@ from arraykv import eval as ev  # noqa: E402
 from arraykv.integrations.onnxruntime import OrtKVDecoder  # noqa: E402
 
 from smollm import mean_kl, smollm_or_skip  # noqa: E402
+from tiny_models import llama_onnx  # noqa: E402
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def engines():
     model = smollm_or_skip()
-    spec = importlib.util.spec_from_file_location("export_smollm2_onnx", ROOT / "examples" / "export_smollm2_onnx.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    graph = mod.build_llama_onnx(model).SerializeToString()
+    graph = llama_onnx(model).SerializeToString()
     return model, graph
 
 

@@ -7,9 +7,6 @@ and rewritten with ORT's ``GroupQueryAttention``.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -18,8 +15,6 @@ pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not ins
 pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (extra [onnx]) is not installed")
 
 import arraykv  # noqa: E402
-from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors  # noqa: E402
-from arraykv.integrations.decoder.model_config import ModelConfig  # noqa: E402
 from arraykv.integrations.onnxruntime.gqa_rewrite import OrtPastLoop, calibrate_kv_scales, rewrite_with_gqa  # noqa: E402
 from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder  # noqa: E402
 from arraykv.integrations.onnxruntime.graph_rewrite import (  # noqa: E402
@@ -29,38 +24,19 @@ from arraykv.integrations.onnxruntime.graph_rewrite import (  # noqa: E402
     rewrite_with_cache_op,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-CFG = ModelConfig(
-    num_layers=2,
-    hidden_size=128,
-    ffn_size=192,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    vocab_size=97,
-    context_length=512,
-    rope_theta=10000.0,
-    rms_eps=1e-5,
-    name="tiny",
-)
+from tiny_models import ONNX_LLAMA as CFG, decoder, llama_onnx  # noqa: E402
+
 PROMPT, STEPS = 24, 12
-
-
-def _exporter():
-    spec = importlib.util.spec_from_file_location("export_smollm2_onnx", ROOT / "examples" / "export_smollm2_onnx.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def model():
-    return DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=3))
+    return decoder(CFG, seed=3)
 
 
 @pytest.fixture(scope="module")
 def graph(model):
-    return _exporter().build_llama_onnx(model)
+    return llama_onnx(model)
 
 
 @pytest.fixture(scope="module")
@@ -312,8 +288,7 @@ def test_generate_with_a_prefix_store_continues_bit_for_bit(dec, graph, ids, met
     same = OrtGraphDecoder(graph.SerializeToString() if hasattr(graph, "SerializeToString") else graph)
     assert same.generate(prompt, 6, method=method, prefill_chunk=16, store=store) == want
     assert store.last_report.reused == 96
-    weights = random_gguf_tensors(CFG, seed=4)
-    other = OrtGraphDecoder(_exporter().build_llama_onnx(DecoderModel.from_gguf_tensors(CFG, weights)))
+    other = OrtGraphDecoder(llama_onnx(decoder(CFG, seed=4)))
     other.generate(prompt, 1, method=method, prefill_chunk=16, store=store)
     assert store.last_report.reused == 0
     with pytest.raises(ValueError, match="multiple of prefill_chunk"):

@@ -15,22 +15,22 @@ onnx = pytest.importorskip("onnx", reason="onnx (extra [onnx]) is not installed"
 pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not installed")
 pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (extra [onnx]) is not installed")
 
-from test_ort_graph import CFG, _exporter  # noqa: E402
 
 from arraykv import protocol  # noqa: E402
-from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors  # noqa: E402
 from arraykv.integrations.onnxruntime.cache_operator import custom_op_api  # noqa: E402
 from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder  # noqa: E402
+
+from tiny_models import ONNX_LLAMA as CFG, decoder, llama_onnx  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def model():
-    return DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=3))
+    return decoder(CFG, seed=3)
 
 
 @pytest.fixture(scope="module")
 def dec(model):
-    return OrtGraphDecoder(_exporter().build_llama_onnx(model))
+    return OrtGraphDecoder(llama_onnx(model))
 
 
 @pytest.fixture(scope="module")

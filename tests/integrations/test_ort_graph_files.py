@@ -10,7 +10,6 @@ model file; a linked folder), kill a real process while its file exists, and run
 from __future__ import annotations
 
 import errno
-import importlib.util
 import os
 import signal
 import subprocess
@@ -24,39 +23,19 @@ onnx = pytest.importorskip("onnx", reason="onnx (extra [onnx]) is not installed"
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not installed")
 pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (extra [onnx]) is not installed")
 
-from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors  # noqa: E402
-from arraykv.integrations.decoder.model_config import ModelConfig  # noqa: E402
 from arraykv.integrations.onnxruntime import OrtKVDecoder, graph_files  # noqa: E402
 from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder  # noqa: E402
 from arraykv.integrations.onnxruntime.scratch_files import owned_name, remove_stale  # noqa: E402
 
+from tiny_models import ONNX_LLAMA as CFG, decoder, llama_onnx  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
-CFG = ModelConfig(
-    num_layers=2,
-    hidden_size=128,
-    ffn_size=192,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    vocab_size=97,
-    context_length=512,
-    rope_theta=10000.0,
-    rms_eps=1e-5,
-    name="tiny",
-)
 IDS = [5, 17, 3, 60, 22, 9, 41, 8]
-
-
-def _exporter():
-    spec = importlib.util.spec_from_file_location("export_smollm2_onnx", ROOT / "examples" / "export_smollm2_onnx.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def graph():
-    return _exporter().build_llama_onnx(DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=3)))
+    return llama_onnx(decoder(CFG, seed=3))
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +295,7 @@ def test_the_smollm2_export_opens_from_a_hub_cache(tmp_path, private_tmp):
 
     model = smollm_or_skip()
     ids = ev.builtin_token_ids(model, 24)
-    path = _hub(_exporter().build_llama_onnx(model), tmp_path / "hub")
+    path = _hub(llama_onnx(model), tmp_path / "hub")
     del model
     plain = ort.InferenceSession(str(path))  # the float graph, the past empty
     n = len(ids)

@@ -263,9 +263,9 @@ def test_the_dynamo_exporters_graph_of_a_transformers_llama_is_rewritten():
     pytest.importorskip("transformers")
     from transformers import DynamicCache
 
-    from tiny_hf import VOCAB as LLAMA_VOCAB, tiny_llama
+    from tiny_models import HF_VOCAB, hf_llama
 
-    llama = tiny_llama(0)
+    llama = hf_llama(0)
     layers = llama.config.num_hidden_layers
 
     class WithPast(torch.nn.Module):
@@ -291,7 +291,7 @@ def test_the_dynamo_exporters_graph_of_a_transformers_llama_is_rewritten():
     names = [f"{x}.{i}.{k}" for i in range(layers) for k in ("key", "value") for x in ("past_key_values", "present")]
     batch, seq, past_len = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
     args = (
-        torch.randint(0, LLAMA_VOCAB, (b, t)),
+        torch.randint(0, HF_VOCAB, (b, t)),
         torch.ones(b, p + t, dtype=torch.int64),
         torch.arange(p, p + t).expand(b, t),
         *[torch.randn(b, 2, p, 16) for _ in range(2 * layers)],
@@ -314,7 +314,7 @@ def test_the_dynamo_exporters_graph_of_a_transformers_llama_is_rewritten():
     model = program.model_proto
     attention = [n for n in model.graph.node if n.op_type == "Attention"]
     assert len(attention) == layers and all(len(n.input) == 4 for n in attention)  # past outside the operator
-    ids = np.random.default_rng(3).integers(0, LLAMA_VOCAB, (1, PROMPT + STEPS))
+    ids = np.random.default_rng(3).integers(0, HF_VOCAB, (1, PROMPT + STEPS))
     plain = OrtPastLoop(model)
     ref = _run(plain, ids, plain.make_cache())
     with torch.no_grad():

@@ -3,8 +3,8 @@
 The NumPy decoder computes a prompt of several chunks over its exact keys and values and stores
 it compressed in one piece at its end (``prompt_store="exact"``,
 :mod:`arraykv.integrations.common.prompt_stage`); :class:`OrtGraphDecoder` must do the same, so that the
-engine does not change the quality. The 2-layer random decoder of ``test_ort_graph`` runs both
-as the NumPy decoder and as its rewritten graph.
+engine does not change the quality. The 2-layer random decoder of ``test_ort_graph``
+(``tiny_models.ONNX_LLAMA``) runs both as the NumPy decoder and as its rewritten graph.
 """
 
 from __future__ import annotations
@@ -16,24 +16,24 @@ pytest.importorskip("onnx", reason="onnx (extra [onnx]) is not installed")
 pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not installed")
 pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions (extra [onnx]) is not installed")
 
-from test_ort_graph import CFG, _exporter  # noqa: E402
 
 import arraykv  # noqa: E402
 from arraykv.integrations.common import prompt_stage  # noqa: E402
-from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors  # noqa: E402
 from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder  # noqa: E402
+
+from tiny_models import ONNX_LLAMA as CFG, decoder, llama_onnx  # noqa: E402
 
 CHUNK = 16
 
 
 @pytest.fixture(scope="module")
 def model():
-    return DecoderModel.from_gguf_tensors(CFG, random_gguf_tensors(CFG, seed=3))
+    return decoder(CFG, seed=3)
 
 
 @pytest.fixture(scope="module")
 def dec(model):
-    return OrtGraphDecoder(_exporter().build_llama_onnx(model))
+    return OrtGraphDecoder(llama_onnx(model))
 
 
 @pytest.fixture(scope="module")

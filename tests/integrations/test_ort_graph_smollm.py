@@ -5,9 +5,6 @@ Dense is the float graph, pqo4 the NumPy decoder's pqo4.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -19,17 +16,14 @@ from arraykv import eval as ev  # noqa: E402
 from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder  # noqa: E402
 
 from smollm import mean_kl, smollm_or_skip  # noqa: E402
+from tiny_models import llama_onnx  # noqa: E402
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_smollm2_graph_with_the_cache_inside_matches_the_numpy_decoder():
     model = smollm_or_skip()
-    spec = importlib.util.spec_from_file_location("export_smollm2_onnx", ROOT / "examples" / "export_smollm2_onnx.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    dec = OrtGraphDecoder(mod.build_llama_onnx(model))
+    dec = OrtGraphDecoder(llama_onnx(model))
     assert (dec.num_layers, dec.num_kv_heads, dec.head_dim) == (30, 3, 64)
     assert not any(i.name.startswith("past_key_values") for i in dec.session.get_inputs())
     ids = ev.builtin_token_ids(model, 160)

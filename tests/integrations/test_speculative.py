@@ -7,7 +7,6 @@ import pytest
 
 from arraykv.integrations.decoder.drafts import NgramDraft, run_layers
 from arraykv.integrations.decoder.model import DecoderModel, random_gguf_tensors
-from arraykv.integrations.decoder.model_config import ModelConfig
 from arraykv.integrations.decoder.speculative import (
     CacheDraft,
     LayerDraft,
@@ -16,19 +15,8 @@ from arraykv.integrations.decoder.speculative import (
     speculative_generate,
 )
 
-CFG = ModelConfig(
-    num_layers=4,
-    hidden_size=48,
-    ffn_size=80,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=8,
-    vocab_size=97,
-    context_length=256,
-    rope_theta=10000.0,
-    rms_eps=1e-5,
-    name="tiny",
-)
+from tiny_models import SPECULATIVE_LLAMA as CFG
+
 METHODS = ["dense", "pqo4", "pq3", "tq3", "int4", "int2"]
 
 

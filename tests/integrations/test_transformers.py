@@ -19,17 +19,17 @@ transformers = pytest.importorskip("transformers")
 
 from arraykv.integrations.transformers import ArraykvCache  # noqa: E402
 
-from tiny_hf import TINY_SIZES, VOCAB, tiny_llama  # noqa: E402
+from tiny_models import HF_SIZES, HF_VOCAB, hf_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return tiny_llama(0)
+    return hf_llama(0)
 
 
 def _ids(batch: int, n: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (batch, n), generator=g)
+    return torch.randint(0, HF_VOCAB, (batch, n), generator=g)
 
 
 def _stepped_logits(model, ids, cache, prompt: int):
@@ -434,7 +434,7 @@ def test_a_forward_refused_part_way_is_taken_back_before_the_next_one(tiny):
 
 
 def test_a_config_of_another_model_and_a_dropped_logit_bias_are_refused(tiny):
-    small = transformers.LlamaConfig(**{**TINY_SIZES, "num_hidden_layers": 1})  # the tiny model, one layer short
+    small = transformers.LlamaConfig(**{**HF_SIZES, "num_hidden_layers": 1})  # the tiny model, one layer short
     with pytest.raises(ValueError, match="model has 2 layers but the cache was built for 1"):
         ArraykvCache("dense", config=small, model=tiny)
     cache = ArraykvCache("dense", config=small)

@@ -18,7 +18,7 @@ from test_transformers_lifetime import MODELS  # noqa: E402
 
 from arraykv.integrations.transformers import ArraykvCache  # noqa: E402
 
-from tiny_hf import VOCAB  # noqa: E402
+from tiny_models import HF_VOCAB  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -28,7 +28,7 @@ def model(request):
 
 def _ids(batch: int, n: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, VOCAB, (batch, n), generator=g)
+    return torch.randint(1, HF_VOCAB, (batch, n), generator=g)
 
 
 def _dynamic(m):

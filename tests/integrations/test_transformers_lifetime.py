@@ -21,26 +21,14 @@ transformers = pytest.importorskip("transformers")
 
 from arraykv.integrations.transformers import ArraykvCache  # noqa: E402
 
-from tiny_hf import TINY_SIZES, VOCAB, tiny_llama  # noqa: E402
+from tiny_models import HF_VOCAB, hf_gemma3, hf_gemma3_text_config, hf_llama  # noqa: E402
 
-
-def tiny_gemma3(seed: int = 0):
-    """A random Gemma 3 of :data:`TINY_SIZES`: a sliding-window layer (window 8), then a global one."""
-    if not hasattr(transformers, "Gemma3ForCausalLM"):
-        pytest.skip("this transformers has no Gemma 3")
-    torch.manual_seed(seed)
-    cfg = transformers.Gemma3TextConfig(
-        **TINY_SIZES, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
-    )
-    return transformers.Gemma3ForCausalLM(cfg).eval()
-
-
-MODELS = {"llama": tiny_llama, "gemma3": tiny_gemma3}
+MODELS = {"llama": hf_llama, "gemma3": hf_gemma3}
 
 
 def _ids(batch: int, n: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, VOCAB, (batch, n), generator=g)
+    return torch.randint(1, HF_VOCAB, (batch, n), generator=g)
 
 
 def _padded(seed: int = 2):
@@ -146,7 +134,7 @@ def test_calls_no_cache_owns_are_the_models_own_while_a_cache_is_attached(name):
 
 
 def test_the_eager_implementation_comes_back_as_it_was():
-    model = tiny_llama(0)
+    model = hf_llama(0)
     model.set_attn_implementation("eager")
     impl, n_hooks, want = implementations(model), hooks(model), own_outputs(model)
     cache = ArraykvCache("int4", config=model.config, model=model)
@@ -238,7 +226,7 @@ def test_a_real_model_is_its_own_after_caches_were_used_and_dropped(name):
 def test_keys_changed_between_update_and_attention_are_refused():
     """The fused function serves the call whose key tensor its cache's update returned; keys
     changed in between (here: copied) are refused rather than attended as the new token alone."""
-    model = tiny_llama(0)
+    model = hf_llama(0)
     cache = ArraykvCache("pqo4", config=model.config, model=model)
     ids = _ids(1, 12)
     with torch.no_grad():
@@ -249,7 +237,7 @@ def test_keys_changed_between_update_and_attention_are_refused():
         with pytest.raises(RuntimeError, match="other keys than the ArraykvCache's update returned"):
             model(ids[:, :1], cache=cache)
         del layer.update
-    want = own_outputs(tiny_llama(0))
+    want = own_outputs(hf_llama(0))
     for got, exp in zip(own_outputs(model), want):  # a held token is no one's afterwards
         assert torch.equal(got, exp)
     cache.detach()
@@ -261,9 +249,7 @@ def test_a_model_of_sub_models_gets_each_configs_implementation_back():
     if not hasattr(transformers, "Gemma3ForConditionalGeneration"):
         pytest.skip("this transformers has no Gemma 3")
     torch.manual_seed(0)
-    text = transformers.Gemma3TextConfig(
-        **TINY_SIZES, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
-    )
+    text = hf_gemma3_text_config()
     vision = transformers.SiglipVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
     )

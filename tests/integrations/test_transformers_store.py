@@ -19,19 +19,19 @@ from arraykv.integrations.transformers.prefix_store import transformers_identity
 from arraykv.store import LocalStore, PrefixStore  # noqa: E402
 
 from cache_contract import assert_same_state  # noqa: E402
-from tiny_hf import TINY_SIZES, VOCAB, tiny_llama  # noqa: E402
+from tiny_models import HF_VOCAB, hf_gemma3, hf_llama  # noqa: E402
 
 S = 16  # tokens per stored segment
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return tiny_llama(0)
+    return hf_llama(0)
 
 
 def _ids(n: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (1, n), generator=g)
+    return torch.randint(0, HF_VOCAB, (1, n), generator=g)
 
 
 def _run(model, ids, method, store, new=6, **cache_kwargs):
@@ -89,13 +89,7 @@ def test_continuing_a_stored_prefix_equals_the_cold_run(tiny, tmp_path, method):
 
 def test_a_hybrid_model_continues_the_same(tmp_path):
     """Sliding-window and global layers (a HybridCache): a tiny random Gemma 3."""
-    if not hasattr(transformers, "Gemma3ForCausalLM"):
-        pytest.skip("this transformers has no Gemma 3")
-    torch.manual_seed(0)
-    cfg = transformers.Gemma3TextConfig(
-        **TINY_SIZES, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
-    )
-    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    model = hf_gemma3(0)
     ids = _ids(3 * S + 5)
     store = PrefixStore(LocalStore(tmp_path / "cold"), chunk_tokens=S, policy="every")
     cold_out, cold = _run(model, ids, "pqo4", store)
@@ -129,9 +123,9 @@ def test_a_model_with_other_weights_does_not_find_the_entry(tiny, tmp_path):
     store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S, policy="every")
     _run(tiny, ids, "int4", store)
     assert store.last_report.stored == [S, 2 * S]
-    other = tiny_llama(7)
+    other = hf_llama(7)
     assert transformers_identity(other) != transformers_identity(tiny)
-    assert transformers_identity(tiny) == transformers_identity(tiny_llama(0))
+    assert transformers_identity(tiny) == transformers_identity(hf_llama(0))
     _run(other, ids, "int4", store)
     assert store.last_report.reused == 0
     _run(tiny, ids, "int4", store)

@@ -21,32 +21,16 @@ pytest.importorskip("tokenizers", reason="the tokenizers package (extra [model])
 from arraykv.integrations.decoder import weight_cache  # noqa: E402
 from arraykv.integrations.decoder.gguf_loading import _version, load_model  # noqa: E402
 from arraykv.integrations.decoder.gguf_writer import write_gguf  # noqa: E402
-from arraykv.integrations.decoder.model_config import ModelConfig  # noqa: E402
 from arraykv.integrations.decoder.weights import random_gguf_tensors  # noqa: E402
 
-CFG = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    ffn_size=48,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    vocab_size=110,
-    context_length=64,
-    rope_theta=50000.0,
-    rms_eps=1e-5,
-)
+from tiny_models import GGUF_LLAMA_TOKENIZED as CFG, MERGES, byte_tokens  # noqa: E402
+
 IDS = [5, 17, 3, 99, 42, 7]
-
-
-def _tokens(n):
-    base = ["<|end|>"] + [chr(c) for c in range(33, 127)] + ["Ġ", "he", "ll", "hell"]
-    return base + [f"x{i}" for i in range(n - len(base))]
 
 
 def _write(path, cfg=CFG, seed=1, tokens=True):
     tensors = random_gguf_tensors(cfg, seed=seed)
-    kw = {"tokens": _tokens(cfg.vocab_size), "merges": ["h e", "l l", "he ll"]} if tokens else {}
+    kw = {"tokens": byte_tokens(cfg.vocab_size), "merges": MERGES} if tokens else {}
     return Path(write_gguf(path, cfg, tensors, **kw))
 
 

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from .tiny_store_model import tiny_model
+from tiny_models import store_model
 
 
 @pytest.fixture(scope="session")
 def model():
-    return tiny_model()
+    return store_model()
 
 
 class RunningServer:

@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the tests' tiny models
 
 KEYS = [f"{i:02x}" * 16 for i in range(4)]
 
@@ -66,12 +66,12 @@ def main(argv: list) -> int:
             store.put(KEYS[i % 4], payload(i, size))
             i += 1
     if cmd == "prefix":
-        from tiny_store_model import tiny_model
-
         from arraykv.store import PrefixStore
 
+        from tiny_models import store_model
+
         method, n, chunk_tokens, out = argv[3], int(argv[4]), int(argv[5]), argv[6]
-        model = tiny_model()
+        model = store_model()
         ids = np.random.default_rng(0).integers(0, 101, n).tolist()
         ps = PrefixStore(store, chunk_tokens=chunk_tokens)
         logits = ps.prefill(model, ids, model.make_cache(method), chunk_size=32)

@@ -520,9 +520,9 @@ FULL_SHM = r"""
 import sys, warnings
 import numpy as np
 sys.path.insert(0, sys.argv[2])
-from tiny_store_model import tiny_model
+from tiny_models import store_model
 from arraykv.store import LocalStore, PrefixStore, StoreWarning, segmented_prefill
-model = tiny_model()
+model = store_model()
 ids = np.random.default_rng(0).integers(0, 101, 3 * 64 + 10).tolist()
 want = segmented_prefill(model, ids, model.make_cache("pqo4"), chunk_tokens=64, chunk_size=32)
 store = PrefixStore(LocalStore(sys.argv[1]), chunk_tokens=64, policy="every")
@@ -542,10 +542,10 @@ def test_entries_are_encoded_without_dev_shm(tmp_path):
         pytest.skip("no unshare")
     script = tmp_path / "full_shm.py"
     script.write_text(FULL_SHM)
-    here = os.path.dirname(__file__)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where tiny_models is
     shell = (
         "mount -t tmpfs -o size=4k tmpfs /dev/shm && (head -c 1M /dev/zero > /dev/shm/fill || true) && "
-        f'exec "{sys.executable}" "{script}" "{tmp_path / "store"}" "{here}"'
+        f'exec "{sys.executable}" "{script}" "{tmp_path / "store"}" "{tests}"'
     )
     probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"], capture_output=True)
     if probe.returncode:

@@ -23,7 +23,7 @@ from arraykv.store import LocalStore, PrefixStore, StoreWarning, segmented_prefi
 from arraykv.store.binding import SECRET_ENV, Tenant, open_entry, read_header, seal_entry
 from arraykv.store.keys import model_identity, onnx_identity, onnx_identity_later
 
-from .tiny_store_model import tiny_model
+from tiny_models import hf_llama, store_model
 
 S, CHUNK = 64, 32  # tokens per stored segment, the decoder's prefill chunk within a segment
 SECRET = b"tenant-a: 0123456789abcdef"
@@ -259,14 +259,14 @@ def test_an_entry_counts_as_used_only_once_it_was_accepted(model, tmp_path):
 def test_model_identity_covers_every_weight(model, tmp_path):
     """A model that differs from another in 64 weights no sample of 4,096 values per tensor would
     read gets another identity, so it never restores the other's entries."""
-    other = tiny_model()
+    other = store_model()
     lw = other.layers[1]
     wgu = np.array(lw.wgu)  # 64 x 192: a sampler of 4,096 values per tensor reads every third
     flat = wgu.reshape(-1)
     flat[np.arange(64) * 3 + 1] += 0.5
     other.layers[1] = dataclasses.replace(lw, wgu=wgu)
     assert model_identity(other) != model_identity(model)
-    assert model_identity(tiny_model()) == model_identity(model)  # the same weights, another object
+    assert model_identity(store_model()) == model_identity(model)  # the same weights, another object
     ids = prompt(S + 20)
     store = PrefixStore(tmp_path, chunk_tokens=S)
     run(store, model, ids)
@@ -282,7 +282,7 @@ def test_model_identity_refuses_to_guess(model):
 
     with pytest.raises(TypeError, match="model_id"):
         model_identity(object())
-    odd = tiny_model()
+    odd = store_model()
     odd.layers = [NotLayers()]
     with pytest.raises(TypeError, match="model_id"):
         model_identity(odd)
@@ -351,29 +351,14 @@ def test_an_onnx_files_identity_covers_its_external_data(tmp_path):
     assert graph_identity(str(path))() == before
 
 
-def _tiny_hf():
-    """tests/integrations/tiny_hf.py (the tiny random Llama of the transformers tests)."""
-    import importlib.util
-    import sys
-
-    if "tiny_hf" not in sys.modules:
-        path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "integrations", "tiny_hf.py")
-        spec = importlib.util.spec_from_file_location("tiny_hf", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["tiny_hf"] = module
-    return sys.modules["tiny_hf"]
-
-
 def test_transformers_identity_covers_every_weight_and_in_place_changes():
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from arraykv.integrations.transformers.prefix_store import transformers_identity
 
-    tiny_llama = _tiny_hf().tiny_llama
-    m = tiny_llama(0)
+    m = hf_llama(0)
     base = transformers_identity(m)
-    assert transformers_identity(tiny_llama(0)) == base
+    assert transformers_identity(hf_llama(0)) == base
     name, t = max(m.state_dict().items(), key=lambda kv: kv[1].numel())
     step = max(1, t.numel() // 4096)
     assert step > 1, f"{name} has {t.numel()} values: a sampler would read them all"

@@ -94,14 +94,14 @@ def test_policy_last_stores_the_longest_boundary_and_a_conversation_finds_it(mod
 
 
 def test_keys_separate_models_methods_options_and_schedules(model, tmp_path):
-    from .tiny_store_model import tiny_model
+    from tiny_models import store_model
 
     store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S)
     ids = prompt(2 * S)
     base = store.keys(model, model.make_cache("pqo4"), ids, chunk_size=CHUNK)
     assert len(base) == 2
     others = [
-        store.keys(tiny_model(seed=4), model.make_cache("pqo4"), ids, chunk_size=CHUNK),
+        store.keys(store_model(seed=4), model.make_cache("pqo4"), ids, chunk_size=CHUNK),
         store.keys(model, model.make_cache("pqo3"), ids, chunk_size=CHUNK),
         store.keys(model, model.make_cache("pqo4", seed=1), ids, chunk_size=CHUNK),
         store.keys(model, model.make_cache("pqo4"), ids, chunk_size=16),

@@ -10,6 +10,8 @@ import pytest
 
 from arraykv.__main__ import main
 
+from tiny_models import text_llama_gguf
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -104,33 +106,8 @@ def test_demo_rejects_unknown_methods(capsys):
     assert "unknown methods ['nope']" in capsys.readouterr().err
 
 
-def _tiny_llama_gguf(path):
-    """A 2-layer random Llama GGUF whose byte-level vocabulary covers printable ASCII and newline."""
-    pytest.importorskip("gguf", reason="extra [model] not installed")
-    pytest.importorskip("tokenizers", reason="extra [model] not installed")
-    from arraykv.integrations.decoder.gguf_writer import write_gguf
-    from arraykv.integrations.decoder.model import random_gguf_tensors
-    from arraykv.integrations.decoder.model_config import ModelConfig
-
-    tokens = ["<|end|>", "Ċ", "Ġ"] + [chr(c) for c in range(33, 127)] + ["ĠT", "he"]
-    cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        ffn_size=48,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        vocab_size=len(tokens),
-        context_length=512,
-        rope_theta=10000.0,
-        rms_eps=1e-5,
-    )
-    write_gguf(path, cfg, random_gguf_tensors(cfg, seed=2), tokens=tokens, merges=["Ġ T", "h e"])
-    return path
-
-
 def test_longctx_prints_both_tables_and_the_memory(tmp_path, capsys):
-    model = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    model = text_llama_gguf(tmp_path / "tiny.gguf")
     png = tmp_path / "long.png"
     argv = [
         "longctx",
@@ -175,7 +152,7 @@ def test_longctx_prints_both_tables_and_the_memory(tmp_path, capsys):
 def test_longctx_benchmark_script_traces_memory(tmp_path, capsys):
     import importlib.util
 
-    model = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    model = text_llama_gguf(tmp_path / "tiny.gguf")
     spec = importlib.util.spec_from_file_location("long_context_bench", ROOT / "benchmarks" / "long_context.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -203,7 +180,7 @@ def test_longctx_benchmark_script_traces_memory(tmp_path, capsys):
 
 @pytest.mark.parametrize("text", ["pydoc", "file"])
 def test_longctx_reads_the_long_text_named(tmp_path, capsys, text):
-    model = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    model = text_llama_gguf(tmp_path / "tiny.gguf")
     if text == "file":
         text = str(tmp_path / "story.txt")
         (tmp_path / "story.txt").write_text("The sky is blue and the grass is green.\n" * 40, encoding="utf-8")
@@ -247,7 +224,7 @@ def test_longctx_rejects_bad_options(capsys):
 
 @pytest.mark.parametrize("draft", ["ngram:3", "layers:1", "cache:pqo2"])
 def test_speculative_prints_text_acceptance_speeds_and_agreement(tmp_path, capsys, draft):
-    model = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    model = text_llama_gguf(tmp_path / "tiny.gguf")
     args = [
         "speculative",
         "--model",

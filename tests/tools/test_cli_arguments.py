@@ -14,9 +14,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_cli import _tiny_llama_gguf
 
 from arraykv.__main__ import main
+
+from tiny_models import text_llama_gguf
 
 NO_MODEL = "/nonexistent/arraykv-no-model.gguf"
 
@@ -91,7 +92,7 @@ def test_output_paths_are_checked_before_anything_runs(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def headless(tmp_path_factory):
     """A 2-layer tiny GGUF (context 512) whose weights are cut off: its header reads, it does not load."""
-    path = _tiny_llama_gguf(tmp_path_factory.mktemp("headless") / "tiny.gguf")
+    path = text_llama_gguf(tmp_path_factory.mktemp("headless") / "tiny.gguf")
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size // 2)
     return str(path)
@@ -141,7 +142,7 @@ def test_the_header_reader_reads_what_the_gguf_package_reads(tmp_path):
     from arraykv.eval.texts import builtin_text
     from arraykv.integrations.decoder.tokenizer import tokenizer_from_gguf
 
-    path = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    path = text_llama_gguf(tmp_path / "tiny.gguf")
     reader = gguf.GGUFReader(str(path))
     meta = read_metadata(path)
     fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
