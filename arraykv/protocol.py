@@ -665,7 +665,7 @@ class Capability(Generic[_P]):
             if not n.startswith("_") and n not in _PROTOCOL_ATTRS
         )
         #: The answer of :func:`supports` per class of cache, found on first asking.
-        self._answers: dict[type, bool] = {}
+        self._answers: dict[type, bool | None] = {}
 
     def __repr__(self) -> str:
         return f"Capability({self.name!r}, {self.protocol.__name__})"
@@ -675,27 +675,39 @@ class Capability(Generic[_P]):
 _PROTOCOL_ATTRS = frozenset(vars(Protocol)) | {"__doc__", "__module__", "__qualname__"}
 
 
-def _implements(obj: object, capability: Capability) -> bool:
-    """Whether every member of ``capability`` is on ``obj``, and not the protocol's own stub or None."""
+def _class_answer(cls: type, capability: Capability) -> bool | None:
+    """What ``cls`` itself says of ``capability``: True or False, or None where a member is not on
+    the class (set on its instances, or forwarded by a ``__getattr__``): then each object decides."""
+    for name in capability.members:
+        owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+        if owner is None:
+            return None
+        if vars(owner)[name] is None or getattr(owner, "_is_protocol", False):
+            return False  # refused by its class, or only the protocol's empty declaration inherited
+    return True
+
+
+def _instance_answer(obj: object, capability: Capability) -> bool:
+    """Whether every member of ``capability`` is on ``obj`` (looked up on the object, as hasattr does)."""
     cls = type(obj)
     for name in capability.members:
         owner = next((c for c in cls.__mro__ if name in vars(c)), None)
-        if owner is None:  # an attribute set on the instance (WindowTailKVCache.keep)
-            if getattr(obj, name, None) is None:
-                return False
-        elif vars(owner)[name] is None or getattr(owner, "_is_protocol", False):
-            return False  # refused by its class, or only the protocol's empty declaration inherited
+        if owner is not None and (vars(owner)[name] is None or getattr(owner, "_is_protocol", False)):
+            return False
+        if getattr(obj, name, None) is None:
+            return False
     return True
 
 
 def supports(obj: object, capability: Capability[_P]) -> TypeGuard[_P]:
     """Whether ``obj`` has ``capability``: every member of its protocol, implemented.
 
-    The answer is found once per class (on its first instance asked) and then looked up: a
-    dictionary read, cheap enough for a decode step's every layer. A class has a capability
-    when it or a base defines every member of the protocol (a method the class sets to None
-    is refused; a protocol's own empty declaration, inherited by subclassing it, does not
-    count); attributes a class sets on its instances are looked for on the first instance.
+    The answer is found once per class and then looked up: a dictionary read, cheap enough for
+    a decode step's every layer. A class has a capability when it or a base defines every
+    member of the protocol (a method the class sets to None is refused; a protocol's own empty
+    declaration, inherited by subclassing it, does not count). Where a member is not on the
+    class (an attribute set on instances, or a wrapper forwarding through ``__getattr__``),
+    each object is asked, as ``hasattr`` would, so one wrapped cache never answers for another.
     The built-in caches also declare their capabilities by subclassing the protocols
     (:func:`declares`), which a test holds equal to this answer.
 
@@ -720,10 +732,11 @@ def supports(obj: object, capability: Capability[_P]) -> TypeGuard[_P]:
     (True, False)
     """
     cls = type(obj)
-    answer = capability._answers.get(cls)
-    if answer is None:
-        answer = capability._answers[cls] = _implements(obj, capability)
-    return answer
+    try:
+        answer = capability._answers[cls]
+    except KeyError:
+        answer = capability._answers[cls] = _class_answer(cls, capability)
+    return _instance_answer(obj, capability) if answer is None else answer
 
 
 def declares(cls: type, capability: Capability) -> bool:

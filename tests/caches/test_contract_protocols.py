@@ -214,3 +214,45 @@ def test_the_answer_is_kept_per_class():
     supports(first, BATCH_ROWS)
     assert BATCH_ROWS._answers[type(first)] is True
     assert supports(second, BATCH_ROWS) and len([c for c in BATCH_ROWS._answers if c is type(first)]) == 1
+
+
+class _Forwarding:
+    """A wrapper that forwards every attribute to the cache it wraps (as test harnesses and
+    instrumenting proxies do): its class defines none of the members."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_a_forwarding_wrapper_is_answered_by_what_each_one_wraps():
+    from arraykv.caches import HybridCache
+
+    plain = _Forwarding(_make("pqo4"))
+    hybrid = _Forwarding(
+        HybridCache(
+            num_layers=2,
+            num_kv_heads=1,
+            head_dim=16,
+            layer_types=["sliding_attention", "full_attention"],
+            window=8,
+            full_method="pqo4",
+        )
+    )
+    # the first wrapper asked must not answer for the second (both are _Forwarding)
+    assert not supports(plain, LAYER_ROUTING) and supports(hybrid, LAYER_ROUTING)
+    assert supports(plain, TRUNCATION) and supports(hybrid, TRUNCATION)
+    assert not supports(_Forwarding(object()), KV_CACHE)
+
+
+def test_members_set_on_instances_are_looked_for_on_each_instance():
+    class Tail:
+        def append_last(self, *args):
+            return None
+
+    with_keep, without = Tail(), Tail()
+    with_keep.keep = 3
+    assert supports(with_keep, WINDOW_TAIL) and not supports(without, WINDOW_TAIL)
+    assert supports(with_keep, WINDOW_TAIL)  # asked again after the other instance

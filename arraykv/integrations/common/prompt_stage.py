@@ -39,7 +39,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import _compat
-from ...protocol import DequantResult
+from ...protocol import (
+    INCREMENTAL,
+    LAYER_ROUTING,
+    WINDOW_TAIL,
+    CompressedKVCache,
+    DequantResult,
+    WindowTailKVCache,
+    supports,
+)
 
 __all__ = ["PromptStage", "QUERY_SAMPLE", "stages_layer", "serving_cache"]
 
@@ -47,19 +55,23 @@ __all__ = ["PromptStage", "QUERY_SAMPLE", "stages_layer", "serving_cache"]
 QUERY_SAMPLE = 1024
 
 
-def serving_cache(cache: Any, layer: int) -> Any:
+def serving_cache(cache: CompressedKVCache, layer: int) -> CompressedKVCache:
     """The cache that serves ``layer`` (the part of a hybrid cache, or ``cache`` itself)."""
-    return cache.cache_of(layer) if hasattr(cache, "cache_of") else cache
+    return cache.cache_of(layer) if supports(cache, LAYER_ROUTING) else cache
 
 
-def stages_layer(cache: Any, layer: int) -> bool:
+def stages_layer(cache: CompressedKVCache, layer: int) -> bool:
     """Whether ``layer`` of ``cache`` compresses (so a prompt is staged for it)."""
     part = serving_cache(cache, layer)
-    if not (hasattr(part, "append") and hasattr(part, "dequantize")):
+    if not supports(part, INCREMENTAL):
         return False  # a cache of the protocol only: its chunks go straight to it
-    if hasattr(part, "keep") and not hasattr(part, "append_last"):
-        return False  # a window it cannot be given in one piece
     return not getattr(part, "stores_exactly", False)
+
+
+def _window_of(cache: CompressedKVCache, layer: int) -> WindowTailKVCache | None:
+    """The window cache serving ``layer``, which takes a prompt by its last rows; None for another cache."""
+    part = serving_cache(cache, layer)
+    return part if supports(part, WINDOW_TAIL) else None
 
 
 @dataclass
@@ -88,10 +100,9 @@ class PromptStage:
         self.cache = cache
         self.total = int(total)
         self._staged = [stages_layer(cache, i) for i in range(num_layers)]
-        #: Rows a staged sliding layer keeps between chunks (None: a global layer keeps all).
-        self._keep = [
-            getattr(serving_cache(cache, i), "keep", None) if self._staged[i] else None for i in range(num_layers)
-        ]
+        #: The window cache of a staged sliding layer, which keeps its last ``keep`` rows between
+        #: chunks (None: a global layer keeps all).
+        self._windows = [_window_of(cache, i) if self._staged[i] else None for i in range(num_layers)]
         self._held: list[_Staged | None] = [None] * num_layers  # per staged layer: a _Staged once its first chunk came
         self._before: list[tuple[Any, Any] | None] = [None] * num_layers  # earlier tokens of the target, float (k, v)
         self._start: list[int] = [cache.seq_len(i) for i in range(num_layers)]
@@ -128,9 +139,9 @@ class PromptStage:
         # the chunk's own keys exactly as given (float32), the earlier ones through float16
         kk[:, :, -t:, :] = k
         vv[:, :, -t:, :] = v
-        keep = self._keep[layer]
-        if keep is not None:  # a sliding layer: only the rows its window will hold stay staged
-            self._trim(layer, held, keep)
+        window = self._windows[layer]
+        if window is not None:  # a sliding layer: only the rows its window will hold stay staged
+            self._trim(layer, held, window.keep)
         return DequantResult(k=kk, v=vv)
 
     def _trim(self, layer: int, held: _Staged, keep: int) -> None:
@@ -168,8 +179,9 @@ class PromptStage:
             reps = math.ceil(held.seen / max(1, int(sample.shape[2])))
             q = (xp.concat([sample] * reps, axis=2) if reps > 1 else sample)[:, :, : held.seen, :]
             self._held[layer] = None
-            if self._keep[layer] is None:
+            window = self._windows[layer]
+            if window is None:
                 self.cache.append(layer, k, v, q)
             else:  # the last rows of a sliding layer's prompt; its length counts every token
                 rows = int(k.shape[2])
-                serving_cache(self.cache, layer).append_last(layer, k, v, q[:, :, held.seen - rows :, :], held.seen)
+                window.append_last(layer, k, v, q[:, :, held.seen - rows :, :], held.seen)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import _compat
-from ...protocol import DequantResult
+from ...protocol import SNAPSHOTS, TRUNCATION, DequantResult, supports
 
 __all__ = [
     "Block",
@@ -88,12 +88,12 @@ def argmax_rows(logits: Any) -> list:
 
 
 def require_truncate(cache: Any, what: str, depth: int = 0) -> None:
-    """Refuse a cache that cannot take back ``depth`` tokens: no ``truncate_all`` (``TypeError``),
-    or a ``rollback_tokens`` margin below ``depth`` (``ValueError`` naming the fix)."""
-    if not callable(getattr(cache, "truncate_all", None)):
+    """Refuse a cache that cannot take back ``depth`` tokens: one without truncation
+    (:data:`~arraykv.protocol.TRUNCATION`, ``TypeError``), or with a ``rollback_tokens`` margin
+    below ``depth`` (``ValueError`` naming the fix)."""
+    if not supports(cache, TRUNCATION):
         raise TypeError(f"{what} must support truncate_all (every arraykv cache does), received {type(cache).__name__}")
-    get_config = getattr(cache, "get_config", None)
-    margin = get_config().get("rollback_tokens") if callable(get_config) else None
+    margin = cache.get_config().get("rollback_tokens") if supports(cache, SNAPSHOTS) else None
     if isinstance(margin, int) and margin < depth:
         raise ValueError(
             f"{what} keeps rollback copies of {margin} tokens, but this k may take back {depth}: "
