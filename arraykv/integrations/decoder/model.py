@@ -24,22 +24,13 @@ can be limited to the last position (``logits="last"``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ... import _compat
 from ...protocol import AttendConfig, Fused
-from ..common.generation import (
-    cache_length as _cache_len,
-    check_chunk,
-    check_sampling,
-    generate_tokens,
-    prompt_ids,
-    tokenizer_stops,
-    undo_on_failure,
-)
+from ..common.generation import GenerationFront, cache_length as _cache_len, check_chunk, undo_on_failure
 from ..common.layer_attention import attend_chunk, attend_one
 from ..common.prompt_stage import PromptStage, serving_cache, stages_layer
 from .architectures import architecture
@@ -50,11 +41,13 @@ from .weights import LayerWeights, layout_gguf_tensors, random_gguf_tensors, unp
 __all__ = ["DecoderModel", "LayerWeights", "random_gguf_tensors", "unpermute_qk"]
 
 
-class DecoderModel:
+class DecoderModel(GenerationFront):
     """A decoder (Llama, Qwen 2/3, Gemma 3) over NumPy or CuPy arrays.
 
     Build one with :func:`arraykv.integrations.decoder.gguf_loading.load_model` (or
-    :meth:`from_gguf_tensors`).
+    :meth:`from_gguf_tensors`). Text generation is
+    :meth:`~arraykv.integrations.common.generation.GenerationFront.generate`, the one every
+    engine shares.
 
     Parameters
     ----------
@@ -75,7 +68,7 @@ class DecoderModel:
     def __init__(
         self,
         config: ModelConfig,
-        layers: list,
+        layers: list[LayerWeights],
         embedding: Any,
         output_norm: Any,
         lm_head: Any = None,
@@ -100,13 +93,16 @@ class DecoderModel:
         # float32(sqrt(hidden)), the factor Gemma multiplies its embeddings by
         self._embed_scale = float(np.float32(math.sqrt(config.hidden_size))) if self.arch.embed_scale else 1.0
         self._rope_len = 0
-        self._cos = self._sin = None
-        self._rope = {}
+        self._cos: Any = None
+        self._sin: Any = None
+        self._rope: dict[str, tuple[Any, Any]] = {}
         self._ensure_rope(min(config.context_length, 4096))
 
     # -- construction --------------------------------------------------------------
     @classmethod
-    def from_gguf_tensors(cls, config: ModelConfig, tensors: dict, *, tokenizer: Any = None, xp: Any = None):
+    def from_gguf_tensors(
+        cls, config: ModelConfig, tensors: dict[str, Any], *, tokenizer: Any = None, xp: Any = None
+    ) -> DecoderModel:
         """Lay out dequantized GGUF tensors for fast decoding.
 
         Parameters
@@ -128,7 +124,7 @@ class DecoderModel:
         layers, embedding, output_norm, lm_head = layout_gguf_tensors(config, tensors, xp)
         return cls(config, layers, embedding, output_norm, lm_head, tokenizer=tokenizer)
 
-    def make_cache(self, method: str = "dense", *, window_options: dict | None = None, **options: Any):
+    def make_cache(self, method: str = "dense", *, window_options: dict[str, Any] | None = None, **options: Any) -> Any:
         """A cache of this model's geometry: ``arraykv.make_cache(method, num_layers=..., ...)``.
 
         For a model with sliding-window layers, a :class:`~arraykv.HybridCache`: the global
@@ -176,7 +172,7 @@ class DecoderModel:
         ms = xp.mean(x * x, axis=-1, keepdims=True)
         return x * (1.0 / xp.sqrt(ms + self.config.rms_eps)) * w
 
-    def _qkv(self, lw: LayerWeights, h: Any, start: int, layer: int = 0):
+    def _qkv(self, lw: LayerWeights, h: Any, start: int, layer: int = 0) -> tuple[Any, Any, Any]:
         xp = self._ops
         c = self.config
         b, t = int(h.shape[0]), int(h.shape[1])
@@ -241,7 +237,7 @@ class DecoderModel:
         return xp.matmul(h, xp.matrix_transpose(head))
 
     # -- token ids in, logits out ----------------------------------------------------
-    def _ids(self, token_ids: Any):
+    def _ids(self, token_ids: Any) -> tuple[Any, bool]:
         """Token ids as a (batch, t) int64 array in the weights' namespace, and whether input was 1-D."""
 
         a = _compat.to_numpy(token_ids) if _is_array(token_ids) else np.asarray(token_ids)
@@ -445,96 +441,28 @@ class DecoderModel:
         out = self._logits(x)[:, 0, :]
         return out[0] if single else out
 
-    # -- text generation ---------------------------------------------------------------
-    def generate(
-        self,
-        prompt: Any,
-        max_new_tokens: int = 32,
-        *,
-        cache: Any = None,
-        method: str = "dense",
-        eos_id: int | None = None,
-        stop_at_eos: bool = True,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        seed: int | None = None,
-        on_token: Callable[[int], None] | None = None,
-        prefill_chunk: int | None = 512,
-        store: Any = None,
-    ) -> list:
-        """Greedy or sampled generation for one sequence.
+    # -- text generation: GenerationFront.generate over these steps ------------------
+    def _cache_layers(self) -> int:
+        return self.config.num_layers
 
-        The convention every engine shares (:mod:`arraykv.integrations.common.generation`); an
-        :class:`~arraykv.integrations.onnxruntime.hook.OrtKVDecoder` takes the same arguments.
-
-        Parameters
-        ----------
-        prompt : str or sequence of int
-            Text (needs :attr:`tokenizer`) or token ids.
-        max_new_tokens : int, default 32
-        cache : CompressedKVCache, optional
-            An empty cache to use; by default ``self.make_cache(method)``.
-        method : str, default "dense"
-            Cache method when ``cache`` is not given.
-        eos_id : int or collection of int, optional
-            The end-of-sequence token(s); None uses the tokenizer's ``stop_ids`` (none without a
-            tokenizer).
-        stop_at_eos : bool, default True
-            Stop right after producing the end-of-sequence token (it ends the returned list).
-        temperature : float, default 0.0
-            0 is greedy (argmax); otherwise sample from ``softmax(logits / temperature)``.
-        top_k : int, optional
-            Sample only among the ``top_k`` most likely tokens.
-        seed : int, optional
-            Seed of the sampler.
-        on_token : callable, optional
-            Called with each new token id as it is produced (for streaming output).
-        prefill_chunk : int or None, default 512
-            The prompt goes through :meth:`prefill` in chunks of this many tokens, with the
-            output head on its last position only; None feeds it in one piece.
-        store : PrefixStore, folder or ``redis://`` URL, optional
-            Reuse the longest stored prefix of the prompt, prefill only the rest and store new
-            prefixes (:class:`arraykv.store.PrefixStore`: the prompt then runs in its segments,
-            and the result equals that of a run without stored prefixes bit for bit).
-
-        Returns
-        -------
-        list of int
-            The new token ids (the prompt excluded).
-        """
-        ids = prompt_ids(prompt, self.tokenizer)
-        temperature = check_sampling(max_new_tokens, temperature, top_k, prefill_chunk)
+    def _check_generation_room(self, prompt_tokens: int, max_new_tokens: int) -> None:
         limit = self.config.context_length
-        if len(ids) + max_new_tokens > limit:
+        if prompt_tokens + max_new_tokens > limit:
             raise ValueError(
-                f"the prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the context "
+                f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the context "
                 f"length of {limit}; shorten the prompt or ask for fewer tokens"
             )
-        if cache is None:
-            cache = self.make_cache(method)
-        elif _cache_len(cache, self.config.num_layers) != 0:
-            raise ValueError("cache must be empty; call cache.reset() first")
-        if eos_id is None:  # every stop token of the model (Gemma: two)
-            eos_id = tokenizer_stops(self.tokenizer)
-        prefill_last = lambda p: self.prefill(p, cache, chunk_size=prefill_chunk, logits="last")  # noqa: E731
-        if store is not None:  # the prompt through a prefix store (arraykv.store.prefix)
-            from ...store.prefix import as_prefix_store
 
-            run = as_prefix_store(store).prefill
-            prefill_last = lambda p: run(self, p, cache, chunk_size=prefill_chunk)  # noqa: E731
-        with undo_on_failure(cache, 0):  # a failed generation leaves the cache empty, as it came
-            return generate_tokens(
-                lambda p: _compat.to_numpy(prefill_last(p)),
-                lambda tok: _compat.to_numpy(self.decode(tok, cache)),
-                ids,
-                max_new_tokens,
-                eos=eos_id,
-                stop_at_eos=stop_at_eos,
-                temperature=temperature,
-                top_k=top_k,
-                seed=seed,
-                on_token=on_token,
-            )
+    def _prompt_logits(self, ids: list[int], cache: Any, chunk: int | None) -> Any:
+        return self.prefill(ids, cache, chunk_size=chunk, logits="last")
+
+    def _stored_prompt_logits(self, store: Any, ids: list[int], cache: Any, chunk: int | None) -> Any:
+        from ...store.prefix import as_prefix_store  # the prompt in the store's segments
+
+        return as_prefix_store(store).prefill(self, ids, cache, chunk_size=chunk)
+
+    def _token_logits(self, token: int, cache: Any) -> Any:
+        return self.decode(token, cache)
 
     def __repr__(self) -> str:
         c = self.config

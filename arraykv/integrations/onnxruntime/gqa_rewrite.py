@@ -72,7 +72,7 @@ def calibrate_kv_scales(model: Any, token_ids: Sequence[int], bits: int) -> list
     return scales
 
 
-def rewrite_with_gqa(model: Any, *, num_heads: int, bits: int | None, scales: list | None = None):
+def rewrite_with_gqa(model: Any, *, num_heads: int, bits: int | None, scales: list | None = None) -> Any:
     """``model`` with each layer's attention over the past computed by ``GroupQueryAttention``.
 
     Parameters
@@ -133,7 +133,7 @@ def rewrite_with_gqa(model: Any, *, num_heads: int, bits: int | None, scales: li
         helper.make_node("Cast", ["gqa_total64"], ["gqa_total"], to=TensorProto.INT32),
     ]
     attrs: dict = {}
-    if bits is not None:
+    if bits is not None and scales is not None:  # (bits without scales was refused above)
         attrs = dict(kv_cache_bit_width=bits, k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL")
         for i, (ks, vs) in enumerate(scales):
             for name, s in ((f"gqa_k_scale_{i}", ks), (f"gqa_v_scale_{i}", vs)):

@@ -24,12 +24,15 @@ drives those.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from ..common.generation import cache_length, check_sampling, generate_tokens, prompt_ids, undo_on_failure
+import numpy as np
+
+from ..common.generation import cache_length, undo_on_failure
 from ..common.optional import require
 from .cache_operator import CacheSlot, register, run_prompt, session_options
+from .engine import OrtEngine, declared_dim, int_types, token_feeds, token_ids
 from .graph_files import rewritten_session
 from .graph_rewrite import rewrite_with_cache_op
 from .prefix_store import graph_identity, store_prefill
@@ -37,7 +40,7 @@ from .prefix_store import graph_identity, store_prefill
 __all__ = ["OrtGraphDecoder"]
 
 
-class OrtGraphDecoder:
+class OrtGraphDecoder(OrtEngine):
     """ONNX Runtime decoding with the KV cache inside the graph, held by an arraykv cache.
 
     Parameters
@@ -126,28 +129,11 @@ class OrtGraphDecoder:
                 f"the model declares {dims}"
             )
         self.num_layers = len(self.sites)
-        self.num_kv_heads = _dim(dims[1], num_kv_heads, "num_kv_heads")
-        self.head_dim = _dim(dims[3], head_dim, "head_dim")
-        inputs = {i.name: i for i in self.session.get_inputs()}
-        if "input_ids" not in inputs:
-            raise ValueError("the ONNX model has no input_ids input; only token-id decoders are supported")
+        self.num_kv_heads = declared_dim(dims[1], num_kv_heads, "num_kv_heads")
+        self.head_dim = declared_dim(dims[3], head_dim, "head_dim")
+        self._int_type = int_types({i.name: i for i in self.session.get_inputs()})
         outputs = [o.name for o in self.session.get_outputs()]
         self.logits_name = "logits" if "logits" in outputs else outputs[0]
-        import numpy as np
-
-        self._int_type = {
-            name: (np.int32 if inputs[name].type == "tensor(int32)" else np.int64)
-            for name in ("input_ids", "attention_mask", "position_ids")
-            if name in inputs
-        }
-
-    def make_cache(self, method: str = "dense", **options: Any):
-        """A cache of this decoder's geometry (``arraykv.make_cache`` with layers/heads/head_dim filled)."""
-        from ...caches import make_cache
-
-        return make_cache(
-            method, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, **options
-        )
 
     def step(self, input_ids: Any, cache: Any, *, mode: str = "prefill") -> Any:
         """Run the graph on ``input_ids`` after the tokens ``cache`` holds, storing their K/V in it.
@@ -175,25 +161,18 @@ class OrtGraphDecoder:
         """
         if mode not in ("prefill", "decode"):
             raise ValueError(f"mode must be 'prefill' or 'decode', received {mode!r}")
-        return self._run(_token_ids(input_ids), cache, mode, cache)
+        return self._run(token_ids(input_ids), cache, mode, cache)
 
     def _run(self, ids: Any, cache: Any, mode: str, into: Any) -> Any:
         """:meth:`step` on checked ``ids``, the nodes storing into ``into``: ``cache``, or a
         :class:`~arraykv.integrations.common.prompt_stage.PromptStage` standing in for it."""
-        import numpy as np
-
-        batch, t = ids.shape
+        t = ids.shape[1]
         if mode == "decode" and t != 1:
             raise ValueError(f"a decode step takes one token per sequence, received {t}")
         past_len = cache_length(into, self.num_layers)
         if mode == "decode" and past_len == 0:
             raise ValueError("decode needs a cache holding earlier tokens; call prefill first")
-        feeds = {"input_ids": ids.astype(self._int_type["input_ids"])}
-        if "attention_mask" in self._int_type:
-            feeds["attention_mask"] = np.ones((batch, past_len + t), dtype=self._int_type["attention_mask"])
-        if "position_ids" in self._int_type:
-            pos = np.arange(past_len, past_len + t, dtype=self._int_type["position_ids"])
-            feeds["position_ids"] = np.broadcast_to(pos, (batch, t)).copy()
+        feeds = token_feeds(ids, past_len, self._int_type)
         self._check_geometry(cache)
         slot = self._slot
         slot.cache, slot.mode, slot.error = into, mode, None
@@ -236,7 +215,7 @@ class OrtGraphDecoder:
         """
         return run_prompt(
             lambda a, into: self._run(a, cache, "prefill", into),
-            _token_ids(input_ids),
+            token_ids(input_ids),
             cache,
             self.num_layers,
             chunk_size=chunk_size,
@@ -246,103 +225,23 @@ class OrtGraphDecoder:
 
     def decode(self, input_ids: Any, cache: Any) -> Any:
         """One token per sequence (an int, or shape (batch,) or (batch, 1)); logits (batch, 1, vocab)."""
-        import numpy as np
-
         ids = np.asarray(input_ids).reshape(-1, 1)
         return self.step(ids, cache, mode="decode")
 
-    def generate(
-        self,
-        prompt: Any,
-        max_new_tokens: int = 32,
-        *,
-        cache: Any = None,
-        method: str = "dense",
-        eos_id: int | None = None,
-        stop_at_eos: bool = True,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        seed: int | None = None,
-        on_token: Callable[[int], None] | None = None,
-        prefill_chunk: int | None = 512,
-        store: Any = None,
-    ) -> list:
-        """Greedy or sampled generation for one sequence.
+    # -- generation: GenerationFront.generate over these steps and OrtEngine's ---------
+    def _prompt_logits(self, ids: list[int], cache: Any, chunk: int | None) -> Any:
+        return self._prompt_segment(np.asarray([ids], dtype=np.int64), cache, chunk)
 
-        The convention every engine shares (:mod:`arraykv.integrations.common.generation`): the same
-        arguments as :meth:`arraykv.integrations.decoder.model.DecoderModel.generate`.
+    def _stored_prompt_logits(self, store: Any, ids: list[int], cache: Any, chunk: int | None) -> Any:
+        def run(a: Any) -> Any:
+            return self._prompt_segment(a, cache, chunk)
 
-        Parameters
-        ----------
-        prompt : sequence of int
-            Token ids (a graph has no tokenizer).
-        max_new_tokens : int, default 32
-        cache : CompressedKVCache, optional
-            An empty cache of this decoder's geometry; by default ``self.make_cache(method)``.
-        method : str, default "dense"
-        eos_id : int or collection of int, optional
-            None: generation runs for ``max_new_tokens``.
-        stop_at_eos, temperature, top_k, seed, on_token
-            As in :meth:`DecoderModel.generate <arraykv.integrations.decoder.model.DecoderModel.generate>`.
-        prefill_chunk : int or None, default 512
-            The prompt goes through :meth:`prefill` in chunks of this many tokens, computed over
-            its exact keys and values and stored compressed at its end (``prompt_store="exact"``);
-            None feeds it in one piece.
-        store : PrefixStore, folder or ``redis://`` URL, optional
-            Reuse the longest stored prefix of the prompt, prefill only the rest and store new
-            prefixes (:mod:`arraykv.integrations.onnxruntime.prefix_store`); the result equals a run without a
-            store bit for bit. The store's ``chunk_tokens`` must be a multiple of ``prefill_chunk``.
+        return store_prefill(store, "onnxruntime-graph", self._identity, cache, ids, chunk, run, segments=True)
 
-        Returns
-        -------
-        list of int
-            The new token ids (the prompt excluded).
-        """
-
-        import numpy as np
-
-        ids = prompt_ids(prompt, None)
-        temperature = check_sampling(max_new_tokens, temperature, top_k, prefill_chunk)
-        if cache is None:
-            cache = self.make_cache(method)
-        elif cache_length(cache, self.num_layers) != 0:
-            raise ValueError("cache must be empty; call cache.reset() first")
-
-        def run(a: Any) -> Any:  # a prompt or a store segment, staged exactly when it takes several chunks
-            return self.prefill(a, cache, chunk_size=prefill_chunk, logits="last")[0]
-
-        def prefill_last(p: list) -> Any:
-            if store is not None:
-                return store_prefill(
-                    store, "onnxruntime-graph", self._identity, cache, p, prefill_chunk, run, segments=True
-                )
-            return run(np.asarray([p], dtype=np.int64))
-
-        with undo_on_failure(cache, 0):  # a failed generation leaves the cache empty, as it came
-            return generate_tokens(
-                prefill_last,
-                lambda tok: self.decode([tok], cache)[0, -1],
-                ids,
-                max_new_tokens,
-                eos=eos_id,
-                stop_at_eos=stop_at_eos,
-                temperature=temperature,
-                top_k=top_k,
-                seed=seed,
-                on_token=on_token,
-            )
-
-
-def _token_ids(input_ids: Any) -> Any:
-    """``input_ids`` as a NumPy integer array (batch, new_tokens), or a ValueError."""
-    import numpy as np
-
-    ids = np.asarray(input_ids)
-    if ids.ndim == 1:
-        ids = ids[None, :]
-    if ids.ndim != 2 or ids.shape[1] == 0 or ids.dtype.kind not in "iu":
-        raise ValueError(f"input_ids must be integers of shape (batch, new_tokens), received {ids.shape} {ids.dtype}")
-    return ids
+    def _prompt_segment(self, ids: Any, cache: Any, chunk: int | None) -> Any:
+        """The logits (vocab,) of the last of ``ids`` (1, t), a prompt or a store segment, staged
+        exactly when it takes several chunks."""
+        return self.prefill(ids, cache, chunk_size=chunk, logits="last")[0]
 
 
 def _spinning(options: Any) -> str | None:
@@ -351,13 +250,3 @@ def _spinning(options: Any) -> str | None:
         return str(options.get_session_config_entry("session.intra_op.allow_spinning"))
     except Exception:  # noqa: BLE001 - onnxruntime raises a plain RuntimeError/Fail for a missing key
         return None
-
-
-def _dim(declared: Any, given: int | None, name: str) -> int:
-    if isinstance(declared, int) and declared > 0:
-        if given is not None and given != declared:
-            raise ValueError(f"{name}={given} disagrees with the model's past_key_values shape ({declared})")
-        return declared
-    if given is None:
-        raise ValueError(f"the model's past_key_values inputs have a symbolic {name} ({declared!r}); pass {name}=")
-    return int(given)

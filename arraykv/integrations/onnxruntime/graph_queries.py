@@ -49,7 +49,7 @@ def _query_of_layer(consumers: dict, key_name: str) -> str | None:
         for name in frontier:
             for node in consumers.get(name, ()):
                 if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] == name:
-                    return node.input[0]
+                    return str(node.input[0])
                 if node.op_type in QUERY_PASS_OPS:
                     for out in node.output:
                         if out and out not in seen:

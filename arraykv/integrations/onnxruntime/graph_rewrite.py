@@ -155,7 +155,7 @@ class AttentionSite:
     flat_heads: tuple | None = None
 
 
-def load_model_proto(model: Any):
+def load_model_proto(model: Any) -> Any:
     """``model`` (a path, serialized bytes or an ``onnx.ModelProto``) as a ModelProto with its weights loaded."""
     import onnx
 
@@ -171,7 +171,7 @@ def _producers(graph: Any) -> dict:
 
 
 def _past_layers(graph: Any) -> int:
-    found: dict = {}
+    found: dict[int, set[str]] = {}
     for vi in graph.input:
         m = _PAST.match(vi.name)
         if m:
@@ -202,10 +202,10 @@ def _new_tokens(producers: dict, layer: int, kind: str) -> str:
             f"layer {layer}: {name} is computed by {node.op_type}({', '.join(node.input)}), not by "
             f"Concat({past}, new, axis=2); this graph cannot be rewritten (the hook OrtKVDecoder still drives it)"
         )
-    return node.input[1]
+    return str(node.input[1])
 
 
-def _follow_to_matmul(consumers: dict, folder: ConstantFolder, start: str, allow_scale: bool):
+def _follow_to_matmul(consumers: dict, folder: ConstantFolder, start: str, allow_scale: bool) -> tuple[Any, float]:
     """The first ``MatMul`` whose right operand descends from ``start`` through moves (and constant scales).
 
     Returns ``(node, factor)``: the product of the constant scalars on the way, or ``(None, 1.0)``.
@@ -237,7 +237,7 @@ def _follow_to_matmul(consumers: dict, folder: ConstantFolder, start: str, allow
     return None, 1.0
 
 
-def _only_consumer(consumers: dict, name: str, layer: int, what: str):
+def _only_consumer(consumers: dict, name: str, layer: int, what: str) -> Any:
     nodes = consumers.get(name, [])
     if len(nodes) != 1:
         raise GraphRewriteError(f"layer {layer}: the {what} {name!r} is used by {len(nodes)} nodes, expected one")
@@ -596,7 +596,9 @@ def _shape_elsewhere(node: Any, graph: Any) -> Any:
     return node
 
 
-def replace_sites(model: Any, sites: list, make_nodes: Any, *, keep_kv_io: bool = False, domains: dict | None = None):
+def replace_sites(
+    model: Any, sites: list, make_nodes: Any, *, keep_kv_io: bool = False, domains: dict | None = None
+) -> Any:
     """A copy of ``model`` with each site's attention replaced by ``make_nodes(site)``.
 
     Parameters
@@ -671,7 +673,7 @@ def replace_sites(model: Any, sites: list, make_nodes: Any, *, keep_kv_io: bool 
     return out
 
 
-def rewrite_with_cache_op(model: Any, handle: str):
+def rewrite_with_cache_op(model: Any, handle: str) -> Any:
     """``model`` with each layer's attention over the past replaced by an ``ArrayKVAttention`` node.
 
     Parameters

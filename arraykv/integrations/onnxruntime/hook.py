@@ -14,11 +14,12 @@ the head layout from the session, and after each step
 So the graph always attends over what the cache actually kept: the dense cache reproduces the
 plain ORT loop exactly; a compressed cache shows its effect on the model's outputs.
 
-With a cache that offers ``append``, ``stable_length`` and ``dequantize(layer, start)`` (every
-built-in cache), step 2 reads back only what changed: the hook keeps the last past it fed and
-the number of its leading tokens that the cache promises never to change
-(:meth:`~arraykv.caches.LayeredCache.stable_length`), and decodes the rest — the new tokens
-and those still in a float16 window — instead of reconstructing the whole past every step.
+With a cache that offers ``append``, ``stable_length`` and ``dequantize(layer, start)``
+(:class:`~arraykv.protocol.IncrementalKVCache`, every built-in cache), step 2 reads back only
+what changed: the hook keeps the last past it fed and the number of its leading tokens that the
+cache promises never to change (:meth:`~arraykv.caches.LayeredCache.stable_length`), and
+decodes the rest — the new tokens and those still in a float16 window — instead of
+reconstructing the whole past every step.
 
 Notes
 -----
@@ -60,18 +61,16 @@ every layer, at the SmolLM2 geometry 17 / 51 / 238 ms for pqo4 at 512 / 2048 / 8
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from ..common.generation import (
-    cache_length,
-    check_sampling,
-    chunked_logits,
-    generate_tokens,
-    prompt_ids,
-    undo_on_failure,
-)
+import numpy as np
+
+from ..._compat import to_numpy
+from ...protocol import INCREMENTAL, supports
+from ..common.generation import cache_length, chunked_logits, undo_on_failure
 from ..common.optional import require
+from .engine import OrtEngine, declared_dim, int_types, token_feeds, token_ids
 from .graph_files import rewritten_session
 from .graph_queries import with_query_outputs
 from .kv_names import PRESENT_NAME, discover_kv_names
@@ -80,7 +79,7 @@ from .prefix_store import graph_identity, store_prefill
 __all__ = ["OrtKVDecoder"]
 
 
-class OrtKVDecoder:
+class OrtKVDecoder(OrtEngine):
     """An ONNX Runtime decode loop whose KV cache lives in an arraykv cache.
 
     Parameters
@@ -128,11 +127,9 @@ class OrtKVDecoder:
         queries: Any = "auto",
     ):
         ort = require("onnxruntime", "onnx")
-        import numpy as np
-
         if queries not in ("auto", True, False):
             raise ValueError(f"queries must be 'auto', True or False, received {queries!r}")
-        self.query_outputs = None
+        self.query_outputs: list[str] | None = None
         self._identity = None if isinstance(model, ort.InferenceSession) else graph_identity(model)
         if isinstance(model, ort.InferenceSession):
             if queries is True:
@@ -153,8 +150,7 @@ class OrtKVDecoder:
         inputs = {i.name: i for i in sess.get_inputs()}
         outputs = [o.name for o in sess.get_outputs()]
         self.num_layers = discover_kv_names(list(inputs), outputs)
-        if "input_ids" not in inputs:
-            raise ValueError("the ONNX model has no input_ids input; only token-id decoders are supported")
+        self._int_type = int_types(inputs)
         self.logits_name = "logits" if "logits" in outputs else outputs[0]
         self.input_names = list(inputs)
         past = inputs["past_key_values.0.key"]
@@ -164,8 +160,8 @@ class OrtKVDecoder:
                 f"past_key_values.0.key must have 4 dimensions (batch, kv_heads, past, head_dim), "
                 f"the model declares {shape}"
             )
-        self.num_kv_heads = _dim(shape[1], num_kv_heads, "num_kv_heads")
-        self.head_dim = _dim(shape[3], head_dim, "head_dim")
+        self.num_kv_heads = declared_dim(shape[1], num_kv_heads, "num_kv_heads")
+        self.head_dim = declared_dim(shape[3], head_dim, "head_dim")
         types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
         if past.type not in types:
             raise ValueError(f"past_key_values.0.key has type {past.type}; float, float16 or double is supported")
@@ -176,19 +172,6 @@ class OrtKVDecoder:
         # cache -> {layer: (k, v, tokens, stable)}: the past fed last, how many tokens it covers,
         # and how many of its leading tokens the cache will never reconstruct differently.
         self._held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._int_type = {
-            name: (np.int32 if inputs[name].type == "tensor(int32)" else np.int64)
-            for name in ("input_ids", "attention_mask", "position_ids")
-            if name in inputs
-        }
-
-    def make_cache(self, method: str = "dense", **options: Any):
-        """A cache of this decoder's geometry (``arraykv.make_cache`` with layers/heads/head_dim filled)."""
-        from ...caches import make_cache
-
-        return make_cache(
-            method, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, **options
-        )
 
     def held_bytes(self, cache: Any) -> int:
         """Bytes of the float past this decoder keeps for ``cache`` between steps (0 when none)."""
@@ -208,10 +191,6 @@ class OrtKVDecoder:
     # -- one step -------------------------------------------------------------------
     def _past(self, cache: Any, batch: int) -> list:
         """The K/V to feed as past, per layer: what the cache holds, or empty arrays."""
-        import numpy as np
-
-        from ..._compat import to_numpy
-
         held = self._held.get(cache, {})
         out = []
         for i in range(self.num_layers):
@@ -223,7 +202,7 @@ class OrtKVDecoder:
             if h is not None and h[2] == cache.seq_len(i):
                 out.append((h[0], h[1]))
                 continue
-            r = cache.dequantize(i) if hasattr(cache, "dequantize") else None
+            r = cache.dequantize(i) if supports(cache, INCREMENTAL) else None
             if r is None:
                 raise ValueError("this cache was filled elsewhere and cannot be read back; reset it first")
             out.append((to_numpy(r.k), to_numpy(r.v)))
@@ -231,14 +210,8 @@ class OrtKVDecoder:
 
     def _store(self, cache: Any, i: int, k_new: Any, v_new: Any, q: Any, prev: tuple | None) -> tuple:
         """Store layer ``i``'s new K/V in ``cache``; return ``(k, v, tokens, stable)`` of its next past."""
-        import numpy as np
-
-        from ..._compat import to_numpy
-
-        incremental = (
-            self.incremental and prev is not None and hasattr(cache, "append") and hasattr(cache, "stable_length")
-        )
-        if not incremental:
+        incremental = self.incremental and prev is not None and supports(cache, INCREMENTAL)
+        if not incremental or prev is None:  # (incremental implies a prev; said again for the type checker)
             r = cache.prefill(i, k_new, v_new, q)
             return to_numpy(r.k), to_numpy(r.v), int(cache.seq_len(i)), 0
         k_prev, v_prev, _, stable = prev
@@ -262,23 +235,10 @@ class OrtKVDecoder:
         numpy.ndarray, shape (batch, new_tokens, vocab)
             The ``logits`` output.
         """
-        import numpy as np
-
-        ids = np.asarray(input_ids)
-        if ids.ndim == 1:
-            ids = ids[None, :]
-        if ids.ndim != 2 or ids.shape[1] == 0 or ids.dtype.kind not in "iu":
-            raise ValueError(
-                f"input_ids must be integers of shape (batch, new_tokens), received {ids.shape} {ids.dtype}"
-            )
+        ids = token_ids(input_ids)
         batch, t = ids.shape
         past_len = cache_length(cache, self.num_layers)
-        feeds = {"input_ids": ids.astype(self._int_type["input_ids"])}
-        if "attention_mask" in self._int_type:
-            feeds["attention_mask"] = np.ones((batch, past_len + t), dtype=self._int_type["attention_mask"])
-        if "position_ids" in self._int_type:
-            pos = np.arange(past_len, past_len + t, dtype=self._int_type["position_ids"])
-            feeds["position_ids"] = np.broadcast_to(pos, (batch, t)).copy()
+        feeds = token_feeds(ids, past_len, self._int_type)
         for i, (k, v) in enumerate(self._past(cache, batch)):
             feeds[f"past_key_values.{i}.key"] = k
             feeds[f"past_key_values.{i}.value"] = v
@@ -303,11 +263,10 @@ class OrtKVDecoder:
 
     def _queries(self, found: list, batch: int, t: int) -> list:
         """Each layer's queries for the cache: the graph's (checked), or zeros where it exposes none."""
-        import numpy as np
-
         if not found:
             zero = np.zeros((batch, self.num_kv_heads, t, self.head_dim), dtype=self.dtype)
             return [zero] * self.num_layers
+        names = self.query_outputs or []  # set whenever the graph returns queries
         out = []
         for i, q in enumerate(found):
             q = np.asarray(q)
@@ -320,7 +279,7 @@ class OrtKVDecoder:
                 or q.shape[2] % t
             ):
                 raise ValueError(
-                    f"the graph's queries of layer {i} ({self.query_outputs[i]}) have shape {q.shape}, "
+                    f"the graph's queries of layer {i} ({names[i]}) have shape {q.shape}, "
                     f"not (batch {batch}, a multiple of {self.num_kv_heads} heads, a multiple of {t} "
                     f"tokens, {self.head_dim}); construct the decoder with queries=False; nothing was "
                     "stored"
@@ -337,8 +296,6 @@ class OrtKVDecoder:
         from changing the cache. ``finite``: refuse NaN/Inf (as a cache with ``check_finite``
         would, but before anything is stored).
         """
-        import numpy as np
-
         want = (batch, self.num_kv_heads, past_len + t, self.head_dim)
         new = []
         for i in range(self.num_layers):
@@ -369,101 +326,16 @@ class OrtKVDecoder:
 
     def decode(self, input_ids: Any, cache: Any) -> Any:
         """One token per sequence after the prompt. Returns logits (batch, 1, vocab)."""
-        import numpy as np
-
         ids = np.asarray(input_ids).reshape(-1, 1)
         if cache.seq_len(0) == 0:
             raise ValueError("decode needs a cache holding earlier tokens; call prefill first")
         return self.step(ids, cache)
 
-    def generate(
-        self,
-        prompt: Any,
-        max_new_tokens: int = 32,
-        *,
-        cache: Any = None,
-        method: str = "dense",
-        eos_id: int | None = None,
-        stop_at_eos: bool = True,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        seed: int | None = None,
-        on_token: Callable[[int], None] | None = None,
-        prefill_chunk: int | None = 512,
-        store: Any = None,
-    ) -> list:
-        """Greedy or sampled generation for one sequence.
+    # -- generation: GenerationFront.generate over these steps and OrtEngine's ---------
+    def _prompt_logits(self, ids: list[int], cache: Any, chunk: int | None) -> Any:
+        return to_numpy(chunked_logits(lambda a: self.step(a, cache), ids, chunk))[0, -1]
 
-        The convention every engine shares (:mod:`arraykv.integrations.common.generation`): the same
-        arguments as :meth:`arraykv.integrations.decoder.model.DecoderModel.generate`.
-
-        Parameters
-        ----------
-        prompt : sequence of int
-            Token ids (a decoder has no tokenizer).
-        max_new_tokens : int, default 32
-        cache : CompressedKVCache, optional
-            An empty cache of this decoder's geometry; by default ``self.make_cache(method)``.
-        method : str, default "dense"
-            Cache method when ``cache`` is not given.
-        eos_id : int, optional
-            The end-of-sequence token; None means none is known, so generation runs for
-            ``max_new_tokens``.
-        stop_at_eos : bool, default True
-            Stop right after producing ``eos_id`` (it ends the returned list).
-        temperature, top_k, seed, on_token
-            Sampling and streaming, as in :meth:`DecoderModel.generate
-            <arraykv.integrations.decoder.model.DecoderModel.generate>` (temperature 0, the default, is greedy).
-        prefill_chunk : int or None, default 512
-            The prompt goes through :meth:`step` in chunks of this many tokens; None feeds it
-            in one piece.
-        store : PrefixStore, folder or ``redis://`` URL, optional
-            Reuse the longest stored prefix of the prompt, prefill only the rest and store new
-            prefixes (:mod:`arraykv.integrations.onnxruntime.prefix_store`); the result equals a run without a
-            store bit for bit. A decoder built from a ready session needs the store's ``model_id``.
-
-        Returns
-        -------
-        list of int
-            The new token ids (the prompt excluded).
-        """
-
-        from ..._compat import to_numpy
-
-        ids = prompt_ids(prompt, None)
-        temperature = check_sampling(max_new_tokens, temperature, top_k, prefill_chunk)
-        if cache is None:
-            cache = self.make_cache(method)
-        elif cache_length(cache, self.num_layers) != 0:
-            raise ValueError("cache must be empty; call cache.reset() first")
-
-        def prefill_last(p: list) -> Any:
-            if store is not None:
-                return store_prefill(
-                    store, "onnxruntime-hook", self._identity, cache, p, prefill_chunk, lambda a: self.step(a, cache)
-                )
-            return to_numpy(chunked_logits(lambda a: self.step(a, cache), p, prefill_chunk))[0, -1]
-
-        with undo_on_failure(cache, 0):  # a failed generation leaves the cache empty, as it came
-            return generate_tokens(
-                prefill_last,
-                lambda tok: to_numpy(self.decode([tok], cache))[0, -1],
-                ids,
-                max_new_tokens,
-                eos=eos_id,
-                stop_at_eos=stop_at_eos,
-                temperature=temperature,
-                top_k=top_k,
-                seed=seed,
-                on_token=on_token,
-            )
-
-
-def _dim(declared: Any, given: int | None, name: str) -> int:
-    if isinstance(declared, int) and declared > 0:
-        if given is not None and given != declared:
-            raise ValueError(f"{name}={given} disagrees with the model's past_key_values shape ({declared})")
-        return declared
-    if given is None:
-        raise ValueError(f"the model's past_key_values inputs have a symbolic {name} ({declared!r}); pass {name}=")
-    return int(given)
+    def _stored_prompt_logits(self, store: Any, ids: list[int], cache: Any, chunk: int | None) -> Any:
+        return store_prefill(
+            store, "onnxruntime-hook", self._identity, cache, ids, chunk, lambda a: self.step(a, cache)
+        )

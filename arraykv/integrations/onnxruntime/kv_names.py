@@ -27,7 +27,7 @@ def discover_kv_names(input_names: Sequence[str], output_names: Sequence[str]) -
     ValueError
         No KV inputs, a gap in the layer indices, or a missing ``present`` output.
     """
-    found: dict = {}
+    found: dict[int, set[str]] = {}
     for name in input_names:
         m = PAST_NAME.match(name)
         if m:

@@ -74,7 +74,7 @@ def _external_digests(path: str) -> list:
 
     proto = onnx.load(path, load_external_data=False)
     folder = os.path.dirname(os.path.abspath(path))
-    locations = set()
+    locations: set[str] = set()
     for init in proto.graph.initializer:
         if init.data_location == onnx.TensorProto.EXTERNAL:
             locations.update(e.value for e in init.external_data if e.key == "location")
@@ -89,7 +89,7 @@ def store_prefill(
     engine: str,
     identity: Callable[[], str] | None,
     cache: Any,
-    ids: list,
+    ids: list[int],
     prefill_chunk: int | None,
     run_chunk: Callable[[Any], Any],
     *,
@@ -126,7 +126,13 @@ def store_prefill(
     from ..common.generation import chunked_logits
 
     ps = as_prefix_store(store)
-    if ps.model_id is None and identity is None:
+    named = ps.model_id
+    name_model: Callable[[], str]
+    if named is not None:
+        name_model = lambda: named  # noqa: E731
+    elif identity is not None:
+        name_model = identity
+    else:
         raise ValueError(
             "a decoder built from a ready InferenceSession has no model bytes to name in store keys; "
             "pass PrefixStore(backend, model_id=...) with a name for the model"
@@ -136,7 +142,7 @@ def store_prefill(
             f"the store's chunk_tokens ({ps.chunk_tokens}) must be a multiple of prefill_chunk ({prefill_chunk}), "
             "so that a prompt runs in the same engine calls with and without stored prefixes"
         )
-    model_id = ps.model_id if ps.model_id is not None else identity()
+    model_id = name_model()  # (hashing the model's files) once the arguments are checked
     schedule = {"engine": engine, "chunk_size": prefill_chunk, "array_library": "numpy"}
     if segments:
         schedule["prompt_store"] = "exact"
