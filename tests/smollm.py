@@ -21,6 +21,24 @@ def smollm_or_skip():
     return load_model(path)
 
 
+def optimum_export_or_skip():
+    """The ``model.onnx`` of Optimum's export of SmolLM2 in the folder ``ARRAYKV_OPTIMUM_ONNX`` names
+    (made in an environment of its own: see ``tests/integrations/test_onnx_optimum.py``); skips the
+    test where the variable is unset, and fails where the folder holds no ``model.onnx``."""
+    import os
+    from pathlib import Path
+
+    folder = os.environ.get("ARRAYKV_OPTIMUM_ONNX")
+    if not folder:
+        pytest.skip(
+            "ARRAYKV_OPTIMUM_ONNX names no Optimum export of SmolLM2 (see tests/integrations/test_onnx_optimum.py)"
+        )
+    path = Path(folder) / "model.onnx"
+    if not path.is_file():
+        raise FileNotFoundError(f"ARRAYKV_OPTIMUM_ONNX={folder} holds no model.onnx")
+    return path
+
+
 def mean_kl(p_logits, q_logits) -> float:
     """Mean over rows of KL(softmax(p) || softmax(q)), in float64; logits (rows, vocab)."""
     import numpy as np

@@ -14,6 +14,8 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 
+import numpy as np
+
 from arraykv.integrations.decoder.architectures import architecture, periodic_layer_types
 from arraykv.integrations.decoder.model_config import ModelConfig
 
@@ -239,6 +241,11 @@ def store_model(seed: int = 3):
     return decoder(STORE_LLAMA, seed)
 
 
+def store_prompt(n: int, seed: int = 0) -> list:
+    """``n`` token ids of :data:`STORE_LLAMA`'s vocabulary, drawn by NumPy's generator of ``seed``."""
+    return np.random.default_rng(seed).integers(0, STORE_LLAMA.vocab_size, n).tolist()
+
+
 def byte_tokens(n: int) -> list:
     """``n`` tokens: ``"<|end|>"``, printable ASCII, ``"Ġ"``, the merges' results (``he``, ``ll``,
     ``hell``; see :data:`MERGES`), then fillers ``x0``, ``x1``, ... (the first ``n`` of them if fewer)."""
@@ -323,3 +330,15 @@ def hf_gemma3(seed: int = 0):
     cfg = hf_gemma3_text_config()
     torch.manual_seed(seed)
     return transformers.Gemma3ForCausalLM(cfg).eval()
+
+
+#: The random transformers models by architecture, each a function of the seed.
+HF_MODELS = {"llama": hf_llama, "gemma3": hf_gemma3}
+
+
+def hf_ids(batch: int, n: int, seed: int = 1, *, low: int = 0):
+    """Token ids ``(batch, n)`` in ``[low, HF_VOCAB)`` drawn by a torch generator seeded with ``seed``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, HF_VOCAB, (batch, n), generator=g)

@@ -19,9 +19,6 @@ the NumPy decoder's pqo4 and the hook's 2.6e-4 with the graph's queries, 4.9e-3 
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -31,23 +28,13 @@ pytest.importorskip("onnxruntime", reason="onnxruntime (extra [onnx]) is not ins
 from arraykv import eval as ev  # noqa: E402
 from arraykv.integrations.onnxruntime import OrtKVDecoder  # noqa: E402
 
-from smollm import mean_kl, smollm_or_skip  # noqa: E402
+from smollm import mean_kl, optimum_export_or_skip, smollm_or_skip  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
-def _export() -> Path:
-    folder = os.environ.get("ARRAYKV_OPTIMUM_ONNX")
-    if not folder:
-        pytest.skip("ARRAYKV_OPTIMUM_ONNX names no Optimum export of SmolLM2 (see the module docstring)")
-    path = Path(folder) / "model.onnx"
-    if not path.is_file():
-        raise FileNotFoundError(f"ARRAYKV_OPTIMUM_ONNX={folder} holds no model.onnx")
-    return path
-
-
 def test_an_optimum_export_runs_under_the_hook_with_its_queries():
-    path = _export()
+    path = optimum_export_or_skip()
     model = smollm_or_skip()
     dec = OrtKVDecoder(str(path))  # no arguments: names, layers and head layout from the session
     assert (dec.num_layers, dec.num_kv_heads, dec.head_dim) == (30, 3, 64)

@@ -17,9 +17,6 @@ the NumPy decoder's; pqo4's mean KL against the float graph 1.9e-3 over the deco
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -31,20 +28,10 @@ from arraykv import eval as ev  # noqa: E402
 from arraykv.integrations.onnxruntime.gqa_rewrite import OrtPastLoop  # noqa: E402
 from arraykv.integrations.onnxruntime.graph_decoder import OrtGraphDecoder  # noqa: E402
 
-from smollm import mean_kl, smollm_or_skip  # noqa: E402
+from smollm import mean_kl, optimum_export_or_skip, smollm_or_skip  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPT, STEPS = 64, 16
-
-
-def _export() -> Path:
-    folder = os.environ.get("ARRAYKV_OPTIMUM_ONNX")
-    if not folder:
-        pytest.skip("ARRAYKV_OPTIMUM_ONNX names no Optimum export of SmolLM2 (see test_onnx_optimum.py)")
-    path = Path(folder) / "model.onnx"
-    if not path.is_file():
-        raise FileNotFoundError(f"ARRAYKV_OPTIMUM_ONNX={folder} holds no model.onnx")
-    return path
 
 
 def _run(engine, ids, cache):
@@ -55,7 +42,7 @@ def _run(engine, ids, cache):
 
 
 def test_an_optimum_export_runs_with_the_cache_inside_its_graph():
-    path = _export()
+    path = optimum_export_or_skip()
     model = smollm_or_skip()
     ids = ev.builtin_token_ids(model, PROMPT + STEPS)
     plain = OrtPastLoop(str(path))

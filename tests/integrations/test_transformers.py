@@ -19,17 +19,12 @@ transformers = pytest.importorskip("transformers")
 
 from arraykv.integrations.transformers import ArraykvCache  # noqa: E402
 
-from tiny_models import HF_SIZES, HF_VOCAB, hf_llama  # noqa: E402
+from tiny_models import HF_SIZES, hf_ids, hf_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny():
     return hf_llama(0)
-
-
-def _ids(batch: int, n: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, HF_VOCAB, (batch, n), generator=g)
 
 
 def _stepped_logits(model, ids, cache, prompt: int):
@@ -56,7 +51,7 @@ def _generate(model, ids, cache, n):
 
 # -- dense: the same model outputs as transformers' own cache -----------------------------------
 def test_dense_generate_equals_dynamic_cache(tiny):
-    ids = _ids(2, 24)
+    ids = hf_ids(2, 24)
     want = _generate(tiny, ids, transformers.DynamicCache(config=tiny.config), 16)
     cache = ArraykvCache("dense", config=tiny.config)
     got = _generate(tiny, ids, cache, 16)
@@ -67,7 +62,7 @@ def test_dense_generate_equals_dynamic_cache(tiny):
 
 
 def test_dense_left_padded_batch_equals_dynamic_cache(tiny):
-    ids = _ids(2, 12, seed=8)
+    ids = hf_ids(2, 12, seed=8)
     mask = torch.ones_like(ids)
     ids[0, :4], mask[0, :4] = 0, 0
     kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -78,7 +73,7 @@ def test_dense_left_padded_batch_equals_dynamic_cache(tiny):
 
 
 def test_dense_logits_equal_dynamic_cache(tiny):
-    ids = _ids(2, 48, seed=2)
+    ids = hf_ids(2, 48, seed=2)
     want = _stepped_logits(tiny, ids, transformers.DynamicCache(config=tiny.config), 32)
     for incremental in (False, True):
         got = _stepped_logits(tiny, ids, ArraykvCache("dense", config=tiny.config, incremental=incremental), 32)
@@ -89,7 +84,7 @@ def test_dense_logits_equal_dynamic_cache(tiny):
 # -- compressed caches ------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", ["pqo4", "int4"])
 def test_compressed_generate_runs_and_counts_tokens(tiny, method):
-    ids = _ids(1, 40, seed=3)
+    ids = hf_ids(1, 40, seed=3)
     cache = ArraykvCache(method, config=tiny.config)
     out = _generate(tiny, ids, cache, 12)
     assert out.shape == (1, 52)
@@ -108,7 +103,7 @@ def test_compressed_logits_close_to_exact(tiny, method):
     coarser cache, gives 0.73-0.87. The bound 0.2 fails a cache as coarse as pqo2 or a K/V
     mix-up; 1e-4 below fails a path that silently returns the exact K/V.
     """
-    ids = _ids(2, 96, seed=4)
+    ids = hf_ids(2, 96, seed=4)
     exact = _stepped_logits(tiny, ids, transformers.DynamicCache(config=tiny.config), 64)
     got = _stepped_logits(tiny, ids, ArraykvCache(method, config=tiny.config), 64)
     # the prompt attends over exact (pqo: first prefill) or quantized (int4) K/V; look at decode steps
@@ -119,7 +114,7 @@ def test_compressed_logits_close_to_exact(tiny, method):
 
 
 def test_reset_and_reuse(tiny):
-    ids = _ids(1, 20, seed=5)
+    ids = hf_ids(1, 20, seed=5)
     cache = ArraykvCache("int4", config=tiny.config)
     a = _generate(tiny, ids, cache, 6)
     cache.reset()
@@ -129,7 +124,7 @@ def test_reset_and_reuse(tiny):
 
 
 def test_crop_drops_tokens(tiny):
-    ids = _ids(1, 30, seed=6)
+    ids = hf_ids(1, 30, seed=6)
     cache = ArraykvCache("dense", config=tiny.config)
     with torch.no_grad():
         tiny(ids, cache=cache)
@@ -305,7 +300,7 @@ def test_a_hooked_model_hands_the_cache_its_attention_queries(tiny):
             return store(layer, k, v, q)
 
         cache.arraykv_cache.prefill = spy
-        _stepped_logits(tiny, _ids(1, 70), cache, 60)
+        _stepped_logits(tiny, hf_ids(1, 70), cache, 60)
         for layer in range(tiny.config.num_hidden_layers):
             assert len(handed[layer]) == len(seen[layer]) == 11
             for got, want in zip(handed[layer], seen[layer]):
@@ -315,7 +310,7 @@ def test_a_hooked_model_hands_the_cache_its_attention_queries(tiny):
         cache.detach()
         assert cache.hooked_layers == 0
         plain = ArraykvCache("pqo4", config=tiny.config)
-        _stepped_logits(tiny, _ids(1, 70), plain, 60)
+        _stepped_logits(tiny, hf_ids(1, 70), plain, 60)
         np.testing.assert_array_equal(np.asarray(plain.arraykv_cache.layer_arrays(0)["k_scale"], np.float32), 1.0)
     finally:
         tiny.set_attn_implementation(before)
@@ -327,7 +322,7 @@ def test_fused_decode_gives_the_outputs_of_rebuilding_the_past(tiny, method):
     instead of over a rebuilt float past; the logits are those of the unfused cache to float
     rounding, and detach() gives the model its own attention back."""
     before = tiny.config._attn_implementation
-    ids = _ids(1, 90)
+    ids = hf_ids(1, 90)
     ref_cache = ArraykvCache(method, config=tiny.config, model=tiny, fused=False)
     want = _stepped_logits(tiny, ids, ref_cache, 60)
     ref_cache.detach()
@@ -349,7 +344,7 @@ def test_fused_decode_gives_the_outputs_of_rebuilding_the_past(tiny, method):
 
 
 def test_fused_generate_matches_the_unfused_tokens(tiny):
-    ids = _ids(1, 40)
+    ids = hf_ids(1, 40)
     plain = ArraykvCache("pqo4", config=tiny.config, model=tiny, fused=False)
     want = _generate(tiny, ids, plain, 20)
     plain.detach()
@@ -362,7 +357,7 @@ def test_fused_generate_matches_the_unfused_tokens(tiny):
 def test_fused_is_the_default_with_the_model_and_serves_batches_with_padding(tiny):
     """With model= the fused decode is on by default; a batch of two, one left-padded, decodes the
     same tokens as the rebuilt-past path (padded steps fall back to attention over the rebuilt past)."""
-    ids = _ids(2, 30)
+    ids = hf_ids(2, 30)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # the second sequence is 7 tokens shorter, padded on the left
     plain = ArraykvCache("pqo4", config=tiny.config, model=tiny, fused=False)
@@ -398,7 +393,7 @@ def test_fused_is_the_default_with_the_model_and_serves_batches_with_padding(tin
     calls = []
     decode = cache.arraykv_cache.decode
     cache.arraykv_cache.decode = lambda *a: (calls.append(a[0]), decode(*a))[1]
-    _generate(tiny, _ids(2, 20), cache, 6)
+    _generate(tiny, hf_ids(2, 20), cache, 6)
     cache.detach()
     assert len(calls) == 5 * tiny.config.num_hidden_layers
 
@@ -407,7 +402,7 @@ def test_a_forward_refused_part_way_is_taken_back_before_the_next_one(tiny):
     """Layer 1 refuses a step after layer 0 stored it: the next forward sees the cache as it was
     before the failed one (the partial step taken back), and gives the same logits as a cache that
     never saw it."""
-    ids = _ids(1, 40)
+    ids = hf_ids(1, 40)
     cache = ArraykvCache("pqo4", config=tiny.config, model=tiny, fused=False)
     ref = ArraykvCache("pqo4", config=tiny.config, model=tiny, fused=False)
     with torch.no_grad():
@@ -440,6 +435,6 @@ def test_a_config_of_another_model_and_a_dropped_logit_bias_are_refused(tiny):
     cache = ArraykvCache("dense", config=small)
     with pytest.raises(ValueError, match="updates layer 1.*built for 1 layers"):
         with torch.no_grad():
-            tiny(_ids(1, 5), cache=cache)
+            tiny(hf_ids(1, 5), cache=cache)
     with pytest.raises(ValueError, match="qjl=True"):
         ArraykvCache("polar", config=tiny.config, key_bits=3, value_bits=2, qjl=True)

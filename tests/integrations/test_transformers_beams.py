@@ -14,21 +14,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_transformers_lifetime import MODELS  # noqa: E402
 
 from arraykv.integrations.transformers import ArraykvCache  # noqa: E402
 
-from tiny_models import HF_VOCAB  # noqa: E402
+from tiny_models import HF_MODELS, hf_ids  # noqa: E402
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
+@pytest.fixture(scope="module", params=list(HF_MODELS))
 def model(request):
-    return MODELS[request.param]()
-
-
-def _ids(batch: int, n: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, HF_VOCAB, (batch, n), generator=g)
+    return HF_MODELS[request.param]()
 
 
 def _dynamic(m):
@@ -64,14 +58,14 @@ def _beams(m, cache, ids, mask=None, **kw):
 
 @pytest.mark.parametrize("variant", ["plain", "model"])
 def test_beam_search_gives_the_dynamic_caches_tokens(model, variant):
-    ids = _ids(1, 14, seed=7)
+    ids = hf_ids(1, 14, seed=7, low=1)
     want = _beams(model, _dynamic(model), ids, num_return_sequences=3)
     got = _beams(model, _caches(model)[variant](), ids, num_return_sequences=3)
     assert torch.equal(got, want)
 
 
 def test_beam_search_of_a_padded_batch(model):
-    ids = _ids(2, 16, seed=8)
+    ids = hf_ids(2, 16, seed=8, low=1)
     mask = torch.ones_like(ids)
     ids[1, :5], mask[1, :5] = 0, 0
     want = _beams(model, _dynamic(model), ids, mask)
@@ -81,7 +75,7 @@ def test_beam_search_of_a_padded_batch(model):
 
 @pytest.mark.parametrize("method", ["pqo4", "int4"])
 def test_beam_search_runs_on_compressed_caches(model, method):
-    ids = _ids(1, 30, seed=9)
+    ids = hf_ids(1, 30, seed=9, low=1)
     for make in _caches(model, method).values():
         cache = make()
         out = _beams(model, cache, ids)
@@ -92,7 +86,7 @@ def test_beam_search_runs_on_compressed_caches(model, method):
 
 @pytest.mark.parametrize("variant", ["plain", "model"])
 def test_sampled_sequences_per_prompt_are_the_dynamic_caches(model, variant):
-    ids = _ids(2, 12, seed=10)
+    ids = hf_ids(2, 12, seed=10, low=1)
 
     def run(cache):
         torch.manual_seed(123)
@@ -116,7 +110,7 @@ def _next_logits(m, cache, ids):
 def test_repeat_select_and_reorder_after_a_prefill_match_the_dynamic_cache(model, variant):
     """The cache methods themselves, between forwards: the logits of later steps are the same as
     DynamicCache's after the same batch moves (expansion after prefill, selection, reordering)."""
-    prompt = _ids(2, 18, seed=11)
+    prompt = hf_ids(2, 18, seed=11, low=1)
     moves = [
         ("batch_repeat_interleave", 2),  # 2 -> 4 rows
         ("reorder_cache", torch.tensor([3, 3, 0, 1])),
@@ -129,8 +123,8 @@ def test_repeat_select_and_reorder_after_a_prefill_match_the_dynamic_cache(model
         for j, (name, arg) in enumerate(moves):
             getattr(cache, name)(arg)
             batch = 2 * batch if name == "batch_repeat_interleave" else len(arg)
-            logits.append(_next_logits(model, cache, _ids(batch, 1, seed=20 + j)))
-            logits.append(_next_logits(model, cache, _ids(batch, 1, seed=30 + j)))
+            logits.append(_next_logits(model, cache, hf_ids(batch, 1, seed=20 + j, low=1)))
+            logits.append(_next_logits(model, cache, hf_ids(batch, 1, seed=30 + j, low=1)))
         runs.append(logits)
         if hasattr(cache, "detach"):
             cache.detach()
@@ -139,7 +133,7 @@ def test_repeat_select_and_reorder_after_a_prefill_match_the_dynamic_cache(model
 
 
 def test_incremental_pasts_follow_their_rows(model):
-    ids = _ids(3, 20, seed=12)
+    ids = hf_ids(3, 20, seed=12, low=1)
     inc = ArraykvCache("int4", config=model.config, incremental=True)
     ref = ArraykvCache("int4", config=model.config)
     for cache in (inc, ref):
@@ -147,14 +141,14 @@ def test_incremental_pasts_follow_their_rows(model):
         _next_logits(model, cache, ids[:, :1])
         cache.reorder_cache(torch.tensor([2, 2, 1]))
     for step in range(3):
-        nxt = _ids(3, 1, seed=40 + step)
+        nxt = hf_ids(3, 1, seed=40 + step, low=1)
         torch.testing.assert_close(_next_logits(model, inc, nxt), _next_logits(model, ref, nxt), rtol=0, atol=1e-5)
 
 
 def test_moving_rows_is_checked_and_one_layer_alone_is_refused(model):
     cache = ArraykvCache("pqo4", config=model.config, model=model)
     cache.reorder_cache(torch.tensor([0, 0]))  # empty: nothing to move
-    _next_logits(model, cache, _ids(2, 10))
+    _next_logits(model, cache, hf_ids(2, 10, low=1))
     before = [cache.arraykv_cache.layer_arrays(i) for i in range(model.config.num_hidden_layers)]
     with pytest.raises(ValueError, match=r"\[0, 2\)"):
         cache.reorder_cache(torch.tensor([0, 2]))

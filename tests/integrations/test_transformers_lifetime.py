@@ -21,19 +21,12 @@ transformers = pytest.importorskip("transformers")
 
 from arraykv.integrations.transformers import ArraykvCache  # noqa: E402
 
-from tiny_models import HF_VOCAB, hf_gemma3, hf_gemma3_text_config, hf_llama  # noqa: E402
-
-MODELS = {"llama": hf_llama, "gemma3": hf_gemma3}
-
-
-def _ids(batch: int, n: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, HF_VOCAB, (batch, n), generator=g)
+from tiny_models import HF_MODELS, hf_gemma3_text_config, hf_ids, hf_llama  # noqa: E402
 
 
 def _padded(seed: int = 2):
     """A batch of two whose second row is left-padded by 5 tokens, and its attention mask."""
-    ids = _ids(2, 20, seed)
+    ids = hf_ids(2, 20, seed, low=1)
     mask = torch.ones_like(ids)
     ids[1, :5], mask[1, :5] = 0, 0
     return ids, mask
@@ -59,7 +52,7 @@ def hooks(model) -> int:
 
 def own_outputs(model):
     """The model's forward logits (a plain batch and a left-padded one) and a greedy generate with a DynamicCache."""
-    ids, (padded, mask) = _ids(2, 24), _padded()
+    ids, (padded, mask) = hf_ids(2, 24, low=1), _padded()
     with torch.no_grad():
         plain = model(ids).logits
         masked = model(padded, attention_mask=mask).logits
@@ -84,14 +77,19 @@ def assert_own(model, want, implementations_before, hooks_before):
 def _use(model, cache, n: int = 5):
     with torch.no_grad():
         return model.generate(
-            _ids(1, 30, seed=3), cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            hf_ids(1, 30, seed=3, low=1),
+            cache=cache,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
         )
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", HF_MODELS)
 @pytest.mark.parametrize("method", ["pqo4", "int4", "dense"])
 def test_a_dropped_cache_gives_the_model_its_own_attention_back(name, method):
-    model = MODELS[name]()
+    model = HF_MODELS[name]()
     impl, n_hooks, want = implementations(model), hooks(model), own_outputs(model)
     cache = ArraykvCache(method, config=model.config, model=model)
     assert cache.fused and implementations(model) != impl and hooks(model) > n_hooks
@@ -103,9 +101,9 @@ def test_a_dropped_cache_gives_the_model_its_own_attention_back(name, method):
     assert_own(model, want, impl, n_hooks)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", HF_MODELS)
 def test_detach_gives_it_back_once(name):
-    model = MODELS[name]()
+    model = HF_MODELS[name]()
     impl, n_hooks, want = implementations(model), hooks(model), own_outputs(model)
     cache = ArraykvCache("pqo4", config=model.config, model=model)
     _use(model, cache)
@@ -118,11 +116,11 @@ def test_detach_gives_it_back_once(name):
     assert_own(model, want, impl, n_hooks)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", HF_MODELS)
 def test_calls_no_cache_owns_are_the_models_own_while_a_cache_is_attached(name):
     """A live fused cache on the model: forwards without it (no cache, a DynamicCache, a padded
     batch) are the model's own to the last bit, before and after the cache served calls."""
-    model = MODELS[name]()
+    model = HF_MODELS[name]()
     want = own_outputs(model)
     cache = ArraykvCache("pqo4", config=model.config, model=model)
     for got, exp in zip(own_outputs(model), want):
@@ -157,13 +155,13 @@ def _greedy_steps(model, cache, ids, steps: int) -> list:
             logits = model(nxt, cache=cache).logits
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", HF_MODELS)
 def test_two_caches_on_one_model_serve_each_their_own_calls(name):
     """Two fused caches of different methods on one model, used alternately step by step, give
     the tokens each gives alone; the model's own attention comes back when the last one goes."""
-    model = MODELS[name]()
+    model = HF_MODELS[name]()
     impl, n_hooks, want = implementations(model), hooks(model), own_outputs(model)
-    a_ids, b_ids = _ids(1, 25, seed=5), _ids(1, 28, seed=6)
+    a_ids, b_ids = hf_ids(1, 25, seed=5, low=1), hf_ids(1, 28, seed=6, low=1)
     alone = []
     for method, ids in (("pqo4", a_ids), ("int4", b_ids)):
         cache = ArraykvCache(method, config=model.config, model=model)
@@ -228,7 +226,7 @@ def test_keys_changed_between_update_and_attention_are_refused():
     changed in between (here: copied) are refused rather than attended as the new token alone."""
     model = hf_llama(0)
     cache = ArraykvCache("pqo4", config=model.config, model=model)
-    ids = _ids(1, 12)
+    ids = hf_ids(1, 12, low=1)
     with torch.no_grad():
         model(ids, cache=cache)
         layer = cache.layers[1]
@@ -257,7 +255,7 @@ def test_a_model_of_sub_models_gets_each_configs_implementation_back():
     model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
     model.config.vision_config._attn_implementation_internal = "eager"  # sub-models of different kinds
     impl, n_hooks = implementations(model), hooks(model)
-    ids = _ids(1, 20)
+    ids = hf_ids(1, 20, low=1)
     with torch.no_grad():
         want = model(input_ids=ids).logits
         cache = ArraykvCache("pqo4", config=model.config, model=model)

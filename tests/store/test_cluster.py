@@ -13,11 +13,9 @@ import pytest
 from arraykv.store import PrefixStore, StoreError, StoreWarning, ValkeyStore, open_backend, segmented_prefill
 from arraykv.store.server import ValkeyCluster
 
+from tiny_models import store_prompt
+
 S, CHUNK = 64, 32
-
-
-def prompt(n: int, seed: int = 0) -> list:
-    return np.random.default_rng(seed).integers(0, 101, n).tolist()
 
 
 @pytest.fixture
@@ -77,7 +75,7 @@ def test_a_cluster_that_is_down_fails_calls_not_the_constructor(model):
     s = ValkeyStore(f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}")  # nothing there
     with pytest.raises(StoreError):
         s.get("ab" * 16)
-    ids = prompt(2 * S + 5)
+    ids = store_prompt(2 * S + 5)
     want = segmented_prefill(model, ids, model.make_cache("pqo4"), chunk_tokens=S, chunk_size=CHUNK)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -86,7 +84,7 @@ def test_a_cluster_that_is_down_fails_calls_not_the_constructor(model):
 
 
 def test_a_prefix_continued_from_the_cluster_equals_a_fresh_run(model, store):
-    ids = prompt(3 * S + 9)
+    ids = store_prompt(3 * S + 9)
     want = segmented_prefill(model, ids, model.make_cache("pqo4"), chunk_tokens=S, chunk_size=CHUNK)
     ps = PrefixStore(store, chunk_tokens=S, policy="every")
     cold = ps.prefill(model, ids, model.make_cache("pqo4"), chunk_size=CHUNK)
@@ -98,7 +96,7 @@ def test_a_prefix_continued_from_the_cluster_equals_a_fresh_run(model, store):
 def test_a_node_killed_mid_run_costs_warnings_and_recomputation_never_a_wrong_result(model):
     """Eight prompts stored over the three nodes; one node is killed; every prompt again: the
     results are those of no store, the entries on live nodes are still used."""
-    prompts = [prompt(2 * S + 7, seed) for seed in range(8)]
+    prompts = [store_prompt(2 * S + 7, seed) for seed in range(8)]
     wants = [segmented_prefill(model, p, model.make_cache("pqo4"), chunk_tokens=S, chunk_size=CHUNK) for p in prompts]
     with ValkeyCluster(3) as cluster:
         ps = PrefixStore(cluster.url, chunk_tokens=S, policy="every")

@@ -40,19 +40,17 @@ from arraykv.store import (
 )
 from arraykv.store.backend import GuardedBackend
 
+from tiny_models import store_prompt
+
 S, CHUNK = 64, 32  # tokens per stored segment, the decoder's prefill chunk within a segment
 N = 3 * S + 10  # three stored boundaries: several lookups and writes per prompt
 LIMIT_S = 20.0  # what a prompt may take whatever the store does
 
 
-def prompt(n: int = N, seed: int = 0) -> list:
-    return np.random.default_rng(seed).integers(0, 101, n).tolist()
-
-
 @pytest.fixture(scope="module")
 def want(model):
     """The logits of the schedule without a store."""
-    return segmented_prefill(model, prompt(), model.make_cache("pqo4"), chunk_tokens=S, chunk_size=CHUNK)
+    return segmented_prefill(model, store_prompt(N), model.make_cache("pqo4"), chunk_tokens=S, chunk_size=CHUNK)
 
 
 def through(model, backend, *, on_error: str = "warn"):
@@ -61,7 +59,7 @@ def through(model, backend, *, on_error: str = "warn"):
     t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        logits = store.prefill(model, prompt(), model.make_cache("pqo4"), chunk_size=CHUNK)
+        logits = store.prefill(model, store_prompt(N), model.make_cache("pqo4"), chunk_size=CHUNK)
     return logits, [w for w in caught if issubclass(w.category, StoreWarning)], time.monotonic() - t0
 
 
@@ -282,7 +280,7 @@ def test_a_killed_server_mid_prompt(model, want):
                 killed.append(True)
             return out
 
-        ids = prompt()
+        ids = store_prompt(N)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = store.prefill_segments(run, ids, cache, store.keys(model, cache, ids, chunk_size=CHUNK))
@@ -427,7 +425,7 @@ FOLDER_FAULTS = {
 
 def _keys(model, store: PrefixStore) -> list:
     cache = model.make_cache("pqo4")
-    return store.keys(model, cache, prompt(), chunk_size=CHUNK)
+    return store.keys(model, cache, store_prompt(N), chunk_size=CHUNK)
 
 
 @pytest.mark.parametrize("fault", sorted(FOLDER_FAULTS))
@@ -484,7 +482,7 @@ def test_a_store_folder_that_is_a_file(model, want, tmp_path):
     where.write_bytes(b"a file")
     assert_survived(model, want, str(where), note="folder is a file")
     assert_raises(model, str(where), note="folder is a file")
-    out = model.generate(prompt(), max_new_tokens=2, store=str(where))
+    out = model.generate(store_prompt(N), max_new_tokens=2, store=str(where))
     assert len(out) >= 1
 
 

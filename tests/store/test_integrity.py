@@ -23,16 +23,12 @@ from arraykv.store import LocalStore, PrefixStore, StoreWarning, segmented_prefi
 from arraykv.store.binding import SECRET_ENV, Tenant, open_entry, read_header, seal_entry
 from arraykv.store.keys import model_identity, onnx_identity, onnx_identity_later
 
-from tiny_models import hf_llama, store_model
+from tiny_models import hf_llama, store_model, store_prompt
 
 S, CHUNK = 64, 32  # tokens per stored segment, the decoder's prefill chunk within a segment
 SECRET = b"tenant-a: 0123456789abcdef"
 OTHER = b"tenant-b: fedcba9876543210"
 _DIGEST = 32  # the cache file's SHA-256 trailer
-
-
-def prompt(n: int, seed: int = 0) -> list:
-    return np.random.default_rng(seed).integers(0, 101, n).tolist()
 
 
 def keys(store, model, ids) -> list:
@@ -71,7 +67,7 @@ def with_trailer(cache_file: bytearray) -> bytes:
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["unkeyed", "keyed"])
 def test_another_prompts_entry_under_the_victims_key_is_never_used(model, backend, secret):
     store = PrefixStore(backend, chunk_tokens=S, secret=secret)
-    victim, other = prompt(S + 20), prompt(S + 20, seed=7)
+    victim, other = store_prompt(S + 20), store_prompt(S + 20, seed=7)
     run(store, model, other)  # the other prompt, stored honestly by the same tenant
     k_victim, k_other = keys(store, model, victim)[0], keys(store, model, other)[0]
     backend.put(k_victim, bytes(backend.get(k_other)), tokens=S)  # as any writer can
@@ -86,7 +82,7 @@ def test_another_prompts_entry_under_the_victims_key_is_never_used(model, backen
 def test_a_forged_binding_is_refused_with_a_secret(model, backend):
     """With a secret, even a writer who knows the victim's binding cannot make an entry pass."""
     store = PrefixStore(backend, chunk_tokens=S, secret=SECRET)
-    victim, other = prompt(S + 20), prompt(S + 20, seed=7)
+    victim, other = store_prompt(S + 20), store_prompt(S + 20, seed=7)
     run(store, model, other)
     k_other = keys(store, model, other)[0]
     stolen = bytes(backend.get(k_other))
@@ -103,7 +99,7 @@ def test_a_forged_binding_is_refused_with_a_secret(model, backend):
 
 def test_forty_payload_bit_flips_with_the_checksum_recomputed_are_refused_with_a_secret(model, backend):
     store = PrefixStore(backend, chunk_tokens=S, secret=SECRET)
-    ids = prompt(S + 20)
+    ids = store_prompt(S + 20)
     want = no_store(model, ids)
     run(store, model, ids)
     key = keys(store, model, ids)[0]
@@ -129,7 +125,7 @@ def test_without_a_secret_the_binding_still_refuses_edited_headers(model, backen
     """Unkeyed: a flip in the entry's key, namespace, length or token digest is caught (the payload
     is not protected against a writer who recomputes its checksum: docs/store.md)."""
     store = PrefixStore(backend, chunk_tokens=S)
-    ids = prompt(S + 20)
+    ids = store_prompt(S + 20)
     want = no_store(model, ids)
     run(store, model, ids)
     key = keys(store, model, ids)[0]
@@ -149,7 +145,7 @@ def test_without_a_secret_the_binding_still_refuses_edited_headers(model, backen
 
 
 def test_tenants_share_no_key_and_never_use_each_others_entries(model, backend):
-    ids = prompt(3 * S + 5)
+    ids = store_prompt(3 * S + 5)
     a = PrefixStore(backend, chunk_tokens=S, secret=SECRET, policy="every")
     b = PrefixStore(backend, chunk_tokens=S, secret=OTHER)
     plain = PrefixStore(backend, chunk_tokens=S)
@@ -181,7 +177,7 @@ def test_tenants_share_no_key_and_never_use_each_others_entries(model, backend):
 def test_an_entry_header_names_no_prompt_with_a_secret(model, backend):
     """What a reader of the store sees of a keyed entry (key, namespace, token digest) is not the
     public digests an attacker could compute from a guessed prompt."""
-    ids = prompt(S + 20)
+    ids = store_prompt(S + 20)
     keyed, plain = PrefixStore(backend, chunk_tokens=S, secret=SECRET), PrefixStore(backend, chunk_tokens=S)
     run(keyed, model, ids)
     run(plain, model, ids)
@@ -195,7 +191,7 @@ def test_an_entry_header_names_no_prompt_with_a_secret(model, backend):
 
 
 def test_the_secret_comes_from_the_environment_and_is_checked(model, tmp_path, monkeypatch):
-    ids = prompt(2 * S)
+    ids = store_prompt(2 * S)
     given = keys(PrefixStore(tmp_path, chunk_tokens=S, secret=SECRET), model, ids)
     monkeypatch.setenv(SECRET_ENV, SECRET.decode())
     from_env = PrefixStore(tmp_path, chunk_tokens=S)
@@ -218,7 +214,7 @@ def test_the_secret_comes_from_the_environment_and_is_checked(model, tmp_path, m
 def test_a_refused_entry_is_replaced_whatever_the_policy_stores(model, tmp_path):
     """policy="last" stores only the longest boundary, but a refused shorter entry is rewritten."""
     store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S)
-    ids = prompt(2 * S + 5)
+    ids = store_prompt(2 * S + 5)
     k1 = keys(store, model, ids)[0]
     store.backend.put(k1, b"damaged", tokens=S)
     with pytest.warns(StoreWarning):
@@ -240,7 +236,7 @@ def test_an_entry_counts_as_used_only_once_it_was_accepted(model, tmp_path):
     """Eviction orders by use: a refused entry must not look used, an accepted one must."""
     backend = LocalStore(tmp_path)
     store = PrefixStore(backend, chunk_tokens=S, policy="every")
-    ids = prompt(2 * S + 5)
+    ids = store_prompt(2 * S + 5)
     run(store, model, ids)
     k1, k2 = keys(store, model, ids)
     backend.put(k2, b"damaged", tokens=2 * S)
@@ -267,7 +263,7 @@ def test_model_identity_covers_every_weight(model, tmp_path):
     other.layers[1] = dataclasses.replace(lw, wgu=wgu)
     assert model_identity(other) != model_identity(model)
     assert model_identity(store_model()) == model_identity(model)  # the same weights, another object
-    ids = prompt(S + 20)
+    ids = store_prompt(S + 20)
     store = PrefixStore(tmp_path, chunk_tokens=S)
     run(store, model, ids)
     assert set(keys(store, other, ids)).isdisjoint(keys(store, model, ids))
@@ -369,7 +365,7 @@ def test_transformers_identity_covers_every_weight_and_in_place_changes():
 
 def test_entries_are_listed_with_their_tokens(model, tmp_path):
     store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S, secret=SECRET, policy="every")
-    run(store, model, prompt(2 * S + 1))
+    run(store, model, store_prompt(2 * S + 1))
     assert sorted(e.tokens for e in store.backend.entries()) == [S, 2 * S]
 
 

@@ -20,12 +20,9 @@ from arraykv.store.binding import seal_entry
 from arraykv.store.entry import ROLLBACK_ARRAYS
 
 from cache_contract import assert_same_state
+from tiny_models import store_prompt
 
 S, CHUNK = 64, 32  # tokens per stored segment, the decoder's prefill chunk within a segment
-
-
-def prompt(n: int, seed: int = 0) -> list:
-    return np.random.default_rng(seed).integers(0, 101, n).tolist()
 
 
 def decode_steps(model, cache, logits, steps=3) -> list:
@@ -38,7 +35,7 @@ def decode_steps(model, cache, logits, steps=3) -> list:
 
 @pytest.mark.parametrize("method", ["pqo4", "int4", "dense", "pqo2"])
 def test_continuing_a_stored_prefix_equals_a_fresh_run(model, tmp_path, method):
-    ids = prompt(3 * S + 17)
+    ids = store_prompt(3 * S + 17)
     ref = model.make_cache(method)
     ref_logits = segmented_prefill(model, ids, ref, chunk_tokens=S, chunk_size=CHUNK)
     ref_steps = decode_steps(model, ref, ref_logits)
@@ -63,14 +60,14 @@ def test_continuing_a_stored_prefix_equals_a_fresh_run(model, tmp_path, method):
 
 
 def test_a_prompt_that_is_a_whole_number_of_segments_still_prefills_its_last_one(model, tmp_path):
-    ids = prompt(2 * S)
+    ids = store_prompt(2 * S)
     store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S)
     store.prefill(model, ids, model.make_cache("pqo4"), chunk_size=CHUNK)
     assert store.last_report.stored == [2 * S]
     warm = model.make_cache("pqo4")
     got = store.prefill(model, ids, warm, chunk_size=CHUNK)
     assert store.last_report.reused == 0 and store.last_report.computed == 2 * S  # 2S itself leaves nothing to run
-    longer = ids + prompt(5, seed=1)
+    longer = ids + store_prompt(5, seed=1)
     fresh = model.make_cache("pqo4")
     want = segmented_prefill(model, longer, fresh, chunk_tokens=S, chunk_size=CHUNK)
     warm = model.make_cache("pqo4")
@@ -81,15 +78,15 @@ def test_a_prompt_that_is_a_whole_number_of_segments_still_prefills_its_last_one
 
 def test_policy_last_stores_the_longest_boundary_and_a_conversation_finds_it(model, tmp_path):
     store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S)
-    turn1 = prompt(S + 40)
+    turn1 = store_prompt(S + 40)
     store.prefill(model, turn1, model.make_cache("int4"), chunk_size=CHUNK)
     assert store.last_report.stored == [S]
-    turn2 = turn1 + prompt(2 * S, seed=5)
+    turn2 = turn1 + store_prompt(2 * S, seed=5)
     store.prefill(model, turn2, model.make_cache("int4"), chunk_size=CHUNK)
     assert store.last_report.reused == S and store.last_report.stored == [3 * S]
     assert len(store.backend.entries()) == 2
     none = PrefixStore(store.backend, chunk_tokens=S, policy="none")
-    none.prefill(model, prompt(4 * S, seed=9), model.make_cache("int4"), chunk_size=CHUNK)
+    none.prefill(model, store_prompt(4 * S, seed=9), model.make_cache("int4"), chunk_size=CHUNK)
     assert none.last_report.stored == [] and len(store.backend.entries()) == 2
 
 
@@ -97,7 +94,7 @@ def test_keys_separate_models_methods_options_and_schedules(model, tmp_path):
     from tiny_models import store_model
 
     store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S)
-    ids = prompt(2 * S)
+    ids = store_prompt(2 * S)
     base = store.keys(model, model.make_cache("pqo4"), ids, chunk_size=CHUNK)
     assert len(base) == 2
     others = [
@@ -118,7 +115,7 @@ def test_keys_separate_models_methods_options_and_schedules(model, tmp_path):
 
 
 def test_generate_with_a_store_gives_the_tokens_of_the_schedule(model, tmp_path):
-    ids = prompt(2 * S + 30)
+    ids = store_prompt(2 * S + 30)
     ref = model.make_cache("pqo4")
     logits = segmented_prefill(model, ids, ref, chunk_tokens=S, chunk_size=CHUNK)
     want = [int(np.argmax(logits))] + [int(np.argmax(x)) for x in decode_steps(model, ref, logits, 5)]
@@ -138,7 +135,7 @@ def sealed(store, model, ids, j, body):
 
 
 def test_a_crafted_or_foreign_entry_is_refused_the_prompt_computed_and_the_entry_replaced(model, tmp_path):
-    ids = prompt(S + 20)
+    ids = store_prompt(S + 20)
     store = PrefixStore(LocalStore(tmp_path), chunk_tokens=S)
     key = store.keys(model, model.make_cache("pqo4"), ids, chunk_size=CHUNK)[0]
     fresh = model.make_cache("pqo4")
@@ -178,7 +175,7 @@ def test_a_crafted_or_foreign_entry_is_refused_the_prompt_computed_and_the_entry
 
 @pytest.mark.parametrize("method", ["pqo4", "int4"])
 def test_an_entry_without_rollback_copies_continues_the_same(model, method):
-    ids = prompt(90)
+    ids = store_prompt(90)
     c = model.make_cache(method)
     model.prefill(ids[:60], c, chunk_size=CHUNK)
     for t in ids[60:]:  # decode steps: the copies now reach back into them
@@ -202,7 +199,7 @@ def test_an_entry_without_rollback_copies_continues_the_same(model, method):
 
 
 def test_restore_entry_checks(model):
-    ids = prompt(40)
+    ids = store_prompt(40)
     c = model.make_cache("int4")
     model.prefill(ids, c)
     data = encode_cache(c)
@@ -241,7 +238,7 @@ def test_a_failing_server_is_a_warning_not_a_failed_generation(model, valkey_ser
     """The server stops: lookups and stores fail with a warning, the prompt is computed."""
     from arraykv.store import ValkeyServer, ValkeyStore
 
-    ids = prompt(S + 10)
+    ids = store_prompt(S + 10)
     fresh = model.make_cache("pqo4")
     want = segmented_prefill(model, ids, fresh, chunk_tokens=S, chunk_size=CHUNK)
     server = ValkeyServer().start()

@@ -171,7 +171,7 @@ def test_a_crafted_server_entry_is_refused_before_its_bytes_are_sent(valkey_stor
 def _prefix_in_processes(backend, tmp_path, writers: int) -> None:
     """``writers`` processes prefill one prompt through ``backend`` at once; this process then
     restores their prefix and must get their logits, which must be a fresh run's."""
-    from tiny_models import store_model
+    from tiny_models import store_model, store_prompt
 
     spec, prefix = spec_of(backend)
     procs = [worker("prefix", spec, prefix, "pqo4", 150, 64, tmp_path / f"{i}.npz") for i in range(writers)]
@@ -182,7 +182,7 @@ def _prefix_in_processes(backend, tmp_path, writers: int) -> None:
     (entry,) = backend.entries()  # one prefix, one whole entry
     assert entry.nbytes == len(backend.get(entry.key))
     model = store_model()
-    ids = np.random.default_rng(0).integers(0, 101, 150).tolist()
+    ids = store_prompt(150)
     fresh = model.make_cache("pqo4")
     want = segmented_prefill(model, ids, fresh, chunk_tokens=64, chunk_size=32)
     store = PrefixStore(backend, chunk_tokens=64)
