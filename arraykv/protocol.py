@@ -47,6 +47,7 @@ __all__ = [
     "BatchRowsKVCache",
     "LayerRoutedKVCache",
     "WindowTailKVCache",
+    "PrefillTarget",
     "Capability",
     "CAPABILITIES",
     "KV_CACHE",
@@ -57,6 +58,7 @@ __all__ = [
     "BATCH_ROWS",
     "LAYER_ROUTING",
     "WINDOW_TAIL",
+    "PREFILL_TARGET",
     "supports",
     "declares",
     "capabilities",
@@ -637,6 +639,53 @@ class WindowTailKVCache(Protocol):
         ...
 
 
+class PrefillTarget(Protocol):
+    """What a prompt's layers are stored into: a cache, or a stand-in that forwards to one.
+
+    The two contract methods a prompt run needs (``seq_len`` and ``prefill``, as
+    :class:`CompressedKVCache` declares them). Every cache is one; so are the stand-ins an engine
+    passes in a cache's place while a prompt runs (the prompt stage of
+    ``arraykv.integrations.common.prompt_stage``, a draft's tee). Not a capability of a cache
+    (:data:`CAPABILITIES` lists those): :data:`PREFILL_TARGET` lets :func:`supports` tell a target
+    from something else.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        Those of :class:`typing.Protocol`, which cannot be instantiated.
+    """
+
+    def seq_len(self, layer: int) -> int:
+        """Tokens stored in ``layer`` (see :meth:`CompressedKVCache.seq_len`).
+
+        Parameters
+        ----------
+        layer : int
+            Layer index.
+
+        Returns
+        -------
+        int
+        """
+        ...
+
+    def prefill(self, layer: int, k: Array, v: Array, q: Array) -> DequantResult:
+        """Store a chunk of ``layer``'s tokens (see :meth:`CompressedKVCache.prefill`).
+
+        Parameters
+        ----------
+        layer : int
+            Layer index.
+        k, v : array, shape (batch, kv_heads, t, head_dim)
+        q : array, shape (batch, q_heads, t, head_dim)
+
+        Returns
+        -------
+        DequantResult
+        """
+        ...
+
+
 # -- asking a cache what it supports ------------------------------------------------------------
 
 
@@ -813,6 +862,8 @@ BATCH_ROWS = Capability[BatchRowsKVCache]("batch_rows", BatchRowsKVCache)
 LAYER_ROUTING = Capability[LayerRoutedKVCache]("layer_routing", LayerRoutedKVCache)
 #: ``keep``, ``append_last``: :class:`WindowTailKVCache`.
 WINDOW_TAIL = Capability[WindowTailKVCache]("window_tail", WindowTailKVCache)
+#: ``seq_len``, ``prefill``: :class:`PrefillTarget` (a cache or a stand-in; not in :data:`CAPABILITIES`).
+PREFILL_TARGET = Capability[PrefillTarget]("prefill_target", PrefillTarget)
 
 #: Every capability, in the order :func:`capabilities` lists them.
 CAPABILITIES: tuple[Capability, ...] = (

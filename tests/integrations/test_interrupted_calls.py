@@ -109,12 +109,21 @@ def test_a_cache_without_transactions_gets_a_note_when_it_cannot_be_taken_back()
     """The fallback for a cache of the protocol only: truncate_all, and a note when that fails."""
     from arraykv.integrations.common.generation import undo_on_failure
 
-    class Plain:  # the protocol's methods, no transaction(), a truncate_all that refuses
+    class Plain:  # the protocol's methods, no transaction(), truncation whose truncate_all refuses
         def seq_len(self, layer):
             return 0
 
         def prefill(self, *args):
             pass
+
+        def truncate(self, layer, length):
+            raise ValueError("cannot reach 5 exactly")
+
+        def can_truncate(self, layer, length):
+            return False
+
+        def min_truncate_length(self, layer):
+            return 6
 
         def truncate_all(self, length):
             raise ValueError("cannot reach 5 exactly")

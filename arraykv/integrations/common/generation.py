@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..._compat import to_numpy
-from ...protocol import TRANSACTIONS, supports
+from ...protocol import PREFILL_TARGET, TRANSACTIONS, TRUNCATION, supports
 
 __all__ = [
     "GenerationFront",
@@ -65,7 +65,7 @@ def cache_length(cache: Any, num_layers: int = 1) -> int:
     ValueError
         The layers hold different numbers of tokens.
     """
-    if not hasattr(cache, "seq_len") or not hasattr(cache, "prefill"):
+    if not supports(cache, PREFILL_TARGET):
         raise TypeError(f"cache must be a CompressedKVCache, received {type(cache).__name__}")
     lengths = [int(cache.seq_len(i)) for i in range(num_layers)]
     if any(n != lengths[0] for n in lengths):
@@ -97,13 +97,12 @@ def undo_on_failure(cache: Any, length: int) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        truncate_all = getattr(cache, "truncate_all", None)
         why = None
-        if not callable(truncate_all):
-            why = "it has neither transaction() nor truncate_all()"
+        if not supports(cache, TRUNCATION):
+            why = "it has neither transaction() nor truncation (truncate_all())"
         else:
             try:
-                truncate_all(length)
+                cache.truncate_all(length)
             except Exception as undo:  # noqa: BLE001 - the step's own error is the one to report
                 why = f"truncate_all({length}) failed: {undo}"
         if why is not None:
