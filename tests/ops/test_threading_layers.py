@@ -133,3 +133,20 @@ def test_blas_threads_answers_for_numpys_openblas():
 
     n = blas_threads()
     assert isinstance(n, int) and n >= 1
+
+
+def test_torchs_intra_op_threads_count_as_a_threaded_blas(monkeypatch):
+    """Inside a transformers model the products run on torch's threads, not NumPy's OpenBLAS:
+    once torch is imported its thread count decides as the OpenBLAS's does."""
+    torch = pytest.importorskip("torch")
+    from arraykv.ops.numba import threads
+
+    monkeypatch.setattr(threads, "_BLAS_GET", [lambda: 1])  # NumPy's OpenBLAS on one thread
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert threads.blas_threads() == 2
+        torch.set_num_threads(1)
+        assert threads.blas_threads() == 1
+    finally:
+        torch.set_num_threads(saved)

@@ -12,6 +12,8 @@ import and read by the kernels as compile-time constants:
 
 from __future__ import annotations
 
+import importlib
+
 from numba.core import config as nb_config
 
 __all__ = ["host_cpu_has", "HAVE_AVX512", "HAVE_PERMPS", "VECTOR_TILES"]
@@ -24,11 +26,11 @@ def host_cpu_has(feature: str) -> bool:
     features named in ``NUMBA_CPU_FEATURES`` (``"+avx2,+fma,..."``) count, none without it;
     False where llvmlite cannot say.
     """
-    if nb_config.CPU_NAME:
+    if getattr(nb_config, "CPU_NAME", None):  # Numba's settings module fills its names at run time
         named = getattr(nb_config, "CPU_FEATURES", None) or ""
         return f"+{feature}" in named.replace(" ", "").split(",")
     try:
-        import llvmlite.binding as llb
+        llb = importlib.import_module("llvmlite.binding")  # untyped: imported by name
 
         return bool(llb.get_host_cpu_features().get(feature, False))
     except Exception:  # pragma: no cover - llvmlite without the query

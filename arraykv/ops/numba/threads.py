@@ -26,7 +26,9 @@ Serial beside a threaded BLAS
     SmolLM2-shape fused step at 8k tokens took 0.6 ms on two Numba threads alone, 7.6 ms with
     a two-thread OpenBLAS product before each call, and 1.1 ms serially. So while the OpenBLAS
     that NumPy uses runs more than one thread (:func:`blas_threads`), kernels run serially;
-    with ``OPENBLAS_NUM_THREADS=1`` they use every Numba thread. :func:`beside_blas` changes
+    with ``OPENBLAS_NUM_THREADS=1`` they use every Numba thread. The same holds beside torch's
+    own intra-op threads (a transformers model's products run there, not in OpenBLAS): once
+    torch is imported, its thread count counts as the BLAS's. :func:`beside_blas` changes
     the rule (``"parallel"`` for code that calls no BLAS between kernel calls).
 
 Numba's thread count is a per-thread setting, so a launch never changes another thread's.
@@ -38,7 +40,9 @@ import contextlib
 import ctypes
 import glob
 import os
+import sys
 import threading
+from collections.abc import Callable, Iterator
 
 import numba as nb
 
@@ -84,14 +88,21 @@ _BLAS_GET: list = []
 
 
 def blas_threads() -> int:
-    """Threads of the OpenBLAS that NumPy links, asked through its C API; 1 when it cannot be asked."""
+    """Threads of the BLAS running beside the kernels: the OpenBLAS that NumPy links (asked
+    through its C API; 1 when it cannot be asked), or torch's intra-op threads once torch is
+    imported, whichever is more."""
     if not _BLAS_GET:
         _BLAS_GET.append(_find_blas_get())
     get = _BLAS_GET[0]
-    return 1 if get is None else max(1, int(get()))
+    n = 1 if get is None else max(1, int(get()))
+    torch = sys.modules.get("torch")
+    get_torch = getattr(torch, "get_num_threads", None)
+    if callable(get_torch):
+        n = max(n, int(get_torch()))
+    return n
 
 
-def _find_blas_get():
+def _find_blas_get() -> Callable[[], int] | None:
     import numpy as np
 
     base = os.path.dirname(np.__file__)
@@ -112,12 +123,13 @@ def _find_blas_get():
             fn = getattr(lib, name, None)
             if fn is not None:
                 fn.restype = ctypes.c_int
-                return fn
+                found: Callable[[], int] = fn
+                return found
     return None
 
 
 @contextlib.contextmanager
-def beside_blas(mode: str):
+def beside_blas(mode: str) -> Iterator[None]:
     """Within the block, this Python thread's kernels run ``"serial"`` or ``"parallel"`` while
     NumPy's OpenBLAS runs several threads (the default is ``"serial"``, or the environment
     variable ``ARRAYKV_BESIDE_BLAS``)."""
@@ -135,7 +147,7 @@ def beside_blas(mode: str):
 
 
 @contextlib.contextmanager
-def serial_below(min_work: int):
+def serial_below(min_work: int) -> Iterator[None]:
     """Within the block, calls of this Python thread run serially below ``min_work`` values.
 
     ``serial_below(0)`` sends every call to the threaded path, ``serial_below(1 << 62)`` keeps
@@ -157,7 +169,7 @@ def launches_serialized() -> bool:
     global _layer_safe
     if _layer_safe is not None:
         return not _layer_safe
-    if str(nb.config.THREADING_LAYER).lower() == "workqueue":
+    if str(getattr(nb.config, "THREADING_LAYER", "")).lower() == "workqueue":
         _layer_safe = False
         return True
     try:
@@ -169,7 +181,7 @@ def launches_serialized() -> bool:
 
 
 @contextlib.contextmanager
-def launch(work: int):
+def launch(work: int) -> Iterator[int]:
     """Context of one call of ``parallel=True`` kernels over ``work`` values; yields the thread count.
 
     Sets this Python thread's Numba thread count to :func:`threads_for` for the block (restored
