@@ -9,12 +9,70 @@ length from ``config.context_length`` when it has one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from .. import _compat
 from .._types import Array
+from ..protocol import Capability
 
-__all__ = ["geometry", "context_length", "decode_logits"]
+__all__ = ["EvalEngine", "ENGINE", "geometry", "context_length", "decode_logits"]
+
+
+class EvalEngine(Protocol):
+    """What the evaluations call on an engine: a cache of its geometry, a prompt, a step.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        Those of :class:`typing.Protocol`, which cannot be instantiated.
+    """
+
+    def make_cache(self, method: str, **options: Any) -> Any:
+        """An empty cache of the engine's geometry (see ``DecoderModel.make_cache``).
+
+        Parameters
+        ----------
+        method : str
+        **options
+            Options of the method.
+
+        Returns
+        -------
+        CompressedKVCache
+        """
+        ...
+
+    def prefill(self, token_ids: Any, cache: Any) -> Any:
+        """Run a prompt after what ``cache`` holds; its logits.
+
+        Parameters
+        ----------
+        token_ids : sequence of int
+        cache : CompressedKVCache
+
+        Returns
+        -------
+        array
+        """
+        ...
+
+    def decode(self, token: int, cache: Any) -> Any:
+        """One step on ``token``; its logits.
+
+        Parameters
+        ----------
+        token : int
+        cache : CompressedKVCache
+
+        Returns
+        -------
+        array
+        """
+        ...
+
+
+#: ``make_cache``, ``prefill``, ``decode``: :class:`EvalEngine`, asked with :func:`arraykv.protocol.supports`.
+ENGINE = Capability[EvalEngine]("eval_engine", EvalEngine)
 
 
 def geometry(engine: Any) -> dict:

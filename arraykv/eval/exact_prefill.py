@@ -25,6 +25,7 @@ from typing import Any
 from .. import _compat
 from .._types import Array
 from ..protocol import KV_CACHE, supports
+from .engine import ENGINE
 
 __all__ = ["ExactPrefill", "exact_prefill", "PREFILL_MODES"]
 
@@ -208,7 +209,7 @@ def check_common(
         raise ValueError(f"chunk_size must be a positive integer or None, received {chunk_size!r}")
     if not isinstance(prefill_mode, str) or prefill_mode not in PREFILL_MODES:
         raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}, received {prefill_mode!r}")
-    if not hasattr(model, "config") or not hasattr(model, "prefill") or not hasattr(model, "decode"):
+    if not supports(model, ENGINE) or getattr(model, "config", None) is None:
         raise TypeError(f"model must be a DecoderModel (config, prefill, decode), received {type(model).__name__}")
     return ["dense"] + [m for m in methods if m != "dense"], opts
 
