@@ -195,7 +195,8 @@ class IntQuantCache(LayeredCache[IntLayer]):
             device=dev,
             batch=batch,
             dtype=dtype,
-            kq=TokenBuffers(max_tokens=None if mt is None else -(-mt // self.group_size), min_capacity=4),
+            # key groups: steps of 4 groups (128 tokens at the default group size), never more
+            kq=TokenBuffers(max_tokens=None if mt is None else -(-mt // self.group_size), min_capacity=4, max_step=4),
             vq=TokenBuffers(max_tokens=mt),
             k_residual=empty,
             v_window=empty,

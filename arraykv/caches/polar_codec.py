@@ -138,11 +138,13 @@ class PolarFixed:
     def build(
         cls, xp: Namespace, dev: Device, *, head_dim: int, key_bits: int, value_bits: int, seed: int, qjl: bool
     ) -> PolarFixed:
-        """The arrays for one namespace and device (same seed, same arrays)."""
+        """The arrays for one namespace and device (same seed, same arrays; keys and values of
+        the same bits share one codebook, as :meth:`nbytes` counts it)."""
+        k_codebook = make_codebook(key_bits, head_dim, xp=xp, device=dev)
         return cls(
             rotation=make_rotation(head_dim, seed, xp=xp, device=dev),
-            k_codebook=make_codebook(key_bits, head_dim, xp=xp, device=dev),
-            v_codebook=make_codebook(value_bits, head_dim, xp=xp, device=dev),
+            k_codebook=k_codebook,
+            v_codebook=k_codebook if value_bits == key_bits else make_codebook(value_bits, head_dim, xp=xp, device=dev),
             qjl=make_sketch(head_dim, seed, xp=xp, device=dev) if qjl else None,
         )
 

@@ -24,8 +24,10 @@ from .._types import Array, Namespace
 __all__ = ["SlidingRows", "SPARE_ROWS", "copied"]
 
 #: Spare rows after a sliding block (bytes: ``2 · batch · heads · head_dim · 2`` per row for
-#: float16 keys and values); the block moves back to the buffer's start once every that many steps.
-SPARE_ROWS = 8
+#: float16 keys and values); the block moves back to the buffer's start once every that many steps
+#: (a copy of the block's rows, a window's few dozen: a few rows per step for a spare room of
+#: 4 rows, which a layer of 511 tokens holds at an eighth of a bit per value).
+SPARE_ROWS = 4
 
 
 class SlidingRows:

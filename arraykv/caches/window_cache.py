@@ -233,10 +233,13 @@ class SlidingWindowCache(LayeredCache[WindowLayer]):
         self.keep = self.window + self.rollback_tokens
         #: Float16 tail rows a ``pq`` layer keeps (the exact tail and the rollback margin).
         self.tail_keep = 0 if self.bits is None else self.exact_tail + self.rollback_tokens
-        #: Rows of a layer's buffers at most: ``keep`` plus room for ``max(16, keep // 4)`` more, so
-        #: the held rows move back to the buffers' start once every that many decode steps. The
-        #: buffers start small and double up to it.
-        self.capacity = self.keep + max(16, self.keep // 4)
+        #: Spare rows of a layer's buffers at most: ``max(16, keep // 16)``, so the held rows move
+        #: back to the buffers' start once every that many decode steps (a copy of ``keep`` rows:
+        #: at most 16 rows per step, a few percent of the ``window`` rows a decode step reads).
+        self.spare = max(16, self.keep // 16)
+        #: Rows of a layer's buffers at most: ``keep + spare``. The buffers start at a prompt's rows
+        #: exactly and grow by doubling while small, by ``spare`` rows at most, up to it.
+        self.capacity = self.keep + self.spare
         self._fixed: dict = {}
 
     @property
@@ -381,10 +384,14 @@ class SlidingWindowCache(LayeredCache[WindowLayer]):
         cap = int(next(iter(st.rows.values())).shape[2]) if st.rows else 0
         if t >= keep or not st.rows or (st.off + st.n + t > cap and cap < self.capacity):
             # a new buffer: the first rows, a chunk longer than what is kept, or growth towards the
-            # capacity (doubling, so a short sequence holds little and a long one moves rarely)
+            # capacity (doubling while small, then ``spare`` rows more: the spare room stays bounded);
+            # a prompt's rows (several, none held before them) get a buffer of exactly their size
             old = 0 if not st.rows else min(st.n, keep - min(t, keep))
             m = min(t, keep)
-            cap = min(self.capacity, max(64, 2 * (old + m)))
+            if old == 0 and t > 1:
+                cap = m
+            else:
+                cap = min(self.capacity, max(64, old + m + min(old + m, self.spare)))
             held = st.held()
             bufs = {}
             for name, a in rows.items():
