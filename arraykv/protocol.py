@@ -293,6 +293,24 @@ class IncrementalKVCache(Protocol):
         """
         ...
 
+    @property
+    def rewrites(self) -> int:
+        """How many times the cache's tokens were changed other than by storing new ones.
+
+        Counts every ``reset``, ``truncate`` / ``truncate_all`` that dropped tokens, transaction
+        rolled back, ``restore`` and ``select_rows``; a store that adds tokens (or a store
+        refused and put back as it was) does not count. A caller that keeps what it read of a
+        layer (its K/V up to ``seq_len``) may reuse it only while both ``seq_len`` and this
+        count are what they were when it read: a cache truncated and extended again by
+        someone else has the old length and other contents.
+
+        Returns
+        -------
+        int
+            Non-decreasing; 0 for a new cache.
+        """
+        ...
+
     def dequantize(self, layer: int, start: int = 0) -> DequantResult | None:
         """K/V of the tokens ``start ..`` stored in ``layer``, reconstructed, without storing anything.
 

@@ -106,7 +106,7 @@ class LayeredCache(
 
     method: str = "base"
     #: Whether the tokens are held as given (no compression), so that a long prompt needs no
-    #: exact staging while it runs (:mod:`arraykv.integrations.prompt_stage`).
+    #: exact staging while it runs (:mod:`arraykv.integrations.common.prompt_stage`).
     stores_exactly: bool = False
 
     def __init__(
@@ -127,6 +127,7 @@ class LayeredCache(
         self._states: list[_S | None] = [None] * self.num_layers
         #: Open transactions by the thread that began them, outermost first (:meth:`transaction`).
         self._transactions: dict[int, list[CacheTransaction]] = {}
+        self._rewrites = 0  # see the rewrites property
 
     # -- the contract ------------------------------------------------------------
     @contract_doc(CompressedKVCache.prefill)
@@ -174,6 +175,12 @@ class LayeredCache(
                 out = self._decode(state, k, v, q, config)
             return out
 
+    @property
+    def rewrites(self) -> int:
+        """Changes other than stores of new tokens so far (see
+        :attr:`arraykv.protocol.IncrementalKVCache.rewrites`)."""
+        return self._rewrites
+
     @contract_doc(CompressedKVCache.seq_len)
     def seq_len(self, layer: int) -> int:
         layer = self._check_layer(layer)
@@ -190,6 +197,7 @@ class LayeredCache(
             self._note_every_layer()
             self._states = [None] * self.num_layers
             self._on_reset()
+            self._rewrites += 1
 
     # -- transactions (arraykv.caches.transaction) ----------------------------------------
     @contextlib.contextmanager
@@ -256,6 +264,7 @@ class LayeredCache(
                     for layer, record in top.records.items():
                         self._states[layer] = record.restore()
                     self._restore_fixed(top.fixed)
+                    self._rewrites += 1
                 top.records = {}
                 if top is txn:
                     break

@@ -109,6 +109,7 @@ class LayerBatchRows(Generic[_S]):
         num_layers: int
         _locks: list[threading.Lock]
         _states: list[_S | None]
+        _rewrites: int
 
         def _all_layers_locked(self) -> contextlib.AbstractContextManager[None]: ...
         def _note_every_layer(self) -> None: ...
@@ -240,3 +241,4 @@ def select_rows_of(caches: Sequence[LayerBatchRows], indices: Any) -> None:
             cache._note_every_layer()
         for cache, states in zip(caches, built):  # nothing below can fail
             cache._states = states
+            cache._rewrites += 1

@@ -51,7 +51,7 @@ class DenseCache(LayeredCache[DenseLayer]):
     """
 
     method = "dense"
-    #: Tokens are held as given: a prompt needs no exact staging (:mod:`arraykv.integrations.prompt_stage`).
+    #: Tokens are held as given: a prompt needs no exact staging (:mod:`arraykv.integrations.common.prompt_stage`).
     stores_exactly = True
 
     def _new_layer(self, xp: Namespace, dev: Device, batch: int, dtype: DType) -> DenseLayer:

@@ -367,6 +367,12 @@ class HybridCache(
     can_truncate = _routed(TruncatableKVCache.can_truncate)
 
     # -- over both parts -------------------------------------------------------------------
+    @property
+    def rewrites(self) -> int:
+        """Both parts' changes other than stores of new tokens (see
+        :attr:`arraykv.protocol.IncrementalKVCache.rewrites`)."""
+        return int(self.full.rewrites + self.sliding.rewrites)
+
     used_bytes = _summed(LayeredCache.used_bytes)
     rollback_bytes = _summed(LayerRollback.rollback_bytes)
     reallocations = _summed(LayeredCache.reallocations)

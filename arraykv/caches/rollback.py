@@ -77,6 +77,7 @@ class LayerRollback(Generic[_S]):
         _locks: list[threading.Lock]
         _states: list[_S | None]
         _transactions: dict[int, list[Any]]
+        _rewrites: int
 
         def _check_layer(self, layer: int) -> int: ...
         def _all_layers_locked(self) -> contextlib.AbstractContextManager[None]: ...
@@ -132,6 +133,7 @@ class LayerRollback(Generic[_S]):
                 commit = self._plan_truncate(layer, 0)
                 if commit is not None:
                     commit()
+                    self._rewrites += 1
                     if all(st is None for st in self._states):
                         self._on_reset()
             return
@@ -139,6 +141,7 @@ class LayerRollback(Generic[_S]):
             commit = self._plan_truncate(layer, length)
             if commit is not None:
                 commit()
+                self._rewrites += 1
 
     def truncate_all(self, length: int) -> None:
         """Truncate every layer holding more than ``length`` tokens to ``length`` (all or none).
@@ -168,6 +171,7 @@ class LayerRollback(Generic[_S]):
                 self._note_every_layer()
                 self._states = [None] * self.num_layers
                 self._on_reset()
+                self._rewrites += 1
                 return
             commits = [
                 self._plan_truncate(i, min(length, 0 if st is None else st.length)) for i, st in enumerate(self._states)
@@ -175,6 +179,7 @@ class LayerRollback(Generic[_S]):
             for commit in commits:
                 if commit is not None:
                     commit()
+                    self._rewrites += 1
 
     def min_truncate_length(self, layer: int) -> int:
         """The smallest length ``L`` above 0 such that :meth:`truncate` can reach every length

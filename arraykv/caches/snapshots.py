@@ -54,6 +54,7 @@ class LayerSnapshots(Generic[_S]):
         max_tokens: int | None
         _locks: list[threading.Lock]
         _states: list[_S | None]
+        _rewrites: int
 
         def get_config(self) -> dict[str, Any]: ...
         def _all_layers_locked(self) -> contextlib.AbstractContextManager[None]: ...
@@ -136,6 +137,7 @@ class LayerSnapshots(Generic[_S]):
         with self._all_layers_locked():
             self._note_every_layer()  # inside a transaction: recorded, so a rollback brings them back
             self._states = states
+            self._rewrites += 1
 
     def _restore_record(self, rec: LayerRecord, xp: Namespace | None) -> _S:
         """A layer built from record ``rec`` once its header and arrays passed every check."""

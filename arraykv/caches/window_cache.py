@@ -10,7 +10,7 @@ which costs little beside the global layers and keeps the local attention lossle
 Positions: ``seq_len`` counts every token ever stored (the position of the next token), while
 the layer holds the last ``held`` of them; what ``prefill`` and ``decode`` return is the held
 tokens, the *last* ``n`` positions of the sequence, and the caller masks by position
-(:func:`arraykv.integrations.llama_attention.window_mask`).
+(:func:`arraykv.integrations.decoder.attention.window_mask`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from .. import _compat, ops
 from .._types import Array, Device, DType, Namespace
 from .._validation import check_int, dtype_name
-from ..protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult, Fused
+from ..protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult, Fused, WindowTailKVCache
 from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype
 from .base import LayeredCache, LayerState, check_decode_path, refuse_overflow
@@ -103,7 +103,7 @@ class WindowLayer(LayerState):
         return 0 if self.tail_k is None else int(self.tail_k.shape[2])
 
 
-class SlidingWindowCache(LayeredCache[WindowLayer]):
+class SlidingWindowCache(LayeredCache[WindowLayer], WindowTailKVCache):
     """Keys and values of the last ``window + rollback_tokens`` tokens of each layer.
 
     Parameters
@@ -515,7 +515,7 @@ class SlidingWindowCache(LayeredCache[WindowLayer]):
         """Store ``tokens`` new tokens of which only the last ones are given.
 
         For a caller that computed a long prompt itself and kept only what this layer will
-        hold (:class:`arraykv.integrations.prompt_stage.PromptStage`): ``k``, ``v`` (and ``q``)
+        hold (:class:`arraykv.integrations.common.prompt_stage.PromptStage`): ``k``, ``v`` (and ``q``)
         are the last ``min(tokens, window + rollback_tokens)`` tokens or more; the layer's
         ``seq_len`` grows by ``tokens``. The same checks and errors as :meth:`append`.
 

@@ -1,7 +1,7 @@
 """Kernel compilations running in other processes, for code about to use those kernels to wait for.
 
 A process that starts a child compiling kernels into Numba's disk cache
-(:mod:`arraykv.integrations.precompile`) registers it here with the cache methods it covers;
+(:mod:`arraykv.integrations.decoder.precompile`) registers it here with the cache methods it covers;
 code about to create a cache of a method calls :func:`wait` first, so that it loads the compiled
 kernels from the disk cache instead of compiling them a second time beside the child.
 """

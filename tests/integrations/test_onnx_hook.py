@@ -267,6 +267,26 @@ def test_a_cache_changed_between_steps_is_read_back_whole(graph, rng):
         OrtKVDecoder(graph, incremental=1)
 
 
+@pytest.mark.parametrize("method", ["pqo4", "int8", "dense"])
+def test_a_cache_truncated_and_refilled_elsewhere_is_read_back_whole(graph, method):
+    """A past kept for a cache of the same length is not reused once the cache was truncated
+    and extended again by someone else: same length, other tokens (its rewrites count moved)."""
+    prompt = (np.arange(20)[None] % VOCAB).astype(np.int64)
+    dec, other = OrtKVDecoder(graph), OrtKVDecoder(graph)
+    cache = dec.make_cache(method)
+    dec.step(prompt, cache)
+    dec.step(np.asarray([[3]]), cache)
+    cache.truncate_all(cache.seq_len(0) - 1)
+    other.step(np.asarray([[9]]), cache)  # the same length as dec's kept past, another token
+    got = dec.step(np.asarray([[5]]), cache)
+    ref = OrtKVDecoder(graph, incremental=False)
+    cache2 = ref.make_cache(method)
+    ref.step(prompt, cache2)
+    ref.step(np.asarray([[9]]), cache2)
+    # float32 rounding of two reads (whole against chunk by chunk) apart; a stale past was 1.4 off
+    np.testing.assert_allclose(got, ref.step(np.asarray([[5]]), cache2), rtol=1e-4, atol=1e-4)
+
+
 def test_model_without_kv_inputs_is_refused_with_a_hint():
     plain = _decoder_graph(with_kv=False)
     with pytest.raises(ValueError, match="no past_key_values.*export the decoder with KV-cache inputs"):

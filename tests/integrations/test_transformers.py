@@ -438,3 +438,22 @@ def test_a_config_of_another_model_and_a_dropped_logit_bias_are_refused(tiny):
             tiny(hf_ids(1, 5), cache=cache)
     with pytest.raises(ValueError, match="qjl=True"):
         ArraykvCache("polar", config=tiny.config, key_bits=3, value_bits=2, qjl=True)
+
+
+def test_incremental_pasts_are_not_reused_after_the_cache_is_restored_to_other_tokens(tiny):
+    """A kept float past is reused only while the arraykv cache has the length and the rewrites
+    count it had: restored to another sequence of the same length, the layer is read back whole."""
+    ids = hf_ids(1, 100)  # past the recent-token window: the prefix read is kept
+    other = (ids + 1) % tiny.config.vocab_size  # another sequence of the same length
+    mine = ArraykvCache("pqo4", config=tiny.config, incremental=True)
+    theirs = ArraykvCache("pqo4", config=tiny.config)
+    with torch.no_grad():
+        tiny(ids[:, :90], cache=mine)
+        tiny(ids[:, 90:91], cache=mine)
+        tiny(other[:, :90], cache=theirs)
+        tiny(other[:, 90:91], cache=theirs)
+        assert mine.arraykv_cache.stable_length(0) > 0
+        mine.arraykv_cache.restore(theirs.arraykv_cache.snapshot())  # same length, other tokens
+        got = tiny(ids[:, 91:92], cache=mine).logits
+        want = tiny(ids[:, 91:92], cache=theirs).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

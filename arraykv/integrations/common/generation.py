@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..._compat import to_numpy
-from ...protocol import PREFILL_TARGET, TRANSACTIONS, TRUNCATION, supports
+from ...protocol import INCREMENTAL, PREFILL_TARGET, TRANSACTIONS, TRUNCATION, supports
 
 __all__ = [
     "GenerationFront",
@@ -74,6 +74,17 @@ def cache_length(cache: Any, num_layers: int = 1) -> int:
             "that a later layer refused; call cache.reset() and run the prompt again"
         )
     return lengths[0]
+
+
+def held_rewrites(cache: Any) -> int | None:
+    """What a reader keeping a layer's K/V between calls checks besides ``seq_len``: the
+    cache's :attr:`~arraykv.protocol.IncrementalKVCache.rewrites` (None for a cache without).
+
+    A kept read is reused only while both are what they were when it was read; a cache
+    truncated (or reset, restored, rolled back) and then extended again to the old length by
+    someone else holds other tokens there. A cache without the count is trusted on its length.
+    """
+    return int(cache.rewrites) if supports(cache, INCREMENTAL) else None
 
 
 @contextlib.contextmanager

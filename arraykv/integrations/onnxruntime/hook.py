@@ -7,8 +7,8 @@ onnxruntime-genai use). :class:`OrtKVDecoder` discovers those names, the number 
 the head layout from the session, and after each step
 
 1. takes the ``new`` tokens' keys and values out of ``present.*``,
-2. stores them with ``cache.prefill(layer, k_new, v_new, q)`` (which returns the K/V of every
-   token the layer holds, reconstructed by the cache),
+2. stores them in the cache (``cache.append(layer, k_new, v_new, q)`` and a read-back of what it
+   holds, ``cache.dequantize``; ``cache.prefill`` for a cache of the protocol only),
 3. feeds those reconstructed K/V as the next step's ``past_key_values.*``.
 
 So the graph always attends over what the cache actually kept: the dense cache reproduces the
@@ -68,7 +68,7 @@ import numpy as np
 
 from ..._compat import to_numpy
 from ...protocol import INCREMENTAL, supports
-from ..common.generation import cache_length, chunked_logits, undo_on_failure
+from ..common.generation import cache_length, chunked_logits, held_rewrites, undo_on_failure
 from ..common.optional import require
 from .engine import OrtEngine, declared_dim, int_types, token_feeds, token_ids
 from .graph_files import rewritten_session
@@ -199,7 +199,7 @@ class OrtKVDecoder(OrtEngine):
                 out.append((empty, empty))
                 continue
             h = held.get(i)
-            if h is not None and h[2] == cache.seq_len(i):
+            if h is not None and h[2] == cache.seq_len(i) and h[4] == held_rewrites(cache):
                 out.append((h[0], h[1]))
                 continue
             r = cache.dequantize(i) if supports(cache, INCREMENTAL) else None
@@ -209,17 +209,28 @@ class OrtKVDecoder(OrtEngine):
         return out
 
     def _store(self, cache: Any, i: int, k_new: Any, v_new: Any, q: Any, prev: tuple | None) -> tuple:
-        """Store layer ``i``'s new K/V in ``cache``; return ``(k, v, tokens, stable)`` of its next past."""
-        incremental = self.incremental and prev is not None and supports(cache, INCREMENTAL)
-        if not incremental or prev is None:  # (incremental implies a prev; said again for the type checker)
-            r = cache.prefill(i, k_new, v_new, q)
-            return to_numpy(r.k), to_numpy(r.v), int(cache.seq_len(i)), 0
-        k_prev, v_prev, _, stable = prev
+        """Store layer ``i``'s new K/V in ``cache``; return ``(k, v, tokens, stable, rewrites)`` of
+        its next past (``rewrites``: :func:`~arraykv.integrations.common.generation.held_rewrites`).
+
+        The next past is what the cache holds after the store. A cache's ``prefill`` answers a
+        prompt with the prompt's K/V as given (its own attention is exact), which is not what
+        a compressed cache kept; so a cache that can be read back stores with ``append`` and is
+        read back: from the stable prefix of the kept past (incremental), or whole.
+        """
+        kv_cache: Any = cache  # the contract's methods, whatever supports() narrows ``cache`` to
+        if not supports(cache, INCREMENTAL):  # the protocol only: what prefill answers is all there is
+            r = kv_cache.prefill(i, k_new, v_new, q)
+            return to_numpy(r.k), to_numpy(r.v), int(kv_cache.seq_len(i)), 0, None
+        stable = prev[3] if self.incremental and prev is not None else 0
         cache.append(i, k_new, v_new, q)
         tail = cache.dequantize(i, stable)
-        k = np.concatenate([k_prev[:, :, :stable], to_numpy(tail.k)], axis=2)
-        v = np.concatenate([v_prev[:, :, :stable], to_numpy(tail.v)], axis=2)
-        return k, v, int(cache.seq_len(i)), int(cache.stable_length(i))
+        if tail is None:  # None only for a layer holding nothing, which append just filled
+            raise RuntimeError(f"layer {i}: the cache holds no tokens after append")
+        k, v = to_numpy(tail.k), to_numpy(tail.v)
+        if stable and prev is not None:
+            k = np.concatenate([prev[0][:, :, :stable], k], axis=2)
+            v = np.concatenate([prev[1][:, :, :stable], v], axis=2)
+        return k, v, int(kv_cache.seq_len(i)), int(cache.stable_length(i)), held_rewrites(cache)
 
     def step(self, input_ids: Any, cache: Any) -> Any:
         """Run the graph on ``input_ids`` after the tokens ``cache`` holds; store the new K/V.
@@ -252,10 +263,11 @@ class OrtKVDecoder(OrtEngine):
         queries = self._queries(res[1 + 2 * self.num_layers :], batch, t)
         before = self._held.get(cache, {})
         held = {}
+        rewrites = held_rewrites(cache)
         with undo_on_failure(cache, past_len):  # layer by layer: a failure puts every layer back
             for i, (k_new, v_new) in enumerate(new):
                 prev = before.get(i)
-                if prev is not None and (past_len == 0 or prev[2] != past_len):
+                if prev is not None and (past_len == 0 or prev[2] != past_len or prev[4] != rewrites):
                     prev = None  # not the past this step ran on: read the layer back whole
                 held[i] = self._store(cache, i, k_new, v_new, queries[i], prev)
         self._held[cache] = held

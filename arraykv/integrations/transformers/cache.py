@@ -80,6 +80,7 @@ _transformers = require("transformers", "hf")
 
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402 - after the install hint
 
+from ..common.generation import held_rewrites  # noqa: E402 - after the install hint
 from ..common.torch_tensors import float32_numpy, to_torch  # noqa: E402 - after the install hint
 
 __all__ = ["ArraykvCache", "ArraykvLayer"]
@@ -354,7 +355,8 @@ class ArraykvCache(Cache):
         self.method = method
         self.incremental = incremental
         # layer -> (k, v, tokens, stable): the float32 past returned last (incremental mode only)
-        self._held: dict[int, tuple[np.ndarray, np.ndarray, int, int]] = {}
+        #: Per layer, in incremental mode: (k, v, tokens, stable length, the cache's rewrites) of the last read.
+        self._held: dict[int, tuple[np.ndarray, np.ndarray, int, int, int | None]] = {}
         # the transaction of the forward under way, begun at layer 0's update (see update)
         self._step_txn: KVTransaction | None = None
         self.hooked_layers = 0
@@ -519,8 +521,8 @@ class ArraykvCache(Cache):
         q = self._queries(i, k)  # the hooked model's queries, or zeros (see module notes)
         cache = self.arraykv_cache
         prev = self._held.get(i) if self.incremental else None
-        if prev is not None and prev[2] != cache.seq_len(i):
-            prev = None  # the layer changed behind our back (reset, crop): read it back whole
+        if prev is not None and (prev[2] != cache.seq_len(i) or prev[4] != held_rewrites(cache)):
+            prev = None  # the layer changed behind our back (reset, crop, truncated and refilled): read it back whole
         if self.layer_types[i] == "sliding_attention":  # what transformers' mask covers: the last window - 1
             before = cache.seq_len(i)
             r = cache.prefill(i, k, v, q)
@@ -530,16 +532,22 @@ class ArraykvCache(Cache):
             r = cache.prefill(i, k, v, q)
             kk, vv = r.k, r.v
             if self.incremental:
-                self._held[i] = (kk.copy(), vv.copy(), int(cache.seq_len(i)), 0)
+                self._held[i] = (kk.copy(), vv.copy(), int(cache.seq_len(i)), 0, held_rewrites(cache))
         else:  # cache: narrowed to IncrementalKVCache (seq_len read through self.arraykv_cache)
-            k_prev, v_prev, _, stable = prev
+            k_prev, v_prev, _, stable, _ = prev
             cache.append(i, k, v, q)
             tail = cache.dequantize(i, stable)
             if tail is None:  # None only for a layer holding nothing, which append just filled
                 raise RuntimeError(f"layer {i}: the cache holds no tokens after append")
             kk = np.concatenate([k_prev[:, :, :stable], tail.k], axis=2)
             vv = np.concatenate([v_prev[:, :, :stable], tail.v], axis=2)
-            self._held[i] = (kk, vv, int(self.arraykv_cache.seq_len(i)), int(cache.stable_length(i)))
+            self._held[i] = (
+                kk,
+                vv,
+                int(self.arraykv_cache.seq_len(i)),
+                int(cache.stable_length(i)),
+                held_rewrites(cache),
+            )
         return to_torch(kk, dtype), to_torch(vv, dtype)
 
     def _reset_layer(self, i: int) -> None:
@@ -673,7 +681,8 @@ class ArraykvCache(Cache):
         self._pending.clear()
         self._q_parts.clear()
         try:  # the float pasts of incremental mode follow their rows
-            self._held = {i: (h[0][rows], h[1][rows], h[2], h[3]) for i, h in self._held.items()}
+            now = held_rewrites(cache)  # select_rows counts as a rewrite; these reads follow it
+            self._held = {i: (h[0][rows], h[1][rows], h[2], h[3], now) for i, h in self._held.items()}
         except BaseException:
             self._held = {}  # they are only a shortcut: read back whole next time
             raise
