@@ -171,8 +171,13 @@ class LayeredCache(
             )
         with self._locks[layer]:
             state = self._admit(layer, xp, k, v, 1)
-            with self._taking_back(layer, state, 1):
+            record = self._call_record(layer, state)  # _taking_back, spelt out (a step's every microsecond)
+            try:
                 out = self._decode(state, k, v, q, config)
+                self._commit(layer, state, 1)
+            except BaseException:
+                self._put_back(layer, state, record)
+                raise
             return out
 
     @property
@@ -494,11 +499,17 @@ class LayeredCache(
                 raise ValueError(
                     f"layer {layer} holds {held} tokens and max_tokens is {self.max_tokens}; {tokens} more do not fit"
                 )
-        if self.check_finite:
+        if self.check_finite and not (tokens == 1 and st is not None and self._store_refuses_nonfinite(st, k)):
             check_finite(xp, k=k, v=v)
         if st is None:
             st = self._new_layer(xp, dev, batch, k.dtype)
         return st
+
+    def _store_refuses_nonfinite(self, state: _S, k: Array) -> bool:
+        """Whether the store of the one token ``k`` into ``state`` refuses non-finite keys and
+        values itself, with :func:`~arraykv._validation.check_finite`'s error (before it
+        changes anything), so that :meth:`_admit` need not look at them first. Default False."""
+        return False
 
     def _commit(self, layer: int, state: _S, tokens: int) -> None:
         state.length += tokens
@@ -523,16 +534,25 @@ class LayeredCache(
         record on any failure, whatever the number of tokens. The same record serves the open
         transactions that had none of this layer yet. A new layer is simply not kept.
         """
-        existing = self._states[layer] is state
-        made = self._note(layer)
-        record = made if made is not None else self._checkpoint(state if existing else None)
+        record = self._call_record(layer, state)
         try:
             yield
             self._commit(layer, state, tokens)
         except BaseException:
-            state.stored = False
-            self._states[layer] = record.restore()
+            self._put_back(layer, state, record)
             raise
+
+    def _call_record(self, layer: int, state: _S) -> LayerUndo:
+        """The undo record of a call on ``layer`` about to change ``state`` (see :meth:`_taking_back`)."""
+        made = self._note(layer)
+        if made is not None:
+            return made
+        return self._checkpoint(state if self._states[layer] is state else None)
+
+    def _put_back(self, layer: int, state: _S, record: LayerUndo) -> None:
+        """Undo a failed call on ``layer`` from its :meth:`_call_record`."""
+        state.stored = False
+        self._states[layer] = record.restore()
 
     # -- hooks -------------------------------------------------------------------
     def _new_layer(self, xp: Namespace, dev: Device, batch: int, dtype: DType) -> _S:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .. import ops
 from .._types import Array, Device, DType, Namespace
-from .._validation import dtype_name
+from .._validation import check_finite, dtype_name
 from ..protocol import AttendConfig, Dequantized, DequantResult, Fused
 from ..quant.bitpack import packed_nbytes
 from ..quant.polar import half_dtype
@@ -42,13 +42,12 @@ from .window import (
     ExactTokens,
     WindowLayer,
     WindowRollback,
-    block_room,
     commit_store,
     restore_rollback,
     restore_tokens,
     rollback_arrays,
     rollback_layout,
-    rollback_room,
+    sliding_rows,
     token_counts,
 )
 
@@ -298,13 +297,24 @@ class PolarCache(WindowRollback, LayeredCache[PolarLayer]):
     def _encoder(self, fixed: PolarFixed, calib: PolarCalibration) -> PolarEncoder:
         """What the encode ops take besides the tokens and their position: the calibration, the
         codebooks and rotation, the length rules and the QJL sketch (or None)."""
-        return fixed.encoder(calib, key_length=self.key_length, value_length=self.value_length, qjl=self.qjl)
+        opts = self.options
+        key = (fixed, opts.key_length, opts.value_length, opts.qjl)
+        held = calib.__dict__.get("_encoder")  # made once per layer calibration and fixed set, not per call
+        if held is not None and held[0] is fixed and held[1:-1] == key[1:]:
+            enc: PolarEncoder = held[-1]
+            return enc
+        enc = fixed.encoder(calib, key_length=opts.key_length, value_length=opts.value_length, qjl=opts.qjl)
+        object.__setattr__(calib, "_encoder", (*key, enc))
+        return enc
 
     def _store(self, st: PolarLayer, k: Array, v: Array, q: Array) -> None:
         """Append new tokens: sinks, then the window, its overflow quantized (computed, then committed)."""
-        if int(k.shape[2]) == 1 and self._slide_one(st, k, v):
-            return
         xp = st.xp
+        if int(k.shape[2]) == 1 and self._slides(st, k):
+            if self._slide_one(st, k, v):
+                return
+            if self.check_finite:  # not checked on admission (_store_refuses_nonfinite): refuse NaN or inf here
+                check_finite(xp, k=k, v=v)
         step = st.exact.step(xp, k, v, q, sink_tokens=self.sink_tokens)
         first = step.n_sink + st.codes.length  # position of the window's oldest token
         spill = step.spill(self.residual_window)
@@ -330,9 +340,32 @@ class PolarCache(WindowRollback, LayeredCache[PolarLayer]):
             self.rollback_tokens,
         )
 
+    def _slides(self, st: PolarLayer, k: Array) -> bool:
+        """Whether the store of the one token ``k`` takes :meth:`_slide_one`'s path: a calibrated
+        layer whose sinks and window are full and whose token buffers exist, not float64 keys
+        (float64 -> float32 -> float16 could round twice: the general path)."""
+        exact = st.exact
+        ns = exact.n_sink
+        opts = self.options
+        window = opts.residual_window
+        return bool(
+            st.calib is not None
+            and window
+            and ns >= opts.sink_tokens
+            and int(exact.k.shape[2]) - ns == window
+            and st.codes.capacity
+            and k.dtype != st.xp.float64
+        )
+
+    def _store_refuses_nonfinite(self, st: PolarLayer, k: Array) -> bool:
+        # the op of _slide_one refuses a token whose float16 rows are not finite (so NaN and
+        # inf), and _store then raises check_finite's error before anything changed
+        return self._slides(st, k)
+
     def _slide_one(self, st: PolarLayer, k: Array, v: Array) -> bool:
-        """Store one token in a layer whose sinks and window are full, in place; False (nothing
-        done) for any other layer, and when a float16 result would overflow (the general path
+        """Store one token in a layer of :meth:`_slides`, in place; False (nothing done) when a
+        float16 result is not finite: the new token holds NaN or inf (the caller then refuses
+        it, :meth:`_store_refuses_nonfinite`), or a value overflows float16 (the general path
         then refuses the call, naming what overflows).
 
         The same store as the general path (the oldest window token encoded, its float16 row
@@ -345,43 +378,45 @@ class PolarCache(WindowRollback, LayeredCache[PolarLayer]):
         exact = st.exact
         ns = exact.n_sink
         calib = st.calib
-        if (
-            calib is None
-            or not self.residual_window
-            or ns < self.sink_tokens
-            or exact.count - ns != self.residual_window
-            or not st.codes.capacity
-        ):
-            return False
+        codes = st.codes
         xp = st.xp
-        if k.dtype == xp.float64:  # float64 -> float32 -> float16 could round twice: the general path
-            return False
-        window, arriving, slide = block_room(st, "exact", 1)
-        at = st.codes.length
-        rows = st.codes.room(1)
-        fixed = self._codec(xp, st.device)
+        # block_room(st, "exact", 1), spelt out: the room may move the block (same rows, renewed views)
+        window = sliding_rows(st, "window_rows", exact)
+        arriving = window.room(1)
+        if window.k is not exact.k:
+            st.exact = ExactTokens(k=window.k, v=window.v, n_sink=ns)
+        at = codes.length
+        rows = codes.room(1)
         if k.dtype != xp.float32:  # float16, bfloat16: exact in float32
             k, v = xp.astype(k, xp.float32), xp.astype(v, xp.float32)
+        leaving = window.offset + ns
         if not ops.polar_store_token(
             k,
             v,
             window.key_rows,
             window.value_rows,
-            window.offset + ns,
+            leaving,
             arriving,
-            self._encoder(fixed, calib),
+            self._encoder(self._codec(xp, st.device), calib),
             ns + at,
             rows,
             at,
         ):
             return False
-        if self.rollback_tokens:  # the leaving row becomes the newest rollback copy (before the window slides over it)
-            margin, mrow, push = rollback_room(st, 1, self.rollback_tokens)
-            margin.key_rows[:, :, mrow : mrow + 1, ...] = window.k[:, :, ns : ns + 1, :]
-            margin.value_rows[:, :, mrow : mrow + 1, ...] = window.v[:, :, ns : ns + 1, :]
-            push()
-        st.codes.advance(1)
-        slide(1)
+        keep = self.options.rollback_tokens
+        if keep:  # the leaving row becomes the newest rollback copy (before the window slides over it)
+            held = st.rollback
+            margin = sliding_rows(st, "rollback_rows", held)
+            mrow = margin.room(1)
+            if margin.k is not held.k:  # the same rows, moved: renewed views
+                st.rollback = ExactTokens(k=margin.k, v=margin.v, n_sink=held.n_sink)
+            margin.key_rows[:, :, mrow : mrow + 1, ...] = window.key_rows[:, :, leaving : leaving + 1, :]
+            margin.value_rows[:, :, mrow : mrow + 1, ...] = window.value_rows[:, :, leaving : leaving + 1, :]
+            mk, mv = margin.advance(held.n_sink, max(0, int(held.k.shape[2]) + 1 - keep), 1)
+            st.rollback = ExactTokens(k=mk, v=mv, n_sink=held.n_sink)
+        codes.advance(1)
+        wk, wv = window.advance(ns, 1, 1)
+        st.exact = ExactTokens(k=wk, v=wv, n_sink=ns)
         return True
 
     def _decoded(self, st: PolarLayer, start: int = 0) -> DequantResult:
@@ -558,45 +593,81 @@ class PolarCache(WindowRollback, LayeredCache[PolarLayer]):
 
     def _codec_state(self, st: PolarLayer) -> PolarLayerCodec:
         """:meth:`layer_codec_state` of a layer whose lock the caller holds."""
-        fixed = self._codec(st.xp, st.device)
+        xp = st.xp
+        fixed = self._codec(xp, st.device)
         buf = st.codes
         calib = st.calib
-        d = self.head_dim
-
-        def view(name: str, tail: tuple[int, ...]) -> Array:
-            if name in buf.names():
-                return buf.view(name)
-            shape = (st.batch, self.num_kv_heads, 0) + tail
-            return st.xp.zeros(
-                shape, dtype=st.xp.uint8 if "codes" in name or name == "k_qjl" else half_dtype(st.xp), device=st.device
+        views = buf.arrays()  # the in-use views of every token array, by name
+        if "k_codes" not in views:  # no token encoded yet: empty arrays of the same axes
+            views = self._empty_tokens(st)
+        exact = st.exact
+        qjl = self.options.qjl
+        if calib is None:
+            return PolarLayerCodec(
+                n_sink=exact.n_sink,
+                n_quantized=buf.length,
+                n_window=exact.count,
+                rotation=fixed.rotation,
+                k_codebook=fixed.k_codebook,
+                v_codebook=fixed.v_codebook,
+                k_codes=views["k_codes"],
+                k_norms=views["k_norms"],
+                v_codes=views["v_codes"],
+                v_norms=views["v_norms"],
+                k_mean=None,
+                v_mean=None,
+                k_scale=None,
+                k_mean_freq=None,
+                k_mean_pairs=None,
+                k_outlier_idx=None,
+                k_outliers=None,
+                k_window=exact.k,
+                v_window=exact.v,
+                qjl=fixed.qjl,
+                k_qjl=views.get("k_qjl") if qjl else None,
+                k_qjl_norms=views.get("k_qjl_norms") if qjl else None,
             )
-
-        has_out = calib is not None and calib.n_outliers > 0
+        has_out = calib.n_outliers > 0
         return PolarLayerCodec(
-            n_sink=st.exact.n_sink,
+            n_sink=exact.n_sink,
             n_quantized=buf.length,
-            n_window=st.exact.count,
+            n_window=exact.count,
             rotation=fixed.rotation,
             k_codebook=fixed.k_codebook,
             v_codebook=fixed.v_codebook,
-            k_codes=view("k_codes", (packed_nbytes(d, self.key_bits),)),
-            k_norms=view("k_norms", ()),
-            v_codes=view("v_codes", (packed_nbytes(d, self.value_bits),)),
-            v_norms=view("v_norms", ()),
-            k_mean=None if calib is None else calib.k_mean,
-            v_mean=None if calib is None else calib.v_mean,
-            k_scale=None if calib is None else calib.k_scale,
-            k_mean_freq=None if calib is None else calib.k_mean_freq,
-            k_mean_pairs=None if calib is None else calib.k_mean_pairs,
+            k_codes=views["k_codes"],
+            k_norms=views["k_norms"],
+            v_codes=views["v_codes"],
+            v_norms=views["v_norms"],
+            k_mean=calib.k_mean,
+            v_mean=calib.v_mean,
+            k_scale=calib.k_scale,
+            k_mean_freq=calib.k_mean_freq,
+            k_mean_pairs=calib.k_mean_pairs,
             k_outlier_idx=calib.k_outlier_idx if has_out else None,
-            k_outliers=buf.view("k_outliers") if has_out and "k_outliers" in buf.names() else None,
-            k_window=st.exact.k,
-            v_window=st.exact.v,
+            k_outliers=views.get("k_outliers") if has_out else None,
+            k_window=exact.k,
+            v_window=exact.v,
             qjl=fixed.qjl,
-            k_qjl=view("k_qjl", (packed_nbytes(d, 1),)) if self.qjl else None,
-            k_qjl_norms=view("k_qjl_norms", ()) if self.qjl else None,
-            k_mean_plan=None if calib is None else calib.rotary_plan(),
+            k_qjl=views.get("k_qjl") if qjl else None,
+            k_qjl_norms=views.get("k_qjl_norms") if qjl else None,
+            k_mean_plan=calib.rotary_plan(),
         )
+
+    def _empty_tokens(self, st: PolarLayer) -> dict[str, Array]:
+        """Token arrays of no token, (batch, heads, 0, ...), for a layer that has encoded none."""
+        xp, d = st.xp, self.head_dim
+        half = half_dtype(xp)
+        tails = {
+            "k_codes": ((packed_nbytes(d, self.key_bits),), xp.uint8),
+            "k_norms": ((), half),
+            "v_codes": ((packed_nbytes(d, self.value_bits),), xp.uint8),
+            "v_norms": ((), half),
+        }
+        if self.qjl:
+            tails.update(k_qjl=((packed_nbytes(d, 1),), xp.uint8), k_qjl_norms=((), half))
+        head = (st.batch, self.num_kv_heads, 0)
+        return {name: xp.zeros(head + tail, dtype=dt, device=st.device) for name, (tail, dt) in tails.items()}
 
 
 def _option(name: str) -> property:

@@ -105,23 +105,32 @@ class FieldUndo:
         marks: dict[str, tuple] = {}
         rows: dict[str, tuple] = {}
         blocks: dict[str, Any] = {}
-        sliding: dict[str, SlidingRows] = {}
+        sliding: list[tuple[str, SlidingRows]] = []
         exact: list[tuple[str, ExactTokens]] = []
+        kinds = _KINDS
         for name, value in values.items():
-            kind = _KINDS[type(value)] if type(value) in _KINDS else _kind(value)
+            kind = kinds.get(type(value), _UNSEEN)
             if kind is None:
                 continue
+            if kind is _UNSEEN:
+                kind = _kind(value)
+                if kind is None:
+                    continue
             if kind == "buffers":
                 marks[name] = value.mark()
             elif kind == "rows":
-                sliding[name] = value
+                sliding.append((name, value))
                 rows[name] = value.mark()
             elif kind == "block":
                 exact.append((name, value))
             else:  # arrays by name, replaced whole by a store
                 values[name] = dict(value)
         for name, block in exact:
-            holder = next((n for n, r in sliding.items() if r.holds(block.k)), None)
+            holder = None
+            for n, r in sliding:
+                if r.holds(block.k):
+                    holder = n
+                    break
             # a view of sliding rows is put back in place (the same memory); another block is
             # replaced by each store, never written into: kept as it is
             blocks[name] = (holder, block.n_sink) if holder is not None else block
@@ -150,6 +159,10 @@ class FieldUndo:
 
 #: The field types a :class:`FieldUndo` treats apart, by exact type (subclasses: :func:`_kind`).
 _KINDS: dict[type, str | None] = {TokenBuffers: "buffers", SlidingRows: "rows", ExactTokens: "block", dict: "dict"}
+
+
+#: What :data:`_KINDS` gives for a type not met yet.
+_UNSEEN = "unseen"
 
 
 def _kind(value: Any) -> str | None:

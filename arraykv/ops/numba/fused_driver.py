@@ -380,12 +380,16 @@ class LazyStep:
         self._disp: dict = {}
 
     def __call__(self, q, scale, n, h_n, args, splits, out):
-        d = q.shape[2]
+        return self.compiled(q.shape[2], args)(q, scale, n, h_n, tuple(args), splits, out)
+
+    def compiled(self, d: int, args):
+        """The compiled function a call of head_dim ``d`` and arguments ``args`` runs (compiled,
+        or loaded from the disk cache, on first use); it takes ``args`` as a plain tuple."""
         key = (d if d in self._fns else 0, self._pick(args) if self._pick is not None else 0)
         disp = self._disp.get(key)
         if disp is None:
             disp = self._compile(key)
-        return disp(q, scale, n, h_n, tuple(args), splits, out)
+        return disp
 
     def _compile(self, key):
         with _COMPILE_LOCK:

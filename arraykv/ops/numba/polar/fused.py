@@ -67,6 +67,7 @@ from .rows import (
     bits16,
     direct3_jit,
     fixed_args,
+    memo_by_objects,
     unpack_rows,
 )
 
@@ -508,6 +509,68 @@ def _plan(bh: int, n: int, d: int) -> tuple:
     return plan(bh, n, bh * n * d, 4 * TILE)
 
 
+#: The arguments of a step that follow from a layer's fixed and calibration objects (see
+#: :func:`_static_args`), memoised by those objects' ids (the entries keep the objects).
+_STATIC: dict = {}
+#: Entries of :data:`_STATIC` (one per calibrated layer in use: a model's layers, a few caches).
+_STATIC_MAX = 1024
+
+
+def _make_static(rotation, k_codebook, v_codebook, qjl, k_scale, k_mean, v_mean, k_idx, freq, pairs) -> tuple:
+    k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch_t = fixed_args(
+        _FixedView(rotation, k_codebook, v_codebook, qjl)
+    )
+    if k_idx is None or k_idx.shape[-1] == 0:
+        idx = None
+    else:
+        idx = np.asarray(k_idx, np.int32)
+    if freq is None:
+        rotating = None
+    else:
+        rotating = (np.asarray(freq, np.float32), np.ascontiguousarray(pairs, np.int32))
+    return (
+        (k_cent, k_table, k_bits, v_cent, v_table, v_bits, bits16(k_scale), bits16(k_mean), bits16(v_mean)),
+        idx,
+        (signs, rot, sketch_t, SIGN_TABLE),
+        rotating,
+    )
+
+
+class _FixedView(NamedTuple):
+    """The fixed objects of a codec, as :func:`~arraykv.ops.numba.polar.rows.fixed_args` reads them."""
+
+    rotation: Any
+    k_codebook: Any
+    v_codebook: Any
+    qjl: Any
+
+
+def _static_args(codec) -> tuple:
+    """``(head, idx, middle, rotating)``: the step arguments that change only with the layer's
+    fixed objects and calibration: centroids, tables, bits and the float16 bits of ``k_scale``,
+    ``k_mean``, ``v_mean`` (``head``); the outlier channels as int32 or None; the rotation's
+    signs and matrix, the QJL sketch and the sign table (``middle``); a rotating mean's
+    frequencies and pairs, or None. Memoised by the objects (a decode step of a layer finds
+    the previous step's)."""
+    return memo_by_objects(
+        _STATIC,
+        (
+            codec.rotation,
+            codec.k_codebook,
+            codec.v_codebook,
+            codec.qjl,
+            getattr(codec, "k_scale", None),
+            codec.k_mean,
+            codec.v_mean,
+            codec.k_outlier_idx,
+            getattr(codec, "k_mean_freq", None),
+            getattr(codec, "k_mean_pairs", None),
+        ),
+        _make_static,
+        _STATIC_MAX,
+    )
+
+
 def polar_decode_attention(codec, q, scale):
     """Fused decode attention over a :class:`~arraykv.caches.polar.PolarLayerCodec` (NumPy).
 
@@ -525,6 +588,12 @@ def polar_decode_attention(codec, q, scale):
     Returns
     -------
     ndarray, shape (batch, q_heads, 1, head_dim), dtype of ``q``
+
+    Notes
+    -----
+    The step's arguments are the fields of :class:`PolarArgs`, passed as a plain tuple; those
+    that follow from the fixed objects and the calibration are memoised (:func:`_static_args`),
+    so a decode step converts only the token arrays and the window.
     """
     b, qh, t, d = q.shape
     if t != 1:
@@ -536,12 +605,10 @@ def polar_decode_attention(codec, q, scale):
         v_codes = np.ascontiguousarray(v_codes)
     h = k_codes.shape[1]
     n = int(codec.n_quantized)
-    k_cent, k_table, k_bits, v_cent, v_table, v_bits, signs, rot, sketch_t = fixed_args(codec)
-    idx = codec.k_outlier_idx
-    if idx is None or idx.shape[-1] == 0:
+    head, idx, middle, rotating = _static_args(codec)
+    if idx is None:
         idx, k_out = NO_I32_3, NO_U16_4
     else:
-        idx = np.asarray(idx, np.int32)
         k_out = NO_U16_4 if n == 0 else bits16(codec.k_outliers)
     if codec.qjl is None:
         k_qjl, k_qjl_norms = NO_U8_4, NO_U16_3
@@ -549,45 +616,48 @@ def polar_decode_attention(codec, q, scale):
         k_qjl, k_qjl_norms = codec.k_qjl, bits16(codec.k_qjl_norms)
         if k_qjl.strides[-1] != 1:
             k_qjl = np.ascontiguousarray(k_qjl)
-    freq = getattr(codec, "k_mean_freq", None)
-    if freq is None or n == 0:
-        rm_freq, rm_pairs = NO_F32_3, NO_I32_2
-    else:
-        rm_freq = np.asarray(freq, np.float32)
-        rm_pairs = np.ascontiguousarray(codec.k_mean_pairs, np.int32)
+    rm_freq, rm_pairs = (NO_F32_3, NO_I32_2) if rotating is None or n == 0 else rotating
+    k_cent, k_table, k_bits, v_cent, v_table, v_bits, k_scale, k_mean, v_mean = head
+    signs, rot, sketch_t, sign_table = middle
+    args = (  # the fields of PolarArgs, in order
+        k_codes,
+        bits16(codec.k_norms),
+        k_cent,
+        k_table,
+        k_bits,
+        v_codes,
+        bits16(codec.v_norms),
+        v_cent,
+        v_table,
+        v_bits,
+        k_scale,
+        k_mean,
+        v_mean,
+        idx,
+        k_out,
+        signs,
+        rot,
+        sketch_t,
+        sign_table,
+        k_qjl,
+        k_qjl_norms,
+        rm_freq,
+        rm_pairs,
+        int(codec.n_sink),
+        int(codec.n_window),
+        bits16(codec.k_window, NO_U16_4),
+        bits16(codec.v_window, NO_U16_4),
+        HALF_TO_FLOAT,
+    )
     threads, splits = _plan(b * h, n, d)
     out = np.empty((b, qh, d), np.float32)
-    args = PolarArgs(
-        k_codes=k_codes,
-        k_norms=bits16(codec.k_norms),
-        k_cent=k_cent,
-        k_table=k_table,
-        k_bits=k_bits,
-        v_codes=v_codes,
-        v_norms=bits16(codec.v_norms),
-        v_cent=v_cent,
-        v_table=v_table,
-        v_bits=v_bits,
-        k_scale=bits16(getattr(codec, "k_scale", None)),
-        k_mean=bits16(codec.k_mean),
-        v_mean=bits16(codec.v_mean),
-        k_idx=idx,
-        k_outliers=k_out,
-        signs=signs,
-        rot=rot,
-        sketch_t=sketch_t,
-        sign_table=SIGN_TABLE,
-        k_qjl=k_qjl,
-        k_qjl_norms=k_qjl_norms,
-        rm_freq=rm_freq,
-        rm_pairs=rm_pairs,
-        pos0=int(codec.n_sink),
-        n_window=int(codec.n_window),
-        k_window=bits16(codec.k_window, NO_U16_4),
-        v_window=bits16(codec.v_window, NO_U16_4),
-        half=HALF_TO_FLOAT,
-    )
-    step = Step(np.ascontiguousarray(q.reshape(b, qh, d), dtype=np.float32), float(scale), n, h, args)
-    run_step(_step_serial, _step_parallel, threads, splits, b * h * n * d, step, out)
+    q32 = q.reshape(b, qh, d)
+    if q32.dtype != np.float32 or not q32.flags.c_contiguous:
+        q32 = np.ascontiguousarray(q32, dtype=np.float32)
+    if threads == 1 or b * h * splits == 1:  # the serial step on this thread, straight to its compiled function
+        _step_serial.compiled(d, args)(q32, float(scale), n, h, args, 1, out)
+    else:
+        step = Step(q32, float(scale), n, h, PolarArgs._make(args))
+        run_step(_step_serial, _step_parallel, threads, splits, b * h * n * d, step, out)
     out = out.reshape(b, qh, 1, d)
     return out if q.dtype == np.float32 else out.astype(q.dtype)

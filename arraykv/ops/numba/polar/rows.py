@@ -195,10 +195,14 @@ _FIXED_MAX = 64
 def memo_by_objects(store: dict, objs: tuple, make, limit: int = 64):
     """``make(*objs)``, memoised in ``store`` by the ids of ``objs`` (the entry keeps the objects,
     so an id cannot be reused while cached; at most ``limit`` entries, oldest dropped first)."""
-    key = tuple(id(o) for o in objs)
+    key = tuple(map(id, objs))
     hit = store.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], objs)):
-        return hit[1]
+    if hit is not None:
+        for a, b in zip(hit[0], objs):  # a loop, not all() of a generator: this runs every decode step
+            if a is not b:
+                break
+        else:
+            return hit[1]
     value = make(*objs)
     if len(store) >= limit:
         try:  # layers run from several threads: another may have evicted it first

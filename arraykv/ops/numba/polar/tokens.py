@@ -184,6 +184,12 @@ def _run(serial, parallel, x, *args):
             parallel(x, *args)
 
 
+#: :func:`encoder_args` of the encoders in use, by their ids (the entries keep the encoders).
+_ENCODERS: dict = {}
+#: Entries of :data:`_ENCODERS` (a cache makes one encoder per calibrated layer).
+_ENCODERS_MAX = 1024
+
+
 def encoder_args(enc) -> tuple:
     """A :class:`~arraykv.quant.polar_encoder.PolarEncoder` unpacked into what the kernels take, in
     one place: ``(calib, fixed, key_unbiased, value_unbiased)``.
@@ -191,8 +197,13 @@ def encoder_args(enc) -> tuple:
     ``calib`` is the calibration as :func:`center` takes it (``k_mean``, ``v_mean``,
     ``k_scale`` as uint16 views, the outlier channels int32, the rotating mean's frequencies and
     pairs, empty arrays for a plain mean, and the float16 table); ``fixed`` is :func:`_fixed`'s
-    tuple of the rotation, codebooks and sketch.
+    tuple of the rotation, codebooks and sketch. Memoised by the encoder object (a cache keeps
+    one per layer calibration: its decode steps unpack it once).
     """
+    return memo_by_objects(_ENCODERS, (enc,), _encoder_args, _ENCODERS_MAX)
+
+
+def _encoder_args(enc) -> tuple:
     if enc.k_mean_freq is None:
         freq, pairs = _NO_F32_3, _NO_I32_2
     else:
