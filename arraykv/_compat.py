@@ -59,6 +59,10 @@ def namespace(*arrays: Array) -> Namespace:
     TypeError
         If an argument is not an array or the arrays come from different libraries.
     """
+    if len(arrays) == 1 and arrays[0] is not None:  # the common call, without building tuples
+        xp = _BY_TYPES.get((type(arrays[0]),))
+        if xp is not None:
+            return xp
     arrays = tuple(a for a in arrays if a is not None)
     key = tuple(type(a) for a in arrays)
     xp = _BY_TYPES.get(key)

@@ -146,6 +146,8 @@ def check_softmax_scale(value: Any, name: str = "softmax_scale") -> float:
     large scales, booleans and strings are refused the same way everywhere (``ValueError`` for a
     bad number, ``TypeError`` for something that is not a real number).
     """
+    if type(value) is float and 0.0 < value <= MAX_SOFTMAX_SCALE:  # the common case, once per decode step
+        return value
     return check_real(name, value, low=0.0, low_open=True, high=MAX_SOFTMAX_SCALE)
 
 

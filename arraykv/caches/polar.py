@@ -26,7 +26,7 @@ from ..storage import TokenBuffers
 from .base import LayeredCache
 from .layout import Layout, Spec, join
 from .polar_calibration import PolarCalibration, calibrate, calibration_layout
-from .polar_codec import PolarFixed, PolarLayerCodec
+from .polar_codec import PolarFixed, PolarLayerCodec, layer_codec
 from .polar_decode import decode_layer, qjl_logit_bias
 from .polar_options import (
     DEFAULT_OUTLIER_THRESHOLD,
@@ -603,7 +603,7 @@ class PolarCache(WindowRollback, LayeredCache[PolarLayer]):
         exact = st.exact
         qjl = self.options.qjl
         if calib is None:
-            return PolarLayerCodec(
+            return layer_codec(
                 n_sink=exact.n_sink,
                 n_quantized=buf.length,
                 n_window=exact.count,
@@ -628,7 +628,7 @@ class PolarCache(WindowRollback, LayeredCache[PolarLayer]):
                 k_qjl_norms=views.get("k_qjl_norms") if qjl else None,
             )
         has_out = calib.n_outliers > 0
-        return PolarLayerCodec(
+        return layer_codec(
             n_sink=exact.n_sink,
             n_quantized=buf.length,
             n_window=exact.count,

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ..quant.rotary_mean import RotaryMeanPlan
     from .polar_calibration import PolarCalibration
 
-__all__ = ["PolarLayerCodec", "PolarFixed"]
+__all__ = ["PolarLayerCodec", "PolarFixed", "layer_codec"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,22 @@ class PolarLayerCodec:
     k_qjl: Array
     k_qjl_norms: Array
     k_mean_plan: RotaryMeanPlan | None = None
+
+
+def layer_codec(**values: object) -> PolarLayerCodec:
+    """``PolarLayerCodec(**values)`` (every field given but ``k_mean_plan``, which defaults to
+    None), made without the frozen dataclass's per-field ``object.__setattr__`` (a decode step
+    makes one)."""
+    codec = object.__new__(PolarLayerCodec)
+    held = codec.__dict__
+    held["k_mean_plan"] = None
+    held.update(values)
+    if len(codec.__dict__) != _CODEC_FIELDS:
+        raise TypeError(f"layer_codec needs every field of PolarLayerCodec, received {sorted(values)}")
+    return codec
+
+
+_CODEC_FIELDS = len(PolarLayerCodec.__dataclass_fields__)
 
 
 @dataclass(frozen=True)

@@ -152,14 +152,24 @@ def reference(name: str) -> Callable[..., Any]:
     return fn
 
 
+#: :func:`_backend` of the namespaces met, by id: ``(namespace, backend)`` (the entry keeps the namespace).
+_BACKENDS: dict[int, tuple[Namespace, str | None]] = {}
+
+
 def _backend(xp: Namespace) -> str | None:
+    hit = _BACKENDS.get(id(xp))
+    if hit is not None and hit[0] is xp:
+        return hit[1]
+    backend = None
     if _compat.is_numpy(xp):
-        return "numpy"
-    if _compat.is_cupy(xp):
-        return "cupy"
-    if _compat.is_torch(xp):
-        return "torch"
-    return None
+        backend = "numpy"
+    elif _compat.is_cupy(xp):
+        backend = "cupy"
+    elif _compat.is_torch(xp):
+        backend = "torch"
+    if len(_BACKENDS) < 64:
+        _BACKENDS[id(xp)] = (xp, backend)
+    return backend
 
 
 def _resolve(name: str, backend: str) -> Callable[..., Any] | None:
