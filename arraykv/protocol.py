@@ -390,6 +390,13 @@ class TruncatableKVCache(Protocol):
         -------
         bool
             Whether ``truncate(layer, length)`` would succeed now.
+
+        Raises
+        ------
+        TypeError
+            ``layer`` or ``length`` not an int.
+        ValueError
+            ``layer`` out of range or ``length`` negative.
         """
         ...
 

@@ -602,32 +602,7 @@ class PolarCache(WindowRollback, LayeredCache[PolarLayer]):
             views = self._empty_tokens(st)
         exact = st.exact
         qjl = self.options.qjl
-        if calib is None:
-            return layer_codec(
-                n_sink=exact.n_sink,
-                n_quantized=buf.length,
-                n_window=exact.count,
-                rotation=fixed.rotation,
-                k_codebook=fixed.k_codebook,
-                v_codebook=fixed.v_codebook,
-                k_codes=views["k_codes"],
-                k_norms=views["k_norms"],
-                v_codes=views["v_codes"],
-                v_norms=views["v_norms"],
-                k_mean=None,
-                v_mean=None,
-                k_scale=None,
-                k_mean_freq=None,
-                k_mean_pairs=None,
-                k_outlier_idx=None,
-                k_outliers=None,
-                k_window=exact.k,
-                v_window=exact.v,
-                qjl=fixed.qjl,
-                k_qjl=views.get("k_qjl") if qjl else None,
-                k_qjl_norms=views.get("k_qjl_norms") if qjl else None,
-            )
-        has_out = calib.n_outliers > 0
+        has_out = calib is not None and calib.n_outliers > 0
         return layer_codec(
             n_sink=exact.n_sink,
             n_quantized=buf.length,
@@ -639,11 +614,11 @@ class PolarCache(WindowRollback, LayeredCache[PolarLayer]):
             k_norms=views["k_norms"],
             v_codes=views["v_codes"],
             v_norms=views["v_norms"],
-            k_mean=calib.k_mean,
-            v_mean=calib.v_mean,
-            k_scale=calib.k_scale,
-            k_mean_freq=calib.k_mean_freq,
-            k_mean_pairs=calib.k_mean_pairs,
+            k_mean=None if calib is None else calib.k_mean,
+            v_mean=None if calib is None else calib.v_mean,
+            k_scale=None if calib is None else calib.k_scale,
+            k_mean_freq=None if calib is None else calib.k_mean_freq,
+            k_mean_pairs=None if calib is None else calib.k_mean_pairs,
             k_outlier_idx=calib.k_outlier_idx if has_out else None,
             k_outliers=views.get("k_outliers") if has_out else None,
             k_window=exact.k,
@@ -651,7 +626,7 @@ class PolarCache(WindowRollback, LayeredCache[PolarLayer]):
             qjl=fixed.qjl,
             k_qjl=views.get("k_qjl") if qjl else None,
             k_qjl_norms=views.get("k_qjl_norms") if qjl else None,
-            k_mean_plan=calib.rotary_plan(),
+            k_mean_plan=None if calib is None else calib.rotary_plan(),
         )
 
     def _empty_tokens(self, st: PolarLayer) -> dict[str, Array]:

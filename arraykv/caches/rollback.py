@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .._types import Array, Device, DType, Namespace
 from .._validation import check_int
+from ..protocol import TruncatableKVCache, contract_doc
 from .layer import LayerState
 
 _T = TypeVar("_T")
@@ -205,31 +206,8 @@ class LayerRollback(Generic[_S]):
         got = self._with_layer(layer, lambda st: min(st.length, max(1, self._truncate_floor(st))))
         return 0 if got is None else got
 
+    @contract_doc(TruncatableKVCache.can_truncate)
     def can_truncate(self, layer: int, length: int) -> bool:
-        """Whether :meth:`truncate` of ``layer`` to ``length`` would succeed now (exactly).
-
-        True for 0, for ``seq_len(layer)`` and every length from :meth:`min_truncate_length`
-        up, and for the shorter lengths that are reachable; False above ``seq_len``.
-
-        Parameters
-        ----------
-        layer : int
-            Layer index, ``0 <= layer < num_layers``.
-        length : int
-            The length to reach, ``>= 0``.
-
-        Returns
-        -------
-        bool
-            Whether ``truncate(layer, length)`` would succeed now.
-
-        Raises
-        ------
-        TypeError
-            ``layer`` or ``length`` not an int.
-        ValueError
-            ``layer`` out of range or ``length`` negative.
-        """
         layer = self._check_layer(layer)
         length = check_int("length", length, low=0)
         with self._locks[layer]:
